@@ -1,0 +1,539 @@
+"""Load, validate and resolve a config: the one path every entry point takes.
+
+    cfg = configs.cli(sys.argv[1:])           # --config FILE.yaml, then tyro CLI overrides
+    stages = configs.resolve_stages(cfg)      # [derived Config] (one per stage, or just one)
+
+Order of work (precedence: dataclass default < YAML < CLI):
+1. `read_yaml`: YAML text -> dict; `${oc.env:VAR,default}` and `${a.b.c}` resolved by OmegaConf.
+2. `normalize`: deprecated aliases renamed, Ray-only keys dropped with a warning, veRL
+   `trainer.trainer_config` keys mapped onto nanorft fields (the rest warned about by path).
+3. `from_dict`: dict -> dataclasses; unknown keys fail with their path and the closest valid key,
+   values are coerced to the field type (YAML reads `1e-6` as a string) or fail with path/value/type.
+4. tyro applies the command line on top (`--algorithm.optimizer.lr 1e-6`).
+5. `derive`: every value computed from others (train_batch_size, max_model_len, per-taskset
+   defaults, GPU split, ...), in one function, never in __post_init__.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import difflib
+import importlib.util
+import logging
+import math
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tyro
+import yaml
+from omegaconf import OmegaConf
+
+from algos import PRESETS
+from configs.schema import Config, ExperienceBufferConfig, TasksetConfig
+
+log = logging.getLogger("nanorft.config")
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+class ConfigError(ValueError):
+    """A config problem, with the path of the offending key in the message."""
+
+
+# --- 1. YAML
+
+
+def find_config_file(name: str) -> Path:
+    """A path as given, else a bare name inside configs/ (with or without .yaml)."""
+    tried = [Path(name), CONFIG_DIR / name, CONFIG_DIR / f"{name}.yaml"]
+    for p in tried:
+        if p.is_file():
+            return p
+    raise ConfigError(f"config file not found: {name} (tried {', '.join(str(p) for p in tried)})")
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config and resolve its interpolations."""
+    text = Path(path).read_text()
+    try:
+        raw = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
+    except Exception as e:  # omegaconf raises several error classes; all mean a bad interpolation
+        raise ConfigError(f"{path}: cannot resolve an interpolation: {e}".replace("\n", " ")) from e
+
+
+# --- 2. normalize: aliases, ignored keys, veRL trainer_config
+
+# Old or alternative Trinity-RFT spellings -> the key nanorft uses.
+ALIASES = {
+    "algorithm.optimizer.warmup_style": "algorithm.optimizer.lr_scheduler_type",
+    "buffer.explorer_input.default_workflow_type": "buffer.default_workflow_type",
+    "buffer.explorer_input.default_eval_workflow_type": "buffer.default_eval_workflow_type",
+    "buffer.explorer_input.default_reward_fn_type": "buffer.default_reward_fn_type",
+    "buffer.trainer_input.experience_buffer.replay_buffer.enable": "buffer.trainer_input.experience_buffer.use_priority_queue",
+    "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time": "buffer.trainer_input.experience_buffer.reuse_cooldown_time",
+    "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay": "buffer.trainer_input.experience_buffer.priority_decay",
+}
+# Trinity-RFT keys that only make sense with Ray or services nanorft does not have.
+IGNORED = {
+    "ray_namespace": "nanorft uses no Ray",
+    "ignore_validator_suggestions": "nanorft has no interactive validator",
+    "service": "no Data-Juicer service in nanorft",
+    "data_processor": "no data pipelines in nanorft; preprocess the files instead",
+    "cluster.ray_address": "nanorft uses no Ray",
+    "monitor.enable_ray_timeline": "nanorft uses no Ray",
+    "log.group_by_node": "single node: logs go to <job dir>/log",
+    "trainer.trainer_type": "nanorft has one trainer (train.py)",
+    "trainer.save_strategy": "one process saves (trainer rank 0 writes the HF copy)",
+    "explorer.rollout_model.use_v1": "vLLM's V1 engine is the only one",
+    "synchronizer.wait_for_checkpoint": "unused in Trinity-RFT too",
+    "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn": "linear_decay is the only priority fn",
+    "buffer.trainer_input.experience_buffer.capacity": "the SQLite DB has no capacity limit",
+}
+# veRL `trainer.trainer_config` paths -> nanorft fields with the same meaning.
+VERL_MAP = {
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.gradient_checkpointing",
+    "actor_rollout_ref.model.use_remove_padding": "trainer.use_remove_padding",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "trainer.micro_batch_size_per_gpu",
+    "actor_rollout_ref.actor.ppo_mini_batch_size": "trainer.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "trainer.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "trainer.max_token_len_per_gpu",
+    "actor_rollout_ref.actor.grad_clip": "trainer.grad_clip",
+    "actor_rollout_ref.actor.ppo_epochs": "trainer.ppo_epochs",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "trainer.ulysses_sequence_parallel_size",
+    "actor_rollout_ref.actor.fsdp_config.param_offload": "trainer.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": "trainer.optimizer_offload",
+    "actor_rollout_ref.actor.optim.lr": "algorithm.optimizer.lr",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": "algorithm.optimizer.lr_warmup_steps_ratio",
+    "actor_rollout_ref.actor.optim.warmup_style": "algorithm.optimizer.lr_scheduler_type",
+    "actor_rollout_ref.actor.optim.min_lr_ratio": "algorithm.optimizer.min_lr_ratio",
+    "actor_rollout_ref.ref.fsdp_config.param_offload": "trainer.ref_param_offload",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": "trainer.log_prob_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "trainer.log_prob_micro_batch_size_per_gpu",
+    "critic.optim.lr": "trainer.critic.lr",
+    "critic.optim.lr_warmup_steps_ratio": "trainer.critic.lr_warmup_steps_ratio",
+    "critic.model.enable_gradient_checkpointing": "trainer.critic.gradient_checkpointing",
+    "critic.model.fsdp_config.param_offload": "trainer.critic.param_offload",
+    "critic.model.fsdp_config.optimizer_offload": "trainer.critic.optimizer_offload",
+    "critic.ppo_micro_batch_size_per_gpu": "trainer.critic.micro_batch_size_per_gpu",
+    "critic.cliprange_value": "trainer.critic.cliprange_value",
+    "critic.grad_clip": "trainer.critic.grad_clip",
+    "trainer.critic_warmup": "trainer.critic_warmup",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints_to_keep",
+}
+_MISSING = object()
+
+
+def _get(d: dict, dotted: str) -> Any:
+    for k in dotted.split("."):
+        if not isinstance(d, dict) or k not in d:
+            return _MISSING
+        d = d[k]
+    return d
+
+
+def _set(d: dict, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for k in parents:
+        d = d.setdefault(k, {})
+    d[last] = value
+
+
+def _pop(d: dict, dotted: str) -> Any:
+    *parents, last = dotted.split(".")
+    for k in parents:
+        if not isinstance(d.get(k), dict):
+            return _MISSING
+        d = d[k]
+    return d.pop(last, _MISSING)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal once YAML's spelling is set aside ('1e-5' == 1e-05, 'true' == True)."""
+    try:
+        return a == b or str(a).lower() == str(b).lower() or float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
+def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k, v in d.items():
+        path = f"{prefix}{k}"
+        out += _leaves(v, path + ".") if isinstance(v, dict) and v else [(path, v)]
+    return out
+
+
+def normalize(raw: dict[str, Any]) -> dict[str, Any]:
+    """Aliases -> current keys, Ray-only keys dropped, veRL trainer_config mapped (all with warnings)."""
+    raw = copy.deepcopy(raw)
+    for old, new in ALIASES.items():
+        value = _pop(raw, old)
+        if value is not _MISSING:
+            log.warning("config: %s is an old name of %s; using it as such", old, new)
+            _set(raw, "__alias__." + new, value)
+    for new, value in _leaves(raw.pop("__alias__", {})):
+        if _get(raw, new) is not _MISSING and not _same(_get(raw, new), value):
+            raise ConfigError(f"{new} is set twice with different values (once under an old name)")
+        _set(raw, new, value)
+    for key, why in IGNORED.items():
+        if _pop(raw, key) is not _MISSING:
+            log.warning("config: %s is ignored: %s", key, why)
+    trainer = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
+    if trainer.get("trainer_config_path"):
+        if trainer.get("trainer_config"):
+            raise ConfigError("trainer.trainer_config and trainer.trainer_config_path are both set; set only one")
+        trainer["trainer_config"] = read_yaml(trainer["trainer_config_path"])
+    trainer.pop("trainer_config_path", None)
+    verl = trainer.get("trainer_config") or {}
+    if not isinstance(verl, dict):
+        raise ConfigError(f"trainer.trainer_config must be a mapping, got {verl!r}")
+    for path, value in _leaves(verl):
+        full = f"trainer.trainer_config.{path}"
+        if path in VERL_MAP:
+            existing = _get(raw, VERL_MAP[path])
+            if existing is not _MISSING and not _same(existing, value):
+                raise ConfigError(f"{full} = {value!r} conflicts with {VERL_MAP[path]} = {existing!r}; set only one")
+            _set(raw, VERL_MAP[path], value)
+        else:
+            log.warning("config: %s (veRL) has no meaning in nanorft and is not used", full)
+    return raw
+
+
+# --- 3. from_dict: validation and type coercion
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Annotated:
+        return _coerce(value, args[0], path)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], path)
+    if origin is typing.Literal:
+        if value in args:
+            return value
+        close = difflib.get_close_matches(str(value), [str(x) for x in args], n=1)
+        raise ConfigError(f"{path}: {value!r} is not one of {list(args)}" + (f"; did you mean {close[0]}?" if close else ""))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return {str(k): _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()}
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+            return value.lower() in ("true", "yes")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        try:
+            f = float(value)
+            if f == int(f) and not isinstance(value, bool):
+                return int(f)
+        except (TypeError, ValueError, OverflowError):
+            pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{path}: {value!r} is not a valid {_type_name(tp)}")
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Build dataclass `cls` from a plain dict, failing on unknown keys and wrong types."""
+    if isinstance(data, cls):
+        return data
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping for {cls.__name__}, got {data!r}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]}?" if close else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown key; {hint}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+# --- 4. the command line
+
+
+def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
+    """Parse `--config FILE [--dry-run] [--section.key VALUE ...]` into a validated (not derived) Config."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--dry-run", "--dry_run", action="store_true")
+    known, rest = pre.parse_known_args(argv)
+    cfg = Config()
+    if known.config:
+        cfg = from_dict(Config, normalize(read_yaml(find_config_file(known.config))))
+    text = (
+        f"{description}\n\n--config FILE: a YAML config (a bare name is looked up in configs/). "
+        "--dry-run: load, validate and print the resolved config, then exit.\n\n"
+        "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
+    )
+    cfg = tyro.cli(Config, default=cfg, args=rest, description=text, use_underscores=True,
+                   config=(tyro.conf.FlagConversionOff,))
+    return cfg, known.dry_run
+
+
+# --- 5. derived values
+
+
+def _engine_type(requested: str, gpus: int) -> str:
+    if requested in ("vllm", "vllm_async"):
+        return "vllm"
+    if requested == "hf":
+        return "hf"
+    return "vllm" if gpus > 0 and importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def _detect_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:  # a broken CUDA install counts as no GPU
+        return 0
+
+
+def derive(cfg: Config) -> Config:
+    """Return a copy of `cfg` with every derived value filled in. Idempotent: derive(derive(c)) == derive(c)."""
+    c = copy.deepcopy(cfg)
+    a, m, b, s, t = c.algorithm, c.model, c.buffer, c.synchronizer, c.trainer
+
+    # algorithm: the preset fills the pieces the YAML leaves empty
+    if a.algorithm_type not in PRESETS:
+        close = difflib.get_close_matches(a.algorithm_type, PRESETS, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ConfigError(f"algorithm.algorithm_type: unknown {a.algorithm_type!r}; {hint}known: {', '.join(PRESETS)}")
+    preset = PRESETS[a.algorithm_type]
+    a.repeat_times = 2 if a.algorithm_type == "dpo" else (a.repeat_times or preset.repeat_times)
+    for piece in ("advantage_fn", "policy_loss_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn", "sample_strategy"):
+        if not getattr(a, piece):
+            setattr(a, piece, getattr(preset, piece))
+    if a.sample_strategy == "warmup":
+        a.sample_strategy = "default"
+
+    # model: token limits
+    if not m.model_path:
+        raise ConfigError("model.model_path is required (set it in the YAML or pass --model.model_path)")
+    if m.max_model_len is None:
+        if m.max_prompt_tokens is None or m.max_response_tokens is None:
+            raise ConfigError("model.max_model_len is unset: set it, or both max_prompt_tokens and max_response_tokens")
+        m.max_model_len = m.max_prompt_tokens + m.max_response_tokens
+    elif m.max_prompt_tokens is None and m.max_response_tokens is None:
+        m.max_prompt_tokens = m.max_response_tokens = m.max_model_len // 2
+    elif m.max_prompt_tokens is None:
+        m.max_prompt_tokens = m.max_model_len - m.max_response_tokens
+    elif m.max_response_tokens is None:
+        m.max_response_tokens = m.max_model_len - m.max_prompt_tokens
+    if m.max_prompt_tokens + m.max_response_tokens > m.max_model_len or min(m.max_prompt_tokens, m.max_response_tokens) < 1:
+        raise ConfigError(
+            f"model: max_prompt_tokens ({m.max_prompt_tokens}) + max_response_tokens ({m.max_response_tokens}) "
+            f"must be positive and fit in max_model_len ({m.max_model_len})"
+        )
+    if m.min_response_tokens > m.max_response_tokens:
+        raise ConfigError(f"model.min_response_tokens ({m.min_response_tokens}) exceeds max_response_tokens")
+    m.critic_model_path = m.critic_model_path or m.model_path
+
+    # synchronizer: aliases, and nccl only where both sides live in one launch
+    s.sync_method = {"online": "nccl", "offline": "checkpoint"}.get(s.sync_method, s.sync_method)
+    s.sync_style = {"dynamic_by_trainer": "trainer_driven", "dynamic_by_explorer": "explorer_driven"}.get(
+        s.sync_style, s.sync_style
+    )
+    if s.sync_method == "nccl" and (c.mode != "both" or preset.train_only):
+        log.info("synchronizer.sync_method: nccl needs mode both with an explorer; using checkpoint")
+        s.sync_method = "checkpoint"
+    if s.sync_interval < 1 or s.sync_offset < 0:
+        raise ConfigError("synchronizer: sync_interval must be >= 1 and sync_offset >= 0")
+
+    # buffer: tasksets and their per-taskset defaults
+    inp = b.explorer_input
+    if inp.taskset.path:
+        inp.tasksets = [inp.taskset] + inp.tasksets
+        inp.taskset = TasksetConfig()
+    for kind, sets in (("taskset", inp.tasksets), ("eval_taskset", inp.eval_tasksets)):
+        for i, ts in enumerate(sets):
+            where = f"buffer.explorer_input.{kind}s[{i}]"
+            if not ts.path:
+                raise ConfigError(f"{where}.path is required")
+            ts.name = ts.name or f"{kind}_{i}"
+            if kind == "taskset":
+                if ts.repeat_times not in (None, a.repeat_times):
+                    log.warning("%s.repeat_times is set to algorithm.repeat_times (%d) for training", where, a.repeat_times)
+                ts.repeat_times = a.repeat_times
+                ts.default_workflow_type = ts.default_workflow_type or b.default_workflow_type
+            else:
+                ts.repeat_times = ts.repeat_times or 1
+                ts.default_workflow_type = (
+                    ts.default_workflow_type or b.default_eval_workflow_type or b.default_workflow_type
+                )
+            ts.default_reward_fn_type = ts.default_reward_fn_type or b.default_reward_fn_type
+            r = ts.rollout_args
+            r.temperature = m.temperature if r.temperature is None else r.temperature
+            r.top_p = m.top_p if r.top_p is None else r.top_p
+            r.top_k = m.top_k if r.top_k is None else r.top_k
+            r.logprobs = m.logprobs if r.logprobs is None else r.logprobs
+            r.max_tokens = m.max_response_tokens if r.max_tokens is None else r.max_tokens
+    names = [ts.name for ts in inp.tasksets + inp.eval_tasksets]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"buffer.explorer_input: taskset names must be unique, got {names}")
+    if c.mode in ("both", "explore") and not inp.tasksets:
+        raise ConfigError(f"mode {c.mode} needs a training taskset: set buffer.explorer_input.taskset.path")
+    if c.mode == "bench" and not inp.eval_tasksets:
+        raise ConfigError("mode bench needs buffer.explorer_input.eval_tasksets")
+    if a.repeat_times < 1 or b.batch_size < 1:
+        raise ConfigError("algorithm.repeat_times and buffer.batch_size must be >= 1")
+    b.train_batch_size = b.train_batch_size or b.batch_size * a.repeat_times
+    if b.total_steps is None and t.total_steps is not None:
+        b.total_steps = t.total_steps
+    t.total_steps = b.total_steps
+
+    # job directory and the experience DB's default location
+    parts = [c.checkpoint_root_dir, c.project] + ([c.group] if c.group else []) + [c.name]
+    c.checkpoint_job_dir = str(Path(*parts))
+    bufs: list[ExperienceBufferConfig] = [b.trainer_input.experience_buffer, *b.trainer_input.auxiliary_buffers.values()]
+    for eb in bufs:
+        if not eb.path and eb.storage_type != "file":
+            eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
+
+    # trainer
+    t.max_token_len_per_gpu = t.max_token_len_per_gpu or math.ceil(2 * m.max_model_len / t.ulysses_sequence_parallel_size)
+    t.ppo_mini_batch_size = t.ppo_mini_batch_size or b.train_batch_size
+    if t.ulysses_sequence_parallel_size != 1:
+        raise ConfigError("trainer.ulysses_sequence_parallel_size: nanorft supports 1 only")
+
+    # explorer: eval on sync boundaries, as Trinity-RFT does
+    e = c.explorer
+    if e.eval_interval % s.sync_interval:
+        rounded = math.ceil(e.eval_interval / s.sync_interval) * s.sync_interval
+        log.info("explorer.eval_interval %d rounded up to %d (a multiple of sync_interval)", e.eval_interval, rounded)
+        e.eval_interval = rounded
+
+    # cluster: which GPUs go to the explorer, which to the trainer
+    cl = c.cluster
+    cl.gpu_per_node = cl.gpu_per_node or _detect_gpus()
+    gpus = cl.gpu_per_node * cl.node_num
+    rm = e.rollout_model
+    rm.engine_type = _engine_type(rm.engine_type, gpus)
+    engines = [rm] + [dataclasses.replace(x, engine_type=_engine_type(x.engine_type, gpus)) for x in e.auxiliary_models]
+    explorer_gpus = sum(x.engine_num * (x.tensor_parallel_size if x.engine_type == "vllm" else 1) for x in engines)
+    if gpus == 0 or c.mode == "train":
+        explorer_gpus = 0
+    cl.explorer_gpu_num = explorer_gpus
+    cl.trainer_gpu_num = {"train": gpus, "both": gpus - explorer_gpus}.get(c.mode, 0)
+    if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
+        raise ConfigError(
+            f"cluster: the explorer's engines need {explorer_gpus} GPUs "
+            f"(engine_num x tensor_parallel_size) of {gpus}, leaving none for the trainer"
+        )
+    if gpus and explorer_gpus > gpus:
+        raise ConfigError(f"cluster: the explorer's engines need {explorer_gpus} GPUs but the node has {gpus}")
+    return c
+
+
+# --- stages and output
+
+
+def _deep_merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def resolve_stages(cfg: Config) -> list[Config]:
+    """The derived config of each stage: the global config with the stage's keys merged in key by key
+    (a stage inherits every key it does not set), except that a stage with another algorithm_type
+    gets a fresh algorithm section."""
+    if not cfg.stages:
+        return [derive(cfg)]
+    base = dataclasses.asdict(cfg)
+    base["stages"] = []
+    out = []
+    seen = set()
+    for i, st in enumerate(cfg.stages):
+        if not st.stage_name or st.stage_name in seen:
+            raise ConfigError(f"stages[{i}].stage_name must be set and unique, got {st.stage_name!r}")
+        seen.add(st.stage_name)
+        override: dict[str, Any] = {k: getattr(st, k) for k in ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")}
+        override.update(name=f"{cfg.name}/{st.stage_name}", **({"mode": st.mode} if st.mode else {}))
+        stage_base = base
+        if st.algorithm.get("algorithm_type", cfg.algorithm.algorithm_type) != cfg.algorithm.algorithm_type:
+            # NOTE: another algorithm starts from its own defaults: the global pieces (advantage_fn,
+            # kl_loss_fn, their *_args, optimizer) belong to the global algorithm, as in Trinity-RFT.
+            stage_base = {**base, "algorithm": {}}
+        merged = _deep_merge(stage_base, normalize(override))
+        try:
+            out.append(derive(from_dict(Config, merged)))
+        except ConfigError as e:
+            raise ConfigError(f"stages[{i}] ({st.stage_name}): {e}") from e
+    return out
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML that `read_yaml` + `from_dict` load back to an equal Config."""
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def dry_run(cfg: Config, out: Any = None) -> None:
+    """Print every stage's resolved config as YAML documents (one per stage)."""
+    out = out or sys.stdout
+    for i, stage in enumerate(resolve_stages(cfg)):
+        if i:
+            out.write("---\n")
+        out.write(to_yaml(stage))
+    out.flush()
+
+
+def entry(argv: list[str], description: str) -> Config:
+    """What every script does first: logging, config, and --dry-run (which exits). Exits 2 on a bad config."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        cfg, dry = cli(argv, description)
+        logging.getLogger().setLevel(cfg.log.level)
+        if dry:
+            dry_run(cfg)
+            raise SystemExit(0)
+        return cfg
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

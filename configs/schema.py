@@ -1,0 +1,536 @@
+"""The config schema: nested dataclasses that mirror Trinity-RFT's YAML sections.
+
+Every field carries Trinity-RFT's default (see ../shared/reference/config-guide.txt) unless its
+docstring says otherwise, and a docstring that `--help` shows. YAML files only set values; the
+loader (configs/loader.py) validates them against these classes, and `derive()` fills in the values
+that depend on others (train_batch_size, max_model_len, ...). Nothing here mutates itself.
+
+Fields marked "derived" are filled in by `configs.derive`; leave them unset in YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Annotated, Any, Literal, Optional
+
+import tyro
+import yaml
+
+
+def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
+    value = yaml.safe_load(args[0]) if args[0].strip() else {}
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a YAML/JSON mapping such as '{{kl_coef: 0.01}}', got {args[0]!r}")
+    return value
+
+
+# A free-form `*_args` mapping. On the command line it takes one YAML/JSON mapping:
+# `--algorithm.kl_loss_fn_args '{kl_coef: 0.01}'` (it replaces the whole mapping).
+ArgsDict = Annotated[
+    dict[str, Any],
+    tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1,
+        metavar="YAML",
+        instance_from_str=_parse_yaml_dict,
+        is_instance=lambda x: isinstance(x, dict),
+        str_from_instance=lambda x: [json.dumps(x)],
+    ),
+]
+
+
+def _field(default_factory: Any) -> Any:
+    return dataclasses.field(default_factory=default_factory)
+
+
+# --- algorithm
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = 1e-6
+    """Peak learning rate of the actor."""
+    lr_warmup_steps: int = -1
+    """Linear warm-up steps; -1 means use lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warm-up steps as a fraction of the total training steps (0 to 1)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of lr (0 to 1)."""
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    """Schedule after warm-up (the YAML alias `warmup_style` is accepted)."""
+    optimizer_type: Literal["adam", "adamw"] = "adam"
+    """Optimizer; both names give torch.optim.AdamW (decoupled weight decay), as veRL's FSDP does."""
+    betas: list[float] = _field(lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Gradient-norm clip (Trinity's optimizer key; trainer.grad_clip wins when both are set)."""
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    algorithm_type: str = "ppo"
+    """Preset that fills in the pieces below: ppo, grpo, opmd, dpo, sft, mix, ... (algos/__init__.py)."""
+    repeat_times: Optional[int] = None
+    """Responses sampled per task (group size n). Unset: the preset's default (grpo: 2, ppo: 1)."""
+    optimizer: OptimizerConfig = _field(OptimizerConfig)
+    """Actor optimizer."""
+    sample_strategy: str = ""
+    """How the trainer reads experiences (default, staleness_control, mix). Empty: the preset's."""
+    sample_strategy_args: ArgsDict = _field(dict)
+    """Arguments of sample_strategy (e.g. max_staleness)."""
+    advantage_fn: str = ""
+    """Advantage estimator (ppo = GAE, grpo, rloo, ...). Empty: the preset's."""
+    advantage_fn_args: ArgsDict = _field(dict)
+    """Arguments of advantage_fn (e.g. epsilon, std_threshold, gamma, lam)."""
+    kl_penalty_fn: str = ""
+    """KL penalty subtracted from the reward (none, k1, k2, k3, low_var_kl, abs). Empty: the preset's."""
+    kl_penalty_fn_args: ArgsDict = _field(dict)
+    """Arguments of kl_penalty_fn (e.g. kl_coef)."""
+    policy_loss_fn: str = ""
+    """Policy loss (ppo, opmd, dpo, sft, mix, gspo, ...). Empty: the preset's."""
+    policy_loss_fn_args: ArgsDict = _field(dict)
+    """Arguments of policy_loss_fn (e.g. clip_range, clip_range_low, clip_range_high)."""
+    kl_loss_fn: str = ""
+    """KL term added to the actor loss (none, k1, k2, k3, low_var_kl, abs). Empty: the preset's."""
+    kl_loss_fn_args: ArgsDict = _field(dict)
+    """Arguments of kl_loss_fn (e.g. kl_coef)."""
+    entropy_loss_fn: str = ""
+    """Entropy bonus (default, none, mix). Empty: the preset's."""
+    entropy_loss_fn_args: ArgsDict = _field(dict)
+    """Arguments of entropy_loss_fn (e.g. entropy_coef)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced to one number."""
+
+
+# --- model and cluster
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    model_path: str = ""
+    """HF folder or hub id of the model to train (required)."""
+    critic_model_path: str = ""
+    """Model the critic starts from (ppo). Empty: model_path (derived)."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model folder."""
+    custom_chat_template: str = ""
+    """Jinja chat template overriding the tokenizer's."""
+    chat_template_path: str = ""
+    """File holding a chat template (wins over custom_chat_template)."""
+    max_model_len: Optional[int] = None
+    """Longest prompt + response in tokens. Unset: max_prompt_tokens + max_response_tokens (derived)."""
+    max_prompt_tokens: Optional[int] = None
+    """Longest prompt in tokens. Unset: max_model_len - max_response_tokens, or half (derived)."""
+    max_response_tokens: Optional[int] = None
+    """Longest response in tokens. Unset: max_model_len - max_prompt_tokens, or half (derived)."""
+    min_response_tokens: int = 1
+    """Shortest response in tokens (EOS is suppressed before that)."""
+    enable_prompt_truncation: bool = True
+    """Truncate over-long prompts (the experience is then masked out) instead of failing."""
+    temperature: float = 1.0
+    """Default sampling temperature (tasksets' rollout_args override it)."""
+    top_p: float = 1.0
+    """Default nucleus-sampling threshold (1.0 = off)."""
+    top_k: int = -1
+    """Default top-k (-1 or 0 = off)."""
+    logprobs: int = 0
+    """Extra top log-probs per token returned by the engine (the sampled token's is always returned)."""
+    repetition_penalty: float = 1.0
+    """Repetition penalty of the rollout engine (1.0 = off)."""
+    enable_thinking: Optional[bool] = None
+    """Passed to chat templates that know it (Qwen3); unset = the template's default."""
+
+
+@dataclasses.dataclass
+class ClusterConfig:
+    node_num: int = 1
+    """Number of nodes (nanorft's design point is 1)."""
+    gpu_per_node: int = 0
+    """GPUs per node; 0 = as many as torch sees (none on a CPU machine)."""
+    explorer_gpu_num: int = 0
+    """Derived: GPUs given to rollout engines (engine_num x tensor_parallel_size for vLLM)."""
+    trainer_gpu_num: int = 0
+    """Derived: GPUs left for the trainer (its torchrun world size on GPU)."""
+
+
+# --- buffer
+
+
+@dataclasses.dataclass
+class FormatConfig:
+    prompt_type: Literal["plaintext", "messages"] = "plaintext"
+    """Rows hold a prompt string (plaintext) or a chat message list (messages). Trinity defaults to messages."""
+    prompt_key: str = "prompt"
+    """Column with the user prompt (plaintext)."""
+    response_key: str = "response"
+    """Column with the reference answer / SFT response (plaintext)."""
+    system_prompt_key: Optional[str] = None
+    """Column with a per-row system prompt (wins over system_prompt)."""
+    system_prompt: Optional[str] = None
+    """System prompt for every row."""
+    messages_key: str = "messages"
+    """Column with the message list (messages). Trinity's default is 'message'."""
+    tools_key: str = "tools"
+    """Column with tool schemas (a list of dicts)."""
+    chosen_key: str = "chosen"
+    """Column with the preferred response (DPO)."""
+    rejected_key: str = "rejected"
+    """Column with the dispreferred response (DPO)."""
+    reply_prefix: Optional[str] = None
+    """Text the assistant turn starts with (added after the generation prompt)."""
+    workflow_key: Optional[str] = None
+    """Column naming a per-row workflow (overrides the taskset's)."""
+    reward_fn_key: Optional[str] = None
+    """Column naming a per-row reward function (overrides the taskset's)."""
+    enable_concatenated_multi_turn: bool = False
+    """SFT on messages: train on every assistant turn of a conversation, not only the last."""
+    chat_template: str = ""
+    """Chat template for this data; empty = model.custom_chat_template or the tokenizer's."""
+
+
+@dataclasses.dataclass
+class GenerationConfig:
+    temperature: Optional[float] = None
+    """Sampling temperature; unset = model.temperature (derived)."""
+    top_p: Optional[float] = None
+    """Nucleus threshold; unset = model.top_p (derived)."""
+    top_k: Optional[int] = None
+    """Top-k; unset = model.top_k (derived)."""
+    logprobs: Optional[int] = None
+    """Extra top log-probs per token; unset = model.logprobs (derived)."""
+    max_tokens: Optional[int] = None
+    """Longest response; unset = model.max_response_tokens (derived)."""
+
+
+@dataclasses.dataclass
+class DataSelectorConfig:
+    selector_type: Literal["sequential", "shuffle", "random"] = "sequential"
+    """Task order: file order, a seeded permutation per epoch (shuffle), or seeded sampling with replacement (random)."""
+    seed: int = 42
+    """Seed of shuffle / random."""
+
+
+@dataclasses.dataclass
+class TasksetConfig:
+    name: str = ""
+    """Taskset name (metrics are keyed by it). Empty: taskset_<i> / eval_taskset_<i> (derived)."""
+    storage_type: Literal["file"] = "file"
+    """Where tasks live: files (jsonl/json/parquet/csv) or a hub dataset read with `datasets`."""
+    path: str = ""
+    """A file, a folder in Hugging Face layout, or a hub dataset name."""
+    subset_name: Optional[str] = None
+    """Subset (config) name, e.g. 'main' for GSM8K; a sub-folder of path."""
+    split: str = "train"
+    """Split to read: a file named <split>.<ext> or <split>-*.<ext> in the folder."""
+    repeat_times: Optional[int] = None
+    """Rollouts per task. Derived: algorithm.repeat_times for training tasksets, 1 for eval ones unless set."""
+    format: FormatConfig = _field(FormatConfig)
+    """Which columns hold what."""
+    rollout_args: GenerationConfig = _field(GenerationConfig)
+    """Sampling arguments for this taskset."""
+    default_workflow_type: str = ""
+    """Workflow for these tasks; empty = buffer.default_workflow_type (derived)."""
+    default_reward_fn_type: str = ""
+    """Reward function for these tasks; empty = buffer.default_reward_fn_type (derived)."""
+    workflow_args: ArgsDict = _field(dict)
+    """Extra arguments handed to the workflow."""
+    reward_fn_args: ArgsDict = _field(dict)
+    """Extra arguments handed to the reward function."""
+    data_selector: DataSelectorConfig = _field(DataSelectorConfig)
+    """Task order."""
+    enable_progress_bar: bool = False
+    """Show a progress bar while reading the files."""
+
+
+@dataclasses.dataclass
+class ExperienceBufferConfig:
+    name: str = "experience_buffer"
+    """Buffer name (the DB file is named after it when path is empty)."""
+    storage_type: Literal["queue", "sql", "file"] = "queue"
+    """queue / sql: the SQLite experience DB; file: read-only SFT/DPO data files (train mode)."""
+    path: str = ""
+    """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived); file: a data file or folder."""
+    subset_name: Optional[str] = None
+    """file: subset (sub-folder) name."""
+    split: str = "train"
+    """file: split to read."""
+    format: FormatConfig = _field(FormatConfig)
+    """file: which columns hold what (SFT / DPO data)."""
+    max_read_timeout: float = 1800.0
+    """Seconds the trainer waits for a full batch before it takes what exists."""
+    use_priority_queue: bool = False
+    """Claim by priority (model_version - decay x use_count, Trinity's linear_decay) instead of FIFO."""
+    reuse_cooldown_time: Optional[float] = None
+    """Priority queue: seconds before a claimed experience may be claimed again; unset = never reused."""
+    priority_decay: float = 2.0
+    """Priority queue: decay per previous use (Trinity's priority_fn_args.decay)."""
+
+
+@dataclasses.dataclass
+class ExplorerInputConfig:
+    taskset: TasksetConfig = _field(TasksetConfig)
+    """The training taskset (merged into tasksets, derived)."""
+    tasksets: list[TasksetConfig] = _field(list)
+    """Several training tasksets, interleaved in proportion to their sizes."""
+    eval_tasksets: list[TasksetConfig] = _field(list)
+    """Tasksets evaluated every explorer.eval_interval steps and in bench mode."""
+
+
+@dataclasses.dataclass
+class TrainerInputConfig:
+    experience_buffer: ExperienceBufferConfig = _field(ExperienceBufferConfig)
+    """Where the explorer writes and the trainer reads (required even in explore mode)."""
+    auxiliary_buffers: dict[str, ExperienceBufferConfig] = _field(dict)
+    """Extra trainer inputs by name, e.g. sft_dataset for the mix algorithm."""
+
+
+@dataclasses.dataclass
+class BufferConfig:
+    batch_size: int = 1
+    """Tasks per explorer step (do not multiply by repeat_times)."""
+    train_batch_size: int = 0
+    """Experiences per train step; 0 = batch_size x repeat_times (derived)."""
+    total_epochs: int = 1
+    """Passes over the training tasksets."""
+    total_steps: Optional[int] = None
+    """Train steps to run; wins over total_epochs when set."""
+    explorer_input: ExplorerInputConfig = _field(ExplorerInputConfig)
+    """Tasksets for the explorer."""
+    trainer_input: TrainerInputConfig = _field(TrainerInputConfig)
+    """Experience buffer (and auxiliary data) for the trainer."""
+    default_workflow_type: str = ""
+    """Workflow of tasksets that name none (e.g. math_workflow)."""
+    default_eval_workflow_type: str = ""
+    """Workflow of eval tasksets that name none; empty = default_workflow_type."""
+    default_reward_fn_type: str = ""
+    """Reward function of tasksets that name none (e.g. math_reward)."""
+
+
+# --- explorer, synchronizer, trainer
+
+
+@dataclasses.dataclass
+class InferenceModelConfig:
+    model_path: str = ""
+    """Auxiliary models only: the model to serve (the rollout model serves model.model_path)."""
+    engine_type: Literal["auto", "vllm", "vllm_async", "hf"] = "auto"
+    """auto = vLLM when importable and a GPU is present, else the HF engine (Trinity's default: vllm)."""
+    engine_num: int = 1
+    """Number of rollout engines."""
+    tensor_parallel_size: int = 1
+    """GPUs per vLLM engine."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of each GPU vLLM may use (0 to 1)."""
+    enable_prefix_caching: bool = True
+    """vLLM prefix caching (the group's shared prompt is computed once)."""
+    enable_chunked_prefill: bool = True
+    """vLLM chunked prefill."""
+    enforce_eager: bool = False
+    """vLLM: no CUDA graphs (slower, starts faster)."""
+    dtype: str = "bfloat16"
+    """Engine dtype on GPU (the HF engine uses float32 on CPU)."""
+    seed: int = 42
+    """Sampling seed of the engine."""
+    max_model_len: Optional[int] = None
+    """Context length of this engine; unset = model.max_model_len."""
+    enable_history: bool = False
+    """Record every call of a workflow as an experience (multi-step workflows)."""
+    chat_template: str = ""
+    """Chat template for this engine; empty = the model's."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS (benchmarks)."""
+
+
+@dataclasses.dataclass
+class ExplorerConfig:
+    name: str = "explorer"
+    """Explorer name; several explorers on one experiment need distinct names."""
+    runner_per_model: int = 8
+    """Concurrent workflow runners per rollout engine."""
+    max_timeout: float = 1800.0
+    """Seconds one workflow run may take before it is abandoned."""
+    max_retry_times: int = 2
+    """Retries of a failed or timed-out workflow run."""
+    env_vars: dict[str, str] = _field(dict)
+    """Environment variables set for the workflow runners."""
+    rollout_model: InferenceModelConfig = _field(InferenceModelConfig)
+    """The rollout engines."""
+    auxiliary_models: list[InferenceModelConfig] = _field(list)
+    """Extra models workflows may call (judges, reward models); each needs model_path."""
+    eval_interval: int = 100
+    """Evaluate every this many explorer steps (rounded to a multiple of sync_interval, derived)."""
+    eval_on_startup: bool = True
+    """Evaluate the starting model at step 0 (not again on restart)."""
+    bench_on_latest_checkpoint: bool = False
+    """bench mode: evaluate only the newest checkpoint instead of all of them."""
+
+
+@dataclasses.dataclass
+class SynchronizerConfig:
+    sync_method: Literal["nccl", "checkpoint", "online", "offline"] = "nccl"
+    """nccl: a process group (NCCL on GPU, gloo on CPU), mode both only; checkpoint: explorer polls saved weights."""
+    sync_style: Literal["fixed", "trainer_driven", "explorer_driven", "dynamic_by_trainer", "dynamic_by_explorer"] = (
+        "fixed"
+    )
+    """Who decides when weights move: a fixed cadence, or the trainer / explorer when it is ready."""
+    sync_interval: int = 1
+    """Steps between weight syncs."""
+    sync_offset: int = 0
+    """Explorer steps run before the first sync (1 = one-step off-policy pipelining)."""
+    sync_timeout: float = 3600.0
+    """Seconds either side waits for the other at a sync point."""
+
+
+@dataclasses.dataclass
+class CriticConfig:
+    lr: float = 1e-5
+    """Critic learning rate."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Critic warm-up as a fraction of the total steps."""
+    weight_decay: float = 0.01
+    """Critic AdamW weight decay."""
+    cliprange_value: float = 0.5
+    """Value-loss clip range."""
+    grad_clip: float = 1.0
+    """Critic gradient-norm clip."""
+    micro_batch_size_per_gpu: int = 8
+    """Critic sequences per forward pass when use_dynamic_bsz is off."""
+    gradient_checkpointing: bool = False
+    """Recompute critic activations in the backward pass."""
+    param_offload: bool = False
+    """Keep critic parameters on CPU between uses (GPU only)."""
+    optimizer_offload: bool = False
+    """Keep critic optimizer state on CPU (GPU only)."""
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    name: str = "trainer"
+    """Trainer name (log and monitor files are named after it)."""
+    trainer_strategy: Literal["fsdp", "fsdp2"] = "fsdp2"
+    """Sharding: both names give FSDP2 (fully_shard)."""
+    save_interval: int = 0
+    """Save a checkpoint every this many steps; 0 = only at the end."""
+    save_hf_checkpoint: Literal["always", "never", "last"] = "last"
+    """When to also write the HF-format copy of the weights."""
+    max_checkpoints_to_keep: Optional[int] = None
+    """Delete older checkpoints beyond this many; unset = keep all."""
+    total_steps: Optional[int] = None
+    """Train steps; buffer.total_steps wins when both are set."""
+    enable_preview: bool = True
+    """Log the lowest- and highest-reward sample of each step."""
+    grad_clip: float = 1.0
+    """Gradient-norm clip of the actor."""
+    use_dynamic_bsz: bool = True
+    """Pack micro-batches up to max_token_len_per_gpu tokens instead of a fixed count."""
+    max_token_len_per_gpu: Optional[int] = None
+    """Token budget of one micro-batch; unset = 2 x max_model_len / ulysses size (derived)."""
+    micro_batch_size_per_gpu: int = 1
+    """Sequences per micro-batch when use_dynamic_bsz is off (veRL ppo_micro_batch_size_per_gpu)."""
+    log_prob_micro_batch_size_per_gpu: int = 4
+    """Sequences per forward pass for old/ref log-probs when use_dynamic_bsz is off."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    ppo_mini_batch_size: int = 0
+    """Experiences per optimizer step; 0 = train_batch_size (one optimizer step per train step)."""
+    fix_actor_microbatch_loss_scale: bool = False
+    """token-mean: weight micro-batches by tokens so the sum matches the full-batch loss."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass (veRL enable_gradient_checkpointing)."""
+    use_remove_padding: bool = True
+    """Pack sequences without padding in the forward pass."""
+    param_offload: bool = False
+    """FSDP2 CPU offload of actor parameters (GPU only)."""
+    optimizer_offload: bool = False
+    """Keep actor optimizer state on CPU (GPU only)."""
+    ref_param_offload: bool = False
+    """Keep the reference model's parameters on CPU (GPU only)."""
+    ulysses_sequence_parallel_size: int = 1
+    """Sequence parallelism; nanorft supports 1 only."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts (ppo)."""
+    critic: CriticConfig = _field(CriticConfig)
+    """Critic settings (ppo)."""
+    trainer_config: ArgsDict = _field(dict)
+    """veRL-style settings; the keys that mean something here are mapped onto the fields above, the rest warned about."""
+
+
+# --- monitor, log, stages, root
+
+
+@dataclasses.dataclass
+class MonitorConfig:
+    monitor_type: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    """Where metrics go besides the console (wandb runs offline when no API key is set)."""
+    monitor_args: ArgsDict = _field(dict)
+    """Monitor options, e.g. wandb base_url / api_key."""
+    detailed_stats: bool = False
+    """Eval metrics also get max/min/std across tasks."""
+
+
+@dataclasses.dataclass
+class LogConfig:
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Logging level of every process."""
+
+
+@dataclasses.dataclass
+class StageConfig:
+    stage_name: str = ""
+    """Stage name; the stage runs as experiment <name>/<stage_name>."""
+    mode: str = ""
+    """Mode of this stage; empty = the global mode."""
+    algorithm: ArgsDict = _field(dict)
+    """Overrides of the global algorithm section (merged key by key)."""
+    buffer: ArgsDict = _field(dict)
+    """Overrides of the global buffer section."""
+    explorer: ArgsDict = _field(dict)
+    """Overrides of the global explorer section."""
+    trainer: ArgsDict = _field(dict)
+    """Overrides of the global trainer section."""
+    model: ArgsDict = _field(dict)
+    """Overrides of the global model section (model_path is set to the previous stage's weights)."""
+    synchronizer: ArgsDict = _field(dict)
+    """Overrides of the global synchronizer section."""
+
+
+@dataclasses.dataclass
+class Config:
+    project: str = "nanorft"
+    """Project name: checkpoints go to <checkpoint_root_dir>/<project>/<name>/ (Trinity's default: Trinity-RFT)."""
+    group: str = ""
+    """Optional group level between project and name."""
+    name: str = "rft"
+    """Experiment name."""
+    mode: Literal["both", "train", "explore", "bench"] = "both"
+    """both: explorer + trainer in turns; train / explore: one of them (async RFT); bench: evaluate checkpoints."""
+    checkpoint_root_dir: str = "./checkpoints"
+    """Root of all checkpoints, logs and DBs."""
+    checkpoint_job_dir: str = ""
+    """Derived: <checkpoint_root_dir>/<project>[/<group>]/<name>."""
+    continue_from_checkpoint: bool = True
+    """Resume from the job's latest checkpoint; false = start afresh as <name>_<timestamp>."""
+    algorithm: AlgorithmConfig = _field(AlgorithmConfig)
+    """Algorithm preset and pieces."""
+    model: ModelConfig = _field(ModelConfig)
+    """Model paths and token limits."""
+    cluster: ClusterConfig = _field(ClusterConfig)
+    """Nodes and GPUs."""
+    buffer: BufferConfig = _field(BufferConfig)
+    """Tasksets and the experience buffer."""
+    explorer: ExplorerConfig = _field(ExplorerConfig)
+    """Rollout engines and workflow runners."""
+    trainer: TrainerConfig = _field(TrainerConfig)
+    """The trainer."""
+    synchronizer: SynchronizerConfig = _field(SynchronizerConfig)
+    """Weight sync between trainer and explorer."""
+    monitor: MonitorConfig = _field(MonitorConfig)
+    """Metrics sinks."""
+    log: LogConfig = _field(LogConfig)
+    """Logging."""
+    stages: list[StageConfig] = _field(list)
+    """Stages run in order, each inheriting this config (e.g. SFT warm-up, then RFT)."""

@@ -1,0 +1,7 @@
+"""Shared fixtures. Tests run from the repository root on CPU (`bash run.sh test`)."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))

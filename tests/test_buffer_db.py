@@ -1,0 +1,299 @@
+"""Tests of the experience DB in buffer.py: serialisation, claim order, waiting, reuse, release
+after a resume, schema checks, and several real processes writing and reading one file at once."""
+
+import json
+import logging
+import multiprocessing
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import safetensors.torch
+import torch
+
+import buffer  # the repo root is on sys.path via tests/conftest.py
+from buffer import Experience, ExperienceDB
+
+
+def make(i: int = 0, **fields: object) -> Experience:
+    """A small experience: 3 prompt + 4 response tokens, with logprobs."""
+    return Experience(tokens=torch.arange(i, i + 7), prompt_length=3, logprobs=torch.full((4,), -0.5),
+                      **fields)
+
+
+def ids(exps: list[Experience]) -> list[int | None]:
+    return [e.id for e in exps]
+
+
+@pytest.fixture
+def db(tmp_path: Path) -> Iterator[ExperienceDB]:
+    with ExperienceDB(f"sqlite:///{tmp_path}/buffer.db") as db:
+        yield db
+
+
+def assert_same(a: Experience, b: Experience) -> None:
+    for name, value in vars(a).items():
+        if name == "id":
+            continue
+        other = getattr(b, name)
+        if isinstance(value, torch.Tensor):
+            assert isinstance(other, torch.Tensor) and torch.equal(value, other.to(value.dtype)), name
+        else:
+            assert value == other, name
+
+
+# --- serialisation
+
+
+def test_round_trip_every_field(db: ExperienceDB) -> None:
+    full = Experience(
+        tokens=torch.tensor([5, 6, 7, 151_000, 9, 10]), prompt_length=2,
+        logprobs=torch.tensor([-0.1, -2.5, -0.0, -7.25]), action_mask=torch.tensor([True, False, True, True]),
+        reward=0.75, token_level_reward=torch.tensor([0.0, 0.0, 0.0, 0.75]),
+        advantages=torch.tensor([1.5, 1.5, -1.5, 1.5]), returns=torch.tensor([0.1, 0.2, 0.3, 0.4]),
+        teacher_logprobs=torch.tensor([-0.2, -0.3, -0.4, -0.5]),
+        group_id="g-7", run_id=3, task_id="gsm8k/12", model_version=42, explorer="explorer-1",
+        truncate_status="response_truncated", info={"answer": "42", "nested": {"ok": [1, 2.5, None]}},
+        metrics={"reward/accuracy": 1.0, "len": 4}, prompt_text="Combien font 6×7 ? 你好 🙂",
+        response_text="ß = 42\n")
+    dpo = Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=3, chosen=torch.tensor([4, 5]),
+                     rejected=torch.tensor([6, 7, 8]), reward=None, teacher_logprobs=torch.zeros(0))
+    written = db.write([full, dpo])
+    got = db.claim(2, step=0)
+    assert ids(got) == written
+    assert_same(full, got[0])
+    assert_same(dpo, got[1])
+    assert got[1].logprobs is None and got[1].action_mask is None and got[1].reward is None
+    assert got[1].response_length == 0 and got[0].response_length == 4
+    # Documented dtypes on read: ids long, masks bool, the rest float32.
+    assert got[0].tokens.dtype == torch.long and got[1].chosen.dtype == torch.long
+    assert got[0].action_mask.dtype == torch.bool and got[0].logprobs.dtype == torch.float32
+
+
+def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:
+    db.write([make(0, action_mask=torch.tensor([True, True, False, True]), info={"k": "v"})])
+    blob, meta = sqlite3.connect(db.path).execute("SELECT tensors, meta FROM payloads").fetchone()
+    assert not blob.startswith(b"\x80")  # pickle protocol 2+ starts with 0x80
+    header_len = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + header_len])
+    dtypes = {k: v["dtype"] for k, v in header.items()}
+    assert dtypes == {"tokens": "I32", "logprobs": "F32", "action_mask": "BOOL"}
+    tensors = safetensors.torch.load(blob)
+    assert tensors["tokens"].dtype == torch.int32 and tensors["tokens"].tolist() == list(range(7))
+    assert json.loads(meta)["info"] == {"k": "v"}
+
+
+def test_plain_columns_readable_without_buffer_py(db: ExperienceDB) -> None:
+    db.write([make(0, reward=1.0, model_version=3, group_id="a"),
+              make(1, reward=-0.5, model_version=4, group_id="b")])
+    rows = sqlite3.connect(db.path).execute(
+        "SELECT reward, model_version, group_id, prompt_length, response_length, use_count FROM experiences"
+        " ORDER BY id").fetchall()
+    assert rows == [(1.0, 3, "a", 3, 4, 0), (-0.5, 4, "b", 3, 4, 0)]
+
+
+# --- claims
+
+
+def test_queue_order_and_claims_recorded(db: ExperienceDB) -> None:
+    written = db.write([make(i) for i in range(10)])
+    assert written == list(range(1, 11))
+    assert db.write([make(99)]) == [11]
+    assert ids(db.claim(4, step=1)) == [1, 2, 3, 4]
+    assert ids(db.claim(4, step=2)) == [5, 6, 7, 8]
+    assert ids(db.claim(4, step=3)) == [9, 10, 11]  # timeout 0: what exists
+    assert db.claim(4, step=4) == []
+    claims = sqlite3.connect(db.path).execute("SELECT exp_id, step FROM claims ORDER BY exp_id").fetchall()
+    expected = [(i, 1) for i in (1, 2, 3, 4)] + [(i, 2) for i in (5, 6, 7, 8)] + [(i, 3) for i in (9, 10, 11)]
+    assert claims == expected
+    assert db.counts() == {"total": 11, "pending": 0, "claimed": 11, "claims": 11}
+
+
+def test_timeout_returns_partial_batch_and_logs(db: ExperienceDB, caplog: pytest.LogCaptureFixture) -> None:
+    db.write([make(i) for i in range(3)])
+    caplog.set_level(logging.WARNING, logger="nanorft.buffer")
+    start = time.monotonic()
+    got = db.claim(8, step=1, timeout=0.5)
+    elapsed = time.monotonic() - start
+    assert len(got) == 3 and 0.5 <= elapsed < 5.0
+    assert "read incomplete batch: 3 of 8 experiences after 0.5 s (max_read_timeout)" in caplog.text
+
+
+def test_returns_at_once_when_enough(db: ExperienceDB, caplog: pytest.LogCaptureFixture) -> None:
+    db.write([make(i) for i in range(8)])
+    caplog.set_level(logging.WARNING, logger="nanorft.buffer")
+    start = time.monotonic()
+    assert len(db.claim(8, step=1, timeout=30.0)) == 8
+    assert time.monotonic() - start < 2.0
+    assert caplog.text == ""
+
+
+def test_writer_thread_completes_waiting_claim(db: ExperienceDB) -> None:
+    def writer() -> None:
+        with ExperienceDB(db.path) as other:  # a connection belongs to one thread
+            for b in range(4):
+                time.sleep(0.1)
+                other.write([make(10 * b + i) for i in range(2)])
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    start = time.monotonic()
+    got = db.claim(8, step=1, timeout=20.0)
+    thread.join()
+    assert len(got) == 8 and time.monotonic() - start < 20.0
+    assert ids(got) == list(range(1, 9))
+
+
+# --- priority and reuse
+
+
+def test_priority_order(db: ExperienceDB) -> None:
+    db.write([make(i, model_version=v) for i, v in enumerate([0, 2, 1, 2])])  # ids 1..4
+    assert ids(db.claim(4, step=1, priority=True)) == [4, 2, 3, 1]
+
+
+def test_no_reuse_without_cooldown(db: ExperienceDB) -> None:
+    db.write([make(i, model_version=5) for i in range(2)])
+    assert len(db.claim(2, step=1, priority=True)) == 2
+    time.sleep(0.1)
+    assert db.claim(2, step=2, priority=True) == []
+    with pytest.raises(ValueError):
+        db.claim(2, step=2, reuse_cooldown=0.0)  # queue order never reuses
+
+
+def test_reuse_after_cooldown_and_decay(db: ExperienceDB) -> None:
+    cool = 0.4  # s; the claims between two sleeps must take less than this, even on a busy machine
+    a, c = db.write([make(0, model_version=5), make(1, model_version=4)])
+    assert ids(db.claim(1, step=1, priority=True, reuse_cooldown=cool)) == [a]
+    # a is cooling down, so c comes next, then nothing is eligible.
+    assert ids(db.claim(1, step=2, priority=True, reuse_cooldown=cool)) == [c]
+    assert db.claim(1, step=3, priority=True, reuse_cooldown=cool) == []
+    time.sleep(cool + 0.1)
+    # Both used once: priorities a = 5 - 2*1 = 3, c = 4 - 2*1 = 2.
+    assert ids(db.claim(2, step=4, priority=True, reuse_cooldown=cool)) == [a, c]
+    time.sleep(cool + 0.1)
+    # Now a = 5 - 2*2 = 1 > c = 4 - 2*2 = 0; after one more use a = -1 < c: use_count decays a.
+    assert ids(db.claim(1, step=5, priority=True, reuse_cooldown=cool)) == [a]
+    time.sleep(cool + 0.1)
+    assert ids(db.claim(1, step=6, priority=True, reuse_cooldown=cool)) == [c]
+    use = dict(sqlite3.connect(db.path).execute("SELECT id, use_count FROM experiences").fetchall())
+    assert use == {a: 3, c: 3}
+    assert db.counts()["claims"] == 6
+
+
+def test_decay_weight(db: ExperienceDB) -> None:
+    a, c = db.write([make(0, model_version=5), make(1, model_version=4)])
+    assert ids(db.claim(1, step=1, priority=True, reuse_cooldown=0.0)) == [a]
+    assert ids(db.claim(2, step=2, priority=True, reuse_cooldown=0.0)) == [c, a]  # a: 5 - 2*1 = 3 < c: 4
+    # a: 5 - 0.5*2 = 4 > c: 4 - 0.5*1 = 3.5
+    assert ids(db.claim(2, step=3, priority=True, reuse_cooldown=0.0, decay=0.5)) == [a, c]
+
+
+# --- resume
+
+
+def test_release_after(db: ExperienceDB) -> None:
+    db.write([make(i) for i in range(9)])
+    for step in (1, 2, 3):
+        assert len(db.claim(3, step=step)) == 3
+    assert db.release_after(1) == 6
+    assert db.counts() == {"total": 9, "pending": 6, "claimed": 3, "claims": 3}
+    raw = sqlite3.connect(db.path)
+    assert raw.execute("SELECT COUNT(*) FROM experiences WHERE use_count = 0 AND last_claimed IS NULL"
+                       ).fetchone()[0] == 6
+    assert ids(db.claim(6, step=2)) == [4, 5, 6, 7, 8, 9]
+    assert db.counts() == {"total": 9, "pending": 0, "claimed": 9, "claims": 9}
+    assert db.release_after(5) == 0
+
+
+def test_release_after_restores_last_claimed_of_reused(db: ExperienceDB) -> None:
+    (a,) = db.write([make(0)])
+    db.claim(1, step=1, priority=True, reuse_cooldown=0.0)
+    first = sqlite3.connect(db.path).execute("SELECT last_claimed FROM experiences").fetchone()[0]
+    time.sleep(0.05)
+    db.claim(1, step=2, priority=True, reuse_cooldown=0.0)
+    assert db.release_after(1) == 1
+    row = sqlite3.connect(db.path).execute("SELECT use_count, last_claimed FROM experiences").fetchone()
+    assert row == (1, first)
+
+
+# --- the file
+
+
+def test_schema_version_mismatch_refused(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    ExperienceDB(str(path)).close()
+    raw = sqlite3.connect(path)
+    raw.execute("UPDATE meta SET value = '0' WHERE key = 'schema_version'")
+    raw.commit()
+    raw.close()
+    with pytest.raises(RuntimeError, match=rf"old\.db.*schema version 0.*expects {buffer.SCHEMA_VERSION}"):
+        ExperienceDB(str(path))
+
+
+def test_meta_set_if_absent(db: ExperienceDB) -> None:
+    assert db.get_meta("fingerprint") is None
+    assert db.set_meta("fingerprint", "abc", overwrite=False) == "abc"
+    assert db.set_meta("fingerprint", "xyz", overwrite=False) == "abc"  # kept: caller can refuse
+    assert db.set_meta("fingerprint", "xyz") == "xyz"
+    assert db.get_meta("schema_version") == str(buffer.SCHEMA_VERSION)
+
+
+def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for url, path in [("sqlite:///rel/a.db", tmp_path / "rel/a.db"),
+                      (f"sqlite:///{tmp_path}/abs/b.db", tmp_path / "abs/b.db"),
+                      (str(tmp_path / "plain/c.db"), tmp_path / "plain/c.db")]:
+        with ExperienceDB(url) as db:
+            db.write([make()])
+        assert path.exists()
+        assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+# --- real processes: 3 writers and 1 reader on one fresh file
+
+WRITERS, BATCHES, BATCH, READ = 3, 40, 25, 32
+
+
+def writer_process(path: str, writer: int) -> None:
+    with ExperienceDB(path) as db:
+        for b in range(BATCHES):
+            db.write([make(i, explorer=f"w{writer}", info={"marker": f"{writer}-{b}-{i}"})
+                      for i in range(BATCH)])
+
+
+def reader_process(path: str, out: str, deadline: float) -> None:
+    seen: list[tuple[int, str]] = []
+    with ExperienceDB(path) as db:
+        step = 0
+        while len(seen) < WRITERS * BATCHES * BATCH and time.time() < deadline:
+            step += 1
+            seen += [(e.id, e.info["marker"]) for e in db.claim(READ, step=step, timeout=2.0)]
+    Path(out).write_text(json.dumps(seen))
+
+
+def test_three_writer_processes_one_reader(tmp_path: Path) -> None:
+    path, out = str(tmp_path / "shared.db"), str(tmp_path / "seen.json")
+    ctx = multiprocessing.get_context("spawn")
+    deadline = time.time() + 150.0  # the reader gives up here, so the test cannot hang
+    procs = [ctx.Process(target=writer_process, args=(path, w)) for w in range(WRITERS)]
+    procs.append(ctx.Process(target=reader_process, args=(path, out, deadline)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=max(deadline + 30.0 - time.time(), 1.0))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in procs] == [0] * len(procs)  # any exception ("database is locked") -> 1
+    seen = json.loads(Path(out).read_text())
+    total = WRITERS * BATCHES * BATCH
+    assert len(seen) == total
+    assert len({i for i, _ in seen}) == total  # no id claimed twice
+    expected = {f"{w}-{b}-{i}" for w in range(WRITERS) for b in range(BATCHES) for i in range(BATCH)}
+    assert sorted(m for _, m in seen) == sorted(expected)  # every marker exactly once
+    with ExperienceDB(path) as db:
+        assert db.counts() == {"total": total, "pending": 0, "claimed": total, "claims": total}

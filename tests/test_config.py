@@ -1,0 +1,277 @@
+"""Configs: loading, validation, CLI overrides, derived values, stages, --dry-run, and the reference YAMLs."""
+
+import ast
+import dataclasses
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+import configs
+from configs import ConfigError, cli, derive, from_dict, normalize, read_yaml, resolve_stages, to_yaml
+from configs.schema import Config
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
+OURS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+MINIMAL = """
+model:
+  model_path: some/model
+  max_model_len: 256
+buffer:
+  batch_size: 4
+  explorer_input:
+    taskset:
+      path: data/x
+"""
+
+
+@pytest.mark.parametrize("path", REFERENCE + OURS, ids=lambda p: p.name)
+def test_example_yaml_loads_validates_and_round_trips(path, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", "/home/user")
+    cfg, dry = cli(["--config", str(path)])
+    assert not dry
+    stages = resolve_stages(cfg)
+    assert len(stages) == max(1, len(cfg.stages))
+    for stage in stages:
+        again = from_dict(Config, normalize(read_yaml(write(tmp_path, to_yaml(stage)))))
+        assert again == stage  # the resolved YAML loads back to the same config
+        assert derive(again) == stage  # and deriving is idempotent
+
+
+def test_reference_values_are_read_as_trinity_means_them(monkeypatch):
+    monkeypatch.delenv("TRINITY_MODEL_PATH", raising=False)
+    (cfg,) = resolve_stages(cli(["--config", str(ROOT / "tests/data/reference_configs/gsm8k.yaml")])[0])
+    assert cfg.model.model_path == "Qwen/Qwen2.5-1.5B-Instruct"  # ${oc.env:VAR,default}
+    assert cfg.algorithm.optimizer.lr == 1e-5 and isinstance(cfg.algorithm.optimizer.lr, float)
+    assert cfg.buffer.train_batch_size == 128 * 8
+    assert (cfg.model.max_prompt_tokens, cfg.model.max_response_tokens) == (1024, 1024)
+    assert [t.name for t in cfg.buffer.explorer_input.tasksets] == ["gsm8k"]
+    assert cfg.buffer.explorer_input.tasksets[0].repeat_times == 8
+    assert cfg.buffer.explorer_input.eval_tasksets[0].repeat_times == 1
+    assert cfg.buffer.explorer_input.tasksets[0].rollout_args.max_tokens == 1024
+    assert cfg.algorithm.advantage_fn == "grpo" and cfg.algorithm.policy_loss_fn == "ppo"
+    assert cfg.synchronizer.sync_method == "nccl"
+    assert cfg.checkpoint_job_dir == str(Path("./checkpoints/<project_name>/<experiment_name>"))
+    assert cfg.buffer.trainer_input.experience_buffer.path == "sqlite:///gsm8k.db"
+
+
+def test_unknown_key_names_path_and_closest(tmp_path):
+    bad = MINIMAL + "      formatt: {prompt_key: q}\n"
+    with pytest.raises(ConfigError, match=r"^buffer\.explorer_input\.taskset\.formatt: unknown key; did you mean format\?$"):
+        cli(["--config", write(tmp_path, bad)])
+    with pytest.raises(ConfigError, match=r"buffer\.explorer_input\.eval_tasksets\[1\]\.pathh: .*did you mean path"):
+        cli(["--config", write(tmp_path, MINIMAL + "    eval_tasksets:\n    - {path: a}\n    - {pathh: b}\n")])
+
+
+def test_wrong_type_names_path_value_and_type(tmp_path):
+    with pytest.raises(ConfigError, match=r"buffer\.batch_size: 'four' is not a valid int"):
+        cli(["--config", write(tmp_path, MINIMAL.replace("batch_size: 4", "batch_size: four"))])
+    with pytest.raises(ConfigError, match=r"mode: 'bothh' is not one of .*did you mean both"):
+        cli(["--config", write(tmp_path, MINIMAL + "mode: bothh\n")])
+    with pytest.raises(ConfigError, match=r"buffer\.batch_size: 2\.5 is not a valid int"):
+        cli(["--config", write(tmp_path, MINIMAL.replace("batch_size: 4", "batch_size: 2.5"))])
+
+
+def test_values_are_coerced_to_field_types(tmp_path):
+    text = MINIMAL + "algorithm:\n  optimizer:\n    lr: 1e-6\n    betas: [0.9, '0.95']\ntrainer:\n  grad_clip: 2\n"
+    cfg, _ = cli(["--config", write(tmp_path, text)])
+    assert yaml.safe_load("x: 1e-6")["x"] == "1e-6"  # the trap: YAML 1.1 reads it as a string
+    assert cfg.algorithm.optimizer.lr == 1e-6 and type(cfg.algorithm.optimizer.lr) is float
+    assert cfg.algorithm.optimizer.betas == [0.9, 0.95]
+    assert cfg.trainer.grad_clip == 2.0 and type(cfg.trainer.grad_clip) is float
+
+
+def test_interpolation(tmp_path, monkeypatch):
+    text = """
+model:
+  model_path: ${oc.env:NANORFT_TEST_MODEL,default/model}
+  critic_model_path: ${model.model_path}
+  max_model_len: ${oc.env:NANORFT_TEST_LEN,128}
+mode: train
+"""
+    monkeypatch.delenv("NANORFT_TEST_MODEL", raising=False)
+    monkeypatch.setenv("NANORFT_TEST_LEN", "512")
+    cfg, _ = cli(["--config", write(tmp_path, text)])
+    assert (cfg.model.model_path, cfg.model.critic_model_path, cfg.model.max_model_len) == ("default/model", "default/model", 512)
+    monkeypatch.setenv("NANORFT_TEST_MODEL", "/models/m")
+    cfg, _ = cli(["--config", write(tmp_path, text)])
+    assert cfg.model.critic_model_path == "/models/m"
+    with pytest.raises(ConfigError, match="NANORFT_UNSET_VAR"):
+        cli(["--config", write(tmp_path, "model:\n  model_path: ${oc.env:NANORFT_UNSET_VAR}\n")])
+
+
+def test_precedence_default_yaml_cli(tmp_path):
+    path = write(tmp_path, MINIMAL + "algorithm:\n  optimizer:\n    lr: 1e-5\n")
+    assert Config().algorithm.optimizer.lr == 1e-6
+    assert cli(["--config", path])[0].algorithm.optimizer.lr == 1e-5
+    cfg, _ = cli(["--config", path, "--algorithm.optimizer.lr", "3e-6", "--buffer.batch_size", "2",
+                  "--algorithm.kl_loss_fn_args", "{kl_coef: 0.01}", "--trainer.use_dynamic_bsz", "False"])
+    assert cfg.algorithm.optimizer.lr == 3e-6 and cfg.buffer.batch_size == 2
+    assert cfg.algorithm.kl_loss_fn_args == {"kl_coef": 0.01} and cfg.trainer.use_dynamic_bsz is False
+    assert cfg.model.model_path == "some/model"  # untouched YAML values survive CLI overrides
+    with pytest.raises(SystemExit):
+        cli(["--config", path, "--algorithm.optimizer.lrr", "3"])
+
+
+def test_bare_name_resolves_in_configs_dir():
+    assert configs.find_config_file("tiny") == ROOT / "configs/tiny.yaml"
+    assert configs.find_config_file("gsm8k.yaml") == ROOT / "configs/gsm8k.yaml"
+    with pytest.raises(ConfigError, match="not found.*tried"):
+        configs.find_config_file("no_such_config")
+
+
+def test_derived_values(tmp_path):
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, repeat_times: 6}\n")])[0])
+    assert cfg.buffer.train_batch_size == 24
+    assert (cfg.model.max_prompt_tokens, cfg.model.max_response_tokens) == (128, 128)
+    assert cfg.trainer.max_token_len_per_gpu == 512 and cfg.trainer.ppo_mini_batch_size == 24
+    assert cfg.buffer.explorer_input.tasksets[0].name == "taskset_0"
+    assert cfg.buffer.explorer_input.taskset.path == ""  # moved into tasksets
+    assert cfg.buffer.trainer_input.experience_buffer.path == f"sqlite:///{Path('checkpoints/nanorft/rft/buffer/experience_buffer.db')}"
+    # explicit train_batch_size wins; prompt + response must fit
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), "--buffer.train_batch_size", "7"])[0])
+    assert cfg.buffer.train_batch_size == 7
+    with pytest.raises(ConfigError, match="fit in max_model_len"):
+        derive(cli(["--config", write(tmp_path, MINIMAL), "--model.max_prompt_tokens", "200", "--model.max_response_tokens", "100"])[0])
+    with pytest.raises(ConfigError, match="model.max_model_len is unset"):
+        derive(cli(["--config", write(tmp_path, MINIMAL.replace("max_model_len: 256", "max_response_tokens: 9"))])[0])
+    with pytest.raises(ConfigError, match="model.model_path is required"):
+        derive(Config())
+    with pytest.raises(ConfigError, match="unknown 'grpoo'; did you mean grpo"):
+        derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpoo}\n")])[0])
+
+
+def test_gpu_split(tmp_path):
+    base = MINIMAL + "cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: vllm, engine_num: 2, tensor_parallel_size: 2}\n"
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base)])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (4, 4)
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base + "mode: train\n")])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 8)
+    with pytest.raises(ConfigError, match="leaving none for the trainer"):
+        derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.engine_num", "4"])[0])
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")])[0])
+    if cfg.cluster.gpu_per_node == 0:  # a CPU machine: the HF engine, no GPUs to split
+        assert cfg.explorer.rollout_model.engine_type == "hf"
+        assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 0)
+
+
+def test_stages_inherit_the_global_config(tmp_path):
+    text = MINIMAL + """
+algorithm: {algorithm_type: grpo, repeat_times: 4, optimizer: {lr: 1e-5}}
+stages:
+- stage_name: warm
+  mode: train
+  algorithm: {algorithm_type: sft}
+  buffer:
+    total_steps: 3
+    trainer_input: {experience_buffer: {storage_type: file, path: sft.jsonl}}
+- stage_name: rl
+"""
+    warm, rl = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
+    assert (warm.name, rl.name) == ("rft/warm", "rft/rl")
+    assert warm.mode == "train" and rl.mode == "both"
+    assert warm.algorithm.algorithm_type == "sft" and warm.algorithm.policy_loss_fn == "sft"
+    # another algorithm starts from its own defaults, not from grpo's pieces and group size
+    assert (warm.algorithm.repeat_times, warm.algorithm.kl_loss_fn, warm.algorithm.optimizer.lr) == (1, "none", 1e-6)
+    assert rl.algorithm.optimizer.lr == 1e-5 and rl.algorithm.repeat_times == 4
+    assert warm.buffer.batch_size == 4 and warm.buffer.total_steps == 3  # other sections: key by key
+    assert warm.buffer.trainer_input.experience_buffer.path == "sft.jsonl"
+    assert warm.synchronizer.sync_method == "checkpoint"
+    assert rl.algorithm.algorithm_type == "grpo" and rl.buffer.total_steps is None
+    assert rl.checkpoint_job_dir.endswith(str(Path("rft/rl")))
+    with pytest.raises(ConfigError, match=r"stages\[0\] \(warm\): buffer.batch_sizee: unknown key"):
+        resolve_stages(cli(["--config", write(tmp_path, text.replace("total_steps: 3", "batch_sizee: 3"))])[0])
+
+
+def test_verl_trainer_config_mapped_or_warned(tmp_path, caplog):
+    text = MINIMAL + """
+trainer:
+  trainer_config:
+    actor_rollout_ref:
+      model: {enable_gradient_checkpointing: true}
+      actor: {ppo_micro_batch_size_per_gpu: 16, fsdp_config: {param_offload: true}}
+      ref: {fsdp_config: {param_offload: true}}
+    critic: {optim: {lr: 2e-5}, cliprange_value: 0.2}
+    trainer: {critic_warmup: 3, balance_batch: true}
+"""
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        cfg, _ = cli(["--config", write(tmp_path, text)])
+    t = cfg.trainer
+    assert t.gradient_checkpointing and t.param_offload and t.ref_param_offload
+    assert t.micro_batch_size_per_gpu == 16 and t.critic_warmup == 3
+    assert t.critic.lr == 2e-5 and t.critic.cliprange_value == 0.2
+    assert "trainer.trainer_config.trainer.balance_batch" in caplog.text  # unmapped: warned by path
+    clash = text.replace("trainer:\n  trainer_config:", "trainer:\n  gradient_checkpointing: false\n  trainer_config:")
+    with pytest.raises(ConfigError, match="enable_gradient_checkpointing = True conflicts with trainer.gradient_checkpointing"):
+        cli(["--config", write(tmp_path, clash)])
+
+
+def test_aliases_and_ignored_keys_warn(tmp_path, caplog):
+    text = MINIMAL + "ray_namespace: x\nalgorithm:\n  optimizer: {warmup_style: cosine}\nmonitor: {enable_ray_timeline: true}\n"
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        cfg, _ = cli(["--config", write(tmp_path, text)])
+    assert cfg.algorithm.optimizer.lr_scheduler_type == "cosine"
+    assert "warmup_style is an old name" in caplog.text
+    assert "ray_namespace is ignored" in caplog.text and "monitor.enable_ray_timeline is ignored" in caplog.text
+
+
+def test_every_schema_field_has_a_docstring():
+    tree = ast.parse((ROOT / "configs/schema.py").read_text())
+    missing = []
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                    missing.append(f"{cls.name}.{node.target.id}")
+    assert not missing, f"fields without a docstring: {missing}"
+
+
+def _flags(cls: type, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            out += _flags(type(default), f"{prefix}{f.name}.")
+        elif not (isinstance(default, (list, dict)) and f.name in ("tasksets", "eval_tasksets", "auxiliary_models", "stages", "auxiliary_buffers")):
+            out.append(f"--{prefix}{f.name}")
+    return out
+
+
+def test_help_lists_every_field_with_its_docstring():
+    env = {**os.environ, "COLUMNS": "250"}
+    out = subprocess.run([sys.executable, "train.py", "--config", "tiny.yaml", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    flags = _flags(Config)
+    assert len(flags) > 150
+    missing = [f for f in flags if f + " " not in out and f + "\n" not in out]
+    assert not missing, f"not in --help: {missing}"
+    assert "Peak learning rate of the actor." in out and "Tasks per explorer step" in out
+    assert "(default: 0.0001)" in out  # tiny.yaml's lr shows as the default
+
+
+@pytest.mark.parametrize("script", ["train.py", "explore.py"])
+def test_dry_run(script, tmp_path):
+    ok = subprocess.run([sys.executable, script, "--config", "tiny.yaml", "--dry-run", "--buffer.batch_size", "3"],
+                        cwd=ROOT, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    docs = list(yaml.safe_load_all(ok.stdout))
+    assert [d["name"] for d in docs] == ["tiny/sft_warmup", "tiny/rft"]
+    assert docs[1]["buffer"]["batch_size"] == 3 and docs[1]["buffer"]["train_batch_size"] == 24
+    bad = subprocess.run([sys.executable, script, "--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr

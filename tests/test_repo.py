@@ -1,0 +1,43 @@
+"""House rules: the README's two commands, CI running the README's test command, file budgets, run.sh."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BUDGETS = {"train.py": 600, "explore.py": 600, "buffer.py": 600, "sync.py": 600, "algos/*.py": 150, "workflows/*.py": 250}
+
+
+def readme_commands() -> list[str]:
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    assert block and (ROOT / "README.md").read_text().index("```bash") < 40, "the README must open with its commands"
+    return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+
+
+def test_readme_opens_with_two_commands_and_ci_runs_the_test_one():
+    assert readme_commands() == ["bash run.sh", "bash run.sh test"]
+    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    assert "bash run.sh test" in ci
+
+
+def test_line_budgets_from_style_guide():
+    over = []
+    for pattern, limit in BUDGETS.items():
+        for f in ROOT.glob(pattern):
+            if f.name != "__init__.py" or pattern.startswith("algos"):
+                n = len(f.read_text().splitlines())
+                if n > limit:
+                    over.append(f"{f.relative_to(ROOT)}: {n} > {limit}")
+    assert not over, over
+
+
+def test_run_sh_builds_the_embedded_default_and_prints_the_resolved_config():
+    # .venv exists here (this suite runs through `bash run.sh test`), so run.sh skips set-up.
+    out = subprocess.run(["bash", "run.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    docs = list(yaml.safe_load_all(out.stdout[out.stdout.index("project:"):]))
+    assert [d["name"] for d in docs] == ["tiny/sft_warmup", "tiny/rft"]
+    assert (ROOT / "assets/tiny-qwen2/config.json").is_file() and (ROOT / "assets/arith/test.jsonl").is_file()
+    assert docs[1]["model"]["model_path"] == "assets/tiny-qwen2"

@@ -1,0 +1,150 @@
+"""Tasksets: files in Hugging Face layout, formats, several tasksets, epochs, seeded order, saved position."""
+
+import json
+import time
+from pathlib import Path
+
+import datasets
+import pytest
+
+from buffer import DataError, TaskReader, find_data_files, format_row, load_tasks, read_rows
+from configs import derive, from_dict
+from configs.schema import Config, FormatConfig, TasksetConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT / "tests/data/gsm8k"
+
+
+def taskset(path, **kw) -> TasksetConfig:
+    """A derived TasksetConfig, as the explorer gets it."""
+    fmt = kw.pop("format", {"prompt_key": "question", "response_key": "answer"})
+    raw = {"model": {"model_path": "m", "max_model_len": 64}, "algorithm": {"algorithm_type": "grpo", "repeat_times": 4},
+           "buffer": {"default_workflow_type": "math_workflow", "default_reward_fn_type": "math_reward",
+                      "explorer_input": {"taskset": {"path": str(path), "format": fmt, **kw}}}}
+    return derive(from_dict(Config, raw)).buffer.explorer_input.tasksets[0]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def rows(n: int, tag: str = "q") -> list[dict]:
+    return [{"question": f"{tag}{i}", "answer": f"#### {i}"} for i in range(n)]
+
+
+def test_real_gsm8k_in_hf_layout():
+    tasks = load_tasks(taskset(GSM8K, subset_name="main", split="test"))
+    assert len(tasks) == 1319
+    first = json.loads((GSM8K / "main/test.jsonl").read_text().splitlines()[0])
+    t = tasks[0]
+    assert t.prompt == first["question"] and t.reference == first["answer"] and t.reference.split("####")[-1].strip()
+    assert t.messages == [{"role": "user", "content": first["question"]}]
+    assert (t.taskset, t.index, t.task_id, t.repeat_times) == ("taskset_0", 0, "taskset_0/0", 4)
+    assert (t.workflow, t.reward_fn) == ("math_workflow", "math_reward")
+    assert len(load_tasks(taskset(GSM8K, subset_name="main", split="train"))) == 300
+    assert len(load_tasks(taskset(GSM8K / "main/train.jsonl"))) == 300  # a single file
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "parquet", "csv"])
+def test_file_types_and_shard_names(tmp_path, ext):
+    ds = datasets.Dataset.from_list(rows(10))
+    folder = tmp_path / "data"
+    folder.mkdir()
+    writer = {"jsonl": lambda p: ds.to_json(p, lines=True), "json": lambda p: Path(p).write_text(json.dumps(rows(10))),
+              "parquet": ds.to_parquet, "csv": ds.to_csv}[ext]
+    writer(str(folder / f"train-00000-of-00001.{ext}"))  # the hub's parquet naming, under data/
+    assert find_data_files(str(tmp_path), None, "train") == [folder / f"train-00000-of-00001.{ext}"]
+    tasks = load_tasks(taskset(tmp_path))
+    assert [t.prompt for t in tasks] == [f"q{i}" for i in range(10)]
+
+
+def test_missing_split_or_subset_is_a_clear_error(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", rows(3))
+    with pytest.raises(DataError, match=r"no 'validation' split"):
+        load_tasks(taskset(tmp_path, split="validation"))
+    with pytest.raises(DataError, match=r"no sub-folder 'main'"):
+        load_tasks(taskset(tmp_path, subset_name="main"))
+
+
+def test_missing_column_names_file_row_and_key(tmp_path):
+    data = rows(5)
+    del data[3]["answer"]
+    f = write_jsonl(tmp_path / "train.jsonl", data)
+    with pytest.raises(DataError, match=rf"{f}: row 3: missing column 'answer' \(format.response_key\)"):
+        load_tasks(taskset(tmp_path))
+    with pytest.raises(DataError, match=r"row 0: missing column 'prompt' \(format.prompt_key\)"):
+        load_tasks(taskset(tmp_path, format={"response_key": "answer"}))
+
+
+def test_hub_name_offline_says_what_was_tried(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    t0 = time.time()
+    with pytest.raises(DataError, match=r"'no-such-org/no-such-set' is not a local file or folder.*hub.*subset 'main'"):
+        read_rows("no-such-org/no-such-set", "main", "train")
+    assert time.time() - t0 < 60
+
+
+def test_format_keys(tmp_path):
+    fmt = FormatConfig(prompt_key="q", response_key="a", system_prompt="Be brief.")
+    row = {"q": "1+1?", "a": "2", "sys": "Row system.", "tools": [{"name": "calc"}]}
+    got = format_row(row, fmt, "w")
+    assert got["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
+    assert got["reference"] == "2" and got["tools"] == [{"name": "calc"}]
+    got = format_row(row, FormatConfig(prompt_key="q", response_key="a", system_prompt="x", system_prompt_key="sys"), "w")
+    assert got["messages"][0]["content"] == "Row system."  # the column wins over the fixed prompt
+    sft = format_row(row, FormatConfig(prompt_key="q", response_key="a"), "w", kind="sft")
+    assert sft["messages"][-1] == {"role": "assistant", "content": "2"}
+    conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    mfmt = FormatConfig(prompt_type="messages", system_prompt="S")
+    assert format_row(conv, mfmt, "w", kind="sft")["messages"][0] == {"role": "system", "content": "S"}
+    task = format_row(conv, mfmt, "w")
+    assert task["messages"][-1]["role"] == "user" and task["reference"] == "hello"
+    with pytest.raises(DataError, match="must end with an assistant message"):
+        format_row({"messages": conv["messages"][:1]}, mfmt, "w", kind="sft")
+    with pytest.raises(DataError, match="list of {role, content} messages"):
+        format_row({"messages": "hi"}, mfmt, "w")
+    dpo = format_row({"prompt": "p", "good": "g", "bad": "b"}, FormatConfig(chosen_key="good", rejected_key="bad"), "w", kind="dpo")
+    assert (dpo["chosen"], dpo["rejected"], dpo["messages"][-1]["content"]) == ("g", "b", "p")
+    with pytest.raises(DataError, match=r"w: missing column 'rejected' \(format.rejected_key\)"):
+        format_row({"prompt": "p", "chosen": "g"}, FormatConfig(), "w", kind="dpo")
+
+
+def test_several_tasksets_interleave_in_proportion(tmp_path):
+    a = taskset(write_jsonl(tmp_path / "a/train.jsonl", rows(6, "a")).parent, name="a")
+    b = taskset(write_jsonl(tmp_path / "b/train.jsonl", rows(3, "b")).parent, name="b")
+    reader = TaskReader([a, b], total_epochs=1)
+    got = [t.prompt for t in reader.read(100)]
+    assert sorted(got) == sorted([f"a{i}" for i in range(6)] + [f"b{i}" for i in range(3)])  # each task once
+    assert got[:3] == ["a0", "b0", "a1"]  # b's three tasks are spread through the epoch, not appended
+    assert reader.read(5) == []
+
+
+def test_epochs_shuffle_and_saved_position(tmp_path):
+    ts = taskset(write_jsonl(tmp_path / "train.jsonl", rows(10)).parent, data_selector={"selector_type": "shuffle", "seed": 7})
+    whole = TaskReader([ts], total_epochs=3)
+    all_tasks = whole.read(1000)
+    assert len(all_tasks) == 30 and [t.epoch for t in all_tasks] == [0] * 10 + [1] * 10 + [2] * 10
+    epoch0, epoch1 = [t.index for t in all_tasks[:10]], [t.index for t in all_tasks[10:20]]
+    assert sorted(epoch0) == list(range(10)) and epoch0 != list(range(10)) and epoch0 != epoch1
+    assert [t.index for t in TaskReader([ts], 1).read(10)] == epoch0  # seeded: the same order every run
+    # save after 13 tasks (mid-epoch 1), restore in a new reader: the rest continues exactly
+    first = TaskReader([ts], total_epochs=3)
+    head = first.read(7) + first.read(6)
+    state = json.loads(json.dumps(first.state()))
+    second = TaskReader([ts], total_epochs=3)
+    second.load_state(state)
+    tail = second.read(1000)
+    assert [(t.epoch, t.index) for t in head + tail] == [(t.epoch, t.index) for t in all_tasks]
+    with pytest.raises(DataError, match="sizes"):
+        TaskReader([taskset(write_jsonl(tmp_path / "o/train.jsonl", rows(4)).parent)], 1).load_state(state)
+
+
+def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
+    path = write_jsonl(tmp_path / "train.jsonl", rows(8)).parent
+    assert [t.index for t in TaskReader([taskset(path)], 1).read(8)] == list(range(8))
+    rnd = taskset(path, data_selector={"selector_type": "random", "seed": 1})
+    one, two = TaskReader([rnd], 1).read(8), TaskReader([rnd], 1).read(8)
+    assert [t.index for t in one] == [t.index for t in two] and len({t.index for t in one}) < 8  # with replacement

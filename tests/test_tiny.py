@@ -1,0 +1,202 @@
+"""tiny.py (the embedded default) and models.py's loaders, on small builds; CPU, about 30 s."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import operator
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import tiny
+from models import load_model, load_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(n_train=300, n_test=50)  # default model size, few rows
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("tiny") / "assets"
+    return out, tiny.build(str(out), **SMALL)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def file_hashes(root: Path) -> dict[str, str]:
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# --- build: determinism, manifest, no-op, rebuild
+def test_build_is_deterministic(built, tmp_path):
+    out, result = built
+    again = tiny.build(str(tmp_path / "assets"), **SMALL)
+    hashes = file_hashes(out)
+    assert hashes == file_hashes(tmp_path / "assets")
+    assert {"arith/train.jsonl", "arith/test.jsonl", "arith/sft.jsonl", "MANIFEST.json",
+            "tiny-qwen2/model.safetensors", "tiny-qwen2/tokenizer.json"} <= set(hashes)
+    hashes.pop("MANIFEST.json")  # the manifest lists every other file
+    assert result["files"] == again["files"] == hashes
+    assert result["rows"] == {"train": 300, "test": 50, "sft": 300}
+    assert not list(out.glob(".tiny-build-*"))  # the temporary folder is gone
+
+
+def test_rerun_is_a_noop(built):
+    out, _ = built
+    mtimes = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    result = tiny.build(str(out), **SMALL)
+    assert result["built"] is False
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == mtimes
+
+
+def test_other_args_or_damage_rebuild(tmp_path):
+    small_model = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                       intermediate_size=32)
+    out = str(tmp_path / "assets")
+    assert tiny.build(out, n_train=20, n_test=5, **small_model)["built"]
+    result = tiny.build(out, n_train=30, n_test=5, **small_model)
+    assert result["built"] and len(read_jsonl(tmp_path / "assets/arith/train.jsonl")) == 30
+    # a damaged build is not complete
+    (tmp_path / "assets/arith/test.jsonl").write_text("truncated")
+    assert tiny.build(out, n_train=30, n_test=5, **small_model)["built"]
+    assert len(read_jsonl(tmp_path / "assets/arith/test.jsonl")) == 5
+    with pytest.raises(TypeError):
+        tiny.build(out, n_trian=30)
+
+
+# --- taskset: recompute every answer from the question alone
+OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def eval_expr(text: str) -> int:
+    """Integer + - * only, with Python's precedence (no eval)."""
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.BinOp):
+            return OPS[type(node.op)](ev(node.left), ev(node.right))
+        assert isinstance(node, ast.Constant) and isinstance(node.value, int)
+        return node.value
+    return ev(ast.parse(text, mode="eval").body)
+
+
+# One pattern per question form, written from the English, independently of tiny.py's templates.
+SOLVERS = [
+    (r"What is ([\d +*-]+)\?", lambda e: eval_expr(e)),
+    (r"has (\d+) \w+ and buys (\d+) more\.", lambda a, b: int(a) + int(b)),
+    (r"has (\d+) \w+ and gives (\d+) to a friend\.", lambda a, b: int(a) - int(b)),
+    (r"had (\d+) \w+ and sold (\d+) of them\.", lambda a, b: int(a) - int(b)),
+    (r"buys (\d+) bags with (\d+) \w+ in each bag\. How", lambda a, b: int(a) * int(b)),
+    (r"has (\d+) \w+, buys (\d+) more, and then gives (\d+) away\.",
+     lambda a, b, c: int(a) + int(b) - int(c)),
+    (r"had (\d+) \w+\. It sold (\d+) in the morning and (\d+) in the afternoon\.",
+     lambda a, b, c: int(a) - int(b) - int(c)),
+    (r"picks (\d+) \w+ on Monday, (\d+) on Tuesday and (\d+) on Wednesday\.",
+     lambda a, b, c: int(a) + int(b) + int(c)),
+    (r"buys (\d+) bags with (\d+) \w+ in each bag and finds (\d+) more\.",
+     lambda a, b, c: int(a) * int(b) + int(c)),
+]
+
+
+def solve(question: str) -> int:
+    found = [(p, f) for p, f in SOLVERS if re.search(p, question)]
+    assert len(found) == 1, question
+    pattern, f = found[0]
+    return f(*re.search(pattern, question).groups())
+
+
+def test_answers_are_right_and_gsm8k_shaped(built):
+    out, _ = built
+    for split in ["train", "test"]:
+        rows = read_jsonl(out / f"arith/{split}.jsonl")
+        for row in rows:
+            assert set(row) == {"question", "answer"}
+            *steps, last = row["answer"].split("\n")
+            m = re.fullmatch(r"#### (\d+)", last)
+            assert m, row
+            assert int(m.group(1)) == solve(row["question"]) >= 0, row
+            assert 1 <= len(steps) <= 2
+            for step in steps:  # every worked step is itself correct
+                lhs, rhs = step.split(" = ")
+                assert eval_expr(lhs) == int(rhs), row
+            assert steps[-1].endswith(f"= {m.group(1)}")
+        two_step = sum(r["answer"].count("\n") == 2 for r in rows) / len(rows)
+        assert 0.3 < two_step < 0.7  # default two_step_frac 0.5
+
+
+def test_splits_disjoint_ascii_and_sft_matches_train(built):
+    out, _ = built
+    train, test = read_jsonl(out / "arith/train.jsonl"), read_jsonl(out / "arith/test.jsonl")
+    questions = [r["question"] for r in train + test]
+    assert len(set(questions)) == len(questions) == 350  # unique, so train and test are disjoint
+    sft = read_jsonl(out / "arith/sft.jsonl")
+    assert sft == [{"messages": [{"role": "user", "content": r["question"]},
+                                 {"role": "assistant", "content": r["answer"]}]} for r in train]
+    for name in ["train", "test", "sft"]:
+        assert (out / f"arith/{name}.jsonl").read_bytes().isascii()
+
+
+# --- the model and tokenizer, loaded as the rest of the project will
+def test_model_loads_and_generates(built):
+    out, result = built
+    path = out / "tiny-qwen2"
+    assert sum(p.stat().st_size for p in path.iterdir()) < 10 * 2**20
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert type(model).__name__ == "Qwen2ForCausalLM"
+    n_params = sum(p.numel() for p in model.parameters())
+    assert 0.8e6 < n_params < 1.5e6 and n_params == result["n_params"]
+    assert model.config.tie_word_embeddings and model.config.vocab_size % 8 == 0
+
+    tok = load_tokenizer(str(path))
+    assert model.config.vocab_size >= len(tok)
+    assert model.generation_config.eos_token_id == [tok.convert_tokens_to_ids("<|im_end|>"),
+                                                    tok.convert_tokens_to_ids("<|endoftext|>")]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
+                                     add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    model = load_model(str(path))
+    assert not model.training
+    with torch.no_grad():
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                             do_sample=False)
+    assert gen.dtype == torch.long and gen.shape[0] == 1
+    assert 1 <= gen.shape[1] - ids.shape[1] <= 8 and torch.equal(gen[0, : ids.shape[1]], ids[0])
+
+
+def test_tokenizer_round_trips_and_chat_template(built):
+    out, _ = built
+    tok = load_tokenizer(str(out / "tiny-qwen2"))
+    assert type(tok).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
+    text = "Tom has 12 apples.\n12 + 7 = 19\n#### 19\n\n  tabs\tand ~`!@$%^&*()[]{}|\\;:'\",<.>/?"
+    for s in [text, "".join(chr(c) for c in range(128)), "cafe\u0301 \u00e9 \u4e2d"]:
+        ids = tok.encode(s, add_special_tokens=False)
+        assert tok.decode(ids) == s
+        assert len(ids) == len(s.encode())  # one token per byte, no unknowns
+    for i, special in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
+        assert tok.encode(special, add_special_tokens=False) == [256 + i]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is 2 + 3?"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    assert tok.apply_chat_template(messages[1:], tokenize=False) == (
+        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n")
+
+
+# --- the CLI, as a user runs it
+def test_cli(tmp_path):
+    cmd = [sys.executable, "tiny.py", "--out", str(tmp_path / "a"), "--n-train", "20",
+           "--n-test", "5", "--hidden-size", "16", "--num-layers", "1", "--intermediate-size", "32"]
+    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert first.startswith("built") and "train 20, test 5, sft 20 rows" in first
+    second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert second.startswith("up to date")

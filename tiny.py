@@ -1,0 +1,280 @@
+"""Build the embedded default: a tiny Qwen2 model and a synthetic arithmetic taskset, offline.
+
+The development machines cannot download models or data sets, so the default run trains a model
+that this script makes from nothing (random init, fixed seed) on arithmetic problems that it
+generates in GSM8K's format. Same arguments -> same bytes, file for file.
+
+    python tiny.py                # -> assets/ (about 1M params, 4,000 train / 200 test rows)
+    python tiny.py --out assets --max-operand 20 --two-step-frac 0.3   # an easier taskset
+    python tiny.py --help         # every knob
+
+Layout written (each part built in a temporary folder, then renamed into place; MANIFEST.json is
+written last and is the marker of a complete build):
+
+    <out>/arith/train.jsonl   {"question": str, "answer": "12 + 7 = 19\\n#### 19"}, GSM8K style
+    <out>/arith/test.jsonl    same, no question shared with train
+    <out>/arith/sft.jsonl     {"messages": [user: question, assistant: answer]}, the train rows
+    <out>/tiny-qwen2/         config, generation_config, model.safetensors, tokenizer files
+    <out>/MANIFEST.json       build arguments, row counts, parameter count, sha256 of every file
+
+Re-running with the same arguments on a complete build does nothing; other arguments rebuild.
+From Python: `build("assets", n_train=300)` returns the manifest (plus `built` and `seconds`).
+
+The tokenizer is byte-level with no merges (token id == byte value, then <|endoftext|>,
+<|im_start|>, <|im_end|> in Qwen's order), so any text encodes without unknowns and decodes back
+exactly. Reload it with `models.load_tokenizer`, not AutoTokenizer (see models.py for why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (  # Qwen's layout without its default system prompt; a system message is optional
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def opt(default: Any, help: str) -> Any:
+    """A dataclass field that is also a CLI flag with this help text."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class Options:
+    """Everything that decides the output bytes; each field is a flag (n_train -> --n-train)."""
+
+    n_train: int = opt(4000, "train rows (the SFT rows are the same problems)")
+    n_test: int = opt(200, "test rows, no question shared with train")
+    max_operand: int = opt(50, "largest number in a + or - step (difficulty)")
+    two_step_frac: float = opt(0.5, "fraction of two-step problems, in [0, 1] (difficulty)")
+    seed: int = opt(0, "seeds both the problems and the model init")
+    hidden_size: int = opt(128, "model width")
+    num_layers: int = opt(4, "decoder layers")
+    num_heads: int = opt(4, "attention heads")
+    num_kv_heads: int = opt(2, "key/value heads (GQA, as in Qwen2)")
+    intermediate_size: int = opt(512, "MLP width")
+    max_position_embeddings: int = opt(1024, "longest sequence, prompt + response, in tokens")
+
+
+# --- taskset
+NAMES = ["Tom", "Ann", "Sam", "Mia", "Ben", "Lily", "Max", "Zoe"]
+ITEMS = ["apples", "pens", "cards", "eggs", "books", "stickers", "marbles", "cookies"]
+# (question, ops): the numbers {a} {b} {c} are combined left to right by ops. Multiplication only
+# comes first, so left-to-right and the usual precedence agree for the plain "What is" forms.
+WORD = [
+    ("{name} has {a} {items} and buys {b} more. How many {items} does {name} have now?", "+"),
+    ("{name} has {a} {items} and gives {b} to a friend. How many {items} does {name} have "
+     "left?", "-"),
+    ("A shop had {a} {items} and sold {b} of them. How many {items} are left?", "-"),
+    ("{name} buys {a} bags with {b} {items} in each bag. How many {items} does {name} buy?", "*"),
+    ("{name} has {a} {items}, buys {b} more, and then gives {c} away. How many {items} does {name} "
+     "have now?", "+-"),
+    ("A shop had {a} {items}. It sold {b} in the morning and {c} in the afternoon. How many "
+     "{items} are left?", "--"),
+    ("{name} picks {a} {items} on Monday, {b} on Tuesday and {c} on Wednesday. How many {items} "
+     "did {name} pick in all?", "++"),
+    ("{name} buys {a} bags with {b} {items} in each bag and finds {c} more. How many {items} does "
+     "{name} have?", "*+"),
+]
+PLAIN = [("What is {a}" + "".join(f" {op} {{{v}}}" for op, v in zip(ops, "bc")) + "?", ops)
+         for ops in ["+", "-", "*", "++", "+-", "-+", "--", "*+", "*-"]]  # "What is {a} + {b}?"
+TEMPLATES = WORD + PLAIN
+
+
+def make_problem(rng: random.Random, max_operand: int, two_step_frac: float) -> dict[str, str]:
+    """One GSM8K-style row: a question and a worked answer whose last line is `#### N`."""
+    n_steps = 2 if rng.random() < two_step_frac else 1
+    text, ops = rng.choice([t for t in TEMPLATES if len(t[1]) == n_steps])
+    # Times-table factors (2..9) keep products <= 81; a subtrahend never exceeds the running
+    # value, so every intermediate result and answer is a non-negative integer.
+    value = rng.randint(2, 9) if ops[0] == "*" else rng.randint(1, max_operand)
+    nums, steps = [value], []
+    for op in ops:
+        if op == "*":
+            x = rng.randint(2, 9)
+            new = value * x
+        elif op == "+":
+            x = rng.randint(1, max_operand)
+            new = value + x
+        else:
+            x = rng.randint(min(1, value), min(value, max_operand))
+            new = value - x
+        steps.append(f"{value} {op} {x} = {new}")
+        nums.append(x)
+        value = new
+    fill = dict(zip("abc", nums), name=rng.choice(NAMES), items=rng.choice(ITEMS))
+    return {"question": text.format(**fill), "answer": "\n".join(steps + [f"#### {value}"])}
+
+
+def make_taskset(o: Options) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(train, test): unique questions from one seeded stream; the first n_test are the test set."""
+    rng, seen, rows = random.Random(o.seed), set(), []
+    for _ in range(50 * (o.n_train + o.n_test)):  # bounded: tiny knobs can exhaust the space
+        row = make_problem(rng, o.max_operand, o.two_step_frac)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+        if len(rows) == o.n_train + o.n_test:
+            break
+    else:
+        raise ValueError(f"only {len(rows)} distinct problems; raise --max-operand")
+    test, train = rows[: o.n_test], rows[o.n_test :]
+    assert not {r["question"] for r in train} & {r["question"] for r in test}, "train/test overlap"
+    return train, test
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    # ASCII by construction; ensure_ascii keeps it so if a template ever gains a non-ASCII char
+    path.write_text("".join(json.dumps(r, ensure_ascii=True) + "\n" for r in rows))
+
+
+# --- tokenizer and model
+def byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-in for each byte, indexed by byte value (so token id == byte)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    spare = iter(range(256, 512))  # the other bytes map to the next unused code points, in order
+    return [chr(b) if b in printable else chr(next(spare)) for b in range(256)]
+
+
+def make_tokenizer() -> Any:
+    """A byte-level BPE with no merges + Qwen's three special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = byte_alphabet()
+    assert set(alphabet) == set(pre_tokenizers.ByteLevel.alphabet())  # same map as the library's
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    # use_regex=False: no GPT-2 word splitting; with no merges it would change nothing but speed
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256, 257, 258
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+
+
+def make_model(o: Options, tokenizer: Any) -> Any:
+    """A randomly initialised Qwen2ForCausalLM; the seed fixes every weight."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    config = Qwen2Config(
+        # NOTE: padded to a multiple of 8 like Qwen's own (151936 > 151665 tokens): the model's
+        # vocab is larger than the tokenizer's, and ids 259..263 decode to "".
+        vocab_size=(len(tokenizer) + 7) // 8 * 8,
+        hidden_size=o.hidden_size, num_hidden_layers=o.num_layers,
+        num_attention_heads=o.num_heads, num_key_value_heads=o.num_kv_heads,
+        intermediate_size=o.intermediate_size, max_position_embeddings=o.max_position_embeddings,
+        tie_word_embeddings=True,  # the embedding is most of a tiny model's parameters
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    torch.manual_seed(o.seed)
+    model = Qwen2ForCausalLM(config)
+    # generate() stops at either end marker, as Qwen's instruct models do
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]])
+    return model
+
+
+# --- build
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def is_complete(out: Path, args: dict) -> dict | None:
+    """The manifest if `out` holds a complete build made with `args`, else None."""
+    try:
+        manifest = json.loads((out / "MANIFEST.json").read_text())
+        ok = manifest["args"] == args and all(
+            sha256(out / f) == h for f, h in manifest["files"].items())
+    except (OSError, ValueError, KeyError):
+        return None
+    return manifest if ok else None
+
+
+def build(out: str, **options: Any) -> dict:
+    """Build into `out` (see the module docstring); `options` are Options' fields."""
+    t0, o = time.time(), Options(**options)  # unknown option -> TypeError naming it
+    root, args = Path(out), asdict(o)
+    if manifest := is_complete(root, args):
+        return {**manifest, "built": False, "seconds": time.time() - t0}
+
+    import transformers  # imported here so that the up-to-date check above stays instant
+
+    root.mkdir(parents=True, exist_ok=True)
+    # NOTE: the manifest goes first and comes back last, so an interrupted rebuild never looks
+    # complete. Only our three entries are replaced: <out> may hold other things (checkpoints).
+    (root / "MANIFEST.json").unlink(missing_ok=True)
+    for stale in root.glob(".tiny-build-*"):  # left by a killed build
+        shutil.rmtree(stale)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".tiny-build-") as tmp_name:
+        tmp = Path(tmp_name)
+        (tmp / "arith").mkdir()
+        train, test = make_taskset(o)
+        write_jsonl(tmp / "arith/train.jsonl", train)
+        write_jsonl(tmp / "arith/test.jsonl", test)
+        write_jsonl(tmp / "arith/sft.jsonl", [{"messages": [
+            {"role": "user", "content": r["question"]},
+            {"role": "assistant", "content": r["answer"]}]} for r in train])
+
+        tokenizer = make_tokenizer()
+        model = make_model(o, tokenizer)
+        transformers.utils.logging.disable_progress_bar()  # a bar for one 4 MB file is noise
+        model.save_pretrained(tmp / "tiny-qwen2")  # safetensors, tied weights stored once
+        tokenizer.save_pretrained(tmp / "tiny-qwen2")
+        # transformers 5 writes "TokenizersBackend"; name the class that readers should use
+        tok_cfg = tmp / "tiny-qwen2/tokenizer_config.json"
+        tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()),
+                                       "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        manifest = {
+            "args": args,
+            "rows": {"train": len(train), "test": len(test), "sft": len(train)},
+            "n_params": sum(p.numel() for p in model.parameters()),  # tied: counted once
+            "model_mb": round(sum(p.stat().st_size for p in files
+                                  if p.parts[-2] == "tiny-qwen2") / 2**20, 2),
+            "files": {p.relative_to(tmp).as_posix(): sha256(p) for p in files},
+        }
+        (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        for name in ["arith", "tiny-qwen2", "MANIFEST.json"]:
+            if (root / name).is_dir():
+                shutil.rmtree(root / name)
+            os.replace(tmp / name, root / name)
+    return {**manifest, "built": True, "seconds": time.time() - t0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="assets", help="output folder (default: %(default)s)")
+    for f in fields(Options):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
+                       help=f.metadata["help"] + " (default: %(default)s)")
+    cli = vars(p.parse_args())
+    out = cli.pop("out")
+    r = build(out, **cli)
+    status = "built" if r["built"] else "up to date, nothing to do:"
+    print(f"{status} {out}/ in {r['seconds']:.1f} s")
+    print(f"  model    {out}/tiny-qwen2/  {r['n_params']:,} params, {r['model_mb']} MB")
+    print(f"  taskset  {out}/arith/  train {r['rows']['train']}, test {r['rows']['test']}, "
+          f"sft {r['rows']['sft']} rows")
+
+
+if __name__ == "__main__":
+    main()
