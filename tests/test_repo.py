@@ -2,8 +2,10 @@
 
 import re
 import subprocess
+
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,3 +43,12 @@ def test_run_sh_builds_the_embedded_default_and_prints_the_resolved_config():
     assert [d["name"] for d in docs] == ["tiny/sft_warmup", "tiny/rft"]
     assert (ROOT / "assets/tiny-qwen2/config.json").is_file() and (ROOT / "assets/arith/test.jsonl").is_file()
     assert docs[1]["model"]["model_path"] == "assets/tiny-qwen2"
+
+
+def test_pyproject_lists_the_top_level_modules_and_packages():
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    modules = sorted(f[:-3] for f in tracked if "/" not in f and f.endswith(".py"))
+    packages = sorted({f.split("/")[0] for f in tracked if f.endswith("/__init__.py") and f.count("/") == 1} - {"tests"})
+    assert (sorted(tool["py-modules"]), sorted(tool["packages"])) == (modules, packages)
