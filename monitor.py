@@ -1,0 +1,85 @@
+"""monitor.py: where metrics go. One `Monitor` per process role (trainer, or an explorer by name).
+
+    mon = Monitor(cfg, role="explorer")
+    mon.log({"rollout/reward/mean": 0.4, "time/step": 2.1}, step=3)
+    mon.close()
+
+Every metric goes to three places:
+- the console, one line per step (INFO log of logger "nanorft.monitor");
+- `<job dir>/monitor/<role>.jsonl`, one JSON object per step: the run's history, which plots and
+  `summary.json` are made from, and which survives without tensorboard or wandb;
+- `monitor.monitor_type`: tensorboard (`<job dir>/monitor/tensorboard/<role>/`), wandb (project =
+  `project`, run = `<name>_<role>`, as Trinity-RFT names them; offline in `<job dir>/monitor/` when no
+  API key is set, so a run never blocks on a login), or none.
+Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
+time/, sync/.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from configs.schema import Config
+
+log = logging.getLogger("nanorft.monitor")
+
+
+class Monitor:
+    """Console + JSONL history + the configured sink (tensorboard, wandb or none)."""
+
+    def __init__(self, cfg: Config, role: str) -> None:
+        self.role = role
+        self.dir = Path(cfg.checkpoint_job_dir, "monitor")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.history = open(self.dir / f"{role}.jsonl", "a", encoding="utf-8")  # appends across restarts
+        self.tb = self.wandb = None
+        kind, args = cfg.monitor.monitor_type, cfg.monitor.monitor_args
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
+        elif kind == "wandb":
+            import wandb
+
+            key = args.get("api_key") or os.environ.get("WANDB_API_KEY")
+            mode = "online" if key else "offline"  # NOTE: no key -> offline files, never a login prompt
+            if key:
+                os.environ["WANDB_API_KEY"] = key
+            if args.get("base_url"):
+                os.environ["WANDB_BASE_URL"] = args["base_url"]
+            self.wandb = wandb.init(project=cfg.project, name=f"{cfg.name}_{role}".replace("/", "_"), dir=str(self.dir),
+                                    mode=mode, config=dataclasses.asdict(cfg), reinit="create_new")
+            log.info("wandb run %s (%s) in %s", self.wandb.name, mode, self.dir)
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Record one step's metrics; non-numbers and NaN go to the history only."""
+        numbers = {k: float(v) for k, v in metrics.items()
+                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+        self.history.write(json.dumps({"step": step, **metrics}, default=str) + "\n")
+        self.history.flush()
+        if self.tb is not None:
+            for k, v in numbers.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(numbers, step=step)
+        shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items()))
+        log.info("[%s] step %d %s", self.role, step, shown)
+
+    def close(self) -> None:
+        self.history.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def read_history(path: str | Path) -> list[dict]:
+    """The JSONL history a Monitor wrote (for plots and summaries)."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,51 @@
+"""Monitor: the console line, the JSONL history, tensorboard events and an offline wandb run, read back."""
+
+import logging
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from configs.schema import Config
+from monitor import Monitor, read_history
+
+
+def config(tmp_path, kind: str) -> Config:
+    cfg = Config(name="t")
+    cfg.checkpoint_job_dir = str(tmp_path / "job")
+    cfg.monitor.monitor_type = kind
+    return cfg
+
+
+def test_history_console_and_tensorboard(tmp_path, caplog):
+    mon = Monitor(config(tmp_path, "tensorboard"), role="explorer")
+    with caplog.at_level(logging.INFO, logger="nanorft.monitor"):
+        mon.log({"rollout/reward/mean": 0.25, "time/step": 1.5, "note": "text", "bad": float("nan")}, step=1)
+        mon.log({"rollout/reward/mean": 0.75}, step=2)
+    mon.close()
+    assert "[explorer] step 1 rollout/reward/mean=0.25 time/step=1.5" in caplog.text
+    hist = read_history(tmp_path / "job/monitor/explorer.jsonl")
+    assert [h["step"] for h in hist] == [1, 2] and hist[0]["note"] == "text"
+    events = EventAccumulator(str(tmp_path / "job/monitor/tensorboard/explorer"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("rollout/reward/mean")] == [(1, 0.25), (2, 0.75)]
+    assert "bad" not in events.Tags()["scalars"] and "note" not in events.Tags()["scalars"]
+
+
+def test_history_appends_across_restarts(tmp_path):
+    for step in (1, 2):
+        mon = Monitor(config(tmp_path, "none"), role="trainer")
+        mon.log({"actor/pg_loss": float(step)}, step=step)
+        mon.close()
+    assert [h["actor/pg_loss"] for h in read_history(tmp_path / "job/monitor/trainer.jsonl")] == [1.0, 2.0]
+
+
+def test_wandb_runs_offline_without_a_key(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    mon = Monitor(config(tmp_path, "wandb"), role="trainer")
+    assert mon.wandb is not None and mon.wandb.settings.mode == "offline"
+    mon.log({"actor/grad_norm": 1.25}, step=1)
+    mon.close()
+    runs = list((tmp_path / "job/monitor/wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
