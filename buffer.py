@@ -206,14 +206,19 @@ class ExperienceDB:
                         (key, value))
             return cur.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0]
 
-    def write(self, exps: list[Experience]) -> list[int]:
-        """Insert experiences in one transaction; returns their row ids, in order."""
+    def write(self, exps: list[Experience], meta: dict[str, str] | None = None) -> list[int]:
+        """Insert experiences in one transaction; returns their row ids, in order.
+
+        `meta` key/values are set in the same transaction: an explorer stores its taskset position
+        this way, so that its position and its experiences can never disagree after a crash."""
         now = time.time()
         rows = [(now, e.explorer, e.model_version, e.group_id, e.run_id, e.task_id, e.reward,
                  e.prompt_length, e.response_length, *serialise(e)) for e in exps]
-        if not rows:
-            return []
         with transaction(self.conn) as cur:
+            cur.executemany("INSERT INTO meta (key, value) VALUES (?, ?)"
+                            " ON CONFLICT (key) DO UPDATE SET value = excluded.value", list((meta or {}).items()))
+            if not rows:
+                return []
             cur.executemany(
                 "INSERT INTO experiences (created, explorer, model_version, group_id, run_id, task_id,"
                 " reward, prompt_length, response_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",

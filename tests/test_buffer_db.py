@@ -242,6 +242,18 @@ def test_meta_set_if_absent(db: ExperienceDB) -> None:
     assert db.get_meta("schema_version") == str(buffer.SCHEMA_VERSION)
 
 
+def test_write_sets_meta_in_the_same_transaction(db: ExperienceDB) -> None:
+    db.write([make(0)], meta={"explorer/e1": '{"step": 1}'})
+    assert db.get_meta("explorer/e1") == '{"step": 1}' and db.counts()["total"] == 1
+    db.write([], meta={"explorer/e1": '{"step": 2}'})  # a step with no experiences still moves the position
+    assert db.get_meta("explorer/e1") == '{"step": 2}' and db.counts()["total"] == 1
+    bad = make(1)
+    bad.info = {"not json": object()}  # serialising fails before COMMIT: neither rows nor meta change
+    with pytest.raises(TypeError):
+        db.write([make(2), bad], meta={"explorer/e1": '{"step": 3}'})
+    assert db.get_meta("explorer/e1") == '{"step": 2}' and db.counts()["total"] == 1
+
+
 def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     for url, path in [("sqlite:///rel/a.db", tmp_path / "rel/a.db"),
