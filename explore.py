@@ -1,23 +1,298 @@
-"""explore.py: the explorer. Rollout engines and workflow runners turn tasks into scored experiences; evaluates.
+"""explore.py: the explorer. Rollout engines and workflow runners turn tasks into scored experiences
+in the experience DB; it also evaluates the model on the eval tasksets.
 
 Launch lines:
-    python explore.py --config tiny.yaml --dry-run      # load, validate, print the resolved config
-    python explore.py --config tiny.yaml --mode bench --dry-run
+    python explore.py --config tiny.yaml --mode explore   # fill the experience DB (pair it with train.py)
+    python explore.py --config tiny.yaml --mode bench     # evaluate the model and every checkpoint
+    python explore.py --config tiny.yaml --dry-run        # print the resolved config
 
-Status: this version loads and validates configs only (`--dry-run`); engines, workflows and the explore
-loop are the explorer issue's work and not written yet.
+What one explore step does, straight down `explore()`:
+    read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
+    one group) -> stamp group/run ids and versions -> write the step's experiences AND the explorer's
+    position in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
+    weights -> evaluate every eval_interval steps.
+Writing experiences and position together is what makes a SIGKILLed explorer restart exactly after
+its last written step: no task explored twice, none skipped.
+
+Deviations from Trinity-RFT: runners are threads in this process (no Ray actors); a workflow that
+hangs past max_timeout is abandoned (a Python thread cannot be killed; its result is discarded) and
+retried; explore steps do not overlap; best@k / worst@k are exact over the k runs (no bootstrap).
 """
 
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
 
 import configs
+import sync
+from buffer import Experience, ExperienceDB, Task, TaskReader, load_tasks
+from engines import ModelHandle, make_engine
+from models import load_tokenizer
+from monitor import Monitor
+from workflows import build_workflow
+
+log = logging.getLogger("nanorft.explore")
+
+
+# --- running workflows
+
+
+def check_experiences(exps: Any, task: Task) -> list[Experience]:
+    """A workflow's output, or ValueError if it is not a non-empty list of sound Experiences."""
+    if not isinstance(exps, list) or not exps or not all(isinstance(e, Experience) for e in exps):
+        raise ValueError(f"workflow {task.workflow} returned {type(exps).__name__}, not a non-empty list of Experience")
+    for e in exps:
+        n = len(e.tokens)
+        if e.tokens.dim() != 1 or not 0 <= e.prompt_length <= n:
+            raise ValueError(f"workflow {task.workflow}: bad tokens/prompt_length ({n}, {e.prompt_length})")
+        if e.logprobs is not None and len(e.logprobs) != n - e.prompt_length:
+            raise ValueError(f"workflow {task.workflow}: {len(e.logprobs)} logprobs for {n - e.prompt_length} response tokens")
+        if e.reward is None or not math.isfinite(e.reward):
+            raise ValueError(f"workflow {task.workflow}: reward {e.reward!r} is not a finite number")
+    return exps
+
+
+def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> tuple[list[Experience] | None, str]:
+    """Run a task's workflow with a timeout per attempt and retries: (experiences, "") or (None, last error)."""
+    error = ""
+    for attempt in range(retries + 1):
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["exps"] = check_experiences(build_workflow(task, handle).run(), task)
+            except Exception as e:  # any failure of user code is reported, never raised into the explorer
+                box["error"] = f"{type(e).__name__}: {e}"
+
+        # NOTE: daemon thread: a hung workflow is abandoned here and cannot block the exit.
+        worker = threading.Thread(target=target, daemon=True, name=f"workflow-{task.task_id}")
+        worker.start()
+        worker.join(timeout)
+        error = f"timed out after {timeout:g} s" if worker.is_alive() else box.get("error", "")
+        if not error:
+            return box["exps"], ""
+        log.warning("task %s attempt %d/%d failed: %s", task.task_id, attempt + 1, retries + 1, error)
+    return None, error
+
+
+def run_tasks(pool: ThreadPoolExecutor, tasks: list[Task], handles: list[ModelHandle], cfg: configs.Config) -> list:
+    """Run tasks concurrently on the runner pool; [(task, experiences or None, error)] in task order."""
+    e = cfg.explorer
+    futures = [pool.submit(run_task, t, handles[i % len(handles)], e.max_timeout, e.max_retry_times)
+               for i, t in enumerate(tasks)]
+    return [(t, *f.result()) for t, f in zip(tasks, futures)]
+
+
+# --- metrics
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
+    """Trinity/veRL-named metrics of one explore step."""
+    exps = [x for _, got, _ in results if got for x in got]
+    rewards = [x.reward for x in exps]
+    lengths = [x.response_length for x in exps]
+    out = {
+        "rollout/reward/mean": mean(rewards),
+        "rollout/reward/std": statistics.pstdev(rewards) if rewards else 0.0,
+        "rollout/failed_count": sum(got is None for _, got, _ in results),
+        "rollout/finished_task_count": sum(got is not None for _, got, _ in results),
+        "rollout/experience_count": len(exps),
+        "rollout/model_version": max((x.model_version for x in exps), default=0),
+        "response_length/mean": mean(lengths),
+        "response_length/max": max(lengths, default=0),
+        "response_length/clip_ratio": mean([x.truncate_status == "response_truncated" for x in exps]),
+        "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
+        "time/rollout": seconds,
+    }
+    per_task = [{k: mean([x.metrics[k] for x in got]) for k in got[0].metrics} for _, got, _ in results if got]
+    for k in sorted({k for m in per_task for k in m}):  # task value = mean over its runs (Trinity)
+        values = [m[k] for m in per_task if k in m]
+        out.update({f"rollout/{k}/mean": mean(values), f"rollout/{k}/max": max(values), f"rollout/{k}/min": min(values)})
+    return out
+
+
+def eval_metrics(name: str, results: list, k: int, prefix: str = "eval") -> dict[str, float]:
+    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component."""
+    done = [got for _, got, _ in results if got]
+    out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
+    runs = [{"reward": [x.reward for x in got], **{m: [x.metrics[m] for x in got] for m in got[0].metrics}} for got in done]
+    for m in sorted({m for r in runs for m in r}):
+        per_task = [r[m] for r in runs if m in r]
+        means = [mean(v) for v in per_task]
+        out[f"{prefix}/{name}/{m}/mean@{k}"] = mean(means)
+        out[f"{prefix}/{name}/{m}/std@{k}"] = mean([statistics.pstdev(v) for v in per_task])
+        out[f"{prefix}/{name}/{m}/best@{k}"] = mean([max(v) for v in per_task])
+        out[f"{prefix}/{name}/{m}/worst@{k}"] = mean([min(v) for v in per_task])
+    return out
+
+
+def evaluate(pool: ThreadPoolExecutor, handles: list[ModelHandle], cfg: configs.Config,
+             eval_sets: list[tuple[Any, list[Task]]], prefix: str = "eval") -> dict[str, float]:
+    """Run every eval taskset (each task repeat_times times) and return its metrics."""
+    start, out, tokens = time.monotonic(), {}, 0
+    for ts, tasks in eval_sets:
+        results = run_tasks(pool, tasks, handles, cfg)
+        tokens += sum(x.response_length for _, got, _ in results if got for x in got)
+        out.update(eval_metrics(ts.name, results, ts.repeat_times, prefix))
+    seconds = time.monotonic() - start
+    out.update({f"time/{prefix}": seconds, f"{prefix}/tokens_per_s": tokens / seconds if seconds else 0.0})
+    return out
+
+
+# --- state and weights
+
+
+def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
+    """What the runner, not the workflow, owns: ids and provenance."""
+    for run_id, x in enumerate(exps):
+        x.group_id, x.run_id, x.task_id, x.explorer = f"{explorer}/{task.epoch}/{task.task_id}", run_id, task.task_id, explorer
+        x.info.update(epoch=task.epoch, taskset=task.taskset, index=task.index)
+
+
+def start_weights(cfg: configs.Config) -> tuple[str, int]:
+    """Newest published weights of this job (a restart resumes with them), else model.model_path."""
+    weights = sync.latest_weights(cfg.checkpoint_job_dir)
+    return (str(weights), sync.latest_version(cfg.checkpoint_job_dir)) if weights else (cfg.model.model_path, 0)
+
+
+def total_steps(cfg: configs.Config, reader: TaskReader) -> int:
+    per_epoch = math.ceil(len(reader) / cfg.buffer.batch_size)
+    return cfg.buffer.total_steps or per_epoch * cfg.buffer.total_epochs
+
+
+# --- main
+
+
+def explore(cfg: configs.Config) -> int:
+    """Explore mode (and the explorer half of mode both); returns the exit code."""
+    # --- setup: DB and saved position, engine, runners, monitor
+    name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
+    os.environ.update(e.env_vars)
+    db = ExperienceDB(b.trainer_input.experience_buffer.path)
+    reader = TaskReader(b.explorer_input.tasksets, total_epochs=10**9 if b.total_steps else b.total_epochs)
+    saved = json.loads(db.get_meta(f"explorer/{name}") or "null")
+    step = 0
+    if saved:
+        reader.load_state(saved["reader"])
+        step = saved["step"]
+        log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
+    path, version = start_weights(cfg)
+    engine = make_engine(e.rollout_model, path, cfg.model.max_model_len)
+    engine.model_version = version
+    handles = [ModelHandle(engine, load_tokenizer(cfg.model.model_path))]
+    pool = ThreadPoolExecutor(max_workers=e.runner_per_model * e.rollout_model.engine_num, thread_name_prefix="runner")
+    monitor = Monitor(cfg, role=name)
+    eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets]
+    steps = total_steps(cfg, reader)
+    bar = tqdm(total=steps, initial=step, desc=name, unit="step", dynamic_ncols=True)
+
+    # --- eval on startup (step 0 only: not again on restart)
+    if step == 0 and e.eval_on_startup and eval_sets:
+        monitor.log(evaluate(pool, handles, cfg, eval_sets), step=0)
+
+    code = 0
+    while step < steps:
+        # --- rollout
+        tasks = reader.read(b.batch_size)
+        if not tasks:
+            break
+        start = time.monotonic()
+        results = run_tasks(pool, tasks, handles, cfg)
+        metrics = rollout_metrics(results, time.monotonic() - start)
+        for task, got, err in results:
+            if got is None:
+                log.error("task %s dropped after %d attempts: %s", task.task_id, e.max_retry_times + 1, err)
+            else:
+                stamp(got, task, name)
+        # --- write: the step's experiences and the position, in one transaction
+        step += 1
+        state = {"step": step, "reader": reader.state(), "model_version": engine.model_version}
+        db.write([x for _, got, _ in results if got for x in got], meta={f"explorer/{name}": json.dumps(state)})
+        Path(cfg.checkpoint_job_dir, "explorer_meta.json").write_text(json.dumps({"latest_iteration": step, **state}))
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", version=engine.model_version)
+        # --- sync: after step s, wait for the trainer's weights of step s - sync_offset
+        s = cfg.synchronizer
+        if cfg.mode != "bench" and step < steps and step > s.sync_offset and (step - s.sync_offset) % s.sync_interval == 0:
+            t0 = time.monotonic()
+            if sync.latest_version(cfg.checkpoint_job_dir) < step - s.sync_offset:
+                log.info("sync point after step %d: waiting up to %g s for the trainer's weights of step %d in %s",
+                         step, s.sync_timeout, step - s.sync_offset, cfg.checkpoint_job_dir)
+            found = sync.wait_for_version(cfg.checkpoint_job_dir, step - s.sync_offset, s.sync_timeout)
+            if found is None:
+                log.error("no weights of step %d from the trainer after %g s (synchronizer.sync_timeout); "
+                          "stopping. Restart to continue after step %d.", step - s.sync_offset, s.sync_timeout, step)
+                code = 1
+                break
+            engine.load_weights(str(found), version=sync.latest_version(cfg.checkpoint_job_dir))
+            metrics["time/sync"] = time.monotonic() - t0
+        # --- eval and log
+        if eval_sets and (step % e.eval_interval == 0 or step == steps):
+            metrics.update(evaluate(pool, handles, cfg, eval_sets))
+        monitor.log(metrics, step=step)
+    bar.close()
+    monitor.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+    log.info("explorer %s finished at step %d; %s", name, step, db.counts())
+    return code
+
+
+def bench(cfg: configs.Config) -> int:
+    """Evaluate the starting model, or every published checkpoint (the newest only with bench_on_latest_checkpoint)."""
+    job = Path(cfg.checkpoint_job_dir)
+    steps = sorted(int(p.parent.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/huggingface"))
+    if cfg.explorer.bench_on_latest_checkpoint:
+        steps = steps[-1:]
+    targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, cfg.model.model_path)]
+    engine = make_engine(cfg.explorer.rollout_model, targets[0][1], cfg.model.max_model_len)
+    handles = [ModelHandle(engine, load_tokenizer(cfg.model.model_path))]
+    pool = ThreadPoolExecutor(max_workers=cfg.explorer.runner_per_model, thread_name_prefix="runner")
+    eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
+    monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")
+    for s, path in targets:
+        if s != targets[0][0]:
+            engine.load_weights(path, version=s)
+        metrics = evaluate(pool, handles, cfg, eval_sets, prefix="bench")
+        monitor.log(metrics, step=s)
+        shown = {k: round(v, 4) for k, v in metrics.items() if "/mean@" in k or "tokens_per_s" in k}
+        print(f"bench step {s} ({path}): {json.dumps(shown)}", flush=True)
+    monitor.close()
+    pool.shutdown(wait=False, cancel_futures=True)
+    return 0
 
 
 def main(argv: list[str]) -> int:
     cfg = configs.entry(argv, "nanorft explorer")
-    print(f"explore.py: the explorer is not implemented in this version; only --dry-run works "
-          f"(config {cfg.name!r} is valid)", file=sys.stderr)
-    return 2
+    code, previous = 0, None
+    for stage in configs.resolve_stages(cfg):
+        if previous is not None and (weights := sync.latest_weights(previous.checkpoint_job_dir)):
+            stage.model.model_path = str(weights)  # a stage starts from the previous stage's weights
+        previous = stage
+        if stage.mode == "bench":
+            code = bench(stage)
+        elif stage.mode in ("explore", "both"):
+            code = explore(stage)
+        else:
+            log.info("stage %s is mode %s: nothing for the explorer to do", stage.name, stage.mode)
+        if code:
+            break
+    return code
 
 
 if __name__ == "__main__":

@@ -63,6 +63,12 @@ def latest_version(job_dir: str | Path) -> int:
         return 0
 
 
+def latest_weights(job_dir: str | Path) -> Path | None:
+    """The newest published HF folder of a job, or None."""
+    version = latest_version(job_dir)
+    return weights_path(job_dir, version) if version else None
+
+
 def wait_for_version(job_dir: str | Path, version: int, timeout: float, poll: float = 0.5) -> Path | None:
     """Block until weights of at least `version` are published; their folder, or None after `timeout` s."""
     deadline, last_note = time.monotonic() + timeout, time.monotonic()

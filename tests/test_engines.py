@@ -1,0 +1,315 @@
+"""engines.py: HFEngine against a plain forward pass of the same model, per-request sampling params
+in one batch, batching across threads, weight loading, make_engine, ModelHandle; VLLMEngine's
+contract runs only where vLLM and a CUDA GPU are present."""
+
+import importlib.util
+import logging
+import threading
+
+import pytest
+import torch
+
+from configs.schema import InferenceModelConfig
+from engines import Completion, HFEngine, ModelHandle, SamplingParams, VLLMEngine, make_engine
+from models import load_model
+from tiny import build
+
+HAVE_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM_GPU, reason="vLLM and a CUDA GPU are needed")
+TEXTS = ["What is 2 + 3?", "Tom has 4 apples and buys 5 more.", "hi", "A shop had 12 pens and sold 7 of them."]
+
+
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("engines")
+    build(str(root), n_train=50, n_test=10)
+    return str(root / "tiny-qwen2")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_path):
+    with HFEngine(tiny_path) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_path):
+    return load_model(tiny_path)  # loaded independently of the engine
+
+
+@pytest.fixture(scope="module")
+def prompts(engine) -> list[list[int]]:
+    return [engine.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
+
+
+def ref_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """One plain forward pass over prompt + response: log_softmax(logits / T) at the response tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]  # [R, V]
+    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]  # [R]
+
+
+def greedy_by_hand(model, prompt: list[int], max_tokens: int, eos_ids: list[int]) -> list[int]:
+    """Argmax decoding without a KV cache or padding: the whole sequence every step."""
+    out = []
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            out.append(int(model(torch.tensor([prompt + out])).logits[0, -1].argmax()))
+            if out[-1] in eos_ids:
+                break
+    return out
+
+
+def max_logprob_diff(model, prompts, outs, temperature) -> float:
+    return max((ref_logprobs(model, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs().max().item()
+               for p, cs in zip(prompts, outs) for c in cs)
+
+
+# --- log-probs: the engine's must be what a plain forward pass computes
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_logprobs_match_a_plain_forward_pass(engine, ref, prompts, temperature):
+    params = SamplingParams(n=3, temperature=temperature, top_k=0, top_p=1.0, max_tokens=32, seed=7)
+    outs = engine.generate(prompts, [params] * len(prompts))  # left-padded: prompts differ in length
+    assert [len(cs) for cs in outs] == [3] * len(prompts)
+    diff = max_logprob_diff(ref, prompts, outs, temperature)
+    print(f"max |engine - forward| log-prob diff at T={temperature}: {diff:.2e}")
+    assert diff < 1e-4
+
+
+def test_top_k_top_p_filter_the_sample_not_the_logprobs(engine, ref, prompts):
+    outs = engine.generate(prompts, [SamplingParams(n=4, temperature=0.7, top_k=5, max_tokens=24, seed=1),
+                                     SamplingParams(n=4, temperature=0.7, top_p=0.05, max_tokens=24, seed=1)] * 2)
+    assert max_logprob_diff(ref, prompts, outs, 0.7) < 1e-4  # still the unfiltered distribution
+    for p, cs, (top_k, top_p) in zip(prompts, outs, [(5, 1.0), (264, 0.05)] * 2):
+        for c in cs:
+            with torch.no_grad():
+                probs = (ref(torch.tensor([p + c.token_ids])).logits[0, len(p) - 1 : -1] / 0.7).softmax(-1)  # [R, V]
+            picked = probs.gather(-1, torch.tensor(c.token_ids)[:, None])  # [R, 1]
+            assert (probs > picked).sum(-1).max().item() < top_k  # rank of the sampled token
+            assert (probs * (probs > picked)).sum(-1).max().item() < top_p + 1e-6  # mass ranked above it
+
+
+def test_samples_follow_the_tempered_distribution(engine, ref, prompts):
+    n, temperature = 3000, 0.05  # the random model is near-flat; T = 0.05 makes a few tokens dominate
+    (cs,) = engine.generate(prompts[:1], [SamplingParams(n=n, temperature=temperature, max_tokens=1, seed=0)])
+    with torch.no_grad():
+        probs = (ref(torch.tensor([prompts[0]])).logits[0, -1] / temperature).softmax(-1)  # [V]
+    freq = torch.bincount(torch.tensor([c.token_ids[0] for c in cs]), minlength=len(probs)) / n  # [V]
+    top = probs.topk(5).indices
+    print("top-5 probs", probs[top].tolist(), "frequencies", freq[top].tolist())
+    assert probs[top].sum() > 0.5 and (freq - probs).abs().max() < 0.04  # ~4 standard errors at n=3000
+
+
+# --- per-request sampling params in one batch
+def test_one_batch_mixes_lengths_greedy_and_samples(engine, ref, prompts):
+    params = [SamplingParams(max_tokens=5, min_tokens=5, seed=1), SamplingParams(n=2, max_tokens=12, min_tokens=12),
+              SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(max_tokens=30, min_tokens=30, seed=2)]
+    before = engine.num_batches
+    outs = engine.generate(prompts, params)
+    assert engine.num_batches == before + 1
+    assert [[len(c.token_ids) for c in cs] for cs in outs] == [[5], [12, 12], [len(outs[2][0].token_ids)], [30]]
+    assert all(c.truncated and c.finish_reason == "length" for i in (0, 1, 3) for c in outs[i])
+    assert all(len(c.logprobs) == len(c.token_ids) for cs in outs for c in cs)
+    greedy = outs[2][0]
+    assert greedy.token_ids == greedy_by_hand(ref, prompts[2], 20, engine.eos_ids)
+    assert greedy.truncated == (greedy.token_ids[-1] not in engine.eos_ids)
+
+
+def test_greedy_equals_argmax_decoding(engine, ref, prompts):
+    outs = engine.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=25)] * len(prompts))
+    for p, cs in zip(prompts, outs):
+        assert cs[0].token_ids == greedy_by_hand(ref, p, 25, engine.eos_ids)
+    assert max_logprob_diff(ref, prompts, outs, 1.0) < 1e-4  # greedy reports T = 1 log-probs
+
+
+def test_stop_string_ends_the_text_at_it(engine):
+    stop = list("aeiou0123456789 ")  # the untrained model emits random bytes: one shows up soon
+    outs = engine.generate([engine.tokenizer.encode(TEXTS[0])] * 8,
+                           [SamplingParams(max_tokens=200, stop=stop, seed=s) for s in range(8)])
+    for (c,) in outs:
+        full = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+        if c.finish_reason == "stop" and c.token_ids[-1] not in engine.eos_ids:
+            assert not any(s in c.text for s in stop) and any(s in full for s in stop)
+            assert full.startswith(c.text) and full[len(c.text)] in stop  # cut right before it
+            assert not any(s in engine.tokenizer.decode(c.token_ids[:-1], skip_special_tokens=True) for s in stop)
+    assert sum(c.finish_reason == "stop" for (c,) in outs) >= 6
+
+
+def test_seed_reproduces_and_samples_differ(engine, prompts):
+    p = SamplingParams(n=4, max_tokens=16, seed=123)
+    a = engine.generate(prompts[:1], [p])[0]
+    b = engine.generate(prompts, [p, p, p, p])[0]  # another call, another batch composition
+    c = engine.generate(prompts[:1], [SamplingParams(n=4, max_tokens=16, seed=124)])[0]
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert len({tuple(x.token_ids) for x in a}) == 4  # the sample index changes the stream
+    assert all(x.token_ids != y.token_ids for x, y in zip(a, c))
+
+
+def test_min_tokens_suppresses_eos(tiny_path):
+    # A flat model (final norm weight 0 -> all logits 0): EOS (2 of 264 ids) comes ~0.8% of steps.
+    with HFEngine(tiny_path) as e:
+        state = {k: v.clone() for k, v in e.model.state_dict().items()}
+        state["model.norm.weight"].zero_()
+        e.load_weights(state, version=1)
+        prompt = e.tokenizer.encode("hi")
+        free = e.generate([prompt], [SamplingParams(n=64, max_tokens=40, seed=0)])[0]
+        held = e.generate([prompt], [SamplingParams(n=64, max_tokens=40, min_tokens=30, seed=0)])[0]
+    assert sum(len(c.token_ids) < 30 for c in free) >= 5  # without min_tokens EOS does come early
+    assert all(len(c.token_ids) >= 30 for c in held)
+    assert all(t not in e.eos_ids for c in held for t in c.token_ids[:30])
+    assert any(c.finish_reason == "stop" and c.token_ids[-1] in e.eos_ids for c in held)
+
+
+def test_max_model_len_clamps_and_refuses(tiny_path):
+    with HFEngine(tiny_path, max_model_len=20) as e:
+        (c,) = e.generate([list(range(65, 80))], [SamplingParams(max_tokens=50, min_tokens=50)])[0]
+        assert len(c.token_ids) == 5 and c.truncated
+        with pytest.raises(ValueError, match="max_model_len=20"):
+            e.generate([list(range(65, 85))], [SamplingParams()])
+        with pytest.raises(ValueError, match="max_model_len=20"):
+            e.submit(list(range(65, 85)), SamplingParams())
+
+
+def test_batches_larger_than_max_batch_size_are_split(engine, prompts):
+    engine.max_batch_size, before = 4, engine.num_batches
+    try:
+        outs = engine.generate(prompts[:2], [SamplingParams(n=5, max_tokens=4, seed=3)] * 2)
+    finally:
+        engine.max_batch_size = 64
+    assert engine.num_batches - before == 3 and [len(cs) for cs in outs] == [5, 5]
+
+
+# --- many callers, shared batches
+def test_concurrent_submits_share_batches(engine, prompts):
+    many = [prompts[i % 4] + [65 + i] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    expected = [cs[0].token_ids for cs in engine.generate(many, [params] * 16)]
+    results, barrier = [None] * 16, threading.Barrier(16)
+
+    def runner(i):
+        barrier.wait()
+        results[i] = engine.submit(many[i], params).result(timeout=60)
+
+    before = engine.num_batches
+    threads = [threading.Thread(target=runner, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    print(f"16 concurrent requests ran in {engine.num_batches - before} batch(es)")
+    assert engine.num_batches - before < 16
+    assert [r[0].token_ids for r in results] == expected
+
+
+def test_a_failed_batch_fails_its_futures_not_the_worker(engine, prompts):
+    bad = engine.submit([10_000], SamplingParams(max_tokens=2))  # token id outside the vocabulary
+    with pytest.raises(IndexError):
+        bad.result(timeout=60)
+    assert len(engine.submit(prompts[0], SamplingParams(max_tokens=3)).result(timeout=60)[0].token_ids) <= 3
+
+
+def test_close_stops_the_worker(tiny_path):
+    e = HFEngine(tiny_path)
+    assert isinstance(e.submit([65, 66], SamplingParams(max_tokens=2)).result(timeout=60)[0], Completion)
+    e.close()
+    assert not e.batcher.worker.is_alive()
+    with pytest.raises(RuntimeError):
+        e.submit([65], SamplingParams())
+
+
+# --- weights
+def test_load_weights_from_a_folder_and_a_state_dict(tiny_path, ref, prompts, tmp_path):
+    other = load_model(tiny_path)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    other.save_pretrained(tmp_path / "other")
+    other_ref = load_model(str(tmp_path / "other"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=20)
+    with HFEngine(tiny_path) as e:
+        before = e.generate(prompts, [greedy] * 4)
+        e.load_weights(str(tmp_path / "other"), version=3)
+        after = e.generate(prompts, [greedy] * 4)
+        assert e.model_version == 3 and after[0][0].model_version == 3
+        assert [cs[0].token_ids for cs in after] == [greedy_by_hand(other_ref, p, 20, e.eos_ids) for p in prompts]
+        assert [cs[0].token_ids for cs in after] != [cs[0].token_ids for cs in before]
+        assert max_logprob_diff(other_ref, prompts, after, 1.0) < 1e-4
+        # tied embeddings: a trainer's state dict may leave out lm_head.weight
+        state = {k: v for k, v in ref.state_dict().items() if k != "lm_head.weight"}
+        e.load_weights(state, version=4)
+        assert e.model_version == 4
+        assert [cs[0].token_ids for cs in e.generate(prompts, [greedy] * 4)] == [cs[0].token_ids for cs in before]
+        assert torch.equal(e.model.lm_head.weight, ref.model.embed_tokens.weight)
+
+
+# --- choosing an engine
+def test_make_engine_picks_and_says_why(tiny_path, caplog):
+    caplog.set_level(logging.INFO, logger="engines")
+    e = make_engine(InferenceModelConfig(engine_type="auto"), tiny_path, max_model_len=256)
+    try:
+        assert isinstance(e, VLLMEngine if HAVE_VLLM_GPU else HFEngine)
+        assert "engine_type=auto" in caplog.text
+        if not HAVE_VLLM_GPU:
+            assert "rollout engine: HF" in caplog.text and ("not installed" in caplog.text or "absent" in caplog.text)
+    finally:
+        e.close()
+    e = make_engine(InferenceModelConfig(engine_type="hf"), tiny_path, max_model_len=256)
+    e.close()
+    assert isinstance(e, HFEngine) and "engine_type=hf in the config" in caplog.text
+
+
+# --- the handle workflows get
+def test_model_handle_chat_returns_consistent_experiences(engine):
+    handle = ModelHandle(engine, engine.tokenizer, {"temperature": 1.0, "max_tokens": 8})
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    exps = handle.chat(messages, n=3, min_tokens=8, seed=5)
+    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    assert len(exps) == 3 and handle.model_version == engine.model_version
+    for x in exps:
+        assert x.prompt_text == prompt and x.prompt_length == len(ids) and x.tokens[: len(ids)].tolist() == ids
+        assert x.tokens.dtype == torch.long and x.logprobs.dtype == torch.float32
+        assert len(x.tokens) == x.prompt_length + len(x.logprobs) == x.prompt_length + 8
+        assert x.truncate_status == "response_truncated"
+    groups = handle.generate(["abc", "hello"], n=2, max_tokens=4)
+    assert [len(g) for g in groups] == [2, 2] and groups[1][0].prompt_text == "hello"
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        handle.chat(messages, max_new_tokens=4)
+    with pytest.raises(TypeError, match="do_sample"):
+        ModelHandle(engine, engine.tokenizer, {"do_sample": True})
+
+
+# --- vLLM: the same contract, on a GPU machine with vLLM installed
+@pytest.fixture(scope="module")
+def vllm_engine(tiny_path):
+    e = VLLMEngine(tiny_path, max_model_len=512, gpu_memory_utilization=0.3, dtype="float32")
+    yield e
+    e.close()
+
+
+@needs_vllm
+def test_vllm_logprobs_match_a_plain_forward_pass(vllm_engine, ref, prompts):
+    outs = vllm_engine.generate(prompts, [SamplingParams(n=3, temperature=0.7, top_k=0, max_tokens=32, seed=7)] * 4)
+    assert [len(cs) for cs in outs] == [3] * 4
+    diff = max_logprob_diff(ref, prompts, outs, 0.7)
+    print(f"vLLM max |engine - forward| log-prob diff at T=0.7: {diff:.2e}")
+    assert diff < 1e-3  # other kernels than HF's, float32
+
+
+@needs_vllm
+def test_vllm_params_seed_submit_and_weights(vllm_engine, ref, prompts, tiny_path, tmp_path):
+    outs = vllm_engine.generate(prompts[:2], [SamplingParams(max_tokens=5, min_tokens=5, seed=1),
+                                              SamplingParams(temperature=0.0, max_tokens=20)])
+    assert len(outs[0][0].token_ids) == 5 and outs[0][0].truncated
+    assert outs[1][0].token_ids == greedy_by_hand(ref, prompts[1], 20, [258, 256])
+    p = SamplingParams(n=2, max_tokens=16, seed=9)
+    assert [c.token_ids for c in vllm_engine.submit(prompts[0], p).result()] == \
+           [c.token_ids for c in vllm_engine.generate(prompts[:1], [p])[0]]
+    other = load_model(tiny_path)
+    with torch.no_grad():
+        for w in other.parameters():
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    vllm_engine.load_weights(other.state_dict(), version=2)
+    greedy = vllm_engine.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=20)])[0][0]
+    assert vllm_engine.model_version == 2 and greedy.token_ids == greedy_by_hand(other, prompts[0], 20, [258, 256])
+    vllm_engine.load_weights(ref.state_dict(), version=3)

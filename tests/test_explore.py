@@ -1,0 +1,200 @@
+"""The explorer: real explore/bench runs as separate processes, SIGKILL and restart, runner failure modes, eval metrics."""
+
+import dataclasses
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import explore
+import workflows
+from buffer import Experience, TaskReader, load_tasks
+from configs import cli, resolve_stages
+from engines import HFEngine, ModelHandle
+from models import load_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
+    data = Path(tiny_model_dir).parent / "arith"
+    cfg = {
+        "project": "p", "name": "e", "mode": "explore", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
+        "buffer": {"batch_size": 3, "total_steps": 4, "default_workflow_type": "math_workflow",
+                   "default_reward_fn_type": "math_reward",
+                   "explorer_input": {"taskset": {"name": "arith", "path": str(data), "split": "train",
+                                                  "format": {"prompt_key": "question", "response_key": "answer"}},
+                                      "eval_tasksets": [{"name": "arith_test", "path": str(data), "split": "test",
+                                                         "repeat_times": 2,
+                                                         "format": {"prompt_key": "question", "response_key": "answer"}}]}},
+        "explorer": {"runner_per_model": 4, "eval_interval": 100, "eval_on_startup": False,
+                     "rollout_model": {"engine_type": "hf"}},
+        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 100},
+        "monitor": {"monitor_type": "none"},
+    }
+    for key, value in over.items():  # "a.b.c": value
+        *parents, last = key.split(".")
+        d = cfg
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[last] = value
+    path = tmp_path / "explore.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_explorer(config: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "explore.py", "--config", str(config), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+def db_rows(tmp_path: Path) -> list[tuple]:
+    db = next((tmp_path / "ck").rglob("*.db"))
+    return sqlite3.connect(db).execute("SELECT group_id, run_id, model_version, explorer FROM experiences ORDER BY id").fetchall()
+
+
+def test_explore_mode_fills_the_db(tiny_model_dir, tmp_path):
+    out = run_explorer(write_config(tmp_path, tiny_model_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = db_rows(tmp_path)
+    assert len(rows) == 4 * 3 * 2  # steps x tasks x repeat_times
+    groups = [g for g, *_ in rows]
+    assert len(set(groups)) == 12 and all(groups.count(g) == 2 for g in groups)  # one group per task
+    assert {(r, v, e) for _, r, v, e in rows} == {(0, 0, "explorer"), (1, 0, "explorer")}
+    meta = json.loads((tmp_path / "ck/p/e/explorer_meta.json").read_text())
+    assert meta["latest_iteration"] == 4 and meta["reader"]["index"] == 12
+    assert "eval/arith_test/accuracy/mean@2" in out.stderr  # the final evaluation
+
+
+def expected_groups(config: Path, steps: int, batch: int) -> list[str]:
+    (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
+    reader = TaskReader(cfg.buffer.explorer_input.tasksets, total_epochs=10**9)
+    return [f"explorer/{t.epoch}/{t.task_id}" for t in reader.read(steps * batch)]
+
+
+def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir, tmp_path):
+    config = write_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 5, "model.max_response_tokens": 48,
+                                                       "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"}})
+    proc = subprocess.Popen([sys.executable, "explore.py", "--config", str(config)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline:  # wait until the first step is in the DB, then kill during the next
+        dbs = list((tmp_path / "ck").rglob("*.db"))
+        if dbs and sqlite3.connect(dbs[0]).execute("SELECT COUNT(*) FROM experiences").fetchone()[0] > 0:
+            break
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = len(db_rows(tmp_path)) // 6
+    assert 1 <= killed_at < 5, "the kill must land before the run ends"
+    out = run_explorer(config)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"resuming explorer explorer after step {killed_at}" in out.stderr
+    groups = list(dict.fromkeys(g for g, *_ in db_rows(tmp_path)))
+    assert groups == expected_groups(config, steps=5, batch=3)  # every task once, in reading order
+    assert len(db_rows(tmp_path)) == 5 * 3 * 2
+
+
+def test_bench_prints_accuracy_and_throughput(tiny_model_dir, tmp_path):
+    out = run_explorer(write_config(tmp_path, tiny_model_dir), "--mode", "bench")
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("bench step 0"))
+    shown = json.loads(line.split(": ", 1)[1])
+    assert 0.0 <= shown["bench/arith_test/accuracy/mean@2"] <= 1.0 and shown["bench/tokens_per_s"] > 0
+
+
+# --- runners: failures never crash the explorer and never write partial experiences
+
+
+class Raises(workflows.Workflow):
+    def run(self):
+        raise RuntimeError("boom")
+
+
+class Hangs(workflows.Workflow):
+    def run(self):
+        time.sleep(60)
+
+
+class Garbage(workflows.Workflow):
+    def run(self):
+        return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=float("nan"))]
+
+
+class FlakyOnce(workflows.Workflow):
+    calls = 0
+
+    def run(self):
+        FlakyOnce.calls += 1
+        if FlakyOnce.calls == 1:
+            raise RuntimeError("first attempt fails")
+        return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=1.0, metrics={"accuracy": 1.0})]
+
+
+@pytest.fixture(scope="module")
+def handle(tiny_model_dir):
+    engine = HFEngine(tiny_model_dir)
+    yield ModelHandle(engine, load_tokenizer(tiny_model_dir))
+    engine.close()
+
+
+def test_failing_workflows_are_counted_not_raised(tiny_model_dir, tmp_path, monkeypatch, handle):
+    monkeypatch.setitem(workflows.WORKFLOWS, "raises", Raises)
+    monkeypatch.setitem(workflows.WORKFLOWS, "hangs", Hangs)
+    monkeypatch.setitem(workflows.WORKFLOWS, "garbage", Garbage)
+    monkeypatch.setitem(workflows.WORKFLOWS, "flaky", FlakyOnce)
+    (cfg,) = resolve_stages(cli(["--config", str(write_config(tmp_path, tiny_model_dir)),
+                                 "--explorer.max_timeout", "0.5", "--explorer.max_retry_times", "1"])[0])
+    tasks = load_tasks(cfg.buffer.explorer_input.tasksets[0])[:5]
+    tasks = [dataclasses.replace(t, workflow=w) for t, w in zip(tasks, ["raises", "hangs", "garbage", "flaky", "math_workflow"])]
+    start = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:
+        results = explore.run_tasks(pool, tasks, [handle], cfg)
+    assert time.monotonic() - start < 30  # the hung workflow was abandoned after 2 x 0.5 s
+    errors = [err for _, _, err in results]
+    assert [got is None for _, got, _ in results] == [True, True, True, False, False]
+    assert "boom" in errors[0] and "timed out after 0.5 s" in errors[1] and "not a finite number" in errors[2]
+    assert FlakyOnce.calls == 2  # retried once, then succeeded
+    metrics = explore.rollout_metrics(results, 1.0)
+    assert metrics["rollout/failed_count"] == 3 and metrics["rollout/finished_task_count"] == 2
+
+
+def test_eval_metrics_by_hand():
+    def exp(acc: float) -> Experience:
+        return Experience(tokens=torch.tensor([1, 2]), prompt_length=1, reward=acc, metrics={"accuracy": acc})
+
+    results = [(None, [exp(1), exp(0), exp(1), exp(1)], ""), (None, [exp(0)] * 4, ""), (None, None, "failed")]
+    m = explore.eval_metrics("t", results, k=4)
+    assert m["eval/t/accuracy/mean@4"] == pytest.approx((0.75 + 0.0) / 2)
+    assert m["eval/t/accuracy/best@4"] == pytest.approx(0.5) and m["eval/t/accuracy/worst@4"] == 0.0
+    assert m["eval/t/finished_task_count"] == 2 and m["eval/t/failed_count"] == 1
+
+
+def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):
+    seen = []
+
+    class EnvCheck(workflows.Workflow):
+        def run(self):
+            seen.append(os.environ.get("NANORFT_TEST_VAR"))
+            return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=0.0)]
+
+    monkeypatch.setitem(workflows.WORKFLOWS, "env_check", EnvCheck)
+    monkeypatch.setenv("NANORFT_TEST_VAR", "unset")  # restored after the test
+    config = write_config(tmp_path, tiny_model_dir, **{"explorer.env_vars": {"NANORFT_TEST_VAR": "42"},
+                                                       "buffer.total_steps": 1, "buffer.default_workflow_type": "env_check",
+                                                       "buffer.explorer_input.eval_tasksets": []})
+    (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
+    assert explore.explore(cfg) == 0
+    assert seen == ["42"] * 3

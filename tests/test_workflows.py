@@ -1,0 +1,274 @@
+"""workflows/: answer extraction and equivalence, GSM8K gold solutions judged against themselves,
+the countdown safe evaluator, the registries, and each workflow's run() against a scripted fake model."""
+
+import json
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from buffer import Experience, Task
+from configs.schema import GenerationConfig
+from workflows import (REWARD_FNS, WORKFLOWS, Workflow, build_workflow, get_reward_fn, get_workflow,
+                       sampling_kwargs)
+from workflows.countdown import PROMPT, countdown_reward, evaluate, parse_equation
+from workflows.math import accuracy_reward, extract_answer, format_reward, is_equivalent, math_reward
+
+GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "main" / "test.jsonl"
+
+
+# --- GSM8K judgement: gold solutions must be judged correct, altered ones never
+
+
+def altered(solution: str) -> str:
+    """The solution with its final number N after '####' replaced by N+1, same format (commas kept)."""
+    head, _, tail = solution.rpartition("####")
+    n = int(tail.strip().replace(",", ""))
+    return f"{head}#### {n + 1:,}" if "," in tail else f"{head}#### {n + 1}"
+
+
+def test_gsm8k_gold_answers_are_correct_and_altered_ones_are_not():
+    rows = [json.loads(line) for line in GSM8K_TEST.read_text().splitlines() if line.strip()]
+    assert len(rows) == 1319
+    start = time.monotonic()
+    gold = [math_reward(r["answer"], r["answer"])["accuracy"] for r in rows]
+    rate = sum(gold) / len(rows)
+    wrong = [altered(r["answer"]) for r in rows]
+    assert all(w != r["answer"] and re.search(r"\n#### -?[\d,]+$", w) for w, r in zip(wrong, rows))
+    fooled = sum(math_reward(w, r["answer"])["accuracy"] for w, r in zip(wrong, rows))
+    elapsed = time.monotonic() - start
+    print(f"GSM8K test: gold judged correct {rate:.2%} ({int(sum(gold))}/{len(rows)}), "
+          f"altered judged correct {int(fooled)}/{len(rows)}, {elapsed:.1f} s")
+    assert rate >= 0.995
+    assert fooled == 0
+    assert elapsed < 30
+
+
+# --- extraction and equivalence
+
+
+@pytest.mark.parametrize("response,reference,expected", [
+    ("so the total is\n#### 1,234", 1234, 1.0),
+    ("#### 1,234", "#### 1234", 1.0),
+    ("The answer is $\\boxed{\\frac{3}{4}}$.", 0.75, 1.0),
+    ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+    ("\\boxed{\\frac{\\sqrt{4}}{2}} is it", "1", 1.0),           # nested braces, symbolic
+    ("\\boxed{\\frac{\\sqrt{4}}{2}} is it", "2", 0.0),
+    ("<answer> 42 </answer>", "#### 42", 1.0),
+    ("<answer> 41 </answer>", "#### 42", 0.0),
+    ("#### -5", -5, 1.0),
+    ("the change is -5 dollars", "#### -5", 1.0),                # last-number fallback, negative
+    ("#### 5", -5, 0.0),
+    ("#### 72.0", 72, 1.0),
+    ("#### 72.", "#### 72", 1.0),
+    ("#### $18", "#### 18", 1.0),
+    ("#### 0.5", "\\boxed{\\frac{1}{2}}", 1.0),
+    ("\\boxed{x + 1}", "\\boxed{1 + x}", 1.0),                    # non-numeric: math_verify
+    ("#### Step 1\nThen it is 7.", 7, 1.0),                      # a markdown heading is not an answer
+    ("I have no idea.", 3, 0.0),                                 # no number at all
+])
+def test_accuracy_cases(response, reference, expected):
+    assert accuracy_reward(response, reference)["accuracy"] == expected
+
+
+def test_extraction_order_and_last_number_fallback():
+    assert extract_answer("\\boxed{3} then #### 4") == "4"                    # #### wins over boxed
+    assert extract_answer("<answer>5</answer> and \\boxed{a{b}c}") == "a{b}c"  # boxed over <answer>
+    assert extract_answer("\\boxed{1} ... \\boxed{2}") == "2"                  # the last one
+    assert extract_answer("\\boxed{unclosed") is None
+    assert extract_answer("it costs 12 and then 13") is None
+    assert extract_answer("it costs 12 and then 13", last_number_fallback=True) == "13"
+    assert accuracy_reward("it is 13", 13)["accuracy"] == 1.0
+    assert accuracy_reward("it is 13", 13, last_number_fallback=False)["accuracy"] == 0.0
+    assert get_reward_fn("math_reward", last_number_fallback=False)("it is 13", 13)["accuracy"] == 0.0
+
+
+def test_format_and_math_reward_components():
+    assert format_reward("#### 3") == {"format_score": 0.1}
+    assert format_reward("it is 3") == {"format_score": -0.1}
+    assert math_reward("it is 3", "#### 3") == {"accuracy": 1.0, "format_score": -0.1}
+    assert math_reward("\\boxed{4}", "#### 3", format_score=0.05) == {"accuracy": 0.0, "format_score": 0.05}
+
+
+@pytest.mark.parametrize("response", [
+    "9" * 5000,
+    "#### " + "9" * 5000,
+    "\\boxed{" + "9" * 5000 + "}",
+    "__import__('os').system('touch /tmp/nanorft_pwned')",
+    "\\boxed{__import__('os').system('touch /tmp/nanorft_pwned')}",
+    "<answer>__import__('os').system('touch /tmp/nanorft_pwned')</answer>",
+    "\\boxed{9^{9^{9^{9}}}}",
+    "\\boxed{2^{99999999}}",
+    "\\boxed{99999!}",
+    "#### " + "a" * 38 + "!",
+    "<answer>" * 5000,
+    "<answer>" * 5000 + "</answer>",
+    "{" * 3000 + "\\boxed{" + "{" * 3000,
+])
+def test_adversarial_responses_neither_crash_hang_nor_execute(response):
+    start = time.monotonic()
+    assert math_reward(response, "#### 7")["accuracy"] == 0.0
+    assert time.monotonic() - start < 2.0
+    assert not Path("/tmp/nanorft_pwned").exists()
+
+
+def test_math_verify_path_works_off_the_main_thread():
+    # math_verify's own timeouts use SIGALRM, which raises outside the main thread unless disabled.
+    with ThreadPoolExecutor(1) as pool:
+        results = list(pool.map(lambda args: is_equivalent(*args),
+                                [("x + 1", "1 + x"), ("\\sqrt{4}", "2"), ("9^{9^{9^{9}}}", "1")]))
+    assert threading.current_thread() is threading.main_thread()
+    assert results == [True, True, False]
+
+
+# --- countdown
+
+NUMS = {"nums": [3, 5, 2], "target": 16}
+
+
+@pytest.mark.parametrize("response,expected", [
+    ("<think>3 + 5 = 8; 8 * 2 = 16</think> <answer> (3 + 5) * 2 </answer>", 1.0),
+    ("<answer>1</answer> then <answer>2 * (5 + 3)</answer>", 1.0),         # the last <answer> counts
+    ("<answer> 3 * 5 + 2 </answer>", 0.1),                                   # 17: wrong value
+    ("<answer> (3 + 5) * 2 * 1 </answer>", 0.1),                             # 1 not given
+    ("<answer> (3 + 5) * 2 + 3 - 3 </answer>", 0.1),                         # 3 reused
+    ("<answer> (3 + 5) * 2 / 0 </answer>", 0.1),                             # well-formed, / by 0
+    ("<answer> 16 </answer>", 0.1),                                          # numbers missing
+    ("(3 + 5) * 2", 0.0),                                                    # no <answer>
+    ("<answer> (3 + 5) * 2 = 16 </answer>", 0.0),                            # not an expression
+    ("<answer>__import__('os').system('touch /tmp/nanorft_pwned')</answer>", 0.0),
+    ("<answer>2**99999999</answer>", 0.0),
+    ("<answer>(lambda: 16)()</answer>", 0.0),
+    ("<answer>" + "(" * 5000 + "1" + ")" * 5000 + "</answer>", 0.0),
+    ("<answer>" + "9" * 5000 + "</answer>", 0.0),
+    ("<answer>" * 5000 + "(3 + 5) * 2", 0.0),
+])
+def test_countdown_reward(response, expected):
+    start = time.monotonic()
+    scores = countdown_reward(response, NUMS)
+    assert time.monotonic() - start < 1.0
+    assert sum(scores.values()) == pytest.approx(expected)
+    assert set(scores) == {"accuracy", "format_score"}
+    assert not Path("/tmp/nanorft_pwned").exists()
+
+
+def test_countdown_evaluator():
+    assert evaluate(parse_equation("-(3 - 5) * 8 / 2")) == pytest.approx(8.0)
+    assert evaluate(parse_equation("10 / 4")) == pytest.approx(2.5)
+    assert evaluate(parse_equation("999999 * 999999 * 999999")) is None      # beyond MAX_MAGNITUDE
+    for bad in ["True + 1", "1.5 + 2", "a + 1", "1 ** 2", "1 // 2", "[1][0]", "'1' + '2'", ""]:
+        assert parse_equation(bad) is None, bad
+
+
+# --- registries
+
+
+def make_task(workflow: str = "math_workflow", reward_fn: str = "math_reward", **overrides) -> Task:
+    fields = dict(taskset="t", index=0, epoch=0, raw={"question": "q", "answer": "#### 42"}, prompt="q",
+                  messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}],
+                  reference="#### 42", tools=None, workflow=workflow, reward_fn=reward_fn, workflow_args={},
+                  reward_fn_args={}, rollout_args=GenerationConfig(temperature=0.7, top_p=0.9, max_tokens=64),
+                  repeat_times=3)
+    return Task(**{**fields, **overrides})
+
+
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_every_workflow_is_constructible(name):
+    wf = get_workflow(name)(make_task(name, ""), FakeModel([]), get_reward_fn("math_reward"))
+    assert isinstance(wf, Workflow)
+
+
+@pytest.mark.parametrize("name", sorted(REWARD_FNS))
+def test_every_reward_fn_returns_float_components(name):
+    reference = NUMS if name == "countdown_reward" else "#### 16"
+    scores = get_reward_fn(name)("<answer> (3 + 5) * 2 </answer>", reference)
+    assert scores and all(isinstance(v, float) for v in scores.values())
+
+
+def test_unknown_names_fail_listing_the_known_ones():
+    with pytest.raises(KeyError, match="math_workflow") as err:
+        get_workflow("math_workflw")
+    assert "Did you mean 'math_workflow'" in str(err.value) and "countdown_workflow" in str(err.value)
+    with pytest.raises(KeyError, match="countdown_reward"):
+        get_reward_fn("no_such_reward")
+    with pytest.raises(TypeError, match="last_number_fallback"):
+        get_reward_fn("math_reward", last_number_fallbak=False)
+
+
+# --- workflows against a scripted fake model
+
+
+class FakeModel:
+    """Implements workflows.ModelHandle: returns the scripted responses, records every call."""
+
+    model_version = 3
+
+    def __init__(self, responses: list[str]) -> None:
+        self.responses = responses
+        self.calls: list[dict] = []
+
+    def chat(self, messages: list[dict], n: int = 1, **sampling) -> list[Experience]:
+        self.calls.append({"messages": messages, "n": n, **sampling})
+        return [Experience(tokens=torch.arange(10), prompt_length=6, logprobs=torch.zeros(4),
+                           prompt_text=str(messages), response_text=text) for text in self.responses[:n]]
+
+    def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
+        return [self.chat([{"role": "user", "content": p}], n, **sampling) for p in prompts]
+
+
+def test_math_workflow_scores_each_response_and_passes_rollout_args():
+    model = FakeModel(["6 * 7 = 42\n#### 42", "\\boxed{41}", "I think it is 42 or so"])
+    task = make_task(workflow_args={"system_prompt": "Think step by step."})
+    exps = build_workflow(task, model).run()
+    assert [e.reward for e in exps] == pytest.approx([1.1, 0.1, 0.9])
+    assert [e.metrics for e in exps] == [{"accuracy": 1.0, "format_score": 0.1},
+                                         {"accuracy": 0.0, "format_score": 0.1},
+                                         {"accuracy": 1.0, "format_score": -0.1}]
+    (call,) = model.calls
+    assert call["n"] == 3 and call["temperature"] == 0.7 and call["top_p"] == 0.9 and call["max_tokens"] == 64
+    assert "top_k" not in call and "logprobs" not in call                 # unset args are not sent
+    assert call["messages"] == [{"role": "system", "content": "Think step by step."}, {"role": "user", "content": "q"}]
+    assert all(e.group_id == "" and e.run_id == 0 for e in exps)          # the runner's job, not ours
+
+
+def test_math_workflow_defaults_and_last_number_fallback_workflow_arg():
+    task = make_task(reward_fn="", workflow_args={"last_number_fallback": False})
+    exps = build_workflow(task, FakeModel(["I think it is 42"])).run()   # no reward_fn named: math_reward
+    assert exps[0].metrics == {"accuracy": 0.0, "format_score": -0.1}
+    assert task.messages[0] == {"role": "system", "content": "be brief"}  # the task is not mutated
+
+
+def test_simple_workflow_uses_the_configured_reward_fn():
+    model = FakeModel(["<answer>(3 + 5) * 2</answer>", "<answer>3 + 5 + 2</answer>"])
+    task = make_task("simple_workflow", "countdown_reward", reference=NUMS, repeat_times=2, messages=None)
+    exps = build_workflow(task, model).run()
+    assert [e.reward for e in exps] == pytest.approx([1.0, 0.1])
+    assert model.calls[0]["messages"] == [{"role": "user", "content": "q"}]
+    with pytest.raises(ValueError, match="reward"):
+        get_workflow("simple_workflow")(make_task("simple_workflow", ""), model, None).run()
+
+
+def test_countdown_workflow_builds_the_tinyzero_prompt():
+    model = FakeModel(["<answer>(3 + 5) * 2</answer>", "<answer>3 * 5 + 2</answer>", "no idea"])
+    task = make_task("countdown_workflow", "countdown_reward", raw=dict(NUMS), prompt=None, messages=None,
+                     reference=None, rollout_args=GenerationConfig(temperature=1.0, max_tokens=256))
+    exps = build_workflow(task, model).run()
+    assert [e.reward for e in exps] == pytest.approx([1.0, 0.1, 0.0])
+    assert [e.metrics["accuracy"] for e in exps] == [1.0, 0.0, 0.0]
+    (call,) = model.calls
+    assert call["messages"] == [{"role": "user", "content": PROMPT.format(nums=[3, 5, 2], target=16)}]
+    assert "Using the numbers [3, 5, 2], create an equation that equals 16." in call["messages"][0]["content"]
+    assert call["n"] == 3 and call["temperature"] == 1.0 and call["max_tokens"] == 256
+
+
+def test_sampling_kwargs_drops_unset_and_logprobs():
+    assert sampling_kwargs(GenerationConfig(temperature=1.0, logprobs=5)) == {"temperature": 1.0}
+
+
+def test_empty_answer_forms_state_nothing():
+    assert extract_answer("\\boxed{} <answer> </answer>") is None
+    assert format_reward("<answer></answer>") == {"format_score": -0.1}

@@ -1,0 +1,150 @@
+"""Workflows and reward functions: what turns one task into scored responses.
+
+    from workflows import build_workflow
+    exps = build_workflow(task, model).run()   # task.repeat_times Experiences, reward and metrics set
+
+The contract (Trinity-RFT's `Workflow`, ../shared/reference/trinity-inventory.md §5, cut down):
+  - A workflow gets a `Task` (buffer.py), a model handle (`ModelHandle` below, implemented by the
+    rollout engine) and a reward function, and returns Experiences with `reward` and `metrics` set.
+    It never touches the DB, the trainer or the weights. The runner stamps group_id, run_id,
+    model_version, explorer and task_id afterwards. Eval tasks (`task.is_eval`) use the same run().
+  - A reward function is `(response: str, reference: Any, **reward_fn_args) -> dict[str, float]`:
+    named components (e.g. {"accuracy": 1.0, "format_score": 0.1}); the reward is their sum and each
+    component is also stored in `exp.metrics` so it gets logged. `reward_fn_args` from the config
+    are bound once (`get_reward_fn`); `workflow_args` are read by the workflow from the task.
+  - Registries are plain dicts, one line per entry; adding a task = one new file + one line here.
+
+Departures from Trinity: no async twins, no `can_reset` / `can_repeat` flags (every workflow asks
+for all `repeat_times` responses in one `chat(n=...)` call), no auxiliary models yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+from typing import Any, Callable, Protocol
+
+from buffer import Experience, Task
+from configs.schema import GenerationConfig
+
+RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args) -> components
+
+
+class ModelHandle(Protocol):
+    """What a workflow may ask of the rollout engine (written elsewhere; tests use a fake).
+
+    Sampling keys: temperature, top_p, top_k, max_tokens, min_tokens, stop (list[str]), seed.
+    Each returned Experience has tokens (prompt + response ids), prompt_length, logprobs (one per
+    response token), prompt_text, response_text and truncate_status ("response_truncated" when
+    cut at max_tokens, else None)."""
+
+    model_version: int  # weights version currently served
+
+    def chat(self, messages: list[dict], n: int = 1, **sampling: Any) -> list[Experience]:
+        """Apply the chat template to `messages` and sample n responses."""
+        ...
+
+    def generate(self, prompts: list[str], n: int = 1, **sampling: Any) -> list[list[Experience]]:
+        """Sample n responses per raw text prompt (no template): one list per prompt."""
+        ...
+
+
+class Workflow:
+    """Base class of all workflows (the only class hierarchy here). Subclasses implement run()."""
+
+    default_reward_fn: str | None = None  # used when the config names no reward function
+
+    def __init__(self, task: Task, model: ModelHandle, reward_fn: RewardFn | None) -> None:
+        self.task = task
+        self.model = model
+        if reward_fn is None and self.default_reward_fn is not None:
+            reward_fn = get_reward_fn(self.default_reward_fn, **task.reward_fn_args)
+        self.reward_fn = reward_fn
+
+    def run(self) -> list[Experience]:
+        raise NotImplementedError
+
+
+# --- helpers shared by workflows
+
+
+def sampling_kwargs(args: GenerationConfig) -> dict[str, Any]:
+    """The rollout args that are set, as ModelHandle sampling keys.
+
+    `logprobs` (extra top log-probs) is not a sampling key of the handle, which always returns the
+    log-prob of each sampled token, so it is not passed on."""
+    return {k: v for k, v in dataclasses.asdict(args).items() if v is not None and k != "logprobs"}
+
+
+def chat_messages(task: Task) -> list[dict]:
+    """The task's chat messages; `workflow_args["system_prompt"]` replaces (or adds) the system message."""
+    messages = list(task.messages) if task.messages else [{"role": "user", "content": task.prompt or ""}]
+    system_prompt = task.workflow_args.get("system_prompt")
+    if system_prompt is not None:
+        messages = [m for m in messages if m.get("role") != "system"]
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def apply_reward(exp: Experience, components: dict[str, float]) -> Experience:
+    """Set exp.reward to the sum of the components and log each one in exp.metrics."""
+    exp.metrics.update({name: float(value) for name, value in components.items()})
+    exp.reward = float(sum(components.values()))
+    return exp
+
+
+# --- registries
+# NOTE: imported here, below the base class, because each workflow file subclasses `Workflow`
+# from this module (a circular import that works only in this order).
+from workflows.countdown import CountdownWorkflow, countdown_reward  # noqa: E402
+from workflows.math import MathWorkflow, accuracy_reward, format_reward, math_reward  # noqa: E402
+from workflows.simple import SimpleWorkflow  # noqa: E402
+
+WORKFLOWS: dict[str, type[Workflow]] = {
+    "simple_workflow": SimpleWorkflow,
+    "math_workflow": MathWorkflow,
+    "countdown_workflow": CountdownWorkflow,
+    "countdown": CountdownWorkflow,  # the name TinyZero users know
+}
+
+REWARD_FNS: dict[str, RewardFn] = {
+    "accuracy_reward": accuracy_reward,
+    "format_reward": format_reward,
+    "math_reward": math_reward,
+    "countdown_reward": countdown_reward,
+}
+
+
+def _unknown(kind: str, name: str, known: dict) -> KeyError:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return KeyError(f"unknown {kind} {name!r}.{hint} Known: {', '.join(sorted(known))}")
+
+
+def get_workflow(name: str) -> type[Workflow]:
+    """The workflow class registered under `name`; KeyError listing the known names otherwise."""
+    if name not in WORKFLOWS:
+        raise _unknown("workflow", name, WORKFLOWS)
+    return WORKFLOWS[name]
+
+
+def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
+    """The reward function `name` with `reward_fn_args` bound; unknown names or args fail here,
+    at construction, not at the first response."""
+    if name not in REWARD_FNS:
+        raise _unknown("reward function", name, REWARD_FNS)
+    fn = REWARD_FNS[name]
+    params = inspect.signature(fn).parameters
+    bad = [k for k in reward_fn_args if k not in params or k in ("response", "reference")]
+    if bad:
+        accepted = [p for p in params if p not in ("response", "reference")]
+        raise TypeError(f"reward function {name!r} takes no argument(s) {bad}; it accepts {accepted}")
+    return functools.partial(fn, **reward_fn_args)
+
+
+def build_workflow(task: Task, model: ModelHandle) -> Workflow:
+    """The task's workflow, with its reward function (if named) built from task.reward_fn_args."""
+    reward_fn = get_reward_fn(task.reward_fn, **task.reward_fn_args) if task.reward_fn else None
+    return get_workflow(task.workflow)(task, model, reward_fn)
