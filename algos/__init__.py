@@ -3,11 +3,22 @@
 A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do
 (../shared/reference/trinity-inventory.md §4.1). `configs.derive` fills every piece the YAML leaves
 empty from the preset. The trainer only ever looks pieces up by the names in the resolved config.
+
+Piece registries: name -> (function, Config class for its `*_args`), validated by `make_config`.
+    ADVANTAGE_FNS     fn(batch, cfg) -> ({"advantages", "returns", ...} [B,T], metrics)
+    POLICY_LOSS_FNS   fn(logprobs [B,T], batch, cfg, loss_agg_mode) -> (scalar loss, metrics)
+    KL_FNS            fn(logprobs [B,T], ref_logprobs [B,T]) -> per-token KL [B,T]; the KL loss and
+                      KL penalty are `kl.loss(..., kind=name)` / `kl.penalty(..., kind=name)`
+    ENTROPY_LOSS_FNS  fn(entropy [B,T], batch, cfg, loss_agg_mode) -> (scalar loss, metrics)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any, Callable
+
+from algos import entropy, grpo, kl, ppo_loss, sft_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,3 +51,52 @@ PRESETS: dict[str, Preset] = {
     "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True),
     "dpo": Preset(2, "none", "dpo", "k2", entropy_loss_fn="none", train_only=True),
 }
+
+
+ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
+    "grpo": (grpo.compute, grpo.Config),
+}
+
+POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {
+    "ppo": (ppo_loss.compute, ppo_loss.Config),
+    "sft": (sft_loss.compute, sft_loss.Config),
+}
+
+KL_FNS: dict[str, tuple[Callable, type]] = {
+    "none": (functools.partial(kl.estimate, kind="none"), kl.Config),
+    "k1": (functools.partial(kl.estimate, kind="k1"), kl.Config),
+    "k2": (functools.partial(kl.estimate, kind="k2"), kl.Config),
+    "k3": (functools.partial(kl.estimate, kind="k3"), kl.Config),
+    "low_var_kl": (functools.partial(kl.estimate, kind="low_var_kl"), kl.Config),
+    "abs": (functools.partial(kl.estimate, kind="abs"), kl.Config),
+}
+
+ENTROPY_LOSS_FNS: dict[str, tuple[Callable, type]] = {
+    "default": (entropy.loss, entropy.Config),
+    "none": (entropy.none, entropy.Config),
+}
+
+# config field (algorithm.<kind>) -> the registry its name is looked up in
+REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
+    "advantage_fn": ADVANTAGE_FNS,
+    "policy_loss_fn": POLICY_LOSS_FNS,
+    "kl_loss_fn": KL_FNS,
+    "kl_penalty_fn": KL_FNS,
+    "entropy_loss_fn": ENTROPY_LOSS_FNS,
+}
+
+
+def make_config(kind: str, name: str, args: dict[str, Any] | None, path: str) -> Any:
+    """Validate `args` (the YAML's algorithm.<kind>_args, at `path`) into the Config of piece `name`.
+
+    Unknown keys fail with their path and the closest valid key; an unknown piece name fails
+    listing the known ones. Raises configs.ConfigError (a ValueError).
+    """
+    from configs.loader import ConfigError, from_dict  # lazy: configs.loader imports PRESETS from here
+
+    if kind not in REGISTRIES:
+        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(REGISTRIES)}")
+    registry = REGISTRIES[kind]
+    if name not in registry:
+        raise ConfigError(f"{path}: unknown {kind} {name!r}; known: {', '.join(registry)}")
+    return from_dict(registry[name][1], args or {}, path)

@@ -1,0 +1,76 @@
+"""Shared tensor helpers for every algos/ file: masked statistics and the one loss aggregation.
+
+Shape legend (used in a comment on every tensor line in algos/):
+    B  sequences (experiences) in the batch
+    T  response tokens (padded length of the response)
+    G  group size (responses sampled per task)
+    V  vocabulary size
+    num_groups  groups in the batch (B / G when every group is full)
+`mask` is the response mask [B,T]: 1 for a token the loss should see, 0 for padding / prompt / tool
+output. It may be bool or float; it is cast to the values' dtype.
+
+Empty masks never give NaN: every division by a token count uses max(count, 1), so an all-masked
+sequence (or batch) contributes 0 instead of 0/0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of x where mask is set. NOTE: uses where(), not x*mask, so inf/NaN in padding cannot leak."""
+    m = mask.to(torch.bool)  # [B,T]
+    z = torch.where(m, x, torch.zeros_like(x))  # [B,T]
+    return z.sum() if dim is None else z.sum(dim)  # [] or [B]
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over the valid entries (0 where there are none)."""
+    n = mask.to(x.dtype).sum() if dim is None else mask.to(x.dtype).sum(dim)  # [] or [B]
+    return masked_sum(x, mask, dim) / n.clamp(min=1.0)  # [] or [B]
+
+
+def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of x over all valid entries (Bessel-corrected when unbiased and n > 1)."""
+    mean = masked_mean(x, mask)  # []
+    n = mask.to(x.dtype).sum()  # []
+    ss = masked_sum((x - mean) ** 2, mask)  # []
+    denom = (n - 1.0) if unbiased else n  # []
+    return ss / denom.clamp(min=1.0)  # []
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the valid entries; padding is set to 0."""
+    mean = masked_mean(x, mask)  # []
+    w = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)  # [B,T]
+    return torch.where(mask.to(torch.bool), w, torch.zeros_like(w))  # [B,T]
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """Reduce a per-token loss [B,T] to a scalar, counting only tokens where mask is set.
+
+    token-mean:              sum_{b,t} m*l / sum_{b,t} m
+    seq-mean-token-mean:     mean over non-empty sequences b of (sum_t m*l / sum_t m)
+    seq-mean-token-sum:      mean over non-empty sequences b of sum_t m*l
+    seq-mean-token-sum-norm: sum_{b,t} m*l / T, T = mask.shape[-1] (the padded response length of
+                             THIS batch, as veRL's loss_mat.shape[-1]; Dr.GRPO's constant is the max
+                             generation length, which equals T only when batches are padded to it).
+    Deviation: the seq-mean modes average over sequences with at least one valid token (an empty
+    sequence is not counted), so an all-padding row neither adds NaN nor dilutes the mean.
+    """
+    m = mask.to(loss.dtype)  # [B,T]
+    if mode == "token-mean":
+        return masked_mean(loss, mask)  # []
+    if mode == "seq-mean-token-sum-norm":
+        return masked_sum(loss, mask) / loss.shape[-1]  # []
+    n_tok = m.sum(-1)  # [B]
+    seq = masked_sum(loss, mask, dim=-1)  # [B]
+    if mode == "seq-mean-token-mean":
+        seq = seq / n_tok.clamp(min=1.0)  # [B]
+    elif mode != "seq-mean-token-sum":
+        raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
+    valid = n_tok > 0  # [B]
+    return masked_mean(seq, valid)  # []

@@ -1,0 +1,301 @@
+"""algos/: hand-computed numbers for every piece, registry-wide properties, make_config."""
+
+import math
+
+import pytest
+import torch
+
+import algos
+from algos import ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, entropy, grpo, kl, make_config, ppo_loss, sft_loss
+from algos.utils import AGG_MODES, aggregate, masked_mean, masked_whiten
+from configs import ConfigError
+
+# --- aggregation
+
+
+def test_aggregate_modes_hand_computed():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, -100.0]])  # masked entries are 100 / -100
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # token-mean: (1+2+3+4)/4 = 2.5
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(2.5)
+    # seq-mean-token-mean: ((1+2+3)/3 + 4/1)/2 = (2+4)/2 = 3
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
+    # seq-mean-token-sum: ((1+2+3) + 4)/2 = 5
+    assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)
+    # seq-mean-token-sum-norm: (1+2+3+4)/T, T = mask.shape[-1] = 3 -> 10/3
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 3)
+    with pytest.raises(ValueError, match="unknown loss_agg_mode"):
+        aggregate(loss, mask, "token-sum")
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregate_empty_rows_are_finite(mode):
+    loss = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")]])
+    mask = torch.tensor([[1, 1], [0, 0]])
+    out = aggregate(loss, mask, mode)
+    assert torch.isfinite(out)
+    # an empty row changes nothing in the seq-mean modes (it is not counted) nor in the sums
+    assert out.item() == pytest.approx(aggregate(loss[:1], mask[:1], mode).item())
+    assert aggregate(loss, torch.zeros_like(mask), mode).item() == 0.0
+
+
+def test_masked_helpers():
+    x = torch.tensor([[1.0, 3.0, 99.0]])
+    m = torch.tensor([[1, 1, 0]])
+    assert masked_mean(x, m).item() == 2.0
+    w = masked_whiten(x, m)  # mean 2, unbiased var 2 -> (+-1)/sqrt(2)
+    assert w[0, :2].tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2)], abs=1e-6)
+    assert w[0, 2].item() == 0.0
+
+
+# --- GRPO
+
+
+def grpo_batch(rewards, groups, T=3, mask=None):
+    B = len(rewards)
+    return {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_index": torch.tensor(groups),
+            "response_mask": torch.ones(B, T) if mask is None else torch.tensor(mask, dtype=torch.float32)}
+
+
+def test_grpo_unbiased_std():
+    mask = [[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0]]
+    out, metrics = grpo.compute(grpo_batch([1.0, 0.0, 0.0, 1.0], [0, 0, 0, 0], mask=mask), grpo.Config())
+    # mean 0.5, torch.std (unbiased) = sqrt(4 * 0.25 / 3) = 0.5774 -> +-0.5 / 0.5774 = +-0.8660
+    a = 0.5 / math.sqrt(1 / 3)
+    expected = torch.tensor([[a, a, 0], [-a, 0, 0], [-a, -a, -a], [a, a, 0]])
+    assert torch.allclose(out["advantages"], expected, atol=1e-5)
+    assert torch.equal(out["returns"], out["advantages"])
+    assert metrics["filtered_count"] == 0.0
+
+
+def test_grpo_no_std_and_two_groups():
+    cfg = grpo.Config(norm_adv_by_std_in_grpo=False)
+    # group 0: [1,0] mean 0.5 -> +-0.5 ; group 1: [3,1] mean 2 -> +-1 (Dr.GRPO: no std division)
+    out, _ = grpo.compute(grpo_batch([1.0, 3.0, 0.0, 1.0], [0, 1, 0, 1]), cfg)
+    assert out["advantages"][:, 0].tolist() == pytest.approx([0.5, 1.0, -0.5, -1.0])
+
+
+def test_grpo_singleton_group_is_raw_reward():
+    # group 1 has one member: baseline 0, std 1 -> A = 0.7 / (1 + 1e-6)
+    out, _ = grpo.compute(grpo_batch([1.0, 0.0, 0.7], [0, 0, 1]), grpo.Config())
+    assert out["advantages"][2].tolist() == pytest.approx([0.7] * 3, abs=1e-5)
+    assert out["keep"].all()
+
+
+def test_grpo_std_threshold_filters_groups():
+    # group 0: [1,0] std 0.707 kept; group 1: [2,2] std 0 <= 0.1 dropped; group 2: singleton dropped
+    out, metrics = grpo.compute(grpo_batch([1.0, 0.0, 2.0, 2.0, 5.0], [0, 0, 1, 1, 2]), grpo.Config(std_threshold=0.1))
+    assert out["keep"].tolist() == [True, True, False, False, False]
+    assert metrics["filtered_count"] == 3.0
+    assert out["advantages"][2:].abs().sum().item() == 0.0
+    a = 0.5 / math.sqrt(0.5)  # unbiased std of [1,0] = sqrt(0.5)
+    assert out["advantages"][:2, 0].tolist() == pytest.approx([a, -a], abs=1e-5)
+
+
+# --- PPO
+
+
+def test_ppo_hand_computed_clip_and_dual_clip():
+    # ratios 1.1 (inside), 1.5 (A>0: clipped to 1.2), 5.0 (A<0: dual clip at c=3)
+    logprobs = torch.log(torch.tensor([[1.1, 1.5, 5.0]]))
+    batch = {"old_logprobs": torch.zeros(1, 3), "advantages": torch.tensor([[1.0, 1.0, -1.0]]),
+             "response_mask": torch.ones(1, 3)}
+    loss, m = ppo_loss.compute(logprobs, batch, ppo_loss.Config(), "token-mean")
+    # token losses: max(-1.1,-1.1) = -1.1 ; max(-1.5,-1.2) = -1.2 ; min(max(5.0,1.2), 3.0) = 3.0
+    assert loss.item() == pytest.approx((-1.1 - 1.2 + 3.0) / 3, abs=1e-6)
+    assert m["pg_loss"] == pytest.approx(loss.item())
+    assert m["pg_clipfrac"] == pytest.approx(1 / 3)  # token 1 only
+    assert m["pg_clipfrac_lower"] == pytest.approx(1 / 3)  # token 2 only
+    assert m["ppo_kl"] == pytest.approx(-math.log(1.1 * 1.5 * 5.0) / 3, abs=1e-6)  # mean(old - new)
+
+
+def test_ppo_asymmetric_clip():
+    # eps_low 0.2, eps_high 0.28: r=1.5, A=1 -> -1.28 ; r=0.5, A=-1 -> max(0.5, 0.8) = 0.8
+    logprobs = torch.log(torch.tensor([[1.5, 0.5]]))
+    batch = {"old_logprobs": torch.zeros(1, 2), "advantages": torch.tensor([[1.0, -1.0]]), "response_mask": torch.ones(1, 2)}
+    cfg = ppo_loss.Config(clip_range_high=0.28)
+    loss, m = ppo_loss.compute(logprobs, batch, cfg, "seq-mean-token-sum")
+    assert loss.item() == pytest.approx(-1.28 + 0.8, abs=1e-6)  # one sequence: token sum
+    assert m["pg_clipfrac"] == 1.0 and m["pg_clipfrac_lower"] == 0.0
+
+
+def test_sft_is_mean_nll():
+    logprobs = torch.tensor([[-1.0, -2.0, -30.0]])
+    loss, m = sft_loss.compute(logprobs, {"response_mask": torch.tensor([[1, 1, 0]])}, sft_loss.Config(), "token-mean")
+    assert loss.item() == pytest.approx(1.5) and m["sft_loss"] == pytest.approx(1.5)  # (1+2)/2
+
+
+# --- KL and entropy
+
+
+def test_kl_estimators_hand_computed():
+    logp = torch.tensor([[0.0, -1.0, -30.0]])
+    ref = torch.tensor([[-1.0, 0.0, 0.0]])  # d = logp - ref = [1, -1, -30]
+    e1, e = math.exp(-1), math.e
+    assert kl.estimate(logp, ref, "k1").tolist() == [[1.0, -1.0, -30.0]]
+    assert kl.estimate(logp, ref, "k2").tolist() == [[0.5, 0.5, 450.0]]  # d^2/2
+    assert kl.estimate(logp, ref, "abs").tolist() == [[1.0, 1.0, 30.0]]
+    assert kl.estimate(logp, ref, "none").tolist() == [[0.0, 0.0, 0.0]]
+    k3 = kl.estimate(logp, ref, "k3")[0]  # exp(-d) - 1 + d: e^-1 - 1 + 1 ; e - 1 - 1 ; e^30 - 31
+    assert k3[:2].tolist() == pytest.approx([e1, e - 2], abs=1e-6)
+    assert k3[2].item() == pytest.approx(math.exp(30) - 31, rel=1e-4)
+    lv = kl.estimate(logp, ref, "low_var_kl")[0]  # same as k3, but clamped to 10
+    assert lv.tolist() == pytest.approx([e1, e - 2, 10.0], abs=1e-6)
+
+
+def test_kl_loss_and_penalty():
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    batch = {"ref_logprobs": torch.tensor([[-1.0, 0.0, 5.0]]), "old_logprobs": torch.zeros(1, 3),
+             "rewards": torch.tensor([1.0]), "response_mask": mask}
+    # loss: k2 of d = [1, 0] -> [0.5, 0] -> token-mean 0.25 -> x beta 0.1 = 0.025
+    loss, m = kl.loss(torch.zeros(1, 3), batch, kl.Config(kl_coef=0.1), "token-mean", kind="k2")
+    assert loss.item() == pytest.approx(0.025) and m["kl_loss"] == pytest.approx(0.25)
+    # penalty: k1 = [1, 0, (masked)]; reward 1 on the last valid token (t=1) -> [0 - 0.1, 1 - 0, 0]
+    rewards, m = kl.penalty(batch, kl.Config(kl_coef=0.1), kind="k1")
+    assert rewards[0].tolist() == pytest.approx([-0.1, 1.0, 0.0])
+    assert m["kl"] == pytest.approx(0.5)
+
+
+def test_entropy_loss():
+    ent = torch.tensor([[1.0, 2.0, 3.0]])
+    loss, m = entropy.loss(ent, {"response_mask": torch.ones(1, 3)}, entropy.Config(entropy_coef=0.01), "token-mean")
+    assert loss.item() == pytest.approx(-0.02) and m["entropy_loss"] == pytest.approx(2.0)  # -0.01 * mean(1,2,3)
+    loss, m = entropy.none(None, {}, entropy.Config(), "token-mean")
+    assert loss.item() == 0.0 and m == {}
+
+
+# --- properties over every registry entry
+
+POLICY_METRICS = {"ppo": {"pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"}, "sft": {"sft_loss"}}
+NEEDS_ADVANTAGE = {"ppo"}  # zero advantage -> zero gradient; sft ignores advantages
+ENTROPY_METRICS = {"default": {"entropy_loss"}, "none": set()}
+
+
+def random_batch(seed=0, B=3, T=5):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, T)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    return {"old_logprobs": -torch.rand(B, T, generator=g), "ref_logprobs": -torch.rand(B, T, generator=g),
+            "advantages": torch.randn(B, T, generator=g), "response_mask": mask,
+            "rewards": torch.rand(B, generator=g), "group_index": torch.tensor([0, 0, 1])[:B]}
+
+
+def policy_terms():
+    """(name, callable(logprobs, batch) -> (loss, metrics), expected metric keys) for every loss-like entry."""
+    out = [(f"policy/{n}", lambda lp, b, f=f, c=c: f(lp, b, c(), "token-mean"), POLICY_METRICS[n])
+           for n, (f, c) in POLICY_LOSS_FNS.items()]
+    out += [(f"kl/{n}", lambda lp, b, n=n: kl.loss(lp, b, kl.Config(), "token-mean", kind=n), {"kl_loss", "kl_coef"})
+            for n in KL_FNS]
+    out += [(f"entropy/{n}", lambda lp, b, f=f, c=c: f(-lp, b, c(entropy_coef=0.1), "token-mean"), ENTROPY_METRICS[n])
+            for n, (f, c) in ENTROPY_LOSS_FNS.items()]  # -logprobs stands in for a per-token entropy
+    return out
+
+
+TERMS = policy_terms()
+
+
+def test_registries_cover_expected_names():
+    assert set(POLICY_LOSS_FNS) == set(POLICY_METRICS)
+    assert set(ENTROPY_LOSS_FNS) == set(ENTROPY_METRICS)
+    assert set(KL_FNS) == set(kl.KINDS) and set(ADVANTAGE_FNS) == {"grpo"}
+
+
+@pytest.mark.parametrize("name", list(POLICY_LOSS_FNS))
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_policy_loss_finite_and_metrics(name, mode):
+    fn, cfg_cls = POLICY_LOSS_FNS[name]
+    b = random_batch()
+    lp = (b["old_logprobs"] + 0.3 * torch.randn(3, 5)).requires_grad_()
+    loss, metrics = fn(lp, b, cfg_cls(), mode)
+    assert loss.dim() == 0 and torch.isfinite(loss)
+    assert set(metrics) == POLICY_METRICS[name] and all(math.isfinite(v) for v in metrics.values())
+    loss.backward()
+    assert torch.isfinite(lp.grad).all()
+
+
+@pytest.mark.parametrize("name", sorted(NEEDS_ADVANTAGE))
+def test_zero_advantage_zero_gradient(name):
+    fn, cfg_cls = POLICY_LOSS_FNS[name]
+    b = random_batch() | {"advantages": torch.zeros(3, 5)}
+    lp = (b["old_logprobs"] + 0.5 * torch.randn(3, 5)).requires_grad_()
+    fn(lp, b, cfg_cls(), "token-mean")[0].backward()
+    assert lp.grad.abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("name,term,keys", TERMS, ids=[t[0] for t in TERMS])
+def test_masked_tokens_have_no_effect(name, term, keys):
+    b1 = random_batch()
+    lp1 = b1["old_logprobs"] + 0.2
+    pad = b1["response_mask"] == 0
+    b2 = {k: v.clone() for k, v in b1.items()}
+    for k in ("old_logprobs", "ref_logprobs", "advantages"):
+        b2[k][pad] = torch.randn(int(pad.sum())) * 5
+    lp2 = torch.where(pad, torch.randn(3, 5) * 5 - 3, lp1)
+    grads, losses = [], []
+    for lp, b in ((lp1, b1), (lp2, b2)):
+        lp = lp.clone().requires_grad_()
+        loss, metrics = term(lp, b)
+        assert set(metrics) == keys and all(math.isfinite(v) for v in metrics.values())
+        assert loss.dim() == 0 and torch.isfinite(loss)
+        losses.append(loss.item())
+        if loss.requires_grad:
+            loss.backward()
+        grads.append(torch.zeros(3, 5) if lp.grad is None else lp.grad)
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    assert torch.allclose(grads[0], grads[1], atol=1e-7)
+    assert grads[0][pad].abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_ppo_at_ratio_one_is_reinforce(mode):
+    b = random_batch()
+    lp = b["old_logprobs"].clone().requires_grad_()
+    ppo_loss.compute(lp, b, ppo_loss.Config(), mode)[0].backward()
+    lp_ref = b["old_logprobs"].clone().requires_grad_()
+    aggregate(-b["advantages"] * lp_ref, b["response_mask"], mode).backward()  # REINFORCE: -A * logp
+    assert torch.allclose(lp.grad, lp_ref.grad, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(ADVANTAGE_FNS))
+def test_advantage_fns_finite_masked(name):
+    fn, cfg_cls = ADVANTAGE_FNS[name]
+    b = random_batch()
+    out, metrics = fn(b, cfg_cls())
+    assert out["advantages"].shape == (3, 5) and torch.isfinite(out["advantages"]).all()
+    assert out["advantages"][b["response_mask"] == 0].abs().sum().item() == 0.0
+    assert "filtered_count" in metrics and all(math.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", list(KL_FNS))
+def test_kl_fns_finite_and_penalty(name):
+    fn, cfg_cls = KL_FNS[name]
+    b = random_batch()
+    est = fn(b["old_logprobs"], b["ref_logprobs"])
+    assert est.shape == (3, 5) and torch.isfinite(est).all()
+    assert fn(b["ref_logprobs"], b["ref_logprobs"]).abs().max().item() == 0.0  # KL(p||p) = 0
+    rewards, metrics = kl.penalty(b, cfg_cls(), kind=name)
+    assert torch.isfinite(rewards).all() and set(metrics) == {"kl", "kl_coef"}
+    assert rewards[b["response_mask"] == 0].abs().sum().item() == 0.0
+
+
+# --- make_config
+
+
+@pytest.mark.parametrize("kind", list(algos.REGISTRIES))
+def test_make_config_defaults(kind):
+    for name, (_, cfg_cls) in algos.REGISTRIES[kind].items():
+        assert make_config(kind, name, {}, f"algorithm.{kind}_args") == cfg_cls()
+        assert make_config(kind, name, None, f"algorithm.{kind}_args") == cfg_cls()
+
+
+def test_make_config_values_and_errors():
+    cfg = make_config("policy_loss_fn", "ppo", {"clip_range_high": "0.28", "clip_ratio_c": 4}, "algorithm.policy_loss_fn_args")
+    assert cfg.clip_range_high == pytest.approx(0.28) and cfg.clip_ratio_c == 4.0 and cfg.clip_range == 0.2
+    assert make_config("advantage_fn", "grpo", {"std_threshold": 0.0}, "a").std_threshold == 0.0
+    with pytest.raises(ConfigError, match=r"^algorithm\.policy_loss_fn_args\.clip_rnage: unknown key; did you mean clip_range\?"):
+        make_config("policy_loss_fn", "ppo", {"clip_rnage": 0.3}, "algorithm.policy_loss_fn_args")
+    with pytest.raises(ConfigError, match=r"unknown policy_loss_fn 'ppx'; known: ppo, sft"):
+        make_config("policy_loss_fn", "ppx", {}, "algorithm.policy_loss_fn_args")
+    with pytest.raises(ConfigError, match="unknown piece kind"):
+        make_config("critic_fn", "ppo", {}, "algorithm")
