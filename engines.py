@@ -78,14 +78,18 @@ class Completion:
 class Batcher:
     """Collects `submit` calls from many threads into shared `generate` calls on one worker thread."""
 
-    def __init__(self, generate: Callable, wait_s: float = 0.005) -> None:
+    def __init__(self, generate: Callable, max_model_len: int, wait_s: float = 0.005) -> None:
         self.generate, self.wait_s = generate, wait_s  # wait_s: how long a batch waits for more
+        self.max_model_len = max_model_len
         self.queue: queue.Queue = queue.Queue()  # (prompt_ids, params, future); None = close
         self.closed, self.mutex = False, threading.Lock()
         self.worker = threading.Thread(target=self.run, name="engine-batcher", daemon=True)
         self.worker.start()
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        """Queue one request; the future resolves to its n completions. Bad requests raise here, so
+        that one caller's bad request never fails a batch shared with others."""
+        check_request(prompt_ids, params, self.max_model_len)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self.mutex:  # NOTE: nothing may be queued behind the close marker, or it would hang
             if self.closed:
@@ -171,11 +175,9 @@ class HFEngine:
         self.num_batches = 0  # decode batches run so far (a request of n samples spans n rows)
         self.rng = random.Random(seed)  # seeds the requests that come without one
         self.lock = threading.Lock()  # NOTE: held by every generate and load_weights
-        self.batcher = Batcher(self.generate)
+        self.batcher = Batcher(self.generate, max_model_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
-        """Queue one request; the future resolves to its n completions. Bad requests raise here."""
-        check_request(prompt_ids, params, self.max_model_len)
         return self.batcher.submit(prompt_ids, params)
 
     def close(self) -> None:
@@ -315,10 +317,9 @@ class VLLMEngine:
         self.model_version = 0
         self.num_batches = 0
         self.lock = threading.Lock()
-        self.batcher = Batcher(self.generate)
+        self.batcher = Batcher(self.generate, max_model_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
-        check_request(prompt_ids, params, self.max_model_len)
         return self.batcher.submit(prompt_ids, params)
 
     def close(self) -> None:
