@@ -50,6 +50,8 @@ TENSOR_FIELDS = {"tokens": torch.int32, "chosen": torch.int32, "rejected": torch
                  "action_mask": torch.bool, "logprobs": torch.float32, "token_level_reward": torch.float32,
                  "advantages": torch.float32, "returns": torch.float32, "teacher_logprobs": torch.float32}
 COLUMNS = ("explorer", "model_version", "group_id", "run_id", "task_id", "reward", "prompt_length")
+SELECT_ROWS = (f"SELECT e.id, p.tensors, p.meta, {', '.join('e.' + c for c in COLUMNS)}"
+               " FROM experiences e JOIN payloads p ON p.id = e.id WHERE e.id IN ({})")
 
 
 @dataclass
@@ -265,9 +267,7 @@ class ExperienceDB:
                                     " last_claimed = ? WHERE id = ?", [(now, i) for i in ids])
                     cur.executemany("INSERT INTO claims (exp_id, step, claimed) VALUES (?, ?, ?)",
                                     [(i, step, now) for i in ids])
-                    rows = cur.execute(f"SELECT e.id, p.tensors, p.meta, {', '.join('e.' + c for c in COLUMNS)}"
-                                       " FROM experiences e JOIN payloads p ON p.id = e.id"
-                                       f" WHERE e.id IN ({', '.join('?' * len(ids))})", ids).fetchall()
+                    rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
                     break
             time.sleep(min(pause, max(timeout - waited, 0.0)))
             pause = min(pause * 1.5, 0.5)
@@ -277,6 +277,16 @@ class ExperienceDB:
         # Deserialise after COMMIT so that the write lock is held only for the SQL.
         by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols)))
                  for id, blob, meta, *cols in rows}
+        return [by_id[i] for i in ids]
+
+    def get(self, ids: list[int]) -> list[Experience]:
+        """The experiences with these row ids, in that order, without claiming them (the trainer's
+        other ranks read what rank 0 claimed)."""
+        rows = self.conn.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
+        by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols))) for id, blob, meta, *cols in rows}
+        missing = [i for i in ids if i not in by_id]
+        if missing:
+            raise KeyError(f"{self.path}: no experiences with ids {missing[:5]}")
         return [by_id[i] for i in ids]
 
     def release_after(self, step: int) -> int:

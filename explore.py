@@ -10,7 +10,8 @@ What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
     one group) -> stamp group/run ids and versions -> write the step's experiences AND the explorer's
     position in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
-    weights -> evaluate every eval_interval steps.
+    weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
+    group, see sync.py) -> evaluate every eval_interval steps.
 Writing experiences and position together is what makes a SIGKILLed explorer restart exactly after
 its last written step: no task explored twice, none skipped.
 
@@ -36,6 +37,7 @@ from typing import Any
 from tqdm import tqdm
 
 import configs
+import launch
 import sync
 from buffer import Experience, ExperienceDB, Task, TaskReader, load_tasks
 from engines import ModelHandle, make_engine
@@ -206,7 +208,7 @@ def explore(cfg: configs.Config) -> int:
     if step == 0 and e.eval_on_startup and eval_sets:
         monitor.log(evaluate(pool, handles, cfg, eval_sets), step=0)
 
-    code = 0
+    code, receiver = 0, None  # receiver: the process-group link to the trainer, opened at the first sync point
     while step < steps:
         # --- rollout
         tasks = reader.read(b.batch_size)
@@ -227,26 +229,49 @@ def explore(cfg: configs.Config) -> int:
         Path(cfg.checkpoint_job_dir, "explorer_meta.json").write_text(json.dumps({"latest_iteration": step, **state}))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", version=engine.model_version)
-        # --- sync: after step s, wait for the trainer's weights of step s - sync_offset
+        # --- sync: after step s, the trainer's weights of step s - sync_offset (a file, or over the group)
         s = cfg.synchronizer
         if cfg.mode != "bench" and step < steps and step > s.sync_offset and (step - s.sync_offset) % s.sync_interval == 0:
-            t0 = time.monotonic()
-            if sync.latest_version(cfg.checkpoint_job_dir) < step - s.sync_offset:
-                log.info("sync point after step %d: waiting up to %g s for the trainer's weights of step %d in %s",
-                         step, s.sync_timeout, step - s.sync_offset, cfg.checkpoint_job_dir)
-            found = sync.wait_for_version(cfg.checkpoint_job_dir, step - s.sync_offset, s.sync_timeout)
-            if found is None:
-                log.error("no weights of step %d from the trainer after %g s (synchronizer.sync_timeout); "
-                          "stopping. Restart to continue after step %d.", step - s.sync_offset, s.sync_timeout, step)
-                code = 1
-                break
-            engine.load_weights(str(found), version=sync.latest_version(cfg.checkpoint_job_dir))
+            t0, want = time.monotonic(), step - s.sync_offset
+            if s.sync_method == "nccl":
+                try:
+                    receiver = receiver or sync.open_receiver(cfg.checkpoint_job_dir, s.sync_timeout)
+                    got = sync.receive_weights(receiver)
+                except sync.SyncError as err:
+                    got, why = None, str(err)
+                else:
+                    why = "the trainer finished and sent stop"
+                if got is None:
+                    log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
+                              want, why, step)
+                    code = 1
+                    break
+                version, state = got
+                if version != want:
+                    log.warning("sync point after step %d: got weights of step %d, expected %d", step, version, want)
+                metrics["sync/bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+                metrics["sync/receive_seconds"] = time.monotonic() - t0
+                engine.load_weights(state, version=version)
+                del state
+            else:
+                if sync.latest_version(cfg.checkpoint_job_dir) < want:
+                    log.info("sync point after step %d: waiting up to %g s for the trainer's weights of step %d in %s",
+                             step, s.sync_timeout, want, cfg.checkpoint_job_dir)
+                found = sync.wait_for_version(cfg.checkpoint_job_dir, want, s.sync_timeout)
+                if found is None:
+                    log.error("no weights of step %d from the trainer after %g s (synchronizer.sync_timeout); "
+                              "stopping. Restart to continue after step %d.", want, s.sync_timeout, step)
+                    code = 1
+                    break
+                engine.load_weights(str(found), version=sync.latest_version(cfg.checkpoint_job_dir))
             metrics["time/sync"] = time.monotonic() - t0
         # --- eval and log
         if eval_sets and (step % e.eval_interval == 0 or step == steps):
             metrics.update(evaluate(pool, handles, cfg, eval_sets))
         monitor.log(metrics, step=step)
     bar.close()
+    if receiver is not None:
+        sync.close_receiver(receiver)
     monitor.close()
     pool.shutdown(wait=False, cancel_futures=True)
     log.info("explorer %s finished at step %d; %s", name, step, db.counts())
@@ -279,20 +304,7 @@ def bench(cfg: configs.Config) -> int:
 
 def main(argv: list[str]) -> int:
     cfg = configs.entry(argv, "nanorft explorer")
-    code, previous = 0, None
-    for stage in configs.resolve_stages(cfg):
-        if previous is not None and (weights := sync.latest_weights(previous.checkpoint_job_dir)):
-            stage.model.model_path = str(weights)  # a stage starts from the previous stage's weights
-        previous = stage
-        if stage.mode == "bench":
-            code = bench(stage)
-        elif stage.mode in ("explore", "both"):
-            code = explore(stage)
-        else:
-            log.info("stage %s is mode %s: nothing for the explorer to do", stage.name, stage.mode)
-        if code:
-            break
-    return code
+    return launch.run_in_process(cfg, {"bench": bench, "explore": explore, "both": explore}, "explorer")
 
 
 if __name__ == "__main__":

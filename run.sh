@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # nanorft launcher.
-#   bash run.sh [CONFIG] [--section.key VALUE ...]   set up .venv on first use, build the embedded default, run CONFIG
-#                                                    (default: configs/tiny.yaml)
+#   bash run.sh [CONFIG] [--section.key VALUE ...]   set up .venv on first use, build the embedded default, then run
+#                                                    the experiment CONFIG (default: configs/tiny.yaml) via launch.py
 #   bash run.sh test [PYTEST ARGS]                   set up .venv on first use, then run the test suite
 # Set-up happens once: later calls reuse .venv until pyproject.toml changes.
 set -euo pipefail
@@ -37,5 +37,5 @@ fi
 CONFIG="${1:-configs/tiny.yaml}"
 [ $# -gt 0 ] && shift
 "$PY" tiny.py --out assets
-# The explorer and trainer loops land with the next issues; for now run.sh shows the resolved config.
-exec "$PY" train.py --config "$CONFIG" --dry-run "$@"
+# Every stage with the processes its mode needs (explorer, trainer); then summary.json and a plot.
+exec "$PY" launch.py --config "$CONFIG" "$@"

@@ -13,21 +13,46 @@ NOTE: the folder is written under a temporary name and renamed into place, and o
 pointer file replaced (also by rename). A reader that follows the pointer therefore never sees a
 half-written folder, even if the trainer is killed mid-save.
 
-The process-group method (`nccl`, a hand-built gloo/NCCL group beside torchrun's) comes with the
-trainer.
+Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the full tensors to
+the explorer over a two-rank group built by hand beside torchrun's default group (gloo on CPU, NCCL
+on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source), the explorer is rank 1.
+
+    link = open_sender(job_dir, device, timeout)       # trainer rank 0: TCPStore + <job dir>/sync_group.json
+    send_weights(link, version, specs, tensors)        # every rank; specs [(name, shape, dtype)], tensors lazy
+    close_sender(link, finished=True)                  # "stop": a waiting explorer learns the trainer is done
+    link = open_receiver(job_dir, timeout)             # explorer: find the file, connect to the store
+    got = receive_weights(link)                        # (version, {name: tensor}), or None after "stop"
+    close_receiver(link)
+
+The wire, per transfer n: the header (JSON: version, names, shapes, dtypes; or stop) is the store
+key `nanorft/header/<n>`; then each tensor, in header order, is broadcast as raw bytes (a uint8 view:
+bitwise exact for every dtype, no pickle anywhere); the explorer acks with `nanorft/ack/<n>`.
+Headers go through the store, not the group, so that "stop" never blocks on a departed explorer and a
+dead trainer is noticed at once (the store lives in the trainer's process: its sockets close).
+NOTE: the group itself is created at the first transfer (creating it blocks until both sides are
+there). The store listens on 127.0.0.1 only, so both sides run on one machine.
 """
 
 from __future__ import annotations
 
+import datetime
+import json
 import logging
 import os
 import shutil
+import socket
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
+GROUP_FILE = "sync_group.json"  # where trainer rank 0 tells the explorer how to reach its store
 
 
 def weights_path(job_dir: str | Path, step: int) -> Path:
@@ -35,23 +60,44 @@ def weights_path(job_dir: str | Path, step: int) -> Path:
     return Path(job_dir, f"global_step_{step}", "actor", "huggingface")
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
+def write_atomic(path: str | Path, write: Callable[[str], Any]) -> None:
+    """Create `path` through `write(temporary path)`, then rename it into place: readers see the old
+    file or the whole new one, never a part (os.replace is atomic on POSIX)."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)  # atomic on POSIX: readers see the old or the new content, never a mix
+    write(str(tmp))
+    os.replace(tmp, path)
 
 
-def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int) -> Path:
-    """Save `model` (a transformers PreTrainedModel, full weights) as global_step_<step>, then point to it."""
-    final = weights_path(job_dir, step)
-    tmp = final.with_name(f".huggingface.tmp-{os.getpid()}")
+def _write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda p: Path(p).write_text(text))
+
+
+def set_latest(job_dir: str | Path, step: int) -> None:
+    """Point latest_state_dict_iteration.txt at `step` (a resumed trainer rewinds it to its checkpoint)."""
+    _write_text_atomic(Path(job_dir, POINTER), f"{step}\n")
+
+
+def save_hf(model: Any, tokenizer: Any, folder: str | Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """An HF folder (config, safetensors, tokenizer) written under a temporary name and renamed into place.
+    `state_dict`: full weights to save instead of the model's own (e.g. gathered from FSDP2 shards)."""
+    final = Path(folder)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors; tied embeddings are stored once and restored on load
+    model.save_pretrained(tmp, state_dict=state_dict)  # safetensors; tied embeddings stored once
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_text_atomic(Path(job_dir, POINTER), f"{step}\n")
+    return final
+
+
+def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Save the weights as global_step_<step>'s HF folder, then point latest_state_dict_iteration.txt to it."""
+    final = save_hf(model, tokenizer, weights_path(job_dir, step), state_dict)
+    set_latest(job_dir, step)
     return final
 
 
@@ -80,3 +126,205 @@ def wait_for_version(job_dir: str | Path, version: int, timeout: float, poll: fl
             last_note = time.monotonic()
         time.sleep(poll)
     return weights_path(job_dir, have)
+
+
+
+# --- process-group method
+
+
+class SyncError(RuntimeError):
+    """The other side never came, died, or broke the protocol."""
+
+
+@dataclass
+class WeightLink:
+    """One side of the trainer -> explorer weight link."""
+
+    store: dist.TCPStore  # served by trainer rank 0's process; the explorer is a client
+    rank: int  # 0 = trainer (the source), 1 = explorer
+    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
+    device: torch.device  # where tensors travel from / arrive on
+    timeout: datetime.timedelta  # each wait for the other side
+    job_dir: Path
+    group: Any = None  # ProcessGroupGloo / ProcessGroupNCCL, made at the first transfer
+    count: int = 0  # headers sent / received so far (the next header key)
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def _group(link: WeightLink) -> Any:
+    """The two-rank group (made once; blocks until the other side makes it too, up to link.timeout)."""
+    if link.group is None:
+        store = dist.PrefixStore("nanorft/weights", link.store)
+        if link.backend == "nccl":
+            from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
+
+            opts = ProcessGroupNCCL.Options()
+            opts._timeout = link.timeout
+            link.group = ProcessGroupNCCL(store, link.rank, 2, opts)
+        else:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = link.timeout
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # loopback only
+            link.group = dist.ProcessGroupGloo(store, link.rank, 2, opts)
+    return link.group
+
+
+def _broadcast(link: WeightLink, buf: torch.Tensor) -> None:
+    """Broadcast a uint8 buffer from the trainer (rank 0) to the explorer, in place."""
+    _group(link).broadcast(buf, 0).wait()
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)  # same memory, 1 byte per element: bitwise exact
+
+
+def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float) -> WeightLink:
+    """Trainer rank 0: serve a store on 127.0.0.1 (a free port) and write <job dir>/sync_group.json.
+    device "cpu" -> gloo; "cuda[:i]" -> NCCL (NOTE: NCCL needs the explorer on another GPU; on one
+    shared GPU use "cpu", gloo)."""
+    device = torch.device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    sock = socket.create_server(("127.0.0.1", 0))  # bound here so that the store listens on loopback only
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, True, _timeout(timeout), wait_for_workers=False,
+                          master_listen_fd=sock.detach())  # the store owns the socket from now on
+    Path(job_dir).mkdir(parents=True, exist_ok=True)
+    info = {"host": "127.0.0.1", "port": port, "pid": os.getpid(), "backend": backend}
+    _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
+    log.info("weight sync: %s group served on 127.0.0.1:%d (%s)", backend, port, Path(job_dir, GROUP_FILE))
+    return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir))
+
+
+def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+                 tensors: Iterable[torch.Tensor]) -> int:
+    """Send one version of the weights; returns the bytes sent. `tensors` yields the full tensors in
+    `specs` order, lazily (one full parameter at a time); each is cast to its spec's dtype.
+    NOTE: call it on EVERY trainer rank, link=None on all but rank 0: producing the tensors
+    (FSDP2 `full_tensor()`) is a collective, so the other ranks iterate too and drop them."""
+    if link is None:
+        for _ in tensors:
+            pass
+        return 0
+    header = {"version": version, "names": [n for n, _, _ in specs], "shapes": [list(s) for _, s, _ in specs],
+              "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs]}
+    link.store.set(f"nanorft/header/{link.count}", json.dumps(header))
+    link.count += 1
+    sent = 0
+    for (name, shape, dtype), t in zip(specs, tensors, strict=True):
+        if tuple(t.shape) != tuple(shape):
+            raise SyncError(f"{name}: tensor of shape {tuple(t.shape)}, spec says {tuple(shape)}")
+        buf = _as_bytes(t.detach().to(device=link.device, dtype=dtype))
+        _broadcast(link, buf)
+        sent += buf.numel()
+    return sent
+
+
+def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -> None:
+    """Send "stop" (finished=False: the trainer failed), wait up to `grace` s for a waiting explorer to
+    read it (an explorer that closed its end is not waited for), remove sync_group.json."""
+    n = link.count
+    link.store.set(f"nanorft/header/{n}", json.dumps({"stop": True, "finished": finished}))
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and not any(link.store.check([k]) for k in (f"nanorft/ack/{n}", "nanorft/closed")):
+        time.sleep(0.05)
+    path = Path(link.job_dir, GROUP_FILE)
+    try:
+        if json.loads(path.read_text())["pid"] == os.getpid():  # ours, not a newer trainer's
+            path.unlink()
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
+    if link.group is not None and hasattr(link.group, "shutdown"):
+        link.group.shutdown()
+    link.group = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.device | None = None) -> WeightLink:
+    """Explorer: wait up to `timeout` s for a live trainer's sync_group.json and connect to its store.
+    device: where tensors arrive (default: the current CUDA device for NCCL, else CPU).
+    A file left by a dead trainer is skipped (it may be replaced by a new one before the deadline)."""
+    path, deadline, why = Path(job_dir, GROUP_FILE), time.monotonic() + timeout, f"no {GROUP_FILE}"
+    while True:
+        try:
+            info = json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):  # not there yet, or (never, as it is renamed) half-written
+            info = None
+        if info is not None and not _pid_alive(info["pid"]):
+            why = f"{path} was written by process {info['pid']}, which is gone"
+        elif info is not None:
+            try:
+                attempt = max(1.0, min(5.0, deadline - time.monotonic()))
+                store = dist.TCPStore(info["host"], info["port"], 2, False, _timeout(attempt))
+                store.set_timeout(_timeout(timeout))
+                backend = info["backend"]
+                dev = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+                if dev.type == "cuda" and dev.index is None:
+                    dev = torch.device("cuda", torch.cuda.current_device())
+                return WeightLink(store, 1, backend, dev, _timeout(timeout), Path(job_dir))
+            except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
+                why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]
+        if time.monotonic() >= deadline:
+            raise SyncError(f"no trainer to receive weights from after {timeout:g} s: {why}")
+        time.sleep(0.2)
+
+
+def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | None:
+    """Block (up to link.timeout) for the next weights: (version, {name: tensor}), or None when the
+    trainer sent "stop" after finishing. SyncError when it is gone, failed, or times out."""
+    key = f"nanorft/header/{link.count}"
+    try:
+        link.store.wait([key], link.timeout)
+        header = json.loads(link.store.get(key))
+    except RuntimeError as e:  # the store died with the trainer's process, or the wait timed out
+        raise SyncError(f"no weights from the trainer (transfer {link.count}): {str(e).splitlines()[0]}") from e
+    if header.get("stop"):
+        _ack(link)
+        if not header["finished"]:
+            raise SyncError("the trainer stopped on an error")
+        return None
+    state = {}
+    try:
+        for name, shape, dtype_name in zip(header["names"], header["shapes"], header["dtypes"], strict=True):
+            dtype = getattr(torch, dtype_name)
+            if not isinstance(dtype, torch.dtype):
+                raise SyncError(f"{name}: unknown dtype {dtype_name!r} in the header")
+            numel = 1
+            for n in shape:
+                numel *= n
+            buf = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=link.device)
+            _broadcast(link, buf)
+            state[name] = buf.view(dtype).view(shape)
+    except SyncError:
+        raise
+    except RuntimeError as e:  # gloo: "Connection closed by peer" when the trainer dies mid-transfer
+        raise SyncError(f"weight transfer {link.count} broke after {len(state)} tensors: {str(e).splitlines()[0]}") from e
+    _ack(link)
+    return header["version"], state
+
+
+def _ack(link: WeightLink) -> None:
+    link.store.set(f"nanorft/ack/{link.count}", "1")
+    link.count += 1
+
+
+def close_receiver(link: WeightLink) -> None:
+    """Tell the trainer not to wait for this explorer any more; drop the group."""
+    try:
+        link.store.set("nanorft/closed", "1")
+    except RuntimeError:
+        pass  # the trainer is already gone
+    if link.group is not None and hasattr(link.group, "shutdown"):
+        link.group.shutdown()
+    link.group = None

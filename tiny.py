@@ -5,8 +5,16 @@ that this script makes from nothing (random init, fixed seed) on arithmetic prob
 generates in GSM8K's format. Same arguments -> same bytes, file for file.
 
     python tiny.py                # -> assets/ (about 1M params, 4,000 train / 200 test rows)
-    python tiny.py --out assets --max-operand 20 --two-step-frac 0.3   # an easier taskset
+    python tiny.py --out assets --max-operand 50 --two-step-frac 0.5   # a harder taskset
+    python tiny.py --teacher-error 0  # SFT demonstrations all correct
     python tiny.py --help         # every knob
+
+The default taskset is one-step problems on numbers up to 9 (word problems and "What is a - b?"),
+and its SFT demonstrations come from a weak teacher: in 60% of the problems with a subtraction the
+worked answer adds instead ("7 - 3" shown as "7 + 3 = 10 #### 10"). The train and test references
+stay correct. SFT imitates the mistake; GRPO, rewarded for correct final answers, can unlearn it.
+This is the embedded default's RL story (docs/LOG.md has why: with a perfect teacher, GRPO did not
+raise greedy accuracy within minutes on this CPU, see 2026-11-22).
 
 Layout written (each part built in a temporary folder, then renamed into place; MANIFEST.json is
 written last and is the marker of a complete build):
@@ -59,8 +67,8 @@ class Options:
 
     n_train: int = opt(4000, "train rows (the SFT rows are the same problems)")
     n_test: int = opt(200, "test rows, no question shared with train")
-    max_operand: int = opt(50, "largest number in a + or - step (difficulty)")
-    two_step_frac: float = opt(0.5, "fraction of two-step problems, in [0, 1] (difficulty)")
+    max_operand: int = opt(9, "largest number in a + or - step (difficulty)")
+    two_step_frac: float = opt(0.0, "fraction of two-step problems, in [0, 1] (difficulty)")
     seed: int = opt(0, "seeds both the problems and the model init")
     hidden_size: int = opt(128, "model width")
     num_layers: int = opt(4, "decoder layers")
@@ -68,6 +76,8 @@ class Options:
     num_kv_heads: int = opt(2, "key/value heads (GQA, as in Qwen2)")
     intermediate_size: int = opt(512, "MLP width")
     max_position_embeddings: int = opt(1024, "longest sequence, prompt + response, in tokens")
+    teacher_error: float = opt(0.6, "fraction of SFT rows with subtraction whose worked answer adds instead "
+                                    "(a systematic teacher mistake; train/test references stay correct)")
 
 
 # --- taskset
@@ -118,6 +128,22 @@ def make_problem(rng: random.Random, max_operand: int, two_step_frac: float) -> 
         value = new
     fill = dict(zip("abc", nums), name=rng.choice(NAMES), items=rng.choice(ITEMS))
     return {"question": text.format(**fill), "answer": "\n".join(steps + [f"#### {value}"])}
+
+
+def teacher_answer(answer: str, rng: random.Random, error: float) -> str:
+    """The SFT demonstration of a worked answer: with probability `error` (per row with a subtraction)
+    a weak teacher adds where it should subtract, and carries the wrong value to `#### N`."""
+    steps = answer.split("\n")[:-1]  # "a op b = c" lines, then "#### N"
+    if "-" not in "".join(s.split()[1] for s in steps) or rng.random() >= error:
+        return answer
+    value, out = int(steps[0].split()[0]), []
+    for step in steps:
+        _, op, x, _, _ = step.split()
+        op = "+" if op == "-" else op
+        new = {"+": value + int(x), "*": value * int(x)}[op]
+        out.append(f"{value} {op} {x} = {new}")
+        value = new
+    return "\n".join(out + [f"#### {value}"])
 
 
 def make_taskset(o: Options) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
@@ -229,9 +255,10 @@ def build(out: str, **options: Any) -> dict:
         train, test = make_taskset(o)
         write_jsonl(tmp / "arith/train.jsonl", train)
         write_jsonl(tmp / "arith/test.jsonl", test)
+        teacher = random.Random(f"teacher/{o.seed}")  # its own stream: train/test rows do not depend on it
         write_jsonl(tmp / "arith/sft.jsonl", [{"messages": [
             {"role": "user", "content": r["question"]},
-            {"role": "assistant", "content": r["answer"]}]} for r in train])
+            {"role": "assistant", "content": teacher_answer(r["answer"], teacher, o.teacher_error)}]} for r in train])
 
         tokenizer = make_tokenizer()
         model = make_model(o, tokenizer)

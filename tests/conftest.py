@@ -17,3 +17,24 @@ def tiny_model_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny")
     build(str(out), n_train=50, n_test=10)
     return str(out / "tiny-qwen2")
+
+
+def write_yaml(path: Path, cfg: dict, over: dict) -> Path:
+    """Write `cfg` as YAML after applying overrides {"a.b.c": value} (a value None deletes the key)."""
+    import copy
+
+    import yaml
+
+    cfg = copy.deepcopy(cfg)
+    for key, value in over.items():
+        *parents, last = key.split(".")
+        d = cfg
+        for p in parents:
+            d = d.setdefault(p, {})
+        if value is None:
+            d.pop(last, None)
+        else:
+            d[last] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path

@@ -261,7 +261,7 @@ def test_help_lists_every_field_with_its_docstring():
     missing = [f for f in flags if f + " " not in out and f + "\n" not in out]
     assert not missing, f"not in --help: {missing}"
     assert "Peak learning rate of the actor." in out and "Tasks per explorer step" in out
-    assert "(default: 0.0001)" in out  # tiny.yaml's lr shows as the default
+    assert "(default: 5e-05)" in out  # tiny.yaml's lr shows as the default
 
 
 @pytest.mark.parametrize("script", ["train.py", "explore.py"])
@@ -270,8 +270,8 @@ def test_dry_run(script, tmp_path):
                         cwd=ROOT, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     docs = list(yaml.safe_load_all(ok.stdout))
-    assert [d["name"] for d in docs] == ["tiny/sft_warmup", "tiny/rft"]
-    assert docs[1]["buffer"]["batch_size"] == 3 and docs[1]["buffer"]["train_batch_size"] == 24
+    assert [d["name"] for d in docs] == ["tiny/eval_base", "tiny/sft_warmup", "tiny/rft"]
+    assert docs[2]["buffer"]["batch_size"] == 3 and docs[2]["buffer"]["train_batch_size"] == 24
     bad = subprocess.run([sys.executable, script, "--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr

@@ -16,6 +16,7 @@ import torch
 import yaml
 
 import explore
+from conftest import write_yaml
 import workflows
 from buffer import Experience, TaskReader, load_tasks
 from configs import cli, resolve_stages
@@ -43,15 +44,7 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
         "synchronizer": {"sync_method": "checkpoint", "sync_interval": 100},
         "monitor": {"monitor_type": "none"},
     }
-    for key, value in over.items():  # "a.b.c": value
-        *parents, last = key.split(".")
-        d = cfg
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[last] = value
-    path = tmp_path / "explore.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_yaml(tmp_path / "explore.yaml", cfg, over)
 
 
 def run_explorer(config: Path, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -198,3 +191,27 @@ def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):
     (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
     assert explore.explore(cfg) == 0
     assert seen == ["42"] * 3
+
+
+def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
+    """sync_method nccl (gloo on CPU) with a fake trainer process: each step's experiences carry the version
+    received at the previous sync point; when the trainer sends stop, the explorer exits 1 with one clear line."""
+    over = {"mode": "both", "synchronizer.sync_method": "nccl", "synchronizer.sync_interval": 1,
+            "synchronizer.sync_timeout": 60, "buffer.explorer_input.eval_tasksets": [], "buffer.total_steps": 3}
+    config = write_config(tmp_path, tiny_model_dir, **over)
+    job = tmp_path / "ck/p/e"
+    trainer = subprocess.Popen([sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "2"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = run_explorer(config)  # 3 steps: sync points after steps 1, 2
+    assert trainer.wait(timeout=60) == 0, trainer.stdout.read()[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [v for _, _, v, _ in db_rows(tmp_path)] == [0] * 6 + [1] * 6 + [2] * 6
+    # a restart for 3 more steps: this trainer sends one version (at the sync point after step 4), then stop
+    config = write_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 6})
+    trainer = subprocess.Popen([sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = run_explorer(config)
+    assert trainer.wait(timeout=60) == 0
+    assert out.returncode == 1
+    errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "the trainer finished and sent stop" in errors[0], errors

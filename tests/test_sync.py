@@ -1,12 +1,24 @@
-"""Checkpoint sync: layout, the pointer file, waiting, and that a reader never sees a half-written folder."""
+"""Weight sync, both methods: checkpoint (layout, pointer, waiting, atomic folders, bitwise load) and
+process group (real trainer/explorer processes over gloo: bitwise load, stop, and clear errors, never hangs)."""
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # also when this file runs as a peer process (bottom of the file)
+
+import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import sync
+from engines import HFEngine, SamplingParams
 from models import load_model, load_tokenizer
 
 
@@ -33,3 +45,180 @@ def test_wait_for_version(tiny_model_dir, tmp_path):
     t.join()
     assert got == sync.weights_path(tmp_path, 2) and time.monotonic() - start < 10
     assert (got / "config.json").is_file() and (got / "model.safetensors").is_file()
+
+
+def test_checkpoint_load_is_bitwise(tiny_model_dir, tmp_path):
+    """publish_hf -> HFEngine.load_weights(folder): every engine tensor equals the trainer's, bit for bit."""
+    model = load_model(tiny_model_dir)
+    perturb(model)
+    path = sync.publish_hf(model, load_tokenizer(tiny_model_dir), tmp_path, step=5)
+    with HFEngine(tiny_model_dir) as engine:
+        engine.load_weights(str(path), version=5)
+        assert engine.model_version == 5
+        got = engine.model.state_dict()
+    assert model.config.tie_word_embeddings == engine.model.config.tie_word_embeddings
+    if engine.model.config.tie_word_embeddings:  # one tensor in memory, both names
+        assert engine.model.lm_head.weight.data_ptr() == engine.model.model.embed_tokens.weight.data_ptr()
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, got[name]), name
+
+
+# --- process-group method: real processes (this file run as a script is the peer; see the bottom)
+
+
+def perturb(model: torch.nn.Module, seed: int = 0) -> None:
+    """The weights a trainer would have after some steps: seeded noise on every parameter."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
+
+
+def peer(role: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, __file__, role, *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def test_group_sync_is_bitwise(tiny_model_dir, tmp_path):
+    """Trainer and explorer processes over gloo: the engine ends with the trainer's tensors, bit for bit,
+    version 3, and it generates differently; then "stop" reaches the explorer as finished."""
+    trainer = peer("trainer", tiny_model_dir, str(tmp_path), "3")
+    explorer = peer("explorer", tiny_model_dir, str(tmp_path))
+    finish(trainer)
+    result = json.loads(finish(explorer).strip().splitlines()[-1])
+    assert result["version"] == 3 and result["model_version"] == 3 and result["then"] == "finished"
+    assert result["before"] != result["after"]
+    sent, got = load_file(tmp_path / "sent.safetensors"), load_file(tmp_path / "engine.safetensors")
+    assert sent.keys() <= got.keys() and sent
+    for name, t in sent.items():
+        assert t.dtype == got[name].dtype and torch.equal(t, got[name]), name
+    if "lm_head.weight" not in sent:  # tied embeddings: sent once, the engine's head follows
+        assert torch.equal(got["lm_head.weight"], sent["model.embed_tokens.weight"])
+    assert not (tmp_path / sync.GROUP_FILE).exists()  # the trainer removed its file
+
+
+def test_stop_reports_finished(tmp_path):
+    trainer = peer("stop", str(tmp_path))
+    link = sync.open_receiver(tmp_path, timeout=20)
+    assert sync.receive_weights(link) is None
+    sync.close_receiver(link)
+    finish(trainer)
+
+
+def test_no_trainer_is_a_clear_error(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(sync.SyncError, match="no trainer"):
+        sync.open_receiver(tmp_path, timeout=2)
+    assert time.monotonic() - start < 10
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / sync.GROUP_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": int(dead.stdout),
+                                                        "backend": "gloo"}))  # left by a dead trainer
+    with pytest.raises(sync.SyncError, match="which is gone"):
+        sync.open_receiver(tmp_path, timeout=2)
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.parametrize("when", ["before_header", "mid_transfer"])
+def test_trainer_death_is_a_clear_error(tmp_path, when):
+    """The trainer dies while the explorer waits for a header, or halfway through the tensors: the explorer
+    gets SyncError at once (the timeout here is far longer), not a hang."""
+    trainer = peer("die", str(tmp_path), when)
+    link = sync.open_receiver(tmp_path, timeout=20)
+    start = time.monotonic()
+    with pytest.raises(sync.SyncError):
+        sync.receive_weights(link)
+    assert time.monotonic() - start < 15
+    trainer.communicate(timeout=30)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sync needs 2 CUDA GPUs (one per side)")
+def test_group_sync_nccl(tmp_path):
+    trainer = peer("nccl_trainer", str(tmp_path), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    link = sync.open_receiver(tmp_path, timeout=60, device="cuda:1")
+    assert link.backend == "nccl"
+    version, state = sync.receive_weights(link)
+    assert version == 1 and state["w"].device.type == "cuda"
+    assert torch.equal(state["w"].cpu(), torch.arange(12, dtype=torch.bfloat16).reshape(3, 4))
+    assert sync.receive_weights(link) is None
+    sync.close_receiver(link)
+    finish(trainer)
+
+
+# --- the peers
+
+
+def run_trainer(model_dir: str, job_dir: str, version: str) -> None:
+    model = load_model(model_dir)
+    perturb(model)
+    params = dict(model.named_parameters())  # tied weights appear once
+    link = sync.open_sender(job_dir, "cpu", timeout=30)
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
+    sync.send_weights(link, int(version), specs, (p.detach() for p in params.values()))
+    save_file({n: p.detach().contiguous() for n, p in params.items()}, Path(job_dir, "sent.safetensors"))
+    sync.close_sender(link, finished=True)
+
+
+def run_explorer(model_dir: str, job_dir: str) -> None:
+    prompt, greedy = [[1, 2, 3, 4, 5]], [SamplingParams(temperature=0.0, max_tokens=12)]
+    with HFEngine(model_dir) as engine:
+        before = engine.generate(prompt, greedy)[0][0].token_ids
+        link = sync.open_receiver(job_dir, timeout=30)
+        version, state = sync.receive_weights(link)
+        engine.load_weights(state, version)
+        after = engine.generate(prompt, greedy)[0][0].token_ids
+        then = "finished" if sync.receive_weights(link) is None else "more"
+        sync.close_receiver(link)
+        dump = {n: t.detach().clone().contiguous() for n, t in engine.model.state_dict().items()}  # clone: untie
+        save_file(dump, Path(job_dir, "engine.safetensors"))
+        print(json.dumps({"version": version, "model_version": engine.model_version, "before": before,
+                          "after": after, "then": then}))
+
+
+def run_stop(job_dir: str) -> None:
+    link = sync.open_sender(job_dir, "cpu", timeout=30)
+    sync.close_sender(link, finished=True, grace=20)
+
+
+def run_die(job_dir: str, when: str) -> None:
+    link = sync.open_sender(job_dir, "cpu", timeout=30)
+    if when == "before_header":
+        time.sleep(1.0)  # the explorer is waiting for the header by now
+        os._exit(3)
+
+    def tensors():
+        yield torch.ones(1000)
+        time.sleep(0.5)
+        os._exit(3)  # killed after the first of two tensors
+
+    sync.send_weights(link, 1, [("a", (1000,), torch.float32), ("b", (1000,), torch.float32)], tensors())
+
+
+def run_nccl_trainer(job_dir: str) -> None:
+    link = sync.open_sender(job_dir, "cuda:0", timeout=60)
+    w = torch.arange(12, dtype=torch.bfloat16, device="cuda").reshape(3, 4)
+    sync.send_weights(link, 1, [("w", (3, 4), torch.bfloat16)], [w])
+    sync.close_sender(link, finished=True, grace=30)
+
+
+
+def run_fake_trainer(model_dir: str, job_dir: str, versions: str) -> None:
+    """Sends versions 1..n of perturbed weights, as train.py would at its sync points, then stop."""
+    model = load_model(model_dir)
+    link = sync.open_sender(job_dir, "cpu", timeout=60)
+    for version in range(1, int(versions) + 1):
+        perturb(model, seed=version)
+        params = dict(model.named_parameters())
+        specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
+        sync.send_weights(link, version, specs, (p.detach() for p in params.values()))
+    sync.close_sender(link, finished=True)
+
+
+if __name__ == "__main__":
+    {"trainer": run_trainer, "explorer": run_explorer, "stop": run_stop, "die": run_die,
+     "nccl_trainer": run_nccl_trainer, "fake_trainer": run_fake_trainer}[sys.argv[1]](*sys.argv[2:])

@@ -19,7 +19,9 @@ import tiny
 from models import load_model, load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = dict(n_train=300, n_test=50)  # default model size, few rows
+# default model size, few rows; two-step problems with bigger numbers and a perfect teacher, so that
+# the checks below cover every template and the SFT rows equal the train rows
+SMALL = dict(n_train=300, n_test=50, max_operand=50, two_step_frac=0.5, teacher_error=0.0)
 
 
 @pytest.fixture(scope="session")
@@ -129,7 +131,7 @@ def test_answers_are_right_and_gsm8k_shaped(built):
                 assert eval_expr(lhs) == int(rhs), row
             assert steps[-1].endswith(f"= {m.group(1)}")
         two_step = sum(r["answer"].count("\n") == 2 for r in rows) / len(rows)
-        assert 0.3 < two_step < 0.7  # default two_step_frac 0.5
+        assert 0.3 < two_step < 0.7  # two_step_frac 0.5
 
 
 def test_splits_disjoint_ascii_and_sft_matches_train(built):
@@ -200,3 +202,25 @@ def test_cli(tmp_path):
     assert first.startswith("built") and "train 20, test 5, sft 20 rows" in first
     second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert second.startswith("up to date")
+
+
+def test_a_weak_teacher_adds_where_it_should_subtract(tmp_path):
+    """teacher_error: that fraction of SFT rows with a subtraction add instead (consistently, down to
+    `#### N`); every other row, and the train/test references, are untouched."""
+    tiny.build(str(tmp_path), n_train=400, n_test=20, teacher_error=0.6)
+    train, sft = read_jsonl(tmp_path / "arith/train.jsonl"), read_jsonl(tmp_path / "arith/sft.jsonl")
+    wrong = 0
+    for row, demo in zip(train, sft):
+        answer = demo["messages"][1]["content"]
+        if " - " not in row["answer"]:
+            assert answer == row["answer"]
+        elif answer != row["answer"]:
+            wrong += 1
+            *steps, last = answer.split("\n")  # one step in the default build: "a - b" became "a + b"
+            assert [x.split(" = ")[0] for x in steps] == [x.split(" = ")[0].replace(" - ", " + ")
+                                                         for x in row["answer"].split("\n")[:-1]]
+            lhs, rhs = steps[-1].split(" = ")
+            assert eval_expr(lhs) == int(rhs) == int(last.removeprefix("#### "))
+    subtractions = sum(" - " in r["answer"] for r in train)
+    assert subtractions > 50 and 0.45 < wrong / subtractions < 0.75
+    assert " - " in "".join(r["answer"] for r in read_jsonl(tmp_path / "arith/test.jsonl"))  # test stays correct

@@ -1,0 +1,261 @@
+"""launch.py: run a whole experiment: each stage in order, with the processes its mode needs.
+
+Launch lines (one code path: run.sh and train.py both end up in `run()`):
+    bash run.sh                               # configs/tiny.yaml: SFT warm-up, then GRPO on CPU
+    bash run.sh configs/gsm8k.yaml            # = python launch.py --config configs/gsm8k.yaml
+    python train.py --config gsm8k.yaml       # mode both (or stages): train.py hands over to run()
+
+Per stage (`configs.resolve_stages`: the global config with the stage's keys merged in):
+    the resolved config is written to <stage job dir>/config.yaml and every process reads that file;
+    mode train   -> the trainer (a plain process for one rank, torchrun for more)
+    mode explore -> python explore.py;  mode bench -> python explore.py (evaluation only)
+    mode both    -> trainer and explorer at once: they take turns through the experience DB and the
+                    weights (sync_interval / sync_offset); GPUs are split between them.
+A stage starts from the weights the previous stage published last. If a process fails, the launcher
+stops the others (SIGTERM, then SIGKILL after a grace period), names the failed one and exits non-zero;
+nothing is left running. After the last stage it writes `summary.json` and `reward_accuracy.png` in the
+run directory (<checkpoint_root_dir>/<project>/<name>/) and prints their paths.
+
+`continue_from_checkpoint: false` with an existing run directory starts a new run named
+<name>_<YYYYmmdd-HHMMSS> (Trinity-RFT's behaviour); true resumes every stage where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import configs
+import sync
+from monitor import read_history
+
+log = logging.getLogger("nanorft.launch")
+HERE = Path(__file__).resolve().parent
+LAUNCHED = "NANORFT_LAUNCHED"  # marks the processes started here (train.py then never re-launches)
+
+
+# --- processes
+
+
+def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """role -> (command line, extra environment) of the processes a stage's mode needs."""
+    py, cl = sys.executable, stage.cluster
+    explorer = ([py, str(HERE / "explore.py"), "--config", str(config_file)], {})
+    ranks = max(cl.trainer_gpu_num, 1)
+    train_cmd = [py, str(HERE / "train.py"), "--config", str(config_file)]
+    if ranks > 1:
+        train_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *train_cmd[1:]]
+    trainer = (train_cmd, {})
+    if cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
+        gpus = [str(i) for i in range(cl.explorer_gpu_num + cl.trainer_gpu_num)]
+        explorer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[: cl.explorer_gpu_num])
+        trainer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[cl.explorer_gpu_num:])
+    return {"train": {"trainer": trainer}, "explore": {"explorer": explorer}, "bench": {"explorer": explorer},
+            "both": {"trainer": trainer, "explorer": explorer}}[stage.mode]
+
+
+def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0) -> int:
+    """Wait for every process. The first non-zero exit stops the others; returns that code (0 if all ok)."""
+    running = dict(procs)
+    while running:
+        for role, p in list(running.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            del running[role]
+            if code != 0:
+                why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                others = ", ".join(running) or "nothing else"
+                log.error("%s failed (%s); stopping %s. See its messages above.", role, why, others)
+                stop(running, grace)
+                return code if code > 0 else 1
+            log.info("%s finished", role)
+        time.sleep(0.2)
+    return 0
+
+
+def stop(procs: dict[str, subprocess.Popen], grace: float) -> None:
+    """SIGTERM each process, SIGKILL what is still alive after `grace` seconds."""
+    for p in procs.values():
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs.values():
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# --- the summary of a run
+
+
+def eval_key(record: dict) -> str | None:
+    """The held-out accuracy metric of a monitor record: eval|bench/<first taskset>/accuracy/mean@k, else reward."""
+    keys = [k for k in record if k.startswith(("eval/", "bench/")) and "/mean@" in k]
+    return next((k for k in keys if "/accuracy/mean@" in k), next((k for k in keys if "/reward/mean@" in k), None))
+
+
+def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float) -> dict:
+    """summary.json's content: accuracy before/after SFT and after RFT, the eval and reward history."""
+    evals, rewards, offset, steps, sft_at = [], [], 0, 0, None
+    for i, st in enumerate(stages):
+        job = Path(st.checkpoint_job_dir)
+        stage_steps = 0
+        for file in sorted(job.glob("monitor/*.jsonl")):
+            for rec in read_history(file):
+                stage_steps = max(stage_steps, rec["step"])
+                if (key := eval_key(rec)) is not None:
+                    evals.append({"stage": st.name, "stage_index": i, "step": rec["step"], "global_step": offset + rec["step"],
+                                  "accuracy": rec[key], "metric": key,
+                                  "metrics": {k: v for k, v in rec.items() if k.startswith(("eval/", "bench/"))}})
+                if "rollout/reward/mean" in rec:
+                    rewards.append({"stage": st.name, "global_step": offset + rec["step"], "reward": rec["rollout/reward/mean"]})
+                if "actor/sft_loss" in rec:
+                    rewards.append({"stage": st.name, "global_step": offset + rec["step"], "sft_loss": rec["actor/sft_loss"]})
+        if st.mode == "train" and st.algorithm.algorithm_type == "sft" and sft_at is None:
+            sft_at = i
+        offset += stage_steps
+        steps += stage_steps if st.mode != "bench" else 0
+    evals.sort(key=lambda e: (e["stage_index"], e["step"]))
+    before = [e for e in evals if sft_at is not None and e["stage_index"] < sft_at]
+    after = [e for e in evals if sft_at is not None and e["stage_index"] > sft_at]
+    trained = [e for e in evals if stages[e["stage_index"]].mode in ("both", "explore")]
+    weights = next((w for st in reversed(stages) if (w := sync.latest_weights(st.checkpoint_job_dir))), None)
+    return {
+        "config": cfg.name, "run_dir": str(Path(stages[0].checkpoint_job_dir).parent if cfg.stages else stages[0].checkpoint_job_dir),
+        "accuracy_before_sft": before[-1]["accuracy"] if before else None,
+        "accuracy_after_sft": after[0]["accuracy"] if after else None,
+        "accuracy_after_rft": trained[-1]["accuracy"] if trained else (evals[-1]["accuracy"] if evals else None),
+        "accuracy_metric": evals[-1]["metric"] if evals else None,
+        "wall_seconds": round(seconds, 1), "steps": steps, "checkpoint": str(weights) if weights else None,
+        "stages": [{"name": st.name, "mode": st.mode, "algorithm": st.algorithm.algorithm_type} for st in stages],
+        "eval_history": evals, "reward_history": rewards,
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    """SFT loss, train reward and held-out accuracy over the run's steps (all stages on one axis)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on servers
+    import matplotlib.pyplot as plt
+
+    panels = [("SFT loss", "sft_loss", summary["reward_history"]), ("train reward (rollout mean)", "reward",
+              summary["reward_history"]), ("held-out accuracy (greedy)", "accuracy", summary["eval_history"])]
+    panels = [(title, key, [x for x in rows if key in x]) for title, key, rows in panels]
+    panels = [p for p in panels if p[2]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    for ax, (title, key, rows) in zip(axes[0], panels):
+        ax.plot([x["global_step"] for x in rows], [x[key] for x in rows], "o-" if key == "accuracy" else "-", ms=4)
+        ax.set(title=title, xlabel="step (all stages)")
+        ax.grid(alpha=0.3)
+        if key == "accuracy":
+            ax.set_ylim(0, 1)
+            for x in rows:
+                ax.annotate(f"{x['accuracy']:.2f}", (x["global_step"], x["accuracy"]), textcoords="offset points",
+                            xytext=(0, 6), ha="center", fontsize=7)
+    fig.suptitle(f"{summary['config']}: accuracy {summary['accuracy_before_sft']} before SFT, "
+                 f"{summary['accuracy_after_sft']} after SFT, {summary['accuracy_after_rft']} after RFT", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# --- main
+
+
+def stages_in_order(cfg: configs.Config) -> Iterator[configs.Config]:
+    """Each stage's resolved config, lazily: a stage starts from the weights the previous stage published
+    last, read when the caller asks for the next stage (after running the previous one)."""
+    previous = None
+    for stage in configs.resolve_stages(cfg):
+        if previous is not None and (weights := sync.latest_weights(previous.checkpoint_job_dir)):
+            stage.model.model_path = str(weights)
+        previous = stage
+        yield stage
+
+
+def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Config], int]], role: str) -> int:
+    """Run `runners[stage.mode](stage)` for each stage in this process, in order (what train.py and
+    explore.py do when started directly); stops at the first non-zero exit code."""
+    for stage in stages_in_order(cfg):
+        if stage.mode not in runners:
+            log.info("stage %s is mode %s: nothing for the %s to do", stage.name, stage.mode, role)
+        elif code := runners[stage.mode](stage):
+            return code
+    return 0
+
+
+def fresh_name(cfg: configs.Config) -> configs.Config:
+    """With continue_from_checkpoint false, an existing run directory gets a new run: <name>_<time>."""
+    job = Path(configs.derive(dataclasses.replace(cfg, stages=[])).checkpoint_job_dir)
+    if cfg.continue_from_checkpoint or not job.exists() or not any(job.iterdir()):
+        return cfg
+    name = f"{cfg.name}_{time.strftime('%Y%m%d-%H%M%S')}"
+    log.info("continue_from_checkpoint is false and %s exists: this run is %s", job, name)
+    return dataclasses.replace(cfg, name=name)
+
+
+def run(cfg: configs.Config) -> int:
+    """Run every stage of `cfg`; returns the exit code."""
+    start = time.monotonic()
+    try:
+        cfg = fresh_name(cfg)
+        configs.resolve_stages(cfg)  # every stage valid before anything starts
+    except configs.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    # NOTE: SIGTERM to the launcher (e.g. `kill`) must stop the children too: turn it into an exception.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    code, stages = 0, []
+    for stage in stages_in_order(cfg):
+        stages.append(stage)
+        job = Path(stage.checkpoint_job_dir)
+        job.mkdir(parents=True, exist_ok=True)
+        config_file = job / "config.yaml"
+        config_file.write_text(configs.to_yaml(stage))
+        log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
+        procs: dict[str, subprocess.Popen] = {}
+        try:
+            for role, (cmd, env) in commands(stage, config_file).items():
+                procs[role] = subprocess.Popen(cmd, cwd=os.getcwd(), env={**os.environ, **env, LAUNCHED: "1"})
+            code = supervise(procs)
+        except KeyboardInterrupt:
+            log.error("interrupted: stopping %s", ", ".join(procs))
+            code = 130
+        finally:
+            stop(procs, grace=30.0)
+        if code:
+            log.error("stage %s failed; later stages not run", stage.name)
+            break
+    # --- summary and plot
+    run_dir = Path(stages[0].checkpoint_job_dir).parent if cfg.stages else Path(stages[0].checkpoint_job_dir)
+    summary = summarize(cfg, stages, time.monotonic() - start)
+    summary["exit_code"] = code
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    try:
+        plot(summary, run_dir / "reward_accuracy.png")
+    except Exception as e:  # a plot must not turn a finished run into a failure
+        log.warning("could not draw the plot: %s", e)
+    shown = {k: summary[k] for k in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft", "wall_seconds", "steps")}
+    print(f"\nrun {'finished' if code == 0 else f'FAILED (exit code {code})'}: {json.dumps(shown)}")
+    print(f"summary: {run_dir / 'summary.json'}\nplot:    {run_dir / 'reward_accuracy.png'}", flush=True)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    return run(configs.entry(argv, "nanorft launcher: every stage of an experiment, with its processes"))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,135 @@
+"""Whole experiments through the launcher as a user runs them (real processes): stages (bench, SFT in
+train mode, GRPO in mode both) with checkpoint sync, mode both with process-group sync, and a failing
+process stopping the others."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import train
+from buffer import ExperienceDB
+from models import load_model
+from conftest import write_yaml
+from monitor import read_history
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
+    data = Path(tiny_model_dir).parent / "arith"
+    fmt = {"prompt_key": "question", "response_key": "answer"}
+    cfg = {
+        "project": "p", "name": "run", "mode": "both", "checkpoint_root_dir": str(tmp_path / "ck"),
+        # an entropy bonus: the weights move every step even when every group's rewards are equal
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2, "optimizer": {"lr": 1e-3},
+                      "entropy_loss_fn_args": {"entropy_coef": 0.01}},
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
+        "buffer": {"batch_size": 2, "total_steps": 3, "default_workflow_type": "math_workflow",
+                   "default_reward_fn_type": "math_reward",
+                   "explorer_input": {"taskset": {"name": "arith", "path": str(data), "split": "train", "format": fmt},
+                                      "eval_tasksets": [{"name": "arith_test", "path": str(data), "split": "test",
+                                                         "format": fmt, "rollout_args": {"temperature": 0.0}}]},
+                   "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": 120}}},
+        "explorer": {"runner_per_model": 4, "eval_interval": 2, "rollout_model": {"engine_type": "hf"}},
+        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 1, "sync_timeout": 120},
+        "trainer": {"save_interval": 0},
+        "monitor": {"monitor_type": "none"},
+    }
+    return write_yaml(tmp_path / "run.yaml", cfg, over)
+
+
+def launch(config: Path, *args: str, script: str = "launch.py", timeout: float = 400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, script, "--config", str(config), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def versions_by_step(db: Path) -> list[int]:
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        rows = d.conn.execute("SELECT id, model_version FROM experiences ORDER BY id").fetchall()
+    return [v for _, v in rows]
+
+
+def rollout_logprob_gap(db: Path, version: int, weights: Path) -> float:
+    """Largest |rollout log-prob - log-prob under `weights`| over the experiences of `version`: the
+    engine's weights at rollout time were `weights` iff this is float rounding (~1e-6)."""
+    model = load_model(str(weights))
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        ids = [i for (i,) in d.conn.execute("SELECT id FROM experiences WHERE model_version = ?", (version,))]
+        exps = d.get(ids)
+    assert exps
+    with torch.no_grad():
+        mb = train.collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
+        logp, _ = train.token_logprobs(model, mb, 1.0, False)
+    return max((logp[b, : x.response_length] - x.logprobs).abs().max().item() for b, x in enumerate(exps))
+
+
+def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_dir):
+    data = Path(tiny_model_dir).parent / "arith"
+    config = both_config(tmp_path, tiny_model_dir, stages=[
+        {"stage_name": "eval_base", "mode": "bench"},
+        {"stage_name": "sft", "mode": "train", "algorithm": {"algorithm_type": "sft"},
+         "buffer": {"train_batch_size": 4, "total_steps": 2,
+                    "trainer_input": {"experience_buffer": {"name": "sft", "storage_type": "file",
+                                                            "path": str(data / "sft.jsonl"),
+                                                            "format": {"prompt_type": "messages"}}}}},
+        {"stage_name": "rft"}])
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (run / "reward_accuracy.png").stat().st_size > 1000
+    assert str(run / "summary.json") in out.stdout
+    for key in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft"):
+        assert 0.0 <= summary[key] <= 1.0
+    assert summary["steps"] == 5 and summary["wall_seconds"] > 0
+    assert summary["checkpoint"] == str(run / "rft" / "global_step_3" / "actor" / "huggingface")
+    stages = [e["stage"] for e in summary["eval_history"]]
+    assert stages[0] == "run/eval_base" and stages[-1] == "run/rft" and "run/sft" not in stages
+    assert [e["step"] for e in summary["eval_history"] if e["stage"] == "run/rft"] == [0, 2, 3]
+    # the GRPO stage started from the SFT stage's weights, in both processes
+    rft_cfg = (run / "rft" / "config.yaml").read_text()
+    assert str(run / "sft" / "global_step_2" / "actor" / "huggingface") in rft_cfg
+    # on-policy: the experiences of explore step s were generated by the weights of train step s - 1
+    assert versions_by_step(run / "rft" / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    # after the sync the engine held exactly the trainer's step-1 weights: the rollout log-probs of
+    # version 1 match them to float rounding, and not the weights it started from
+    db = run / "rft" / "buffer" / "exp.db"
+    assert rollout_logprob_gap(db, 1, run / "rft" / "global_step_1" / "actor" / "huggingface") < 1e-4
+    assert rollout_logprob_gap(db, 1, run / "sft" / "global_step_2" / "actor" / "huggingface") > 1e-3
+    trainer = read_history(run / "rft" / "monitor" / "trainer.jsonl")
+    assert [r["step"] for r in trainer] == [1, 2, 3] and all(r["batch/staleness/max"] == 0 for r in trainer)
+
+
+def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
+    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2})
+    out = launch(config, script="train.py")  # the other documented way in: train.py hands over to the launcher
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    explorer = read_history(run / "monitor" / "explorer.jsonl")
+    assert [r["rollout/model_version"] for r in explorer if "rollout/model_version" in r] == [0, 1, 2]
+    # no files moved the weights during the run: the state-dict pointer moved once, to the final step;
+    # step 2 is the save_interval checkpoint, and the engine held exactly those weights for explore step 3
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+    assert (run / "latest_state_dict_iteration.txt").read_text().strip() == "3"
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["accuracy_before_sft"] is None and 0.0 <= summary["accuracy_after_rft"] <= 1.0
+
+
+def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
+    """The trainer fails at its first loss (an invalid loss argument); the explorer, waiting for weights,
+    is stopped by the launcher long before its 120 s sync timeout, and the exit code is non-zero."""
+    config = both_config(tmp_path, tiny_model_dir, **{"algorithm.policy_loss_fn_args": {"clip_ratio_c": 0.5}})
+    start = time.monotonic()
+    out = launch(config)
+    assert out.returncode != 0
+    assert time.monotonic() - start < 100
+    assert "trainer failed" in out.stderr and "stopping explorer" in out.stderr
+    assert "clip_ratio_c must be > 1" in out.stderr
