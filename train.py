@@ -266,9 +266,10 @@ def save_checkpoint(model, optim, tokenizer, cfg: configs.Config, step: int, ran
     NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
     job, actor = Path(cfg.checkpoint_job_dir), sync.weights_path(cfg.checkpoint_job_dir, step).parent
     osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    weights = weights if weights is not None else full_state(model)
+    published = weights is not None  # the HF folder of this step was just written by the sync phase
+    weights = weights if published else full_state(model)
     if rank == 0:
-        if not sync.weights_path(job, step).is_dir():
+        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
             sync.save_hf(model, tokenizer, sync.weights_path(job, step), weights)
         tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
         sync.write_atomic(actor / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
