@@ -146,13 +146,9 @@ class Source:
         """The batch of train step `step`, identical on every rank."""
         n = self.cfg.buffer.train_batch_size
         if self.rows:  # a pure function of the step, so a resumed run continues exactly
-            start = (step - 1) * n
-            out = []
-            for pos in range(start, start + n):
-                epoch, i = divmod(pos, len(self.rows))
-                order = random.Random(f"sft/{epoch}").sample(range(len(self.rows)), len(self.rows))
-                out.append(self.rows[order[i]])
-            return out
+            positions = [divmod(pos, len(self.rows)) for pos in range((step - 1) * n, step * n)]  # (epoch, index)
+            orders = {e: random.Random(f"sft/{e}").sample(range(len(self.rows)), len(self.rows)) for e, _ in positions}
+            return [self.rows[orders[e][i]] for e, i in positions]
         eb = self.cfg.buffer.trainer_input.experience_buffer
         ids = torch.zeros(n + 1, dtype=torch.long, device=self.device)
         if self.rank == 0:
