@@ -105,6 +105,12 @@ def eval_key(record: dict) -> str | None:
     return next((k for k in keys if "/accuracy/mean@" in k), next((k for k in keys if "/reward/mean@" in k), None))
 
 
+def run_dir(cfg: configs.Config, stages: list[configs.Config]) -> Path:
+    """Where summary.json goes: <root>/<project>/<name>/, the parent of the stages' job dirs."""
+    job = Path(stages[0].checkpoint_job_dir)
+    return job.parent if cfg.stages else job
+
+
 def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float) -> dict:
     """summary.json's content: accuracy before/after SFT and after RFT, the eval and reward history."""
     evals, rewards, offset, steps, sft_at = [], [], 0, 0, None
@@ -132,7 +138,7 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
     trained = [e for e in evals if stages[e["stage_index"]].mode in ("both", "explore")]
     weights = next((w for st in reversed(stages) if (w := sync.latest_weights(st.checkpoint_job_dir))), None)
     return {
-        "config": cfg.name, "run_dir": str(Path(stages[0].checkpoint_job_dir).parent if cfg.stages else stages[0].checkpoint_job_dir),
+        "config": cfg.name, "run_dir": str(run_dir(cfg, stages)),
         "accuracy_before_sft": before[-1]["accuracy"] if before else None,
         "accuracy_after_sft": after[0]["accuracy"] if after else None,
         "accuracy_after_rft": trained[-1]["accuracy"] if trained else (evals[-1]["accuracy"] if evals else None),
@@ -239,17 +245,17 @@ def run(cfg: configs.Config) -> int:
             log.error("stage %s failed; later stages not run", stage.name)
             break
     # --- summary and plot
-    run_dir = Path(stages[0].checkpoint_job_dir).parent if cfg.stages else Path(stages[0].checkpoint_job_dir)
+    out = run_dir(cfg, stages)
     summary = summarize(cfg, stages, time.monotonic() - start)
     summary["exit_code"] = code
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
     try:
-        plot(summary, run_dir / "reward_accuracy.png")
+        plot(summary, out / "reward_accuracy.png")
     except Exception as e:  # a plot must not turn a finished run into a failure
         log.warning("could not draw the plot: %s", e)
     shown = {k: summary[k] for k in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft", "wall_seconds", "steps")}
     print(f"\nrun {'finished' if code == 0 else f'FAILED (exit code {code})'}: {json.dumps(shown)}")
-    print(f"summary: {run_dir / 'summary.json'}\nplot:    {run_dir / 'reward_accuracy.png'}", flush=True)
+    print(f"summary: {out / 'summary.json'}\nplot:    {out / 'reward_accuracy.png'}", flush=True)
     return code
 
 
