@@ -12,12 +12,15 @@ The DB is one SQLite file in WAL mode, so any number of explorer processes can w
 trainer process claims. Schema (version SCHEMA_VERSION, stored in `meta`):
   - experiences: one row per experience, plain columns that the `sqlite3` CLI shows (explorer,
     model_version, group_id, run_id, task_id, reward, prompt/response length), plus use_count (how
-    many train steps used the row) and last_claimed (unix time).
+    many train steps used the row), last_claimed (unix time) and dropped_step (the train step whose
+    staleness bound dropped it unused; NULL if it was not dropped).
   - payloads(id, tensors, meta): per experience, a safetensors blob of its tensors and a JSON text of
     everything else (info, metrics, texts, truncate_status). No pickle anywhere.
   - claims(exp_id, step, claimed): which train step used which experience, one row per use; this
     is what lets a trainer resumed at step S give back the experiences that steps > S had taken.
-  - meta(key, value): schema_version plus free key/values (e.g. a model fingerprint).
+  - meta(key, value): schema_version plus free key/values: the model fingerprint (`check_identity`),
+    each explorer's position and state (`explorer/<name>`), the trainer's state (`trainer`).
+Every experience is written once and is then pending, claimed (used by >= 1 train step) or dropped.
 """
 
 import dataclasses
@@ -30,7 +33,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import safetensors.numpy
 import safetensors.torch
@@ -42,7 +45,7 @@ log = logging.getLogger("nanorft.buffer")
 
 # --- experiences
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: experiences.dropped_step
 
 # Stored dtype of each tensor field. Token ids go in as int32 (vocabularies are < 2**31) and come
 # back as torch.long, which is what embedding layers want; masks are bool; the rest float32.
@@ -110,6 +113,10 @@ def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     return Experience(**tensors, **json.loads(meta), **columns)
 
 
+class DBMismatch(RuntimeError):
+    """This experience DB cannot be shared with this process: another schema version or another model."""
+
+
 @contextmanager
 def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
     """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception.
@@ -140,11 +147,11 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
     id INTEGER PRIMARY KEY AUTOINCREMENT, created REAL, explorer TEXT, model_version INTEGER,
     group_id TEXT, run_id INTEGER, task_id TEXT, reward REAL, prompt_length INTEGER,
-    response_length INTEGER, use_count INTEGER NOT NULL DEFAULT 0, last_claimed REAL);
+    response_length INTEGER, use_count INTEGER NOT NULL DEFAULT 0, last_claimed REAL, dropped_step INTEGER);
 CREATE TABLE IF NOT EXISTS payloads (id INTEGER PRIMARY KEY, tensors BLOB NOT NULL, meta TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS claims (
     exp_id INTEGER NOT NULL, step INTEGER NOT NULL, claimed REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS experiences_pending ON experiences (id) WHERE use_count = 0;
+CREATE INDEX IF NOT EXISTS experiences_pending ON experiences (id) WHERE use_count = 0 AND dropped_step IS NULL;
 CREATE INDEX IF NOT EXISTS claims_step ON claims (step);
 CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id);
 """
@@ -188,7 +195,7 @@ class ExperienceDB:
             cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
             row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is not None and row[0] != str(SCHEMA_VERSION):
-                raise RuntimeError(f"{self.path}: experience DB has schema version {row[0]}, this "
+                raise DBMismatch(f"{self.path}: experience DB has schema version {row[0]}, this "
                                    f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
             for statement in SCHEMA.split(";"):
                 cur.execute(statement)
@@ -198,6 +205,11 @@ class ExperienceDB:
     def get_meta(self, key: str) -> str | None:
         row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
+
+    def meta_items(self, prefix: str) -> dict[str, str]:
+        """Every meta key/value whose key starts with `prefix` (e.g. "explorer/": each explorer's state)."""
+        rows = self.conn.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
+        return dict(rows.fetchall())
 
     def set_meta(self, key: str, value: str, *, overwrite: bool = True) -> str:
         """Store key=value and return the stored value. With overwrite=False an existing value is
@@ -235,45 +247,61 @@ class ExperienceDB:
         return ids
 
     def claim(self, n: int, step: int, *, timeout: float = 0.0, priority: bool = False,
-              reuse_cooldown: float | None = None, decay: float = 2.0) -> list[Experience]:
+              reuse_cooldown: float | None = None, decay: float = 2.0, min_version: int | None = None,
+              partial: bool = True, waiting: Callable[[int, float], bool] | None = None) -> list[Experience]:
         """Atomically take up to n experiences for train step `step`; wait up to `timeout` s for n.
 
         Queue order (default): oldest unclaimed first. priority=True (Trinity's linear_decay):
         highest model_version - decay * use_count first, newest first on ties; a used experience is
-        eligible again `reuse_cooldown` seconds after its last claim (never, if None). Returns the
-        experiences in claim order with `id` set; fewer than n (logged) if the timeout ran out."""
+        eligible again `reuse_cooldown` seconds after its last claim (never, if None).
+        min_version (staleness control): pending experiences of older versions are marked dropped by
+        this step (counted, never trained on) and only versions >= min_version are taken.
+        While fewer than n are there, `waiting(available, waited_seconds)` is called at each poll;
+        True means "no more will come": take what is there now. When the timeout runs out, take what
+        is there if `partial`, else nothing. Returns the experiences in claim order with `id` set."""
         if reuse_cooldown is not None and not priority:
             raise ValueError("reuse_cooldown needs priority=True (queue order never reuses)")
+        # NOTE: the literal predicate of the partial index, so that SQLite uses it
+        eligible, order = "use_count = 0 AND dropped_step IS NULL", "id"
         if priority:
-            eligible = "use_count = 0"
-            if reuse_cooldown is not None:
-                eligible = "(use_count = 0 OR last_claimed <= ?)"
             order = f"model_version - {float(decay)!r} * use_count DESC, id DESC"
-        else:
-            eligible, order = "use_count = 0", "id"  # literal 0 so SQLite uses the partial index
-        start, pause = time.monotonic(), 0.01
+            if reuse_cooldown is not None:
+                eligible = "((use_count = 0 AND dropped_step IS NULL) OR (use_count > 0 AND last_claimed <= ?))"
+        if min_version is not None:
+            eligible += " AND model_version >= ?"
+        start, pause, take = time.monotonic(), 0.01, False  # take: waiting() said no more will come
         while True:
             now = time.time()
-            args = () if reuse_cooldown is None else (now - reuse_cooldown,)
+            args = ([now - reuse_cooldown] if priority and reuse_cooldown is not None else []) + (
+                [min_version] if min_version is not None else [])
             waited = time.monotonic() - start
-            # NOTE: look and claim under one write lock, and claim only when n are there or time is
-            # up: a reader that took partial batches while waiting would starve another reader.
+            # NOTE: look and claim under one write lock, and claim only when n are there or waiting is
+            # over: a reader that took partial batches while waiting would starve another reader.
             with transaction(self.conn) as cur:
+                if min_version is not None:
+                    cur.execute("UPDATE experiences SET dropped_step = ? WHERE use_count = 0 AND dropped_step IS NULL"
+                                " AND model_version < ?", (step, min_version))
                 # Ids first (a scan of small rows), payloads second, for the chosen ids only.
                 ids = [row[0] for row in cur.execute(
                     f"SELECT id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?", (*args, n))]
-                if len(ids) >= n or waited >= timeout:
+                done = len(ids) >= n or take or waited >= timeout
+                if done and len(ids) < n and not take and not partial:
+                    ids = []
+                if done:
                     cur.executemany("UPDATE experiences SET use_count = use_count + 1,"
                                     " last_claimed = ? WHERE id = ?", [(now, i) for i in ids])
                     cur.executemany("INSERT INTO claims (exp_id, step, claimed) VALUES (?, ?, ?)",
                                     [(i, step, now) for i in ids])
                     rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
                     break
+            # NOTE: outside the transaction: the callback may write to the DB itself (the trainer's status)
+            if waiting is not None and waiting(len(ids), waited):
+                take = True
+                continue
             time.sleep(min(pause, max(timeout - waited, 0.0)))
             pause = min(pause * 1.5, 0.5)
-        if len(ids) < n:
-            log.warning(f"read incomplete batch: {len(ids)} of {n} experiences after {waited:.1f} s"
-                        " (max_read_timeout)")
+        if 0 < len(ids) < n:
+            log.warning(f"read incomplete batch: {len(ids)} of {n} experiences after {waited:.1f} s")
         # Deserialise after COMMIT so that the write lock is held only for the SQL.
         by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols)))
                  for id, blob, meta, *cols in rows}
@@ -290,12 +318,14 @@ class ExperienceDB:
         return [by_id[i] for i in ids]
 
     def release_after(self, step: int) -> int:
-        """Undo the claims of train steps > `step` (for a trainer resumed from checkpoint `step`):
-        those experiences become claimable again as if never used. Returns the claims released."""
+        """Undo the claims (and staleness drops) of train steps > `step`, for a trainer resumed from
+        checkpoint `step`: those experiences become claimable again as if never used. Returns the
+        claims released."""
         with transaction(self.conn) as cur:
             released = cur.execute("SELECT exp_id, COUNT(*) FROM claims WHERE step > ?"
                                    " GROUP BY exp_id", (step,)).fetchall()
             cur.execute("DELETE FROM claims WHERE step > ?", (step,))
+            cur.execute("UPDATE experiences SET dropped_step = NULL WHERE dropped_step > ?", (step,))
             # last_claimed goes back to the latest remaining claim, or NULL if none is left.
             cur.executemany("UPDATE experiences SET use_count = use_count - ?, last_claimed ="
                             " (SELECT MAX(claimed) FROM claims WHERE exp_id = experiences.id)"
@@ -304,12 +334,25 @@ class ExperienceDB:
         return sum(count for _, count in released)
 
     def counts(self) -> dict[str, int]:
-        """Row counts: total, pending (never claimed), claimed (claimed at least once), claims."""
-        # One statement, so the three counts come from one snapshot even while others write.
-        total, pending, claims = self.conn.execute(
-            "SELECT (SELECT COUNT(*) FROM experiences), (SELECT COUNT(*) FROM experiences"
-            " WHERE use_count = 0), (SELECT COUNT(*) FROM claims)").fetchone()
-        return {"total": total, "pending": pending, "claimed": total - pending, "claims": claims}
+        """Row counts: total = pending (never claimed) + claimed (at least once) + dropped; claims."""
+        # One statement, so that the counts come from one snapshot even while others write.
+        total, pending, dropped, claims = self.conn.execute(
+            "SELECT (SELECT COUNT(*) FROM experiences), (SELECT COUNT(*) FROM experiences WHERE use_count = 0"
+            " AND dropped_step IS NULL), (SELECT COUNT(*) FROM experiences WHERE dropped_step IS NOT NULL),"
+            " (SELECT COUNT(*) FROM claims)").fetchone()
+        return {"total": total, "pending": pending, "claimed": total - pending - dropped, "dropped": dropped,
+                "claims": claims}
+
+    def check_identity(self, identity: dict, who: str) -> None:
+        """Refuse to share this DB between processes of different models: the first process stores
+        `identity` (models.fingerprint: architecture and tokenizer), later ones must match it."""
+        stored = json.loads(self.set_meta("identity", json.dumps(identity, sort_keys=True), overwrite=False))
+        if stored != identity:
+            diff = [f"{k}: DB has {stored.get(k)!r}, {who} has {identity.get(k)!r}"
+                    for k in sorted(set(stored) | set(identity)) if stored.get(k) != identity.get(k)]
+            raise DBMismatch(f"{self.path}: this experience DB was written for another model or tokenizer "
+                               f"({'; '.join(diff)}). Point buffer.trainer_input.experience_buffer.path at "
+                               "another DB, or use the same model.model_path on both sides.")
 
     def close(self) -> None:
         self.conn.close()

@@ -41,7 +41,7 @@ import launch
 import sync
 from buffer import Experience, ExperienceDB, Task, TaskReader, load_tasks
 from engines import ModelHandle, make_engine
-from models import load_tokenizer
+from models import fingerprint, load_tokenizer
 from monitor import Monitor
 from workflows import build_workflow
 
@@ -167,6 +167,48 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
         x.info.update(epoch=task.epoch, taskset=task.taskset, index=task.index)
 
 
+def trainer_state(db: ExperienceDB) -> str:
+    """What the trainer last recorded in the DB, for log lines."""
+    t = json.loads(db.get_meta("trainer") or "null")
+    if t is None:
+        return "no trainer has used this DB yet"
+    return f"trainer at step {t['step']}, {t['status']}, last seen {time.time() - t['time']:.0f} s ago (pid {t['pid']})"
+
+
+def wait_for_trainer(cfg: configs.Config, db: ExperienceDB, want: int, step: int) -> tuple[int, str]:
+    """Checkpoint sync: block until the trainer has published weights of version >= want.
+    (that version, "") or (0, why not): the trainer finished first, or sync_timeout ran out."""
+    job, timeout = cfg.checkpoint_job_dir, cfg.synchronizer.sync_timeout
+    start, next_note = time.monotonic(), 0.0
+    while (have := sync.latest_version(job)) < want:
+        waited = time.monotonic() - start
+        trainer = json.loads(db.get_meta("trainer") or "null")
+        if trainer is not None and trainer["status"] == "finished":
+            return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})"
+        if waited >= timeout:
+            return 0, f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}"
+        if waited >= next_note:
+            next_note = waited + 30
+            log.info("sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
+                     step, want, have, job, trainer_state(db))
+        time.sleep(0.5)
+    return have, ""
+
+
+def load_published(engine: Any, job: str, version: int) -> int:
+    """Load published weights into the engine; the newest version if `version`'s folder is being
+    replaced (a resumed trainer re-publishing a step). Returns the version loaded."""
+    for attempt in range(5):
+        try:
+            engine.load_weights(str(sync.weights_path(job, version)), version=version)
+            return version
+        except OSError as e:
+            log.warning("could not load the weights of step %d (%s); retrying with the newest", version, e)
+            time.sleep(1.0)
+            version = sync.latest_version(job)
+    raise RuntimeError(f"could not load published weights from {job}")
+
+
 def start_weights(cfg: configs.Config) -> tuple[str, int]:
     """Newest published weights of this job (a restart resumes with them), else model.model_path."""
     weights = sync.latest_weights(cfg.checkpoint_job_dir)
@@ -187,6 +229,7 @@ def explore(cfg: configs.Config) -> int:
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
+    db.check_identity(fingerprint(cfg.model.model_path, load_tokenizer(cfg.model.model_path)), f"explorer {name}")
     reader = TaskReader(b.explorer_input.tasksets, total_epochs=10**9 if b.total_steps else b.total_epochs)
     saved = json.loads(db.get_meta(f"explorer/{name}") or "null")
     step = 0
@@ -224,52 +267,65 @@ def explore(cfg: configs.Config) -> int:
                 stamp(got, task, name)
         # --- write: the step's experiences and the position, in one transaction
         step += 1
-        state = {"step": step, "reader": reader.state(), "model_version": engine.model_version}
+        state = {"step": step, "reader": reader.state(), "model_version": engine.model_version, "time": time.time(),
+                 "finished": False}
         db.write([x for _, got, _ in results if got for x in got], meta={f"explorer/{name}": json.dumps(state)})
-        Path(cfg.checkpoint_job_dir, "explorer_meta.json").write_text(json.dumps({"latest_iteration": step, **state}))
+        sync.write_atomic(Path(cfg.checkpoint_job_dir, f"{name}_meta.json"),
+                          lambda p: Path(p).write_text(json.dumps({"latest_iteration": step, **state})))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", version=engine.model_version)
         # --- sync: after step s, the trainer's weights of step s - sync_offset (a file, or over the group)
         s = cfg.synchronizer
-        if cfg.mode != "bench" and step < steps and step > s.sync_offset and (step - s.sync_offset) % s.sync_interval == 0:
+        sync_point = step > s.sync_offset and (step - s.sync_offset) % s.sync_interval == 0
+        if cfg.mode != "bench" and step < steps and s.sync_method == "nccl" and sync_point:
             t0, want = time.monotonic(), step - s.sync_offset
-            if s.sync_method == "nccl":
-                try:
-                    receiver = receiver or sync.open_receiver(cfg.checkpoint_job_dir, s.sync_timeout)
-                    got = sync.receive_weights(receiver)
-                except sync.SyncError as err:
-                    got, why = None, str(err)
-                else:
-                    why = "the trainer finished and sent stop"
-                if got is None:
-                    log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
-                              want, why, step)
-                    code = 1
-                    break
-                version, state = got
-                if version != want:
-                    log.warning("sync point after step %d: got weights of step %d, expected %d", step, version, want)
-                metrics["sync/bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-                metrics["sync/receive_seconds"] = time.monotonic() - t0
-                engine.load_weights(state, version=version)
-                del state
+            try:
+                receiver = receiver or sync.open_receiver(cfg.checkpoint_job_dir, s.sync_timeout)
+                got = sync.receive_weights(receiver)
+            except sync.SyncError as err:
+                got, why = None, str(err)
             else:
-                if sync.latest_version(cfg.checkpoint_job_dir) < want:
-                    log.info("sync point after step %d: waiting up to %g s for the trainer's weights of step %d in %s",
-                             step, s.sync_timeout, want, cfg.checkpoint_job_dir)
-                found = sync.wait_for_version(cfg.checkpoint_job_dir, want, s.sync_timeout)
-                if found is None:
-                    log.error("no weights of step %d from the trainer after %g s (synchronizer.sync_timeout); "
-                              "stopping. Restart to continue after step %d.", want, s.sync_timeout, step)
-                    code = 1
-                    break
-                engine.load_weights(str(found), version=sync.latest_version(cfg.checkpoint_job_dir))
+                why = "the trainer finished and sent stop"
+            if got is None:
+                log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
+                          want, why, step)
+                code = 1
+                break
+            version, state = got
+            if version != want:
+                log.warning("sync point after step %d: got weights of step %d, expected %d", step, version, want)
+            metrics["sync/bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+            metrics["sync/receive_seconds"] = time.monotonic() - t0
+            engine.load_weights(state, version=version)
+            del state
             metrics["time/sync"] = time.monotonic() - t0
+        elif cfg.mode != "bench" and step < steps and (sync_point or s.sync_style == "trainer_driven"):
+            # fixed: the weights of the trainer step that consumed this explorer's step s - sync_offset;
+            # explorer_driven: any newer weights than ours; trainer_driven: take new weights whenever the
+            # trainer has published them, never wait.
+            t0, version = time.monotonic(), sync.latest_version(cfg.checkpoint_job_dir)
+            want = {"fixed": (step - s.sync_offset) * b.batch_size * cfg.algorithm.repeat_times // b.train_batch_size,
+                    "explorer_driven": engine.model_version + 1}.get(s.sync_style, 0)
+            if version < want:
+                version, why = wait_for_trainer(cfg, db, want, step)
+                if not version:
+                    finished = why.startswith("the trainer finished")
+                    (log.info if finished else log.error)(
+                        "explorer %s stops after step %d: %s.%s", name, step, why,
+                        "" if finished else f" Restart to continue after step {step}.")
+                    code = 0 if finished else 1
+                    break
+            if version > engine.model_version:
+                load_published(engine, cfg.checkpoint_job_dir, version)
+                metrics["time/sync"] = time.monotonic() - t0
         # --- eval and log
         if eval_sets and (step % e.eval_interval == 0 or step == steps):
             metrics.update(evaluate(pool, handles, cfg, eval_sets))
         monitor.log(metrics, step=step)
     bar.close()
+    if code == 0:  # the trainer stops waiting for more experiences once every explorer has finished
+        db.set_meta(f"explorer/{name}", json.dumps({**json.loads(db.get_meta(f"explorer/{name}") or "{}"),
+                                                    "step": step, "time": time.time(), "finished": True}))
     if receiver is not None:
         sync.close_receiver(receiver)
     monitor.close()

@@ -18,6 +18,8 @@ run directory (<checkpoint_root_dir>/<project>/<name>/) and prints their paths.
 
 `continue_from_checkpoint: false` with an existing run directory starts a new run named
 <name>_<YYYYmmdd-HHMMSS> (Trinity-RFT's behaviour); true resumes every stage where it stopped.
+Not for a lone `mode: explore` or `mode: train` (asynchronous RFT): those processes meet in one run
+directory, so it is never renamed; each writes its config as config_<explorer or trainer name>.yaml.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Callable, Iterator
 
 import configs
 import sync
+from buffer import DataError, DBMismatch
 from monitor import read_history
 
 log = logging.getLogger("nanorft.launch")
@@ -197,7 +200,13 @@ def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Con
     for stage in stages_in_order(cfg):
         if stage.mode not in runners:
             log.info("stage %s is mode %s: nothing for the %s to do", stage.name, stage.mode, role)
-        elif code := runners[stage.mode](stage):
+            continue
+        try:
+            code = runners[stage.mode](stage)
+        except (DataError, DBMismatch) as e:  # bad input: the message says it all, no traceback
+            log.error("%s of stage %s stops: %s", role, stage.name, e)
+            return 2
+        if code:
             return code
     return 0
 
@@ -205,11 +214,18 @@ def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Con
 def fresh_name(cfg: configs.Config) -> configs.Config:
     """With continue_from_checkpoint false, an existing run directory gets a new run: <name>_<time>."""
     job = Path(configs.derive(dataclasses.replace(cfg, stages=[])).checkpoint_job_dir)
-    if cfg.continue_from_checkpoint or not job.exists() or not any(job.iterdir()):
+    if cfg.continue_from_checkpoint or not job.exists() or not any(job.iterdir()) or async_role(cfg):
         return cfg
     name = f"{cfg.name}_{time.strftime('%Y%m%d-%H%M%S')}"
     log.info("continue_from_checkpoint is false and %s exists: this run is %s", job, name)
     return dataclasses.replace(cfg, name=name)
+
+
+def async_role(cfg: configs.Config) -> str:
+    """The explorer's or trainer's name when `cfg` is one side of an asynchronous run, else ""."""
+    if cfg.stages or cfg.mode not in ("explore", "train"):
+        return ""
+    return cfg.explorer.name if cfg.mode == "explore" else cfg.trainer.name
 
 
 def run(cfg: configs.Config) -> int:
@@ -228,7 +244,7 @@ def run(cfg: configs.Config) -> int:
         stages.append(stage)
         job = Path(stage.checkpoint_job_dir)
         job.mkdir(parents=True, exist_ok=True)
-        config_file = job / "config.yaml"
+        config_file = job / (f"config_{role}.yaml" if (role := async_role(cfg)) else "config.yaml")
         config_file.write_text(configs.to_yaml(stage))
         log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
         procs: dict[str, subprocess.Popen] = {}

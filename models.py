@@ -3,6 +3,7 @@
     from models import load_model, load_tokenizer
     tokenizer = load_tokenizer("assets/tiny-qwen2")        # built by `python tiny.py`
     model = load_model("assets/tiny-qwen2", dtype="float32", device="cpu")
+    identity = fingerprint("assets/tiny-qwen2", tokenizer)  # what processes sharing a DB must agree on
 
 Works the same for a hub name or a local Hugging Face folder (Qwen2.5-1.5B-Instruct, ...).
 
@@ -17,6 +18,7 @@ outright. PreTrainedTokenizerFast loads tokenizer.json exactly as saved.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -48,3 +50,19 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTra
     bf16 matmuls are 3-5x slower there)."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device).eval()
+
+
+# config.json keys that decide whether token ids and weights mean the same thing on both sides
+ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+
+
+def fingerprint(path: str, tokenizer: PreTrainedTokenizerBase) -> dict:
+    """The architecture (config.json's ARCH_KEYS) and a hash of the tokenizer (vocabulary, special
+    tokens, chat template) of a model: equal for a model and its fine-tuned checkpoints."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path).to_dict()
+    text = json.dumps([sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, tokenizer.pad_token,
+                       tokenizer.chat_template], ensure_ascii=False)
+    return {**{k: config.get(k) for k in ARCH_KEYS}, "tokenizer_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}

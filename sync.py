@@ -13,6 +13,10 @@ NOTE: the folder is written under a temporary name and renamed into place, and o
 pointer file replaced (also by rename). A reader that follows the pointer therefore never sees a
 half-written folder, even if the trainer is killed mid-save.
 
+Checkpoints (the trainer's, for resuming): `save_checkpoint` writes global_step_N/actor/{huggingface/,
+optimizer.safetensors, rng_state_rank<r>.safetensors, trainer_state.json} and then moves
+latest_checkpointed_iteration.txt; `latest_checkpoint` / `load_checkpoint` read them back.
+
 Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the full tensors to
 the explorer over a two-rank group built by hand beside torchrun's default group (gloo on CPU, NCCL
 on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source), the explorer is rank 1.
@@ -47,11 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_optimizer_state_dict)
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
+CKPT_POINTER = "latest_checkpointed_iteration.txt"  # the newest complete checkpoint
 GROUP_FILE = "sync_group.json"  # where trainer rank 0 tells the explorer how to reach its store
 
 
@@ -88,8 +96,13 @@ def save_hf(model: Any, tokenizer: Any, folder: str | Path, state_dict: dict[str
     model.save_pretrained(tmp, state_dict=state_dict)  # safetensors; tied embeddings stored once
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
+    # NOTE: an older folder of this name (a killed run's) is renamed away, not deleted in place: a reader
+    # holding its files open keeps reading whole files, and the name is missing for a moment only.
+    old = final.with_name(f".{final.name}.old-{os.getpid()}")
+    if final.exists():
+        os.replace(final, old)
     os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -328,3 +341,73 @@ def close_receiver(link: WeightLink) -> None:
     if link.group is not None and hasattr(link.group, "shutdown"):
         link.group.shutdown()
     link.group = None
+
+
+# --- checkpoints (the trainer's; resume)
+
+
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model weights on rank 0's CPU; {} on other ranks. Every rank must call it."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path, step: int,
+                    rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None) -> None:
+    """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
+    trainer_state.json}; then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
+    `weights`: the full state when the sync phase just published this step's HF folder (else None);
+    `keep`: delete older checkpoints beyond this many. Every rank must call it.
+    NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
+    job, actor = Path(job_dir), weights_path(job_dir, step).parent
+    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    published = weights is not None  # the HF folder of this step was just written by the sync phase
+    weights = weights if published else full_state(model)
+    if rank == 0:
+        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
+            save_hf(model, tokenizer, weights_path(job, step), weights)
+        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
+        write_atomic(actor / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
+        write_atomic(actor / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
+            {"global_step": step, "param_groups": osd["param_groups"]}, indent=1)))
+    dist.barrier()
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
+    dist.barrier()
+    if rank == 0:
+        write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
+            {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
+        write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
+        if keep:
+            for old in sorted(checkpoint_steps(job))[:-keep]:
+                shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
+
+
+def checkpoint_steps(job: Path) -> list[int]:
+    return [int(p.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/trainer_state.json")]
+
+
+def latest_checkpoint(job: str | Path) -> int:
+    """The step of the newest complete checkpoint, 0 when there is none."""
+    try:
+        return int(Path(job, CKPT_POINTER).read_text().strip() or 0)
+    except FileNotFoundError:
+        return 0
+
+
+def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int) -> None:
+    """Optimizer state and RNG of checkpoint `step` (the weights were loaded from its HF folder)."""
+    actor = weights_path(job_dir, step).parent
+    tensors = safetensors.torch.load_file(actor / "optimizer.safetensors")
+    meta = json.loads((actor / "trainer_state.json").read_text())
+    state: dict[str, dict] = {}
+    for key, v in tensors.items():
+        fqn, name = key.rsplit("/", 1)
+        state.setdefault(fqn, {})[name] = v
+    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
+                             options=StateDictOptions(full_state_dict=True))
+    rng_file = actor / f"rng_state_rank{rank}.safetensors"
+    if rng_file.is_file():
+        rng = safetensors.torch.load_file(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])

@@ -37,16 +37,12 @@ import logging
 import math
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -57,12 +53,12 @@ import configs
 import launch
 import sync
 from algos.kl import penalty as kl_penalty
+from algos.correction import rollout_is_weights
 from buffer import DataError, Experience, ExperienceDB, format_row, read_rows
-from models import load_model, load_tokenizer
+from models import fingerprint, load_model, load_tokenizer
 from monitor import Monitor
 
 log = logging.getLogger("nanorft.train")
-CKPT_POINTER = "latest_checkpointed_iteration.txt"
 
 
 # --- distributed set-up and the model
@@ -119,10 +115,11 @@ def lr_at(step: int, cfg: configs.Config, total: int) -> float:
 
 class Source:
     """Where train batches come from: the experience DB (claims) or, for offline data such as an SFT
-    file (`experience_buffer.storage_type: file`), the file's rows in a seeded order per epoch."""
+    file (`experience_buffer.storage_type: file`), the file's rows in a seeded order per epoch.
+    `ended` (rank 0): the DB will get no more experiences (every explorer that wrote to it finished)."""
 
     def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
-        self.cfg, self.rank, self.device = cfg, rank, device
+        self.cfg, self.rank, self.device, self.ended = cfg, rank, device, False
         eb = cfg.buffer.trainer_input.experience_buffer
         self.rows: list[Experience] = []
         if eb.storage_type == "file":
@@ -132,6 +129,9 @@ class Source:
                 raise DataError(f"experience_buffer {eb.name}: {eb.path} has no rows")
         else:
             self.db = ExperienceDB(eb.path)
+            self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
+            a = cfg.algorithm
+            self.strategy = lookup("sample_strategy", a.sample_strategy, a.sample_strategy_args)
 
     def total_steps(self) -> int:
         b = self.cfg.buffer
@@ -140,24 +140,60 @@ class Source:
         if self.rows:
             return math.ceil(len(self.rows) / b.train_batch_size) * b.total_epochs
         tasks = sum(len(read_rows(ts.path, ts.subset_name, ts.split)) for ts in b.explorer_input.tasksets)
-        return math.ceil(tasks / b.batch_size) * b.total_epochs
+        return math.ceil(tasks * b.total_epochs * self.cfg.algorithm.repeat_times / b.train_batch_size)
 
     def read(self, step: int) -> list[Experience]:
-        """The batch of train step `step`, identical on every rank."""
+        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
         n = self.cfg.buffer.train_batch_size
         if self.rows:  # a pure function of the step, so a resumed run continues exactly
             positions = [divmod(pos, len(self.rows)) for pos in range((step - 1) * n, step * n)]  # (epoch, index)
             orders = {e: random.Random(f"sft/{e}").sample(range(len(self.rows)), len(self.rows)) for e, _ in positions}
             return [self.rows[orders[e][i]] for e, i in positions]
         eb = self.cfg.buffer.trainer_input.experience_buffer
-        ids = torch.zeros(n + 1, dtype=torch.long, device=self.device)
+        ids = torch.zeros(n + 2, dtype=torch.long, device=self.device)  # [count, ended, ids...]
         if self.rank == 0:
+            fn, strategy_cfg = self.strategy
             got = self.db.claim(n, step, timeout=eb.max_read_timeout, priority=eb.use_priority_queue,
-                                reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay)
-            ids[0] = len(got)
-            ids[1 : len(got) + 1] = torch.tensor([x.id for x in got], dtype=torch.long)
+                                reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay, partial=False,
+                                waiting=self.waiting(step), **fn(step, strategy_cfg))
+            ids[:2] = torch.tensor([len(got), self.ended])
+            ids[2 : len(got) + 2] = torch.tensor([x.id for x in got], dtype=torch.long)
         dist.broadcast(ids, src=0)
-        return got if self.rank == 0 else self.db.get(ids[1 : int(ids[0]) + 1].tolist())
+        self.ended = bool(ids[1])
+        return got if self.rank == 0 else self.db.get(ids[2 : int(ids[0]) + 2].tolist())
+
+    def explorers(self) -> str:
+        """What the explorers that write to the DB last recorded, for log lines."""
+        now, states = time.time(), {k[9:]: json.loads(v) for k, v in self.db.meta_items("explorer/").items()}
+        return "; ".join(f"{name} at step {x['step']}" + (" (finished)" if x.get("finished") else
+                         f", last wrote {now - x.get('time', now):.0f} s ago") for name, x in states.items()) or \
+            "none has written to this DB yet"
+
+    def waiting(self, step: int):
+        """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every
+        explorer that wrote to the DB has finished."""
+        eb, next_note = self.cfg.buffer.trainer_input.experience_buffer, [5.0]
+
+        def check(have: int, waited: float) -> bool:
+            states = [json.loads(v) for v in self.db.meta_items("explorer/").values()]
+            if states and all(x.get("finished") for x in states):
+                self.ended = True
+                return True
+            if waited >= next_note[0]:
+                next_note[0] = waited + 30
+                set_status(self.db, step - 1, "waiting")
+                log.info("train step %d: waiting for experiences: %d of %d ready after %.0f s (gives up after "
+                         "max_read_timeout %g s); explorers: %s", step, have, self.cfg.buffer.train_batch_size,
+                         waited, eb.max_read_timeout, self.explorers())
+            return False
+
+        return check
+
+
+def set_status(db: ExperienceDB, step: int, status: str) -> None:
+    """The trainer's state in the DB (an explorer waiting for weights reads it): its last finished
+    step and "training", "waiting" (for experiences), "finished" or "stopped"."""
+    db.set_meta("trainer", json.dumps({"step": step, "status": status, "time": time.time(), "pid": os.getpid()}))
 
 
 def sft_experience(row: dict, tokenizer, max_len: int) -> Experience:
@@ -242,11 +278,6 @@ def score(model, exps: list[Experience], cfg: configs.Config, device, temperatur
 # --- weights out: publish for the explorer, save a checkpoint, resume
 
 
-def full_state(model) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model weights on rank 0's CPU; {} on other ranks. Every rank must call it."""
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def send_weights(model, sender, step: int) -> None:
     """Process-group sync: one full parameter at a time, gathered on every rank, sent by rank 0."""
     params = dict(model.named_parameters())  # tied weights appear once
@@ -254,65 +285,6 @@ def send_weights(model, sender, step: int) -> None:
     tensors = (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
     with torch.no_grad():  # NOTE: ranks > 0 (sender None) only drain `tensors`: each all-gather needs every rank
         sync.send_weights(sender, step, specs, tensors)
-
-
-def save_checkpoint(model, optim, tokenizer, cfg: configs.Config, step: int, rank: int, weights: dict | None) -> None:
-    """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-    trainer_state.json}; then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
-    NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
-    job, actor = Path(cfg.checkpoint_job_dir), sync.weights_path(cfg.checkpoint_job_dir, step).parent
-    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    published = weights is not None  # the HF folder of this step was just written by the sync phase
-    weights = weights if published else full_state(model)
-    if rank == 0:
-        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
-            sync.save_hf(model, tokenizer, sync.weights_path(job, step), weights)
-        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
-        sync.write_atomic(actor / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
-        sync.write_atomic(actor / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
-            {"global_step": step, "param_groups": osd["param_groups"]}, indent=1)))
-    dist.barrier()
-    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    sync.write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
-    dist.barrier()
-    if rank == 0:
-        sync.write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
-            {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
-        sync.write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
-        keep = cfg.trainer.max_checkpoints_to_keep
-        if keep:
-            for old in sorted(checkpoint_steps(job))[:-keep]:
-                shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
-
-
-def checkpoint_steps(job: Path) -> list[int]:
-    return [int(p.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/trainer_state.json")]
-
-
-def latest_checkpoint(job: str) -> int:
-    try:
-        return int(Path(job, CKPT_POINTER).read_text().strip() or 0)
-    except FileNotFoundError:
-        return 0
-
-
-def load_checkpoint(model, optim, cfg: configs.Config, step: int, rank: int) -> None:
-    """Optimizer state and RNG of checkpoint `step` (the weights were loaded from its HF folder)."""
-    actor = sync.weights_path(cfg.checkpoint_job_dir, step).parent
-    tensors = safetensors.torch.load_file(actor / "optimizer.safetensors")
-    meta = json.loads((actor / "trainer_state.json").read_text())
-    state: dict[str, dict] = {}
-    for key, v in tensors.items():
-        fqn, name = key.rsplit("/", 1)
-        state.setdefault(fqn, {})[name] = v
-    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
-                             options=StateDictOptions(full_state_dict=True))
-    rng_file = actor / f"rng_state_rank{rank}.safetensors"
-    if rng_file.is_file():
-        rng = safetensors.torch.load_file(rng_file)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
 
 
 # --- main
@@ -336,7 +308,11 @@ def train(cfg: configs.Config) -> int:
     rank, world, device = setup_distributed()
     a, t, s, job = cfg.algorithm, cfg.trainer, cfg.synchronizer, Path(cfg.checkpoint_job_dir)
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
-    resume = latest_checkpoint(cfg.checkpoint_job_dir) if cfg.continue_from_checkpoint else 0
+    resume = sync.latest_checkpoint(cfg.checkpoint_job_dir)
+    if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
+        log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
+                  "or choose another name (the explorer and trainer must share one)", job, resume)
+        return 2
     tokenizer = load_tokenizer(cfg.model.model_path)
     model = build_model(str(sync.weights_path(job, resume)) if resume else cfg.model.model_path, cfg, device, trainable=True)
     optim = torch.optim.AdamW(model.parameters(), lr=a.optimizer.lr, betas=tuple(a.optimizer.betas),
@@ -352,12 +328,15 @@ def train(cfg: configs.Config) -> int:
     source = Source(cfg, tokenizer, rank, device)
     total = source.total_steps()
     if resume:
-        load_checkpoint(model, optim, cfg, resume, rank)
+        sync.load_checkpoint(model, optim, job, resume, rank)
         if rank == 0:
-            released = source.db.release_after(resume) if not source.rows else 0
             sync.set_latest(job, resume)
-            log.info("resumed from checkpoint step %d of %s; %d experience claims of later steps released",
-                     resume, job, released)
+            log.info("resumed from checkpoint step %d of %s", resume, job)
+    if rank == 0 and not source.rows:
+        # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
+        released = source.db.release_after(resume)
+        set_status(source.db, resume, "training")
+        log.info("%d experience claims of steps after %d released", released, resume)
     tasksets = cfg.buffer.explorer_input.tasksets
     temperature = tasksets[0].rollout_args.temperature if tasksets else cfg.model.temperature
     temperature = temperature or 1.0  # greedy rollouts are scored at T = 1
@@ -367,15 +346,21 @@ def train(cfg: configs.Config) -> int:
         log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, sync %s every %d step(s)",
                  world, device.type, resume + 1, total, a.advantage_fn, a.policy_loss_fn, use_ref, s.sync_method, s.sync_interval)
 
-    code = 0
+    code, done, saved = 0, resume, resume  # done: the last finished step; saved: the last checkpoint
     for step in range(resume + 1, total + 1):
         timing, t0 = {}, time.monotonic()
         # --- read the batch, shard it over ranks (longest first, dealt round-robin: balanced tokens)
         exps = source.read(step)
+        if not exps and source.ended:
+            if rank == 0:
+                log.info("every explorer writing to the experience DB has finished and no experiences are left: "
+                         "training ends after step %d of %d", done, total)
+            break
         if not exps:
-            log.error("no experiences for train step %d after %g s (buffer.trainer_input.experience_buffer."
-                      "max_read_timeout): is the explorer running? Stopping.", step,
-                      cfg.buffer.trainer_input.experience_buffer.max_read_timeout)
+            if rank == 0:
+                log.error("no full batch for train step %d after %g s (buffer.trainer_input.experience_buffer."
+                          "max_read_timeout); explorers: %s. Stopping; a restart continues after checkpoint step %d.",
+                          step, cfg.buffer.trainer_input.experience_buffer.max_read_timeout, source.explorers(), done)
             code = 1
             break
         timing["time/read"] = time.monotonic() - t0
@@ -395,6 +380,9 @@ def train(cfg: configs.Config) -> int:
         one_update = t.ppo_epochs == 1 and n_mini == 1 and a.kl_penalty_fn == "none"
         if rl and not one_update:
             extra["old_logprobs"] = score(model, my, cfg, device, temperature)
+        if rl and any(x.logprobs is not None for x in my):  # the rollout engine's, for the off-policy correction
+            extra["rollout_logprobs"] = [x.logprobs if x.logprobs is not None else torch.zeros(x.response_length) for x in my]
+            extra["has_rollout_logprobs"] = [torch.full((x.response_length,), float(x.logprobs is not None)) for x in my]
         if ref is not None:
             extra["ref_logprobs"] = score(ref, my, cfg, device, temperature)
         timing["time/old_ref_logprobs"] = time.monotonic() - t1
@@ -451,7 +439,14 @@ def train(cfg: configs.Config) -> int:
                     logp, ent = token_logprobs(model, mb, temperature, entropy=True)  # [B,T], [B,T]
                     if rl and one_update:
                         mb["old_logprobs"] = logp.detach()  # [B,T] ratio exactly 1 (see above)
-                    loss, m = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
+                    m = {}
+                    if "rollout_logprobs" in mb:  # truncated IS weights (rollout -> old policy) scale the advantages
+                        rc = a.rollout_correction
+                        w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [B,T]
+                                                  mb["response_mask"] & (mb["has_rollout_logprobs"] > 0), rc.rollout_is, rc.rollout_is_threshold)
+                        mb["advantages"] = mb["advantages"] * w  # [B,T]
+                    loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
+                    m |= pm
                     if a.kl_loss_fn != "none":
                         kl_term, km = kl_loss(logp, mb, kl_loss_cfg, a.loss_agg_mode, a.kl_loss_fn)  # []
                         loss, m = loss + kl_term, m | km
@@ -461,7 +456,8 @@ def train(cfg: configs.Config) -> int:
                     # micro-batches of share x loss is the loss of the whole mini-batch.
                     ((loss + ent_loss.to(loss.device)) * share * world).backward()
                     for key, v in m.items():
-                        sums[f"actor/{key}"] = sums.get(f"actor/{key}", 0.0) + v * share / (t.ppo_epochs * n_mini)
+                        key = key if "/" in key else f"actor/{key}"
+                        sums[key] = sums.get(key, 0.0) + v * share / (t.ppo_epochs * n_mini)
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
                 norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
                 if not math.isfinite(norm):  # veRL skips such steps too
@@ -483,15 +479,17 @@ def train(cfg: configs.Config) -> int:
         if rl and s.sync_method == "nccl" and explorer_waits:
             send_weights(model, sender, step)  # sender is None on ranks > 0
         if (explorer_waits and s.sync_method == "checkpoint") or step == total:
-            weights = full_state(model)
+            weights = sync.full_state(model)
             if rank == 0:
                 sync.publish_hf(model, tokenizer, job, step, state_dict=weights)
         timing["time/sync"] = time.monotonic() - t3
         # --- checkpoint
         t4 = time.monotonic()
         if (t.save_interval and step % t.save_interval == 0) or step == total:
-            save_checkpoint(model, optim, tokenizer, cfg, step, rank, weights)
+            sync.save_checkpoint(model, optim, tokenizer, job, step, rank, weights, t.max_checkpoints_to_keep)
+            saved = step
         timing["time/save_checkpoint"] = time.monotonic() - t4
+        done = step
 
         # --- log
         timing["time/step"] = time.monotonic() - t0
@@ -504,11 +502,26 @@ def train(cfg: configs.Config) -> int:
                         "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["time/step"] / world,
                         "perf/train_tokens_per_s": tokens / max(timing["time/update"], 1e-9),
                         "batch/size": len(exps)})
-        if rl:  # how many weight versions behind the trainer the batch's generating weights were
-            staleness = [step - 1 - x.model_version for x in exps]
-            metrics.update({"batch/staleness/mean": sum(staleness) / len(exps), "batch/staleness/max": max(staleness)})
+        if rl:  # the weights versions that generated the batch, and how far behind version step - 1 they are
+            versions = [x.model_version for x in exps]
+            metrics.update({"sample/model_version/min": min(versions), "sample/model_version/max": max(versions),
+                            "sample/model_version/mean": sum(versions) / len(exps),
+                            "batch/staleness/mean": step - 1 - sum(versions) / len(exps),
+                            "batch/staleness/max": step - 1 - min(versions)})
+            for name in sorted({x.explorer for x in exps}):
+                metrics[f"sample/experience_count/{name or 'unknown'}"] = sum(x.explorer == name for x in exps)
         if monitor is not None:
             monitor.log(metrics, step=step)
+        if rank == 0 and not source.rows:
+            set_status(source.db, step, "training")
+    # --- the end: publish and save the last step unless done above (data ran out, or stopped waiting)
+    if saved < done:
+        weights = sync.full_state(model)
+        if rank == 0:
+            sync.publish_hf(model, tokenizer, job, done, state_dict=weights)
+        sync.save_checkpoint(model, optim, tokenizer, job, done, rank, weights, t.max_checkpoints_to_keep)
+    if rank == 0 and not source.rows:
+        set_status(source.db, done, "stopped" if code else "finished")
     if sender is not None:
         sync.close_sender(sender, finished=code == 0)
     if monitor is not None:

@@ -10,6 +10,10 @@ Piece registries: name -> (function, Config class for its `*_args`), validated b
     KL_FNS            fn(logprobs [B,T], ref_logprobs [B,T]) -> per-token KL [B,T]; the KL loss and
                       KL penalty are `kl.loss(..., kind=name)` / `kl.penalty(..., kind=name)`
     ENTROPY_LOSS_FNS  fn(entropy [B,T], batch, cfg, loss_agg_mode) -> (scalar loss, metrics)
+    SAMPLE_STRATEGIES fn(step, cfg) -> the filter of the step's experience DB claim (e.g. min_version)
+
+Not a registry: `correction.rollout_is_weights`, truncated importance sampling between the rollout
+engine's and the trainer's log-probs (algorithm.rollout_correction), applied to any policy loss.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-from algos import entropy, grpo, kl, ppo_loss, sft_loss
+from algos import entropy, grpo, kl, ppo_loss, sample, sft_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +80,11 @@ ENTROPY_LOSS_FNS: dict[str, tuple[Callable, type]] = {
     "none": (entropy.none, entropy.Config),
 }
 
+SAMPLE_STRATEGIES: dict[str, tuple[Callable, type]] = {
+    "default": (sample.default, sample.Config),
+    "staleness_control": (sample.staleness_control, sample.Config),
+}
+
 # config field (algorithm.<kind>) -> the registry its name is looked up in
 REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
     "advantage_fn": ADVANTAGE_FNS,
@@ -83,6 +92,7 @@ REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
     "kl_loss_fn": KL_FNS,
     "kl_penalty_fn": KL_FNS,
     "entropy_loss_fn": ENTROPY_LOSS_FNS,
+    "sample_strategy": SAMPLE_STRATEGIES,
 }
 
 

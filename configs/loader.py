@@ -351,6 +351,8 @@ def derive(cfg: Config) -> Config:
             setattr(a, piece, getattr(preset, piece))
     if a.sample_strategy == "warmup":
         a.sample_strategy = "default"
+    if a.rollout_correction.rollout_is != "none" and a.rollout_correction.rollout_is_threshold <= 1:
+        raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 1 (weights are cut at it)")
 
     # model: token limits
     if not m.model_path:

@@ -69,6 +69,14 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
+class RolloutCorrectionConfig:
+    rollout_is: Literal["none", "token", "sequence"] = "none"
+    """Truncated importance sampling between rollout and trainer log-probs: off, per token, or per sequence (algos/correction.py)."""
+    rollout_is_threshold: float = 2.0
+    """C: importance weights are cut at this value (> 1)."""
+
+
+@dataclasses.dataclass
 class AlgorithmConfig:
     algorithm_type: str = "ppo"
     """Preset that fills in the pieces below: ppo, grpo, opmd, dpo, sft, mix, ... (algos/__init__.py)."""
@@ -100,6 +108,8 @@ class AlgorithmConfig:
     """Entropy bonus (default, none, mix). Empty: the preset's."""
     entropy_loss_fn_args: ArgsDict = _field(dict)
     """Arguments of entropy_loss_fn (e.g. entropy_coef)."""
+    rollout_correction: RolloutCorrectionConfig = _field(RolloutCorrectionConfig)
+    """Off-policy correction for the rollout engine's log-probs (veRL's algorithm.rollout_correction); mismatch metrics are logged either way."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )

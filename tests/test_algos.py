@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import algos
-from algos import ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, entropy, grpo, kl, make_config, ppo_loss, sft_loss
+from algos import (ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, correction, entropy, grpo, kl, make_config,
+                   ppo_loss, sample, sft_loss)
 from algos.utils import AGG_MODES, aggregate, masked_mean, masked_whiten
 from configs import ConfigError
 
@@ -299,3 +300,53 @@ def test_make_config_values_and_errors():
         make_config("policy_loss_fn", "ppx", {}, "algorithm.policy_loss_fn_args")
     with pytest.raises(ConfigError, match="unknown piece kind"):
         make_config("critic_fn", "ppo", {}, "algorithm")
+
+
+# --- rollout correction and sample strategies
+
+
+def test_rollout_is_weights_hand_computed():
+    old = torch.tensor([[-1.0, -2.0, 0.0]])  # [B=1,T=3]
+    rollout = torch.tensor([[-1.5, -1.0, -9.0]])
+    mask = torch.tensor([[True, True, False]])
+    # log r = [0.5, -1.0]; r = [1.6487, 0.3679]
+    w, m = correction.rollout_is_weights(old, rollout, mask, "token", 1.5)
+    assert torch.allclose(w, torch.tensor([[1.5, math.exp(-1.0), 1.0]]))
+    assert m["rollout_corr/rollout_is_clip_frac"] == pytest.approx(0.5)
+    assert m["rollout_corr/rollout_is_mean"] == pytest.approx((1.5 + math.exp(-1)) / 2)
+    assert m["rollout_corr/kl"] == pytest.approx(0.25)  # mean(rollout - old) = mean(-0.5, 1.0)
+    assert m["rollout_corr/k3_kl"] == pytest.approx(((math.exp(0.5) - 1.5) + math.exp(-1)) / 2)
+    assert m["rollout_corr/abs_diff"] == pytest.approx(0.75)
+    assert m["rollout_corr/ratio_mean"] == pytest.approx((math.exp(0.5) + math.exp(-1)) / 2)
+    w, m = correction.rollout_is_weights(old, rollout, mask, "sequence", 1.5)  # prod r = exp(-0.5)
+    assert torch.allclose(w, torch.tensor([[math.exp(-0.5), math.exp(-0.5), 1.0]]))
+    assert m["rollout_corr/rollout_is_clip_frac"] == 0.0
+    long = torch.full((1, 200), 1.0)  # prod r = exp(200): overflows unless clamped in log space
+    w, m = correction.rollout_is_weights(long, torch.zeros(1, 200), torch.ones(1, 200, dtype=torch.bool), "sequence", 3.0)
+    assert torch.allclose(w, torch.full((1, 200), 3.0)) and m["rollout_corr/rollout_is_clip_frac"] == 1.0
+    w, m = correction.rollout_is_weights(old, rollout, mask, "none", 1.5)
+    assert torch.equal(w, torch.ones(1, 3)) and "rollout_corr/rollout_is_mean" not in m and m["rollout_corr/kl"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="unknown 'tokens'"):
+        correction.rollout_is_weights(old, rollout, mask, "tokens", 1.5)
+
+
+def test_rollout_is_weights_scale_the_ppo_gradient():
+    """The trainer applies the weights by scaling the advantages: each token's gradient is w_t times the
+    uncorrected one (PPO clip, at ratio 1)."""
+    b = random_batch(B=3, T=5)
+    logp = b["old_logprobs"].clone().requires_grad_(True)
+    w, _ = correction.rollout_is_weights(b["old_logprobs"], b["old_logprobs"] - torch.randn(3, 5), b["response_mask"], "token", 2.0)
+    assert (w != 1).any()
+    ppo_loss.compute(logp, b, ppo_loss.Config(), "token-mean")[0].backward()
+    plain = logp.grad.clone()
+    logp.grad = None
+    ppo_loss.compute(logp, {**b, "advantages": b["advantages"] * w}, ppo_loss.Config(), "token-mean")[0].backward()
+    assert torch.allclose(logp.grad, plain * w)
+
+
+def test_sample_strategies():
+    assert sample.default(10, sample.Config()) == {}
+    assert sample.staleness_control(10, sample.Config(max_staleness=2)) == {"min_version": 7}  # staleness <= 2 at step 10
+    assert sample.staleness_control(2, sample.Config(max_staleness=4)) == {"min_version": 0}
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        sample.staleness_control(3, sample.Config(max_staleness=-1))

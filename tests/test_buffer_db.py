@@ -109,7 +109,7 @@ def test_queue_order_and_claims_recorded(db: ExperienceDB) -> None:
     claims = sqlite3.connect(db.path).execute("SELECT exp_id, step FROM claims ORDER BY exp_id").fetchall()
     expected = [(i, 1) for i in (1, 2, 3, 4)] + [(i, 2) for i in (5, 6, 7, 8)] + [(i, 3) for i in (9, 10, 11)]
     assert claims == expected
-    assert db.counts() == {"total": 11, "pending": 0, "claimed": 11, "claims": 11}
+    assert db.counts() == {"total": 11, "pending": 0, "claimed": 11, "dropped": 0, "claims": 11}
 
 
 def test_timeout_returns_partial_batch_and_logs(db: ExperienceDB, caplog: pytest.LogCaptureFixture) -> None:
@@ -119,7 +119,7 @@ def test_timeout_returns_partial_batch_and_logs(db: ExperienceDB, caplog: pytest
     got = db.claim(8, step=1, timeout=0.5)
     elapsed = time.monotonic() - start
     assert len(got) == 3 and 0.5 <= elapsed < 5.0
-    assert "read incomplete batch: 3 of 8 experiences after 0.5 s (max_read_timeout)" in caplog.text
+    assert "read incomplete batch: 3 of 8 experiences after 0.5 s" in caplog.text
 
 
 def test_returns_at_once_when_enough(db: ExperienceDB, caplog: pytest.LogCaptureFixture) -> None:
@@ -200,12 +200,12 @@ def test_release_after(db: ExperienceDB) -> None:
     for step in (1, 2, 3):
         assert len(db.claim(3, step=step)) == 3
     assert db.release_after(1) == 6
-    assert db.counts() == {"total": 9, "pending": 6, "claimed": 3, "claims": 3}
+    assert db.counts() == {"total": 9, "pending": 6, "claimed": 3, "dropped": 0, "claims": 3}
     raw = sqlite3.connect(db.path)
     assert raw.execute("SELECT COUNT(*) FROM experiences WHERE use_count = 0 AND last_claimed IS NULL"
                        ).fetchone()[0] == 6
     assert ids(db.claim(6, step=2)) == [4, 5, 6, 7, 8, 9]
-    assert db.counts() == {"total": 9, "pending": 0, "claimed": 9, "claims": 9}
+    assert db.counts() == {"total": 9, "pending": 0, "claimed": 9, "dropped": 0, "claims": 9}
     assert db.release_after(5) == 0
 
 
@@ -218,6 +218,42 @@ def test_release_after_restores_last_claimed_of_reused(db: ExperienceDB) -> None
     assert db.release_after(1) == 1
     row = sqlite3.connect(db.path).execute("SELECT use_count, last_claimed FROM experiences").fetchone()
     assert row == (1, first)
+
+
+def test_staleness_drops_old_pending_and_release_undoes_it(db: ExperienceDB) -> None:
+    db.write([make(i, model_version=v) for i, v in enumerate([0, 1, 2, 3, 3, 1])])
+    got = db.claim(2, step=5, min_version=2)  # versions 0 and 1 (ids 1, 2, 6) are dropped by step 5
+    assert ids(got) == [3, 4]
+    assert db.counts() == {"total": 6, "pending": 1, "claimed": 2, "dropped": 3, "claims": 2}
+    raw = sqlite3.connect(db.path)
+    assert raw.execute("SELECT id FROM experiences WHERE dropped_step = 5 ORDER BY id").fetchall() == [(1,), (2,), (6,)]
+    assert ids(db.claim(5, step=6, min_version=0)) == [5]  # dropped rows stay out of later claims
+    assert db.release_after(4) == 3  # a trainer resumed at step 4: claims and drops of steps 5, 6 undone
+    assert db.counts() == {"total": 6, "pending": 6, "claimed": 0, "dropped": 0, "claims": 0}
+
+
+def test_no_partial_batch_on_timeout_when_partial_is_off(db: ExperienceDB) -> None:
+    db.write([make(i) for i in range(3)])
+    seen = []
+    got = db.claim(8, step=1, timeout=0.3, partial=False, waiting=lambda have, waited: seen.append(have) and False)
+    assert got == [] and seen and set(seen) == {3}
+    assert db.counts()["pending"] == 3 and db.counts()["claims"] == 0
+
+
+def test_waiting_callback_ends_the_wait_with_what_is_there(db: ExperienceDB) -> None:
+    db.write([make(i) for i in range(3)])
+    start = time.monotonic()
+    got = db.claim(8, step=1, timeout=60, partial=False, waiting=lambda have, waited: True)
+    assert ids(got) == [1, 2, 3] and time.monotonic() - start < 5
+
+
+def test_identity_mismatch_refused(db: ExperienceDB) -> None:
+    mine = {"model_type": "qwen2", "vocab_size": 264, "tokenizer_sha256": "aa"}
+    db.check_identity(mine, "explorer e")
+    db.check_identity(dict(mine), "the trainer")  # same model: fine
+    with pytest.raises(RuntimeError, match=r"another model or tokenizer \(tokenizer_sha256: DB has 'aa', "
+                                           r"the trainer has 'bb'; vocab_size: DB has 264, the trainer has 300\)"):
+        db.check_identity({**mine, "vocab_size": 300, "tokenizer_sha256": "bb"}, "the trainer")
 
 
 # --- the file
@@ -308,4 +344,4 @@ def test_three_writer_processes_one_reader(tmp_path: Path) -> None:
     expected = {f"{w}-{b}-{i}" for w in range(WRITERS) for b in range(BATCHES) for i in range(BATCH)}
     assert sorted(m for _, m in seen) == sorted(expected)  # every marker exactly once
     with ExperienceDB(path) as db:
-        assert db.counts() == {"total": total, "pending": 0, "claimed": total, "claims": total}
+        assert db.counts() == {"total": total, "pending": 0, "claimed": total, "dropped": 0, "claims": total}

@@ -17,7 +17,7 @@ from configs.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
-OURS = sorted((ROOT / "configs").glob("*.yaml"))
+OURS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 
 def write(tmp_path: Path, text: str, name: str = "c.yaml") -> str:

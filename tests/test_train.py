@@ -235,7 +235,11 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, ti
 def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_model_dir):
     config = sft_config(tmp_path, tiny_model_dir, **{
         "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
-        "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "max_read_timeout": 2}})
+        "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "max_read_timeout": 7}})
     out = run_train(config)
     assert out.returncode == 1
-    assert "no experiences for train step 1 after 2 s" in out.stderr and "is the explorer running?" in out.stderr
+    assert "train step 1: waiting for experiences: 0 of 8 ready after 5 s" in out.stderr  # the note while waiting
+    assert ("no full batch for train step 1 after 7 s (buffer.trainer_input.experience_buffer.max_read_timeout); "
+            "explorers: none has written to this DB yet. Stopping") in out.stderr
+    with ExperienceDB(f"sqlite:///{tmp_path / 'ck' / 'p' / 't' / 'buffer' / 'exp.db'}") as d:
+        assert json.loads(d.get_meta("trainer"))["status"] == "stopped" and d.counts()["claims"] == 0

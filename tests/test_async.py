@@ -1,0 +1,159 @@
+"""Asynchronous RFT with real processes: the trainer (mode train) and explorers (mode explore) started
+separately, in either order, a second explorer joining, SIGKILL + restart of either side (the soak
+script), and the failure modes: no explorer, no trainer, a DB of another model or schema."""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from buffer import ExperienceDB
+from conftest import write_yaml
+from monitor import read_history
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pair(tmp_path: Path, tiny_model_dir: str, **over) -> dict[str, Path]:
+    """configs/async/tiny_{trainer,explorer,explorer_new}.yaml made small: 6 train steps of 3 tasks x 2."""
+    data = str(Path(tiny_model_dir).parent / "arith")
+    files = {}
+    for role in ("trainer", "explorer", "explorer_new"):
+        cfg = yaml.safe_load((ROOT / f"configs/async/tiny_{role}.yaml").read_text())
+        for ts in [cfg["buffer"]["explorer_input"]["taskset"], *cfg["buffer"]["explorer_input"]["eval_tasksets"]]:
+            ts["path"] = data
+        files[role] = write_yaml(tmp_path / f"{role}.yaml", cfg, {
+            "checkpoint_root_dir": str(tmp_path / "ck"), "model.model_path": tiny_model_dir,
+            "model.max_response_tokens": 12, "buffer.total_steps": 6, "buffer.batch_size": 3,
+            "algorithm.repeat_times": 2, "explorer.runner_per_model": 6, "explorer.eval_interval": 1000,
+            "explorer.eval_on_startup": False, "trainer.save_interval": 3, "monitor.monitor_type": "none",
+            "buffer.trainer_input.experience_buffer.max_read_timeout": 120, "synchronizer.sync_timeout": 120, **over})
+    return files
+
+
+def start(config: Path, script: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, script, "--config", str(config)], cwd=ROOT, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def meta(db: Path, key: str) -> str | None:
+    """A meta value of the DB as another process sees it (None while the file or table is missing)."""
+    if not db.exists():  # NOTE: connecting would create an empty file
+        return None
+    try:
+        row = sqlite3.connect(db, timeout=30).execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    except sqlite3.OperationalError:
+        return None
+    return row and row[0]
+
+
+def wait_for(predicate, what: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir):
+    """Trainer before any explorer (it waits and says so); explorer joins; a second explorer (another name,
+    another task order) joins while they run; the trainer ends after its steps and the explorers stop at
+    their next sync point. Metrics are kept per explorer; the trainer logs versions, staleness and the
+    rollout-vs-trainer mismatch."""
+    files, job = pair(tmp_path, tiny_model_dir), tmp_path / "ck/nanorft/tiny_async"
+    logs = {r: tmp_path / f"{r}.log" for r in files}
+    trainer = start(files["trainer"], "train.py", logs["trainer"])
+    wait_for(lambda: "waiting for experiences: 0 of 6 ready" in logs["trainer"].read_text(), "the trainer's waiting note")
+    assert "explorers: none has written to this DB yet" in logs["trainer"].read_text()
+    explorer = start(files["explorer"], "explore.py", logs["explorer"])
+    db = job / "buffer/tiny_async_buffer.db"
+    wait_for(lambda: meta(db, "explorer/explorer") is not None, "the first explorer step")
+    new = start(files["explorer_new"], "explore.py", logs["explorer_new"])
+    codes = [p.wait(timeout=300) for p in (trainer, explorer, new)]
+    assert codes == [0, 0, 0], {r: logs[r].read_text()[-2000:] for r in logs}
+
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        writers = dict(d.conn.execute("SELECT explorer, COUNT(*) FROM experiences GROUP BY explorer").fetchall())
+        states = {k: json.loads(v) for k, v in d.meta_items("explorer/").items()}
+        assert json.loads(d.get_meta("trainer"))["status"] == "finished"
+        assert d.counts()["claims"] == 6 * 6
+    assert set(writers) == {"explorer", "explorer_new"} and all(n % 2 == 0 for n in writers.values()), writers
+    assert all(s["finished"] for s in states.values()) and set(states) == {"explorer/explorer", "explorer/explorer_new"}
+    assert json.loads((job / "explorer_new_meta.json").read_text())["latest_iteration"] == states["explorer/explorer_new"]["step"]
+    # per-explorer metrics: each explorer's own history; the trainer counts where its batches came from
+    for name in ("explorer", "explorer_new"):
+        assert any("rollout/reward/mean" in r for r in read_history(job / f"monitor/{name}.jsonl"))
+    history = read_history(job / "monitor/trainer.jsonl")
+    assert [r["step"] for r in history] == list(range(1, 7))
+    assert all(r["sample/model_version/min"] <= r["sample/model_version/mean"] <= r["sample/model_version/max"] < r["step"]
+               and r["batch/staleness/max"] <= 4 for r in history)  # staleness_control max_staleness 4
+    assert {k for r in history for k in r if k.startswith("sample/experience_count/")} >= {"sample/experience_count/explorer"}
+    for r in history:  # the correction is on (token TIS); its mismatch metrics are finite and small
+        assert abs(r["rollout_corr/kl"]) < 0.5 and 0 < r["rollout_corr/rollout_is_mean"] <= 2.0
+    text = logs["explorer"].read_text() + logs["explorer_new"].read_text()
+    assert "the trainer finished at step 6" in text or "explorer explorer finished at step 6" in text
+
+
+def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir):
+    """Explorer first: it waits at its first sync point (saying for what) until the trainer comes. A
+    second start of the finished trainer does nothing: it resumes at its last step."""
+    files, job = pair(tmp_path, tiny_model_dir), tmp_path / "ck/nanorft/tiny_async"
+    logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
+    explorer = start(files["explorer"], "explore.py", logs["explorer"])
+    wait_for(lambda: "waiting for the trainer's weights of step 1" in logs["explorer"].read_text(), "the explorer's note")
+    assert "no trainer has used this DB yet" in logs["explorer"].read_text()
+    trainer = start(files["trainer"], "train.py", logs["trainer"])
+    assert [p.wait(timeout=300) for p in (trainer, explorer)] == [0, 0], {r: logs[r].read_text()[-2000:] for r in logs}
+    again = subprocess.run([sys.executable, "train.py", "--config", str(files["trainer"])], cwd=ROOT, capture_output=True,
+                           text=True, timeout=300)
+    assert again.returncode == 0 and "resumed from checkpoint step 6" in again.stderr, again.stderr[-2000:]
+    assert [r["step"] for r in read_history(job / "monitor/trainer.jsonl")] == list(range(1, 7))
+
+
+def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path):
+    """scripts/soak_async.py with a fixed schedule: SIGKILL the explorer, the trainer, then both, each after
+    it made progress, restart them, run to the end, check: experiences written = claimed + pending (+
+    dropped), none used twice, train steps 1..T each with a full batch, no task skipped or repeated."""
+    out = subprocess.run([sys.executable, "scripts/soak_async.py", "--cycles", "3", "--schedule", "explorer,trainer,both",
+                          "--steps", "6", "--out", str(tmp_path / "soak")], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900)
+    result = json.loads((tmp_path / "soak/soak_result.json").read_text())
+    assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
+    assert [k["victim"] for k in result["kills"]] == ["explorer", "trainer", "both"]
+    assert result["starts"] == {"trainer": 3, "explorer": 3}
+    inv = result["invariants"]
+    assert inv["train_steps"] == 6 and inv["claimed"] == 6 * 6 and inv["experiences"] == inv["claimed"] + inv["pending"] + inv["dropped"]
+    trainer_log = (tmp_path / "soak/logs/trainer.log").read_text()
+    assert "experience claims of steps after" in trainer_log  # every restart gave back what later steps took
+
+
+def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
+    files = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_timeout": 4})
+    out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert ("explorer explorer stops after step 2: no weights of step 1 after 4 s (synchronizer.sync_timeout); "
+            "no trainer has used this DB yet. Restart to continue after step 2.") in out.stderr
+
+
+def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir):
+    files, job = pair(tmp_path, tiny_model_dir), tmp_path / "ck/nanorft/tiny_async"
+    db = job / "buffer/tiny_async_buffer.db"
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        d.check_identity({"model_type": "llama", "vocab_size": 32000}, "another explorer")
+    for script, role in (("explore.py", "explorer"), ("train.py", "trainer")):
+        out = subprocess.run([sys.executable, script, "--config", str(files[role])], cwd=ROOT, capture_output=True,
+                             text=True, timeout=300, env={**os.environ, "NANORFT_LAUNCHED": "1"})
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert "this experience DB was written for another model or tokenizer (" in out.stderr
+        assert "model_type: DB has 'llama', " + ("explorer explorer" if role == "explorer" else "the trainer") + " has 'qwen2'" in out.stderr
+    raw = sqlite3.connect(db)
+    raw.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    raw.commit()
+    out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 2" in out.stderr
