@@ -334,9 +334,9 @@ def train(cfg: configs.Config) -> int:
             log.info("resumed from checkpoint step %d of %s", resume, job)
     if rank == 0 and not source.rows:
         # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
-        released = source.db.release_after(resume)
+        if cfg.continue_from_checkpoint:
+            log.info("%d experience claims of steps after %d released", source.db.release_after(resume), resume)
         set_status(source.db, resume, "training")
-        log.info("%d experience claims of steps after %d released", released, resume)
     tasksets = cfg.buffer.explorer_input.tasksets
     temperature = tasksets[0].rollout_args.temperature if tasksets else cfg.model.temperature
     temperature = temperature or 1.0  # greedy rollouts are scored at T = 1
@@ -474,7 +474,9 @@ def train(cfg: configs.Config) -> int:
 
         # --- sync: publish the new weights (files, or the process group) for the explorer
         t3 = time.monotonic()
-        explorer_waits = step % s.sync_interval == 0 and step + s.sync_offset < total
+        # NOTE: a fixed-style explorer asks for step s at its step s + sync_offset, so none asks for the last
+        # sync_offset steps; a dynamic-style one may ask for any newer weights at any sync point.
+        explorer_waits = step % s.sync_interval == 0 and (step + s.sync_offset < total or s.sync_style != "fixed")
         weights = None
         if rl and s.sync_method == "nccl" and explorer_waits:
             send_weights(model, sender, step)  # sender is None on ranks > 0

@@ -384,6 +384,9 @@ def derive(cfg: Config) -> Config:
     if s.sync_method == "nccl" and (c.mode != "both" or preset.train_only):
         log.info("synchronizer.sync_method: nccl needs mode both with an explorer; using checkpoint")
         s.sync_method = "checkpoint"
+    if s.sync_method == "nccl" and s.sync_style != "fixed":
+        log.info("synchronizer.sync_style %s needs sync_method checkpoint; nccl syncs at fixed points (fixed)", s.sync_style)
+        s.sync_style = "fixed"
     if s.sync_interval < 1 or s.sync_offset < 0:
         raise ConfigError("synchronizer: sync_interval must be >= 1 and sync_offset >= 0")
 

@@ -134,7 +134,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=30, help="train steps of the run")
+    ap.add_argument("--steps", type=int, default=0, help="train steps of the run (default: 5 per cycle)")
     ap.add_argument("--schedule", default="", help="victims in order (explorer,trainer,both); default: random")
     ap.add_argument("--out", default="", help="work folder (default: a new one under /tmp)")
     args = ap.parse_args()
@@ -144,7 +144,7 @@ def main() -> int:
     from tiny import build
 
     build(str(out / "assets"), n_train=200, n_test=10)
-    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps)
+    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 5 * args.cycles)
     db = out / "ck/nanorft/soak/buffer/tiny_async_buffer.db"
     procs = {role: Proc(role, files[role], out / "logs") for role in ("trainer", "explorer")}
     schedule = [v for v in args.schedule.split(",") if v]
@@ -168,11 +168,9 @@ def main() -> int:
             time.sleep(rng.uniform(0.0, 1.5))
             moment = "after progress"
         exited = {r: procs[r].p.poll() for r in roles if procs[r].p.poll() is not None}
-        if exited:  # finished (0) or failed on its own: nothing to kill
-            print(f"cycle {cycle}: {exited} had already exited; the run is ending", flush=True)
-            if any(exited.values()):
-                break
-            continue
+        if exited:  # finished (0) or failed on its own: the run is ending, no more kills
+            print(f"cycle {cycle}: {exited} had already exited; no more kills", flush=True)
+            break
         at = {r: progress(db, r) for r in ("trainer", "explorer")}
         for r in roles:
             procs[r].kill()
@@ -191,12 +189,15 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             p.kill()
             codes[role] = "timeout"
-    result = {"cycles": args.cycles, "seed": args.seed, "kills": kills, "exit_codes": codes,
+    result = {"cycles": args.cycles, "seed": args.seed, "steps": args.steps or 5 * args.cycles, "kills": kills,
+              "exit_codes": codes,
               "starts": {r: p.starts for r, p in procs.items()}, "seconds": round(time.monotonic() - start, 1),
               "out": str(out)}
     try:
         if any(codes.values()):
             raise AssertionError(f"a process failed by itself: {codes} (see {out / 'logs'})")
+        if len(kills) < args.cycles:
+            raise AssertionError(f"the run ended after {len(kills)} of {args.cycles} kills: give it more --steps")
         result["invariants"] = check(files["trainer"], files["explorer"])
         result["ok"] = True
     except AssertionError as e:

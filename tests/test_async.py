@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from buffer import ExperienceDB
@@ -98,10 +99,12 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir):
     assert "the trainer finished at step 6" in text or "explorer explorer finished at step 6" in text
 
 
-def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("style", ["fixed", "explorer_driven"])
+def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir, style):
     """Explorer first: it waits at its first sync point (saying for what) until the trainer comes. A
-    second start of the finished trainer does nothing: it resumes at its last step."""
-    files, job = pair(tmp_path, tiny_model_dir), tmp_path / "ck/nanorft/tiny_async"
+    second start of the finished trainer does nothing: it resumes at its last step. explorer_driven:
+    at each sync point the explorer takes any newer weights (waits only when there are none)."""
+    files, job = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_style": style}), tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
     wait_for(lambda: "waiting for the trainer's weights of step 1" in logs["explorer"].read_text(), "the explorer's note")
@@ -112,6 +115,31 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
                            text=True, timeout=300)
     assert again.returncode == 0 and "resumed from checkpoint step 6" in again.stderr, again.stderr[-2000:]
     assert [r["step"] for r in read_history(job / "monitor/trainer.jsonl")] == list(range(1, 7))
+    versions = [r["rollout/model_version"] for r in read_history(job / "monitor/explorer.jsonl")]
+    assert versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 4, versions
+
+
+def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(tmp_path, tiny_model_dir):
+    """trainer_driven: the explorer loads new weights whenever the trainer has published some and never
+    waits, so a fast explorer runs ahead; staleness_control (max_staleness 1 here) then drops what is too
+    old, the trainer ends when the explorer has finished and nothing usable is left, and saves that step."""
+    files, job = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_style": "trainer_driven",
+                                                   "algorithm.sample_strategy_args.max_staleness": 1}), \
+        tmp_path / "ck/nanorft/tiny_async"
+    logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
+    explorer = start(files["explorer"], "explore.py", logs["explorer"])
+    assert explorer.wait(timeout=300) == 0, logs["explorer"].read_text()[-2000:]
+    assert "waiting for the trainer's weights" not in logs["explorer"].read_text()
+    trainer = start(files["trainer"], "train.py", logs["trainer"])
+    assert trainer.wait(timeout=300) == 0, logs["trainer"].read_text()[-2000:]
+    # all 36 experiences are version 0: steps 1 and 2 may use them (staleness 0, 1); step 3 drops the rest
+    db = job / "buffer/tiny_async_buffer.db"
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        assert d.counts() == {"total": 36, "pending": 0, "claimed": 12, "dropped": 24, "claims": 12}
+    assert "every explorer writing to the experience DB has finished and no experiences are left: " \
+           "training ends after step 2 of 6" in logs["trainer"].read_text()
+    assert (job / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert json.loads(meta(db, "trainer"))["status"] == "finished"
 
 
 def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path):
