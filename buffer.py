@@ -196,7 +196,7 @@ class ExperienceDB:
             row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is not None and row[0] != str(SCHEMA_VERSION):
                 raise DBMismatch(f"{self.path}: experience DB has schema version {row[0]}, this "
-                                   f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
+                                 f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
             for statement in SCHEMA.split(";"):
                 cur.execute(statement)
             cur.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
@@ -351,8 +351,8 @@ class ExperienceDB:
             diff = [f"{k}: DB has {stored.get(k)!r}, {who} has {identity.get(k)!r}"
                     for k in sorted(set(stored) | set(identity)) if stored.get(k) != identity.get(k)]
             raise DBMismatch(f"{self.path}: this experience DB was written for another model or tokenizer "
-                               f"({'; '.join(diff)}). Point buffer.trainer_input.experience_buffer.path at "
-                               "another DB, or use the same model.model_path on both sides.")
+                             f"({'; '.join(diff)}). Point buffer.trainer_input.experience_buffer.path at "
+                             "another DB, or use the same model.model_path on both sides.")
 
     def close(self) -> None:
         self.conn.close()

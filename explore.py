@@ -175,30 +175,30 @@ def trainer_state(db: ExperienceDB) -> str:
     return f"trainer at step {t['step']}, {t['status']}, last seen {time.time() - t['time']:.0f} s ago (pid {t['pid']})"
 
 
-def wait_for_trainer(cfg: configs.Config, db: ExperienceDB, want: int, step: int) -> tuple[int, str]:
-    """Checkpoint sync: block until the trainer has published weights of version >= want.
-    (that version, "") or (0, why not): the trainer finished first, or sync_timeout ran out."""
-    job, timeout = cfg.checkpoint_job_dir, cfg.synchronizer.sync_timeout
+def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: float) -> tuple[int, str, int]:
+    """Checkpoint sync: block until the trainer has published weights of version >= want (polling
+    latest_state_dict_iteration.txt). (that version, "", 0), or (0, why not, exit code): 0 when the
+    trainer has finished (no newer weights will come), 1 when `timeout` (sync_timeout) ran out."""
     start, next_note = time.monotonic(), 0.0
     while (have := sync.latest_version(job)) < want:
         waited = time.monotonic() - start
         trainer = json.loads(db.get_meta("trainer") or "null")
         if trainer is not None and trainer["status"] == "finished":
-            return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})"
+            return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})", 0
         if waited >= timeout:
-            return 0, f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}"
+            return 0, f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}", 1
         if waited >= next_note:
             next_note = waited + 30
             log.info("sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
                      step, want, have, job, trainer_state(db))
         time.sleep(0.5)
-    return have, ""
+    return have, "", 0
 
 
 def load_published(engine: Any, job: str, version: int) -> int:
     """Load published weights into the engine; the newest version if `version`'s folder is being
     replaced (a resumed trainer re-publishing a step). Returns the version loaded."""
-    for attempt in range(5):
+    for _ in range(5):
         try:
             engine.load_weights(str(sync.weights_path(job, version)), version=version)
             return version
@@ -307,13 +307,10 @@ def explore(cfg: configs.Config) -> int:
             want = {"fixed": (step - s.sync_offset) * b.batch_size * cfg.algorithm.repeat_times // b.train_batch_size,
                     "explorer_driven": engine.model_version + 1}.get(s.sync_style, 0)
             if version < want:
-                version, why = wait_for_trainer(cfg, db, want, step)
+                version, why, code = wait_for_trainer(cfg.checkpoint_job_dir, db, want, step, s.sync_timeout)
                 if not version:
-                    finished = why.startswith("the trainer finished")
-                    (log.info if finished else log.error)(
-                        "explorer %s stops after step %d: %s.%s", name, step, why,
-                        "" if finished else f" Restart to continue after step {step}.")
-                    code = 0 if finished else 1
+                    (log.error if code else log.info)("explorer %s stops after step %d: %s.%s", name, step, why,
+                                                      f" Restart to continue after step {step}." if code else "")
                     break
             if version > engine.model_version:
                 load_published(engine, cfg.checkpoint_job_dir, version)

@@ -6,8 +6,8 @@ Checkpoint method (`synchronizer.sync_method: checkpoint`), Trinity-RFT's layout
     <job dir>/latest_state_dict_iteration.txt      N, the newest weights an explorer may load
 
     publish_hf(model, tokenizer, job_dir, step)    # trainer: write the folder, then move the pointer
-    version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet)
-    path = wait_for_version(job_dir, v, timeout)   # explorer at a sync point: block until >= v
+    version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet; the
+                                                   # waiting, with the trainer's state, is explore.py's)
 
 NOTE: the folder is written under a temporary name and renamed into place, and only then is the
 pointer file replaced (also by rename). A reader that follows the pointer therefore never sees a
@@ -126,20 +126,6 @@ def latest_weights(job_dir: str | Path) -> Path | None:
     """The newest published HF folder of a job, or None."""
     version = latest_version(job_dir)
     return weights_path(job_dir, version) if version else None
-
-
-def wait_for_version(job_dir: str | Path, version: int, timeout: float, poll: float = 0.5) -> Path | None:
-    """Block until weights of at least `version` are published; their folder, or None after `timeout` s."""
-    deadline, last_note = time.monotonic() + timeout, time.monotonic()
-    while (have := latest_version(job_dir)) < version:
-        if time.monotonic() >= deadline:
-            return None
-        if time.monotonic() - last_note > 30:
-            log.info("waiting for weights of step %d from the trainer (newest: %d)", version, have)
-            last_note = time.monotonic()
-        time.sleep(poll)
-    return weights_path(job_dir, have)
-
 
 
 # --- process-group method

@@ -79,7 +79,6 @@ def bench_checkpoint(kind: str, workdir: Path, repeats: int) -> dict[str, float]
 
 
 def bench_group(kind: str, workdir: Path, repeats: int) -> dict[str, float]:
-    job = workdir / f"pg_{kind}"
     me = [sys.executable, __file__, "--workdir", str(workdir), "--repeats", str(repeats), "--models", kind]
     sender = subprocess.Popen([*me, "--role", "sender"])
     receiver = subprocess.run([*me, "--role", "receiver"], capture_output=True, text=True)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 import explore
 from conftest import write_yaml

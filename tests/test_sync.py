@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,18 +32,6 @@ def test_publish_then_load_exact_weights(tiny_model_dir, tmp_path):
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert not list(tmp_path.rglob("*.tmp-*"))
-
-
-def test_wait_for_version(tiny_model_dir, tmp_path):
-    assert sync.wait_for_version(tmp_path, 1, timeout=0.3, poll=0.05) is None
-    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    t = threading.Timer(0.3, lambda: sync.publish_hf(model, tok, tmp_path, step=2))
-    t.start()
-    start = time.monotonic()
-    got = sync.wait_for_version(tmp_path, 1, timeout=30, poll=0.05)
-    t.join()
-    assert got == sync.weights_path(tmp_path, 2) and time.monotonic() - start < 10
-    assert (got / "config.json").is_file() and (got / "model.safetensors").is_file()
 
 
 def test_checkpoint_load_is_bitwise(tiny_model_dir, tmp_path):

@@ -9,7 +9,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
