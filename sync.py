@@ -14,7 +14,8 @@ pointer file replaced (also by rename). A reader that follows the pointer theref
 half-written folder, even if the trainer is killed mid-save.
 
 Checkpoints (the trainer's, for resuming): `save_checkpoint` writes global_step_N/actor/{huggingface/,
-optimizer.safetensors, rng_state_rank<r>.safetensors, trainer_state.json} and then moves
+optimizer.safetensors, rng_state_rank<r>.safetensors, trainer_state.json} (and critic/{huggingface/,
+optimizer.safetensors, trainer_state.json} when there is a critic) and then moves
 latest_checkpointed_iteration.txt; `latest_checkpoint` / `load_checkpoint` read them back.
 
 Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the full tensors to
@@ -23,6 +24,7 @@ on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source), the ex
 
     link = open_sender(job_dir, device, timeout)       # trainer rank 0: TCPStore + <job dir>/sync_group.json
     send_weights(link, version, specs, tensors)        # every rank; specs [(name, shape, dtype)], tensors lazy
+    send_model(link, model, version)                   # the same for an (FSDP2) model's parameters
     close_sender(link, finished=True)                  # "stop": a waiting explorer learns the trainer is done
     link = open_receiver(job_dir, timeout)             # explorer: find the file, connect to the store
     got = receive_weights(link)                        # (version, {name: tensor}), or None after "stop"
@@ -54,6 +56,7 @@ from typing import Any, Callable
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 
@@ -221,6 +224,16 @@ def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, t
     return sent
 
 
+def send_model(link: WeightLink | None, model: torch.nn.Module, version: int) -> int:
+    """send_weights of an (FSDP2-sharded) model: one full parameter at a time, gathered on every rank
+    (call it on every rank, link=None on all but rank 0); tied weights appear once."""
+    params = dict(model.named_parameters())
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in params.items()]
+    with torch.no_grad():
+        tensors = (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
+        return send_weights(link, version, specs, tensors)
+
+
 def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -> None:
     """Send "stop" (finished=False: the trainer failed), wait up to `grace` s for a waiting explorer to
     read it (an explorer that closed its end is not waited for), remove sync_group.json."""
@@ -338,24 +351,19 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path, step: int,
-                    rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None) -> None:
+                    rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None,
+                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None, state: dict | None = None) -> None:
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-    trainer_state.json}; then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
+    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
+    then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
     `weights`: the full state when the sync phase just published this step's HF folder (else None);
-    `keep`: delete older checkpoints beyond this many. Every rank must call it.
+    `keep`: delete older checkpoints beyond this many; `state`: small JSON trainer state (e.g. the adaptive
+    KL coefficient) kept in actor/trainer_state.json. Every rank must call it.
     NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
-    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    published = weights is not None  # the HF folder of this step was just written by the sync phase
-    weights = weights if published else full_state(model)
-    if rank == 0:
-        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
-            save_hf(model, tokenizer, weights_path(job, step), weights)
-        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
-        write_atomic(actor / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
-        write_atomic(actor / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
-            {"global_step": step, "param_groups": osd["param_groups"]}, indent=1)))
-    dist.barrier()
+    if critic is not None:
+        _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
+    _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
     rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
     write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
     dist.barrier()
@@ -366,6 +374,22 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
         if keep:
             for old in sorted(checkpoint_steps(job))[:-keep]:
                 shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
+
+
+def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, folder: Path, rank: int,
+               weights: dict[str, torch.Tensor] | None, meta: dict) -> None:
+    """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic)."""
+    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
+    weights = weights if published else full_state(model)
+    if rank == 0:
+        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
+            save_hf(model, tokenizer, folder / "huggingface", weights)
+        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
+        write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
+        write_atomic(folder / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
+            meta | {"param_groups": osd["param_groups"]}, indent=1)))
+    dist.barrier()
 
 
 def checkpoint_steps(job: Path) -> list[int]:
@@ -380,20 +404,31 @@ def latest_checkpoint(job: str | Path) -> int:
         return 0
 
 
-def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int) -> None:
-    """Optimizer state and RNG of checkpoint `step` (the weights were loaded from its HF folder)."""
+def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int,
+                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> dict:
+    """Optimizer states (actor, and critic when given) and RNG of checkpoint `step` (the weights were loaded
+    from its HF folders); returns the trainer state saved with it."""
     actor = weights_path(job_dir, step).parent
-    tensors = safetensors.torch.load_file(actor / "optimizer.safetensors")
-    meta = json.loads((actor / "trainer_state.json").read_text())
-    state: dict[str, dict] = {}
-    for key, v in tensors.items():
-        fqn, name = key.rsplit("/", 1)
-        state.setdefault(fqn, {})[name] = v
-    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
-                             options=StateDictOptions(full_state_dict=True))
+    meta = _load_optimizer(model, optim, actor)
+    if critic is not None:
+        _load_optimizer(*critic, actor.parent / "critic")
     rng_file = actor / f"rng_state_rank{rank}.safetensors"
     if rng_file.is_file():
         rng = safetensors.torch.load_file(rng_file)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+    return meta.get("state", {})
+
+
+def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path) -> dict:
+    """Load <folder>/optimizer.safetensors into `optim`; returns <folder>/trainer_state.json."""
+    tensors = safetensors.torch.load_file(folder / "optimizer.safetensors")
+    meta = json.loads((folder / "trainer_state.json").read_text())
+    state: dict[str, dict] = {}
+    for key, v in tensors.items():
+        fqn, name = key.rsplit("/", 1)
+        state.setdefault(fqn, {})[name] = v
+    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
+                             options=StateDictOptions(full_state_dict=True))
+    return meta

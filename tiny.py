@@ -22,6 +22,7 @@ written last and is the marker of a complete build):
     <out>/arith/train.jsonl   {"question": str, "answer": "12 + 7 = 19\\n#### 19"}, GSM8K style
     <out>/arith/test.jsonl    same, no question shared with train
     <out>/arith/sft.jsonl     {"messages": [user: question, assistant: answer]}, the train rows
+    <out>/arith/dpo.jsonl     {"prompt": question, "chosen": right answer, "rejected": wrong answer}, the train rows
     <out>/tiny-qwen2/         config, generation_config, model.safetensors, tokenizer files
     <out>/MANIFEST.json       build arguments, row counts, parameter count, sha256 of every file
 
@@ -146,6 +147,18 @@ def teacher_answer(answer: str, rng: random.Random, error: float) -> str:
     return "\n".join(out + [f"#### {value}"])
 
 
+def wrong_answer(answer: str, rng: random.Random) -> str:
+    """A dispreferred answer for DPO: the weak teacher's mistake where it makes one, else the right steps
+    with the last result and `#### N` off by 1 to 3."""
+    wrong = teacher_answer(answer, rng, error=1.0)
+    if wrong != answer:
+        return wrong
+    *steps, _ = answer.split("\n")
+    head, value = steps[-1].rsplit(" = ", 1)
+    bad = int(value) + rng.choice([-3, -2, -1, 1, 2, 3])
+    return "\n".join(steps[:-1] + [f"{head} = {bad}", f"#### {bad}"])
+
+
 def make_taskset(o: Options) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
     """(train, test): unique questions from one seeded stream; the first n_test are the test set."""
     rng, seen, rows = random.Random(o.seed), set(), []
@@ -227,7 +240,7 @@ def is_complete(out: Path, args: dict) -> dict | None:
     """The manifest if `out` holds a complete build made with `args`, else None."""
     try:
         manifest = json.loads((out / "MANIFEST.json").read_text())
-        ok = manifest["args"] == args and all(
+        ok = manifest["args"] == args and "arith/dpo.jsonl" in manifest["files"] and all(
             sha256(out / f) == h for f, h in manifest["files"].items())
     except (OSError, ValueError, KeyError):
         return None
@@ -259,6 +272,9 @@ def build(out: str, **options: Any) -> dict:
         write_jsonl(tmp / "arith/sft.jsonl", [{"messages": [
             {"role": "user", "content": r["question"]},
             {"role": "assistant", "content": teacher_answer(r["answer"], teacher, o.teacher_error)}]} for r in train])
+        pairs = random.Random(f"pairs/{o.seed}")
+        write_jsonl(tmp / "arith/dpo.jsonl", [{"prompt": r["question"], "chosen": r["answer"],
+                                               "rejected": wrong_answer(r["answer"], pairs)} for r in train])
 
         tokenizer = make_tokenizer()
         model = make_model(o, tokenizer)
@@ -273,7 +289,7 @@ def build(out: str, **options: Any) -> dict:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "args": args,
-            "rows": {"train": len(train), "test": len(test), "sft": len(train)},
+            "rows": {"train": len(train), "test": len(test), "sft": len(train), "dpo": len(train)},
             "n_params": sum(p.numel() for p in model.parameters()),  # tied: counted once
             "model_mb": round(sum(p.stat().st_size for p in files
                                   if p.parts[-2] == "tiny-qwen2") / 2**20, 2),

@@ -1,6 +1,6 @@
-"""train.py: the trainer. Claims experiences from the experience DB (or reads an SFT file), computes
-log-probs, advantages and the loss with the pieces named in the config (algos/), steps an FSDP2
-model, publishes weights for the explorer and saves checkpoints.
+"""train.py: the trainer. Claims experiences from the experience DB (or reads SFT / DPO files), computes
+log-probs, values, advantages and the loss with the pieces named in the config (algos/), steps an FSDP2
+model (and critic), publishes weights for the explorer and saves checkpoints.
 
 Launch lines:
     python train.py --config tiny.yaml                   # a whole experiment (mode both / stages): hands
@@ -11,10 +11,10 @@ Launch lines:
 
 What one train step does, straight down `train()`:
     read train_batch_size experiences (rank 0 claims them in the DB, the other ranks read the same ids)
-    -> shard the batch over ranks (length-balanced) -> old log-probs (and ref log-probs when a KL term is
-    on) -> KL penalty into the reward (when kl_penalty_fn is set) -> advantages over the whole batch ->
-    ppo_epochs x mini-batches x token-budget micro-batches of policy loss + KL loss + entropy loss,
-    gradient accumulation, grad clip, AdamW -> publish weights (checkpoint files or the process group)
+    -> shard the batch over ranks (length-balanced) -> old log-probs (ref log-probs when a piece needs
+    them, critic values for GAE) -> reward shaping and KL penalty -> advantages over the whole batch ->
+    ppo_epochs x mini-batches x token-budget micro-batches of the value loss (critic), then of policy
+    loss + KL loss + entropy loss (actor): gradient accumulation, grad clip, AdamW -> publish weights (checkpoint files or the process group)
     every sync_interval steps -> checkpoint every save_interval steps -> log.
 
 Deviations from veRL / Trinity-RFT:
@@ -27,16 +27,20 @@ Deviations from veRL / Trinity-RFT:
   instead of per-rank sharded .pt files; no pickle anywhere.
 - A GRPO group split across two batches (possible only when an explorer drops a task) is normalised
   within each part.
+- PPO: the critic is AutoModelForTokenClassification (one label) on the actor's architecture, as veRL's;
+  each step updates the critic first, then the actor, on the same mini-batches. Advantages for every
+  algorithm are computed here, in the trainer, on the whole batch (Trinity computes group advantages in
+  the explorer); a DPO pair stays on one rank and in one micro-batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
@@ -47,15 +51,18 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 import algos
-from algos.kl import loss as kl_loss
-from algos.utils import masked_mean
 import configs
 import launch
 import sync
-from algos.kl import penalty as kl_penalty
+from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
-from buffer import DataError, Experience, ExperienceDB, format_row, read_rows
-from models import fingerprint, load_model, load_tokenizer
+from algos.kl import adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, place_scores
+from algos.sample import tied_groups
+from algos.utils import masked_mean
+from buffer import DataError, Experience, ExperienceDB, read_rows
+from configs.schema import OptimizerConfig
+from models import (collate, fingerprint, file_units, load_critic, load_model, load_tokenizer, micro_batches, pick, score,
+                    token_logprobs, token_values)
 from monitor import Monitor
 
 log = logging.getLogger("nanorft.train")
@@ -78,16 +85,16 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(path: str, cfg: configs.Config, device: torch.device, trainable: bool) -> torch.nn.Module:
-    """An HF causal LM sharded with FSDP2: each decoder layer, then the root (embeddings, head)."""
+def build_model(path: str, cfg: configs.Config, device: torch.device, trainable: bool, critic: bool = False) -> torch.nn.Module:
+    """An HF causal LM (or, `critic`, the value model) sharded with FSDP2: each decoder layer, then the root."""
     t = cfg.trainer
-    model = load_model(path, dtype="float32", device="cpu")
-    if trainable and t.gradient_checkpointing:
+    model = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+    if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cuda = device.type == "cuda"
     # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 throughout on CPU.
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
-    if cuda and (t.param_offload if trainable else t.ref_param_offload):
+    if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, **policy)
@@ -98,9 +105,8 @@ def build_model(path: str, cfg: configs.Config, device: torch.device, trainable:
     return model
 
 
-def lr_at(step: int, cfg: configs.Config, total: int) -> float:
+def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
     """Learning rate for optimizer step `step` (1-based): linear warm-up, then constant or cosine."""
-    o = cfg.algorithm.optimizer
     warmup = o.lr_warmup_steps if o.lr_warmup_steps >= 0 else int(o.lr_warmup_steps_ratio * total)
     if step <= warmup:
         return o.lr * step / max(warmup, 1)
@@ -114,53 +120,79 @@ def lr_at(step: int, cfg: configs.Config, total: int) -> float:
 
 
 class Source:
-    """Where train batches come from: the experience DB (claims) or, for offline data such as an SFT
-    file (`experience_buffer.storage_type: file`), the file's rows in a seeded order per epoch.
+    """Where train batches come from: the experience DB (claims), or offline data files
+    (`experience_buffer.storage_type: file`, schema_type sft or dpo) read in a seeded order per epoch.
+    A sample strategy may add expert rows from an auxiliary buffer to each batch (mix).
     `ended` (rank 0): the DB will get no more experiences (every explorer that wrote to it finished)."""
 
     def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
         self.cfg, self.rank, self.device, self.ended = cfg, rank, device, False
-        eb = cfg.buffer.trainer_input.experience_buffer
-        self.rows: list[Experience] = []
+        eb, aux = cfg.buffer.trainer_input.experience_buffer, cfg.buffer.trainer_input.auxiliary_buffers
+        self.units: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
+        self.expert: list[list[Experience]] = []  # the auxiliary buffer's rows (mix)
+        self.expert_ratio, self.refills, self.dropped_groups = 0.0, False, 0
+        self.paired = eb.storage_type == "file" and eb.schema_type == "dpo"
         if eb.storage_type == "file":
-            self.rows = [sft_experience(format_row(row, eb.format, f"{eb.path}: row {n}", kind="sft"), tokenizer,
-                                        cfg.model.max_model_len) for _, n, row in read_rows(eb.path, eb.subset_name, eb.split)]
-            if not self.rows:
-                raise DataError(f"experience_buffer {eb.name}: {eb.path} has no rows")
-        else:
-            self.db = ExperienceDB(eb.path)
-            self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
-            a = cfg.algorithm
-            self.strategy = lookup("sample_strategy", a.sample_strategy, a.sample_strategy_args)
+            self.units = file_units(eb, tokenizer, cfg.model.max_model_len)
+            self.per_step = max(cfg.buffer.train_batch_size // len(self.units[0]), 1)  # rows (pairs) per step
+            return
+        self.db = ExperienceDB(eb.path)
+        self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
+        a = cfg.algorithm
+        self.strategy = lookup("sample_strategy", a.sample_strategy, a.sample_strategy_args)
+        first = self.strategy[0](1, self.strategy[1])  # what the strategy asks of the reader (algos/sample.py)
+        self.refills = "refill_rounds" in first
+        expert = first.get("expert")  # (auxiliary buffer name, fraction of the batch)
+        if expert:
+            if expert[0] not in aux:
+                raise DataError(f"algorithm.sample_strategy {a.sample_strategy} reads buffer.trainer_input.auxiliary_buffers."
+                                f"{expert[0]}, which is not configured (have: {', '.join(aux) or 'none'})")
+            self.expert, self.expert_ratio = file_units(aux[expert[0]], tokenizer, cfg.model.max_model_len), expert[1]
+            for x in (x for unit in self.expert for x in unit):
+                x.info["expert"] = True
 
     def total_steps(self) -> int:
         b = self.cfg.buffer
         if b.total_steps:
             return b.total_steps
-        if self.rows:
-            return math.ceil(len(self.rows) / b.train_batch_size) * b.total_epochs
+        if self.units:
+            return math.ceil(len(self.units) / self.per_step) * b.total_epochs
         tasks = sum(len(read_rows(ts.path, ts.subset_name, ts.split)) for ts in b.explorer_input.tasksets)
         return math.ceil(tasks * b.total_epochs * self.cfg.algorithm.repeat_times / b.train_batch_size)
 
     def read(self, step: int) -> list[Experience]:
         """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
         n = self.cfg.buffer.train_batch_size
-        if self.rows:  # a pure function of the step, so a resumed run continues exactly
-            positions = [divmod(pos, len(self.rows)) for pos in range((step - 1) * n, step * n)]  # (epoch, index)
-            orders = {e: random.Random(f"sft/{e}").sample(range(len(self.rows)), len(self.rows)) for e, _ in positions}
-            return [self.rows[orders[e][i]] for e, i in positions]
+        if self.units:  # a pure function of the step, so a resumed run continues exactly
+            return pick(self.units, (step - 1) * self.per_step, self.per_step, "sft")
+        # mix: expert rows on top of the train_batch_size RL experiences, `ratio` of the whole batch
+        n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
+        expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
         eb = self.cfg.buffer.trainer_input.experience_buffer
         ids = torch.zeros(n + 2, dtype=torch.long, device=self.device)  # [count, ended, ids...]
         if self.rank == 0:
             fn, strategy_cfg = self.strategy
-            got = self.db.claim(n, step, timeout=eb.max_read_timeout, priority=eb.use_priority_queue,
-                                reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay, partial=False,
-                                waiting=self.waiting(step), **fn(step, strategy_cfg))
+            want = fn(step, strategy_cfg)
+            claim = functools.partial(self.db.claim, step=step, timeout=eb.max_read_timeout, priority=eb.use_priority_queue,
+                                      reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay, partial=False,
+                                      waiting=self.waiting(step), min_version=want.get("min_version", 0))
+            got, self.dropped_groups = claim(n), 0
+            for _ in range(want.get("refill_rounds", 0)):  # dynamic sampling: replace groups whose rewards tie
+                tied = tied_groups([x.group_id or str(x.id) for x in got], [x.reward for x in got])
+                kept = [x for x in got if (x.group_id or str(x.id)) not in tied]
+                # NOTE: refills take what is already written and never wait: a synchronous explorer writes
+                # the next step only after this one, so there the tied groups are just dropped.
+                more = claim(len(got) - len(kept), timeout=0.0, partial=True) if tied else []
+                if not tied or not kept + more:  # nothing to replace them with: keep them (zero advantage)
+                    break
+                self.dropped_groups += len(tied)
+                got = kept + more
             ids[:2] = torch.tensor([len(got), self.ended])
             ids[2 : len(got) + 2] = torch.tensor([x.id for x in got], dtype=torch.long)
         dist.broadcast(ids, src=0)
         self.ended = bool(ids[1])
-        return got if self.rank == 0 else self.db.get(ids[2 : int(ids[0]) + 2].tolist())
+        got = got if self.rank == 0 else self.db.get(ids[2 : int(ids[0]) + 2].tolist())
+        return got + expert if got else []
 
     def explorers(self) -> str:
         """What the explorers that write to the DB last recorded, for log lines."""
@@ -196,95 +228,19 @@ def set_status(db: ExperienceDB, step: int, status: str) -> None:
     db.set_meta("trainer", json.dumps({"step": step, "status": status, "time": time.time(), "pid": os.getpid()}))
 
 
-def sft_experience(row: dict, tokenizer, max_len: int) -> Experience:
-    """One SFT conversation as an Experience: the chat-templated prompt, then the last assistant turn
-    up to and including its end-of-turn token (the loss sees only those)."""
-    msgs = row["messages"]
-    prompt = tokenizer.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=True, return_dict=False)
-    full = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=False)
-    if full[: len(prompt)] != prompt:
-        raise DataError("the chat template renders the conversation's prompt differently with and without the answer")
-    response = full[len(prompt):]
-    if tokenizer.eos_token_id in response:  # drop what the template adds after the end of the turn
-        response = response[: response.index(tokenizer.eos_token_id) + 1]
-    tokens = torch.tensor((prompt + response)[:max_len], dtype=torch.long)
-    return Experience(tokens=tokens, prompt_length=min(len(prompt), max_len - 1), reward=0.0)
-
-
 # --- batches
 
 
-def micro_batches(lengths: list[int], budget: int, fixed: int | None) -> list[list[int]]:
-    """Indices cut into micro-batches, longest first: at most `budget` tokens each counting padding
-    (use_dynamic_bsz), or `fixed` sequences each. A sequence longer than the budget goes alone."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    out: list[list[int]] = []
-    for i in order:
-        if out and (len(out[-1]) < fixed if fixed else (len(out[-1]) + 1) * lengths[out[-1][0]] <= budget):
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
-def collate(exps: list[Experience], extra: dict[str, list[torch.Tensor]], idx: list[int], device: torch.device) -> dict:
-    """Right-padded model inputs [B,L] and response-aligned tensors [B,T] for the experiences `idx`."""
-    rows = [exps[i] for i in idx]
-    B, L, T = len(rows), max(len(x.tokens) for x in rows), max(max(x.response_length for x in rows), 1)
-    batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": torch.zeros(B, L, dtype=torch.long),
-             "positions": torch.zeros(B, T, dtype=torch.long), "targets": torch.zeros(B, T, dtype=torch.long),
-             "response_mask": torch.zeros(B, T, dtype=torch.bool), "rewards": torch.tensor([x.reward for x in rows])}
-    for b, x in enumerate(rows):
-        n, p, r = len(x.tokens), x.prompt_length, x.response_length
-        batch["input_ids"][b, :n] = x.tokens
-        batch["attention_mask"][b, :n] = 1
-        # NOTE: the logits at position t predict token t + 1, so response token p + j is read at p + j - 1.
-        batch["positions"][b, :r] = torch.arange(p - 1, n - 1).clamp(min=0)
-        batch["targets"][b, :r] = x.tokens[p:]
-        batch["response_mask"][b, :r] = True if x.action_mask is None else x.action_mask
-        batch["response_mask"][b, 0] &= p > 0  # a response with no prompt has no logit for its first token
-    for name, values in extra.items():
-        batch[name] = torch.zeros(B, T)
-        for b, i in enumerate(idx):
-            batch[name][b, : len(values[i])] = values[i]
-    return {k: v.to(device) for k, v in batch.items()}
-
-
-def token_logprobs(model, mb: dict, temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(response token) [B,T] under `model` at the rollout temperature, and the entropy [B,T]."""
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits  # [B,L,V]
-    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # [B,1]
-    logits = logits[rows, mb["positions"]].float() / temperature  # [B,T,V] response positions only
-    logp = torch.log_softmax(logits, dim=-1)  # [B,T,V]
-    out = logp.gather(-1, mb["targets"][..., None]).squeeze(-1)  # [B,T]
-    ent = -(logp.exp() * logp).sum(-1) if entropy else None  # [B,T]
-    return out, ent
-
-
-@torch.no_grad()
-def score(model, exps: list[Experience], cfg: configs.Config, device, temperature: float) -> list[torch.Tensor]:
-    """Per-experience response log-probs (1-D, length R) under `model`, in micro-batches, no grad."""
-    t, out = cfg.trainer, [torch.empty(0)] * len(exps)
-    was_training = model.training
-    model.eval()
-    for idx in micro_batches([len(x.tokens) for x in exps], t.max_token_len_per_gpu, None if t.use_dynamic_bsz else t.log_prob_micro_batch_size_per_gpu):
-        logp, _ = token_logprobs(model, collate(exps, {}, idx, device), temperature, entropy=False)
-        for b, i in enumerate(idx):
-            out[i] = logp[b, : exps[i].response_length].float().cpu()
-    model.train(was_training)
-    return out
+def gather_rows(rows: list[torch.Tensor], mine: list[int], B: int, T: int, device: torch.device) -> torch.Tensor:
+    """[B,T] on every rank from each rank's 1-D rows (row k of this rank is batch row mine[k])."""
+    out = torch.zeros(B, T, dtype=torch.float64, device=device)
+    for k, i in enumerate(mine):
+        out[i, : len(rows[k])] = rows[k].to(device)
+    dist.all_reduce(out)
+    return out.float().cpu()
 
 
 # --- weights out: publish for the explorer, save a checkpoint, resume
-
-
-def send_weights(model, sender, step: int) -> None:
-    """Process-group sync: one full parameter at a time, gathered on every rank, sent by rank 0."""
-    params = dict(model.named_parameters())  # tied weights appear once
-    specs = [(k, tuple(v.shape), v.dtype) for k, v in params.items()]
-    tensors = (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
-    with torch.no_grad():  # NOTE: ranks > 0 (sender None) only drain `tensors`: each all-gather needs every rank
-        sync.send_weights(sender, step, specs, tensors)
 
 
 # --- main
@@ -302,9 +258,53 @@ def reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return x.tolist()
 
 
+def update(model, optim, my: list[Experience], extra: dict, minis: list[list[list[int]]], loss_fn, mode: str,
+           fixed: int | None, grad_clip: float, lr: float, prefix: str, cfg: configs.Config, device, world: int, step: int):
+    """ppo_epochs x mini-batches (lists of units of `my`) x micro-batches (a token budget, or `fixed`
+    sequences) of loss_fn(micro-batch) -> (loss, metrics): gradients accumulated with each micro-batch's share
+    of the mini-batch's tokens (token-mean `mode`) or sequences, clipped, then one AdamW step at `lr` per
+    mini-batch. Returns (this rank's metrics averaged over updates, gradient norms, skipped steps)."""
+    t = cfg.trainer
+    lengths, filler = [len(x.tokens) for x in my], next((u for m in minis for u in m), [0])
+    sums: dict[str, float] = {}
+    norms, skipped = [], 0
+    for _ in range(t.ppo_epochs):
+        for mini in minis:
+            micro = micro_batches(lengths, t.max_token_len_per_gpu, fixed, mini) if mini else []
+            counted = [collate(my, {}, m, torch.device("cpu"))["response_mask"] for m in micro]
+            count = [float(c.sum()) if mode == "token-mean" else float(c.any(-1).sum()) for c in counted]
+            (total_count,) = reduce_sum([sum(count)], device)
+            # NOTE: every rank must run the same number of forward/backward passes (FSDP collectives):
+            # ranks with fewer micro-batches run a repeat of one with weight 0.
+            n_micro = int(max(reduce_max(len(micro), device), 1))
+            if total_count == 0:  # every row of this mini-batch was filtered out, on every rank
+                continue
+            optim.zero_grad(set_to_none=True)
+            for k in range(n_micro):
+                idx, share = (micro[k], count[k] / total_count) if k < len(micro) else (filler, 0.0)
+                loss, m = loss_fn(collate(my, extra, idx, device))
+                # NOTE: FSDP averages gradients over ranks, hence x world: the sum over ranks and
+                # micro-batches of share x loss is the loss of the whole mini-batch.
+                (loss * share * world).backward()
+                for key, v in m.items():
+                    key = key if key.startswith("rollout_corr/") else prefix + key
+                    sums[key] = sums.get(key, 0.0) + v * share / (t.ppo_epochs * len(minis))
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+            if not math.isfinite(norm):  # veRL skips such steps too
+                log.warning("step %d: %sgradient norm is %s; optimizer step skipped", step, prefix, norm)
+                skipped += 1
+                continue
+            norms.append(norm)
+            for g in optim.param_groups:
+                g["lr"] = lr
+            optim.step()
+    return sums, norms, skipped
+
+
 def train(cfg: configs.Config) -> int:
     """Train one stage (mode train, or the trainer half of mode both); returns the exit code."""
-    # --- setup: process group, model (+ reference), optimizer, the loss pieces, checkpoint to resume
+    # --- setup: process group, model (+ reference, + critic), optimizers, the loss pieces, checkpoint to resume
     rank, world, device = setup_distributed()
     a, t, s, job = cfg.algorithm, cfg.trainer, cfg.synchronizer, Path(cfg.checkpoint_job_dir)
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
@@ -317,22 +317,32 @@ def train(cfg: configs.Config) -> int:
     model = build_model(str(sync.weights_path(job, resume)) if resume else cfg.model.model_path, cfg, device, trainable=True)
     optim = torch.optim.AdamW(model.parameters(), lr=a.optimizer.lr, betas=tuple(a.optimizer.betas),
                               weight_decay=a.optimizer.weight_decay)
-    rl = a.advantage_fn != "none"  # offline losses (sft) need neither old log-probs nor advantages
+    rl = a.advantage_fn != "none"  # offline losses (sft, dpo) need neither old log-probs nor advantages
     advantage_fn, advantage_cfg = lookup("advantage_fn", a.advantage_fn, a.advantage_fn_args) if rl else (None, None)
     policy_fn, policy_cfg = lookup("policy_loss_fn", a.policy_loss_fn, a.policy_loss_fn_args)
     entropy_fn, entropy_cfg = lookup("entropy_loss_fn", a.entropy_loss_fn, a.entropy_loss_fn_args)
-    kl_loss_cfg = algos.make_config("kl_loss_fn", a.kl_loss_fn, a.kl_loss_fn_args, "algorithm.kl_loss_fn_args")
-    kl_penalty_cfg = algos.make_config("kl_penalty_fn", a.kl_penalty_fn, a.kl_penalty_fn_args, "algorithm.kl_penalty_fn_args")
-    use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none"
+    kl_cfgs = {k: algos.make_config(k, getattr(a, k), getattr(a, k + "_args"), f"algorithm.{k}_args")
+               for k in ("kl_loss_fn", "kl_penalty_fn")}
+    # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
+    use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in getattr(policy_cfg, "NEEDS", ())
     ref = build_model(cfg.model.model_path, cfg, device, trainable=False) if use_ref else None
+    critic = critic_optim = None
+    if rl and "values" in getattr(advantage_cfg, "NEEDS", ()):  # GAE (ppo): a value model trained beside the actor
+        critic = build_model(str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface") if resume
+                             else cfg.model.critic_model_path, cfg, device, trainable=True, critic=True)
+        critic_optim = torch.optim.AdamW(critic.parameters(), lr=t.critic.lr, betas=tuple(a.optimizer.betas),
+                                         weight_decay=t.critic.weight_decay)
+    critic_opt = dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1, lr_scheduler_type="constant",
+                                     lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio)
     source = Source(cfg, tokenizer, rank, device)
     total = source.total_steps()
+    state = {k: c.kl_coef for k, c in kl_cfgs.items()}  # the KL coefficients (adaptive ones change)
     if resume:
-        sync.load_checkpoint(model, optim, job, resume, rank)
+        state |= sync.load_checkpoint(model, optim, job, resume, rank, (critic, critic_optim) if critic else None)
         if rank == 0:
             sync.set_latest(job, resume)
             log.info("resumed from checkpoint step %d of %s", resume, job)
-    if rank == 0 and not source.rows:
+    if rank == 0 and not source.units:
         # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
         if cfg.continue_from_checkpoint:
             log.info("%d experience claims of steps after %d released", source.db.release_after(resume), resume)
@@ -343,13 +353,38 @@ def train(cfg: configs.Config) -> int:
     sender = sync.open_sender(job, device, s.sync_timeout) if rl and s.sync_method == "nccl" and rank == 0 else None
     monitor = Monitor(cfg, role=t.name) if rank == 0 else None
     if rank == 0:
-        log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, sync %s every %d step(s)",
-                 world, device.type, resume + 1, total, a.advantage_fn, a.policy_loss_fn, use_ref, s.sync_method, s.sync_interval)
+        log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every %d "
+                 "step(s)", world, device.type, resume + 1, total, a.advantage_fn, a.policy_loss_fn, ref is not None,
+                 critic is not None, s.sync_method, s.sync_interval)
+
+    def actor_loss(mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The actor's loss on one micro-batch: policy loss + KL loss + entropy term."""
+        logp, ent = token_logprobs(model, mb, temperature, entropy=True)  # [B,T], [B,T]
+        if rl and "old_logprobs" not in mb:
+            mb["old_logprobs"] = logp.detach()  # [B,T] one update per step: ratio exactly 1 (see one_update)
+        m = {}
+        if "rollout_logprobs" in mb:  # truncated IS weights (rollout -> old policy) scale the advantages
+            rc = a.rollout_correction
+            w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [B,T]
+                                      mb["response_mask"] & (mb["has_rollout_logprobs"] > 0), rc.rollout_is, rc.rollout_is_threshold)
+            mb["advantages"] = mb["advantages"] * w  # [B,T]
+        loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
+        m |= pm
+        if a.kl_loss_fn != "none":
+            kl_cfg = dataclasses.replace(kl_cfgs["kl_loss_fn"], kl_coef=state["kl_loss_fn"])
+            kl_term, km = kl_loss(logp, mb, kl_cfg, a.loss_agg_mode, a.kl_loss_fn)  # []
+            loss, m = loss + kl_term, m | km
+        ent_loss, em = entropy_fn(ent, mb, entropy_cfg, a.loss_agg_mode)  # []
+        return loss + ent_loss.to(loss.device), m | em | {"entropy": masked_mean(ent.detach(), mb["response_mask"]).item()}
+
+    def critic_loss(mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
+        """The critic's clipped value loss on one micro-batch."""
+        return value_loss.compute(token_values(critic, mb), mb, value_loss.Config(t.critic.cliprange_value), a.loss_agg_mode)
 
     code, done, saved = 0, resume, resume  # done: the last finished step; saved: the last checkpoint
     for step in range(resume + 1, total + 1):
         timing, t0 = {}, time.monotonic()
-        # --- read the batch, shard it over ranks (longest first, dealt round-robin: balanced tokens)
+        # --- read the batch, shard it over ranks (longest units first, dealt round-robin: balanced tokens)
         exps = source.read(step)
         if not exps and source.ended:
             if rank == 0:
@@ -364,112 +399,110 @@ def train(cfg: configs.Config) -> int:
             code = 1
             break
         timing["time/read"] = time.monotonic() - t0
-        if len(exps) < world:
+        # a unit stays together on one rank and in one micro-batch: a DPO pair (chosen, rejected), else one row
+        units = [[i, i + 1] for i in range(0, len(exps), 2)] if source.paired else [[i] for i in range(len(exps))]
+        if len(units) < world:
             raise RuntimeError(f"train step {step}: {len(exps)} experiences cannot be shared by {world} ranks")
-        order = sorted(range(len(exps)), key=lambda i: -len(exps[i].tokens))
-        mine = order[rank::world]
+        units.sort(key=lambda u: -max(len(exps[i].tokens) for i in u))
+        mine, my_units = [], []  # this rank's rows (batch indices), and its units as indices into `my`
+        for u in units[rank::world]:
+            my_units.append(list(range(len(mine), len(mine) + len(u))))
+            mine += u
         my = [exps[i] for i in mine]
+        rl_rows = [i for i, x in enumerate(exps) if not x.info.get("expert")]  # mix: expert SFT rows have no reward
         extra: dict[str, list[torch.Tensor]] = {}
         metrics: dict[str, float] = {}
+        if source.expert:
+            extra["expert_mask"] = [torch.full((x.response_length,), float(x.info.get("expert", False))) for x in my]
 
-        # --- old and reference log-probs
+        # --- old and reference log-probs, values
         t1 = time.monotonic()
         n_mini = max(1, round(len(exps) / t.ppo_mini_batch_size))
         # NOTE: with one update per step (one epoch, one mini-batch) the weights have not moved when a
         # micro-batch's loss is computed, so old log-probs = the current ones, detached: no extra pass.
         one_update = t.ppo_epochs == 1 and n_mini == 1 and a.kl_penalty_fn == "none"
+        logprobs_of = lambda m, mb: token_logprobs(m, mb, temperature, False)[0]  # noqa: E731
         if rl and not one_update:
-            extra["old_logprobs"] = score(model, my, cfg, device, temperature)
+            extra["old_logprobs"] = score(model, my, cfg, device, logprobs_of)
         if rl and any(x.logprobs is not None for x in my):  # the rollout engine's, for the off-policy correction
             extra["rollout_logprobs"] = [x.logprobs if x.logprobs is not None else torch.zeros(x.response_length) for x in my]
             extra["has_rollout_logprobs"] = [torch.full((x.response_length,), float(x.logprobs is not None)) for x in my]
         if ref is not None:
-            extra["ref_logprobs"] = score(ref, my, cfg, device, temperature)
+            extra["ref_logprobs"] = score(ref, my, cfg, device, logprobs_of)
+        if critic is not None:
+            extra["values"] = score(critic, my, cfg, device, token_values)
         timing["time/old_ref_logprobs"] = time.monotonic() - t1
 
-        # --- reward (with the KL penalty folded in) and advantages over the whole batch
+        # --- reward (shaped, with the KL penalty folded in) and advantages over the whole batch
         if rl:
-            rewards = torch.tensor([x.reward for x in exps], dtype=torch.float32)  # [B]
+            full = collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
+            B, T = full["response_mask"].shape
+            scores = torch.tensor([x.reward for x in exps], dtype=torch.float32)  # [B]
+            if a.overlong_reward.enable:  # DAPO's soft overlong punishment
+                lengths = torch.tensor([float(x.response_length) for x in exps])  # [B]
+                shaping = overlong.penalty(lengths, cfg.model.max_response_tokens, a.overlong_reward)  # [B]
+                scores = scores + shaping  # [B]
+                metrics["critic/overlong_penalty/mean"] = shaping[rl_rows].mean().item()
+            token_rewards = place_scores(scores, full["response_mask"])  # [B,T] on the last valid token
             if a.kl_penalty_fn != "none":
                 mb = collate(my, extra, list(range(len(my))), torch.device("cpu"))
-                token_rewards, kl_metrics = kl_penalty(mb, kl_penalty_cfg, a.kl_penalty_fn)  # [B_rank,T]
-                mine_scores = torch.zeros(len(exps))
-                mine_scores[mine] = token_rewards.sum(-1)
-                rewards = torch.tensor(reduce_sum(mine_scores.tolist(), device), dtype=torch.float32)  # [B]
+                mb["rewards"] = scores[mine]  # [B_rank]
+                kl_cfg = dataclasses.replace(kl_cfgs["kl_penalty_fn"], kl_coef=state["kl_penalty_fn"])
+                penalised, kl_metrics = kl_penalty(mb, kl_cfg, a.kl_penalty_fn)  # [B_rank,T]
+                token_rewards = gather_rows([penalised[k, : x.response_length] for k, x in enumerate(my)], mine, B, T, device)  # [B,T]
                 metrics.update({f"critic/{k}": v for k, v in kl_metrics.items()})
-            groups = {g: i for i, g in enumerate(dict.fromkeys(x.group_id or str(x.id) for x in exps))}
-            full = collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
-            adv, adv_metrics = advantage_fn({"rewards": rewards, "response_mask": full["response_mask"],
-                                             "group_index": torch.tensor([groups[x.group_id or str(x.id)] for x in exps])},
-                                            advantage_cfg)
-            extra["advantages"] = [adv["advantages"][i, : exps[i].response_length] for i in mine]
-            keep = adv.get("keep", torch.ones(len(exps), dtype=torch.bool))
+            group = {g: i for i, g in enumerate(dict.fromkeys(exps[i].group_id or str(exps[i].id) for i in rl_rows))}
+            batch = {"rewards": token_rewards.sum(-1)[rl_rows], "token_level_rewards": token_rewards[rl_rows],
+                     "response_mask": full["response_mask"][rl_rows],
+                     "group_index": torch.tensor([group[exps[i].group_id or str(exps[i].id)] for i in rl_rows])}
+            if critic is not None:
+                batch["values"] = gather_rows(extra["values"], mine, B, T, device)[rl_rows]  # [B_rl,T]
+            adv, adv_metrics = advantage_fn(batch, advantage_cfg)
+            advantages, returns = torch.zeros(B, T), torch.zeros(B, T)  # [B,T] expert rows keep 0
+            advantages[rl_rows], returns[rl_rows] = adv["advantages"], adv["returns"]
+            extra["advantages"] = [advantages[i, : exps[i].response_length] for i in mine]
+            extra["returns"] = [returns[i, : exps[i].response_length] for i in mine]
+            keep = torch.ones(B, dtype=torch.bool)  # [B]
+            keep[rl_rows] = adv.get("keep", torch.ones(len(rl_rows), dtype=torch.bool))
             # Filtered groups (std_threshold) leave the loss: their rows keep their place (every rank
             # still runs the same passes) with an empty mask.
             my = [x if keep[i] else dataclasses.replace(x, action_mask=torch.zeros(x.response_length, dtype=torch.bool))
                   for x, i in zip(my, mine)]
+            valid = batch["response_mask"]
             metrics.update({f"critic/{k}": v for k, v in adv_metrics.items()})
-            metrics.update({"critic/score/mean": rewards.mean().item(), "critic/score/max": rewards.max().item(),
-                            "critic/score/min": rewards.min().item(),
-                            "critic/advantages/mean": adv["advantages"][full["response_mask"]].mean().item(),
+            metrics.update({"critic/score/mean": batch["rewards"].mean().item(), "critic/score/max": batch["rewards"].max().item(),
+                            "critic/score/min": batch["rewards"].min().item(),
+                            "critic/advantages/mean": adv["advantages"][valid].mean().item(),
                             "critic/advantages/max": adv["advantages"].max().item(),
-                            "critic/advantages/min": adv["advantages"].min().item()})
+                            "critic/advantages/min": adv["advantages"].min().item(),
+                            "critic/returns/mean": adv["returns"][valid].mean().item()})
+            if critic is not None:
+                metrics["critic/values/mean"] = batch["values"][valid].mean().item()
 
-        # --- update: ppo_epochs x mini-batches x micro-batches (token budget), gradient accumulation
+        # --- update: the critic (ppo), then the actor: ppo_epochs x mini-batches x micro-batches
         t2 = time.monotonic()
-        minis = [list(range(len(my)))[k::n_mini] for k in range(n_mini)]
-        sums: dict[str, float] = {}
-        grad_norms, skipped = [], 0
-        for _ in range(t.ppo_epochs):
-            for mini in minis:
-                fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
-                micro = [[mini[j] for j in m] for m in micro_batches([len(my[i].tokens) for i in mini], t.max_token_len_per_gpu, fixed)] if mini else []
-                counted = [collate(my, {}, m, torch.device("cpu"))["response_mask"] for m in micro]
-                count = [float(c.sum()) if a.loss_agg_mode == "token-mean" else float(c.any(-1).sum()) for c in counted]
-                (total_count,) = reduce_sum([sum(count)], device)
-                # NOTE: every rank must run the same number of forward/backward passes (FSDP collectives):
-                # ranks with fewer micro-batches run a repeat of one with weight 0.
-                n_micro = int(max(reduce_max(len(micro), device), 1))
-                if total_count == 0:  # every row of this mini-batch was filtered out, on every rank
-                    continue
-                optim.zero_grad(set_to_none=True)
-                for k in range(n_micro):
-                    idx, share = (micro[k], count[k] / total_count) if k < len(micro) else ([0], 0.0)
-                    mb = collate(my, extra, idx, device)
-                    logp, ent = token_logprobs(model, mb, temperature, entropy=True)  # [B,T], [B,T]
-                    if rl and one_update:
-                        mb["old_logprobs"] = logp.detach()  # [B,T] ratio exactly 1 (see above)
-                    m = {}
-                    if "rollout_logprobs" in mb:  # truncated IS weights (rollout -> old policy) scale the advantages
-                        rc = a.rollout_correction
-                        w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [B,T]
-                                                  mb["response_mask"] & (mb["has_rollout_logprobs"] > 0), rc.rollout_is, rc.rollout_is_threshold)
-                        mb["advantages"] = mb["advantages"] * w  # [B,T]
-                    loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
-                    m |= pm
-                    if a.kl_loss_fn != "none":
-                        kl_term, km = kl_loss(logp, mb, kl_loss_cfg, a.loss_agg_mode, a.kl_loss_fn)  # []
-                        loss, m = loss + kl_term, m | km
-                    ent_loss, em = entropy_fn(ent, mb, entropy_cfg, a.loss_agg_mode)  # []
-                    m |= em | {"entropy": masked_mean(ent.detach(), mb["response_mask"]).item()}
-                    # NOTE: FSDP averages gradients over ranks, hence x world: the sum over ranks and
-                    # micro-batches of share x loss is the loss of the whole mini-batch.
-                    ((loss + ent_loss.to(loss.device)) * share * world).backward()
-                    for key, v in m.items():
-                        key = key if "/" in key else f"actor/{key}"
-                        sums[key] = sums.get(key, 0.0) + v * share / (t.ppo_epochs * n_mini)
-                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-                norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
-                if not math.isfinite(norm):  # veRL skips such steps too
-                    log.warning("step %d: gradient norm is %s; optimizer step skipped", step, norm)
-                    skipped += 1
-                    continue
-                grad_norms.append(norm)
-                for g in optim.param_groups:
-                    g["lr"] = lr_at(step, cfg, total)
-                optim.step()
+        minis = [my_units[k::n_mini] for k in range(n_mini)]
+        grad_norms, skipped, sums = [], 0, {}
+        if critic is not None:
+            fixed = None if t.use_dynamic_bsz else t.critic.micro_batch_size_per_gpu
+            sums, critic_norms, _ = update(critic, critic_optim, my, extra, minis, critic_loss, a.loss_agg_mode, fixed,
+                                           t.critic.grad_clip, lr_at(step, critic_opt, total), "critic/", cfg, device,
+                                           world, step)
+            sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / world,
+                     "critic/lr": lr_at(step, critic_opt, total) / world}
+        if critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
+            fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
+            mode = getattr(policy_cfg, "AGG", a.loss_agg_mode)  # a loss with a fixed aggregation says so
+            actor_sums, grad_norms, skipped = update(model, optim, my, extra, minis, actor_loss, mode, fixed, t.grad_clip,
+                                                     lr_at(step, a.optimizer, total), "actor/", cfg, device, world, step)
+            sums |= actor_sums
         keys = sorted(sums)
         metrics.update(zip(keys, reduce_sum([sums[k] for k in keys], device)))
+        for k in ("kl_loss_fn", "kl_penalty_fn"):  # the adaptive KL controller (Ziegler et al.)
+            measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
+            if kl_cfgs[k].adaptive and measured is not None:
+                state[k] = kl_adapt(state[k], measured, len(exps), kl_cfgs[k])
+                metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = state[k]
         timing["time/update"] = time.monotonic() - t2
 
         # --- sync: publish the new weights (files, or the process group) for the explorer
@@ -479,7 +512,7 @@ def train(cfg: configs.Config) -> int:
         explorer_waits = step % s.sync_interval == 0 and (step + s.sync_offset < total or s.sync_style != "fixed")
         weights = None
         if rl and s.sync_method == "nccl" and explorer_waits:
-            send_weights(model, sender, step)  # sender is None on ranks > 0
+            sync.send_model(sender, model, step)  # sender is None on ranks > 0
         if (explorer_waits and s.sync_method == "checkpoint") or step == total:
             weights = sync.full_state(model)
             if rank == 0:
@@ -488,7 +521,8 @@ def train(cfg: configs.Config) -> int:
         # --- checkpoint
         t4 = time.monotonic()
         if (t.save_interval and step % t.save_interval == 0) or step == total:
-            sync.save_checkpoint(model, optim, tokenizer, job, step, rank, weights, t.max_checkpoints_to_keep)
+            sync.save_checkpoint(model, optim, tokenizer, job, step, rank, weights, t.max_checkpoints_to_keep,
+                                 (critic, critic_optim) if critic else None, state)
             saved = step
         timing["time/save_checkpoint"] = time.monotonic() - t4
         done = step
@@ -498,31 +532,36 @@ def train(cfg: configs.Config) -> int:
         tokens = sum(len(x.tokens) for x in exps)
         lengths = [x.response_length for x in exps]
         metrics.update(timing)
-        metrics.update({"actor/lr": lr_at(step, cfg, total), "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
+        metrics.update({"actor/lr": lr_at(step, a.optimizer, total), "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
                         "actor/skipped_steps": skipped, "response_length/mean": sum(lengths) / len(lengths),
                         "response_length/max": max(lengths), "prompt_length/mean": sum(x.prompt_length for x in exps) / len(exps),
                         "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["time/step"] / world,
                         "perf/train_tokens_per_s": tokens / max(timing["time/update"], 1e-9),
                         "batch/size": len(exps)})
         if rl:  # the weights versions that generated the batch, and how far behind version step - 1 they are
-            versions = [x.model_version for x in exps]
+            versions = [exps[i].model_version for i in rl_rows]
             metrics.update({"sample/model_version/min": min(versions), "sample/model_version/max": max(versions),
-                            "sample/model_version/mean": sum(versions) / len(exps),
-                            "batch/staleness/mean": step - 1 - sum(versions) / len(exps),
+                            "sample/model_version/mean": sum(versions) / len(versions),
+                            "batch/staleness/mean": step - 1 - sum(versions) / len(versions),
                             "batch/staleness/max": step - 1 - min(versions)})
-            for name in sorted({x.explorer for x in exps}):
-                metrics[f"sample/experience_count/{name or 'unknown'}"] = sum(x.explorer == name for x in exps)
+            for name in sorted({exps[i].explorer for i in rl_rows}):
+                metrics[f"sample/experience_count/{name or 'unknown'}"] = sum(exps[i].explorer == name for i in rl_rows)
+            if source.expert:
+                metrics["sample/expert_count"] = len(exps) - len(rl_rows)
+            if source.refills and rank == 0:
+                metrics["sample/dropped_tied_groups"] = source.dropped_groups
         if monitor is not None:
             monitor.log(metrics, step=step)
-        if rank == 0 and not source.rows:
+        if rank == 0 and not source.units:
             set_status(source.db, step, "training")
     # --- the end: publish and save the last step unless done above (data ran out, or stopped waiting)
     if saved < done:
         weights = sync.full_state(model)
         if rank == 0:
             sync.publish_hf(model, tokenizer, job, done, state_dict=weights)
-        sync.save_checkpoint(model, optim, tokenizer, job, done, rank, weights, t.max_checkpoints_to_keep)
-    if rank == 0 and not source.rows:
+        sync.save_checkpoint(model, optim, tokenizer, job, done, rank, weights, t.max_checkpoints_to_keep,
+                             (critic, critic_optim) if critic else None, state)
+    if rank == 0 and not source.units:
         set_status(source.db, done, "stopped" if code else "finished")
     if sender is not None:
         sync.close_sender(sender, finished=code == 0)

@@ -10,10 +10,19 @@ Piece registries: name -> (function, Config class for its `*_args`), validated b
     KL_FNS            fn(logprobs [B,T], ref_logprobs [B,T]) -> per-token KL [B,T]; the KL loss and
                       KL penalty are `kl.loss(..., kind=name)` / `kl.penalty(..., kind=name)`
     ENTROPY_LOSS_FNS  fn(entropy [B,T], batch, cfg, loss_agg_mode) -> (scalar loss, metrics)
-    SAMPLE_STRATEGIES fn(step, cfg) -> the filter of the step's experience DB claim (e.g. min_version)
+    SAMPLE_STRATEGIES fn(step, cfg) -> what the step's reader does (min_version, refill, expert rows)
 
-Not a registry: `correction.rollout_is_weights`, truncated importance sampling between the rollout
-engine's and the trainer's log-probs (algorithm.rollout_correction), applied to any policy loss.
+A piece that needs more than the default batch keys says so in its Config: `NEEDS: ClassVar =
+("values",)` makes the trainer build a critic (gae.py), ("ref_logprobs",) the reference model (dpo.py;
+a KL loss or penalty also does). `AGG: ClassVar = "seq-mean-token-mean"` marks a loss whose aggregation is
+fixed (gspo, dpo), so the trainer weighs micro-batches by sequences. The Preset's use_critic /
+use_reference document Trinity's table.
+
+Not registries (one function each, used by the trainer for every algorithm):
+    correction.rollout_is_weights  truncated IS between rollout and trainer log-probs (algorithm.rollout_correction)
+    value_loss.compute             the critic's clipped value loss (trainer.critic.cliprange_value)
+    overlong.penalty               DAPO's overlong reward shaping (algorithm.overlong_reward)
+    kl.adapt                       the adaptive KL coefficient (kl_*_fn_args.adaptive)
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ import dataclasses
 import functools
 from typing import Any, Callable
 
-from algos import entropy, grpo, kl, ppo_loss, sample, sft_loss
+from algos import (asymre, cispo, dpo, entropy, gae, grpo, gspo, importance_sampling, kl, mix, opmd, ppo_loss, rec,
+                   reinforce, reinforceplusplus, rloo, sample, sapo, sft_loss, sppo, topr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +47,7 @@ class Preset:
     use_critic: bool = False
     use_reference: bool = True
     train_only: bool = False  # offline data (sft, dpo): no explorer, checkpoint sync only
+    schema: str = "experience"  # what the trainer's input rows are: experience, sft or dpo (file data)
 
 
 PRESETS: dict[str, Preset] = {
@@ -49,21 +60,42 @@ PRESETS: dict[str, Preset] = {
     "topr": Preset(2, "reinforce", "topr", "k2"),
     "cispo": Preset(2, "grpo", "cispo", "k2"),
     "gspo": Preset(2, "grpo", "gspo", "k2"),
+    "sapo": Preset(2, "grpo", "sapo", "k2"),
     "sppo": Preset(2, "opmd", "sppo", "none", entropy_loss_fn="none", use_reference=False),
     "rec": Preset(2, "rec", "rec", "k2"),
     "mix": Preset(8, "grpo", "mix", "k2", entropy_loss_fn="mix", sample_strategy="mix"),
-    "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True),
-    "dpo": Preset(2, "none", "dpo", "k2", entropy_loss_fn="none", train_only=True),
+    "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True,
+                  schema="sft"),
+    "dpo": Preset(2, "none", "dpo", "k2", entropy_loss_fn="none", train_only=True, schema="dpo"),
 }
 
 
 ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
     "grpo": (grpo.compute, grpo.Config),
+    "ppo": (gae.compute, gae.Config),
+    "reinforceplusplus": (reinforceplusplus.compute, reinforceplusplus.Config),
+    "reinforce": (reinforce.compute, reinforce.Config),
+    "rloo": (rloo.compute, rloo.Config),
+    "opmd": (opmd.advantage, opmd.AdvantageConfig),
+    "asymre": (asymre.compute, asymre.Config),
+    "rec": (rec.advantage, rec.AdvantageConfig),
 }
 
 POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {
     "ppo": (ppo_loss.compute, ppo_loss.Config),
     "sft": (sft_loss.compute, sft_loss.Config),
+    "gspo": (gspo.compute, gspo.Config),
+    "cispo": (cispo.compute, cispo.Config),
+    "sapo": (sapo.compute, sapo.Config),
+    "topr": (topr.compute, topr.Config),
+    "sppo": (sppo.compute, sppo.Config),
+    "rec": (rec.loss, rec.LossConfig),
+    "opmd": (opmd.loss, opmd.LossConfig),
+    "importance_sampling": (importance_sampling.compute, importance_sampling.Config),
+    "sft_is": (sft_loss.compute_is, sft_loss.Config),
+    "sft_phi": (sft_loss.compute_phi, sft_loss.PhiConfig),
+    "dpo": (dpo.compute, dpo.Config),
+    "mix": (mix.compute, mix.Config),
 }
 
 KL_FNS: dict[str, tuple[Callable, type]] = {
@@ -78,11 +110,14 @@ KL_FNS: dict[str, tuple[Callable, type]] = {
 ENTROPY_LOSS_FNS: dict[str, tuple[Callable, type]] = {
     "default": (entropy.loss, entropy.Config),
     "none": (entropy.none, entropy.Config),
+    "mix": (entropy.mix, entropy.Config),
 }
 
 SAMPLE_STRATEGIES: dict[str, tuple[Callable, type]] = {
     "default": (sample.default, sample.Config),
     "staleness_control": (sample.staleness_control, sample.Config),
+    "dynamic_sampling": (sample.dynamic_sampling, sample.Config),
+    "mix": (sample.mix, sample.Config),
 }
 
 # config field (algorithm.<kind>) -> the registry its name is looked up in

@@ -6,21 +6,29 @@ Objective (outcome supervision, one scalar reward r_i per response i in its grou
     advantages[i, t] = A_i * mask[i, t];  returns = advantages
 std_g is torch.std (unbiased, Bessel's correction) as in Trinity-RFT: rewards [1,0,0,1] have
 std 0.5774, so A = +-0.5/0.5774 = +-0.866.
-Singleton groups (G = 1) use mean 0 / std 1, i.e. A = r (Trinity).
+std_cal_level = "batch" replaces std_g by the std of every reward in the batch (torch.std, 1 when
+B <= 1); the mean stays per group (arXiv 2508.08221: local mean, global std).
+Singleton groups (G = 1) use mean 0 / std 1, i.e. A = r (Trinity); with "batch" they use mean 0
+and the batch std, as Trinity does.
 
 Deviations from Trinity-RFT's GRPOGroupedAdvantage:
 - Works on a padded batch (tensors + group_index) instead of a list of Experience objects.
 - std_threshold: Trinity DROPS groups with std <= threshold (and singleton groups) from the batch.
   A tensor function cannot drop rows, so those rows get advantage 0 and `keep` [B] bool = False is
-  returned for the caller to drop them; metric `filtered_count` counts them (as Trinity).
-- Not implemented: duplicate_experiences, rank_penalty, std_cal_level="batch".
+  returned for the caller to drop them; metric `filtered_count` counts them (as Trinity). The
+  threshold always tests the group std, also with std_cal_level = "batch" (as Trinity).
+- Metrics reward_mean / reward_std are over the whole batch, not Trinity's mean of per-group values.
+- Not implemented: duplicate_experiences, rank_penalty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
+
+from algos.utils import group_mean
 
 
 @dataclasses.dataclass
@@ -28,29 +36,35 @@ class Config:
     """advantage_fn_args for `grpo`."""
 
     epsilon: float = 1e-6
-    """epsilon: added to the group std before dividing."""
+    """epsilon: added to the std before dividing."""
     std_threshold: float | None = None
     """tau_std: groups whose reward std <= tau_std (and singleton groups) are filtered out (keep=False, A=0)."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide by std_g (GRPO); False gives Dr.GRPO's A = r - mean_g."""
+    """Divide by the std (GRPO); False gives Dr.GRPO's A = r - mean_g."""
+    std_cal_level: Literal["group", "batch"] = "group"
+    """Scope of the std divided by: "group" = std_g per group, "batch" = std of all B rewards."""
 
 
 def compute(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Group-normalised advantages from batch["rewards"] [B], ["group_index"] [B], ["response_mask"] [B,T]."""
+    if cfg.std_cal_level not in ("group", "batch"):
+        raise ValueError(f"std_cal_level must be 'group' or 'batch', got {cfg.std_cal_level!r}")
     r = batch["rewards"].to(torch.float32)  # [B]
     gi = batch["group_index"].long()  # [B]
     mask = batch["response_mask"]  # [B,T]
-    n_groups = int(gi.max().item()) + 1 if gi.numel() else 0
-    count = torch.zeros(n_groups, device=r.device).index_add_(0, gi, torch.ones_like(r))  # [num_groups]
-    mean = torch.zeros(n_groups, device=r.device).index_add_(0, gi, r) / count.clamp(min=1.0)  # [num_groups]
-    sq = torch.zeros(n_groups, device=r.device).index_add_(0, gi, (r - mean[gi]) ** 2)  # [num_groups]
-    std = (sq / (count - 1.0).clamp(min=1.0)).sqrt()  # [num_groups] unbiased (torch.std)
+    mean, count = group_mean(r, gi)  # [num_groups], [num_groups]
+    sq, _ = group_mean((r - mean[gi]) ** 2, gi)  # [num_groups] mean squared deviation
+    std = (sq * count / (count - 1.0).clamp(min=1.0)).sqrt()  # [num_groups] unbiased (torch.std)
     single = count <= 1  # [num_groups]
     mean = torch.where(single, torch.zeros_like(mean), mean)  # [num_groups] baseline 0 for G = 1
     std = torch.where(single, torch.ones_like(std), std)  # [num_groups] std 1 for G = 1
+    div = std  # [num_groups]
+    if cfg.std_cal_level == "batch":
+        batch_std = r.std() if r.numel() > 1 else torch.ones((), device=r.device)  # []
+        div = batch_std.expand_as(std)  # [num_groups]
     score = r - mean[gi]  # [B]
     if cfg.norm_adv_by_std_in_grpo:
-        score = score / (std[gi] + cfg.epsilon)  # [B]
+        score = score / (div[gi] + cfg.epsilon)  # [B]
     keep = torch.ones_like(r, dtype=torch.bool)  # [B]
     if cfg.std_threshold is not None:
         keep = ~(single | (std <= cfg.std_threshold))[gi]  # [B]

@@ -11,8 +11,11 @@ Per token, with d = logp - ref_logp (samples drawn from the policy):
     abs = |d|;   none = 0
 KL loss   (kl_loss_fn):    L = beta * aggregate(k(logp, ref), mask)                metric kl_loss
 KL penalty (kl_penalty_fn): token_level_rewards = scores - beta * k(old_logp, ref) * mask   metric kl
-Deviations from Trinity-RFT: no adaptive KL controller (adaptive/target_kl/horizon), no
-corrected_k3. The estimator kind is passed as an argument (the registry name), not stored in Config.
+Adaptive beta (Ziegler et al., arXiv 1909.08593, §2.2; veRL's AdaptiveKLController), after each step:
+    e = clip(KL_measured / target_kl - 1, -0.2, 0.2);   beta <- beta * (1 + e * n / horizon)
+with n the step's batch size (experiences). The trainer keeps beta in its checkpoint.
+Deviations from Trinity-RFT: no corrected_k3 (it needs old log-probs inside the estimator). The
+estimator kind is passed as an argument (the registry name), not stored in Config.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ class Config:
     """kl_loss_fn_args / kl_penalty_fn_args for every KL kind."""
 
     kl_coef: float = 0.001
-    """beta: weight of the KL term (loss) or of the per-token KL subtracted from the reward (penalty)."""
+    """beta: weight of the KL term (loss) or of the per-token KL subtracted from the reward (penalty); the start value when adaptive."""
+    adaptive: bool = False
+    """Adapt beta after every step towards target_kl (adaptive KL controller)."""
+    target_kl: float = 0.1
+    """KL_target: the per-sequence KL (penalty) or aggregated KL (loss) the controller steers to."""
+    horizon: int = 10000
+    """H: experiences over which beta may change by at most 20 %."""
 
 
 def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -74,10 +83,24 @@ def penalty(batch: dict[str, torch.Tensor], cfg: Config, kind: str) -> tuple[tor
     if "token_level_scores" in batch:
         scores = batch["token_level_scores"].to(torch.float32)  # [B,T]
     else:
-        pos = torch.arange(mask.shape[-1], dtype=torch.float32, device=mask.device)  # [T]
-        last = (mask * (pos + 1.0)).argmax(-1)  # [B] index of the last valid token
-        onehot = torch.nn.functional.one_hot(last, mask.shape[-1]).to(torch.float32) * mask  # [B,T]
-        scores = batch["rewards"].to(torch.float32)[:, None] * onehot  # [B,T]
+        scores = place_scores(batch["rewards"], mask)  # [B,T]
     rewards = scores - cfg.kl_coef * kl  # [B,T]
     seq_kl = masked_mean(kl, mask, dim=-1)  # [B]
     return rewards, {"kl": seq_kl.mean().item() if seq_kl.numel() else 0.0, "kl_coef": cfg.kl_coef}
+
+
+def place_scores(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-level scores [B,T]: each scalar reward [B] on its sequence's last valid token (veRL)."""
+    m = mask.to(torch.float32)  # [B,T]
+    pos = torch.arange(m.shape[-1], dtype=torch.float32, device=m.device)  # [T]
+    last = (m * (pos + 1.0)).argmax(-1)  # [B] index of the last valid token
+    onehot = torch.nn.functional.one_hot(last, m.shape[-1]).to(torch.float32) * m  # [B,T]
+    return rewards.to(torch.float32)[:, None] * onehot  # [B,T]
+
+
+def adapt(coef: float, measured_kl: float, n: int, cfg: Config) -> float:
+    """The next beta of the adaptive controller (see the module docstring); n = experiences in the step."""
+    if cfg.target_kl <= 0 or cfg.horizon <= 0:
+        raise ValueError("adaptive KL needs target_kl > 0 and horizon > 0")
+    error = min(max(measured_kl / cfg.target_kl - 1.0, -0.2), 0.2)
+    return coef * (1.0 + error * n / cfg.horizon)

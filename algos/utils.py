@@ -74,3 +74,28 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
         raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
     valid = n_tok > 0  # [B]
     return masked_mean(seq, valid)  # []
+
+
+def group_mean(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group mean and member count of x [B], groups given by group_index [B] (ids 0..num_groups-1).
+
+    num_groups = max(group_index) + 1 (0 for an empty batch); an id with no member has mean 0 and
+    count 0. Index the result with group_index to broadcast back to [B].
+    """
+    gi = group_index.long()  # [B]
+    n = int(gi.max().item()) + 1 if gi.numel() else 0
+    count = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, gi, torch.ones_like(x))  # [num_groups]
+    total = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, gi, x)  # [num_groups]
+    return total / count.clamp(min=1.0), count  # [num_groups], [num_groups]
+
+
+def baseline_advantages(r: torch.Tensor, group_index: torch.Tensor, base: torch.Tensor, count: torch.Tensor,
+                        mask: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """A = r - base[group] on every valid token (returns = advantages), for group-baseline advantage fns;
+    metrics reward_mean and group_baseline (mean baseline over groups with members)."""
+    score = r - base[group_index.long()]  # [B]
+    adv = score[:, None] * mask.to(torch.float32)  # [B,T]
+    present = count > 0  # [num_groups]
+    metrics = {"reward_mean": float(r.mean().item()) if r.numel() else 0.0,
+               "group_baseline": float(base[present].mean().item()) if present.any() else 0.0}
+    return {"advantages": adv, "returns": adv.clone()}, metrics

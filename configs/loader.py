@@ -437,6 +437,8 @@ def derive(cfg: Config) -> Config:
     c.checkpoint_job_dir = str(Path(*parts))
     bufs: list[ExperienceBufferConfig] = [b.trainer_input.experience_buffer, *b.trainer_input.auxiliary_buffers.values()]
     for eb in bufs:
+        if not eb.schema_type:  # the trainer's input follows the algorithm; auxiliary files hold expert SFT data
+            eb.schema_type = "experience" if eb.storage_type != "file" else preset.schema if eb is bufs[0] else "sft"
         if not eb.path and eb.storage_type != "file":
             eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
 

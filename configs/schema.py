@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal, Optional
 import tyro
 import yaml
 
+from algos.overlong import Config as OverlongRewardConfig
+
 
 def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
     value = yaml.safe_load(args[0]) if args[0].strip() else {}
@@ -110,6 +112,8 @@ class AlgorithmConfig:
     """Arguments of entropy_loss_fn (e.g. entropy_coef)."""
     rollout_correction: RolloutCorrectionConfig = _field(RolloutCorrectionConfig)
     """Off-policy correction for the rollout engine's log-probs (veRL's algorithm.rollout_correction); mismatch metrics are logged either way."""
+    overlong_reward: OverlongRewardConfig = _field(OverlongRewardConfig)
+    """DAPO's soft overlong punishment added to the reward (algos/overlong.py)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
@@ -262,6 +266,8 @@ class ExperienceBufferConfig:
     """Buffer name (the DB file is named after it when path is empty)."""
     storage_type: Literal["queue", "sql", "file"] = "queue"
     """queue / sql: the SQLite experience DB; file: read-only SFT/DPO data files (train mode)."""
+    schema_type: Literal["", "experience", "sft", "dpo"] = ""
+    """What the rows are: experiences (the DB), SFT conversations or DPO pairs (files). Empty: from the algorithm (derived)."""
     path: str = ""
     """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived); file: a data file or folder."""
     subset_name: Optional[str] = None

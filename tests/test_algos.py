@@ -7,7 +7,7 @@ import torch
 
 import algos
 from algos import (ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, correction, entropy, grpo, kl, make_config,
-                   ppo_loss, sample, sft_loss)
+                   overlong, ppo_loss, sample, sft_loss, value_loss)
 from algos.utils import AGG_MODES, aggregate, masked_mean, masked_whiten
 from configs import ConfigError
 
@@ -167,9 +167,21 @@ def test_entropy_loss():
 
 # --- properties over every registry entry
 
-POLICY_METRICS = {"ppo": {"pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"}, "sft": {"sft_loss"}}
-NEEDS_ADVANTAGE = {"ppo"}  # zero advantage -> zero gradient; sft ignores advantages
-ENTROPY_METRICS = {"default": {"entropy_loss"}, "none": set()}
+POLICY_METRICS = {"ppo": {"pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"}, "sft": {"sft_loss"},
+                  "gspo": {"pg_loss", "pg_clipfrac", "ppo_kl", "ppo_kl_seq"}, "cispo": {"pg_loss", "pg_clipfrac", "ppo_kl"},
+                  "sapo": {"pg_loss", "avg_soft_gate", "avg_ratio", "pos_adv_frac"},
+                  "topr": {"pg_loss", "ppo_kl", "pg_clipfrac", "avg_alpha"}, "sppo": {"pg_loss", "pg_clipfrac"},
+                  "rec": {"pg_loss", "pg_clipfrac"}, "opmd": {"opmd_loss"},
+                  "importance_sampling": {"pg_loss", "ratio_mean", "approx_kl"},
+                  "sft_is": {"sft_is_loss"}, "sft_phi": {"sft_phi_loss"},
+                  "dpo": {"dpo_loss", "chosen_reward", "rejected_reward", "accuracy_mean", "reward_margin"},
+                  "mix": {"usual/pg_loss", "usual/pg_clipfrac", "usual/ppo_kl", "usual/pg_clipfrac_lower",
+                          "expert/sft_loss", "mu"}}
+# zero advantage -> zero gradient (default configs; mix: random_batch has no expert rows). Not: sft, sft_is,
+# sft_phi (no advantage), dpo (preference pairs, no advantage)
+NEEDS_ADVANTAGE = {"ppo", "gspo", "cispo", "sapo", "topr", "sppo", "rec", "opmd", "importance_sampling", "mix"}
+ENTROPY_METRICS = {"default": {"entropy_loss"}, "none": set(), "mix": {"entropy_loss"}}
+POLICY_B = 4  # the policy-loss tests use 4 rows: dpo needs interleaved (chosen, rejected) pairs, B even
 
 
 def random_batch(seed=0, B=3, T=5):
@@ -179,7 +191,8 @@ def random_batch(seed=0, B=3, T=5):
     mask[2, 1:] = 0
     return {"old_logprobs": -torch.rand(B, T, generator=g), "ref_logprobs": -torch.rand(B, T, generator=g),
             "advantages": torch.randn(B, T, generator=g), "response_mask": mask,
-            "rewards": torch.rand(B, generator=g), "group_index": torch.tensor([0, 0, 1])[:B]}
+            "rewards": torch.rand(B, generator=g), "group_index": torch.arange(B) // 2,  # [0, 0, 1] for B = 3
+            "expert_mask": torch.zeros(B, T)}  # no expert SFT rows (mix)
 
 
 def policy_terms():
@@ -199,15 +212,16 @@ TERMS = policy_terms()
 def test_registries_cover_expected_names():
     assert set(POLICY_LOSS_FNS) == set(POLICY_METRICS)
     assert set(ENTROPY_LOSS_FNS) == set(ENTROPY_METRICS)
-    assert set(KL_FNS) == set(kl.KINDS) and set(ADVANTAGE_FNS) == {"grpo"}
+    assert set(KL_FNS) == set(kl.KINDS)
+    assert set(ADVANTAGE_FNS) == {"grpo", "ppo", "reinforceplusplus", "reinforce", "rloo", "opmd", "asymre", "rec"}
 
 
 @pytest.mark.parametrize("name", list(POLICY_LOSS_FNS))
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_policy_loss_finite_and_metrics(name, mode):
     fn, cfg_cls = POLICY_LOSS_FNS[name]
-    b = random_batch()
-    lp = (b["old_logprobs"] + 0.3 * torch.randn(3, 5)).requires_grad_()
+    b = random_batch(B=POLICY_B)
+    lp = (b["old_logprobs"] + 0.3 * torch.randn(POLICY_B, 5)).requires_grad_()
     loss, metrics = fn(lp, b, cfg_cls(), mode)
     assert loss.dim() == 0 and torch.isfinite(loss)
     assert set(metrics) == POLICY_METRICS[name] and all(math.isfinite(v) for v in metrics.values())
@@ -218,21 +232,21 @@ def test_policy_loss_finite_and_metrics(name, mode):
 @pytest.mark.parametrize("name", sorted(NEEDS_ADVANTAGE))
 def test_zero_advantage_zero_gradient(name):
     fn, cfg_cls = POLICY_LOSS_FNS[name]
-    b = random_batch() | {"advantages": torch.zeros(3, 5)}
-    lp = (b["old_logprobs"] + 0.5 * torch.randn(3, 5)).requires_grad_()
+    b = random_batch(B=POLICY_B) | {"advantages": torch.zeros(POLICY_B, 5)}
+    lp = (b["old_logprobs"] + 0.5 * torch.randn(POLICY_B, 5)).requires_grad_()
     fn(lp, b, cfg_cls(), "token-mean")[0].backward()
     assert lp.grad.abs().max().item() == 0.0
 
 
 @pytest.mark.parametrize("name,term,keys", TERMS, ids=[t[0] for t in TERMS])
 def test_masked_tokens_have_no_effect(name, term, keys):
-    b1 = random_batch()
+    b1 = random_batch(B=POLICY_B)
     lp1 = b1["old_logprobs"] + 0.2
     pad = b1["response_mask"] == 0
     b2 = {k: v.clone() for k, v in b1.items()}
     for k in ("old_logprobs", "ref_logprobs", "advantages"):
         b2[k][pad] = torch.randn(int(pad.sum())) * 5
-    lp2 = torch.where(pad, torch.randn(3, 5) * 5 - 3, lp1)
+    lp2 = torch.where(pad, torch.randn(POLICY_B, 5) * 5 - 3, lp1)
     grads, losses = [], []
     for lp, b in ((lp1, b1), (lp2, b2)):
         lp = lp.clone().requires_grad_()
@@ -242,7 +256,7 @@ def test_masked_tokens_have_no_effect(name, term, keys):
         losses.append(loss.item())
         if loss.requires_grad:
             loss.backward()
-        grads.append(torch.zeros(3, 5) if lp.grad is None else lp.grad)
+        grads.append(torch.zeros(POLICY_B, 5) if lp.grad is None else lp.grad)
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
     assert torch.allclose(grads[0], grads[1], atol=1e-7)
     assert grads[0][pad].abs().max().item() == 0.0
@@ -261,11 +275,19 @@ def test_ppo_at_ratio_one_is_reinforce(mode):
 @pytest.mark.parametrize("name", list(ADVANTAGE_FNS))
 def test_advantage_fns_finite_masked(name):
     fn, cfg_cls = ADVANTAGE_FNS[name]
-    b = random_batch()
-    out, metrics = fn(b, cfg_cls())
-    assert out["advantages"].shape == (3, 5) and torch.isfinite(out["advantages"]).all()
-    assert out["advantages"][b["response_mask"] == 0].abs().sum().item() == 0.0
-    assert "filtered_count" in metrics and all(math.isfinite(v) for v in metrics.values())
+    keys = []
+    for seed in (0, 1):
+        b = random_batch(seed)
+        g = torch.Generator().manual_seed(seed + 10)
+        # the trainer's extra keys: per-token rewards (0 on padding) and critic values (garbage on padding)
+        b["token_level_rewards"] = torch.randn(3, 5, generator=g) * b["response_mask"]
+        b["values"] = torch.randn(3, 5, generator=g)
+        out, metrics = fn(b, cfg_cls())
+        assert out["advantages"].shape == (3, 5) and torch.isfinite(out["advantages"]).all()
+        assert out["advantages"][b["response_mask"] == 0].abs().sum().item() == 0.0
+        assert all(math.isfinite(v) for v in metrics.values())
+        keys.append(set(metrics))
+    assert keys[0] == keys[1]  # the same metric keys every call
 
 
 @pytest.mark.parametrize("name", list(KL_FNS))
@@ -350,3 +372,45 @@ def test_sample_strategies():
     assert sample.staleness_control(2, sample.Config(max_staleness=4)) == {"min_version": 0}
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         sample.staleness_control(3, sample.Config(max_staleness=-1))
+    assert sample.dynamic_sampling(3, sample.Config(refill_rounds=2)) == {"refill_rounds": 2}
+    assert sample.mix(3, sample.Config(expert_data_ratio=0.25)) == {"expert": ("sft_dataset", 0.25)}
+    with pytest.raises(ValueError, match="expert_data_ratio must be in"):
+        sample.mix(3, sample.Config(expert_data_ratio=1.0))
+    # groups a (1, 1: tied), b (0, 1), c (one experience: never "tied"), d (0, 0: tied)
+    assert sample.tied_groups(["a", "a", "b", "b", "c", "d", "d"], [1, 1, 0, 1, 1, 0, 0]) == {"a", "d"}
+
+
+# --- the pieces the trainer applies to every algorithm: value loss, overlong shaping, adaptive KL
+
+
+def test_value_loss_hand_computed():
+    # old values 0, returns 1, cliprange 0.5: v = 0.2 (inside: (0.2-1)^2 = 0.64), v = 0.9 (clipped to 0.5:
+    # max(0.01, 0.25) = 0.25), v = -1 (clipped to -0.5: max(4, 2.25) = 4); token-mean, times 0.5
+    values = torch.tensor([[0.2, 0.9, -1.0, 7.0]], requires_grad=True)
+    batch = {"values": torch.zeros(1, 4), "returns": torch.ones(1, 4), "response_mask": torch.tensor([[1, 1, 1, 0]])}
+    loss, m = value_loss.compute(values, batch, value_loss.Config(cliprange_value=0.5), "token-mean")
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.25 + 4.0) / 3)
+    assert m["vf_clipfrac"] == pytest.approx(1 / 3) and m["vpred_mean"] == pytest.approx((0.2 + 0.9 - 1.0) / 3)
+    loss.backward()
+    # d/dv: token 0: 0.5 * 2 * (0.2 - 1) / 3; token 1: the clipped term wins and is flat in v: 0; token 2:
+    # the unclipped term wins: 0.5 * 2 * (-1 - 1) / 3; padding: 0
+    assert values.grad[0].tolist() == pytest.approx([-0.8 / 3, 0.0, -2.0 / 3, 0.0])
+
+
+def test_overlong_penalty_hand_computed():
+    cfg = overlong.Config(enable=True, buffer_len=4, penalty_factor=1.0)
+    lengths = torch.tensor([10.0, 16.0, 17.0, 20.0, 21.0])  # L_max 20, L_cache 4: free up to 16
+    assert overlong.penalty(lengths, 20, cfg).tolist() == pytest.approx([0.0, 0.0, -0.25, -1.0, -1.0])
+    assert overlong.penalty(lengths, 20, overlong.Config(buffer_len=4, penalty_factor=0.5))[3].item() == -0.5
+    with pytest.raises(ValueError, match="buffer_len must be in 1..20"):
+        overlong.penalty(lengths, 20, overlong.Config(buffer_len=0))
+
+
+def test_adaptive_kl_coefficient_and_place_scores():
+    cfg = kl.Config(kl_coef=0.1, adaptive=True, target_kl=0.05, horizon=100)
+    # KL 0.1 = 2x target: error clipped to +0.2 -> beta x (1 + 0.2 * 10 / 100) = 0.1 x 1.02
+    assert kl.adapt(0.1, 0.1, 10, cfg) == pytest.approx(0.102)
+    # KL 0.045: error -0.1 -> beta x (1 - 0.1 * 50 / 100) = 0.1 x 0.95
+    assert kl.adapt(0.1, 0.045, 50, cfg) == pytest.approx(0.095)
+    scores = kl.place_scores(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 1]]))
+    assert scores.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0]]  # on the last valid token of each row

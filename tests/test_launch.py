@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-import train
+import models
 from buffer import ExperienceDB
 from models import load_model
 from conftest import write_yaml
@@ -63,8 +63,8 @@ def rollout_logprob_gap(db: Path, version: int, weights: Path) -> float:
         exps = d.get(ids)
     assert exps
     with torch.no_grad():
-        mb = train.collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
-        logp, _ = train.token_logprobs(model, mb, 1.0, False)
+        mb = models.collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
+        logp, _ = models.token_logprobs(model, mb, 1.0, False)
     return max((logp[b, : x.response_length] - x.logprobs).abs().max().item() for b, x in enumerate(exps))
 
 

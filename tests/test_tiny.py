@@ -45,11 +45,11 @@ def test_build_is_deterministic(built, tmp_path):
     again = tiny.build(str(tmp_path / "assets"), **SMALL)
     hashes = file_hashes(out)
     assert hashes == file_hashes(tmp_path / "assets")
-    assert {"arith/train.jsonl", "arith/test.jsonl", "arith/sft.jsonl", "MANIFEST.json",
+    assert {"arith/train.jsonl", "arith/test.jsonl", "arith/sft.jsonl", "arith/dpo.jsonl", "MANIFEST.json",
             "tiny-qwen2/model.safetensors", "tiny-qwen2/tokenizer.json"} <= set(hashes)
     hashes.pop("MANIFEST.json")  # the manifest lists every other file
     assert result["files"] == again["files"] == hashes
-    assert result["rows"] == {"train": 300, "test": 50, "sft": 300}
+    assert result["rows"] == {"train": 300, "test": 50, "sft": 300, "dpo": 300}
     assert not list(out.glob(".tiny-build-*"))  # the temporary folder is gone
 
 

@@ -13,6 +13,7 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
+import models
 import train
 from buffer import Experience, ExperienceDB
 from conftest import write_yaml
@@ -58,14 +59,19 @@ def weights(job: Path, step: int) -> dict[str, torch.Tensor]:
 
 def test_micro_batches_respect_the_token_budget():
     lengths = [10, 50, 30, 30, 5, 60]
-    mbs = train.micro_batches(lengths, budget=100, fixed=None)
+    mbs = models.micro_batches(lengths, budget=100, fixed=None)
     assert sorted(i for mb in mbs for i in mb) == list(range(6))  # each sequence exactly once
     for mb in mbs:  # padded size (rows x longest) within the budget, unless a sequence is alone
         assert len(mb) * max(lengths[i] for i in mb) <= 100 or len(mb) == 1
     assert mbs[0] == [5]  # longest first: 60 alone (60 + 50 padded to 120 > 100)
-    assert train.micro_batches(lengths, budget=10**6, fixed=None) == [[5, 1, 2, 3, 0, 4]]
-    assert [len(mb) for mb in train.micro_batches(lengths, budget=0, fixed=4)] == [4, 2]
-    assert train.micro_batches([500], budget=100, fixed=None) == [[0]]  # too long: alone, not dropped
+    assert models.micro_batches(lengths, budget=10**6, fixed=None) == [[5, 1, 2, 3, 0, 4]]
+    assert [len(mb) for mb in models.micro_batches(lengths, budget=0, fixed=4)] == [4, 2]
+    assert models.micro_batches([500], budget=100, fixed=None) == [[0]]  # too long: alone, not dropped
+    # units (DPO pairs) stay together and in order; a unit is as long as its longest row
+    units = [[0, 1], [2, 3], [4, 5]]
+    # longest unit first: (4, 5) max 60, (0, 1) max 50, (2, 3) max 30; 4 rows x 60 = 240 fits 250, 6 x 60 does not
+    assert models.micro_batches(lengths, budget=250, fixed=None, units=units) == [[4, 5, 0, 1], [2, 3]]
+    assert models.micro_batches(lengths, budget=0, fixed=3, units=units) == [[4, 5], [0, 1], [2, 3]]  # 2 + 2 > 3
 
 
 def test_collate_and_token_logprobs_match_one_sequence_at_a_time(tiny_model_dir):
@@ -75,9 +81,9 @@ def test_collate_and_token_logprobs_match_one_sequence_at_a_time(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
     exps = [Experience(tokens=torch.randint(0, 250, (n,), generator=g), prompt_length=p, reward=0.0)
             for n, p in [(20, 12), (9, 4), (31, 30)]]
-    mb = train.collate(exps, {}, [0, 1, 2], torch.device("cpu"))
+    mb = models.collate(exps, {}, [0, 1, 2], torch.device("cpu"))
     with torch.no_grad():
-        logp, ent = train.token_logprobs(model, mb, temperature=0.7, entropy=True)
+        logp, ent = models.token_logprobs(model, mb, temperature=0.7, entropy=True)
     assert logp.shape == (3, 8) and mb["response_mask"].sum(-1).tolist() == [8, 5, 1]
     for b, x in enumerate(exps):
         with torch.no_grad():
@@ -93,10 +99,10 @@ def test_learning_rate_warmup_and_cosine():
 
     cfg = configs.Config()
     cfg.algorithm.optimizer.lr, cfg.algorithm.optimizer.lr_warmup_steps = 1.0, 4
-    assert [train.lr_at(s, cfg, 10) for s in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
+    assert [train.lr_at(s, cfg.algorithm.optimizer, 10) for s in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
     cfg.algorithm.optimizer.lr_scheduler_type, cfg.algorithm.optimizer.min_lr_ratio = "cosine", 0.1
-    assert train.lr_at(4, cfg, 10) == 1.0 and abs(train.lr_at(10, cfg, 10) - 0.1) < 1e-12
-    assert abs(train.lr_at(7, cfg, 10) - (0.1 + 0.9 * 0.5)) < 1e-12  # half way: the cosine's midpoint
+    assert train.lr_at(4, cfg.algorithm.optimizer, 10) == 1.0 and abs(train.lr_at(10, cfg.algorithm.optimizer, 10) - 0.1) < 1e-12
+    assert abs(train.lr_at(7, cfg.algorithm.optimizer, 10) - (0.1 + 0.9 * 0.5)) < 1e-12  # half way: the cosine's midpoint
 
 
 # --- whole runs
@@ -197,7 +203,7 @@ def response_logprob(model, tokenizer, answer: str) -> float:
     resp = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     x = Experience(tokens=torch.tensor(prompt + resp), prompt_length=len(prompt), reward=0.0)
     with torch.no_grad():
-        logp, _ = train.token_logprobs(model, train.collate([x], {}, [0], torch.device("cpu")), 1.0, False)
+        logp, _ = models.token_logprobs(model, models.collate([x], {}, [0], torch.device("cpu")), 1.0, False)
     return logp.sum().item()
 
 

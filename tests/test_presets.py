@@ -1,0 +1,229 @@
+"""Every algorithm preset end to end, as a user runs it: `train.py --config X.yaml` on the tiny model.
+RL presets run mode both (explorer + trainer processes, checkpoint sync); sft and dpo run mode train
+on data files the project makes (assets/arith/sft.jsonl, dpo.jsonl) or the test writes. Plus the
+"Add your own loss" recipe from the README, done on a copy of the repository."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForTokenClassification
+
+import train
+from algos import PRESETS
+from buffer import Experience, ExperienceDB
+from configs import cli, derive
+from conftest import ROOT, write_yaml
+from models import load_tokenizer, sft_experience
+from monitor import read_history
+from test_launch import both_config, launch
+
+RL_PRESETS = [name for name, p in PRESETS.items() if not p.train_only]
+
+
+def history(tmp_path: Path, name: str = "run") -> list[dict]:
+    return read_history(tmp_path / "ck" / "p" / name / "monitor" / "trainer.jsonl")
+
+
+def finite(rows: list[dict]) -> None:
+    for row in rows:
+        bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
+        assert not bad, bad
+
+
+@pytest.mark.parametrize("preset", RL_PRESETS)
+def test_rl_preset_runs_end_to_end(preset, tmp_path, tiny_model_dir):
+    data = Path(tiny_model_dir).parent / "arith"
+    over = {"algorithm.algorithm_type": preset, "algorithm.repeat_times": 1 if preset == "ppo" else 2,
+            "buffer.total_steps": 2, "buffer.batch_size": 3 if preset == "ppo" else 2, "explorer.eval_interval": 100}
+    if preset == "ppo":
+        over["trainer.critic_warmup"] = 1  # step 1 trains the critic alone, step 2 both
+    if preset == "mix":
+        over["buffer.trainer_input.auxiliary_buffers"] = {"sft_dataset": {
+            "storage_type": "file", "path": str(data / "sft.jsonl"), "format": {"prompt_type": "messages"}}}
+        over["algorithm.sample_strategy_args"] = {"expert_data_ratio": 0.5}
+    out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    finite(rows)
+    loss_key = {"mix": "actor/usual/pg_loss", "opmd": "actor/opmd_loss", "asymre": "actor/opmd_loss",
+                }.get(preset, "actor/pg_loss")
+    assert loss_key in rows[1], sorted(rows[1])
+    # the actor took a step, unless every group's rewards tied (presets without an entropy bonus, e.g. sppo)
+    assert rows[1]["actor/grad_norm"] > 0 or rows[1]["critic/advantages/max"] == rows[1]["critic/advantages/min"] == 0
+    job = tmp_path / "ck" / "p" / "run"
+    assert (job / "global_step_2" / "actor" / "huggingface" / "model.safetensors").is_file()
+    if preset == "ppo":  # the critic: trained from step 1, the actor from step 2 (critic_warmup 1)
+        assert rows[0]["actor/grad_norm"] == 0 and rows[0]["critic/grad_norm"] > 0
+        assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean"} <= set(rows[1])
+        critic = AutoModelForTokenClassification.from_pretrained(job / "global_step_2" / "critic" / "huggingface")
+        assert critic.config.num_labels == 1
+    if preset == "mix":  # 2 tasks x 2 rollouts of RL, plus as many expert rows (ratio 0.5)
+        assert rows[1]["sample/expert_count"] == 4 and rows[1]["batch/size"] == 8
+        assert "actor/expert/sft_loss" in rows[1]
+
+
+def offline_config(tmp_path: Path, tiny_model_dir: str, algorithm: str, path: Path, fmt: dict, **over) -> Path:
+    cfg = {
+        "project": "p", "name": "run", "mode": "train", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "algorithm": {"algorithm_type": algorithm, "optimizer": {"lr": 1e-3}},
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 64},
+        "buffer": {"train_batch_size": 8, "total_steps": 3,
+                   "trainer_input": {"experience_buffer": {"name": "data", "storage_type": "file", "path": str(path),
+                                                           "format": fmt}}},
+        "trainer": {"save_interval": 0},
+        "monitor": {"monitor_type": "none"},
+    }
+    return write_yaml(tmp_path / "train.yaml", cfg, over)
+
+
+def sft_files(tmp_path: Path, data: Path) -> dict[str, tuple[Path, dict]]:
+    """The three SFT layouts: messages (the project's file), plaintext columns, multi-turn conversations."""
+    rows = [json.loads(line) for line in (data / "train.jsonl").read_text().splitlines()]
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"q": r["question"], "a": r["answer"]}) + "\n" for r in rows))
+    multi = tmp_path / "multi.jsonl"
+    multi.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": a["question"]}, {"role": "assistant", "content": a["answer"]},
+        {"role": "user", "content": b["question"]}, {"role": "assistant", "content": b["answer"]}]}) + "\n"
+        for a, b in zip(rows[::2], rows[1::2])))
+    return {"messages": (data / "sft.jsonl", {"prompt_type": "messages"}),
+            "plaintext": (plain, {"prompt_type": "plaintext", "prompt_key": "q", "response_key": "a"}),
+            "multi_turn": (multi, {"prompt_type": "messages", "enable_concatenated_multi_turn": True})}
+
+
+@pytest.mark.parametrize("layout", ["messages", "plaintext", "multi_turn"])
+def test_sft_train_mode_on_each_data_layout(layout, tmp_path, tiny_model_dir):
+    path, fmt = sft_files(tmp_path, Path(tiny_model_dir).parent / "arith")[layout]
+    out = launch(offline_config(tmp_path, tiny_model_dir, "sft", path, fmt), script="train.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    finite(rows)
+    assert rows[-1]["actor/sft_loss"] < rows[0]["actor/sft_loss"]  # lr 1e-3 from an untrained model: NLL falls
+
+
+def test_sft_multi_turn_masks_every_assistant_turn(tiny_model_dir):
+    tok = load_tokenizer(tiny_model_dir)
+    msgs = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    last = sft_experience(msgs, tok, 256)
+    both = sft_experience(msgs, tok, 256, multi_turn=True)
+    assert torch.equal(last.tokens, both.tokens)  # the same rendered conversation
+    decode = lambda x: tok.decode(x.tokens[x.prompt_length:][x.action_mask])  # noqa: E731
+    assert decode(last) == "4<|im_end|>"
+    assert decode(both) == "2<|im_end|>4<|im_end|>"  # the user turn between them is not trained on
+    assert "2+2?" in tok.decode(both.tokens[both.prompt_length:][~both.action_mask])
+
+
+def test_dpo_train_mode_learns_the_preference(tmp_path, tiny_model_dir):
+    data = Path(tiny_model_dir).parent / "arith"
+    config = offline_config(tmp_path, tiny_model_dir, "dpo", data / "dpo.jsonl", {"prompt_key": "prompt"},
+                            **{"buffer.total_steps": 6, "algorithm.policy_loss_fn_args": {"beta": 0.5}})
+    out = launch(config, script="train.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "reference model: True" in out.stderr
+    rows = history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[0]["batch/size"] == 8  # 4 pairs a step
+    finite(rows)
+    # step 1: the policy is the reference, so every implicit reward is 0 and the loss is log 2
+    assert rows[0]["actor/dpo_loss"] == pytest.approx(math.log(2), abs=1e-4)
+    assert rows[0]["actor/reward_margin"] == pytest.approx(0.0, abs=1e-4)
+    later = rows[3:]  # new pairs every step: the margin on pairs not yet seen grows
+    assert min(r["actor/reward_margin"] for r in later) > 0 and max(r["actor/dpo_loss"] for r in later) < math.log(2)
+
+
+MY_LOSS = '''"""my_pg: REINFORCE with a baseline-free advantage, -A * logp (a README example)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from algos.utils import aggregate
+
+
+@dataclasses.dataclass
+class Config:
+    scale: float = 1.0
+    """s: multiplies the loss."""
+
+
+def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
+            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+    loss = cfg.scale * aggregate(-batch["advantages"] * logprobs, batch["response_mask"], loss_agg_mode)  # []
+    return loss, {"my_pg_loss": loss.item()}
+'''
+
+
+def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path, tiny_model_dir):
+    """The README's "Add your own loss": one new file in algos/, one registry line, then the YAML names it."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", "checkpoints", "assets", "__pycache__",
+                                                              "tests", "docs", "*.png"))
+    (repo / "algos" / "my_pg.py").write_text(MY_LOSS)
+    init = repo / "algos" / "__init__.py"
+    text = init.read_text().replace("from algos import (", "from algos import (my_pg, ", 1)
+    text = text.replace('POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {\n',
+                        'POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {\n    "my_pg": (my_pg.compute, my_pg.Config),\n', 1)
+    init.write_text(text)
+    config = both_config(tmp_path, tiny_model_dir, **{"algorithm.policy_loss_fn": "my_pg", "buffer.total_steps": 2,
+                                                       "algorithm.policy_loss_fn_args": {"scale": 2.0}})
+    out = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=repo, capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "grpo + my_pg" in out.stderr
+    rows = history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all("actor/my_pg_loss" in r for r in rows)
+    assert rows[1]["actor/grad_norm"] > 0
+
+
+def test_ppo_resumes_with_its_critic(tmp_path, tiny_model_dir):
+    """A PPO run stopped after step 2 continues at step 3 with the critic's weights and optimizer state."""
+    over = {"algorithm.algorithm_type": "ppo", "algorithm.repeat_times": 1, "buffer.batch_size": 3,
+            "buffer.total_steps": 2, "explorer.eval_interval": 100, "trainer.save_interval": 1,
+            "continue_from_checkpoint": True}
+    out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "run"
+    critic2 = (job / "global_step_2" / "critic" / "huggingface" / "model.safetensors").read_bytes()
+    out = launch(both_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 3}), script="train.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from checkpoint step 2" in out.stderr
+    rows = history(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    state = json.loads((job / "global_step_3" / "critic" / "trainer_state.json").read_text())
+    assert state["global_step"] == 3
+    # AdamW's step counter continued from the checkpoint (3 updates, not 1): the optimizer state was loaded
+    opt = safetensors.torch.load_file(job / "global_step_3" / "critic" / "optimizer.safetensors")
+    assert {v.item() for k, v in opt.items() if k.endswith("/step")} == {3.0}
+    assert (job / "global_step_3" / "critic" / "huggingface" / "model.safetensors").read_bytes() != critic2
+
+
+def test_dynamic_sampling_drops_tied_groups_and_refills(tmp_path, tiny_model_dir):
+    """sample_strategy dynamic_sampling (DAPO): a claimed group whose rewards all tie is dropped and
+    replaced by the next group already in the DB; with nothing to refill from, the batch shrinks."""
+    config = both_config(tmp_path, tiny_model_dir, **{"mode": "train", "algorithm.sample_strategy": "dynamic_sampling",
+                                                       "buffer.train_batch_size": 4})
+    cfg = derive(cli(["--config", str(config)])[0])
+    db = ExperienceDB(cfg.buffer.trainer_input.experience_buffer.path)
+    rewards = {"a": [1.0, 1.0], "b": [0.0, 1.0], "c": [1.0, 0.0], "d": [0.0, 0.0], "e": [1.0, 0.0]}  # a, d tie
+    db.write([Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=r, group_id=g, run_id=k)
+              for g, rs in rewards.items() for k, r in enumerate(rs)])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        source = train.Source(cfg, load_tokenizer(tiny_model_dir), 0, torch.device("cpu"))
+        assert [x.group_id for x in source.read(1)] == ["b", "b", "c", "c"] and source.dropped_groups == 1
+        assert [x.group_id for x in source.read(2)] == ["e", "e"] and source.dropped_groups == 1  # d: none left
+    finally:
+        dist.destroy_process_group()
+    assert db.counts()["pending"] == 0  # the dropped groups were consumed by their step, not left behind
