@@ -66,7 +66,9 @@ def load_critic(path: str) -> PreTrainedModel:
     NOTE: classifier dropout is set to 0, else the values in the loss would differ from the old values."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
-    return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    with torch.random.fork_rng():  # NOTE: a new head is drawn alike on every rank (FSDP2 keeps each rank's shard)
+        torch.manual_seed(0)
+        return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).eval()
 
 
 # --- offline data (SFT / DPO files) as experiences

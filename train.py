@@ -14,7 +14,8 @@ What one train step does, straight down `train()`:
     -> shard the batch over ranks (length-balanced) -> old log-probs (ref log-probs when a piece needs
     them, critic values for GAE) -> reward shaping and KL penalty -> advantages over the whole batch ->
     ppo_epochs x mini-batches x token-budget micro-batches of the value loss (critic), then of policy
-    loss + KL loss + entropy loss (actor): gradient accumulation, grad clip, AdamW -> publish weights (checkpoint files or the process group)
+    loss + KL loss + entropy loss (actor): gradient accumulation, grad clip, AdamW -> publish weights
+    (checkpoint files or the process group)
     every sync_interval steps -> checkpoint every save_interval steps -> log.
 
 Deviations from veRL / Trinity-RFT:

@@ -33,7 +33,7 @@ import tyro
 import yaml
 from omegaconf import OmegaConf
 
-from algos import PRESETS
+from algos import PRESETS, make_config
 from configs.schema import Config, ExperienceBufferConfig, TasksetConfig
 
 log = logging.getLogger("nanorft.config")
@@ -351,6 +351,9 @@ def derive(cfg: Config) -> Config:
             setattr(a, piece, getattr(preset, piece))
     if a.sample_strategy == "warmup":
         a.sample_strategy = "default"
+    for piece in ("advantage_fn", "policy_loss_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn", "sample_strategy"):
+        if not (piece == "advantage_fn" and a.advantage_fn == "none"):  # checked here, before any process starts
+            make_config(piece, getattr(a, piece), getattr(a, piece + "_args"), f"algorithm.{piece}_args")
     if a.rollout_correction.rollout_is != "none" and a.rollout_correction.rollout_is_threshold <= 1:
         raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 1 (weights are cut at it)")
 

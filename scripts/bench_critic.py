@@ -5,7 +5,8 @@
 
 The experience DB of a finished run (its explorers marked finished) is copied once per run and its
 claims released, so every run trains on the same experiences: `train.py --mode train` with algorithm_type grpo, then ppo, then
-grpo, ... (--repeats pairs, alternating so that machine noise hits both). Each run does --steps train
+grpo, ... (--repeats pairs, alternating so that machine noise hits both), with configs/tiny_opmd.yaml's
+other settings (tiny_ppo.yaml's critic lr). Each run does --steps train
 steps of train_batch_size 128; the first step of each run (allocation warm-up) is dropped. Reported:
 the median over runs of each run's median time/step, time/update and time/old_ref_logprobs, and the
 ratio PPO / GRPO. One process, one thread set (OMP_NUM_THREADS of the caller).
@@ -36,10 +37,10 @@ def run(algo: str, db: Path, model: str, steps: int, work: Path, k: int) -> dict
     shutil.copy(db, copy)
     with ExperienceDB(f"sqlite:///{copy}") as d:
         d.release_after(0)  # every experience pending again
-    cmd = [sys.executable, "train.py", "--config", "configs/tiny_ppo.yaml", "--mode", "train", "--name", name,
+    cmd = [sys.executable, "train.py", "--config", "configs/tiny_opmd.yaml", "--mode", "train", "--name", name,
            "--checkpoint_root_dir", str(work), "--model.model_path", model, "--algorithm.algorithm_type", algo,
            "--algorithm.repeat_times", "1" if algo == "ppo" else "8", "--buffer.train_batch_size", "128",
-           "--buffer.total_steps", str(steps), "--trainer.critic_warmup", "0", "--trainer.save_interval", "0",
+           "--buffer.total_steps", str(steps), "--trainer.critic.lr", "5e-4", "--trainer.save_interval", "0",
            "--buffer.trainer_input.experience_buffer.path", f"sqlite:///{copy}", "--monitor.monitor_type", "none"]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     rows = read_history(work / "nanorft" / name / "monitor" / "trainer.jsonl")[1:]

@@ -150,6 +150,11 @@ def test_derived_values(tmp_path):
         derive(cli(["--config", write(tmp_path, MINIMAL.replace("max_model_len: 256", "max_response_tokens: 9"))])[0])
     with pytest.raises(ConfigError, match="model.model_path is required"):
         derive(Config())
+    # a piece's *_args are checked when the config is derived, before any process starts
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage_fn_args\.gamma: unknown key"):
+        derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, advantage_fn_args: {gamma: 1}}\n")])[0])
+    with pytest.raises(ConfigError, match=r"unknown policy_loss_fn 'ppx'"):
+        derive(cli(["--config", write(tmp_path, MINIMAL), "--algorithm.policy_loss_fn", "ppx"])[0])
     with pytest.raises(ConfigError, match="unknown 'grpoo'; did you mean grpo"):
         derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpoo}\n")])[0])
 

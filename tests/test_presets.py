@@ -227,3 +227,39 @@ def test_dynamic_sampling_drops_tied_groups_and_refills(tmp_path, tiny_model_dir
     finally:
         dist.destroy_process_group()
     assert db.counts()["pending"] == 0  # the dropped groups were consumed by their step, not left behind
+
+
+def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
+    """One PPO step (values, GAE over the whole batch, critic then actor update) on the same experiences:
+    a plain process and torchrun with two FSDP2 ranks end at the same actor and critic weights."""
+    from test_train import run_train
+
+    tok = load_tokenizer(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    exps = [Experience(tokens=torch.randint(3, tok.vocab_size - 10, (n,), generator=g), prompt_length=p, reward=r,
+                       group_id=f"g{i}") for i, (n, p, r) in enumerate([(20, 8, 1.0), (14, 6, 0.0), (30, 9, 0.5), (12, 4, 1.0),
+                                                                        (25, 10, 0.0), (18, 7, 0.2), (22, 5, 1.0), (16, 8, 0.0)])]
+    final = {}
+    for ranks in (0, 2):
+        run = tmp_path / f"ranks{ranks}"
+        db = run / "exp.db"
+        db.parent.mkdir(parents=True)
+        ExperienceDB(f"sqlite:///{db}").write(exps)
+        cfg = {"project": "p", "name": "t", "mode": "train", "checkpoint_root_dir": str(run / "ck"),
+               "algorithm": {"algorithm_type": "ppo", "optimizer": {"lr": 1e-3}},
+               "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 32, "max_response_tokens": 32},
+               "buffer": {"train_batch_size": 8, "total_steps": 1,
+                          "trainer_input": {"experience_buffer": {"name": "exp", "path": f"sqlite:///{db}",
+                                                                  "max_read_timeout": 10}}},
+               "trainer": {"critic": {"lr": 1e-3}}, "monitor": {"monitor_type": "none"}}
+        out = run_train(write_yaml(run / "t.yaml", cfg, {}), ranks=ranks)
+        assert out.returncode == 0, out.stderr[-3000:]
+        step = run / "ck" / "p" / "t" / "global_step_1"
+        final[ranks] = {role: safetensors.torch.load_file(step / role / "huggingface" / "model.safetensors")
+                        for role in ("actor", "critic")}
+    start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
+    moved = max((final[0]["actor"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-4  # one AdamW step at lr 1e-3
+    for role in ("actor", "critic"):
+        diff = max((final[2][role][k] - final[0][role][k]).abs().max().item() for k in final[0][role])
+        assert diff < moved / 100, (role, diff, moved)
