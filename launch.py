@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import configs
 import sync
-from buffer import DataError, DBMismatch
+from buffer import DataError, DBMismatch, ExperienceDB, sqlite_path
 from monitor import read_history
 
 log = logging.getLogger("nanorft.launch")
@@ -228,6 +228,21 @@ def async_role(cfg: configs.Config) -> str:
     return cfg.explorer.name if cfg.mode == "explore" else cfg.trainer.name
 
 
+def reopen_explorer(stage: configs.Config) -> None:
+    """Mode both in a run directory whose explorer had finished (a resumed run with more steps): mark it
+    unfinished in the DB before the processes start. NOTE: else the trainer, seeing every explorer that
+    wrote to the DB finished, ends before the explorer has started; an explorer with nothing left to do
+    marks itself finished again at once."""
+    url = stage.buffer.trainer_input.experience_buffer.path
+    if not Path(sqlite_path(url)).is_file():
+        return
+    with ExperienceDB(url) as db:
+        key = f"explorer/{stage.explorer.name}"
+        state = json.loads(db.get_meta(key) or "null")
+        if state and state.get("finished"):
+            db.set_meta(key, json.dumps({**state, "finished": False}))
+
+
 def run(cfg: configs.Config) -> int:
     """Run every stage of `cfg`; returns the exit code."""
     start = time.monotonic()
@@ -249,6 +264,8 @@ def run(cfg: configs.Config) -> int:
         log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
         procs: dict[str, subprocess.Popen] = {}
         try:
+            if stage.mode == "both":
+                reopen_explorer(stage)
             for role, (cmd, env) in commands(stage, config_file).items():
                 procs[role] = subprocess.Popen(cmd, cwd=os.getcwd(), env={**os.environ, **env, LAUNCHED: "1"})
             code = supervise(procs)

@@ -8,6 +8,7 @@ import math
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -38,8 +39,7 @@ def finite(rows: list[dict]) -> None:
         assert not bad, bad
 
 
-@pytest.mark.parametrize("preset", RL_PRESETS)
-def test_rl_preset_runs_end_to_end(preset, tmp_path, tiny_model_dir):
+def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.CompletedProcess:
     data = Path(tiny_model_dir).parent / "arith"
     over = {"algorithm.algorithm_type": preset, "algorithm.repeat_times": 1 if preset == "ppo" else 2,
             "buffer.total_steps": 2, "buffer.batch_size": 3 if preset == "ppo" else 2, "explorer.eval_interval": 100}
@@ -49,7 +49,22 @@ def test_rl_preset_runs_end_to_end(preset, tmp_path, tiny_model_dir):
         over["buffer.trainer_input.auxiliary_buffers"] = {"sft_dataset": {
             "storage_type": "file", "path": str(data / "sft.jsonl"), "format": {"prompt_type": "messages"}}}
         over["algorithm.sample_strategy_args"] = {"expert_data_ratio": 0.5}
-    out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+    return launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+
+
+@pytest.fixture(scope="module")
+def preset_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """Every RL preset run once, two runs at a time: in mode both the explorer and trainer take turns, so
+    one run keeps about one core busy (the machine has two)."""
+    dirs = {p: tmp_path_factory.mktemp(p) for p in RL_PRESETS}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        outs = dict(zip(RL_PRESETS, pool.map(lambda p: run_preset(p, dirs[p], tiny_model_dir), RL_PRESETS)))
+    return {p: (outs[p], dirs[p]) for p in RL_PRESETS}
+
+
+@pytest.mark.parametrize("preset", RL_PRESETS)
+def test_rl_preset_runs_end_to_end(preset, preset_runs):
+    out, tmp_path = preset_runs[preset]
     assert out.returncode == 0, out.stderr[-3000:]
     rows = history(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
