@@ -339,7 +339,8 @@ def train(cfg: configs.Config) -> int:
     total = source.total_steps()
     state = {k: c.kl_coef for k, c in kl_cfgs.items()}  # the KL coefficients (adaptive ones change)
     if resume:
-        state |= sync.load_checkpoint(model, optim, job, resume, rank, (critic, critic_optim) if critic else None)
+        saved_state = sync.load_checkpoint(model, optim, job, resume, rank, (critic, critic_optim) if critic else None)
+        state |= {k: v for k, v in saved_state.items() if k in kl_cfgs and kl_cfgs[k].adaptive}  # the config's otherwise
         if rank == 0:
             sync.set_latest(job, resume)
             log.info("resumed from checkpoint step %d of %s", resume, job)

@@ -45,6 +45,8 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.C
             "buffer.total_steps": 2, "buffer.batch_size": 3 if preset == "ppo" else 2, "explorer.eval_interval": 100}
     if preset == "ppo":
         over["trainer.critic_warmup"] = 1  # step 1 trains the critic alone, step 2 both
+    if preset == "grpo":  # with the adaptive KL coefficient
+        over["algorithm.kl_loss_fn_args"] = {"kl_coef": 0.01, "adaptive": True, "target_kl": 0.001, "horizon": 100}
     if preset == "mix":
         over["buffer.trainer_input.auxiliary_buffers"] = {"sft_dataset": {
             "storage_type": "file", "path": str(data / "sft.jsonl"), "format": {"prompt_type": "messages"}}}
@@ -81,6 +83,9 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean"} <= set(rows[1])
         critic = AutoModelForTokenClassification.from_pretrained(job / "global_step_2" / "critic" / "huggingface")
         assert critic.config.num_labels == 1
+    if preset == "grpo":  # step 1: the policy is the reference, KL 0 -> error -0.2 -> beta x (1 - 0.2 x 4 / 100)
+        assert rows[0]["actor/kl_coef"] == pytest.approx(0.01 * (1 - 0.2 * 4 / 100))
+        assert rows[1]["actor/kl_coef"] != rows[0]["actor/kl_coef"]
     if preset == "mix":  # 2 tasks x 2 rollouts of RL, plus as many expert rows (ratio 0.5)
         assert rows[1]["sample/expert_count"] == 4 and rows[1]["batch/size"] == 8
         assert "actor/expert/sft_loss" in rows[1]
