@@ -333,8 +333,8 @@ def train(cfg: configs.Config) -> int:
                              else cfg.model.critic_model_path, cfg, device, trainable=True, critic=True)
         critic_optim = torch.optim.AdamW(critic.parameters(), lr=t.critic.lr, betas=tuple(a.optimizer.betas),
                                          weight_decay=t.critic.weight_decay)
-    critic_opt = dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1, lr_scheduler_type="constant",
-                                     lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio)
+        critic_opt = dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1, lr_scheduler_type="constant",
+                                         lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio)  # its lr schedule
     source = Source(cfg, tokenizer, rank, device)
     total = source.total_steps()
     state = {k: c.kl_coef for k, c in kl_cfgs.items()}  # the KL coefficients (adaptive ones change)
@@ -378,6 +378,9 @@ def train(cfg: configs.Config) -> int:
             loss, m = loss + kl_term, m | km
         ent_loss, em = entropy_fn(ent, mb, entropy_cfg, a.loss_agg_mode)  # []
         return loss + ent_loss.to(loss.device), m | em | {"entropy": masked_mean(ent.detach(), mb["response_mask"]).item()}
+
+    def logprobs_of(m, mb: dict) -> torch.Tensor:
+        return token_logprobs(m, mb, temperature, False)[0]  # [B,T] no entropy
 
     def critic_loss(mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
         """The critic's clipped value loss on one micro-batch."""
@@ -423,7 +426,6 @@ def train(cfg: configs.Config) -> int:
         # NOTE: with one update per step (one epoch, one mini-batch) the weights have not moved when a
         # micro-batch's loss is computed, so old log-probs = the current ones, detached: no extra pass.
         one_update = t.ppo_epochs == 1 and n_mini == 1 and a.kl_penalty_fn == "none"
-        logprobs_of = lambda m, mb: token_logprobs(m, mb, temperature, False)[0]  # noqa: E731
         if rl and not one_update:
             extra["old_logprobs"] = score(model, my, cfg, device, logprobs_of)
         if rl and any(x.logprobs is not None for x in my):  # the rollout engine's, for the off-policy correction

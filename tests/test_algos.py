@@ -414,3 +414,15 @@ def test_adaptive_kl_coefficient_and_place_scores():
     assert kl.adapt(0.1, 0.045, 50, cfg) == pytest.approx(0.095)
     scores = kl.place_scores(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 1]]))
     assert scores.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0]]  # on the last valid token of each row
+
+
+@pytest.mark.parametrize("name", list(algos.PRESETS))
+def test_preset_table_matches_what_the_trainer_builds(name):
+    """Preset.use_critic / use_reference (Trinity's table) agree with what the trainer derives from the
+    pieces: a critic when the advantage fn NEEDS values, a reference model for a KL term or a loss that
+    NEEDS ref_logprobs."""
+    p = algos.PRESETS[name]
+    adv = ADVANTAGE_FNS[p.advantage_fn][1] if p.advantage_fn != "none" else None
+    policy = POLICY_LOSS_FNS[p.policy_loss_fn][1]
+    assert p.use_critic == ("values" in getattr(adv, "NEEDS", ()))
+    assert p.use_reference == (p.kl_loss_fn != "none" or p.kl_penalty_fn != "none" or "ref_logprobs" in getattr(policy, "NEEDS", ()))

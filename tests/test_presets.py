@@ -71,8 +71,7 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
     rows = history(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     finite(rows)
-    loss_key = {"mix": "actor/usual/pg_loss", "opmd": "actor/opmd_loss", "asymre": "actor/opmd_loss",
-                }.get(preset, "actor/pg_loss")
+    loss_key = {"mix": "actor/usual/pg_loss", "opmd": "actor/opmd_loss", "asymre": "actor/opmd_loss"}.get(preset, "actor/pg_loss")
     assert loss_key in rows[1], sorted(rows[1])
     # the actor took a step, unless every group's rewards tied (presets without an entropy bonus, e.g. sppo)
     assert rows[1]["actor/grad_norm"] > 0 or rows[1]["critic/advantages/max"] == rows[1]["critic/advantages/min"] == 0
