@@ -23,6 +23,8 @@ trainer process claims. Schema (version SCHEMA_VERSION, stored in `meta`):
 Every experience is written once and is then pending, claimed (used by >= 1 train step) or dropped.
 """
 
+from __future__ import annotations
+
 import dataclasses
 import json
 import logging
@@ -33,13 +35,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import safetensors.numpy
 import safetensors.torch
 import torch
 
-from configs.schema import FormatConfig, GenerationConfig, TasksetConfig
+if TYPE_CHECKING:  # annotations only: `import buffer` (for Experience) must not pull in the config loader and algos/
+    from configs.schema import FormatConfig, GenerationConfig, TasksetConfig
 
 log = logging.getLogger("nanorft.buffer")
 
@@ -220,11 +223,15 @@ class ExperienceDB:
                         (key, value))
             return cur.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0]
 
-    def write(self, exps: list[Experience], meta: dict[str, str] | None = None) -> list[int]:
+    def write(self, exps: list[Experience], meta: dict[str, str] | None = None,
+              explorer: tuple[str, dict] | None = None) -> list[int]:
         """Insert experiences in one transaction; returns their row ids, in order.
 
-        `meta` key/values are set in the same transaction: an explorer stores its taskset position
-        this way, so that its position and its experiences can never disagree after a crash."""
+        `meta` key/values, and `explorer` = (name, state) as set_explorer_state would store it, are set in the
+        same transaction: an explorer stores its taskset position this way, so that its position and its
+        experiences can never disagree after a crash."""
+        if explorer is not None:
+            meta = {**(meta or {}), f"explorer/{explorer[0]}": json.dumps(explorer[1])}
         now = time.time()
         rows = [(now, e.explorer, e.model_version, e.group_id, e.run_id, e.task_id, e.reward,
                  e.prompt_length, e.response_length, *serialise(e)) for e in exps]
@@ -269,7 +276,7 @@ class ExperienceDB:
                 eligible = "((use_count = 0 AND dropped_step IS NULL) OR (use_count > 0 AND last_claimed <= ?))"
         if min_version is not None:
             eligible += " AND model_version >= ?"
-        start, pause, take = time.monotonic(), 0.01, False  # take: waiting() said no more will come
+        start, pause, take = time.monotonic(), 0.005, False  # take: waiting() said no more will come
         while True:
             now = time.time()
             args = ([now - reuse_cooldown] if priority and reuse_cooldown is not None else []) + (
@@ -299,7 +306,9 @@ class ExperienceDB:
                 take = True
                 continue
             time.sleep(min(pause, max(timeout - waited, 0.0)))
-            pause = min(pause * 1.5, 0.5)
+            # NOTE: capped at 20 ms: in mode both the trainer waits here for every step's rollout, and a longer
+            # pause was latency added to every step (a poll costs ~0.1 ms)
+            pause = min(pause * 1.5, 0.02)
         if 0 < len(ids) < n:
             log.warning(f"read incomplete batch: {len(ids)} of {n} experiences after {waited:.1f} s")
         # Deserialise after COMMIT so that the write lock is held only for the SQL.
@@ -332,6 +341,30 @@ class ExperienceDB:
                             " WHERE id = ?",
                             [(count, exp_id) for exp_id, count in released])
         return sum(count for _, count in released)
+
+    # --- the trainer / explorer handshake: what each side last recorded (their only channel besides weights)
+
+    def set_trainer_status(self, step: int, status: str) -> None:
+        """The trainer's state, which a waiting explorer reads: its last finished step and "training",
+        "waiting" (for experiences), "finished" or "stopped" (on an error; a restart continues)."""
+        self.set_meta("trainer", json.dumps({"step": step, "status": status, "time": time.time(), "pid": os.getpid()}))
+
+    def trainer_status(self) -> dict | None:
+        """{step, status, time, pid} as the trainer last set it; None before any trainer used this DB."""
+        return json.loads(self.get_meta("trainer") or "null")
+
+    def set_explorer_state(self, name: str, state: dict) -> None:
+        """Explorer `name`'s state: {step, reader (its taskset position), model_version, time, finished}."""
+        self.set_meta(f"explorer/{name}", json.dumps(state))
+
+    def explorer_states(self) -> dict[str, dict]:
+        """Every explorer that wrote to this DB: name -> its last state."""
+        return {k.removeprefix("explorer/"): json.loads(v) for k, v in self.meta_items("explorer/").items()}
+
+    def explorers_finished(self) -> bool:
+        """True once at least one explorer wrote to this DB and every one of them has finished."""
+        states = self.explorer_states().values()
+        return bool(states) and all(x.get("finished") for x in states)
 
     def counts(self) -> dict[str, int]:
         """Row counts: total = pending (never claimed) + claimed (at least once) + dropped; claims."""

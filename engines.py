@@ -34,7 +34,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache
@@ -75,13 +75,22 @@ class Completion:
         return self.finish_reason == "length"
 
 
-class Batcher:
-    """Collects `submit` calls from many threads into shared `generate` calls on one worker thread."""
+CLOSE = object()  # the queue's close marker
 
-    def __init__(self, generate: Callable, max_model_len: int, wait_s: float = 0.005) -> None:
-        self.generate, self.wait_s = generate, wait_s  # wait_s: how long a batch waits for more
+
+class Batcher:
+    """An engine's one worker thread: it runs the requests that `submit` queues from any thread, gathered into
+    shared batches, and every `call` (the model's load, weight updates), in queue order.
+    NOTE: one thread does all the model's compute. When two threads of a process run torch ops on the CPU,
+    each gets its own OpenMP thread team; with more OpenMP threads than cores, libgomp stops letting idle
+    workers spin between parallel regions and parks them instead: a decode (thousands of short regions) ran
+    1.6-1.9x slower (docs/LOG.md)."""
+
+    def __init__(self, run_batch: Callable, max_model_len: int, wait_s: float = 0.01, max_wait_s: float = 0.1) -> None:
+        # a batch takes requests until none came for wait_s, or max_wait_s after its first
+        self.run_batch, self.wait_s, self.max_wait_s = run_batch, wait_s, max_wait_s
         self.max_model_len = max_model_len
-        self.queue: queue.Queue = queue.Queue()  # (prompt_ids, params, future); None = close
+        self.queue: queue.Queue = queue.Queue()  # ("request", prompt_ids, params, future) | ("call", fn, future) | CLOSE
         self.closed, self.mutex = False, threading.Lock()
         self.worker = threading.Thread(target=self.run, name="engine-batcher", daemon=True)
         self.worker.start()
@@ -90,35 +99,55 @@ class Batcher:
         """Queue one request; the future resolves to its n completions. Bad requests raise here, so
         that one caller's bad request never fails a batch shared with others."""
         check_request(prompt_ids, params, self.max_model_len)
+        return self.put("request", prompt_ids, params)
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() on the worker, between batches; its result (or its exception, raised here)."""
+        return self.put("call", fn).result()
+
+    def put(self, kind: str, *args: Any) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self.mutex:  # NOTE: nothing may be queued behind the close marker, or it would hang
             if self.closed:
                 raise RuntimeError("engine is closed")
-            self.queue.put((prompt_ids, params, future))
+            self.queue.put((kind, *args, future))
         return future
 
     def run(self) -> None:
-        closing = False
-        while not closing:
-            items = [self.queue.get()]
-            deadline = time.monotonic() + self.wait_s
-            while True:  # everything already queued, plus what arrives within wait_s
+        pending = None  # an item taken while gathering a batch that must wait for the next turn
+        while (item := pending or self.queue.get()) is not CLOSE:
+            pending = None
+            if item[0] == "call":
+                self.finish([item], lambda: [item[1]()])
+                continue
+            batch, last = [item], time.monotonic() + self.max_wait_s
+            # NOTE: the workflows of a step submit within a few ms of each other (each renders and encodes its
+            # prompt first): a fixed window after the first request split a step into two batches.
+            while pending is None:
                 try:
-                    items.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                    nxt = self.queue.get(timeout=max(0.0, min(self.wait_s, last - time.monotonic())))
                 except queue.Empty:
                     break
-            closing = None in items  # requests queued before close() still run
-            items = [it for it in items if it is not None and it[2].set_running_or_notify_cancel()]
-            if not items:
-                continue
-            try:
-                outs = self.generate([it[0] for it in items], [it[1] for it in items])
-                for it, out in zip(items, outs):
-                    it[2].set_result(out)
-            except BaseException as e:  # the callers see the failure; the worker lives on
-                for it in items:
-                    if not it[2].done():
-                        it[2].set_exception(e)
+                if nxt is CLOSE or nxt[0] == "call":
+                    pending = nxt  # requests queued before close() still run
+                else:
+                    batch.append(nxt)
+            self.finish(batch, lambda: self.run_batch([it[1] for it in batch], [it[2] for it in batch]))
+
+    @staticmethod
+    def finish(items: list[tuple], work: Callable[[], list]) -> None:
+        """Run work() and hand each item's future its result; a failure goes to every one of them (the
+        callers see it; the worker lives on)."""
+        items = [it for it in items if it[-1].set_running_or_notify_cancel()]
+        if not items:
+            return
+        try:
+            for it, out in zip(items, work()):
+                it[-1].set_result(out)
+        except BaseException as e:
+            for it in items:
+                if not it[-1].done():
+                    it[-1].set_exception(e)
 
     def close(self) -> None:
         """Run what is queued, then stop the worker."""
@@ -126,7 +155,7 @@ class Batcher:
             if self.closed:
                 return
             self.closed = True
-            self.queue.put(None)
+            self.queue.put(CLOSE)
         self.worker.join()
 
 
@@ -157,25 +186,73 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def collect(batcher: Batcher, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+    """Submit every request at once (they share a batch), then wait for all of them."""
+    assert len(prompt_ids) == len(params), (len(prompt_ids), len(params))
+    for prompt, p in zip(prompt_ids, params):
+        check_request(prompt, p, batcher.max_model_len)
+    return [f.result() for f in [batcher.submit(x, p) for x, p in zip(prompt_ids, params)]]
+
+
+class Sampler:
+    """The per-row sampling state of one decode batch, vectorised: temperature, top-k / top-p, min_tokens,
+    the token budget, and each row's uniform draws, made up front from its own seeded generator (so a row's
+    samples depend on its seed and sample index only, not on what else is in the batch)."""
+
+    def __init__(self, ps: list[SamplingParams], sample_idx: list[int], seeds: list[int], prompt_lens: list[int],
+                 max_model_len: int, V: int, dev: str | torch.device) -> None:
+        self.V = V
+        self.temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=dev)  # [B]
+        self.greedy = torch.tensor([p.temperature == 0 for p in ps], device=dev)  # [B]
+        self.top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)  # [B]
+        self.top_p = torch.tensor([p.top_p for p in ps], device=dev)  # [B]
+        self.filtering = bool((self.top_k < V).any() or (self.top_p < 1).any())
+        self.min_tokens = torch.tensor([p.min_tokens for p in ps], device=dev)  # [B]
+        new = [min(p.max_tokens, max_model_len - n) for p, n in zip(ps, prompt_lens)]
+        self.max_new, self.longest = torch.tensor(new, device=dev), max(new)  # [B], N
+        # NOTE: one generator per row, seeded by (request seed, sample index): N draws each, used one per step.
+        gens = [torch.Generator("cpu").manual_seed((seed * 1_000_003 + k) % 2**63) for k, seed in zip(sample_idx, seeds)]
+        self.u = torch.stack([torch.rand(self.longest, generator=g) for g in gens]).to(dev)  # [B, N] in [0, 1)
+
+    def sample(self, logits: torch.Tensor, live: torch.Tensor, t: int, is_eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token t of the rows `live` [b] from their logits [b,V]: (ids [b], log-probs [b]). The log-probs are
+        log_softmax(logits / T) before min_tokens / top-k / top-p masking (what the trainer recomputes)."""
+        scaled = logits / self.temp[live, None]  # [b,V]
+        logp = scaled.log_softmax(dim=-1)  # [b,V]
+        short = t < self.min_tokens[live]  # [b] min_tokens not reached: EOS may not be sampled
+        if short.any():
+            scaled = scaled.masked_fill(short[:, None] & is_eos, float("-inf"))  # [b,V]
+        if self.filtering:
+            scaled = filter_logits(scaled, self.top_k[live], self.top_p[live])  # [b,V]
+        # Inverse-CDF sampling with the row's own uniform draw: one vectorised search for the whole batch.
+        cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # [b,V]
+        u = self.u[live, t] * cdf[:, -1]  # [b]
+        # side="right": the first token whose cdf exceeds u, so a zero-probability token is never picked
+        sampled = torch.searchsorted(cdf, u[:, None], side="right")[:, 0].clamp(max=self.V - 1)  # [b]
+        picked = torch.where(self.greedy[live], scaled.argmax(dim=-1), sampled)  # [b]
+        return picked, logp.gather(-1, picked[:, None])[:, 0]  # [b], [b]
+
+
 class HFEngine:
     """The embedded engine: a transformers model and a hand-written batched decode loop."""
 
     engine_type = "hf"
 
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int = 2048, max_batch_size: int = 64, seed: int = 42) -> None:
+                 max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 42) -> None:
         self.device, self.dtype = device, dtype
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size  # batch size in rows
-        self.model = load_model(model_path, dtype=dtype, device=device)
+        self.batcher = Batcher(self.run_batch, max_model_len)
+        self.model = self.batcher.call(lambda: load_model(model_path, dtype=dtype, device=device))  # see Batcher
         self.tokenizer = load_tokenizer(model_path)
         gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
         gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
         self.eos_ids = sorted({self.tokenizer.eos_token_id, *gen_eos} - {None})
+        self.is_eos = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=device)  # [V]
+        self.is_eos[self.eos_ids] = True
         self.model_version = 0
         self.num_batches = 0  # decode batches run so far (a request of n samples spans n rows)
         self.rng = random.Random(seed)  # seeds the requests that come without one
-        self.lock = threading.Lock()  # NOTE: held by every generate and load_weights
-        self.batcher = Batcher(self.generate, max_model_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
         return self.batcher.submit(prompt_ids, params)
@@ -189,109 +266,114 @@ class HFEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-        """n completions per request; each request has its own sampling params."""
-        assert len(prompt_ids) == len(params), (len(prompt_ids), len(params))
-        for prompt, p in zip(prompt_ids, params):
-            check_request(prompt, p, self.max_model_len)
-        with self.lock:
-            rows = []  # (request index, sample index, prompt, params, seed): one row per sample
-            for i, (prompt, p) in enumerate(zip(prompt_ids, params)):
-                seed = p.seed if p.seed is not None else self.rng.randrange(2**31)
-                rows += [(i, k, prompt, p, seed) for k in range(p.n)]
-            out: list[list[Completion]] = [[] for _ in prompt_ids]
-            for start in range(0, len(rows), self.max_batch_size):
-                chunk = rows[start : start + self.max_batch_size]
-                for (i, _, _, _, _), completion in zip(chunk, self.decode(chunk)):
-                    out[i].append(completion)  # rows are in sample order, so out[i][k] is sample k
-            return out
+        """n completions per request; each request has its own sampling params (one batch, through the worker)."""
+        return collect(self.batcher, prompt_ids, params)
+
+    @torch.no_grad()
+    def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+        """The worker's part of generate: the requests' samples as rows, decoded max_batch_size rows at a time."""
+        rows = []  # (request index, sample index, prompt, params, seed): one row per sample
+        for i, (prompt, p) in enumerate(zip(prompt_ids, params)):
+            seed = p.seed if p.seed is not None else self.rng.randrange(2**31)
+            rows += [(i, k, prompt, p, seed) for k in range(p.n)]
+        out: list[list[Completion]] = [[] for _ in prompt_ids]
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start : start + self.max_batch_size]
+            for (i, _, _, _, _), completion in zip(chunk, self.decode(chunk)):
+                out[i].append(completion)  # rows are in sample order, so out[i][k] is sample k
+        return out
+
+    def prefill(self, rows: list[tuple]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run each distinct request's prompt once (left-padded), then give each of its samples a copy of
+        its KV cache: (cache, last logits [B,V], attention mask [B,C] over the cache slots, last positions [B,1]), rows in order.
+        NOTE: the group's n samples share one prefill, as vLLM's prefix cache does; with n = 8 that is 8x
+        less prefill work than a batched model.generate over the repeated prompts."""
+        dev, firsts = self.device, {}
+        for r, row in enumerate(rows):
+            firsts.setdefault(row[0], r)  # request index -> its first row
+        unique = [rows[r][2] for r in firsts.values()]  # [U] prompts
+        L, pad = max(map(len, unique)), self.tokenizer.pad_token_id or 0
+        capacity = L + max(row[3].max_tokens for row in rows)  # cache slots: prompt + the longest response
+        ids = torch.tensor([[pad] * (L - len(x)) + x for x in unique], device=dev)  # [U, L]
+        # 1 = a slot that may be attended to: left padding 0, the prompt and every later token 1, so that one
+        # tensor serves every decode step (step t reads its first L + t + 1 columns).
+        mask = torch.tensor([[0] * (L - len(x)) + [1] * (capacity - L + len(x)) for x in unique], device=dev)  # [U, C]
+        pos = (mask[:, :L].cumsum(-1) - 1).clamp(min=0)  # [U, L], pads get position 0 (masked anyway)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=ids, attention_mask=mask[:, :L], position_ids=pos, past_key_values=cache,
+                            use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [U, V]
+        slot = {request: j for j, request in enumerate(firsts)}
+        expand = torch.tensor([slot[row[0]] for row in rows], device=dev)  # [B] row -> its prompt
+        if len(rows) > len(unique):
+            cache.batch_select_indices(expand)
+        return cache, logits[expand], mask[expand], pos[expand, -1:]
 
     def decode(self, rows: list[tuple]) -> list[Completion]:
-        """One batch: prefill the left-padded prompts, then sample token by token with the KV cache."""
+        """One batch: prefill (shared per request), then sample token by token with the KV cache. Finished
+        rows stay in the batch (their tokens are ignored) until an eighth of it has finished, then leave it."""
         self.num_batches += 1
-        dev, V = self.device, self.model.config.vocab_size
-        B, L = len(rows), max(len(r[2]) for r in rows)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([[pad] * (L - len(r[2])) + r[2] for r in rows], device=dev)  # [B, L]
-        mask = torch.tensor([[0] * (L - len(r[2])) + [1] * len(r[2]) for r in rows], device=dev)  # [B, L]
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, L], pads get position 0 (masked anyway)
-        ps = [r[3] for r in rows]
-        temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=dev)  # [B]
-        greedy = torch.tensor([p.temperature == 0 for p in ps], device=dev)  # [B]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)  # [B]
-        top_p = torch.tensor([p.top_p for p in ps], device=dev)  # [B]
-        filtering = bool((top_k < V).any() or (top_p < 1).any())
-        max_new = [min(p.max_tokens, self.max_model_len - len(r[2])) for r, p in zip(rows, ps)]
-        gens = [torch.Generator(dev).manual_seed((seed * 1_000_003 + k) % 2**63) for _, k, _, _, seed in rows]
-        is_eos = torch.zeros(V, dtype=torch.bool, device=dev)  # [V]
-        is_eos[self.eos_ids] = True
-        tokens: list[list[int]] = [[] for _ in rows]
-        logps: list[list[float]] = [[] for _ in rows]
-        done: list[Completion | None] = [None] * B
-        live = list(range(B))  # row indices still in the batch, in batch order
-        cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [B, V]
-        while True:
-            scaled = logits / temp[live, None]  # [b, V]
-            logp = scaled.log_softmax(dim=-1)  # [b, V], the reported log-probs: before any masking
-            short = torch.tensor([len(tokens[r]) < ps[r].min_tokens for r in live], device=dev)  # [b]
-            if short.any():  # min_tokens not reached: EOS may not be sampled
-                scaled = scaled.masked_fill(short[:, None] & is_eos, float("-inf"))
-            if filtering:
-                scaled = filter_logits(scaled, top_k[live], top_p[live])
-            # Inverse-CDF sampling: one uniform draw per row from its own generator, then one
-            # vectorised search (30x cheaper than a torch.multinomial call per row).
-            cdf = scaled.softmax(dim=-1).cumsum(dim=-1)  # [b, V]
-            u = torch.stack([torch.rand((), generator=gens[r], device=dev) for r in live])  # [b] in [0, 1)
-            # side="right": the first token whose cdf exceeds u, so a zero-probability token is never picked
-            sampled = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], side="right")[:, 0].clamp(max=V - 1)  # [b]
-            picked_t = torch.where(greedy[live], scaled.argmax(dim=-1), sampled)  # [b]
-            picked = picked_t.tolist()
-            picked_lp = logp.gather(-1, picked_t[:, None])[:, 0].tolist()  # [b]
-            keep = []
-            for j, r in enumerate(live):
-                tokens[r].append(picked[j])
-                logps[r].append(picked_lp[j])
-                reason, text = self.finished(tokens[r], ps[r], max_new[r])
-                if reason is None:
-                    keep.append(j)
-                else:
-                    text = self.tokenizer.decode(tokens[r], skip_special_tokens=True) if text is None else text
-                    done[r] = Completion(tokens[r], logps[r], text, reason, self.model_version)
-            if not keep:
+        dev, V, ps = self.device, self.model.config.vocab_size, [r[3] for r in rows]
+        B = len(rows)
+        s = Sampler(ps, [r[1] for r in rows], [r[4] for r in rows], [len(r[2]) for r in rows], self.max_model_len, V, dev)
+        cache, logits, mask, pos = self.prefill(rows)
+        tokens = torch.zeros(B, s.longest, dtype=torch.long, device=dev)  # [B, N] sampled ids
+        logps = torch.zeros(B, s.longest, device=dev)  # [B, N] their log-probs
+        length = torch.zeros(B, dtype=torch.long, device=dev)  # [B] tokens so far; frozen when a row ends
+        reason: list[str | None] = [None] * B
+        texts: list[str | None] = [None] * B  # set when a stop string cut the text
+        live = torch.arange(B, device=dev)  # [b] batch rows still decoding (finished ones until compacted)
+        active = torch.ones(B, dtype=torch.bool, device=dev)  # [B] not finished yet
+        for t in range(s.longest):
+            picked, picked_lp = s.sample(logits, live, t, self.is_eos)  # [b], [b]
+            rows_t = live[active[live]]  # [a] rows that take this token
+            keep = active[live]  # [b]
+            tokens[rows_t, t], logps[rows_t, t] = picked[keep], picked_lp[keep]
+            length[rows_t] = t + 1
+            ended = self.is_eos[picked[keep]] | (t + 1 >= s.max_new[rows_t])  # [a]
+            for j, r in enumerate(rows_t.tolist()):
+                if ps[r].stop and (cut := self.stop_cut(tokens[r, : t + 1].tolist(), ps[r])) is not None:
+                    texts[r], ended[j] = cut, True
+            if ended.any():
+                done = rows_t[ended]
+                for r in done.tolist():
+                    reason[r] = "stop" if texts[r] is not None or bool(self.is_eos[tokens[r, t]]) else "length"
+                active[done] = False
+            if not active.any():
                 break
-            if len(keep) < len(live):  # drop finished rows from the batch and its KV cache
-                keep_t = torch.tensor(keep, device=dev)
-                cache.batch_select_indices(keep_t)
-                mask, pos, picked_t = mask[keep_t], pos[keep_t], picked_t[keep_t]
-                live = [live[j] for j in keep]
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=-1)  # [b, L + t]
-            pos = pos[:, -1:] + 1  # [b, 1]
-            logits = self.model(input_ids=picked_t[:, None], attention_mask=mask, position_ids=pos,
+            if (~active[live]).sum() * 8 >= len(live):  # drop finished rows from the batch and its KV cache
+                keep_idx = active[live].nonzero()[:, 0]  # [b']
+                cache.batch_select_indices(keep_idx)
+                live, mask, pos, picked = live[keep_idx], mask[keep_idx], pos[keep_idx], picked[keep_idx]
+            pos = pos + 1  # [b, 1]
+            logits = self.model(input_ids=picked[:, None], attention_mask=mask[:, : cache.get_seq_length() + 1], position_ids=pos,
                                 past_key_values=cache, use_cache=True).logits[:, -1].float()  # [b, V]
-        return done  # type: ignore[return-value]
+        lengths = length.tolist()
+        ids = [tokens[r, :n].tolist() for r, n in enumerate(lengths)]
+        lps = [logps[r, :n].tolist() for r, n in enumerate(lengths)]
+        decoded = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return [Completion(ids[r], lps[r], texts[r] if texts[r] is not None else decoded[r], reason[r] or "length",
+                           self.model_version) for r in range(B)]
 
-    def finished(self, tokens: list[int], p: SamplingParams, max_new: int) -> tuple[str | None, str | None]:
-        """(finish reason or None to go on, the text when a stop string cut it) after a row's last token."""
-        if p.stop:  # NOTE: decodes the whole response every step: a stop string may span tokens
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=-1)
-            if cut >= 0:
-                return "stop", text[:cut]  # the tokens keep the one that completed the stop string
-        if tokens[-1] in self.eos_ids:
-            return "stop", None
-        return ("length" if len(tokens) >= max_new else None), None
+    def stop_cut(self, tokens: list[int], p: SamplingParams) -> str | None:
+        """The text cut before the first stop string, once one appears (None until then).
+        NOTE: decodes the whole response: a stop string may span tokens. Rows without stop strings skip this."""
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=-1)
+        return text[:cut] if cut >= 0 else None
 
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
-        """New weights from an HF folder or a state dict, between batches; then model_version = version."""
-        state = load_model(source, dtype=self.dtype, device="cpu").state_dict() if isinstance(source, str) else source
-        if self.model.config.tie_word_embeddings and "lm_head.weight" not in state:
-            state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}  # tied: same tensor
-        with self.lock:
+        """New weights from an HF folder or a state dict, between batches (on the worker); then model_version =
+        version."""
+
+        def load() -> None:
+            state = load_model(source, dtype=self.dtype, device="cpu").state_dict() if isinstance(source, str) else source
+            if self.model.config.tie_word_embeddings and "lm_head.weight" not in state:
+                state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}  # tied: same tensor
             self.model.load_state_dict(state, strict=True)  # copies into the existing parameters
             self.model_version = version
+
+        self.batcher.call(load)
 
 
 class VLLMEngine:
@@ -316,8 +398,7 @@ class VLLMEngine:
         self.tokenizer = load_tokenizer(model_path)
         self.model_version = 0
         self.num_batches = 0
-        self.lock = threading.Lock()
-        self.batcher = Batcher(self.generate, max_model_len)
+        self.batcher = Batcher(self.run_batch, max_model_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
         return self.batcher.submit(prompt_ids, params)
@@ -330,18 +411,18 @@ class VLLMEngine:
         text, the EOS token stays in token_ids. NOTE: vLLM detokenises (text, stop strings) with
         its own AutoTokenizer, which for model_type qwen2 is not models.load_tokenizer's (see
         models.py); token ids and log-probs do not depend on it."""
-        for prompt, p in zip(prompt_ids, params):
-            check_request(prompt, p, self.max_model_len)
+        return collect(self.batcher, prompt_ids, params)
+
+    def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+        """The worker's part of generate: one vllm.LLM.generate call."""
         sps = [self.vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p,
                                         top_k=p.top_k if p.top_k > 0 else -1,
                                         max_tokens=min(p.max_tokens, self.max_model_len - len(ids)),
                                         min_tokens=p.min_tokens, stop=list(p.stop), seed=p.seed, logprobs=0)
                for ids, p in zip(prompt_ids, params)]
-        with self.lock:
-            self.num_batches += 1
-            outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps,
-                                     use_tqdm=False)
-            version = self.model_version
+        self.num_batches += 1
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
+        version = self.model_version
         return [[Completion(list(o.token_ids), [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)],
                             o.text, "length" if o.finish_reason == "length" else "stop", version)
                  for o in req.outputs] for req in outs]
@@ -359,10 +440,12 @@ class VLLMEngine:
         def load(worker, weights):  # runs inside each vLLM worker process
             worker.model_runner.get_model().load_weights(weights=weights)
 
-        with self.lock:
+        def update() -> None:
             self.llm.collective_rpc(load, args=(weights,))
             self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
             self.model_version = version
+
+        self.batcher.call(update)
 
 
 def make_engine(cfg_rollout_model, model_path: str, max_model_len: int) -> HFEngine | VLLMEngine:

@@ -22,6 +22,7 @@ retried; explore steps do not overlap; best@k / worst@k are exact over the k run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -169,7 +170,7 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
 
 def trainer_state(db: ExperienceDB) -> str:
     """What the trainer last recorded in the DB, for log lines."""
-    t = json.loads(db.get_meta("trainer") or "null")
+    t = db.trainer_status()
     if t is None:
         return "no trainer has used this DB yet"
     return f"trainer at step {t['step']}, {t['status']}, last seen {time.time() - t['time']:.0f} s ago (pid {t['pid']})"
@@ -177,12 +178,13 @@ def trainer_state(db: ExperienceDB) -> str:
 
 def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: float) -> tuple[int, str, int]:
     """Checkpoint sync: block until the trainer has published weights of version >= want (polling
-    latest_state_dict_iteration.txt). (that version, "", 0), or (0, why not, exit code): 0 when the
-    trainer has finished (no newer weights will come), 1 when `timeout` (sync_timeout) ran out."""
+    latest_state_dict_iteration.txt every 10 ms: a read of one small file). (that version, "", 0), or
+    (0, why not, exit code): 0 when the trainer has finished (no newer weights will come), 1 when `timeout`
+    (sync_timeout) ran out."""
     start, next_note = time.monotonic(), 0.0
     while (have := sync.latest_version(job)) < want:
         waited = time.monotonic() - start
-        trainer = json.loads(db.get_meta("trainer") or "null")
+        trainer = db.trainer_status()
         if trainer is not None and trainer["status"] == "finished":
             return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})", 0
         if waited >= timeout:
@@ -191,7 +193,7 @@ def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: 
             next_note = waited + 30
             log.info("sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
                      step, want, have, job, trainer_state(db))
-        time.sleep(0.5)
+        time.sleep(0.01)
     return have, "", 0
 
 
@@ -215,6 +217,12 @@ def start_weights(cfg: configs.Config) -> tuple[str, int]:
     return (str(weights), sync.latest_version(cfg.checkpoint_job_dir)) if weights else (cfg.model.model_path, 0)
 
 
+def runners(cfg: configs.Config) -> int:
+    """Workflow runner threads: runner_per_model per engine, or (unset) enough for every task of a step."""
+    e = cfg.explorer
+    return e.runner_per_model * e.rollout_model.engine_num if e.runner_per_model else max(cfg.buffer.batch_size, 256)
+
+
 def total_steps(cfg: configs.Config, reader: TaskReader) -> int:
     per_epoch = math.ceil(len(reader) / cfg.buffer.batch_size)
     return cfg.buffer.total_steps or per_epoch * cfg.buffer.total_epochs
@@ -223,16 +231,31 @@ def total_steps(cfg: configs.Config, reader: TaskReader) -> int:
 # --- main
 
 
-def explore(cfg: configs.Config) -> int:
-    """Explore mode (and the explorer half of mode both); returns the exit code."""
-    # --- setup: DB and saved position, engine, runners, monitor
+@dataclasses.dataclass
+class Explorer:
+    """What set-up builds; the step's phases use it."""
+
+    cfg: configs.Config
+    db: ExperienceDB
+    reader: TaskReader  # the training tasksets, at the saved position
+    step: int  # the last finished step
+    engine: Any  # engines.HFEngine | engines.VLLMEngine
+    handles: list[ModelHandle]
+    pool: ThreadPoolExecutor  # the workflow runners
+    monitor: Monitor
+    eval_sets: list[tuple[Any, list[Task]]]
+    steps: int  # the last step
+    receiver: sync.WeightLink | None = None  # the process-group link to the trainer, opened at the first sync point
+
+
+def set_up(cfg: configs.Config) -> Explorer:
+    """DB and saved position, engine (with the newest published weights), runners, monitor, eval tasks."""
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
     db.check_identity(fingerprint(cfg.model.model_path, load_tokenizer(cfg.model.model_path)), f"explorer {name}")
     reader = TaskReader(b.explorer_input.tasksets, total_epochs=10**9 if b.total_steps else b.total_epochs)
-    saved = json.loads(db.get_meta(f"explorer/{name}") or "null")
-    step = 0
+    saved, step = db.explorer_states().get(name), 0
     if saved:
         reader.load_state(saved["reader"])
         step = saved["step"]
@@ -240,95 +263,140 @@ def explore(cfg: configs.Config) -> int:
     path, version = start_weights(cfg)
     engine = make_engine(e.rollout_model, path, cfg.model.max_model_len)
     engine.model_version = version
-    handles = [ModelHandle(engine, load_tokenizer(cfg.model.model_path))]
-    pool = ThreadPoolExecutor(max_workers=e.runner_per_model * e.rollout_model.engine_num, thread_name_prefix="runner")
-    monitor = Monitor(cfg, role=name)
-    eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets]
-    steps = total_steps(cfg, reader)
-    bar = tqdm(total=steps, initial=step, desc=name, unit="step", dynamic_ncols=True)
+    return Explorer(cfg, db, reader, step, engine, [ModelHandle(engine, load_tokenizer(cfg.model.model_path))],
+                    ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), Monitor(cfg, role=name),
+                    [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets], total_steps(cfg, reader))
 
+
+def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
+    """Run the step's tasks on the runners; their experiences, stamped, and the rollout metrics."""
+    start = time.monotonic()
+    results = run_tasks(x.pool, tasks, x.handles, x.cfg)
+    metrics = rollout_metrics(results, time.monotonic() - start)
+    for task, got, err in results:
+        if got is None:
+            log.error("task %s dropped after %d attempts: %s", task.task_id, x.cfg.explorer.max_retry_times + 1, err)
+        else:
+            stamp(got, task, x.cfg.explorer.name)
+    return [exp for _, got, _ in results if got for exp in got], metrics
+
+
+def write(x: Explorer, exps: list[Experience]) -> None:
+    """The step's experiences and the explorer's position, in one DB transaction (and <name>_meta.json)."""
+    name = x.cfg.explorer.name
+    state = {"step": x.step, "reader": x.reader.state(), "model_version": x.engine.model_version, "time": time.time(),
+             "finished": False}
+    x.db.write(exps, explorer=(name, state))
+    sync.write_atomic(Path(x.cfg.checkpoint_job_dir, f"{name}_meta.json"),
+                      lambda p: Path(p).write_text(json.dumps({"latest_iteration": x.step, **state})))
+
+
+def receive(x: Explorer, want: int) -> tuple[int, dict[str, float]]:
+    """Process-group sync: the trainer's weights of step `want`, into the engine. (exit code, metrics)."""
+    t0, s = time.monotonic(), x.cfg.synchronizer
+    try:
+        x.receiver = x.receiver or sync.open_receiver(x.cfg.checkpoint_job_dir, s.sync_timeout)
+        got = sync.receive_weights(x.receiver)
+    except sync.SyncError as err:
+        got, why = None, str(err)
+    else:
+        why = "the trainer finished and sent stop"
+    if got is None:
+        log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
+                  want, why, x.step)
+        return 1, {}
+    version, state = got
+    if version != want:
+        log.warning("sync point after step %d: got weights of step %d, expected %d", x.step, version, want)
+    metrics = {"sync/bytes": sum(t.numel() * t.element_size() for t in state.values()),
+               "sync/receive_seconds": time.monotonic() - t0}
+    x.engine.load_weights(state, version=version)
+    return 0, metrics | {"time/sync": time.monotonic() - t0}
+
+
+def load_newer(x: Explorer) -> tuple[int | None, dict[str, float]]:
+    """Checkpoint sync after this step: fixed style, the weights sync.weights_needed names (waiting for them);
+    explorer_driven, any newer than the engine's (waiting for them); trainer_driven, whatever is published
+    (never waiting). (None to go on, or the exit code to stop with; metrics)."""
+    s, t0, job = x.cfg.synchronizer, time.monotonic(), x.cfg.checkpoint_job_dir
+    fixed = sync.weights_needed(x.step, x.cfg)
+    if not (fixed or s.sync_style == "trainer_driven"):
+        return None, {}
+    version = sync.latest_version(job)
+    want = {"fixed": fixed, "explorer_driven": x.engine.model_version + 1}.get(s.sync_style, 0)
+    if version < want:
+        version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
+        if not version:
+            (log.error if code else log.info)("explorer %s stops after step %d: %s.%s", x.cfg.explorer.name, x.step, why,
+                                              f" Restart to continue after step {x.step}." if code else "")
+            return code, {}
+    if version > x.engine.model_version:
+        load_published(x.engine, job, version)
+        return None, {"time/sync": time.monotonic() - t0}
+    return None, {}
+
+
+def sync_weights(x: Explorer) -> tuple[int | None, dict[str, float]]:
+    """The weights this step ends with a wait for, if any: over the process group (nccl) or as published files
+    (checkpoint). (None to go on, or the exit code to stop with; metrics)."""
+    if x.cfg.synchronizer.sync_method == "nccl":
+        want = sync.weights_needed(x.step, x.cfg)
+        if not want:
+            return None, {}
+        code, metrics = receive(x, want)
+        return code or None, metrics
+    return load_newer(x)
+
+
+def finish(x: Explorer, code: int) -> int:
+    """Mark the explorer finished (the trainer stops waiting for more once every explorer has), close up."""
+    name = x.cfg.explorer.name
+    if code == 0:
+        x.db.set_explorer_state(name, {**x.db.explorer_states().get(name, {}), "step": x.step, "time": time.time(),
+                                       "finished": True})
+    if x.receiver is not None:
+        sync.close_receiver(x.receiver)
+    x.monitor.close()
+    x.pool.shutdown(wait=False, cancel_futures=True)
+    log.info("explorer %s finished at step %d; %s", name, x.step, x.db.counts())
+    return code
+
+
+# --- main
+
+
+def explore(cfg: configs.Config) -> int:
+    """Explore mode (and the explorer half of mode both); returns the exit code."""
+    x = set_up(cfg)
+    bar = tqdm(total=x.steps, initial=x.step, desc=cfg.explorer.name, unit="step", dynamic_ncols=True)
     # --- eval on startup (step 0 only: not again on restart)
-    if step == 0 and e.eval_on_startup and eval_sets:
-        monitor.log(evaluate(pool, handles, cfg, eval_sets), step=0)
-
-    code, receiver = 0, None  # receiver: the process-group link to the trainer, opened at the first sync point
-    while step < steps:
+    if x.step == 0 and cfg.explorer.eval_on_startup and x.eval_sets:
+        x.monitor.log(evaluate(x.pool, x.handles, cfg, x.eval_sets), step=0)
+    code = 0
+    while x.step < x.steps:
         # --- rollout
-        tasks = reader.read(b.batch_size)
+        tasks = x.reader.read(cfg.buffer.batch_size)
         if not tasks:
             break
-        start = time.monotonic()
-        results = run_tasks(pool, tasks, handles, cfg)
-        metrics = rollout_metrics(results, time.monotonic() - start)
-        for task, got, err in results:
-            if got is None:
-                log.error("task %s dropped after %d attempts: %s", task.task_id, e.max_retry_times + 1, err)
-            else:
-                stamp(got, task, name)
+        exps, metrics = rollout(x, tasks)
         # --- write: the step's experiences and the position, in one transaction
-        step += 1
-        state = {"step": step, "reader": reader.state(), "model_version": engine.model_version, "time": time.time(),
-                 "finished": False}
-        db.write([x for _, got, _ in results if got for x in got], meta={f"explorer/{name}": json.dumps(state)})
-        sync.write_atomic(Path(cfg.checkpoint_job_dir, f"{name}_meta.json"),
-                          lambda p: Path(p).write_text(json.dumps({"latest_iteration": step, **state})))
+        x.step += 1
+        write(x, exps)
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", version=engine.model_version)
-        # --- sync: after step s, the trainer's weights of step s - sync_offset (a file, or over the group)
-        s = cfg.synchronizer
-        sync_point = step > s.sync_offset and (step - s.sync_offset) % s.sync_interval == 0
-        if cfg.mode != "bench" and step < steps and s.sync_method == "nccl" and sync_point:
-            t0, want = time.monotonic(), step - s.sync_offset
-            try:
-                receiver = receiver or sync.open_receiver(cfg.checkpoint_job_dir, s.sync_timeout)
-                got = sync.receive_weights(receiver)
-            except sync.SyncError as err:
-                got, why = None, str(err)
-            else:
-                why = "the trainer finished and sent stop"
-            if got is None:
-                log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
-                          want, why, step)
-                code = 1
+        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", version=x.engine.model_version)
+        # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files
+        if x.step < x.steps:
+            stop, more = sync_weights(x)
+            metrics |= more
+            if stop is not None:
+                code = stop
                 break
-            version, state = got
-            if version != want:
-                log.warning("sync point after step %d: got weights of step %d, expected %d", step, version, want)
-            metrics["sync/bytes"] = sum(t.numel() * t.element_size() for t in state.values())
-            metrics["sync/receive_seconds"] = time.monotonic() - t0
-            engine.load_weights(state, version=version)
-            del state
-            metrics["time/sync"] = time.monotonic() - t0
-        elif cfg.mode != "bench" and step < steps and (sync_point or s.sync_style == "trainer_driven"):
-            # fixed: the weights of the trainer step that consumed this explorer's step s - sync_offset;
-            # explorer_driven: any newer weights than ours; trainer_driven: take new weights whenever the
-            # trainer has published them, never wait.
-            t0, version = time.monotonic(), sync.latest_version(cfg.checkpoint_job_dir)
-            want = {"fixed": (step - s.sync_offset) * b.batch_size * cfg.algorithm.repeat_times // b.train_batch_size,
-                    "explorer_driven": engine.model_version + 1}.get(s.sync_style, 0)
-            if version < want:
-                version, why, code = wait_for_trainer(cfg.checkpoint_job_dir, db, want, step, s.sync_timeout)
-                if not version:
-                    (log.error if code else log.info)("explorer %s stops after step %d: %s.%s", name, step, why,
-                                                      f" Restart to continue after step {step}." if code else "")
-                    break
-            if version > engine.model_version:
-                load_published(engine, cfg.checkpoint_job_dir, version)
-                metrics["time/sync"] = time.monotonic() - t0
         # --- eval and log
-        if eval_sets and (step % e.eval_interval == 0 or step == steps):
-            metrics.update(evaluate(pool, handles, cfg, eval_sets))
-        monitor.log(metrics, step=step)
+        if x.eval_sets and (x.step % cfg.explorer.eval_interval == 0 or x.step == x.steps):
+            metrics.update(evaluate(x.pool, x.handles, cfg, x.eval_sets))
+        x.monitor.log(metrics, step=x.step)
     bar.close()
-    if code == 0:  # the trainer stops waiting for more experiences once every explorer has finished
-        db.set_meta(f"explorer/{name}", json.dumps({**json.loads(db.get_meta(f"explorer/{name}") or "{}"),
-                                                    "step": step, "time": time.time(), "finished": True}))
-    if receiver is not None:
-        sync.close_receiver(receiver)
-    monitor.close()
-    pool.shutdown(wait=False, cancel_futures=True)
-    log.info("explorer %s finished at step %d; %s", name, step, db.counts())
-    return code
+    return finish(x, code)
 
 
 def bench(cfg: configs.Config) -> int:
@@ -340,7 +408,7 @@ def bench(cfg: configs.Config) -> int:
     targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, cfg.model.model_path)]
     engine = make_engine(cfg.explorer.rollout_model, targets[0][1], cfg.model.max_model_len)
     handles = [ModelHandle(engine, load_tokenizer(cfg.model.model_path))]
-    pool = ThreadPoolExecutor(max_workers=cfg.explorer.runner_per_model, thread_name_prefix="runner")
+    pool = ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner")
     eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
     monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")
     for s, path in targets:

@@ -61,8 +61,27 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
         gpus = [str(i) for i in range(cl.explorer_gpu_num + cl.trainer_gpu_num)]
         explorer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[: cl.explorer_gpu_num])
         trainer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[cl.explorer_gpu_num:])
+    elif stage.mode == "both" and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
+        explorer[1]["OMP_NUM_THREADS"], trainer[1]["OMP_NUM_THREADS"] = map(str, cpu_split())
     return {"train": {"trainer": trainer}, "explore": {"explorer": explorer}, "bench": {"explorer": explorer},
             "both": {"trainer": trainer, "explorer": explorer}}[stage.mode]
+
+
+def overlaps(stage: configs.Config) -> bool:
+    """Whether explorer and trainer compute at the same time: they do unless the sync is on-policy (fixed style,
+    sync_offset 0), where each waits for the other."""
+    s = stage.synchronizer
+    return not (s.sync_style == "fixed" and s.sync_offset == 0)
+
+
+def cpu_split() -> tuple[int, int]:
+    """CPU threads (explorer, trainer) for a mode-both stage whose processes overlap on a machine without GPUs.
+    NOTE: each process would otherwise start a thread per core, and two OpenMP thread teams on the same cores
+    fight (a team's parallel region waits for its slowest thread): docs/LOG.md has the measurements. On-policy
+    runs take turns, so each keeps every core."""
+    cores = len(os.sched_getaffinity(0))
+    explorer = max(1, cores // 3)
+    return explorer, max(1, cores - explorer)
 
 
 def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0) -> int:
@@ -237,10 +256,9 @@ def reopen_explorer(stage: configs.Config) -> None:
     if not Path(sqlite_path(url)).is_file():
         return
     with ExperienceDB(url) as db:
-        key = f"explorer/{stage.explorer.name}"
-        state = json.loads(db.get_meta(key) or "null")
+        state = db.explorer_states().get(stage.explorer.name)
         if state and state.get("finished"):
-            db.set_meta(key, json.dumps({**state, "finished": False}))
+            db.set_explorer_state(stage.explorer.name, {**state, "finished": False})
 
 
 def run(cfg: configs.Config) -> int:
@@ -267,6 +285,8 @@ def run(cfg: configs.Config) -> int:
             if stage.mode == "both":
                 reopen_explorer(stage)
             for role, (cmd, env) in commands(stage, config_file).items():
+                if env:
+                    log.info("%s: %s", role, " ".join(f"{k}={v}" for k, v in env.items()))
                 procs[role] = subprocess.Popen(cmd, cwd=os.getcwd(), env={**os.environ, **env, LAUNCHED: "1"})
             code = supervise(procs)
         except KeyboardInterrupt:

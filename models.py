@@ -28,11 +28,14 @@ import random
 from pathlib import Path
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification, AutoTokenizer,
-                          PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+from torch.utils.checkpoint import checkpoint
+from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
+                          AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from buffer import DataError, Experience, format_row, read_rows
-from configs import Config, ExperienceBufferConfig
+from configs import ExperienceBufferConfig
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
@@ -53,10 +56,40 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+GQA_SDPA = "nanorft_gqa_sdpa"  # the attention implementation the project's models use on CPU
+
+
+def gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' "sdpa" attention, except that grouped K/V heads (GQA) go to torch's SDPA as they are
+    (enable_gqa). NOTE: transformers repeats K/V for every query head whenever a mask is given (left padding in
+    the engine, packed sequences in the trainer), which on CPU copied the whole KV cache in every layer at every
+    decode step: 40% of the decode time (docs/LOG.md). On CUDA, SDPA with a mask and enable_gqa falls back to
+    its slowest kernel, so there (and for position-bias models) this is transformers' own sdpa."""
+    if query.device.type != "cpu" or kwargs.get("position_bias") is not None:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                                               **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(  # [B, heads, L, d]
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+        is_causal=query.shape[2] > 1 and attention_mask is None and causal, enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_attention() -> str:
+    """Make GQA_SDPA known to transformers (its public AttentionInterface; sdpa's mask builder). Idempotent."""
+    if GQA_SDPA not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(GQA_SDPA, gqa_sdpa)
+        AttentionMaskInterface.register(GQA_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    return GQA_SDPA
+
+
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A causal LM in eval mode. dtype: "float32" | "bfloat16" | "float16" (float32 on CPU:
-    bf16 matmuls are 3-5x slower there)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    bf16 matmuls are 3-5x slower there). On CPU with gqa_sdpa attention."""
+    attn = {"attn_implementation": register_attention()} if torch.device(device).type == "cpu" else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **attn)
     return model.to(device).eval()
 
 
@@ -139,76 +172,243 @@ def pick(units: list[list[Experience]], first: int, count: int, tag: str) -> lis
     return [x for e, i in positions for x in units[orders[e][i]]]
 
 
-# --- batches: model inputs, log-probs and values
+# --- the trainer's batches: the step batch (dense, built once), packed micro-batches, log-probs and values
 
 
-def micro_batches(lengths: list[int], budget: int, fixed: int | None, units: list[list[int]] | None = None) -> list[list[int]]:
-    """Indices cut into micro-batches, longest first: at most `budget` tokens each counting padding
-    (use_dynamic_bsz), or `fixed` sequences each. A sequence longer than the budget goes alone.
-    `units`: indices that must stay together and in order (a DPO pair); default: every index alone."""
-    units = sorted(units if units is not None else [[i] for i in range(len(lengths))], key=lambda u: -max(lengths[i] for i in u))
-    out: list[list[int]] = []
-    for u in units:
-        n = len(out[-1]) + len(u) if out else 0
-        if out and (n <= fixed if fixed else n * max(lengths[i] for i in out[-1]) <= budget):
-            out[-1].extend(u)
+def step_batch(exps: list[Experience], width: int, temperatures: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+    """The step's experiences as dense tensors, built once; the trainer's later phases read and extend it.
+    Per sequence [B]: prompt_lengths, response_lengths, rewards, group_index (a task's repeats share it; an
+    experience without a group is its own), prompt_index (same prompt token ids, same index: pack() shares
+    them), expert (mix: expert SFT rows), has_rollout_logprobs, temperature (that of the taskset that produced
+    it, from `temperatures`; 1 otherwise). Prompts [B,P] right-padded. Per response token [B,T]: responses
+    (the token ids), response_mask (action tokens; the first token of a response without a prompt has no logit
+    to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows).
+    NOTE: T = max(width, the longest response): the trainer passes model.max_response_tokens, so that
+    seq-mean-token-sum-norm divides by Dr.GRPO's constant whatever the batch holds."""
+    B, P = len(exps), max(max(x.prompt_length for x in exps), 1)
+    T = max(width, max(x.response_length for x in exps), 1)
+    batch = {"prompts": torch.zeros(B, P, dtype=torch.long), "responses": torch.zeros(B, T, dtype=torch.long),
+             "response_mask": torch.zeros(B, T, dtype=torch.bool), "rollout_logprobs": torch.zeros(B, T)}
+    groups: dict[str, int] = {}
+    prompts: dict[tuple[int, ...], int] = {}
+    for b, x in enumerate(exps):
+        p, r = x.prompt_length, x.response_length
+        batch["prompts"][b, :p] = x.tokens[:p]
+        batch["responses"][b, :r] = x.tokens[p:]
+        batch["response_mask"][b, :r] = True if x.action_mask is None else x.action_mask
+        batch["response_mask"][b, 0] &= p > 0
+        if x.logprobs is not None:
+            batch["rollout_logprobs"][b, :r] = x.logprobs
+        groups.setdefault(x.group_id or f"id/{x.id}/{b}", len(groups))
+        prompts.setdefault(tuple(x.tokens[:p].tolist()), len(prompts))
+    batch |= {
+        "prompt_lengths": torch.tensor([x.prompt_length for x in exps]),  # [B]
+        "response_lengths": torch.tensor([x.response_length for x in exps]),  # [B]
+        "rewards": torch.tensor([float(x.reward or 0.0) for x in exps]),  # [B]
+        "group_index": torch.tensor([groups[x.group_id or f"id/{x.id}/{b}"] for b, x in enumerate(exps)]),  # [B]
+        "prompt_index": torch.tensor([prompts[tuple(x.tokens[: x.prompt_length].tolist())] for x in exps]),  # [B]
+        "expert": torch.tensor([bool(x.info.get("expert")) for x in exps]),  # [B]
+        "has_rollout_logprobs": torch.tensor([x.logprobs is not None for x in exps]),  # [B]
+        "temperature": torch.tensor([(temperatures or {}).get(x.info.get("taskset"), 1.0) for x in exps]),  # [B]
+    }
+    batch["expert_mask"] = batch["expert"][:, None].float().expand(B, T).contiguous()  # [B,T]
+    return batch
+
+
+def pack_units(batch: dict[str, torch.Tensor], idx: list[int], share: bool, budget: int,
+               paired: bool = False) -> list[list[int]]:
+    """The sequences idx cut into the units pack() lays out together: with `share`, those with the same
+    prompt (a GRPO group, a DPO pair), split where one unit would pass `budget` tokens; else one each, or
+    (`paired`: DPO rows, chosen then rejected) one pair each. Units keep idx's order inside."""
+    if not share:
+        return [idx[k : k + 2] for k in range(0, len(idx), 2)] if paired else [[i] for i in idx]
+    by_prompt: dict[int, list[int]] = {}
+    for i in idx:
+        by_prompt.setdefault(int(batch["prompt_index"][i]), []).append(i)
+    units = []
+    for members in by_prompt.values():
+        size = int(batch["prompt_lengths"][members[0]])
+        units.append([])
+        for i in members:
+            n = int(batch["response_lengths"][i])
+            if units[-1] and size + n > budget and len(units[-1]) % 2 == 0:  # NOTE: even: never split a DPO pair
+                units.append([])
+                size = int(batch["prompt_lengths"][i])
+            units[-1].append(i)
+            size += n
+    return units
+
+
+def unit_length(batch: dict[str, torch.Tensor], unit: list[int]) -> int:
+    """Tokens of a unit laid out by pack(): its prompt once, then each member's response."""
+    return int(batch["prompt_lengths"][unit[0]]) + int(batch["response_lengths"][unit].sum())
+
+
+def micro_batches(batch: dict[str, torch.Tensor], units: list[list[int]], budget: int,
+                  fixed: int | None) -> list[list[list[int]]]:
+    """Units cut into micro-batches, largest first: at most `budget` packed tokens each (use_dynamic_bsz), or
+    `fixed` sequences each. A unit larger than the budget goes alone."""
+    out: list[list[list[int]]] = []
+    size = 0
+    for u in sorted(units, key=lambda u: -unit_length(batch, u)):
+        n = len(u) if fixed else unit_length(batch, u)
+        limit = fixed or budget
+        if out and size + n <= limit:
+            out[-1].append(u)
+            size += n
         else:
-            out.append(list(u))
+            out.append([u])
+            size = n
     return out
 
 
-def collate(exps: list[Experience], extra: dict[str, list[torch.Tensor]], idx: list[int], device: torch.device) -> dict:
-    """Right-padded model inputs [B,L] and response-aligned tensors [B,T] for the experiences `idx`."""
-    rows = [exps[i] for i in idx]
-    B, L, T = len(rows), max(len(x.tokens) for x in rows), max(max(x.response_length for x in rows), 1)
-    batch = {"input_ids": torch.zeros(B, L, dtype=torch.long), "attention_mask": torch.zeros(B, L, dtype=torch.long),
-             "positions": torch.zeros(B, T, dtype=torch.long), "targets": torch.zeros(B, T, dtype=torch.long),
-             "response_mask": torch.zeros(B, T, dtype=torch.bool), "rewards": torch.tensor([x.reward for x in rows])}
-    for b, x in enumerate(rows):
-        n, p, r = len(x.tokens), x.prompt_length, x.response_length
-        batch["input_ids"][b, :n] = x.tokens
-        batch["attention_mask"][b, :n] = 1
-        # NOTE: the logits at position t predict token t + 1, so response token p + j is read at p + j - 1.
-        batch["positions"][b, :r] = torch.arange(p - 1, n - 1).clamp(min=0)
-        batch["targets"][b, :r] = x.tokens[p:]
-        batch["response_mask"][b, :r] = True if x.action_mask is None else x.action_mask
-        batch["response_mask"][b, 0] &= p > 0  # a response with no prompt has no logit for its first token
-    for name, values in extra.items():
-        batch[name] = torch.zeros(B, T)
-        for b, i in enumerate(idx):
-            batch[name][b, : len(values[i])] = values[i]
-    return {k: v.to(device) for k, v in batch.items()}
+def pack(batch: dict[str, torch.Tensor], units: list[list[int]], share: bool, device: torch.device) -> dict:
+    """Model inputs for the sequences of `units` (one micro-batch), each unit laid out as its prompt followed by
+    each member's response (shared prompts: the prompt runs once for the whole group), the units bin-packed into
+    rows as wide as the largest: input_ids / position_ids [R,W]; attention_mask [R,1,W,W] bool: a token sees the
+    tokens before it in its own unit, except other members' responses; rows [n]: the batch rows of the
+    micro-batch's sequences, in order; index [N]: where, in the flattened [R*W] rows, the state that predicts
+    each valid response token is, and dest [N] where that token is in the flattened [n,T] (N = sum of
+    response_mask over the rows). Without `share`, one sequence per row, right-padded, and a [R,W] mask."""
+    rows_of_units = bin_pack([unit_length(batch, u) for u in units]) if share else [[k] for k in range(len(units))]
+    W = max(unit_length(batch, u) for u in units)
+    R, T = len(rows_of_units), batch["responses"].shape[1]
+    ids, pos = torch.zeros(R, W, dtype=torch.long), torch.zeros(R, W, dtype=torch.long)
+    unit_id, member = torch.full((R, W), -1), torch.zeros(R, W, dtype=torch.long)  # -1: padding
+    order = [i for row in rows_of_units for k in row for i in units[k]]  # the micro-batch's rows, in layout order
+    source = torch.zeros(len(order), T, dtype=torch.long)  # [n,T] flat position of each token's predictor
+    n = 0
+    for r, row in enumerate(rows_of_units):
+        col = 0
+        for k in row:
+            first = units[k][0]
+            p = int(batch["prompt_lengths"][first])
+            ids[r, col : col + p], pos[r, col : col + p] = batch["prompts"][first, :p], torch.arange(p)
+            unit_id[r, col : col + p], prompt_end = k, col + p
+            col = prompt_end
+            for m, i in enumerate(units[k], start=1):
+                length = int(batch["response_lengths"][i])
+                ids[r, col : col + length] = batch["responses"][i, :length]
+                pos[r, col : col + length] = torch.arange(p, p + length)
+                unit_id[r, col : col + length], member[r, col : col + length] = k, m
+                # NOTE: the state at position t predicts token t + 1: the response's first token is scored at the
+                # prompt's last position, shared by the unit's members
+                if length:
+                    source[n, :length] = r * W + torch.cat([torch.tensor([prompt_end - 1]), torch.arange(col, col + length - 1)])
+                col, n = col + length, n + 1
+    valid = batch["response_mask"][order]  # [n,T]
+    mb = {"input_ids": ids, "position_ids": pos, "index": source[valid], "dest": valid.flatten().nonzero()[:, 0]}
+    if share:
+        q_unit, k_unit = unit_id[:, :, None], unit_id[:, None, :]  # [R,W,1], [R,1,W]
+        q_member, k_member = member[:, :, None], member[:, None, :]
+        causal = torch.ones(W, W, dtype=torch.bool).tril()  # [W,W]
+        seen = (q_unit == k_unit) & (k_unit >= 0) & causal & ((k_member == 0) | (k_member == q_member))  # [R,W,W]
+        mb["attention_mask"] = (seen | torch.eye(W, dtype=torch.bool))[:, None]  # [R,1,W,W] padding sees itself
+    else:
+        mb["attention_mask"] = (unit_id >= 0).long()  # [R,W]
+    return {**{k: v.to(device) for k, v in mb.items()}, "rows": torch.tensor(order)}
 
 
-def token_logprobs(model, mb: dict, temperature: float, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(response token) [B,T] under `model` at the rollout temperature, and the entropy [B,T]."""
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits  # [B,L,V]
-    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]  # [B,1]
-    logits = logits[rows, mb["positions"]].float() / temperature  # [B,T,V] response positions only
-    logp = torch.log_softmax(logits, dim=-1)  # [B,T,V]
-    out = logp.gather(-1, mb["targets"][..., None]).squeeze(-1)  # [B,T]
-    ent = -(logp.exp() * logp).sum(-1) if entropy else None  # [B,T]
-    return out, ent
+def bin_pack(lengths: list[int]) -> list[list[int]]:
+    """First-fit decreasing: indices of `lengths` in rows as wide as the largest."""
+    width, rows, room = max(lengths), [], []
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        r = next((r for r, free in enumerate(room) if free >= lengths[k]), None)
+        if r is None:
+            rows.append([])
+            room.append(width)
+            r = len(rows) - 1
+        rows[r].append(k)
+        room[r] -= lengths[k]
+    return rows
 
 
-def token_values(critic, mb: dict) -> torch.Tensor:
-    """The critic's value [B,T] of the state before each response token (0 on masked tokens, as veRL)."""
-    out = critic(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits  # [B,L,1]
-    rows = torch.arange(out.shape[0], device=out.device)[:, None]  # [B,1]
-    return out[rows, mb["positions"], 0].float() * mb["response_mask"]  # [B,T]
+CHUNK_ELEMENTS = 2**25  # logits materialised at once: [tokens, V] fp32 of at most 128 MB
+
+
+class TokenScorer(torch.nn.Module):
+    """What the trainer shards with FSDP2 (its root): an HF causal LM, or a critic, run on a packed micro-batch
+    (pack()), returning a value per response token of the micro-batch's sequences, as dense [n,T] tensors (0 on
+    masked tokens): the log-prob of each token at `temperature` and, if asked, the entropy of the distribution
+    it was drawn from (causal LM); the value of the state before it (critic, veRL's convention).
+    NOTE: the vocabulary projection runs on the scored positions only, in chunks of CHUNK_ELEMENTS logits, each
+    recomputed in the backward pass (activation checkpointing): Qwen's 152k vocabulary at 16k tokens would be
+    ~10 GB per fp32 tensor otherwise. A model whose head does more than a linear map (soft-capping, scaling)
+    is refused rather than scored wrongly."""
+
+    def __init__(self, model: PreTrainedModel, critic: bool = False) -> None:
+        super().__init__()
+        self.model, self.critic = model, critic
+        extras = [k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)]
+        if extras and not critic:
+            raise ValueError(f"{model.config.model_type}: the trainer's scorer supports a plain linear LM head; "
+                             f"this model also applies {extras}")
+
+    def forward(self, mb: dict, entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, T = len(mb["rows"]), mb["width"]
+        inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"],
+                  "position_ids": mb["position_ids"], "use_cache": False}
+        if self.critic:
+            values = self.model(**inputs).logits.flatten(0, 1)[mb["index"], 0].float()  # [N]
+            return scatter(values, mb["dest"], n, T), None
+        hidden = self.model.base_model(**inputs).last_hidden_state.flatten(0, 1)[mb["index"]]  # [N,H]
+        targets, temperature = mb["targets"], mb["temperature"]  # [N], [N]
+        head, step = self.model.get_output_embeddings(), max(1, CHUNK_ELEMENTS // self.model.config.vocab_size)
+        chunks = [(hidden[i : i + step], targets[i : i + step], temperature[i : i + step])
+                  for i in range(0, max(len(targets), 1), step)]
+        parts = [checkpoint(head_logprobs, *c, head, entropy, entropy_grad, use_reentrant=False) if len(chunks) > 1
+                 else head_logprobs(*c, head, entropy, entropy_grad) for c in chunks]
+        logp = scatter(torch.cat([p[0] for p in parts]), mb["dest"], n, T)  # [n,T]
+        ent = scatter(torch.cat([p[1] for p in parts]), mb["dest"], n, T) if entropy else None  # [n,T]
+        return logp, ent
+
+
+def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, head: torch.nn.Module,
+                  entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(head(hidden [N,H]) / temperature [N]) at the targets [N], and the entropy [N] (no gradient
+    unless entropy_grad: an entropy term with coefficient 0 is a metric only)."""
+    logits = head(hidden).float() / temperature[:, None]  # [N,V]
+    lse = logits.logsumexp(-1)  # [N]
+    logp = logits.gather(-1, targets[:, None])[:, 0] - lse  # [N]
+    if not entropy:
+        return logp, logp.new_zeros(0)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = lse - (logits.softmax(-1) * logits).sum(-1)  # [N]
+    return logp, ent
+
+
+def scatter(values: torch.Tensor, dest: torch.Tensor, n: int, T: int) -> torch.Tensor:
+    """[n,T] zeros with values [N] at the flat positions dest [N] (differentiable in values). NOTE: not a view of
+    a flat tensor: FSDP2 warns that an in-place op on a view returned by its root would skip its hooks."""
+    return values.new_zeros(n, T).index_put((dest // T, dest % T), values)
+
+
+def micro_batch(batch: dict[str, torch.Tensor], units: list[list[int]], share: bool, device: torch.device,
+                keys: tuple[str, ...] = ()) -> dict:
+    """pack() plus what the loss reads: targets [N], width T, and the step batch's [B,T] / [B] tensors `keys`
+    (and response_mask) at the micro-batch's rows, in layout order."""
+    mb = pack(batch, units, share, device)
+    rows = mb["rows"]
+    mb["width"] = T = batch["responses"].shape[1]
+    dest = mb["dest"].cpu()
+    mb["targets"] = batch["responses"][rows].flatten()[dest].to(device)  # [N]
+    mb["temperature"] = batch["temperature"][rows, None].expand(len(rows), T).flatten()[dest].to(device)  # [N]
+    for k in ("response_mask", *keys):
+        mb[k] = batch[k][rows].to(device)
+    return mb
 
 
 @torch.no_grad()
-def score(model, exps: list[Experience], cfg: Config, device, forward) -> list[torch.Tensor]:
-    """Per-experience `forward(model, micro-batch)` [B,T] (log-probs or values) as 1-D tensors of length R, no grad."""
-    t, out = cfg.trainer, [torch.empty(0)] * len(exps)
-    was_training = model.training
-    model.eval()
-    for idx in micro_batches([len(x.tokens) for x in exps], t.max_token_len_per_gpu, None if t.use_dynamic_bsz else t.log_prob_micro_batch_size_per_gpu):
-        values = forward(model, collate(exps, {}, idx, device))
-        for b, i in enumerate(idx):
-            out[i] = values[b, : exps[i].response_length].float().cpu()
-    model.train(was_training)
+def score(scorer: TokenScorer, batch: dict[str, torch.Tensor], mine: list[list[list[int]]], share: bool,
+          device: torch.device) -> torch.Tensor:
+    """log-probs (or values) [B,T] of this rank's micro-batches `mine`, zero on the other ranks' rows."""
+    out = torch.zeros(batch["responses"].shape)  # [B,T]
+    was_training = scorer.training
+    scorer.eval()
+    for units in mine:
+        mb = micro_batch(batch, units, share, device)
+        out[mb["rows"]] = scorer(mb)[0].float().cpu()
+    scorer.train(was_training)
     return out
 
 

@@ -12,7 +12,8 @@ Every metric goes to three places:
   `project`, run = `<name>_<role>`, as Trinity-RFT names them; offline in `<job dir>/monitor/` when no
   API key is set, so a run never blocks on a login), or none.
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
-time/, sync/.
+time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
+perf/max_memory_allocated_gb).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import json
 import logging
 import math
 import os
+import resource
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from configs.schema import Config
 
@@ -58,7 +62,10 @@ class Monitor:
             log.info("wandb run %s (%s) in %s", self.wandb.name, mode, self.dir)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        """Record one step's metrics; non-numbers and NaN go to the history only."""
+        """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
+        metrics = {**metrics, "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         numbers = {k: float(v) for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         self.history.write(json.dumps({"step": step, **metrics}, default=str) + "\n")

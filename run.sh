@@ -9,31 +9,34 @@ cd "$(dirname "$0")"
 VENV=.venv
 PY="$VENV/bin/python"
 
-setup() {
-  local stamp="$VENV/.setup-$(sha256sum pyproject.toml | cut -c1-16)"
-  [ -f "$stamp" ] && return 0
+setup() {  # $1: "" (the project) or "bench" (the project and its bench extra: TRL, for the tests)
+  local hash stamp
+  hash=$(sha256sum pyproject.toml | cut -c1-16)
+  stamp="$VENV/.setup-${1:+$1-}$hash"
+  [ -f "$stamp" ] || { [ -z "$1" ] && [ -f "$VENV/.setup-bench-$hash" ]; } && return 0
   python3 -c 'import sys; assert sys.version_info >= (3, 10), "nanorft needs Python >= 3.10"'
   echo "[run.sh] first use: creating $VENV and installing dependencies (a few minutes)"
-  local t0=$SECONDS
+  local t0=$SECONDS extras=${1:+[$1]}
   [ -x "$PY" ] || python3 -m venv "$VENV"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$PY" -m pip install -q -e .
+    "$PY" -m pip install -q -e ".$extras"
     echo "[run.sh] GPU found. For the vLLM rollout engine: $VENV/bin/pip install -e '.[gpu]'"
   else
     # NOTE: torch first, pinned: any other spec pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel here.
     "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q -e .
+    "$PY" -m pip install -q -e ".$extras"
   fi
-  rm -f "$VENV"/.setup-*
+  find "$VENV" -maxdepth 1 -name ".setup-*" ! -name "*$hash" -delete  # stamps of an older pyproject.toml
   touch "$stamp"
   echo "[run.sh] set-up done in $((SECONDS - t0)) s"
 }
 
-setup
 if [ "${1:-}" = "test" ]; then
+  setup bench  # the tests also run scripts/bench_vs_trl.py, whose other side is TRL
   shift
   exec "$PY" -m pytest -q "$@"
 fi
+setup ""
 CONFIG="${1:-configs/tiny.yaml}"
 [ $# -gt 0 ] && shift
 "$PY" tiny.py --out assets

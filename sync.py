@@ -30,9 +30,10 @@ on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source), the ex
     got = receive_weights(link)                        # (version, {name: tensor}), or None after "stop"
     close_receiver(link)
 
-The wire, per transfer n: the header (JSON: version, names, shapes, dtypes; or stop) is the store
-key `nanorft/header/<n>`; then each tensor, in header order, is broadcast as raw bytes (a uint8 view:
-bitwise exact for every dtype, no pickle anywhere); the explorer acks with `nanorft/ack/<n>`.
+The wire, per transfer n: the header (JSON: version, names, shapes, dtypes, buckets; or stop) is the store
+key `nanorft/header/<n>`; then the tensors, in header order, packed as raw bytes (uint8 views: bitwise exact
+for every dtype, no pickle anywhere) into buckets of up to BUCKET_BYTES, one broadcast per bucket; the explorer
+acks with `nanorft/ack/<n>`.
 Headers go through the store, not the group, so that "stop" never blocks on a departed explorer and a
 dead trainer is noticed at once (the store lives in the trainer's process: its sockets close).
 NOTE: the group itself is created at the first transfer (creating it blocks until both sides are
@@ -44,6 +45,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -131,6 +133,36 @@ def latest_weights(job_dir: str | Path) -> Path | None:
     return weights_path(job_dir, version) if version else None
 
 
+# --- when weights move: the one rule both sides follow
+
+
+def weights_needed(explorer_step: int, cfg: Any) -> int:
+    """The weights version an explorer must have after its step `explorer_step` before it goes on (sync_style
+    fixed): at every sync_interval-th step after the first sync_offset ones, the weights of the trainer step
+    that consumed its step explorer_step - sync_offset; 0 = no sync point, go on with what it has.
+    sync_offset 0 is on-policy: every step's rollout uses the weights trained on the step before."""
+    s, b = cfg.synchronizer, cfg.buffer
+    k = explorer_step - s.sync_offset
+    if k <= 0 or k % s.sync_interval:
+        return 0
+    return k * b.batch_size * cfg.algorithm.repeat_times // b.train_batch_size
+
+
+def publishes(train_step: int, cfg: Any, total: int) -> bool:
+    """Whether the trainer publishes (checkpoint method) or sends (process group) the weights of `train_step`
+    (of `total`). Fixed style: when they are what an explorer step waits for (weights_needed), that step not
+    being the explorer's last; the other styles, every sync_interval steps."""
+    s, b = cfg.synchronizer, cfg.buffer
+    if s.sync_style != "fixed":
+        return train_step % s.sync_interval == 0
+    per_step = b.batch_size * cfg.algorithm.repeat_times  # experiences an explorer step writes
+    first = -(-train_step * b.train_batch_size // per_step)  # explorer steps whose data ends at this train step
+    last = -(-(train_step + 1) * b.train_batch_size // per_step)
+    explorer_steps = total * b.train_batch_size // per_step
+    return any(weights_needed(k + s.sync_offset, cfg) == train_step and k + s.sync_offset < explorer_steps
+               for k in range(max(first, 1), max(last, first + 1)))
+
+
 # --- process-group method
 
 
@@ -200,10 +232,28 @@ def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float)
     return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir))
 
 
+BUCKET_BYTES = 256 * 2**20  # tensors travel packed into buffers of up to this size (a larger tensor: its own)
+
+
+def buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[list[int]]:
+    """The indices of `specs`, in order, grouped into buckets of at most BUCKET_BYTES (one broadcast each)."""
+    out: list[list[int]] = []
+    size = 0
+    for i, (_, shape, dtype) in enumerate(specs):
+        n = math.prod(shape) * dtype.itemsize
+        if not out or size + n > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += n
+    return out
+
+
 def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
                  tensors: Iterable[torch.Tensor]) -> int:
     """Send one version of the weights; returns the bytes sent. `tensors` yields the full tensors in
-    `specs` order, lazily (one full parameter at a time); each is cast to its spec's dtype.
+    `specs` order, lazily (one full parameter at a time); each is cast to its spec's dtype and copied into
+    its bucket (`buckets`), which is broadcast once full: few broadcasts, at most a bucket in extra memory.
     NOTE: call it on EVERY trainer rank, link=None on all but rank 0: producing the tensors
     (FSDP2 `full_tensor()`) is a collective, so the other ranks iterate too and drop them."""
     if link is None:
@@ -211,14 +261,19 @@ def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, t
             pass
         return 0
     header = {"version": version, "names": [n for n, _, _ in specs], "shapes": [list(s) for _, s, _ in specs],
-              "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs]}
+              "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs], "buckets": buckets(specs)}
     link.store.set(f"nanorft/header/{link.count}", json.dumps(header))
     link.count += 1
-    sent = 0
-    for (name, shape, dtype), t in zip(specs, tensors, strict=True):
-        if tuple(t.shape) != tuple(shape):
-            raise SyncError(f"{name}: tensor of shape {tuple(t.shape)}, spec says {tuple(shape)}")
-        buf = _as_bytes(t.detach().to(device=link.device, dtype=dtype))
+    sent, stream = 0, iter(tensors)
+    for bucket in header["buckets"]:
+        parts = []
+        for i in bucket:
+            name, shape, dtype = specs[i]
+            t = next(stream)
+            if tuple(t.shape) != tuple(shape):
+                raise SyncError(f"{name}: tensor of shape {tuple(t.shape)}, spec says {tuple(shape)}")
+            parts.append(_as_bytes(t.detach().to(device=link.device, dtype=dtype)))
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
         _broadcast(link, buf)
         sent += buf.numel()
     return sent
@@ -306,24 +361,30 @@ def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | N
         if not header["finished"]:
             raise SyncError("the trainer stopped on an error")
         return None
-    state = {}
+    state: dict[str, torch.Tensor] = {}
     try:
-        for name, shape, dtype_name in zip(header["names"], header["shapes"], header["dtypes"], strict=True):
-            dtype = getattr(torch, dtype_name)
-            if not isinstance(dtype, torch.dtype):
-                raise SyncError(f"{name}: unknown dtype {dtype_name!r} in the header")
-            numel = 1
-            for n in shape:
-                numel *= n
-            buf = torch.empty(numel * dtype.itemsize, dtype=torch.uint8, device=link.device)
+        specs = [(name, tuple(shape), _dtype(name, d)) for name, shape, d in
+                 zip(header["names"], header["shapes"], header["dtypes"], strict=True)]
+        for bucket in header["buckets"]:
+            sizes = [math.prod(specs[i][1]) * specs[i][2].itemsize for i in bucket]
+            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=link.device)
             _broadcast(link, buf)
-            state[name] = buf.view(dtype).view(shape)
+            for i, part in zip(bucket, buf.split(sizes)):  # views into the bucket: no copies
+                name, shape, dtype = specs[i]
+                state[name] = part.view(dtype).view(shape)
     except SyncError:
         raise
     except RuntimeError as e:  # gloo: "Connection closed by peer" when the trainer dies mid-transfer
         raise SyncError(f"weight transfer {link.count} broke after {len(state)} tensors: {str(e).splitlines()[0]}") from e
     _ack(link)
     return header["version"], state
+
+
+def _dtype(name: str, dtype_name: str) -> torch.dtype:
+    dtype = getattr(torch, dtype_name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise SyncError(f"{name}: unknown dtype {dtype_name!r} in the header")
+    return dtype
 
 
 def _ack(link: WeightLink) -> None:
@@ -356,6 +417,7 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
     trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
     then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
+    `model` (and the critic's) is the trainer's FSDP2 root, a models.TokenScorer: its `.model` is the HF model.
     `weights`: the full state when the sync phase just published this step's HF folder (else None);
     `keep`: delete older checkpoints beyond this many; `state`: small JSON trainer state (e.g. the adaptive
     KL coefficient) kept in actor/trainer_state.json. Every rank must call it.
@@ -381,10 +443,10 @@ def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: 
     """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic)."""
     osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
-    weights = weights if published else full_state(model)
+    weights = weights if published else full_state(model.model)
     if rank == 0:
         if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
-            save_hf(model, tokenizer, folder / "huggingface", weights)
+            save_hf(model.model, tokenizer, folder / "huggingface", weights)
         tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
         write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
         write_atomic(folder / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(

@@ -70,6 +70,8 @@ class Options:
     n_test: int = opt(200, "test rows, no question shared with train")
     max_operand: int = opt(9, "largest number in a + or - step (difficulty)")
     two_step_frac: float = opt(0.0, "fraction of two-step problems, in [0, 1] (difficulty)")
+    problems: str = opt("mixed", "question forms: mixed (word problems and 'What is a - b?'), word, or plain "
+                                 "('What is a - b?' only: short prompts)")
     seed: int = opt(0, "seeds both the problems and the model init")
     hidden_size: int = opt(128, "model width")
     num_layers: int = opt(4, "decoder layers")
@@ -106,10 +108,11 @@ PLAIN = [("What is {a}" + "".join(f" {op} {{{v}}}" for op, v in zip(ops, "bc")) 
 TEMPLATES = WORD + PLAIN
 
 
-def make_problem(rng: random.Random, max_operand: int, two_step_frac: float) -> dict[str, str]:
+def make_problem(rng: random.Random, max_operand: int, two_step_frac: float, problems: str = "mixed") -> dict[str, str]:
     """One GSM8K-style row: a question and a worked answer whose last line is `#### N`."""
     n_steps = 2 if rng.random() < two_step_frac else 1
-    text, ops = rng.choice([t for t in TEMPLATES if len(t[1]) == n_steps])
+    forms = {"mixed": TEMPLATES, "word": WORD, "plain": PLAIN}[problems]
+    text, ops = rng.choice([t for t in forms if len(t[1]) == n_steps])
     # Times-table factors (2..9) keep products <= 81; a subtrahend never exceeds the running
     # value, so every intermediate result and answer is a non-negative integer.
     value = rng.randint(2, 9) if ops[0] == "*" else rng.randint(1, max_operand)
@@ -163,7 +166,7 @@ def make_taskset(o: Options) -> tuple[list[dict[str, str]], list[dict[str, str]]
     """(train, test): unique questions from one seeded stream; the first n_test are the test set."""
     rng, seen, rows = random.Random(o.seed), set(), []
     for _ in range(50 * (o.n_train + o.n_test)):  # bounded: tiny knobs can exhaust the space
-        row = make_problem(rng, o.max_operand, o.two_step_frac)
+        row = make_problem(rng, o.max_operand, o.two_step_frac, o.problems)
         if row["question"] not in seen:
             seen.add(row["question"])
             rows.append(row)
@@ -250,6 +253,8 @@ def is_complete(out: Path, args: dict) -> dict | None:
 def build(out: str, **options: Any) -> dict:
     """Build into `out` (see the module docstring); `options` are Options' fields."""
     t0, o = time.time(), Options(**options)  # unknown option -> TypeError naming it
+    if o.problems not in ("mixed", "word", "plain"):
+        raise ValueError(f"problems must be mixed, word or plain, got {o.problems!r}")
     root, args = Path(out), asdict(o)
     if manifest := is_complete(root, args):
         return {**manifest, "built": False, "seconds": time.time() - t0}

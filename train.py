@@ -9,42 +9,49 @@ Launch lines:
     torchrun --standalone --nproc_per_node 2 train.py --config tiny.yaml --mode train   # FSDP2 on 2 ranks
     python train.py --config tiny.yaml --dry-run         # print the resolved config
 
-What one train step does, straight down `train()`:
-    read train_batch_size experiences (rank 0 claims them in the DB, the other ranks read the same ids)
-    -> shard the batch over ranks (length-balanced) -> old log-probs (ref log-probs when a piece needs
-    them, critic values for GAE) -> reward shaping and KL penalty -> advantages over the whole batch ->
-    ppo_epochs x mini-batches x token-budget micro-batches of the value loss (critic), then of policy
-    loss + KL loss + entropy loss (actor): gradient accumulation, grad clip, AdamW -> publish weights
-    (checkpoint files or the process group)
-    every sync_interval steps -> checkpoint every save_interval steps -> log.
+One train step, straight down `train()`, a phase function each:
+    read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
+    batch       the step batch, dense tensors built once (models.step_batch) that every later phase reads and
+                extends; this rank's share of it, cut into mini-batches of micro-batches of packed units
+    score       old log-probs (not when the step makes one update: they are the current ones), reference
+                log-probs, critic values; each summed over ranks, so that every rank holds the whole batch
+    rewards     scores (+ DAPO's overlong shaping) on each response's last token, minus the KL penalty
+    advantages  the advantage function over the whole batch
+    update      ppo_epochs x mini-batches x micro-batches of the value loss (critic), then of the policy
+                loss + KL loss + entropy term (actor): accumulated gradients, clipped, one AdamW step each
+    publish     the weights for the explorer (checkpoint files or the process group) when one waits for them
+    checkpoint  every save_interval steps
+    log         metrics
 
 Deviations from veRL / Trinity-RFT:
-- Padding is not removed by packing (that needs flash-attn's varlen kernels); instead sequences are
-  sorted by length and cut into micro-batches under a token budget (`max_token_len_per_gpu`, counted
-  with padding), which leaves little padding in practice.
-- The learning rate is a function of the step (warm-up, then constant or cosine down to
-  min_lr_ratio), set before each optimizer step; the scheduler has no state to save.
-- Checkpoints are the HF folder plus the full optimizer state in safetensors (gathered on rank 0)
-  instead of per-rank sharded .pt files; no pickle anywhere.
-- A GRPO group split across two batches (possible only when an explorer drops a task) is normalised
-  within each part.
-- PPO: the critic is AutoModelForTokenClassification (one label) on the actor's architecture, as veRL's;
-  each step updates the critic first, then the actor, on the same mini-batches. Advantages for every
-  algorithm are computed here, in the trainer, on the whole batch (Trinity computes group advantages in
-  the explorer); a DPO pair stays on one rank and in one micro-batch.
+- Packing (trainer.use_remove_padding, on by default) lays each group's prompt out once, followed by each of
+  its responses, with an attention mask that lets a response see the prompt and itself (models.pack): the
+  model runs on every distinct token once. veRL packs sequences but repeats a group's prompt n times. The
+  micro-batch token budget counts packed tokens (veRL's default 16384 tokens per GPU).
+- The learning rate is a function of the step (warm-up, then constant or cosine down to min_lr_ratio), set
+  before each optimizer step; the scheduler has no state to save.
+- Checkpoints are the HF folder plus the full optimizer state in safetensors (gathered on rank 0) instead of
+  per-rank sharded .pt files; no pickle anywhere.
+- A GRPO group split across two batches (possible only when an explorer drops a task) is normalised within
+  each part.
+- PPO: the critic is AutoModelForTokenClassification (one label) on the actor's architecture, as veRL's; each
+  step updates the critic first, then the actor, on the same mini-batches. Advantages for every algorithm are
+  computed here, in the trainer, on the whole batch (Trinity computes group advantages in the explorer); a
+  DPO pair stays on one rank and in one micro-batch.
+- seq-mean-token-sum-norm divides by model.max_response_tokens (Dr.GRPO's constant), whatever the batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
-import json
 import logging
 import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -58,18 +65,18 @@ import sync
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
 from algos.kl import adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, place_scores
-from algos.sample import tied_groups
 from algos.utils import masked_mean
-from buffer import DataError, Experience, ExperienceDB, read_rows
+from buffer import Experience
 from configs.schema import OptimizerConfig
-from models import (collate, fingerprint, file_units, load_critic, load_model, load_tokenizer, micro_batches, pick, score,
-                    token_logprobs, token_values)
+from models import (TokenScorer, load_critic, load_model, load_tokenizer, micro_batch, micro_batches, pack_units, score,
+                    step_batch, unit_length)
 from monitor import Monitor
+from source import Source
 
 log = logging.getLogger("nanorft.train")
 
 
-# --- distributed set-up and the model
+# --- distributed set-up and the models
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -86,18 +93,20 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(path: str, cfg: configs.Config, device: torch.device, trainable: bool, critic: bool = False) -> torch.nn.Module:
-    """An HF causal LM (or, `critic`, the value model) sharded with FSDP2: each decoder layer, then the root."""
+def build_model(path: str, cfg: configs.Config, device: torch.device, trainable: bool, critic: bool = False) -> TokenScorer:
+    """An HF causal LM (or, `critic`, the value model) in a models.TokenScorer, sharded with FSDP2: each decoder
+    layer, then the scorer (the root: embeddings, final norm and head)."""
     t = cfg.trainer
-    model = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+    hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
     if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cuda = device.type == "cuda"
     # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 throughout on CPU.
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
     if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
-    for layer in model.model.layers:
+    model = TokenScorer(hf, critic=critic)
+    for layer in hf.base_model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
     model.train(trainable)
@@ -117,179 +126,292 @@ def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
     return o.lr
 
 
-# --- reading experiences
-
-
-class Source:
-    """Where train batches come from: the experience DB (claims), or offline data files
-    (`experience_buffer.storage_type: file`, schema_type sft or dpo) read in a seeded order per epoch.
-    A sample strategy may add expert rows from an auxiliary buffer to each batch (mix).
-    `ended` (rank 0): the DB will get no more experiences (every explorer that wrote to it finished)."""
-
-    def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
-        self.cfg, self.rank, self.device, self.ended = cfg, rank, device, False
-        eb, aux = cfg.buffer.trainer_input.experience_buffer, cfg.buffer.trainer_input.auxiliary_buffers
-        self.units: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
-        self.expert: list[list[Experience]] = []  # the auxiliary buffer's rows (mix)
-        self.expert_ratio, self.refills, self.dropped_groups = 0.0, False, 0
-        self.paired = eb.storage_type == "file" and eb.schema_type == "dpo"
-        if eb.storage_type == "file":
-            self.units = file_units(eb, tokenizer, cfg.model.max_model_len)
-            self.per_step = max(cfg.buffer.train_batch_size // len(self.units[0]), 1)  # rows (pairs) per step
-            return
-        self.db = ExperienceDB(eb.path)
-        self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
-        a = cfg.algorithm
-        self.strategy = lookup("sample_strategy", a.sample_strategy, a.sample_strategy_args)
-        first = self.strategy[0](1, self.strategy[1])  # what the strategy asks of the reader (algos/sample.py)
-        self.refills = "refill_rounds" in first
-        expert = first.get("expert")  # (auxiliary buffer name, fraction of the batch)
-        if expert:
-            if expert[0] not in aux:
-                raise DataError(f"algorithm.sample_strategy {a.sample_strategy} reads buffer.trainer_input.auxiliary_buffers."
-                                f"{expert[0]}, which is not configured (have: {', '.join(aux) or 'none'})")
-            self.expert, self.expert_ratio = file_units(aux[expert[0]], tokenizer, cfg.model.max_model_len), expert[1]
-            for x in (x for unit in self.expert for x in unit):
-                x.info["expert"] = True
-
-    def total_steps(self) -> int:
-        b = self.cfg.buffer
-        if b.total_steps:
-            return b.total_steps
-        if self.units:
-            return math.ceil(len(self.units) / self.per_step) * b.total_epochs
-        tasks = sum(len(read_rows(ts.path, ts.subset_name, ts.split)) for ts in b.explorer_input.tasksets)
-        return math.ceil(tasks * b.total_epochs * self.cfg.algorithm.repeat_times / b.train_batch_size)
-
-    def read(self, step: int) -> list[Experience]:
-        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
-        n = self.cfg.buffer.train_batch_size
-        if self.units:  # a pure function of the step, so a resumed run continues exactly
-            return pick(self.units, (step - 1) * self.per_step, self.per_step, "sft")
-        # mix: expert rows on top of the train_batch_size RL experiences, `ratio` of the whole batch
-        n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
-        expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
-        eb = self.cfg.buffer.trainer_input.experience_buffer
-        ids = torch.zeros(n + 2, dtype=torch.long, device=self.device)  # [count, ended, ids...]
-        if self.rank == 0:
-            fn, strategy_cfg = self.strategy
-            want = fn(step, strategy_cfg)
-            claim = functools.partial(self.db.claim, step=step, timeout=eb.max_read_timeout, priority=eb.use_priority_queue,
-                                      reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay, partial=False,
-                                      waiting=self.waiting(step), min_version=want.get("min_version", 0))
-            got, self.dropped_groups = claim(n), 0
-            for _ in range(want.get("refill_rounds", 0)):  # dynamic sampling: replace groups whose rewards tie
-                tied = tied_groups([x.group_id or str(x.id) for x in got], [x.reward for x in got])
-                kept = [x for x in got if (x.group_id or str(x.id)) not in tied]
-                # NOTE: refills take what is already written and never wait: a synchronous explorer writes
-                # the next step only after this one, so there the tied groups are just dropped.
-                more = claim(len(got) - len(kept), timeout=0.0, partial=True) if tied else []
-                if not tied or not kept + more:  # nothing to replace them with: keep them (zero advantage)
-                    break
-                self.dropped_groups += len(tied)
-                got = kept + more
-            ids[:2] = torch.tensor([len(got), self.ended])
-            ids[2 : len(got) + 2] = torch.tensor([x.id for x in got], dtype=torch.long)
-        dist.broadcast(ids, src=0)
-        self.ended = bool(ids[1])
-        got = got if self.rank == 0 else self.db.get(ids[2 : int(ids[0]) + 2].tolist())
-        return got + expert if got else []
-
-    def explorers(self) -> str:
-        """What the explorers that write to the DB last recorded, for log lines."""
-        now, states = time.time(), {k[9:]: json.loads(v) for k, v in self.db.meta_items("explorer/").items()}
-        return "; ".join(f"{name} at step {x['step']}" + (" (finished)" if x.get("finished") else
-                         f", last wrote {now - x.get('time', now):.0f} s ago") for name, x in states.items()) or \
-            "none has written to this DB yet"
-
-    def waiting(self, step: int):
-        """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every
-        explorer that wrote to the DB has finished."""
-        eb, next_note = self.cfg.buffer.trainer_input.experience_buffer, [5.0]
-
-        def check(have: int, waited: float) -> bool:
-            states = [json.loads(v) for v in self.db.meta_items("explorer/").values()]
-            if states and all(x.get("finished") for x in states):
-                self.ended = True
-                return True
-            if waited >= next_note[0]:
-                next_note[0] = waited + 30
-                set_status(self.db, step - 1, "waiting")
-                log.info("train step %d: waiting for experiences: %d of %d ready after %.0f s (gives up after "
-                         "max_read_timeout %g s); explorers: %s", step, have, self.cfg.buffer.train_batch_size,
-                         waited, eb.max_read_timeout, self.explorers())
-            return False
-
-        return check
-
-
-def set_status(db: ExperienceDB, step: int, status: str) -> None:
-    """The trainer's state in the DB (an explorer waiting for weights reads it): its last finished
-    step and "training", "waiting" (for experiences), "finished" or "stopped"."""
-    db.set_meta("trainer", json.dumps({"step": step, "status": status, "time": time.time(), "pid": os.getpid()}))
-
-
-# --- batches
-
-
-def gather_rows(rows: list[torch.Tensor], mine: list[int], B: int, T: int, device: torch.device) -> torch.Tensor:
-    """[B,T] on every rank from each rank's 1-D rows (row k of this rank is batch row mine[k])."""
-    out = torch.zeros(B, T, dtype=torch.float64, device=device)
-    for k, i in enumerate(mine):
-        out[i, : len(rows[k])] = rows[k].to(device)
-    dist.all_reduce(out)
-    return out.float().cpu()
-
-
-# --- weights out: publish for the explorer, save a checkpoint, resume
-
-
-# --- main
-
-
-def lookup(kind: str, name: str, args: dict):
+def lookup(kind: str, name: str, args: dict) -> tuple[Callable, Any]:
     """(function, validated Config) of an algos/ piece named in the config."""
-    return algos.REGISTRIES[kind][name][0], algos.make_config(kind, name, args, f"algorithm.{kind}_args")
+    return algos.REGISTRIES[kind][name][0], configs.piece_config(kind, name, args)
 
 
-def reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum over ranks of each number (an all-reduce of one small tensor)."""
-    x = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(x)
-    return x.tolist()
+# --- set-up: what every phase uses
 
 
-def update(model, optim, my: list[Experience], extra: dict, minis: list[list[list[int]]], loss_fn, mode: str,
-           fixed: int | None, grad_clip: float, lr: float, prefix: str, cfg: configs.Config, device, world: int, step: int):
-    """ppo_epochs x mini-batches (lists of units of `my`) x micro-batches (a token budget, or `fixed`
-    sequences) of loss_fn(micro-batch) -> (loss, metrics): gradients accumulated with each micro-batch's share
-    of the mini-batch's tokens (token-mean `mode`) or sequences, clipped, then one AdamW step at `lr` per
-    mini-batch. Returns (this rank's metrics averaged over updates, gradient norms, skipped steps)."""
-    t = cfg.trainer
-    lengths, filler = [len(x.tokens) for x in my], next((u for m in minis for u in m), [0])
-    sums: dict[str, float] = {}
-    norms, skipped = [], 0
-    for _ in range(t.ppo_epochs):
-        for mini in minis:
-            micro = micro_batches(lengths, t.max_token_len_per_gpu, fixed, mini) if mini else []
-            counted = [collate(my, {}, m, torch.device("cpu"))["response_mask"] for m in micro]
-            count = [float(c.sum()) if mode == "token-mean" else float(c.any(-1).sum()) for c in counted]
-            (total_count,) = reduce_sum([sum(count)], device)
+@dataclasses.dataclass
+class Parts:
+    """What set-up builds; the step's phases read it (and the KL coefficients change)."""
+
+    cfg: configs.Config
+    rank: int
+    world: int
+    device: torch.device
+    tokenizer: Any
+    actor: TokenScorer  # the FSDP2 root around the HF model
+    optim: torch.optim.Optimizer
+    ref: TokenScorer | None  # the reference model, when a piece needs reference log-probs
+    critic: TokenScorer | None  # the value model (GAE)
+    critic_optim: torch.optim.Optimizer | None
+    pieces: dict[str, tuple[Callable, Any]]  # algos/ kind -> (function, Config)
+    kl_coef: dict[str, float]  # kl_loss_fn / kl_penalty_fn coefficients (adaptive ones change; checkpointed)
+    source: Source
+    total: int  # the last step
+    resume: int  # the checkpoint step this run started from
+    temperatures: dict[str, float]  # taskset name -> the temperature its rollouts were sampled at
+    sender: sync.WeightLink | None  # process-group weight sync (rank 0)
+    monitor: Monitor | None  # rank 0
+
+    @property
+    def rl(self) -> bool:  # offline losses (sft, dpo) need neither old log-probs nor advantages
+        return "advantage_fn" in self.pieces
+
+    @property
+    def share(self) -> bool:  # trainer.use_remove_padding: pack, each group's prompt laid out once
+        return self.cfg.trainer.use_remove_padding
+
+
+def set_up(cfg: configs.Config) -> Parts | None:
+    """Process group, models and optimizers, loss pieces, data source; resumes from the last checkpoint.
+    None (after a message) when the run directory has checkpoints and continue_from_checkpoint is false."""
+    rank, world, device = setup_distributed()
+    a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
+    torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
+    resume = sync.latest_checkpoint(job)
+    if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
+        log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
+                  "or choose another name (the explorer and trainer must share one)", job, resume)
+        return None
+    tokenizer = load_tokenizer(cfg.model.model_path)
+    pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
+              "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn") if not (k == "advantage_fn" and a.advantage_fn == "none")}
+    actor = build_model(str(sync.weights_path(job, resume)) if resume else cfg.model.model_path, cfg, device, True)
+    # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
+    needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
+    use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
+    critic_path = str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface") if resume else \
+        cfg.model.critic_model_path
+    critic = build_model(critic_path, cfg, device, True, critic=True) if "values" in needs else None
+    source = Source(cfg, tokenizer, rank, device)
+    p = Parts(cfg, rank, world, device, tokenizer, actor, adamw(actor, a.optimizer.lr, a.optimizer),
+              build_model(cfg.model.model_path, cfg, device, False) if use_ref else None,
+              critic, adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
+              pieces, {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")}, source, source.total_steps(),
+              resume, {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
+              None, Monitor(cfg, role=t.name) if rank == 0 else None)
+    resume_state(p)
+    if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
+        p.sender = sync.open_sender(job, device, cfg.synchronizer.sync_timeout)
+    if rank == 0:
+        log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
+                 "%d step(s), packing: %s", world, device.type, resume + 1, p.total, a.advantage_fn, a.policy_loss_fn,
+                 p.ref is not None, critic is not None, cfg.synchronizer.sync_method, cfg.synchronizer.sync_interval,
+                 "shared prompts" if p.share else "off (padded rows)")
+    return p
+
+
+def adamw(model: torch.nn.Module, lr: float, o: OptimizerConfig, weight_decay: float | None = None) -> torch.optim.AdamW:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas),
+                             weight_decay=o.weight_decay if weight_decay is None else weight_decay)
+
+
+def resume_state(p: Parts) -> None:
+    """Optimizer states, RNG and adaptive KL coefficients of the checkpoint the weights came from; rank 0 rewinds
+    the published-weights pointer and gives back the DB claims of later steps."""
+    job = p.cfg.checkpoint_job_dir
+    if p.resume:
+        critic = (p.critic, p.critic_optim) if p.critic else None
+        saved = sync.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
+        adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
+        p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
+        if p.rank == 0:
+            sync.set_latest(job, p.resume)
+            log.info("resumed from checkpoint step %d of %s", p.resume, job)
+    if p.rank == 0 and not p.source.units:
+        # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
+        if p.cfg.continue_from_checkpoint:
+            log.info("%d experience claims of steps after %d released", p.source.db.release_after(p.resume), p.resume)
+        p.source.db.set_trainer_status(p.resume, "training")
+
+
+# --- one step's phases, in run order
+
+LOSS_KEYS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs",
+             "has_rollout_logprobs", "expert_mask", "rewards", "group_index")  # step batch keys a loss may read
+
+
+def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[list[int]]]]]:
+    """The step batch (models.step_batch), and this rank's share of it as a plan: mini-batches of
+    micro-batches of units (lists of batch rows laid out together: a group sharing its prompt, a DPO pair)."""
+    t = p.cfg.trainer
+    batch = step_batch(exps, p.cfg.model.max_response_tokens, p.temperatures)
+    rows = list(range(len(exps)))
+    units = pack_units(batch, rows, p.share, t.max_token_len_per_gpu, p.source.paired)
+    if len(units) < p.world:  # too few groups for the ranks: share them out sequence by sequence
+        units = pack_units(batch, rows, False, t.max_token_len_per_gpu, p.source.paired)
+    if len(units) < p.world:
+        raise RuntimeError(f"{len(exps)} experiences cannot be shared by {p.world} ranks")
+    units.sort(key=lambda u: -unit_length(batch, u))  # dealt round-robin, largest first: balanced ranks
+    mine = units[p.rank :: p.world]
+    n_mini = max(1, round(len(exps) / t.ppo_mini_batch_size))
+    fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
+    plan = [micro_batches(batch, mine[k::n_mini], t.max_token_len_per_gpu, fixed) for k in range(n_mini)]
+    return batch, plan
+
+
+def all_sum(x: torch.Tensor, p: Parts) -> torch.Tensor:
+    """Sum over ranks of a [B,T] tensor that each rank filled at its own rows (zeros elsewhere)."""
+    if p.world > 1:
+        y = x.to(p.device, torch.float64)
+        dist.all_reduce(y)
+        x = y.to("cpu", x.dtype)
+    return x
+
+
+def score_batch(p: Parts, batch: dict, plan: list) -> None:
+    """old_logprobs (when needed), ref_logprobs, values: [B,T] each, the same on every rank."""
+    a, t = p.cfg.algorithm, p.cfg.trainer
+    mine = [micro for mini in plan for micro in mini]
+    # NOTE: with one update per step (one epoch, one mini-batch, no KL penalty reading them) the weights have
+    # not moved when a micro-batch's loss is computed: old log-probs are the current ones, detached; no pass.
+    one_update = t.ppo_epochs == 1 and len(plan) == 1 and a.kl_penalty_fn == "none"
+    if p.rl and not one_update:
+        batch["old_logprobs"] = all_sum(score(p.actor, batch, mine, p.share, p.device), p)
+    if p.ref is not None:
+        batch["ref_logprobs"] = all_sum(score(p.ref, batch, mine, p.share, p.device), p)
+    if p.critic is not None:
+        batch["values"] = all_sum(score(p.critic, batch, mine, p.share, p.device), p)
+
+
+def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
+    """token_level_rewards [B,T]: each score (+ DAPO's overlong shaping) on its response's last token, minus
+    kl_coef x KL(old, ref) on every token with a KL penalty."""
+    if not p.rl:
+        return {}
+    a, metrics = p.cfg.algorithm, {}
+    scores, rl = batch["rewards"], ~batch["expert"]  # [B], [B]
+    if a.overlong_reward.enable:
+        shaping = overlong.penalty(batch["response_lengths"].float(), p.cfg.model.max_response_tokens, a.overlong_reward)  # [B]
+        scores = scores + shaping  # [B]
+        metrics["critic/overlong_penalty/mean"] = shaping[rl].mean().item()
+    if a.kl_penalty_fn == "none":
+        batch["token_level_rewards"] = place_scores(scores, batch["response_mask"])  # [B,T]
+        return metrics
+    kl_cfg = dataclasses.replace(p.pieces["kl_penalty_fn"][1], kl_coef=p.kl_coef["kl_penalty_fn"])
+    inputs = {k: batch[k] for k in ("response_mask", "old_logprobs", "ref_logprobs")} | {"rewards": scores}
+    batch["token_level_rewards"], kl_metrics = kl_penalty(inputs, kl_cfg, a.kl_penalty_fn)  # [B,T]
+    return metrics | {f"critic/{k}": v for k, v in kl_metrics.items()}
+
+
+def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
+    """advantages / returns [B,T] of the RL rows (expert rows keep 0); groups that the advantage function
+    filters out (std_threshold) leave the loss: their rows keep their place with an empty response_mask."""
+    if not p.rl:
+        return {}
+    fn, adv_cfg = p.pieces["advantage_fn"]
+    rl = ~batch["expert"]  # [B]
+    sub = {"token_level_rewards": batch["token_level_rewards"][rl], "response_mask": batch["response_mask"][rl],
+           "group_index": batch["group_index"][rl].unique(return_inverse=True)[1]}  # groups numbered 0..G-1
+    sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
+    if "values" in batch:
+        sub["values"] = batch["values"][rl]  # [B_rl,T]
+    adv, adv_metrics = fn(sub, adv_cfg)
+    batch["advantages"], batch["returns"] = torch.zeros_like(batch["rollout_logprobs"]), torch.zeros_like(batch["rollout_logprobs"])
+    batch["advantages"][rl], batch["returns"][rl] = adv["advantages"], adv["returns"]
+    if "keep" in adv:
+        rows = rl.nonzero()[:, 0][~adv["keep"]]  # [dropped]
+        batch["response_mask"][rows] = False
+    valid = sub["response_mask"]
+    metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
+        "critic/score/mean": sub["rewards"].mean().item(), "critic/score/max": sub["rewards"].max().item(),
+        "critic/score/min": sub["rewards"].min().item(), "critic/advantages/mean": adv["advantages"][valid].mean().item(),
+        "critic/advantages/max": adv["advantages"].max().item(), "critic/advantages/min": adv["advantages"].min().item(),
+        "critic/returns/mean": adv["returns"][valid].mean().item()}
+    if "values" in sub:
+        metrics["critic/values/mean"] = sub["values"][valid].mean().item()
+    return metrics
+
+
+def actor_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """The actor's loss on one micro-batch: policy loss + KL loss + entropy term."""
+    a = p.cfg.algorithm
+    (policy_fn, policy_cfg), (entropy_fn, entropy_cfg) = p.pieces["policy_loss_fn"], p.pieces["entropy_loss_fn"]
+    logp, ent = p.actor(mb, entropy=True, entropy_grad=entropy_cfg.entropy_coef != 0)  # [n,T], [n,T]
+    if p.rl and "old_logprobs" not in mb:
+        mb["old_logprobs"] = logp.detach()  # [n,T] one update per step: ratio exactly 1 (score_batch)
+    m = {}
+    if p.rl and mb["has_rollout_logprobs"].any():  # truncated IS weights (rollout -> old policy) scale the advantages
+        rc = a.rollout_correction
+        w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [n,T]
+                                  mb["response_mask"] & mb["has_rollout_logprobs"][:, None], rc.rollout_is, rc.rollout_is_threshold)
+        mb["advantages"] = mb["advantages"] * w  # [n,T]
+    loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
+    m |= pm
+    if a.kl_loss_fn != "none":
+        kl_cfg = dataclasses.replace(p.pieces["kl_loss_fn"][1], kl_coef=p.kl_coef["kl_loss_fn"])
+        kl_term, km = kl_loss(logp, mb, kl_cfg, a.loss_agg_mode, a.kl_loss_fn)  # []
+        loss, m = loss + kl_term, m | km
+    ent_loss, em = entropy_fn(ent, mb, entropy_cfg, a.loss_agg_mode)  # []
+    return loss + ent_loss.to(loss.device), m | em | {"entropy": masked_mean(ent.detach(), mb["response_mask"]).item()}
+
+
+def critic_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """The critic's clipped value loss on one micro-batch."""
+    values = p.critic(mb)[0]  # [n,T]
+    return value_loss.compute(values, mb, value_loss.Config(p.cfg.trainer.critic.cliprange_value), p.cfg.algorithm.loss_agg_mode)
+
+
+def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
+    """The critic (when there is one), then the actor (after critic_warmup steps): see optimize(). Returns the
+    metrics averaged over ranks and updates; the adaptive KL controllers take their step."""
+    a, t = p.cfg.algorithm, p.cfg.trainer
+    sums, norms, skipped = {}, [], 0
+    if p.critic is not None:
+        lr = lr_at(step, dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1, lr_scheduler_type="constant",
+                                             lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio), p.total)
+        sums, critic_norms, _ = optimize(p, p.critic, p.critic_optim, batch, plan, critic_loss, a.loss_agg_mode,
+                                         lr, t.critic.grad_clip, "critic/", step)
+        sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / p.world, "critic/lr": lr / p.world}
+    if p.critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
+        mode = getattr(p.pieces["policy_loss_fn"][1], "AGG", a.loss_agg_mode)  # a loss with a fixed aggregation says so
+        actor_sums, norms, skipped = optimize(p, p.actor, p.optim, batch, plan, actor_loss, mode,
+                                              lr_at(step, a.optimizer, p.total), t.grad_clip, "actor/", step)
+        sums |= actor_sums
+    keys = sorted(sums)
+    metrics = dict(zip(keys, reduce_sum([sums[k] for k in keys], p.device)))
+    for k in ("kl_loss_fn", "kl_penalty_fn"):  # the adaptive KL controller (Ziegler et al.)
+        measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
+        if p.pieces[k][1].adaptive and measured is not None:
+            p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, len(batch["rewards"]), p.pieces[k][1])
+            metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = p.kl_coef[k]
+    return metrics | {"actor/lr": lr_at(step, a.optimizer, p.total), "actor/skipped_steps": skipped,
+                      "actor/grad_norm": sum(norms) / max(len(norms), 1)}
+
+
+def optimize(p: Parts, model: TokenScorer, optim: torch.optim.Optimizer, batch: dict, plan: list, loss_fn: Callable,
+             mode: str, lr: float, grad_clip: float, prefix: str, step: int) -> tuple[dict[str, float], list[float], int]:
+    """ppo_epochs x the plan's mini-batches x their micro-batches of loss_fn(p, micro-batch) -> (loss, metrics):
+    gradients accumulated with each micro-batch's share of the mini-batch's tokens (token-mean `mode`) or of its
+    sequences with tokens (the seq-mean modes), so that any cut (micro-batches, ranks) gives the gradient of the
+    whole mini-batch; clipped, then one AdamW step at `lr`. Returns (this rank's metrics averaged over updates,
+    gradient norms, skipped steps)."""
+    sums, norms, skipped, epochs = {}, [], 0, p.cfg.trainer.ppo_epochs
+    keys = tuple(k for k in LOSS_KEYS if k in batch)
+    for _ in range(epochs):
+        for mini in plan:
+            masks = [batch["response_mask"][[i for u in micro for i in u]] for micro in mini]  # [n,T] each
+            count = [float(m.sum()) if mode == "token-mean" else float(m.any(-1).sum()) for m in masks]
+            (total_count,) = reduce_sum([sum(count)], p.device)
             # NOTE: every rank must run the same number of forward/backward passes (FSDP collectives):
-            # ranks with fewer micro-batches run a repeat of one with weight 0.
-            n_micro = int(max(reduce_max(len(micro), device), 1))
+            # ranks with fewer micro-batches run a repeat of their first with weight 0.
+            n_micro = int(max(reduce_max(len(mini), p.device), 1))
             if total_count == 0:  # every row of this mini-batch was filtered out, on every rank
                 continue
             optim.zero_grad(set_to_none=True)
             for k in range(n_micro):
-                idx, share = (micro[k], count[k] / total_count) if k < len(micro) else (filler, 0.0)
-                loss, m = loss_fn(collate(my, extra, idx, device))
+                units, share = (mini[k], count[k] / total_count) if k < len(mini) else (filler(plan), 0.0)
+                loss, m = loss_fn(p, micro_batch(batch, units, p.share, p.device, keys))
                 # NOTE: FSDP averages gradients over ranks, hence x world: the sum over ranks and
                 # micro-batches of share x loss is the loss of the whole mini-batch.
-                (loss * share * world).backward()
+                (loss * share * p.world).backward()
                 for key, v in m.items():
                     key = key if key.startswith("rollout_corr/") else prefix + key
-                    sums[key] = sums.get(key, 0.0) + v * share / (t.ppo_epochs * len(minis))
+                    sums[key] = sums.get(key, 0.0) + v * share / (epochs * len(plan))
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
             if not math.isfinite(norm):  # veRL skips such steps too
@@ -303,282 +425,150 @@ def update(model, optim, my: list[Experience], extra: dict, minis: list[list[lis
     return sums, norms, skipped
 
 
-def train(cfg: configs.Config) -> int:
-    """Train one stage (mode train, or the trainer half of mode both); returns the exit code."""
-    # --- setup: process group, model (+ reference, + critic), optimizers, the loss pieces, checkpoint to resume
-    rank, world, device = setup_distributed()
-    a, t, s, job = cfg.algorithm, cfg.trainer, cfg.synchronizer, Path(cfg.checkpoint_job_dir)
-    torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
-    resume = sync.latest_checkpoint(cfg.checkpoint_job_dir)
-    if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
-        log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
-                  "or choose another name (the explorer and trainer must share one)", job, resume)
-        return 2
-    tokenizer = load_tokenizer(cfg.model.model_path)
-    model = build_model(str(sync.weights_path(job, resume)) if resume else cfg.model.model_path, cfg, device, trainable=True)
-    optim = torch.optim.AdamW(model.parameters(), lr=a.optimizer.lr, betas=tuple(a.optimizer.betas),
-                              weight_decay=a.optimizer.weight_decay)
-    rl = a.advantage_fn != "none"  # offline losses (sft, dpo) need neither old log-probs nor advantages
-    advantage_fn, advantage_cfg = lookup("advantage_fn", a.advantage_fn, a.advantage_fn_args) if rl else (None, None)
-    policy_fn, policy_cfg = lookup("policy_loss_fn", a.policy_loss_fn, a.policy_loss_fn_args)
-    entropy_fn, entropy_cfg = lookup("entropy_loss_fn", a.entropy_loss_fn, a.entropy_loss_fn_args)
-    kl_cfgs = {k: algos.make_config(k, getattr(a, k), getattr(a, k + "_args"), f"algorithm.{k}_args")
-               for k in ("kl_loss_fn", "kl_penalty_fn")}
-    # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
-    use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in getattr(policy_cfg, "NEEDS", ())
-    ref = build_model(cfg.model.model_path, cfg, device, trainable=False) if use_ref else None
-    critic = critic_optim = None
-    if rl and "values" in getattr(advantage_cfg, "NEEDS", ()):  # GAE (ppo): a value model trained beside the actor
-        critic = build_model(str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface") if resume
-                             else cfg.model.critic_model_path, cfg, device, trainable=True, critic=True)
-        critic_optim = torch.optim.AdamW(critic.parameters(), lr=t.critic.lr, betas=tuple(a.optimizer.betas),
-                                         weight_decay=t.critic.weight_decay)
-        critic_opt = dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1, lr_scheduler_type="constant",
-                                         lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio)  # its lr schedule
-    source = Source(cfg, tokenizer, rank, device)
-    total = source.total_steps()
-    state = {k: c.kl_coef for k, c in kl_cfgs.items()}  # the KL coefficients (adaptive ones change)
-    if resume:
-        saved_state = sync.load_checkpoint(model, optim, job, resume, rank, (critic, critic_optim) if critic else None)
-        state |= {k: v for k, v in saved_state.items() if k in kl_cfgs and kl_cfgs[k].adaptive}  # the config's otherwise
-        if rank == 0:
-            sync.set_latest(job, resume)
-            log.info("resumed from checkpoint step %d of %s", resume, job)
-    if rank == 0 and not source.units:
-        # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
-        if cfg.continue_from_checkpoint:
-            log.info("%d experience claims of steps after %d released", source.db.release_after(resume), resume)
-        set_status(source.db, resume, "training")
-    tasksets = cfg.buffer.explorer_input.tasksets
-    temperature = tasksets[0].rollout_args.temperature if tasksets else cfg.model.temperature
-    temperature = temperature or 1.0  # greedy rollouts are scored at T = 1
-    sender = sync.open_sender(job, device, s.sync_timeout) if rl and s.sync_method == "nccl" and rank == 0 else None
-    monitor = Monitor(cfg, role=t.name) if rank == 0 else None
-    if rank == 0:
-        log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every %d "
-                 "step(s)", world, device.type, resume + 1, total, a.advantage_fn, a.policy_loss_fn, ref is not None,
-                 critic is not None, s.sync_method, s.sync_interval)
+def filler(plan: list) -> list[list[int]]:
+    """A micro-batch for a rank that has run out of its own (any of its units; weighted 0)."""
+    return next((micro for mini in plan for micro in mini), [[0]])
 
-    def actor_loss(mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        """The actor's loss on one micro-batch: policy loss + KL loss + entropy term."""
-        logp, ent = token_logprobs(model, mb, temperature, entropy=True)  # [B,T], [B,T]
-        if rl and "old_logprobs" not in mb:
-            mb["old_logprobs"] = logp.detach()  # [B,T] one update per step: ratio exactly 1 (see one_update)
-        m = {}
-        if "rollout_logprobs" in mb:  # truncated IS weights (rollout -> old policy) scale the advantages
-            rc = a.rollout_correction
-            w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [B,T]
-                                      mb["response_mask"] & (mb["has_rollout_logprobs"] > 0), rc.rollout_is, rc.rollout_is_threshold)
-            mb["advantages"] = mb["advantages"] * w  # [B,T]
-        loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
-        m |= pm
-        if a.kl_loss_fn != "none":
-            kl_cfg = dataclasses.replace(kl_cfgs["kl_loss_fn"], kl_coef=state["kl_loss_fn"])
-            kl_term, km = kl_loss(logp, mb, kl_cfg, a.loss_agg_mode, a.kl_loss_fn)  # []
-            loss, m = loss + kl_term, m | km
-        ent_loss, em = entropy_fn(ent, mb, entropy_cfg, a.loss_agg_mode)  # []
-        return loss + ent_loss.to(loss.device), m | em | {"entropy": masked_mean(ent.detach(), mb["response_mask"]).item()}
 
-    def logprobs_of(m, mb: dict) -> torch.Tensor:
-        return token_logprobs(m, mb, temperature, False)[0]  # [B,T] no entropy
-
-    def critic_loss(mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
-        """The critic's clipped value loss on one micro-batch."""
-        return value_loss.compute(token_values(critic, mb), mb, value_loss.Config(t.critic.cliprange_value), a.loss_agg_mode)
-
-    code, done, saved = 0, resume, resume  # done: the last finished step; saved: the last checkpoint
-    for step in range(resume + 1, total + 1):
-        timing, t0 = {}, time.monotonic()
-        # --- read the batch, shard it over ranks (longest units first, dealt round-robin: balanced tokens)
-        exps = source.read(step)
-        if not exps and source.ended:
-            if rank == 0:
-                log.info("every explorer writing to the experience DB has finished and no experiences are left: "
-                         "training ends after step %d of %d", done, total)
-            break
-        if not exps:
-            if rank == 0:
-                log.error("no full batch for train step %d after %g s (buffer.trainer_input.experience_buffer."
-                          "max_read_timeout); explorers: %s. Stopping; a restart continues after checkpoint step %d.",
-                          step, cfg.buffer.trainer_input.experience_buffer.max_read_timeout, source.explorers(), done)
-            code = 1
-            break
-        timing["time/read"] = time.monotonic() - t0
-        # a unit stays together on one rank and in one micro-batch: a DPO pair (chosen, rejected), else one row
-        units = [[i, i + 1] for i in range(0, len(exps), 2)] if source.paired else [[i] for i in range(len(exps))]
-        if len(units) < world:
-            raise RuntimeError(f"train step {step}: {len(exps)} experiences cannot be shared by {world} ranks")
-        units.sort(key=lambda u: -max(len(exps[i].tokens) for i in u))
-        mine, my_units = [], []  # this rank's rows (batch indices), and its units as indices into `my`
-        for u in units[rank::world]:
-            my_units.append(list(range(len(mine), len(mine) + len(u))))
-            mine += u
-        my = [exps[i] for i in mine]
-        rl_rows = [i for i, x in enumerate(exps) if not x.info.get("expert")]  # mix: expert SFT rows have no reward
-        extra: dict[str, list[torch.Tensor]] = {}
-        metrics: dict[str, float] = {}
-        if source.expert:
-            extra["expert_mask"] = [torch.full((x.response_length,), float(x.info.get("expert", False))) for x in my]
-
-        # --- old and reference log-probs, values
-        t1 = time.monotonic()
-        n_mini = max(1, round(len(exps) / t.ppo_mini_batch_size))
-        # NOTE: with one update per step (one epoch, one mini-batch) the weights have not moved when a
-        # micro-batch's loss is computed, so old log-probs = the current ones, detached: no extra pass.
-        one_update = t.ppo_epochs == 1 and n_mini == 1 and a.kl_penalty_fn == "none"
-        if rl and not one_update:
-            extra["old_logprobs"] = score(model, my, cfg, device, logprobs_of)
-        if rl and any(x.logprobs is not None for x in my):  # the rollout engine's, for the off-policy correction
-            extra["rollout_logprobs"] = [x.logprobs if x.logprobs is not None else torch.zeros(x.response_length) for x in my]
-            extra["has_rollout_logprobs"] = [torch.full((x.response_length,), float(x.logprobs is not None)) for x in my]
-        if ref is not None:
-            extra["ref_logprobs"] = score(ref, my, cfg, device, logprobs_of)
-        if critic is not None:
-            extra["values"] = score(critic, my, cfg, device, token_values)
-        timing["time/old_ref_logprobs"] = time.monotonic() - t1
-
-        # --- reward (shaped, with the KL penalty folded in) and advantages over the whole batch
-        if rl:
-            full = collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
-            B, T = full["response_mask"].shape
-            scores = torch.tensor([x.reward for x in exps], dtype=torch.float32)  # [B]
-            if a.overlong_reward.enable:  # DAPO's soft overlong punishment
-                lengths = torch.tensor([float(x.response_length) for x in exps])  # [B]
-                shaping = overlong.penalty(lengths, cfg.model.max_response_tokens, a.overlong_reward)  # [B]
-                scores = scores + shaping  # [B]
-                metrics["critic/overlong_penalty/mean"] = shaping[rl_rows].mean().item()
-            token_rewards = place_scores(scores, full["response_mask"])  # [B,T] on the last valid token
-            if a.kl_penalty_fn != "none":
-                mb = collate(my, extra, list(range(len(my))), torch.device("cpu"))
-                mb["rewards"] = scores[mine]  # [B_rank]
-                kl_cfg = dataclasses.replace(kl_cfgs["kl_penalty_fn"], kl_coef=state["kl_penalty_fn"])
-                penalised, kl_metrics = kl_penalty(mb, kl_cfg, a.kl_penalty_fn)  # [B_rank,T]
-                token_rewards = gather_rows([penalised[k, : x.response_length] for k, x in enumerate(my)], mine, B, T, device)  # [B,T]
-                metrics.update({f"critic/{k}": v for k, v in kl_metrics.items()})
-            group = {g: i for i, g in enumerate(dict.fromkeys(exps[i].group_id or str(exps[i].id) for i in rl_rows))}
-            batch = {"rewards": token_rewards.sum(-1)[rl_rows], "token_level_rewards": token_rewards[rl_rows],
-                     "response_mask": full["response_mask"][rl_rows],
-                     "group_index": torch.tensor([group[exps[i].group_id or str(exps[i].id)] for i in rl_rows])}
-            if critic is not None:
-                batch["values"] = gather_rows(extra["values"], mine, B, T, device)[rl_rows]  # [B_rl,T]
-            adv, adv_metrics = advantage_fn(batch, advantage_cfg)
-            advantages, returns = torch.zeros(B, T), torch.zeros(B, T)  # [B,T] expert rows keep 0
-            advantages[rl_rows], returns[rl_rows] = adv["advantages"], adv["returns"]
-            extra["advantages"] = [advantages[i, : exps[i].response_length] for i in mine]
-            extra["returns"] = [returns[i, : exps[i].response_length] for i in mine]
-            keep = torch.ones(B, dtype=torch.bool)  # [B]
-            keep[rl_rows] = adv.get("keep", torch.ones(len(rl_rows), dtype=torch.bool))
-            # Filtered groups (std_threshold) leave the loss: their rows keep their place (every rank
-            # still runs the same passes) with an empty mask.
-            my = [x if keep[i] else dataclasses.replace(x, action_mask=torch.zeros(x.response_length, dtype=torch.bool))
-                  for x, i in zip(my, mine)]
-            valid = batch["response_mask"]
-            metrics.update({f"critic/{k}": v for k, v in adv_metrics.items()})
-            metrics.update({"critic/score/mean": batch["rewards"].mean().item(), "critic/score/max": batch["rewards"].max().item(),
-                            "critic/score/min": batch["rewards"].min().item(),
-                            "critic/advantages/mean": adv["advantages"][valid].mean().item(),
-                            "critic/advantages/max": adv["advantages"].max().item(),
-                            "critic/advantages/min": adv["advantages"].min().item(),
-                            "critic/returns/mean": adv["returns"][valid].mean().item()})
-            if critic is not None:
-                metrics["critic/values/mean"] = batch["values"][valid].mean().item()
-
-        # --- update: the critic (ppo), then the actor: ppo_epochs x mini-batches x micro-batches
-        t2 = time.monotonic()
-        minis = [my_units[k::n_mini] for k in range(n_mini)]
-        grad_norms, skipped, sums = [], 0, {}
-        if critic is not None:
-            fixed = None if t.use_dynamic_bsz else t.critic.micro_batch_size_per_gpu
-            sums, critic_norms, _ = update(critic, critic_optim, my, extra, minis, critic_loss, a.loss_agg_mode, fixed,
-                                           t.critic.grad_clip, lr_at(step, critic_opt, total), "critic/", cfg, device,
-                                           world, step)
-            sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / world,
-                     "critic/lr": lr_at(step, critic_opt, total) / world}
-        if critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
-            fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
-            mode = getattr(policy_cfg, "AGG", a.loss_agg_mode)  # a loss with a fixed aggregation says so
-            actor_sums, grad_norms, skipped = update(model, optim, my, extra, minis, actor_loss, mode, fixed, t.grad_clip,
-                                                     lr_at(step, a.optimizer, total), "actor/", cfg, device, world, step)
-            sums |= actor_sums
-        keys = sorted(sums)
-        metrics.update(zip(keys, reduce_sum([sums[k] for k in keys], device)))
-        for k in ("kl_loss_fn", "kl_penalty_fn"):  # the adaptive KL controller (Ziegler et al.)
-            measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
-            if kl_cfgs[k].adaptive and measured is not None:
-                state[k] = kl_adapt(state[k], measured, len(exps), kl_cfgs[k])
-                metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = state[k]
-        timing["time/update"] = time.monotonic() - t2
-
-        # --- sync: publish the new weights (files, or the process group) for the explorer
-        t3 = time.monotonic()
-        # NOTE: a fixed-style explorer asks for step s at its step s + sync_offset, so none asks for the last
-        # sync_offset steps; a dynamic-style one may ask for any newer weights at any sync point.
-        explorer_waits = step % s.sync_interval == 0 and (step + s.sync_offset < total or s.sync_style != "fixed")
-        weights = None
-        if rl and s.sync_method == "nccl" and explorer_waits:
-            sync.send_model(sender, model, step)  # sender is None on ranks > 0
-        if (explorer_waits and s.sync_method == "checkpoint") or step == total:
-            weights = sync.full_state(model)
-            if rank == 0:
-                sync.publish_hf(model, tokenizer, job, step, state_dict=weights)
-        timing["time/sync"] = time.monotonic() - t3
-        # --- checkpoint
-        t4 = time.monotonic()
-        if (t.save_interval and step % t.save_interval == 0) or step == total:
-            sync.save_checkpoint(model, optim, tokenizer, job, step, rank, weights, t.max_checkpoints_to_keep,
-                                 (critic, critic_optim) if critic else None, state)
-            saved = step
-        timing["time/save_checkpoint"] = time.monotonic() - t4
-        done = step
-
-        # --- log
-        timing["time/step"] = time.monotonic() - t0
-        tokens = sum(len(x.tokens) for x in exps)
-        lengths = [x.response_length for x in exps]
-        metrics.update(timing)
-        metrics.update({"actor/lr": lr_at(step, a.optimizer, total), "actor/grad_norm": sum(grad_norms) / max(len(grad_norms), 1),
-                        "actor/skipped_steps": skipped, "response_length/mean": sum(lengths) / len(lengths),
-                        "response_length/max": max(lengths), "prompt_length/mean": sum(x.prompt_length for x in exps) / len(exps),
-                        "perf/total_num_tokens": tokens, "perf/throughput": tokens / timing["time/step"] / world,
-                        "perf/train_tokens_per_s": tokens / max(timing["time/update"], 1e-9),
-                        "batch/size": len(exps)})
-        if rl:  # the weights versions that generated the batch, and how far behind version step - 1 they are
-            versions = [exps[i].model_version for i in rl_rows]
-            metrics.update({"sample/model_version/min": min(versions), "sample/model_version/max": max(versions),
-                            "sample/model_version/mean": sum(versions) / len(versions),
-                            "batch/staleness/mean": step - 1 - sum(versions) / len(versions),
-                            "batch/staleness/max": step - 1 - min(versions)})
-            for name in sorted({exps[i].explorer for i in rl_rows}):
-                metrics[f"sample/experience_count/{name or 'unknown'}"] = sum(exps[i].explorer == name for i in rl_rows)
-            if source.expert:
-                metrics["sample/expert_count"] = len(exps) - len(rl_rows)
-            if source.refills and rank == 0:
-                metrics["sample/dropped_tied_groups"] = source.dropped_groups
-        if monitor is not None:
-            monitor.log(metrics, step=step)
-        if rank == 0 and not source.units:
-            set_status(source.db, step, "training")
-    # --- the end: publish and save the last step unless done above (data ran out, or stopped waiting)
-    if saved < done:
-        weights = sync.full_state(model)
-        if rank == 0:
-            sync.publish_hf(model, tokenizer, job, done, state_dict=weights)
-        sync.save_checkpoint(model, optim, tokenizer, job, done, rank, weights, t.max_checkpoints_to_keep,
-                             (critic, critic_optim) if critic else None, state)
-    if rank == 0 and not source.units:
-        set_status(source.db, done, "stopped" if code else "finished")
-    if sender is not None:
-        sync.close_sender(sender, finished=code == 0)
-    if monitor is not None:
-        monitor.close()
-    dist.destroy_process_group()
-    return code
+def reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum over ranks of each number (an all-reduce of one small tensor)."""
+    x = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(x)
+    return x.tolist()
 
 
 def reduce_max(value: float, device: torch.device) -> float:
     x = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(x, op=dist.ReduceOp.MAX)
     return x.item()
+
+
+def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
+    """The weights of `step` for the explorer when one will wait for them (sync.publishes): sent over the process
+    group, or written as the step's HF folder; the last step's always as a folder. Returns the full state it
+    gathered (rank 0; {} elsewhere), which the checkpoint then reuses, or None."""
+    s, job = p.cfg.synchronizer, p.cfg.checkpoint_job_dir
+    wanted = sync.publishes(step, p.cfg, p.total)
+    if p.rl and s.sync_method == "nccl" and wanted:
+        sync.send_model(p.sender, p.actor.model, step)  # sender is None on ranks > 0
+    if (wanted and s.sync_method == "checkpoint") or step == p.total:
+        weights = sync.full_state(p.actor.model)
+        if p.rank == 0:
+            sync.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=weights)
+        return weights
+    return None
+
+
+def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
+    """The checkpoint of `step`: weights, optimizer states, RNG, KL coefficients (sync.save_checkpoint)."""
+    sync.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
+                         p.cfg.trainer.max_checkpoints_to_keep, (p.critic, p.critic_optim) if p.critic else None, p.kl_coef)
+
+
+def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, float], step: int) -> None:
+    """The step's batch statistics and throughput, to the monitor (rank 0); the trainer's status to the DB."""
+    tokens, lengths = sum(len(x.tokens) for x in exps), batch["response_lengths"].float()
+    metrics |= {"response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+                "prompt_length/mean": batch["prompt_lengths"].float().mean().item(), "batch/size": len(exps),
+                "perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["time/step"] / p.world,
+                "perf/train_tokens_per_s": tokens / max(metrics["time/update"], 1e-9)}
+    rl = [x for x in exps if not x.info.get("expert")]
+    if p.rl:  # the weights versions that generated the batch, and how far behind version step - 1 they are
+        versions = [x.model_version for x in rl]
+        metrics |= {"sample/model_version/min": min(versions), "sample/model_version/max": max(versions),
+                    "sample/model_version/mean": sum(versions) / len(versions),
+                    "batch/staleness/mean": step - 1 - sum(versions) / len(versions),
+                    "batch/staleness/max": step - 1 - min(versions)}
+        for name in sorted({x.explorer for x in rl}):
+            metrics[f"sample/experience_count/{name or 'unknown'}"] = sum(x.explorer == name for x in rl)
+        if p.source.expert:
+            metrics["sample/expert_count"] = len(exps) - len(rl)
+        if p.source.refills and p.rank == 0:
+            metrics["sample/dropped_tied_groups"] = p.source.dropped_groups
+    if p.monitor is not None:
+        p.monitor.log(metrics, step=step)
+    if p.rank == 0 and not p.source.units:
+        p.source.db.set_trainer_status(step, "training")
+
+
+def no_batch(p: Parts, step: int, done: int) -> int:
+    """Why no batch came for `step` (the explorers finished: exit 0; max_read_timeout: exit 1)."""
+    if p.source.ended:
+        if p.rank == 0:
+            log.info("every explorer writing to the experience DB has finished and no experiences are left: "
+                     "training ends after step %d of %d", done, p.total)
+        return 0
+    if p.rank == 0:
+        log.error("no full batch for train step %d after %g s (buffer.trainer_input.experience_buffer.max_read_timeout);"
+                  " explorers: %s. Stopping; a restart continues after checkpoint step %d.", step,
+                  p.cfg.buffer.trainer_input.experience_buffer.max_read_timeout, p.source.explorers(), done)
+    return 1
+
+
+def finish(p: Parts, done: int, saved: int, code: int) -> int:
+    """Publish and save the last finished step unless done (data ran out, or stopped waiting); close up."""
+    if saved < done:
+        weights = sync.full_state(p.actor.model)
+        if p.rank == 0:
+            sync.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
+        save(p, done, weights)
+    if p.rank == 0 and not p.source.units:
+        p.source.db.set_trainer_status(done, "stopped" if code else "finished")
+    if p.sender is not None:
+        sync.close_sender(p.sender, finished=code == 0)
+    if p.monitor is not None:
+        p.monitor.close()
+    dist.destroy_process_group()
+    return code
+
+
+@contextlib.contextmanager
+def timer(timing: dict[str, float], key: str) -> Iterator[None]:
+    """Seconds spent in the block, as timing[key]."""
+    start = time.monotonic()
+    yield
+    timing[key] = time.monotonic() - start
+
+
+# --- main
+
+
+def train(cfg: configs.Config) -> int:
+    """Train one stage (mode train, or the trainer half of mode both); returns the exit code."""
+    p = set_up(cfg)
+    if p is None:
+        return 2
+    code, done, saved = 0, p.resume, p.resume  # done: the last finished step; saved: the last checkpoint
+    for step in range(p.resume + 1, p.total + 1):
+        timing: dict[str, float] = {}
+        with timer(timing, "time/step"):
+            # --- read
+            with timer(timing, "time/read"):
+                exps = p.source.read(step)
+            if not exps:
+                code = no_batch(p, step, done)
+                break
+            # --- batch: built once; this rank's share as mini-batches of micro-batches
+            batch, plan = make_batch(p, exps)
+            # --- score: old and reference log-probs, values
+            with timer(timing, "time/old_ref_logprobs"):
+                score_batch(p, batch, plan)
+            # --- rewards, advantages
+            metrics = shape_rewards(p, batch) | compute_advantages(p, batch)
+            # --- update
+            with timer(timing, "time/update"):
+                metrics |= update(p, batch, plan, step)
+            # --- publish the weights for the explorer, then checkpoint
+            with timer(timing, "time/sync"):
+                weights = publish(p, step)
+            with timer(timing, "time/save_checkpoint"):
+                if (p.cfg.trainer.save_interval and step % p.cfg.trainer.save_interval == 0) or step == p.total:
+                    save(p, step, weights)
+                    saved = step
+            done = step
+        # --- log
+        log_step(p, exps, batch, metrics | timing, step)
+    return finish(p, done, saved, code)
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,8 @@ A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do
 (../shared/reference/trinity-inventory.md §4.1). `configs.derive` fills every piece the YAML leaves
 empty from the preset. The trainer only ever looks pieces up by the names in the resolved config.
 
-Piece registries: name -> (function, Config class for its `*_args`), validated by `make_config`.
+Piece registries: name -> (function, Config class for its `*_args`), validated by `configs.piece_config`.
+This package imports nothing from the rest of the project: pure tensor functions and their registries.
     ADVANTAGE_FNS     fn(batch, cfg) -> ({"advantages", "returns", ...} [B,T], metrics)
     POLICY_LOSS_FNS   fn(logprobs [B,T], batch, cfg, loss_agg_mode) -> (scalar loss, metrics)
     KL_FNS            fn(logprobs [B,T], ref_logprobs [B,T]) -> per-token KL [B,T]; the KL loss and
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Callable
 
 from algos import (asymre, cispo, dpo, entropy, gae, grpo, gspo, importance_sampling, kl, mix, opmd, ppo_loss, rec,
                    reinforce, reinforceplusplus, rloo, sample, sapo, sft_loss, sppo, topr)
@@ -130,18 +131,3 @@ REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
     "sample_strategy": SAMPLE_STRATEGIES,
 }
 
-
-def make_config(kind: str, name: str, args: dict[str, Any] | None, path: str) -> Any:
-    """Validate `args` (the YAML's algorithm.<kind>_args, at `path`) into the Config of piece `name`.
-
-    Unknown keys fail with their path and the closest valid key; an unknown piece name fails
-    listing the known ones. Raises configs.ConfigError (a ValueError).
-    """
-    from configs.loader import ConfigError, from_dict  # lazy: configs.loader imports PRESETS from here
-
-    if kind not in REGISTRIES:
-        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(REGISTRIES)}")
-    registry = REGISTRIES[kind]
-    if name not in registry:
-        raise ConfigError(f"{path}: unknown {kind} {name!r}; known: {', '.join(registry)}")
-    return from_dict(registry[name][1], args or {}, path)

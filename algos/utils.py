@@ -55,21 +55,23 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
     token-mean:              sum_{b,t} m*l / sum_{b,t} m
     seq-mean-token-mean:     mean over non-empty sequences b of (sum_t m*l / sum_t m)
     seq-mean-token-sum:      mean over non-empty sequences b of sum_t m*l
-    seq-mean-token-sum-norm: sum_{b,t} m*l / T, T = mask.shape[-1] (the padded response length of
-                             THIS batch, as veRL's loss_mat.shape[-1]; Dr.GRPO's constant is the max
-                             generation length, which equals T only when batches are padded to it).
-    Deviation: the seq-mean modes average over sequences with at least one valid token (an empty
-    sequence is not counted), so an all-padding row neither adds NaN nor dilutes the mean.
+    seq-mean-token-sum-norm: mean over non-empty sequences b of (sum_t m*l / T), T = mask.shape[-1]:
+                             Dr.GRPO's constant, the maximum response length (the trainer's batches are
+                             that wide: models.step_batch), as TRL's dr_grpo: sum / (B * L_max).
+    Deviations: the seq-mean modes average over sequences with at least one valid token (an empty
+    sequence is not counted), so an all-padding row neither adds NaN nor dilutes the mean. veRL's and
+    Trinity's seq-mean-token-sum-norm is sum_{b,t} m*l / T over a micro-batch, T its padded width, which
+    changes with the cut into micro-batches; this mean over sequences does not (and is Dr.GRPO's own).
     """
     m = mask.to(loss.dtype)  # [B,T]
     if mode == "token-mean":
         return masked_mean(loss, mask)  # []
-    if mode == "seq-mean-token-sum-norm":
-        return masked_sum(loss, mask) / loss.shape[-1]  # []
     n_tok = m.sum(-1)  # [B]
     seq = masked_sum(loss, mask, dim=-1)  # [B]
     if mode == "seq-mean-token-mean":
         seq = seq / n_tok.clamp(min=1.0)  # [B]
+    elif mode == "seq-mean-token-sum-norm":
+        seq = seq / loss.shape[-1]  # [B]
     elif mode != "seq-mean-token-sum":
         raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(AGG_MODES)}")
     valid = n_tok > 0  # [B]

@@ -33,7 +33,7 @@ import tyro
 import yaml
 from omegaconf import OmegaConf
 
-from algos import PRESETS, make_config
+from algos import PRESETS, REGISTRIES
 from configs.schema import Config, ExperienceBufferConfig, TasksetConfig
 
 log = logging.getLogger("nanorft.config")
@@ -295,6 +295,19 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
 # --- 4. the command line
 
 
+def piece_config(kind: str, name: str, args: dict[str, Any] | None, path: str | None = None) -> Any:
+    """Validate `args` (the YAML's algorithm.<kind>_args, or `path`) into the Config of algos/ piece `name`.
+    Unknown keys fail with their path and the closest valid key; an unknown piece name fails listing the
+    known ones (ConfigError)."""
+    path = path or f"algorithm.{kind}_args"
+    if kind not in REGISTRIES:
+        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(REGISTRIES)}")
+    registry = REGISTRIES[kind]
+    if name not in registry:
+        raise ConfigError(f"{path}: unknown {kind} {name!r}; known: {', '.join(registry)}")
+    return from_dict(registry[name][1], args or {}, path)
+
+
 def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     """Parse `--config FILE [--dry-run] [--section.key VALUE ...]` into a validated (not derived) Config."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -353,7 +366,7 @@ def derive(cfg: Config) -> Config:
         a.sample_strategy = "default"
     for piece in ("advantage_fn", "policy_loss_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn", "sample_strategy"):
         if not (piece == "advantage_fn" and a.advantage_fn == "none"):  # checked here, before any process starts
-            make_config(piece, getattr(a, piece), getattr(a, piece + "_args"), f"algorithm.{piece}_args")
+            piece_config(piece, getattr(a, piece), getattr(a, piece + "_args"))
     if a.rollout_correction.rollout_is != "none" and a.rollout_correction.rollout_is_threshold <= 1:
         raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 1 (weights are cut at it)")
 
@@ -446,7 +459,7 @@ def derive(cfg: Config) -> Config:
             eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
 
     # trainer
-    t.max_token_len_per_gpu = t.max_token_len_per_gpu or math.ceil(2 * m.max_model_len / t.ulysses_sequence_parallel_size)
+    t.max_token_len_per_gpu = t.max_token_len_per_gpu or max(16384, 2 * m.max_model_len)
     t.ppo_mini_batch_size = t.ppo_mini_batch_size or b.train_batch_size
     if t.ulysses_sequence_parallel_size != 1:
         raise ConfigError("trainer.ulysses_sequence_parallel_size: nanorft supports 1 only")

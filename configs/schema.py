@@ -365,8 +365,10 @@ class InferenceModelConfig:
 class ExplorerConfig:
     name: str = "explorer"
     """Explorer name; several explorers on one experiment need distinct names."""
-    runner_per_model: int = 8
-    """Concurrent workflow runners per rollout engine."""
+    runner_per_model: Optional[int] = None
+    """Concurrent workflow runners (threads) per rollout engine; unset = every task of a step (up to 256 at a
+    time, also for eval) at once, so that the engine batches all their requests together (Trinity's default 8
+    runs a step's 16 tasks in two waves of 8 batched requests each)."""
     max_timeout: float = 1800.0
     """Seconds one workflow run may take before it is abandoned."""
     max_retry_times: int = 2
@@ -444,7 +446,9 @@ class TrainerConfig:
     use_dynamic_bsz: bool = True
     """Pack micro-batches up to max_token_len_per_gpu tokens instead of a fixed count."""
     max_token_len_per_gpu: Optional[int] = None
-    """Token budget of one micro-batch; unset = 2 x max_model_len / ulysses size (derived)."""
+    """Token budget of one micro-batch (packed tokens); unset = 16384 (veRL's actor default), or 2 x
+    max_model_len when that is more (Trinity derives 2 x max_model_len, which cut a step of 128 short
+    sequences into ~40 micro-batches)."""
     micro_batch_size_per_gpu: int = 1
     """Sequences per micro-batch when use_dynamic_bsz is off (veRL ppo_micro_batch_size_per_gpu)."""
     log_prob_micro_batch_size_per_gpu: int = 4

@@ -38,3 +38,14 @@ def write_yaml(path: Path, cfg: dict, over: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def plain_logprobs(model, tokens, prompt_length: int, temperature: float = 1.0):
+    """log_softmax(logits / T) of a response's tokens from one plain forward pass of that sequence alone (no
+    padding, no packing): the reference the trainer's and the engines' log-probs are checked against."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.as_tensor(tokens)[None]).logits[0].float() / temperature  # [L,V]
+    targets = torch.as_tensor(tokens)[prompt_length:]  # [R]
+    return logits[prompt_length - 1 : -1].log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # [R]

@@ -1,4 +1,4 @@
-"""algos/: hand-computed numbers for every piece, registry-wide properties, make_config."""
+"""algos/: hand-computed numbers for every piece, registry-wide properties, their configs (configs.piece_config)."""
 
 import math
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import algos
-from algos import (ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, correction, entropy, grpo, kl, make_config,
+from algos import (ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, correction, entropy, grpo, kl,
                    overlong, ppo_loss, sample, sft_loss, value_loss)
 from algos.utils import AGG_MODES, aggregate, masked_mean, masked_whiten
-from configs import ConfigError
+from configs import ConfigError, piece_config
 
 # --- aggregation
 
@@ -23,8 +23,8 @@ def test_aggregate_modes_hand_computed():
     assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
     # seq-mean-token-sum: ((1+2+3) + 4)/2 = 5
     assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)
-    # seq-mean-token-sum-norm: (1+2+3+4)/T, T = mask.shape[-1] = 3 -> 10/3
-    assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(10 / 3)
+    # seq-mean-token-sum-norm: mean over sequences of (token sum / T), T = mask.shape[-1] = 3: (6/3 + 4/3)/2 = 5/3
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx(5 / 3)
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         aggregate(loss, mask, "token-sum")
 
@@ -302,26 +302,26 @@ def test_kl_fns_finite_and_penalty(name):
     assert rewards[b["response_mask"] == 0].abs().sum().item() == 0.0
 
 
-# --- make_config
+# --- piece configs (configs.piece_config)
 
 
 @pytest.mark.parametrize("kind", list(algos.REGISTRIES))
-def test_make_config_defaults(kind):
+def test_piece_config_defaults(kind):
     for name, (_, cfg_cls) in algos.REGISTRIES[kind].items():
-        assert make_config(kind, name, {}, f"algorithm.{kind}_args") == cfg_cls()
-        assert make_config(kind, name, None, f"algorithm.{kind}_args") == cfg_cls()
+        assert piece_config(kind, name, {}, f"algorithm.{kind}_args") == cfg_cls()
+        assert piece_config(kind, name, None, f"algorithm.{kind}_args") == cfg_cls()
 
 
-def test_make_config_values_and_errors():
-    cfg = make_config("policy_loss_fn", "ppo", {"clip_range_high": "0.28", "clip_ratio_c": 4}, "algorithm.policy_loss_fn_args")
+def test_piece_config_values_and_errors():
+    cfg = piece_config("policy_loss_fn", "ppo", {"clip_range_high": "0.28", "clip_ratio_c": 4}, "algorithm.policy_loss_fn_args")
     assert cfg.clip_range_high == pytest.approx(0.28) and cfg.clip_ratio_c == 4.0 and cfg.clip_range == 0.2
-    assert make_config("advantage_fn", "grpo", {"std_threshold": 0.0}, "a").std_threshold == 0.0
+    assert piece_config("advantage_fn", "grpo", {"std_threshold": 0.0}, "a").std_threshold == 0.0
     with pytest.raises(ConfigError, match=r"^algorithm\.policy_loss_fn_args\.clip_rnage: unknown key; did you mean clip_range\?"):
-        make_config("policy_loss_fn", "ppo", {"clip_rnage": 0.3}, "algorithm.policy_loss_fn_args")
+        piece_config("policy_loss_fn", "ppo", {"clip_rnage": 0.3}, "algorithm.policy_loss_fn_args")
     with pytest.raises(ConfigError, match=r"unknown policy_loss_fn 'ppx'; known: ppo, sft"):
-        make_config("policy_loss_fn", "ppx", {}, "algorithm.policy_loss_fn_args")
+        piece_config("policy_loss_fn", "ppx", {}, "algorithm.policy_loss_fn_args")
     with pytest.raises(ConfigError, match="unknown piece kind"):
-        make_config("critic_fn", "ppo", {}, "algorithm")
+        piece_config("critic_fn", "ppo", {}, "algorithm")
 
 
 # --- rollout correction and sample strategies

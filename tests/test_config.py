@@ -137,7 +137,7 @@ def test_derived_values(tmp_path):
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, repeat_times: 6}\n")])[0])
     assert cfg.buffer.train_batch_size == 24
     assert (cfg.model.max_prompt_tokens, cfg.model.max_response_tokens) == (128, 128)
-    assert cfg.trainer.max_token_len_per_gpu == 512 and cfg.trainer.ppo_mini_batch_size == 24
+    assert cfg.trainer.max_token_len_per_gpu == 16384 and cfg.trainer.ppo_mini_batch_size == 24  # veRL's default budget
     assert cfg.buffer.explorer_input.tasksets[0].name == "taskset_0"
     assert cfg.buffer.explorer_input.taskset.path == ""  # moved into tasksets
     assert cfg.buffer.trainer_input.experience_buffer.path == f"sqlite:///{Path('checkpoints/nanorft/rft/buffer/experience_buffer.db')}"

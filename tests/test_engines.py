@@ -313,3 +313,21 @@ def test_vllm_params_seed_submit_and_weights(vllm_engine, ref, prompts, tiny_pat
     greedy = vllm_engine.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=20)])[0][0]
     assert vllm_engine.model_version == 2 and greedy.token_ids == greedy_by_hand(other, prompts[0], 20, [258, 256])
     vllm_engine.load_weights(ref.state_dict(), version=3)
+
+
+def test_a_groups_prompt_is_prefilled_once(tiny_path, ref, prompts):
+    """3 requests x n=4: the prompt pass runs 3 rows (one per request), the decode steps 12 (one per sample), and
+    every sample's log-probs still match a plain forward pass (the shared KV cache is the prompt's)."""
+    with HFEngine(tiny_path) as e:
+        calls = []
+        forward = e.model.forward
+
+        def counting(*args, **kwargs):
+            calls.append(tuple(kwargs["input_ids"].shape))
+            return forward(*args, **kwargs)
+
+        e.model.forward = counting
+        outs = e.generate(prompts[:3], [SamplingParams(n=4, max_tokens=6, min_tokens=6, seed=s) for s in range(3)])
+    assert calls[0] == (3, max(len(p) for p in prompts[:3]))  # [requests, longest prompt]
+    assert calls[1:] and all(shape == (12, 1) for shape in calls[1:])
+    assert max_logprob_diff(ref, prompts[:3], outs, 1.0) < 1e-4

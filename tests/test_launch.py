@@ -9,12 +9,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
-import models
 from buffer import ExperienceDB
 from models import load_model
-from conftest import write_yaml
+from conftest import plain_logprobs, write_yaml
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,10 +60,7 @@ def rollout_logprob_gap(db: Path, version: int, weights: Path) -> float:
         ids = [i for (i,) in d.conn.execute("SELECT id FROM experiences WHERE model_version = ?", (version,))]
         exps = d.get(ids)
     assert exps
-    with torch.no_grad():
-        mb = models.collate(exps, {}, list(range(len(exps))), torch.device("cpu"))
-        logp, _ = models.token_logprobs(model, mb, 1.0, False)
-    return max((logp[b, : x.response_length] - x.logprobs).abs().max().item() for b, x in enumerate(exps))
+    return max((plain_logprobs(model, x.tokens, x.prompt_length) - x.logprobs).abs().max().item() for x in exps)
 
 
 def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_dir):

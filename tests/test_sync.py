@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+import configs
 import sync
 from engines import HFEngine, SamplingParams
 from models import load_model, load_tokenizer
@@ -204,6 +205,24 @@ def run_fake_trainer(model_dir: str, job_dir: str, versions: str) -> None:
         specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
         sync.send_weights(link, version, specs, (p.detach() for p in params.values()))
     sync.close_sender(link, finished=True)
+
+
+@pytest.mark.parametrize("train_batch", [128, 64, 256])  # the explorer writes 128 experiences a step
+@pytest.mark.parametrize("interval,offset", [(1, 0), (1, 1), (2, 0), (3, 1), (3, 2)])
+def test_the_trainer_publishes_exactly_what_explorer_steps_wait_for(train_batch, interval, offset):
+    """One rule on both sides: the trainer's publishes() is true for a step exactly when that step's weights are
+    what some explorer step waits for (weights_needed), that step not being the explorer's last."""
+    cfg = configs.Config()
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, train_batch
+    cfg.synchronizer.sync_interval, cfg.synchronizer.sync_offset = interval, offset
+    total = 20 * 128 // train_batch  # trainer steps; the explorer writes the same 20 x 128 experiences
+    published = [t for t in range(1, total + 1) if sync.publishes(t, cfg, total)]
+    waited_for = sorted({sync.weights_needed(e, cfg) for e in range(1, 20)} - {0})  # explorer steps 1..19 (not 20)
+    assert published == waited_for
+    if train_batch == 128:  # on-policy (offset 0): every explorer step waits for the step just trained
+        assert [sync.weights_needed(e, cfg) for e in range(1, 5)] == [max(e - offset, 0) if (e - offset) % interval == 0
+                                                                       else 0 for e in range(1, 5)]
+
 
 
 if __name__ == "__main__":

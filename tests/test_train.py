@@ -9,14 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
 import models
 import train
+from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
-from conftest import write_yaml
+from conftest import plain_logprobs, write_yaml
 from models import load_model, load_tokenizer
 from monitor import read_history
 
@@ -57,41 +59,79 @@ def weights(job: Path, step: int) -> dict[str, torch.Tensor]:
 # --- pieces
 
 
-def test_micro_batches_respect_the_token_budget():
-    lengths = [10, 50, 30, 30, 5, 60]
-    mbs = models.micro_batches(lengths, budget=100, fixed=None)
-    assert sorted(i for mb in mbs for i in mb) == list(range(6))  # each sequence exactly once
-    for mb in mbs:  # padded size (rows x longest) within the budget, unless a sequence is alone
-        assert len(mb) * max(lengths[i] for i in mb) <= 100 or len(mb) == 1
-    assert mbs[0] == [5]  # longest first: 60 alone (60 + 50 padded to 120 > 100)
-    assert models.micro_batches(lengths, budget=10**6, fixed=None) == [[5, 1, 2, 3, 0, 4]]
-    assert [len(mb) for mb in models.micro_batches(lengths, budget=0, fixed=4)] == [4, 2]
-    assert models.micro_batches([500], budget=100, fixed=None) == [[0]]  # too long: alone, not dropped
-    # units (DPO pairs) stay together and in order; a unit is as long as its longest row
-    units = [[0, 1], [2, 3], [4, 5]]
-    # longest unit first: (4, 5) max 60, (0, 1) max 50, (2, 3) max 30; 4 rows x 60 = 240 fits 250, 6 x 60 does not
-    assert models.micro_batches(lengths, budget=250, fixed=None, units=units) == [[4, 5, 0, 1], [2, 3]]
-    assert models.micro_batches(lengths, budget=0, fixed=3, units=units) == [[4, 5], [0, 1], [2, 3]]  # 2 + 2 > 3
+def experiences(spec: list[tuple[int, list[int]]], seed: int = 0) -> list[Experience]:
+    """Random token ids: one group per (prompt length, [response lengths]) of `spec`, its members sharing the prompt."""
+    g, out = torch.Generator().manual_seed(seed), []
+    for k, (p, responses) in enumerate(spec):
+        prompt = torch.randint(0, 250, (p,), generator=g)
+        for r in responses:
+            out.append(Experience(tokens=torch.cat([prompt, torch.randint(0, 250, (r,), generator=g)]), prompt_length=p,
+                                  reward=0.0, group_id=f"g{k}", info={"taskset": "hot" if k % 2 else "cold"}))
+    return out
 
 
-def test_collate_and_token_logprobs_match_one_sequence_at_a_time(tiny_model_dir):
-    """Right padding and the shift by one: each response token's log-prob equals a forward pass of that
-    sequence alone; padding and prompt positions are masked."""
-    model = load_model(tiny_model_dir)
-    g = torch.Generator().manual_seed(0)
-    exps = [Experience(tokens=torch.randint(0, 250, (n,), generator=g), prompt_length=p, reward=0.0)
-            for n, p in [(20, 12), (9, 4), (31, 30)]]
-    mb = models.collate(exps, {}, [0, 1, 2], torch.device("cpu"))
-    with torch.no_grad():
-        logp, ent = models.token_logprobs(model, mb, temperature=0.7, entropy=True)
-    assert logp.shape == (3, 8) and mb["response_mask"].sum(-1).tolist() == [8, 5, 1]
-    for b, x in enumerate(exps):
-        with torch.no_grad():
-            alone = torch.log_softmax(model(x.tokens[None]).logits[0].float() / 0.7, -1)  # [L,V]
-        want = alone[x.prompt_length - 1 : -1].gather(-1, x.tokens[x.prompt_length:, None]).squeeze(-1)
-        torch.testing.assert_close(logp[b, : x.response_length], want, atol=1e-5, rtol=0)
-        assert not mb["response_mask"][b, x.response_length:].any()
-        assert (ent[b, : x.response_length] > 0).all()
+def test_units_and_micro_batches_respect_the_token_budget():
+    batch = models.step_batch(experiences([(10, [5, 7, 3]), (20, [30]), (4, [2, 2])]), width=8)
+    assert batch["responses"].shape == (6, 30)  # T = max(width, the longest response)
+    rows = list(range(6))
+    # shared prompts: a unit per group (its prompt once, then each response); a group that would pass the budget
+    # is split, each part repeating the prompt; without sharing, one sequence per unit
+    assert models.pack_units(batch, rows, True, 1000) == [[0, 1, 2], [3], [4, 5]]
+    assert [models.unit_length(batch, u) for u in models.pack_units(batch, rows, True, 1000)] == [25, 50, 8]
+    assert models.pack_units(batch, rows, True, 20) == [[0, 1], [2], [3], [4, 5]]
+    assert models.pack_units(batch, rows, False, 1000) == [[i] for i in rows]
+    assert models.pack_units(batch, rows, False, 1000, paired=True) == [[0, 1], [2, 3], [4, 5]]
+    units = models.pack_units(batch, rows, True, 1000)
+    # largest first; a micro-batch holds at most the budget of packed tokens, a larger unit goes alone
+    assert models.micro_batches(batch, units, 60, None) == [[[3]], [[0, 1, 2], [4, 5]]]
+    assert models.micro_batches(batch, units, 40, None) == [[[3]], [[0, 1, 2], [4, 5]]]
+    assert models.micro_batches(batch, units, 30, None) == [[[3]], [[0, 1, 2]], [[4, 5]]]
+    assert models.micro_batches(batch, units, 10**6, None) == [[[3], [0, 1, 2], [4, 5]]]
+    assert models.micro_batches(batch, units, 0, 3) == [[[3]], [[0, 1, 2]], [[4, 5]]]  # fixed: 3 sequences at most
+
+
+def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
+    """Shared prompts and bin-packed rows, or one padded row per sequence, cut into micro-batches any way: each
+    response token's log-prob (at its taskset's temperature) equals a forward pass of that sequence alone;
+    padding is 0, the entropy positive; a response without a prompt has no score for its first token."""
+    model = models.TokenScorer(load_model(tiny_model_dir))
+    exps = experiences([(12, [8, 0, 5]), (4, [9]), (30, [1, 6]), (7, [3])]) + [
+        Experience(tokens=torch.arange(60, 66), prompt_length=0, reward=0.0)]
+    batch = models.step_batch(exps, width=4, temperatures={"hot": 1.3, "cold": 0.7})
+    for share in (True, False):
+        for budget in (10**6, 25):
+            units = models.pack_units(batch, list(range(len(exps))), share, budget)
+            seen = []
+            for micro in models.micro_batches(batch, units, budget, None):
+                mb = models.micro_batch(batch, micro, share, torch.device("cpu"))
+                with torch.no_grad():
+                    logp, ent = model(mb, entropy=True)
+                for k, b in enumerate(mb["rows"].tolist()):
+                    x, seen = exps[b], seen + [b]
+                    start = 1 if x.prompt_length == 0 else 0
+                    want = plain_logprobs(model.model, x.tokens, max(x.prompt_length, 1), batch["temperature"][b].item())
+                    torch.testing.assert_close(logp[k, start : x.response_length], want, atol=2e-5, rtol=0)
+                    assert not logp[k, x.response_length :].any() and not logp[k, :start].any()
+                    assert (ent[k, start : x.response_length] > 0).all()
+            assert sorted(seen) == list(range(len(exps))), (share, budget)
+
+
+def test_chunked_vocabulary_projection_gives_the_same_values_and_gradients(tiny_model_dir, monkeypatch):
+    """Chunks of the [tokens, V] logits, recomputed in the backward pass, change neither log-probs, entropy nor
+    gradients (up to float rounding)."""
+    batch = models.step_batch(experiences([(10, [20, 17, 5]), (6, [25])]), width=25)
+    mb = models.micro_batch(batch, models.pack_units(batch, [0, 1, 2, 3], True, 10**6), True, torch.device("cpu"))
+    grads, outs = [], []
+    for elements in (models.CHUNK_ELEMENTS, 264 * 7):  # all at once; 7 tokens a chunk (10 chunks)
+        monkeypatch.setattr(models, "CHUNK_ELEMENTS", elements)
+        model = models.TokenScorer(load_model(tiny_model_dir))
+        logp, ent = model(mb, entropy=True, entropy_grad=True)
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        outs.append((logp.detach(), ent.detach()))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4)
 
 
 def test_learning_rate_warmup_and_cosine():
@@ -108,24 +148,27 @@ def test_learning_rate_warmup_and_cosine():
 # --- whole runs
 
 
-def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_dir):
-    """Gradient accumulation is scaled right: one micro-batch, many small micro-batches, two FSDP2 ranks
-    and activation checkpointing all end at the same weights (up to float rounding, far below the size
-    of the update)."""
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_dir, mode):
+    """Gradient accumulation is scaled right for every loss_agg_mode: one micro-batch, many small micro-batches
+    (packed, or padded rows without packing), two FSDP2 ranks and activation checkpointing all end at the same
+    weights (up to float rounding, far below the size of the update)."""
     runs = {"one": ({"trainer.max_token_len_per_gpu": 100000}, 0),
             "many": ({"trainer.max_token_len_per_gpu": 200}, 0),
-            "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2),
-            "recompute": ({"trainer.max_token_len_per_gpu": 100000, "trainer.gradient_checkpointing": True}, 0)}
+            "many_padded": ({"trainer.max_token_len_per_gpu": 200, "trainer.use_remove_padding": False}, 0),
+            "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2)}
+    if mode == "token-mean":
+        runs["recompute"] = ({"trainer.max_token_len_per_gpu": 100000, "trainer.gradient_checkpointing": True}, 0)
     final = {}
     for name, (over, ranks) in runs.items():
-        config = sft_config(tmp_path / name, tiny_model_dir, **over)
+        config = sft_config(tmp_path / name, tiny_model_dir, **over, **{"algorithm.loss_agg_mode": mode})
         out = run_train(config, ranks=ranks)
         assert out.returncode == 0, out.stderr[-3000:]
         final[name] = weights(tmp_path / name / "ck" / "p" / "t", 2)
     start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
     moved = max((final["one"][k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-3  # two AdamW steps at lr 1e-3 move the weights by about 2e-3
-    for other in ("many", "ranks2", "recompute"):
+    for other in set(runs) - {"one"}:
         diff = max((final[other][k] - final["one"][k]).abs().max().item() for k in start)
         assert diff < moved / 100, (other, diff, moved)
     history = read_history(tmp_path / "many" / "ck" / "p" / "t" / "monitor" / "trainer.jsonl")
@@ -201,10 +244,7 @@ def response_logprob(model, tokenizer, answer: str) -> float:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)
     resp = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-    x = Experience(tokens=torch.tensor(prompt + resp), prompt_length=len(prompt), reward=0.0)
-    with torch.no_grad():
-        logp, _ = models.token_logprobs(model, models.collate([x], {}, [0], torch.device("cpu")), 1.0, False)
-    return logp.sum().item()
+    return plain_logprobs(model, prompt + resp, len(prompt)).sum().item()
 
 
 def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, tiny_model_dir):

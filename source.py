@@ -1,0 +1,139 @@
+"""source.py: where the trainer's batches come from: the experience DB, or offline SFT / DPO data files.
+
+    source = Source(cfg, tokenizer, rank, device)
+    exps = source.read(step)      # train_batch_size experiences, the same on every rank; [] if none came
+    source.ended                  # True once every explorer writing to the DB has finished
+
+From the DB, rank 0 claims the batch (waiting for it, with a log line every 30 s and the explorers' states)
+and the other ranks read the same ids. The sample strategy (algos/sample.py) says what a step's claim
+wants: a staleness bound (min_version), dynamic-sampling refills of groups whose rewards tie, expert rows
+from an auxiliary file (mix). File data (schema_type sft or dpo) is read in a seeded order per epoch, a pure
+function of the step, so that a resumed run continues exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+import algos
+import configs
+from algos.sample import tied_groups
+from buffer import DataError, Experience, ExperienceDB, read_rows
+from models import file_units, fingerprint, pick
+
+log = logging.getLogger("nanorft.train")
+
+
+class Source:
+    """Where train batches come from: the experience DB (claims), or offline data files
+    (`experience_buffer.storage_type: file`, schema_type sft or dpo) read in a seeded order per epoch.
+    A sample strategy may add expert rows from an auxiliary buffer to each batch (mix).
+    `ended` (rank 0): the DB will get no more experiences (every explorer that wrote to it finished)."""
+
+    def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
+        self.cfg, self.rank, self.device, self.ended = cfg, rank, device, False
+        eb, aux = cfg.buffer.trainer_input.experience_buffer, cfg.buffer.trainer_input.auxiliary_buffers
+        self.units: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
+        self.expert: list[list[Experience]] = []  # the auxiliary buffer's rows (mix)
+        self.expert_ratio, self.refills, self.dropped_groups = 0.0, False, 0
+        self.paired = eb.storage_type == "file" and eb.schema_type == "dpo"
+        if eb.storage_type == "file":
+            self.units = file_units(eb, tokenizer, cfg.model.max_model_len)
+            self.per_step = max(cfg.buffer.train_batch_size // len(self.units[0]), 1)  # rows (pairs) per step
+            return
+        self.db = ExperienceDB(eb.path)
+        self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
+        a = cfg.algorithm
+        self.strategy = (algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
+                         configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args))
+        first = self.strategy[0](1, self.strategy[1])  # what the strategy asks of the reader (algos/sample.py)
+        self.refills = "refill_rounds" in first
+        expert = first.get("expert")  # (auxiliary buffer name, fraction of the batch)
+        if expert:
+            if expert[0] not in aux:
+                raise DataError(f"algorithm.sample_strategy {a.sample_strategy} reads buffer.trainer_input.auxiliary_buffers."
+                                f"{expert[0]}, which is not configured (have: {', '.join(aux) or 'none'})")
+            self.expert, self.expert_ratio = file_units(aux[expert[0]], tokenizer, cfg.model.max_model_len), expert[1]
+            for x in (x for unit in self.expert for x in unit):
+                x.info["expert"] = True
+
+    def total_steps(self) -> int:
+        b = self.cfg.buffer
+        if b.total_steps:
+            return b.total_steps
+        if self.units:
+            return math.ceil(len(self.units) / self.per_step) * b.total_epochs
+        tasks = sum(len(read_rows(ts.path, ts.subset_name, ts.split)) for ts in b.explorer_input.tasksets)
+        return math.ceil(tasks * b.total_epochs * self.cfg.algorithm.repeat_times / b.train_batch_size)
+
+    def read(self, step: int) -> list[Experience]:
+        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
+        n = self.cfg.buffer.train_batch_size
+        if self.units:  # a pure function of the step, so a resumed run continues exactly
+            return pick(self.units, (step - 1) * self.per_step, self.per_step, "sft")
+        # mix: expert rows on top of the train_batch_size RL experiences, `ratio` of the whole batch
+        n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
+        expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
+        ids = torch.zeros(n + 2, dtype=torch.long, device=self.device)  # [count, ended, ids...]
+        if self.rank == 0:
+            got = self.claim(step, n)
+            ids[:2] = torch.tensor([len(got), self.ended])
+            ids[2 : len(got) + 2] = torch.tensor([x.id for x in got], dtype=torch.long)
+        dist.broadcast(ids, src=0)
+        self.ended = bool(ids[1])
+        got = got if self.rank == 0 else self.db.get(ids[2 : int(ids[0]) + 2].tolist())
+        return got + expert if got else []
+
+    def claim(self, step: int, n: int) -> list[Experience]:
+        """Rank 0: claim n experiences for `step` (waiting for them); dynamic sampling replaces tied groups."""
+        eb = self.cfg.buffer.trainer_input.experience_buffer
+        fn, strategy_cfg = self.strategy
+        want = fn(step, strategy_cfg)
+        claim = functools.partial(self.db.claim, step=step, timeout=eb.max_read_timeout, priority=eb.use_priority_queue,
+                                  reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay, partial=False,
+                                  waiting=self.waiting(step), min_version=want.get("min_version", 0))
+        got, self.dropped_groups = claim(n), 0
+        for _ in range(want.get("refill_rounds", 0)):  # dynamic sampling: replace groups whose rewards tie
+            tied = tied_groups([x.group_id or str(x.id) for x in got], [x.reward for x in got])
+            kept = [x for x in got if (x.group_id or str(x.id)) not in tied]
+            # NOTE: refills take what is already written and never wait: a synchronous explorer writes
+            # the next step only after this one, so there the tied groups are just dropped.
+            more = claim(len(got) - len(kept), timeout=0.0, partial=True) if tied else []
+            if not tied or not kept + more:  # nothing to replace them with: keep them (zero advantage)
+                break
+            self.dropped_groups += len(tied)
+            got = kept + more
+        return got
+
+    def explorers(self) -> str:
+        """What the explorers that write to the DB last recorded, for log lines."""
+        now = time.time()
+        return "; ".join(f"{name} at step {x['step']}" + (" (finished)" if x.get("finished") else
+                         f", last wrote {now - x.get('time', now):.0f} s ago")
+                         for name, x in self.db.explorer_states().items()) or "none has written to this DB yet"
+
+    def waiting(self, step: int) -> Callable[[int, float], bool]:
+        """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every
+        explorer that wrote to the DB has finished."""
+        eb, next_note = self.cfg.buffer.trainer_input.experience_buffer, [5.0]
+
+        def check(have: int, waited: float) -> bool:
+            if self.db.explorers_finished():
+                self.ended = True
+                return True
+            if waited >= next_note[0]:
+                next_note[0] = waited + 30
+                self.db.set_trainer_status(step - 1, "waiting")
+                log.info("train step %d: waiting for experiences: %d of %d ready after %.0f s (gives up after "
+                         "max_read_timeout %g s); explorers: %s", step, have, self.cfg.buffer.train_batch_size,
+                         waited, eb.max_read_timeout, self.explorers())
+            return False
+
+        return check

@@ -1,0 +1,40 @@
+"""scripts/bench_gpu.py on the tiny shape (CPU, or the GPU when there is one), so that the benchmark cannot rot:
+it exits 0 and reports a finite positive number for every figure it measures."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--shape", "tiny", "--groups", "4", "--group-size", "4", "--prompt-len", "16", "--response-len", "24",
+        "--tokens-per-micro-batch", "256", "--steps", "2", "--concurrency", "128,512", "--decode-tokens", "8",
+        "--sync-repeats", "1"]
+MEASURED = ("trainer/packed_tokens_per_s", "trainer/seq_tokens_per_s", "trainer/step_s", "trainer/peak_memory_bytes",
+            "trainer/tflops_per_s", "sync/group/end_to_end_s", "sync/group/send_s", "sync/group/engine_load_s",
+            "sync/group/bytes", "sync/checkpoint/gather_s", "sync/checkpoint/save_s", "sync/checkpoint/engine_load_s",
+            "sync/checkpoint/total_s", "sync/checkpoint/bytes", "engine/c128/tokens_per_s", "engine/c128/generate_s",
+            "engine/c128/prefill_s", "engine/c512/tokens_per_s", "engine/c512/decode_only_tokens_per_s")
+
+
+def test_bench_gpu_tiny_shape_reports_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "scripts/bench_gpu.py", *TINY, "--json", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    results = record["results"]
+    assert set(MEASURED) <= set(results), set(MEASURED) - set(results)
+    for key, value in results.items():
+        if key == "trainer/mfu" and value is None:  # n/a without a known peak (CPU)
+            continue
+        assert isinstance(value, (int, float)) and math.isfinite(value) and value > 0, (key, value)
+    # the group sent every parameter once, as the trainer's fp32 master weights (tied head: once)
+    assert results["sync/group/bytes"] == 4 * record["model"]["params"]
+    # 4 groups of 16 + 4 x 24 packed tokens; sequence tokens count each prompt per response
+    assert results["trainer/packed_tokens_per_step"] == 4 * (16 + 4 * 24)
+    assert results["trainer/seq_tokens_per_step"] == 16 * (16 + 24)
+    assert record["settings"]["engine_requests"] == {"128": "32 prompts x n=4", "512": "128 prompts x n=4"}
+    assert "| trainer/step_s |" in run.stdout and record["command"].endswith(" ".join(TINY + ["--json", str(out)]))
