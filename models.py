@@ -62,11 +62,14 @@ GQA_SDPA = "nanorft_gqa_sdpa"  # the attention implementation the project's mode
 def gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
              is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' "sdpa" attention, except that grouped K/V heads (GQA) go to torch's SDPA as they are
-    (enable_gqa). NOTE: transformers repeats K/V for every query head whenever a mask is given (left padding in
-    the engine, packed sequences in the trainer), which on CPU copied the whole KV cache in every layer at every
-    decode step: 40% of the decode time (docs/LOG.md). On CUDA, SDPA with a mask and enable_gqa falls back to
-    its slowest kernel, so there (and for position-bias models) this is transformers' own sdpa."""
+    """The attention of every model the project loads. With `segments` (the trainer's packed micro-batches,
+    pack()): segment_attention. Else transformers' "sdpa", except that on CPU grouped K/V heads (GQA) go to
+    torch's SDPA as they are (enable_gqa). NOTE: transformers repeats K/V for every query head whenever a mask is
+    given (left padding in the engine), which on CPU copied the whole KV cache in every layer at every decode
+    step: 40% of the decode time (docs/LOG.md). On CUDA, SDPA with a mask and enable_gqa falls back to its
+    slowest kernel, so there (and for position-bias models) this is transformers' own sdpa."""
+    if kwargs.get("segments") is not None:
+        return segment_attention(query, key, value, kwargs["segments"], scaling), None
     if query.device.type != "cpu" or kwargs.get("position_bias") is not None:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout, scaling, is_causal,
                                                **kwargs)
@@ -75,6 +78,29 @@ def gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, va
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
         is_causal=query.shape[2] > 1 and attention_mask is None and causal, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: dict,
+                      scaling: float | None) -> torch.Tensor:
+    """Attention of packed rows [R, heads, W, d] computed per segment instead of over whole rows: each unit's
+    prompt attends causally to itself; each response attends to its unit's prompt and causally to itself.
+    `segments` (from pack()): per part, the flat positions of its queries [S,Q] and keys [S,K] and a mask
+    [S,1,Q,K]; padding queries attend to one key and their output is dropped. Returns [R, W, heads, d] (zeros
+    at padding). NOTE: a dense [R,1,W,W] mask over rows of a whole group (prompt + 8 responses) computed ~5x
+    the attention scores needed (docs/LOG.md)."""
+    R, H, W, d = query.shape
+    q = query.transpose(1, 2).reshape(R * W, H, d)  # [RW, H, d]
+    k, v = (x.transpose(1, 2).reshape(R * W, x.shape[1], d) for x in (key, value))  # [RW, KV, d] each
+    gqa, out = k.shape[1] != H, None
+    for qi, ki, mask, valid in segments["parts"]:
+        kk, vv = k[ki].transpose(1, 2), v[ki].transpose(1, 2)  # [S, KV, K, d]
+        if gqa and q.device.type != "cpu":  # CUDA: SDPA with a mask and enable_gqa falls back to its math kernel
+            kk, vv = (x.repeat_interleave(H // kk.shape[1], dim=1) for x in (kk, vv))  # [S, H, K, d]
+        o = torch.nn.functional.scaled_dot_product_attention(  # [S, H, Q, d]
+            q[qi].transpose(1, 2), kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa and q.device.type == "cpu")
+        out = o.new_zeros(R * W, H, d) if out is None else out  # [RW, H, d] in SDPA's dtype (autocast)
+        out = out.index_put((qi[valid],), o.transpose(1, 2)[valid])  # [RW, H, d]
+    return out.view(R, W, H, d)
 
 
 def register_attention() -> str:
@@ -86,10 +112,9 @@ def register_attention() -> str:
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
-    """A causal LM in eval mode. dtype: "float32" | "bfloat16" | "float16" (float32 on CPU:
-    bf16 matmuls are 3-5x slower there). On CPU with gqa_sdpa attention."""
-    attn = {"attn_implementation": register_attention()} if torch.device(device).type == "cpu" else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), **attn)
+    """A causal LM in eval mode, with gqa_sdpa attention. dtype: "float32" | "bfloat16" | "float16" (float32 on
+    CPU: bf16 matmuls are 3-5x slower there)."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=register_attention())
     return model.to(device).eval()
 
 
@@ -101,7 +126,8 @@ def load_critic(path: str) -> PreTrainedModel:
     config.classifier_dropout = 0.0
     with torch.random.fork_rng():  # NOTE: a new head is drawn alike on every rank (FSDP2 keeps each rank's shard)
         torch.manual_seed(0)
-        return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32).eval()
+        return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
+                                                               attn_implementation=register_attention()).eval()
 
 
 # --- offline data (SFT / DPO files) as experiences
@@ -265,48 +291,65 @@ def micro_batches(batch: dict[str, torch.Tensor], units: list[list[int]], budget
 def pack(batch: dict[str, torch.Tensor], units: list[list[int]], share: bool, device: torch.device) -> dict:
     """Model inputs for the sequences of `units` (one micro-batch), each unit laid out as its prompt followed by
     each member's response (shared prompts: the prompt runs once for the whole group), the units bin-packed into
-    rows as wide as the largest: input_ids / position_ids [R,W]; attention_mask [R,1,W,W] bool: a token sees the
-    tokens before it in its own unit, except other members' responses; rows [n]: the batch rows of the
-    micro-batch's sequences, in order; index [N]: where, in the flattened [R*W] rows, the state that predicts
-    each valid response token is, and dest [N] where that token is in the flattened [n,T] (N = sum of
+    rows as wide as the largest: input_ids / position_ids [R,W]; segments: what segment_attention needs so that
+    a token sees the tokens before it in its own unit, except other members' responses; rows [n]: the batch rows
+    of the micro-batch's sequences, in order; index [N]: where, in the flattened [R*W] rows, the state that
+    predicts each valid response token is, and dest [N] where that token is in the flattened [n,T] (N = sum of
     response_mask over the rows). Without `share`, one sequence per row, right-padded, and a [R,W] mask."""
     rows_of_units = bin_pack([unit_length(batch, u) for u in units]) if share else [[k] for k in range(len(units))]
     W = max(unit_length(batch, u) for u in units)
     R, T = len(rows_of_units), batch["responses"].shape[1]
     ids, pos = torch.zeros(R, W, dtype=torch.long), torch.zeros(R, W, dtype=torch.long)
-    unit_id, member = torch.full((R, W), -1), torch.zeros(R, W, dtype=torch.long)  # -1: padding
     order = [i for row in rows_of_units for k in row for i in units[k]]  # the micro-batch's rows, in layout order
     source = torch.zeros(len(order), T, dtype=torch.long)  # [n,T] flat position of each token's predictor
-    n = 0
+    prompts, responses = [], []  # flat positions of each unit's prompt; of each response, after its prompt's
     for r, row in enumerate(rows_of_units):
-        col = 0
+        col = r * W  # flat position of the next token
         for k in row:
             first = units[k][0]
             p = int(batch["prompt_lengths"][first])
-            ids[r, col : col + p], pos[r, col : col + p] = batch["prompts"][first, :p], torch.arange(p)
-            unit_id[r, col : col + p], prompt_end = k, col + p
-            col = prompt_end
-            for m, i in enumerate(units[k], start=1):
+            ids.view(-1)[col : col + p], pos.view(-1)[col : col + p] = batch["prompts"][first, :p], torch.arange(p)
+            prompts.append(list(range(col, col + p)))
+            col += p
+            for i in units[k]:
                 length = int(batch["response_lengths"][i])
-                ids[r, col : col + length] = batch["responses"][i, :length]
-                pos[r, col : col + length] = torch.arange(p, p + length)
-                unit_id[r, col : col + length], member[r, col : col + length] = k, m
+                ids.view(-1)[col : col + length] = batch["responses"][i, :length]
+                pos.view(-1)[col : col + length] = torch.arange(p, p + length)
                 # NOTE: the state at position t predicts token t + 1: the response's first token is scored at the
                 # prompt's last position, shared by the unit's members
-                if length:
-                    source[n, :length] = r * W + torch.cat([torch.tensor([prompt_end - 1]), torch.arange(col, col + length - 1)])
-                col, n = col + length, n + 1
+                # (a response without a prompt has no state before its first token: response_mask drops it)
+                predictors = (prompts[-1][-1:] or [col]) + list(range(col, col + length - 1))
+                source[len(responses), :length] = torch.tensor(predictors[:length], dtype=torch.long)
+                responses.append((prompts[-1], list(range(col, col + length))))
+                col += length
     valid = batch["response_mask"][order]  # [n,T]
     mb = {"input_ids": ids, "position_ids": pos, "index": source[valid], "dest": valid.flatten().nonzero()[:, 0]}
-    if share:
-        q_unit, k_unit = unit_id[:, :, None], unit_id[:, None, :]  # [R,W,1], [R,1,W]
-        q_member, k_member = member[:, :, None], member[:, None, :]
-        causal = torch.ones(W, W, dtype=torch.bool).tril()  # [W,W]
-        seen = (q_unit == k_unit) & (k_unit >= 0) & causal & ((k_member == 0) | (k_member == q_member))  # [R,W,W]
-        mb["attention_mask"] = (seen | torch.eye(W, dtype=torch.bool))[:, None]  # [R,1,W,W] padding sees itself
+    if share:  # the prompt part (causal in itself), then each response after its prompt
+        parts = [segment_part([q for q in prompts if q], [0 for q in prompts if q]),
+                 segment_part([[*p, *q] for p, q in responses if q], [len(p) for p, q in responses if q])]
+        mb["segments"] = {"parts": [tuple(x.to(device) for x in part) for part in parts if part[0].numel()]}
     else:
-        mb["attention_mask"] = (unit_id >= 0).long()  # [R,W]
-    return {**{k: v.to(device) for k, v in mb.items()}, "rows": torch.tensor(order)}
+        lengths = torch.tensor([unit_length(batch, u) for u in units])  # [R]
+        mb["attention_mask"] = (torch.arange(W)[None, :] < lengths[:, None]).long()  # [R,W]
+    return {**{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}, "rows": torch.tensor(order)}
+
+
+def segment_part(keys: list[list[int]], prefix: list[int]) -> tuple[torch.Tensor, ...]:
+    """segment_attention's tensors for segments whose keys are `keys[s]` (flat positions): the first `prefix[s]`
+    are seen by every query, the rest are the queries themselves (causal). (queries [S,Q], keys [S,K],
+    mask [S,1,Q,K], valid queries [S,Q]); padding is position 0, and a padding query sees key 0 only."""
+    S = len(keys)
+    K = max((len(k) for k in keys), default=1)
+    Q = max((len(k) - p for k, p in zip(keys, prefix)), default=1)
+    ki = torch.tensor([k + [0] * (K - len(k)) for k in keys], dtype=torch.long).view(S, K)  # [S,K]
+    qi = torch.tensor([k[p:] + [0] * (Q - len(k) + p) for k, p in zip(keys, prefix)], dtype=torch.long).view(S, Q)
+    first = torch.tensor(prefix)[:, None, None]  # [S,1,1] prefix keys
+    n_keys = torch.tensor([len(k) for k in keys])[:, None, None]  # [S,1,1]
+    q, k = torch.arange(Q)[None, :, None], torch.arange(K)[None, None, :]  # [1,Q,1], [1,1,K]
+    valid = (q < n_keys - first)[:, :, 0]  # [S,Q]
+    mask = (k < first) | ((k - first <= q) & (k < n_keys))  # [S,Q,K]
+    mask = (mask & valid[:, :, None]) | (~valid[:, :, None] & (k == 0))  # [S,Q,K] padding queries see key 0
+    return qi, ki, mask[:, None], valid
 
 
 def bin_pack(lengths: list[int]) -> list[list[int]]:
@@ -346,8 +389,8 @@ class TokenScorer(torch.nn.Module):
 
     def forward(self, mb: dict, entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, T = len(mb["rows"]), mb["width"]
-        inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"],
-                  "position_ids": mb["position_ids"], "use_cache": False}
+        inputs = {"input_ids": mb["input_ids"], "attention_mask": mb.get("attention_mask"),
+                  "position_ids": mb["position_ids"], "use_cache": False, "segments": mb.get("segments")}
         if self.critic:
             values = self.model(**inputs).logits.flatten(0, 1)[mb["index"], 0].float()  # [N]
             return scatter(values, mb["dest"], n, T), None

@@ -448,8 +448,8 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
     group, or written as the step's HF folder; the last step's always as a folder. Returns the full state it
     gathered (rank 0; {} elsewhere), which the checkpoint then reuses, or None."""
     s, job = p.cfg.synchronizer, p.cfg.checkpoint_job_dir
-    wanted = sync.publishes(step, p.cfg, p.total)
-    if p.rl and s.sync_method == "nccl" and wanted:
+    wanted = p.rl and sync.publishes(step, p.cfg, p.total)  # no explorer waits for an offline stage's weights
+    if s.sync_method == "nccl" and wanted:
         sync.send_model(p.sender, p.actor.model, step)  # sender is None on ranks > 0
     if (wanted and s.sync_method == "checkpoint") or step == p.total:
         weights = sync.full_state(p.actor.model)

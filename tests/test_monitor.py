@@ -1,6 +1,7 @@
 """Monitor: the console line, the JSONL history, tensorboard events and an offline wandb run, read back."""
 
 import logging
+import re
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -22,9 +23,11 @@ def test_history_console_and_tensorboard(tmp_path, caplog):
         mon.log({"rollout/reward/mean": 0.25, "time/step": 1.5, "note": "text", "bad": float("nan")}, step=1)
         mon.log({"rollout/reward/mean": 0.75}, step=2)
     mon.close()
-    assert "[explorer] step 1 rollout/reward/mean=0.25 time/step=1.5" in caplog.text
+    assert re.search(r"\[explorer\] step 1 perf/max_rss_gb=[0-9.]+ rollout/reward/mean=0.25 time/step=1.5", caplog.text)
     hist = read_history(tmp_path / "job/monitor/explorer.jsonl")
     assert [h["step"] for h in hist] == [1, 2] and hist[0]["note"] == "text"
+    # every record carries the process's peak memory: this test process holds torch, so > 0.1 GB
+    assert 0.1 < hist[0]["perf/max_rss_gb"] <= hist[1]["perf/max_rss_gb"] < 64
     events = EventAccumulator(str(tmp_path / "job/monitor/tensorboard/explorer"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward/mean")] == [(1, 0.25), (2, 0.75)]

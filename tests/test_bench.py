@@ -1,0 +1,26 @@
+"""scripts/bench_vs_trl.py end to end on a few steps: both contenders (nanorft in mode both, on-policy and with
+sync_offset 1; TRL's GRPOTrainer, from the bench extra that `bash run.sh test` installs) on the same workload,
+so that the benchmark cannot rot. The figures themselves are in docs/LOG.md (the full run is ~25 minutes)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
+    out = subprocess.run([sys.executable, "scripts/bench_vs_trl.py", "--work", str(tmp_path / "work"), "--seeds", "0",
+                          "--steps", "2", "--sft-steps", "4", "--json", str(tmp_path / "bench.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = json.loads((tmp_path / "bench.json").read_text())["results"]
+    assert sorted(r["framework"] for r in results) == ["TRL", "nanorft", "nanorft sync_offset 1"]
+    for r in results:
+        assert r["completions"] == 2 * 16 * 8  # 2 steps of 16 prompts x 8 samples
+        assert r["wall_s"] > 0 and r["step_s"] > 0 and r["rollout_s"] > 0 and r["tokens"] > r["completions"]
+        assert 0 < r["peak_rss_gb"] < 20 and r["command_s"] > r["wall_s"]
+        assert 0 <= r["before"] <= 1 and 0 <= r["after"] <= 1
+        assert (Path(r["weights"]) / "config.json").is_file()
+    assert "| TRL | 0 |" in out.stdout and "TRL / this, seed by seed" in out.stdout
