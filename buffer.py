@@ -1,12 +1,9 @@
-"""buffer.py: the experience DB that explorers write and the trainer reads, and the taskset readers.
+"""buffer.py: the experience DB that explorers write and the trainer reads.
 
     from buffer import Experience, ExperienceDB
     db = ExperienceDB("sqlite:///runs/gsm8k/buffer.db")
     db.write([Experience(tokens=ids, prompt_length=200, logprobs=lp, reward=1.0, group_id="t7")])
     batch = db.claim(64, step=12, timeout=30.0)   # waits up to 30 s for 64 unclaimed experiences
-
-    reader = TaskReader(cfg.buffer.explorer_input.tasksets, total_epochs=1)
-    tasks = reader.read(cfg.buffer.batch_size)    # Task objects; reader.state() is the saved position
 
 The DB is one SQLite file in WAL mode, so any number of explorer processes can write while one
 trainer process claims. Schema (version SCHEMA_VERSION, stored in `meta`):
@@ -25,24 +22,18 @@ Every experience is written once and is then pending, claimed (used by >= 1 trai
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import random
 import sqlite3
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import safetensors.numpy
 import safetensors.torch
 import torch
-
-if TYPE_CHECKING:  # annotations only: `import buffer` (for Experience) must not pull in the config loader and algos/
-    from configs.schema import FormatConfig, GenerationConfig, TasksetConfig
 
 log = logging.getLogger("nanorft.buffer")
 
@@ -163,6 +154,30 @@ CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id);
 # the row, that rewrite was half the cost of a claim (docs/LOG.md); small rows also keep scans cheap.
 
 
+
+@dataclass(frozen=True)
+class _Eligible:
+    """Which experiences a claim may take, and in which order (see ExperienceDB.claim)."""
+
+    priority: bool
+    reuse_cooldown: float | None
+    decay: float
+    min_version: int | None
+
+    def sql(self, now: float) -> tuple[str, str, list]:
+        """(WHERE predicate, ORDER BY, its parameters)."""
+        # NOTE: the literal predicate of the partial index, so that SQLite uses it
+        eligible, order, args = "use_count = 0 AND dropped_step IS NULL", "id", []
+        if self.priority:
+            order = f"model_version - {float(self.decay)!r} * use_count DESC, id DESC"
+            if self.reuse_cooldown is not None:
+                eligible = "((use_count = 0 AND dropped_step IS NULL) OR (use_count > 0 AND last_claimed <= ?))"
+                args.append(now - self.reuse_cooldown)
+        if self.min_version is not None:
+            eligible += " AND model_version >= ?"
+            args.append(self.min_version)
+        return eligible, order, args
+
 class ExperienceDB:
     """Experiences in one SQLite file, shared by explorer processes (writers) and the trainer.
 
@@ -268,39 +283,13 @@ class ExperienceDB:
         is there if `partial`, else nothing. Returns the experiences in claim order with `id` set."""
         if reuse_cooldown is not None and not priority:
             raise ValueError("reuse_cooldown needs priority=True (queue order never reuses)")
-        # NOTE: the literal predicate of the partial index, so that SQLite uses it
-        eligible, order = "use_count = 0 AND dropped_step IS NULL", "id"
-        if priority:
-            order = f"model_version - {float(decay)!r} * use_count DESC, id DESC"
-            if reuse_cooldown is not None:
-                eligible = "((use_count = 0 AND dropped_step IS NULL) OR (use_count > 0 AND last_claimed <= ?))"
-        if min_version is not None:
-            eligible += " AND model_version >= ?"
         start, pause, take = time.monotonic(), 0.005, False  # take: waiting() said no more will come
         while True:
-            now = time.time()
-            args = ([now - reuse_cooldown] if priority and reuse_cooldown is not None else []) + (
-                [min_version] if min_version is not None else [])
             waited = time.monotonic() - start
-            # NOTE: look and claim under one write lock, and claim only when n are there or waiting is
-            # over: a reader that took partial batches while waiting would starve another reader.
-            with transaction(self.conn) as cur:
-                if min_version is not None:
-                    cur.execute("UPDATE experiences SET dropped_step = ? WHERE use_count = 0 AND dropped_step IS NULL"
-                                " AND model_version < ?", (step, min_version))
-                # Ids first (a scan of small rows), payloads second, for the chosen ids only.
-                ids = [row[0] for row in cur.execute(
-                    f"SELECT id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?", (*args, n))]
-                done = len(ids) >= n or take or waited >= timeout
-                if done and len(ids) < n and not take and not partial:
-                    ids = []
-                if done:
-                    cur.executemany("UPDATE experiences SET use_count = use_count + 1,"
-                                    " last_claimed = ? WHERE id = ?", [(now, i) for i in ids])
-                    cur.executemany("INSERT INTO claims (exp_id, step, claimed) VALUES (?, ?, ?)",
-                                    [(i, step, now) for i in ids])
-                    rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
-                    break
+            ids, rows = self._claim_once(n, step, _Eligible(priority, reuse_cooldown, decay, min_version),
+                                         final=take or waited >= timeout, keep_partial=take or partial)
+            if rows is not None:
+                break
             # NOTE: outside the transaction: the callback may write to the DB itself (the trainer's status)
             if waiting is not None and waiting(len(ids), waited):
                 take = True
@@ -315,6 +304,33 @@ class ExperienceDB:
         by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols)))
                  for id, blob, meta, *cols in rows}
         return [by_id[i] for i in ids]
+
+    def _claim_once(self, n: int, step: int, which: _Eligible, final: bool,
+                    keep_partial: bool) -> tuple[list[int], list | None]:
+        """One look under the write lock. With n eligible (or `final`) claim them and return (ids, rows); a
+        final look with fewer than n claims them only if `keep_partial`. Otherwise claim nothing: (ids seen, None).
+
+        Look and claim happen under one write lock, and a claim is made only when n are there or waiting is
+        over: a reader that took partial batches while waiting would starve another reader."""
+        now = time.time()
+        eligible, order, args = which.sql(now)
+        with transaction(self.conn) as cur:
+            if which.min_version is not None:
+                cur.execute("UPDATE experiences SET dropped_step = ? WHERE use_count = 0 AND dropped_step IS NULL"
+                            " AND model_version < ?", (step, which.min_version))
+            # Ids first (a scan of small rows), payloads second, for the chosen ids only.
+            ids = [row[0] for row in cur.execute(
+                f"SELECT id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?", (*args, n))]
+            if len(ids) < n and not final:
+                return ids, None
+            if len(ids) < n and not keep_partial:
+                ids = []
+            cur.executemany("UPDATE experiences SET use_count = use_count + 1,"
+                            " last_claimed = ? WHERE id = ?", [(now, i) for i in ids])
+            cur.executemany("INSERT INTO claims (exp_id, step, claimed) VALUES (?, ?, ?)",
+                            [(i, step, now) for i in ids])
+            rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
+        return ids, rows
 
     def get(self, ids: list[int]) -> list[Experience]:
         """The experiences with these row ids, in that order, without claiming them (the trainer's
@@ -395,198 +411,3 @@ class ExperienceDB:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-# --- tasksets
-
-
-class DataError(ValueError):
-    """A taskset or data file problem, naming the file, row and key."""
-
-
-@dataclasses.dataclass
-class Task:
-    """One row of a taskset, ready for a workflow."""
-
-    taskset: str  # taskset name
-    index: int  # row index within its taskset
-    epoch: int  # pass over the tasksets this task was read in
-    raw: dict  # the row as read from the file
-    prompt: str | None  # plaintext prompt (format.prompt_key)
-    messages: list[dict] | None  # chat messages to prompt with (system prompt included)
-    reference: Any  # the reference answer (format.response_key), None if the row has none
-    tools: list | None  # tool schemas (format.tools_key)
-    workflow: str  # workflow name
-    reward_fn: str  # reward function name
-    workflow_args: dict
-    reward_fn_args: dict
-    rollout_args: GenerationConfig
-    repeat_times: int  # responses to sample (the group size)
-    is_eval: bool = False
-
-    @property
-    def task_id(self) -> str:
-        return f"{self.taskset}/{self.index}"
-
-
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def find_data_files(path: str, subset_name: str | None, split: str) -> list[Path]:
-    """Files of one split: a single file, or <path>[/<subset>][/data]/<split>[-*].<ext> (Hugging Face layout)."""
-    p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
-    root = p / subset_name if subset_name else p
-    if subset_name and not root.is_dir():
-        raise DataError(f"{p}: no sub-folder {subset_name!r} for subset_name")
-    for folder in (root, root / "data"):
-        files = sorted(
-            f for ext in _BUILDERS for pat in (f"{split}{ext}", f"{split}-*{ext}", f"{split}_*{ext}") for f in folder.glob(pat)
-        )
-        if files:
-            return files
-    raise DataError(f"{root}: no {split!r} split (looked for {split}.jsonl/.json/.parquet/.csv and {split}-*.* here and in data/)")
-
-
-def read_rows(path: str, subset_name: str | None = None, split: str = "train") -> list[tuple[str, int, dict]]:
-    """Rows as (file, row number, row) from local files, or from the hub when `path` is not local."""
-    import datasets  # slow to import; only readers need it
-
-    datasets.disable_progress_bars()
-    if Path(path).expanduser().exists():
-        rows = []
-        for f in find_data_files(path, subset_name, split):
-            ds = datasets.load_dataset(_BUILDERS.get(f.suffix, "json"), data_files=str(f), split="train")
-            rows += [(str(f), i, row) for i, row in enumerate(ds)]
-        return rows
-    try:
-        ds = datasets.load_dataset(path, subset_name, split=split)
-    except Exception as e:  # offline, unknown name, ...: say what was tried
-        raise DataError(
-            f"{path!r} is not a local file or folder, and loading it from the Hugging Face hub "
-            f"(subset {subset_name!r}, split {split!r}) failed: {type(e).__name__}: {e}"
-        ) from e
-    return [(f"hub:{path}", i, row) for i, row in enumerate(ds)]
-
-
-def _column(row: dict, key: str, where: str, what: str) -> Any:
-    if row.get(key) is None:
-        raise DataError(f"{where}: missing column {key!r} ({what}); the row has {sorted(row)}")
-    return row[key]
-
-
-def _messages(value: Any, where: str) -> list[dict]:
-    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        raise DataError(f"{where}: expected a list of {{role, content}} messages, got {str(value)[:80]!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def format_row(row: dict, fmt: FormatConfig, where: str, kind: str = "task") -> dict:
-    """Pick the columns `fmt` names out of a row.
-
-    kind "task": {prompt, messages, reference, tools}; "sft": {messages} ending with the assistant turn;
-    "dpo": {messages (the prompt), chosen, rejected} (strings, or message lists for prompt_type messages).
-    """
-    system = _column(row, fmt.system_prompt_key, where, "format.system_prompt_key") if fmt.system_prompt_key else fmt.system_prompt
-    head = [{"role": "system", "content": system}] if system else []
-    out: dict[str, Any] = {"tools": row.get(fmt.tools_key)}
-    if fmt.prompt_type == "messages":
-        msgs = _messages(_column(row, fmt.messages_key, where, "format.messages_key"), where)
-        if msgs and msgs[0]["role"] != "system":
-            msgs = head + msgs
-        if kind == "sft" and (not msgs or msgs[-1]["role"] != "assistant"):
-            raise DataError(f"{where}: an SFT conversation must end with an assistant message")
-        if kind == "task" and msgs and msgs[-1]["role"] == "assistant":  # the answer is the reference
-            out["reference"] = msgs[-1]["content"]
-            msgs = msgs[:-1]
-        out.update(prompt=None, messages=msgs)
-        out.setdefault("reference", row.get(fmt.response_key))
-    else:
-        prompt = _column(row, fmt.prompt_key, where, "format.prompt_key")
-        msgs = head + [{"role": "user", "content": str(prompt)}]
-        out.update(prompt=str(prompt), messages=msgs)
-        if kind == "task":
-            out["reference"] = _column(row, fmt.response_key, where, "format.response_key")
-        elif kind == "sft":
-            out["messages"] = msgs + [{"role": "assistant", "content": str(_column(row, fmt.response_key, where, "format.response_key"))}]
-    if kind == "dpo":
-        out["chosen"] = _column(row, fmt.chosen_key, where, "format.chosen_key")
-        out["rejected"] = _column(row, fmt.rejected_key, where, "format.rejected_key")
-    return out
-
-
-def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
-    """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row."""
-    tasks = []
-    for index, (file, rownum, row) in enumerate(read_rows(ts.path, ts.subset_name, ts.split)):
-        where = f"taskset {ts.name}: {file}: row {rownum}"
-        f = format_row(row, ts.format, where)
-        fmt = ts.format
-        tasks.append(Task(
-            taskset=ts.name, index=index, epoch=0, raw=row, prompt=f["prompt"], messages=f["messages"],
-            reference=f.get("reference"), tools=f["tools"],
-            workflow=row.get(fmt.workflow_key) if fmt.workflow_key else ts.default_workflow_type,
-            reward_fn=row.get(fmt.reward_fn_key) if fmt.reward_fn_key else ts.default_reward_fn_type,
-            workflow_args=ts.workflow_args, reward_fn_args=ts.reward_fn_args, rollout_args=ts.rollout_args,
-            repeat_times=ts.repeat_times or 1, is_eval=is_eval,
-        ))
-    if not tasks:
-        raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows")
-    return tasks
-
-
-class TaskReader:
-    """Training tasks over epochs: several tasksets interleaved, a seeded order, a position to save.
-
-        reader = TaskReader(cfg.buffer.explorer_input.tasksets, total_epochs=cfg.buffer.total_epochs)
-        reader.load_state(saved)        # resume: {"epoch": e, "index": i}
-        batch = reader.read(batch_size) # [] once every epoch is done
-
-    Within an epoch each taskset keeps its own order (sequential, a seeded per-epoch shuffle, or seeded
-    sampling with replacement), and tasksets are interleaved in proportion to their sizes.
-    """
-
-    def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1) -> None:
-        self.sets = [(ts, load_tasks(ts)) for ts in tasksets]
-        self.total_epochs = total_epochs
-        self.epoch, self.index = 0, 0
-        self._order: tuple[int, list[tuple[int, int]]] | None = None
-
-    def __len__(self) -> int:
-        """Tasks per epoch."""
-        return sum(len(tasks) for _, tasks in self.sets)
-
-    def order(self, epoch: int) -> list[tuple[int, int]]:
-        """(taskset number, row index) of every task of one epoch, in reading order."""
-        keyed = []
-        for i, (ts, tasks) in enumerate(self.sets):
-            n, sel = len(tasks), ts.data_selector
-            rng = random.Random(f"{sel.seed}/{epoch}")  # NOTE: str seeds hash deterministically across runs
-            rows = {"sequential": lambda: list(range(n)), "shuffle": lambda: rng.sample(range(n), n),
-                    "random": lambda: rng.choices(range(n), k=n)}[sel.selector_type]()
-            keyed += [((k + 0.5) / n, i, row) for k, row in enumerate(rows)]
-        return [(i, row) for _, i, row in sorted(keyed)]
-
-    def read(self, n: int) -> list[Task]:
-        """The next n tasks (fewer at the very end; none when all epochs are done)."""
-        out = []
-        while len(out) < n and self.epoch < self.total_epochs:
-            if self._order is None or self._order[0] != self.epoch:
-                self._order = (self.epoch, self.order(self.epoch))
-            order = self._order[1]
-            take = order[self.index : self.index + n - len(out)]
-            out += [dataclasses.replace(self.sets[i][1][row], epoch=self.epoch) for i, row in take]
-            self.index += len(take)
-            if self.index >= len(order):
-                self.epoch, self.index = self.epoch + 1, 0
-        return out
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "sizes": [len(t) for _, t in self.sets]}
-
-    def load_state(self, state: dict) -> None:
-        sizes = [len(t) for _, t in self.sets]
-        if state.get("sizes", sizes) != sizes:
-            raise DataError(f"saved taskset position is for tasksets of sizes {state['sizes']}, these have {sizes}")
-        self.epoch, self.index = int(state["epoch"]), int(state["index"])

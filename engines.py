@@ -90,7 +90,8 @@ class Batcher:
         # a batch takes requests until none came for wait_s, or max_wait_s after its first
         self.run_batch, self.wait_s, self.max_wait_s = run_batch, wait_s, max_wait_s
         self.max_model_len = max_model_len
-        self.queue: queue.Queue = queue.Queue()  # ("request", prompt_ids, params, future) | ("call", fn, future) | CLOSE
+        # ("request", prompt_ids, params, future) | ("call", fn, future) | CLOSE
+        self.queue: queue.Queue = queue.Queue()
         self.closed, self.mutex = False, threading.Lock()
         self.worker = threading.Thread(target=self.run, name="engine-batcher", daemon=True)
         self.worker.start()
@@ -211,10 +212,14 @@ class Sampler:
         new = [min(p.max_tokens, max_model_len - n) for p, n in zip(ps, prompt_lens)]
         self.max_new, self.longest = torch.tensor(new, device=dev), max(new)  # [B], N
         # NOTE: one generator per row, seeded by (request seed, sample index): N draws each, used one per step.
-        gens = [torch.Generator("cpu").manual_seed((seed * 1_000_003 + k) % 2**63) for k, seed in zip(sample_idx, seeds)]
+        gens = [
+            torch.Generator("cpu").manual_seed((seed * 1_000_003 + k) % 2**63) for k, seed in zip(sample_idx, seeds)
+        ]
         self.u = torch.stack([torch.rand(self.longest, generator=g) for g in gens]).to(dev)  # [B, N] in [0, 1)
 
-    def sample(self, logits: torch.Tensor, live: torch.Tensor, t: int, is_eos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(
+        self, logits: torch.Tensor, live: torch.Tensor, t: int, is_eos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token t of the rows `live` [b] from their logits [b,V]: (ids [b], log-probs [b]). The log-probs are
         log_softmax(logits / T) before min_tokens / top-k / top-p masking (what the trainer recomputes)."""
         scaled = logits / self.temp[live, None]  # [b,V]
@@ -286,7 +291,8 @@ class HFEngine:
 
     def prefill(self, rows: list[tuple]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run each distinct request's prompt once (left-padded), then give each of its samples a copy of
-        its KV cache: (cache, last logits [B,V], attention mask [B,C] over the cache slots, last positions [B,1]), rows in order.
+        its KV cache: (cache, last logits [B,V], attention mask [B,C] over the cache slots, last positions [B,1]),
+        rows in order.
         NOTE: the group's n samples share one prefill, as vLLM's prefix cache does; with n = 8 that is 8x
         less prefill work than a batched model.generate over the repeated prompts."""
         dev, firsts = self.device, {}
@@ -315,7 +321,9 @@ class HFEngine:
         self.num_batches += 1
         dev, V, ps = self.device, self.model.config.vocab_size, [r[3] for r in rows]
         B = len(rows)
-        s = Sampler(ps, [r[1] for r in rows], [r[4] for r in rows], [len(r[2]) for r in rows], self.max_model_len, V, dev)
+        s = Sampler(
+            ps, [r[1] for r in rows], [r[4] for r in rows], [len(r[2]) for r in rows], self.max_model_len, V, dev
+        )
         cache, logits, mask, pos = self.prefill(rows)
         tokens = torch.zeros(B, s.longest, dtype=torch.long, device=dev)  # [B, N] sampled ids
         logps = torch.zeros(B, s.longest, device=dev)  # [B, N] their log-probs
@@ -346,8 +354,8 @@ class HFEngine:
                 cache.batch_select_indices(keep_idx)
                 live, mask, pos, picked = live[keep_idx], mask[keep_idx], pos[keep_idx], picked[keep_idx]
             pos = pos + 1  # [b, 1]
-            logits = self.model(input_ids=picked[:, None], attention_mask=mask[:, : cache.get_seq_length() + 1], position_ids=pos,
-                                past_key_values=cache, use_cache=True).logits[:, -1].float()  # [b, V]
+            logits = self.model(input_ids=picked[:, None], attention_mask=mask[:, : cache.get_seq_length() + 1],
+                                position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()  # [b, V]
         lengths = length.tolist()
         ids = [tokens[r, :n].tolist() for r, n in enumerate(lengths)]
         lps = [logps[r, :n].tolist() for r, n in enumerate(lengths)]
@@ -367,7 +375,9 @@ class HFEngine:
         version."""
 
         def load() -> None:
-            state = load_model(source, dtype=self.dtype, device="cpu").state_dict() if isinstance(source, str) else source
+            state = (
+                load_model(source, dtype=self.dtype, device="cpu").state_dict() if isinstance(source, str) else source
+            )
             if self.model.config.tie_word_embeddings and "lm_head.weight" not in state:
                 state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}  # tied: same tensor
             self.model.load_state_dict(state, strict=True)  # copies into the existing parameters

@@ -40,10 +40,11 @@ from tqdm import tqdm
 import configs
 import launch
 import sync
-from buffer import Experience, ExperienceDB, Task, TaskReader, load_tasks
+from buffer import Experience, ExperienceDB
 from engines import ModelHandle, make_engine
 from models import fingerprint, load_tokenizer
 from monitor import Monitor
+from tasksets import Task, TaskReader, load_tasks
 from workflows import build_workflow
 
 log = logging.getLogger("nanorft.explore")
@@ -61,7 +62,9 @@ def check_experiences(exps: Any, task: Task) -> list[Experience]:
         if e.tokens.dim() != 1 or not 0 <= e.prompt_length <= n:
             raise ValueError(f"workflow {task.workflow}: bad tokens/prompt_length ({n}, {e.prompt_length})")
         if e.logprobs is not None and len(e.logprobs) != n - e.prompt_length:
-            raise ValueError(f"workflow {task.workflow}: {len(e.logprobs)} logprobs for {n - e.prompt_length} response tokens")
+            raise ValueError(
+                f"workflow {task.workflow}: {len(e.logprobs)} logprobs for {n - e.prompt_length} response tokens"
+            )
         if e.reward is None or not math.isfinite(e.reward):
             raise ValueError(f"workflow {task.workflow}: reward {e.reward!r} is not a finite number")
     return exps
@@ -126,7 +129,9 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
     per_task = [{k: mean([x.metrics[k] for x in got]) for k in got[0].metrics} for _, got, _ in results if got]
     for k in sorted({k for m in per_task for k in m}):  # task value = mean over its runs (Trinity)
         values = [m[k] for m in per_task if k in m]
-        out.update({f"rollout/{k}/mean": mean(values), f"rollout/{k}/max": max(values), f"rollout/{k}/min": min(values)})
+        out.update(
+            {f"rollout/{k}/mean": mean(values), f"rollout/{k}/max": max(values), f"rollout/{k}/min": min(values)}
+        )
     return out
 
 
@@ -134,7 +139,9 @@ def eval_metrics(name: str, results: list, k: int, prefix: str = "eval") -> dict
     """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component."""
     done = [got for _, got, _ in results if got]
     out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
-    runs = [{"reward": [x.reward for x in got], **{m: [x.metrics[m] for x in got] for m in got[0].metrics}} for got in done]
+    runs = [
+        {"reward": [x.reward for x in got], **{m: [x.metrics[m] for x in got] for m in got[0].metrics}} for got in done
+    ]
     for m in sorted({m for r in runs for m in r}):
         per_task = [r[m] for r in runs if m in r]
         means = [mean(v) for v in per_task]
@@ -164,7 +171,9 @@ def evaluate(pool: ThreadPoolExecutor, handles: list[ModelHandle], cfg: configs.
 def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
     """What the runner, not the workflow, owns: ids and provenance."""
     for run_id, x in enumerate(exps):
-        x.group_id, x.run_id, x.task_id, x.explorer = f"{explorer}/{task.epoch}/{task.task_id}", run_id, task.task_id, explorer
+        x.group_id, x.run_id, x.task_id, x.explorer = (
+            f"{explorer}/{task.epoch}/{task.task_id}", run_id, task.task_id, explorer
+        )
         x.info.update(epoch=task.epoch, taskset=task.taskset, index=task.index)
 
 
@@ -188,7 +197,9 @@ def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: 
         if trainer is not None and trainer["status"] == "finished":
             return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})", 0
         if waited >= timeout:
-            return 0, f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}", 1
+            return (
+                0, f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}", 1
+            )
         if waited >= next_note:
             next_note = waited + 30
             log.info("sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
@@ -265,7 +276,8 @@ def set_up(cfg: configs.Config) -> Explorer:
     engine.model_version = version
     return Explorer(cfg, db, reader, step, engine, [ModelHandle(engine, load_tokenizer(cfg.model.model_path))],
                     ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), Monitor(cfg, role=name),
-                    [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets], total_steps(cfg, reader))
+                    [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
+                    total_steps(cfg, reader))
 
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
@@ -327,8 +339,8 @@ def load_newer(x: Explorer) -> tuple[int | None, dict[str, float]]:
     if version < want:
         version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
         if not version:
-            (log.error if code else log.info)("explorer %s stops after step %d: %s.%s", x.cfg.explorer.name, x.step, why,
-                                              f" Restart to continue after step {x.step}." if code else "")
+            (log.error if code else log.info)("explorer %s stops after step %d: %s.%s", x.cfg.explorer.name, x.step,
+                                              why, f" Restart to continue after step {x.step}." if code else "")
             return code, {}
     if version > x.engine.model_version:
         load_published(x.engine, job, version)

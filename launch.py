@@ -37,8 +37,9 @@ from typing import Callable, Iterator
 
 import configs
 import sync
-from buffer import DataError, DBMismatch, ExperienceDB, sqlite_path
+from buffer import DBMismatch, ExperienceDB, sqlite_path
 from monitor import read_history
+from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
 HERE = Path(__file__).resolve().parent
@@ -143,13 +144,17 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
             for rec in read_history(file):
                 stage_steps = max(stage_steps, rec["step"])
                 if (key := eval_key(rec)) is not None:
-                    evals.append({"stage": st.name, "stage_index": i, "step": rec["step"], "global_step": offset + rec["step"],
-                                  "accuracy": rec[key], "metric": key,
+                    evals.append({"stage": st.name, "stage_index": i, "step": rec["step"],
+                                  "global_step": offset + rec["step"], "accuracy": rec[key], "metric": key,
                                   "metrics": {k: v for k, v in rec.items() if k.startswith(("eval/", "bench/"))}})
                 if "rollout/reward/mean" in rec:
-                    rewards.append({"stage": st.name, "global_step": offset + rec["step"], "reward": rec["rollout/reward/mean"]})
+                    rewards.append(
+                        {"stage": st.name, "global_step": offset + rec["step"], "reward": rec["rollout/reward/mean"]}
+                    )
                 if "actor/sft_loss" in rec:
-                    rewards.append({"stage": st.name, "global_step": offset + rec["step"], "sft_loss": rec["actor/sft_loss"]})
+                    rewards.append(
+                        {"stage": st.name, "global_step": offset + rec["step"], "sft_loss": rec["actor/sft_loss"]}
+                    )
         if st.mode == "train" and st.algorithm.algorithm_type == "sft" and sft_at is None:
             sft_at = i
         offset += stage_steps
@@ -279,7 +284,9 @@ def run(cfg: configs.Config) -> int:
         job.mkdir(parents=True, exist_ok=True)
         config_file = job / (f"config_{role}.yaml" if (role := async_role(cfg)) else "config.yaml")
         config_file.write_text(configs.to_yaml(stage))
-        log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
+        log.info(
+            "stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file
+        )
         procs: dict[str, subprocess.Popen] = {}
         try:
             if stage.mode == "both":
@@ -306,7 +313,10 @@ def run(cfg: configs.Config) -> int:
         plot(summary, out / "reward_accuracy.png")
     except Exception as e:  # a plot must not turn a finished run into a failure
         log.warning("could not draw the plot: %s", e)
-    shown = {k: summary[k] for k in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft", "wall_seconds", "steps")}
+    shown = {
+        k: summary[k]
+        for k in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft", "wall_seconds", "steps")
+    }
     print(f"\nrun {'finished' if code == 0 else f'FAILED (exit code {code})'}: {json.dumps(shown)}")
     print(f"summary: {out / 'summary.json'}\nplot:    {out / 'reward_accuracy.png'}", flush=True)
     return code

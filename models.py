@@ -1,6 +1,6 @@
 """Models, tokenizers and what the trainer feeds them: the one place the project loads models, so every
-script loads them alike; offline SFT / DPO rows tokenized into experiences; padded batches, log-probs
-and values.
+script loads them alike; offline SFT / DPO rows tokenized into experiences; the trainer's step batch,
+packed micro-batches, and the FSDP2-sharded scorer (`build_model`) that turns them into log-probs and values.
 
     from models import load_model, load_tokenizer
     tokenizer = load_tokenizer("assets/tiny-qwen2")        # built by `python tiny.py`
@@ -28,14 +28,16 @@ import random
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from buffer import DataError, Experience, format_row, read_rows
-from configs import ExperienceBufferConfig
+from buffer import Experience
+from tasksets import DataError, format_row, read_rows
+from configs.schema import ExperienceBufferConfig, TrainerConfig
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
@@ -114,7 +116,9 @@ def register_attention() -> str:
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A causal LM in eval mode, with gqa_sdpa attention. dtype: "float32" | "bfloat16" | "float16" (float32 on
     CPU: bf16 matmuls are 3-5x slower there)."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation=register_attention())
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=getattr(torch, dtype), attn_implementation=register_attention()
+    )
     return model.to(device).eval()
 
 
@@ -180,7 +184,9 @@ def dpo_experiences(row: dict, tokenizer: PreTrainedTokenizerBase, max_len: int,
 def file_units(eb: ExperienceBufferConfig, tokenizer, max_len: int) -> list[list[Experience]]:
     """An SFT or DPO data file as units: [one experience] per SFT conversation, [chosen, rejected] per pair."""
     if eb.schema_type not in ("sft", "dpo"):
-        raise DataError(f"buffer {eb.name}: a file buffer for the trainer needs schema_type sft or dpo, got {eb.schema_type!r}")
+        raise DataError(
+            f"buffer {eb.name}: a file buffer for the trainer needs schema_type sft or dpo, got {eb.schema_type!r}"
+        )
     units = []
     for _, n, row in read_rows(eb.path, eb.subset_name, eb.split):
         f = format_row(row, eb.format, f"{eb.path}: row {n}", kind=eb.schema_type)
@@ -201,7 +207,9 @@ def pick(units: list[list[Experience]], first: int, count: int, tag: str) -> lis
 # --- the trainer's batches: the step batch (dense, built once), packed micro-batches, log-probs and values
 
 
-def step_batch(exps: list[Experience], width: int, temperatures: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+def step_batch(
+    exps: list[Experience], width: int, temperatures: dict[str, float] | None = None
+) -> dict[str, torch.Tensor]:
     """The step's experiences as dense tensors, built once; the trainer's later phases read and extend it.
     Per sequence [B]: prompt_lengths, response_lengths, rewards, group_index (a task's repeats share it; an
     experience without a group is its own), prompt_index (same prompt token ids, same index: pack() shares
@@ -382,12 +390,16 @@ class TokenScorer(torch.nn.Module):
     def __init__(self, model: PreTrainedModel, critic: bool = False) -> None:
         super().__init__()
         self.model, self.critic = model, critic
-        extras = [k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)]
+        extras = [
+            k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)
+        ]
         if extras and not critic:
             raise ValueError(f"{model.config.model_type}: the trainer's scorer supports a plain linear LM head; "
                              f"this model also applies {extras}")
 
-    def forward(self, mb: dict, entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, mb: dict, entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, T = len(mb["rows"]), mb["width"]
         inputs = {"input_ids": mb["input_ids"], "attention_mask": mb.get("attention_mask"),
                   "position_ids": mb["position_ids"], "use_cache": False, "segments": mb.get("segments")}
@@ -404,6 +416,29 @@ class TokenScorer(torch.nn.Module):
         logp = scatter(torch.cat([p[0] for p in parts]), mb["dest"], n, T)  # [n,T]
         ent = scatter(torch.cat([p[1] for p in parts]), mb["dest"], n, T) if entropy else None  # [n,T]
         return logp, ent
+
+
+def build_model(
+    path: str, t: TrainerConfig, device: torch.device, trainable: bool, critic: bool = False
+) -> TokenScorer:
+    """An HF causal LM (or, `critic`, the value model) in a models.TokenScorer, sharded with FSDP2: each decoder
+    layer, then the scorer (the root: embeddings, final norm and head)."""
+    hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+    if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cuda = device.type == "cuda"
+    # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 throughout on CPU.
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
+    if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
+        policy["offload_policy"] = CPUOffloadPolicy()
+    model = TokenScorer(hf, critic=critic)
+    for layer in hf.base_model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
 
 
 def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, head: torch.nn.Module,

@@ -63,7 +63,9 @@ class Monitor:
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
-        metrics = {**metrics, "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}  # KiB on Linux
+        metrics = {
+            **metrics, "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         numbers = {k: float(v) for k, v in metrics.items()

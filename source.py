@@ -25,8 +25,9 @@ import torch.distributed as dist
 import algos
 import configs
 from algos.sample import tied_groups
-from buffer import DataError, Experience, ExperienceDB, read_rows
+from buffer import Experience, ExperienceDB
 from models import file_units, fingerprint, pick
+from tasksets import DataError, read_rows
 
 log = logging.getLogger("nanorft.train")
 
@@ -58,8 +59,9 @@ class Source:
         expert = first.get("expert")  # (auxiliary buffer name, fraction of the batch)
         if expert:
             if expert[0] not in aux:
-                raise DataError(f"algorithm.sample_strategy {a.sample_strategy} reads buffer.trainer_input.auxiliary_buffers."
-                                f"{expert[0]}, which is not configured (have: {', '.join(aux) or 'none'})")
+                raise DataError(f"algorithm.sample_strategy {a.sample_strategy} reads "
+                                f"buffer.trainer_input.auxiliary_buffers.{expert[0]}, which is not configured "
+                                f"(have: {', '.join(aux) or 'none'})")
             self.expert, self.expert_ratio = file_units(aux[expert[0]], tokenizer, cfg.model.max_model_len), expert[1]
             for x in (x for unit in self.expert for x in unit):
                 x.info["expert"] = True

@@ -295,7 +295,9 @@ def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -
     n = link.count
     link.store.set(f"nanorft/header/{n}", json.dumps({"stop": True, "finished": finished}))
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and not any(link.store.check([k]) for k in (f"nanorft/ack/{n}", "nanorft/closed")):
+    while time.monotonic() < deadline and not any(
+        link.store.check([k]) for k in (f"nanorft/ack/{n}", "nanorft/closed")
+    ):
         time.sleep(0.05)
     path = Path(link.job_dir, GROUP_FILE)
     try:
@@ -375,7 +377,9 @@ def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | N
     except SyncError:
         raise
     except RuntimeError as e:  # gloo: "Connection closed by peer" when the trainer dies mid-transfer
-        raise SyncError(f"weight transfer {link.count} broke after {len(state)} tensors: {str(e).splitlines()[0]}") from e
+        raise SyncError(
+            f"weight transfer {link.count} broke after {len(state)} tensors: {str(e).splitlines()[0]}"
+        ) from e
     _ack(link)
     return header["version"], state
 
@@ -411,9 +415,10 @@ def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path, step: int,
-                    rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None,
-                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None, state: dict | None = None) -> None:
+def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path,
+                    step: int, rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None,
+                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+                    state: dict | None = None) -> None:
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
     trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
     then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.

@@ -55,7 +55,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import algos
@@ -68,15 +67,15 @@ from algos.kl import adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, 
 from algos.utils import masked_mean
 from buffer import Experience
 from configs.schema import OptimizerConfig
-from models import (TokenScorer, load_critic, load_model, load_tokenizer, micro_batch, micro_batches, pack_units, score,
-                    step_batch, unit_length)
+from models import (TokenScorer, build_model, load_tokenizer, micro_batch, micro_batches, pack_units, score, step_batch,
+                    unit_length)
 from monitor import Monitor
 from source import Source
 
 log = logging.getLogger("nanorft.train")
 
 
-# --- distributed set-up and the models
+# --- distributed set-up
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -91,28 +90,6 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     else:  # a plain process: a group of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device
-
-
-def build_model(path: str, cfg: configs.Config, device: torch.device, trainable: bool, critic: bool = False) -> TokenScorer:
-    """An HF causal LM (or, `critic`, the value model) in a models.TokenScorer, sharded with FSDP2: each decoder
-    layer, then the scorer (the root: embeddings, final norm and head)."""
-    t = cfg.trainer
-    hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
-    if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cuda = device.type == "cuda"
-    # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 throughout on CPU.
-    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
-    if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
-        policy["offload_policy"] = CPUOffloadPolicy()
-    model = TokenScorer(hf, critic=critic)
-    for layer in hf.base_model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
-    model.train(trainable)
-    if not trainable:
-        model.requires_grad_(False)
-    return model
 
 
 def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
@@ -179,17 +156,19 @@ def set_up(cfg: configs.Config) -> Parts | None:
         return None
     tokenizer = load_tokenizer(cfg.model.model_path)
     pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
-              "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn") if not (k == "advantage_fn" and a.advantage_fn == "none")}
-    actor = build_model(str(sync.weights_path(job, resume)) if resume else cfg.model.model_path, cfg, device, True)
+              "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
+              if not (k == "advantage_fn" and a.advantage_fn == "none")}
+    actor_path = str(sync.weights_path(job, resume)) if resume else cfg.model.model_path
+    actor = build_model(actor_path, t, device, True)
     # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
     needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
     critic_path = str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface") if resume else \
         cfg.model.critic_model_path
-    critic = build_model(critic_path, cfg, device, True, critic=True) if "values" in needs else None
+    critic = build_model(critic_path, t, device, True, critic=True) if "values" in needs else None
     source = Source(cfg, tokenizer, rank, device)
     p = Parts(cfg, rank, world, device, tokenizer, actor, adamw(actor, a.optimizer.lr, a.optimizer),
-              build_model(cfg.model.model_path, cfg, device, False) if use_ref else None,
+              build_model(cfg.model.model_path, t, device, False) if use_ref else None,
               critic, adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
               pieces, {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")}, source, source.total_steps(),
               resume, {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
@@ -205,7 +184,9 @@ def set_up(cfg: configs.Config) -> Parts | None:
     return p
 
 
-def adamw(model: torch.nn.Module, lr: float, o: OptimizerConfig, weight_decay: float | None = None) -> torch.optim.AdamW:
+def adamw(
+    model: torch.nn.Module, lr: float, o: OptimizerConfig, weight_decay: float | None = None
+) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas),
                              weight_decay=o.weight_decay if weight_decay is None else weight_decay)
 
@@ -286,7 +267,9 @@ def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
     a, metrics = p.cfg.algorithm, {}
     scores, rl = batch["rewards"], ~batch["expert"]  # [B], [B]
     if a.overlong_reward.enable:
-        shaping = overlong.penalty(batch["response_lengths"].float(), p.cfg.model.max_response_tokens, a.overlong_reward)  # [B]
+        shaping = overlong.penalty(
+            batch["response_lengths"].float(), p.cfg.model.max_response_tokens, a.overlong_reward
+        )  # [B]
         scores = scores + shaping  # [B]
         metrics["critic/overlong_penalty/mean"] = shaping[rl].mean().item()
     if a.kl_penalty_fn == "none":
@@ -311,7 +294,9 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
     adv, adv_metrics = fn(sub, adv_cfg)
-    batch["advantages"], batch["returns"] = torch.zeros_like(batch["rollout_logprobs"]), torch.zeros_like(batch["rollout_logprobs"])
+    batch["advantages"], batch["returns"] = (
+        torch.zeros_like(batch["rollout_logprobs"]), torch.zeros_like(batch["rollout_logprobs"])
+    )
     batch["advantages"][rl], batch["returns"][rl] = adv["advantages"], adv["returns"]
     if "keep" in adv:
         rows = rl.nonzero()[:, 0][~adv["keep"]]  # [dropped]
@@ -319,8 +304,10 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     valid = sub["response_mask"]
     metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
         "critic/score/mean": sub["rewards"].mean().item(), "critic/score/max": sub["rewards"].max().item(),
-        "critic/score/min": sub["rewards"].min().item(), "critic/advantages/mean": adv["advantages"][valid].mean().item(),
-        "critic/advantages/max": adv["advantages"].max().item(), "critic/advantages/min": adv["advantages"].min().item(),
+        "critic/score/min": sub["rewards"].min().item(),
+        "critic/advantages/mean": adv["advantages"][valid].mean().item(),
+        "critic/advantages/max": adv["advantages"].max().item(),
+        "critic/advantages/min": adv["advantages"].min().item(),
         "critic/returns/mean": adv["returns"][valid].mean().item()}
     if "values" in sub:
         metrics["critic/values/mean"] = sub["values"][valid].mean().item()
@@ -338,7 +325,8 @@ def actor_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
     if p.rl and mb["has_rollout_logprobs"].any():  # truncated IS weights (rollout -> old policy) scale the advantages
         rc = a.rollout_correction
         w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [n,T]
-                                  mb["response_mask"] & mb["has_rollout_logprobs"][:, None], rc.rollout_is, rc.rollout_is_threshold)
+                                  mb["response_mask"] & mb["has_rollout_logprobs"][:, None], rc.rollout_is,
+                                  rc.rollout_is_threshold)
         mb["advantages"] = mb["advantages"] * w  # [n,T]
     loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
     m |= pm
@@ -353,7 +341,9 @@ def actor_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
 def critic_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
     """The critic's clipped value loss on one micro-batch."""
     values = p.critic(mb)[0]  # [n,T]
-    return value_loss.compute(values, mb, value_loss.Config(p.cfg.trainer.critic.cliprange_value), p.cfg.algorithm.loss_agg_mode)
+    return value_loss.compute(
+        values, mb, value_loss.Config(p.cfg.trainer.critic.cliprange_value), p.cfg.algorithm.loss_agg_mode
+    )
 
 
 def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
@@ -362,7 +352,8 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     a, t = p.cfg.algorithm, p.cfg.trainer
     sums, norms, skipped = {}, [], 0
     if p.critic is not None:
-        lr = lr_at(step, dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1, lr_scheduler_type="constant",
+        lr = lr_at(step, dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1,
+                                             lr_scheduler_type="constant",
                                              lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio), p.total)
         sums, critic_norms, _ = optimize(p, p.critic, p.critic_optim, batch, plan, critic_loss, a.loss_agg_mode,
                                          lr, t.critic.grad_clip, "critic/", step)
@@ -384,7 +375,8 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
 
 
 def optimize(p: Parts, model: TokenScorer, optim: torch.optim.Optimizer, batch: dict, plan: list, loss_fn: Callable,
-             mode: str, lr: float, grad_clip: float, prefix: str, step: int) -> tuple[dict[str, float], list[float], int]:
+             mode: str, lr: float, grad_clip: float, prefix: str,
+             step: int) -> tuple[dict[str, float], list[float], int]:
     """ppo_epochs x the plan's mini-batches x their micro-batches of loss_fn(p, micro-batch) -> (loss, metrics):
     gradients accumulated with each micro-batch's share of the mini-batch's tokens (token-mean `mode`) or of its
     sequences with tokens (the seq-mean modes), so that any cut (micro-batches, ranks) gives the gradient of the
@@ -462,7 +454,8 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
 def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
     """The checkpoint of `step`: weights, optimizer states, RNG, KL coefficients (sync.save_checkpoint)."""
     sync.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
-                         p.cfg.trainer.max_checkpoints_to_keep, (p.critic, p.critic_optim) if p.critic else None, p.kl_coef)
+                         p.cfg.trainer.max_checkpoints_to_keep, (p.critic, p.critic_optim) if p.critic else None,
+                         p.kl_coef)
 
 
 def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, float], step: int) -> None:
@@ -499,7 +492,8 @@ def no_batch(p: Parts, step: int, done: int) -> int:
                      "training ends after step %d of %d", done, p.total)
         return 0
     if p.rank == 0:
-        log.error("no full batch for train step %d after %g s (buffer.trainer_input.experience_buffer.max_read_timeout);"
+        log.error("no full batch for train step %d after %g s "
+                  "(buffer.trainer_input.experience_buffer.max_read_timeout);"
                   " explorers: %s. Stopping; a restart continues after checkpoint step %d.", step,
                   p.cfg.buffer.trainer_input.experience_buffer.max_read_timeout, p.source.explorers(), done)
     return 1

@@ -4,7 +4,8 @@ Objective (one scalar reward r_i per response i in group g of size n):
     A_i = r_i - (mean_g(r) + delta)            delta = baseline_shift (< 0 by default)
     advantages[i, t] = A_i * mask[i, t];   returns = advantages
 A baseline below the mean (delta < 0) weights positive rewards more than negative ones; the paper
-finds this is the stable side for off-policy REINFORCE (baseline below the behaviour policy's value). Example: rewards [1, 0], delta -0.1 -> b = 0.4,
+finds this is the stable side for off-policy REINFORCE (baseline below the behaviour policy's value).
+Example: rewards [1, 0], delta -0.1 -> b = 0.4,
 A = [0.6, -0.4].
 Singleton group (n = 1): b = 0 (no shift either), A = r (Trinity).
 

@@ -34,7 +34,8 @@ class Config:
     """kl_loss_fn_args / kl_penalty_fn_args for every KL kind."""
 
     kl_coef: float = 0.001
-    """beta: weight of the KL term (loss) or of the per-token KL subtracted from the reward (penalty); the start value when adaptive."""
+    """beta: weight of the KL term (loss) or of the per-token KL subtracted from the reward (penalty); the start value
+    when adaptive."""
     adaptive: bool = False
     """Adapt beta after every step towards target_kl (adaptive KL controller)."""
     target_kl: float = 0.1

@@ -54,7 +54,9 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
     expert = batch["expert_mask"].to(logprobs.dtype)  # [B,T]
     ppo_cfg = ppo_loss.Config(clip_range=cfg.clip_range, clip_range_low=cfg.clip_range_low,
                               clip_range_high=cfg.clip_range_high, clip_ratio_c=cfg.clip_ratio_c)
-    usual, um = ppo_loss.compute(logprobs, {**batch, "response_mask": mask * (1.0 - expert)}, ppo_cfg, loss_agg_mode)  # []
+    usual, um = ppo_loss.compute(
+        logprobs, {**batch, "response_mask": mask * (1.0 - expert)}, ppo_cfg, loss_agg_mode
+    )  # []
     sft, sm = sft_loss.compute(logprobs, {"response_mask": mask * expert}, sft_loss.Config(), loss_agg_mode)  # []
     loss = (1.0 - cfg.mu) * usual + cfg.mu * sft  # []
     metrics = {f"usual/{k}": v for k, v in um.items()} | {f"expert/{k}": v for k, v in sm.items()} | {"mu": cfg.mu}

@@ -32,7 +32,9 @@ class Config:
 def penalty(lengths: torch.Tensor, max_len: int, cfg: Config) -> torch.Tensor:
     """The length reward [B] (0 or negative) for response lengths [B] (float)."""
     if not 0 < cfg.buffer_len <= max_len:
-        raise ValueError(f"algorithm.overlong_reward.buffer_len must be in 1..{max_len} (max_response_tokens), got {cfg.buffer_len}")
+        raise ValueError(
+            f"algorithm.overlong_reward.buffer_len must be in 1..{max_len} (max_response_tokens), got {cfg.buffer_len}"
+        )
     start = max_len - cfg.buffer_len  # L_max - L_cache
     r = ((start - lengths) / cfg.buffer_len).clamp(max=0.0)  # [B] 0 up to start, then linear down to -1 at max_len
     r = torch.where(lengths > max_len, torch.full_like(r, -1.0), r)  # [B]

@@ -129,7 +129,9 @@ def loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: LossConfig
                     | (neg & (ratio >= 1.0 + cfg.epsilon_high_prime)))  # [B,T]
     else:
         raise ValueError(f"unknown rec clip_mode {cfg.clip_mode!r}")
-    weights = {"none": adv, "importance_sampling": adv * ratio, "advantage": adv * torch.exp(adv / cfg.temp)}  # A' [B,T]
+    weights = {
+        "none": adv, "importance_sampling": adv * ratio, "advantage": adv * torch.exp(adv / cfg.temp)
+    }  # A' [B,T]
     if cfg.weight not in weights:
         raise ValueError(f"unknown rec weight {cfg.weight!r}")
     per_token = torch.where(in_range, -weights[cfg.weight] * logprobs, torch.zeros_like(logprobs))  # [B,T]

@@ -71,7 +71,9 @@ def dynamic_sampling(step: int, cfg: Config) -> dict[str, Any]:
 
 def mix(step: int, cfg: Config) -> dict[str, Any]:
     if not 0 <= cfg.expert_data_ratio < 1:
-        raise ValueError(f"algorithm.sample_strategy_args.expert_data_ratio must be in [0, 1), got {cfg.expert_data_ratio}")
+        raise ValueError(
+            f"algorithm.sample_strategy_args.expert_data_ratio must be in [0, 1), got {cfg.expert_data_ratio}"
+        )
     return {"expert": (cfg.sft_dataset_name, cfg.expert_data_ratio)}
 
 

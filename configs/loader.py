@@ -33,8 +33,14 @@ import tyro
 import yaml
 from omegaconf import OmegaConf
 
-from algos import PRESETS, REGISTRIES
-from configs.schema import Config, ExperienceBufferConfig, TasksetConfig
+from algos import PRESETS, REGISTRIES, Preset
+from configs.schema import (
+    AlgorithmConfig,
+    Config,
+    ExperienceBufferConfig,
+    ModelConfig,
+    TasksetConfig,
+)
 
 log = logging.getLogger("nanorft.config")
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -79,9 +85,12 @@ ALIASES = {
     "buffer.explorer_input.default_workflow_type": "buffer.default_workflow_type",
     "buffer.explorer_input.default_eval_workflow_type": "buffer.default_eval_workflow_type",
     "buffer.explorer_input.default_reward_fn_type": "buffer.default_reward_fn_type",
-    "buffer.trainer_input.experience_buffer.replay_buffer.enable": "buffer.trainer_input.experience_buffer.use_priority_queue",
-    "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time": "buffer.trainer_input.experience_buffer.reuse_cooldown_time",
-    "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay": "buffer.trainer_input.experience_buffer.priority_decay",
+    "buffer.trainer_input.experience_buffer.replay_buffer.enable":
+        "buffer.trainer_input.experience_buffer.use_priority_queue",
+    "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time":
+        "buffer.trainer_input.experience_buffer.reuse_cooldown_time",
+    "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay":
+        "buffer.trainer_input.experience_buffer.priority_decay",
 }
 # Trinity-RFT keys that only make sense with Ray or services nanorft does not have.
 IGNORED = {
@@ -233,7 +242,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value in args:
             return value
         close = difflib.get_close_matches(str(value), [str(x) for x in args], n=1)
-        raise ConfigError(f"{path}: {value!r} is not one of {list(args)}" + (f"; did you mean {close[0]}?" if close else ""))
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"{path}: {value!r} is not one of {list(args)}{hint}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{path}: expected a list, got {value!r}")
@@ -347,30 +357,31 @@ def _detect_gpus() -> int:
         return 0
 
 
-def derive(cfg: Config) -> Config:
-    """Return a copy of `cfg` with every derived value filled in. Idempotent: derive(derive(c)) == derive(c)."""
-    c = copy.deepcopy(cfg)
-    a, m, b, s, t = c.algorithm, c.model, c.buffer, c.synchronizer, c.trainer
-
-    # algorithm: the preset fills the pieces the YAML leaves empty
+def _derive_algorithm(a: AlgorithmConfig) -> Preset:
+    """The preset fills the pieces the YAML leaves empty; every piece's `*_args` is checked here, before any
+    process starts."""
     if a.algorithm_type not in PRESETS:
         close = difflib.get_close_matches(a.algorithm_type, PRESETS, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         raise ConfigError(f"algorithm.algorithm_type: unknown {a.algorithm_type!r}; {hint}known: {', '.join(PRESETS)}")
     preset = PRESETS[a.algorithm_type]
     a.repeat_times = 2 if a.algorithm_type == "dpo" else (a.repeat_times or preset.repeat_times)
-    for piece in ("advantage_fn", "policy_loss_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn", "sample_strategy"):
+    pieces = ("advantage_fn", "policy_loss_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn", "sample_strategy")
+    for piece in pieces:
         if not getattr(a, piece):
             setattr(a, piece, getattr(preset, piece))
     if a.sample_strategy == "warmup":
         a.sample_strategy = "default"
-    for piece in ("advantage_fn", "policy_loss_fn", "kl_loss_fn", "kl_penalty_fn", "entropy_loss_fn", "sample_strategy"):
-        if not (piece == "advantage_fn" and a.advantage_fn == "none"):  # checked here, before any process starts
+    for piece in pieces:
+        if not (piece == "advantage_fn" and a.advantage_fn == "none"):
             piece_config(piece, getattr(a, piece), getattr(a, piece + "_args"))
     if a.rollout_correction.rollout_is != "none" and a.rollout_correction.rollout_is_threshold <= 1:
         raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 1 (weights are cut at it)")
+    return preset
 
-    # model: token limits
+
+def _derive_token_limits(m: ModelConfig) -> None:
+    """max_model_len, max_prompt_tokens and max_response_tokens: any two give the third; one alone splits evenly."""
     if not m.model_path:
         raise ConfigError("model.model_path is required (set it in the YAML or pass --model.model_path)")
     if m.max_model_len is None:
@@ -383,7 +394,8 @@ def derive(cfg: Config) -> Config:
         m.max_prompt_tokens = m.max_model_len - m.max_response_tokens
     elif m.max_response_tokens is None:
         m.max_response_tokens = m.max_model_len - m.max_prompt_tokens
-    if m.max_prompt_tokens + m.max_response_tokens > m.max_model_len or min(m.max_prompt_tokens, m.max_response_tokens) < 1:
+    too_long = m.max_prompt_tokens + m.max_response_tokens > m.max_model_len
+    if too_long or min(m.max_prompt_tokens, m.max_response_tokens) < 1:
         raise ConfigError(
             f"model: max_prompt_tokens ({m.max_prompt_tokens}) + max_response_tokens ({m.max_response_tokens}) "
             f"must be positive and fit in max_model_len ({m.max_model_len})"
@@ -392,7 +404,10 @@ def derive(cfg: Config) -> Config:
         raise ConfigError(f"model.min_response_tokens ({m.min_response_tokens}) exceeds max_response_tokens")
     m.critic_model_path = m.critic_model_path or m.model_path
 
-    # synchronizer: aliases, and nccl only where both sides live in one launch
+
+def _derive_synchronizer(c: Config, preset: Preset) -> None:
+    """Trinity's aliases, and nccl only where both sides live in one launch."""
+    s = c.synchronizer
     s.sync_method = {"online": "nccl", "offline": "checkpoint"}.get(s.sync_method, s.sync_method)
     s.sync_style = {"dynamic_by_trainer": "trainer_driven", "dynamic_by_explorer": "explorer_driven"}.get(
         s.sync_style, s.sync_style
@@ -401,39 +416,24 @@ def derive(cfg: Config) -> Config:
         log.info("synchronizer.sync_method: nccl needs mode both with an explorer; using checkpoint")
         s.sync_method = "checkpoint"
     if s.sync_method == "nccl" and s.sync_style != "fixed":
-        log.info("synchronizer.sync_style %s needs sync_method checkpoint; nccl syncs at fixed points (fixed)", s.sync_style)
+        log.info("synchronizer.sync_style %s needs sync_method checkpoint; nccl syncs at fixed points (fixed)",
+                 s.sync_style)
         s.sync_style = "fixed"
     if s.sync_interval < 1 or s.sync_offset < 0:
         raise ConfigError("synchronizer: sync_interval must be >= 1 and sync_offset >= 0")
 
-    # buffer: tasksets and their per-taskset defaults
+
+def _derive_tasksets(c: Config) -> None:
+    """Tasksets get names, workflows, reward functions and rollout args from the buffer's and model's defaults;
+    batch sizes and total_steps follow."""
+    a, b, t = c.algorithm, c.buffer, c.trainer
     inp = b.explorer_input
     if inp.taskset.path:
         inp.tasksets = [inp.taskset] + inp.tasksets
         inp.taskset = TasksetConfig()
     for kind, sets in (("taskset", inp.tasksets), ("eval_taskset", inp.eval_tasksets)):
         for i, ts in enumerate(sets):
-            where = f"buffer.explorer_input.{kind}s[{i}]"
-            if not ts.path:
-                raise ConfigError(f"{where}.path is required")
-            ts.name = ts.name or f"{kind}_{i}"
-            if kind == "taskset":
-                if ts.repeat_times not in (None, a.repeat_times):
-                    log.warning("%s.repeat_times is set to algorithm.repeat_times (%d) for training", where, a.repeat_times)
-                ts.repeat_times = a.repeat_times
-                ts.default_workflow_type = ts.default_workflow_type or b.default_workflow_type
-            else:
-                ts.repeat_times = ts.repeat_times or 1
-                ts.default_workflow_type = (
-                    ts.default_workflow_type or b.default_eval_workflow_type or b.default_workflow_type
-                )
-            ts.default_reward_fn_type = ts.default_reward_fn_type or b.default_reward_fn_type
-            r = ts.rollout_args
-            r.temperature = m.temperature if r.temperature is None else r.temperature
-            r.top_p = m.top_p if r.top_p is None else r.top_p
-            r.top_k = m.top_k if r.top_k is None else r.top_k
-            r.logprobs = m.logprobs if r.logprobs is None else r.logprobs
-            r.max_tokens = m.max_response_tokens if r.max_tokens is None else r.max_tokens
+            _derive_taskset(c, ts, kind, f"buffer.explorer_input.{kind}s[{i}]", f"{kind}_{i}")
     names = [ts.name for ts in inp.tasksets + inp.eval_tasksets]
     if len(set(names)) != len(names):
         raise ConfigError(f"buffer.explorer_input: taskset names must be unique, got {names}")
@@ -448,31 +448,58 @@ def derive(cfg: Config) -> Config:
         b.total_steps = t.total_steps
     t.total_steps = b.total_steps
 
-    # job directory and the experience DB's default location
+
+def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: str) -> None:
+    a, b, m = c.algorithm, c.buffer, c.model
+    if not ts.path:
+        raise ConfigError(f"{where}.path is required")
+    ts.name = ts.name or name
+    if kind == "taskset":
+        if ts.repeat_times not in (None, a.repeat_times):
+            log.warning("%s.repeat_times is set to algorithm.repeat_times (%d) for training", where, a.repeat_times)
+        ts.repeat_times = a.repeat_times
+        ts.default_workflow_type = ts.default_workflow_type or b.default_workflow_type
+    else:
+        ts.repeat_times = ts.repeat_times or 1
+        ts.default_workflow_type = ts.default_workflow_type or b.default_eval_workflow_type or b.default_workflow_type
+    ts.default_reward_fn_type = ts.default_reward_fn_type or b.default_reward_fn_type
+    r = ts.rollout_args
+    r.temperature = m.temperature if r.temperature is None else r.temperature
+    r.top_p = m.top_p if r.top_p is None else r.top_p
+    r.top_k = m.top_k if r.top_k is None else r.top_k
+    r.logprobs = m.logprobs if r.logprobs is None else r.logprobs
+    r.max_tokens = m.max_response_tokens if r.max_tokens is None else r.max_tokens
+
+
+def _derive_paths(c: Config, preset: Preset) -> None:
+    """The job directory, and the experience DB's default location inside it."""
     parts = [c.checkpoint_root_dir, c.project] + ([c.group] if c.group else []) + [c.name]
     c.checkpoint_job_dir = str(Path(*parts))
-    bufs: list[ExperienceBufferConfig] = [b.trainer_input.experience_buffer, *b.trainer_input.auxiliary_buffers.values()]
+    inputs = c.buffer.trainer_input
+    bufs: list[ExperienceBufferConfig] = [inputs.experience_buffer, *inputs.auxiliary_buffers.values()]
     for eb in bufs:
         if not eb.schema_type:  # the trainer's input follows the algorithm; auxiliary files hold expert SFT data
             eb.schema_type = "experience" if eb.storage_type != "file" else preset.schema if eb is bufs[0] else "sft"
         if not eb.path and eb.storage_type != "file":
             eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
 
-    # trainer
-    t.max_token_len_per_gpu = t.max_token_len_per_gpu or max(16384, 2 * m.max_model_len)
-    t.ppo_mini_batch_size = t.ppo_mini_batch_size or b.train_batch_size
+
+def _derive_trainer_explorer(c: Config) -> None:
+    """Micro-batch token budget and mini-batch size; eval on sync boundaries, as Trinity-RFT does."""
+    t, e, s = c.trainer, c.explorer, c.synchronizer
+    t.max_token_len_per_gpu = t.max_token_len_per_gpu or max(16384, 2 * c.model.max_model_len)
+    t.ppo_mini_batch_size = t.ppo_mini_batch_size or c.buffer.train_batch_size
     if t.ulysses_sequence_parallel_size != 1:
         raise ConfigError("trainer.ulysses_sequence_parallel_size: nanorft supports 1 only")
-
-    # explorer: eval on sync boundaries, as Trinity-RFT does
-    e = c.explorer
     if e.eval_interval % s.sync_interval:
         rounded = math.ceil(e.eval_interval / s.sync_interval) * s.sync_interval
         log.info("explorer.eval_interval %d rounded up to %d (a multiple of sync_interval)", e.eval_interval, rounded)
         e.eval_interval = rounded
 
-    # cluster: which GPUs go to the explorer, which to the trainer
-    cl = c.cluster
+
+def _derive_cluster(c: Config) -> None:
+    """Which GPUs go to the explorer's engines, which to the trainer."""
+    cl, e = c.cluster, c.explorer
     cl.gpu_per_node = cl.gpu_per_node or _detect_gpus()
     gpus = cl.gpu_per_node * cl.node_num
     rm = e.rollout_model
@@ -490,6 +517,20 @@ def derive(cfg: Config) -> Config:
         )
     if gpus and explorer_gpus > gpus:
         raise ConfigError(f"cluster: the explorer's engines need {explorer_gpus} GPUs but the node has {gpus}")
+
+
+def derive(cfg: Config) -> Config:
+    """Return a copy of `cfg` with every derived value filled in. Idempotent: derive(derive(c)) == derive(c).
+
+    One section per config part, in this order (later sections read what earlier ones filled in)."""
+    c = copy.deepcopy(cfg)
+    preset = _derive_algorithm(c.algorithm)
+    _derive_token_limits(c.model)
+    _derive_synchronizer(c, preset)
+    _derive_tasksets(c)
+    _derive_paths(c, preset)
+    _derive_trainer_explorer(c)
+    _derive_cluster(c)
     return c
 
 
@@ -517,7 +558,8 @@ def resolve_stages(cfg: Config) -> list[Config]:
         if not st.stage_name or st.stage_name in seen:
             raise ConfigError(f"stages[{i}].stage_name must be set and unique, got {st.stage_name!r}")
         seen.add(st.stage_name)
-        override: dict[str, Any] = {k: getattr(st, k) for k in ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")}
+        sections = ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")
+        override: dict[str, Any] = {k: getattr(st, k) for k in sections}
         override.update(name=f"{cfg.name}/{st.stage_name}", **({"mode": st.mode} if st.mode else {}))
         stage_base = base
         if st.algorithm.get("algorithm_type", cfg.algorithm.algorithm_type) != cfg.algorithm.algorithm_type:
@@ -549,7 +591,9 @@ def dry_run(cfg: Config, out: Any = None) -> None:
 
 def entry(argv: list[str], description: str) -> Config:
     """What every script does first: logging, config, and --dry-run (which exits). Exits 2 on a bad config."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     try:
         cfg, dry = cli(argv, description)
         logging.getLogger().setLevel(cfg.log.level)

@@ -73,7 +73,8 @@ class OptimizerConfig:
 @dataclasses.dataclass
 class RolloutCorrectionConfig:
     rollout_is: Literal["none", "token", "sequence"] = "none"
-    """Truncated importance sampling between rollout and trainer log-probs: off, per token, or per sequence (algos/correction.py)."""
+    """Truncated importance sampling between rollout and trainer log-probs: off, per token, or per sequence
+    (algos/correction.py)."""
     rollout_is_threshold: float = 2.0
     """C: importance weights are cut at this value (> 1)."""
 
@@ -111,7 +112,8 @@ class AlgorithmConfig:
     entropy_loss_fn_args: ArgsDict = _field(dict)
     """Arguments of entropy_loss_fn (e.g. entropy_coef)."""
     rollout_correction: RolloutCorrectionConfig = _field(RolloutCorrectionConfig)
-    """Off-policy correction for the rollout engine's log-probs (veRL's algorithm.rollout_correction); mismatch metrics are logged either way."""
+    """Off-policy correction for the rollout engine's log-probs (veRL's algorithm.rollout_correction); mismatch metrics
+    are logged either way."""
     overlong_reward: OverlongRewardConfig = _field(OverlongRewardConfig)
     """DAPO's soft overlong punishment added to the reward (algos/overlong.py)."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
@@ -223,7 +225,8 @@ class GenerationConfig:
 @dataclasses.dataclass
 class DataSelectorConfig:
     selector_type: Literal["sequential", "shuffle", "random"] = "sequential"
-    """Task order: file order, a seeded permutation per epoch (shuffle), or seeded sampling with replacement (random)."""
+    """Task order: file order, a seeded permutation per epoch (shuffle), or seeded sampling with replacement
+    (random)."""
     seed: int = 42
     """Seed of shuffle / random."""
 
@@ -267,9 +270,11 @@ class ExperienceBufferConfig:
     storage_type: Literal["queue", "sql", "file"] = "queue"
     """queue / sql: the SQLite experience DB; file: read-only SFT/DPO data files (train mode)."""
     schema_type: Literal["", "experience", "sft", "dpo"] = ""
-    """What the rows are: experiences (the DB), SFT conversations or DPO pairs (files). Empty: from the algorithm (derived)."""
+    """What the rows are: experiences (the DB), SFT conversations or DPO pairs (files). Empty: from the algorithm
+    (derived)."""
     path: str = ""
-    """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived); file: a data file or folder."""
+    """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived); file: a data file or
+    folder."""
     subset_name: Optional[str] = None
     """file: subset (sub-folder) name."""
     split: str = "train"
@@ -476,7 +481,8 @@ class TrainerConfig:
     critic: CriticConfig = _field(CriticConfig)
     """Critic settings (ppo)."""
     trainer_config: ArgsDict = _field(dict)
-    """veRL-style settings; the keys that mean something here are mapped onto the fields above, the rest warned about."""
+    """veRL-style settings; the keys that mean something here are mapped onto the fields above, the rest warned
+    about."""
 
 
 # --- monitor, log, stages, root

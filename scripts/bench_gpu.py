@@ -17,7 +17,7 @@ tiny.make_tokenizer, so every token id used here is a byte, < 256, and ids past 
 Built in bf16 on CUDA (fp32 on CPU) and saved as an HF folder; the trainer loads it in fp32, as train.py does.
 
 What is measured:
-  trainer   train.build_model (FSDP2 models.TokenScorer in a one-process group; bf16 compute with fp32 master
+  trainer   models.build_model (FSDP2 models.TokenScorer in a one-process group; bf16 compute with fp32 master
             weights on CUDA, fp32 on CPU) on one step batch of --groups GRPO groups of --group-size responses
             sharing a prompt, all of --prompt-len / --response-len tokens: models.step_batch -> pack_units ->
             micro_batches (--tokens-per-micro-batch packed tokens; trainer.max_token_len_per_gpu) -> per
@@ -238,7 +238,7 @@ def bench_trainer(a: argparse.Namespace, cfg: configs.Config, device: torch.devi
     """The trainer's model, optimizer and figures (see the module docstring)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    scorer = train.build_model(cfg.model.model_path, cfg, device, trainable=True)
+    scorer = models.build_model(cfg.model.model_path, cfg.trainer, device, trainable=True)
     optim = train.adamw(scorer, 1e-6, cfg.algorithm.optimizer)
     batch, micro = grpo_batch(a, cfg)
     n = step_flops(batch, micro, facts)

@@ -39,8 +39,8 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from buffer import TaskReader  # noqa: E402
 from configs import cli, resolve_stages  # noqa: E402
+from tasksets import TaskReader  # noqa: E402
 
 
 def write_configs(out: Path, model: str, data: str, steps: int) -> dict[str, Path]:

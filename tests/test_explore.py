@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_yaml
 
 import explore
-from conftest import write_yaml
 import workflows
-from buffer import Experience, TaskReader, load_tasks
+from buffer import Experience
 from configs import cli, resolve_stages
 from engines import HFEngine, ModelHandle
 from models import load_tokenizer
+from tasksets import TaskReader, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 

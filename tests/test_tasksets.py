@@ -7,9 +7,16 @@ from pathlib import Path
 import datasets
 import pytest
 
-from buffer import DataError, TaskReader, find_data_files, format_row, load_tasks, read_rows
 from configs import derive, from_dict
 from configs.schema import Config, FormatConfig, TasksetConfig
+from tasksets import (
+    DataError,
+    TaskReader,
+    find_data_files,
+    format_row,
+    load_tasks,
+    read_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "tests/data/gsm8k"

@@ -11,12 +11,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from buffer import Experience, Task
+from buffer import Experience
 from configs.schema import GenerationConfig
-from workflows import (REWARD_FNS, WORKFLOWS, Workflow, build_workflow, get_reward_fn, get_workflow,
-                       sampling_kwargs)
+from tasksets import Task
+from workflows import (
+    REWARD_FNS,
+    WORKFLOWS,
+    Workflow,
+    build_workflow,
+    get_reward_fn,
+    get_workflow,
+    sampling_kwargs,
+)
 from workflows.countdown import PROMPT, countdown_reward, evaluate, parse_equation
-from workflows.math import accuracy_reward, extract_answer, format_reward, is_equivalent, math_reward
+from workflows.math import (
+    accuracy_reward,
+    extract_answer,
+    format_reward,
+    is_equivalent,
+    math_reward,
+)
 
 GSM8K_TEST = Path(__file__).parent / "data" / "gsm8k" / "main" / "test.jsonl"
 

@@ -26,8 +26,9 @@ import functools
 import inspect
 from typing import Any, Callable, Protocol
 
-from buffer import Experience, Task
+from buffer import Experience
 from configs.schema import GenerationConfig
+from tasksets import Task
 
 RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args) -> components
 

@@ -31,7 +31,8 @@ import math
 import operator
 from typing import Any
 
-from buffer import Experience, Task
+from buffer import Experience
+from tasksets import Task
 from workflows import Workflow, apply_reward, chat_messages, sampling_kwargs
 
 PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
