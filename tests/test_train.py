@@ -116,6 +116,33 @@ def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatc
             assert sorted(seen) == list(range(len(exps))), (share, budget)
 
 
+def test_packed_gradients_match_one_sequence_at_a_time(tiny_model_dir):
+    """The backward pass too: the gradient of a weighted sum of log-probs is the same with shared prompts and
+    per-segment attention, with one padded row per sequence, and with each sequence run alone through the plain
+    model (groups of different prompt lengths, cut into two micro-batches)."""
+    exps = experiences([(17, [6, 9, 4, 8]), (23, [7, 5]), (11, [9, 3, 6])])
+    batch = models.step_batch(exps, width=10)
+    weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))  # [B,T]
+
+    def packed(share: bool) -> dict[str, torch.Tensor]:
+        scorer = models.TokenScorer(load_model(tiny_model_dir))
+        units = models.pack_units(batch, list(range(len(exps))), share, 10**6)
+        for micro in models.micro_batches(batch, units, 45, None):
+            mb = models.micro_batch(batch, micro, share, torch.device("cpu"))
+            (scorer(mb)[0] * weights[mb["rows"]]).sum().backward()
+        return {n.removeprefix("model."): q.grad for n, q in scorer.named_parameters()}
+
+    plain = load_model(tiny_model_dir)
+    for b, x in enumerate(exps):
+        logits = plain(x.tokens[None]).logits[0, x.prompt_length - 1 : -1].float()  # [R,V]
+        logp = logits.log_softmax(-1).gather(-1, x.tokens[x.prompt_length :, None])[:, 0]  # [R]
+        (logp * weights[b, : x.response_length]).sum().backward()
+    for share in (True, False):
+        grads = packed(share)
+        for name, q in plain.named_parameters():
+            torch.testing.assert_close(grads[name], q.grad, atol=1e-5, rtol=1e-4, msg=f"{name} (share={share})")
+
+
 def test_chunked_vocabulary_projection_gives_the_same_values_and_gradients(tiny_model_dir, monkeypatch):
     """Chunks of the [tokens, V] logits, recomputed in the backward pass, change neither log-probs, entropy nor
     gradients (up to float rounding)."""
