@@ -1,6 +1,6 @@
 """scripts/bench_vs_trl.py end to end on a few steps: both contenders (nanorft in mode both, on-policy and with
 sync_offset 1; TRL's GRPOTrainer, from the bench extra that `bash run.sh test` installs) on the same workload,
-so that the benchmark cannot rot. The figures themselves are in docs/LOG.md (the full run is ~25 minutes)."""
+so that the benchmark cannot rot. The figures themselves are in docs/LOG.md (the full run is ~20 minutes)."""
 
 import json
 import subprocess
