@@ -135,8 +135,9 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
     return out
 
 
-def eval_metrics(name: str, results: list, k: int, prefix: str = "eval") -> dict[str, float]:
-    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component."""
+def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detailed: bool = False) -> dict[str, float]:
+    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component;
+    `detailed` (monitor.detailed_stats) adds the max, min and std across tasks of the per-task means."""
     done = [got for _, got, _ in results if got]
     out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
     runs = [
@@ -149,6 +150,10 @@ def eval_metrics(name: str, results: list, k: int, prefix: str = "eval") -> dict
         out[f"{prefix}/{name}/{m}/std@{k}"] = mean([statistics.pstdev(v) for v in per_task])
         out[f"{prefix}/{name}/{m}/best@{k}"] = mean([max(v) for v in per_task])
         out[f"{prefix}/{name}/{m}/worst@{k}"] = mean([min(v) for v in per_task])
+        if detailed:
+            out |= {f"{prefix}/{name}/{m}/max_over_tasks@{k}": max(means),
+                    f"{prefix}/{name}/{m}/min_over_tasks@{k}": min(means),
+                    f"{prefix}/{name}/{m}/std_over_tasks@{k}": statistics.pstdev(means)}
     return out
 
 
@@ -159,7 +164,7 @@ def evaluate(pool: ThreadPoolExecutor, handles: list[ModelHandle], cfg: configs.
     for ts, tasks in eval_sets:
         results = run_tasks(pool, tasks, handles, cfg)
         tokens += sum(x.response_length for _, got, _ in results if got for x in got)
-        out.update(eval_metrics(ts.name, results, ts.repeat_times, prefix))
+        out.update(eval_metrics(ts.name, results, ts.repeat_times, prefix, cfg.monitor.detailed_stats))
     seconds = time.monotonic() - start
     out.update({f"time/{prefix}": seconds, f"{prefix}/tokens_per_s": tokens / seconds if seconds else 0.0})
     return out

@@ -89,6 +89,19 @@ class Monitor:
             self.wandb.finish()
 
 
+def preview(exps: list, width: int = 300) -> dict[str, str]:
+    """trainer.enable_preview: the lowest- and highest-reward samples of a step as text entries of the history
+    (`preview/lowest`, `preview/highest`: reward, prompt and response, cut to `width` characters each)."""
+    scored = [x for x in exps if x.reward is not None]
+    if not scored:
+        return {}
+    out = {}
+    for key, x in (("lowest", min(scored, key=lambda e: e.reward)), ("highest", max(scored, key=lambda e: e.reward))):
+        out[f"preview/{key}"] = f"reward {x.reward:.4g} | {x.prompt_text[-width:]!r} -> {x.response_text[:width]!r}"
+        log.info("preview (%s reward): %s", key, out[f"preview/{key}"])
+    return out
+
+
 def read_history(path: str | Path) -> list[dict]:
     """The JSONL history a Monitor wrote (for plots and summaries)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

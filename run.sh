@@ -9,22 +9,24 @@ cd "$(dirname "$0")"
 VENV=.venv
 PY="$VENV/bin/python"
 
-setup() {  # $1: "" (the project) or "bench" (the project and its bench extra: TRL, for the tests)
+TEST_EXTRAS="test,bench"  # pytest, and TRL (scripts/bench_vs_trl.py's other side, run by a test)
+
+setup() {  # $1: "" (the project) or $TEST_EXTRAS (the project and what its tests need)
   local hash stamp
   hash=$(sha256sum pyproject.toml | cut -c1-16)
   stamp="$VENV/.setup-${1:+$1-}$hash"
-  [ -f "$stamp" ] || { [ -z "$1" ] && [ -f "$VENV/.setup-bench-$hash" ]; } && return 0
+  [ -f "$stamp" ] || { [ -z "$1" ] && [ -f "$VENV/.setup-$TEST_EXTRAS-$hash" ]; } && return 0
   python3 -c 'import sys; assert sys.version_info >= (3, 10), "nanorft needs Python >= 3.10"'
   echo "[run.sh] first use: creating $VENV and installing dependencies (a few minutes)"
   local t0=$SECONDS extras=${1:+[$1]}
   [ -x "$PY" ] || python3 -m venv "$VENV"
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$PY" -m pip install -q -e ".$extras"
+    "$PY" -m pip install -q --disable-pip-version-check -e ".$extras"
     echo "[run.sh] GPU found. For the vLLM rollout engine: $VENV/bin/pip install -e '.[gpu]'"
   else
     # NOTE: torch first, pinned: any other spec pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel here.
-    "$PY" -m pip install -q torch==2.13.0
-    "$PY" -m pip install -q -e ".$extras"
+    "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+    "$PY" -m pip install -q --disable-pip-version-check -e ".$extras"
   fi
   find "$VENV" -maxdepth 1 -name ".setup-*" ! -name "*$hash" -delete  # stamps of an older pyproject.toml
   touch "$stamp"
@@ -32,7 +34,7 @@ setup() {  # $1: "" (the project) or "bench" (the project and its bench extra: T
 }
 
 if [ "${1:-}" = "test" ]; then
-  setup bench  # the tests also run scripts/bench_vs_trl.py, whose other side is TRL
+  setup "$TEST_EXTRAS"
   shift
   exec "$PY" -m pytest -q "$@"
 fi

@@ -16,6 +16,8 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+
 if TYPE_CHECKING:  # annotations only: importing tasksets must not pull in the config loader and algos/
     from configs.schema import FormatConfig, GenerationConfig, TasksetConfig
 
@@ -143,7 +145,9 @@ def format_row(row: dict, fmt: FormatConfig, where: str, kind: str = "task") -> 
 def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
     """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row."""
     tasks = []
-    for index, (file, rownum, row) in enumerate(read_rows(ts.path, ts.subset_name, ts.split)):
+    rows = read_rows(ts.path, ts.subset_name, ts.split)
+    bar = tqdm(rows, desc=f"taskset {ts.name}", unit=" rows", disable=not ts.enable_progress_bar)
+    for index, (file, rownum, row) in enumerate(bar):
         where = f"taskset {ts.name}: {file}: row {rownum}"
         f = format_row(row, ts.format, where)
         fmt = ts.format

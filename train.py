@@ -69,7 +69,7 @@ from buffer import Experience
 from configs.schema import OptimizerConfig
 from models import (TokenScorer, build_model, load_tokenizer, micro_batch, micro_batches, pack_units, score, step_batch,
                     unit_length)
-from monitor import Monitor
+from monitor import Monitor, preview
 from source import Source
 
 log = logging.getLogger("nanorft.train")
@@ -248,6 +248,12 @@ def score_batch(p: Parts, batch: dict, plan: list) -> None:
     """old_logprobs (when needed), ref_logprobs, values: [B,T] each, the same on every rank."""
     a, t = p.cfg.algorithm, p.cfg.trainer
     mine = [micro for mini in plan for micro in mini]
+    if not t.use_dynamic_bsz:  # forward-only passes take log_prob_micro_batch_size_per_gpu sequences each
+        units = [u for micro in mine for u in micro]
+        mine = micro_batches(batch, units, t.max_token_len_per_gpu, t.log_prob_micro_batch_size_per_gpu)
+    # NOTE: FSDP's forward is a collective: every rank runs as many passes (a repeat of its own first micro-batch
+    # writes the same values again)
+    mine += [filler(plan)] * (int(reduce_max(len(mine), p.device)) - len(mine))
     # NOTE: with one update per step (one epoch, one mini-batch, no KL penalty reading them) the weights have
     # not moved when a micro-batch's loss is computed: old log-probs are the current ones, detached; no pass.
     one_update = t.ppo_epochs == 1 and len(plan) == 1 and a.kl_penalty_fn == "none"
@@ -466,6 +472,7 @@ def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, f
                 "perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["time/step"] / p.world,
                 "perf/train_tokens_per_s": tokens / max(metrics["time/update"], 1e-9)}
     rl = [x for x in exps if not x.info.get("expert")]
+    metrics |= preview(rl) if p.cfg.trainer.enable_preview and p.rank == 0 else {}
     if p.rl:  # the weights versions that generated the batch, and how far behind version step - 1 they are
         versions = [x.model_version for x in rl]
         metrics |= {"sample/model_version/min": min(versions), "sample/model_version/max": max(versions),

@@ -23,6 +23,7 @@ import difflib
 import importlib.util
 import logging
 import math
+import os
 import sys
 import types
 import typing
@@ -34,6 +35,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from algos import PRESETS, REGISTRIES, Preset
+from configs.checks import ConfigError, check_ranges, check_support
 from configs.schema import (
     AlgorithmConfig,
     Config,
@@ -44,10 +46,6 @@ from configs.schema import (
 
 log = logging.getLogger("nanorft.config")
 CONFIG_DIR = Path(__file__).resolve().parent
-
-
-class ConfigError(ValueError):
-    """A config problem, with the path of the offending key in the message."""
 
 
 # --- 1. YAML
@@ -91,6 +89,7 @@ ALIASES = {
         "buffer.trainer_input.experience_buffer.reuse_cooldown_time",
     "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay":
         "buffer.trainer_input.experience_buffer.priority_decay",
+    "algorithm.optimizer.clip_grad": "trainer.grad_clip",
 }
 # Trinity-RFT keys that only make sense with Ray or services nanorft does not have.
 IGNORED = {
@@ -107,6 +106,11 @@ IGNORED = {
     "synchronizer.wait_for_checkpoint": "unused in Trinity-RFT too",
     "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn": "linear_decay is the only priority fn",
     "buffer.trainer_input.experience_buffer.capacity": "the SQLite DB has no capacity limit",
+    "trainer.save_hf_checkpoint": "nanorft's checkpoints hold their weights as an HF folder "
+                                  "(global_step_<N>/actor/huggingface) at every save; there is no separate copy to "
+                                  "write or skip",
+    "trainer.fix_actor_microbatch_loss_scale": "nanorft weights micro-batches exactly in every loss_agg_mode (the "
+                                               "gradient does not depend on the cut into micro-batches)",
 }
 # veRL `trainer.trainer_config` paths -> nanorft fields with the same meaning.
 VERL_MAP = {
@@ -315,7 +319,25 @@ def piece_config(kind: str, name: str, args: dict[str, Any] | None, path: str | 
     registry = REGISTRIES[kind]
     if name not in registry:
         raise ConfigError(f"{path}: unknown {kind} {name!r}; known: {', '.join(registry)}")
-    return from_dict(registry[name][1], args or {}, path)
+    piece = from_dict(registry[name][1], args or {}, path)
+    check_ranges(piece, path)
+    return piece
+
+
+_BOOL_WORDS = {"true": True, "false": False, "yes": True, "no": False}
+# Booleans on the command line are spelt as in YAML: `--trainer.gradient_checkpointing true` (tyro alone
+# accepts only True / False).
+CLI_TYPES = tyro.constructors.ConstructorRegistry()
+
+
+@CLI_TYPES.primitive_rule
+def _yaml_bool(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.PrimitiveConstructorSpec | None:
+    if info.type is not bool:
+        return None
+    return tyro.constructors.PrimitiveConstructorSpec(
+        nargs=1, metavar="{true,false}", instance_from_str=lambda args: _BOOL_WORDS[args[0].lower()],
+        is_instance=lambda x: isinstance(x, bool), str_from_instance=lambda x: [str(x).lower()],
+        choices=tuple(w for k in _BOOL_WORDS for w in (k, k.capitalize(), k.upper())))
 
 
 def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
@@ -332,8 +354,9 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
         "--dry-run: load, validate and print the resolved config, then exit.\n\n"
         "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
     )
-    cfg = tyro.cli(Config, default=cfg, args=rest, description=text, use_underscores=True,
-                   config=(tyro.conf.FlagConversionOff,))
+    with CLI_TYPES:
+        cfg = tyro.cli(Config, default=cfg, args=rest, description=text, use_underscores=True,
+                       config=(tyro.conf.FlagConversionOff,))
     return cfg, known.dry_run
 
 
@@ -370,13 +393,17 @@ def _derive_algorithm(a: AlgorithmConfig) -> Preset:
     for piece in pieces:
         if not getattr(a, piece):
             setattr(a, piece, getattr(preset, piece))
+    # veRL's FSDP builds AdamW (decoupled weight decay) for both names, and so does train.py
+    a.optimizer.optimizer_type = {"adam": "adamw"}.get(a.optimizer.optimizer_type, a.optimizer.optimizer_type)
     if a.sample_strategy == "warmup":
         a.sample_strategy = "default"
     for piece in pieces:
         if not (piece == "advantage_fn" and a.advantage_fn == "none"):
             piece_config(piece, getattr(a, piece), getattr(a, piece + "_args"))
-    if a.rollout_correction.rollout_is != "none" and a.rollout_correction.rollout_is_threshold <= 1:
-        raise ConfigError("algorithm.rollout_correction.rollout_is_threshold must be > 1 (weights are cut at it)")
+    mode = a.policy_loss_fn_args.get("loss_agg_mode", a.loss_agg_mode)
+    if mode != a.loss_agg_mode:  # NOTE: Trinity-RFT's validator overwrites it the same way
+        log.warning("config: algorithm.policy_loss_fn_args.loss_agg_mode = %r is overridden by algorithm.loss_agg_mode "
+                    "(%r); set that instead", mode, a.loss_agg_mode)
     return preset
 
 
@@ -489,8 +516,12 @@ def _derive_trainer_explorer(c: Config) -> None:
     t, e, s = c.trainer, c.explorer, c.synchronizer
     t.max_token_len_per_gpu = t.max_token_len_per_gpu or max(16384, 2 * c.model.max_model_len)
     t.ppo_mini_batch_size = t.ppo_mini_batch_size or c.buffer.train_batch_size
-    if t.ulysses_sequence_parallel_size != 1:
-        raise ConfigError("trainer.ulysses_sequence_parallel_size: nanorft supports 1 only")
+    t.trainer_strategy = {"fsdp": "fsdp2"}.get(t.trainer_strategy, t.trainer_strategy)  # both mean fully_shard
+    rm = c.explorer.rollout_model
+    rm.max_model_len = rm.max_model_len or c.model.max_model_len
+    if rm.max_model_len < c.model.max_model_len:
+        raise ConfigError(f"explorer.rollout_model.max_model_len ({rm.max_model_len}) is below model.max_model_len "
+                          f"({c.model.max_model_len}): the engine could not hold a full prompt + response")
     if e.eval_interval % s.sync_interval:
         rounded = math.ceil(e.eval_interval / s.sync_interval) * s.sync_interval
         log.info("explorer.eval_interval %d rounded up to %d (a multiple of sync_interval)", e.eval_interval, rounded)
@@ -500,20 +531,21 @@ def _derive_trainer_explorer(c: Config) -> None:
 def _derive_cluster(c: Config) -> None:
     """Which GPUs go to the explorer's engines, which to the trainer."""
     cl, e = c.cluster, c.explorer
-    cl.gpu_per_node = cl.gpu_per_node or _detect_gpus()
+    cl.gpu_per_node = _detect_gpus() if cl.gpu_per_node is None else cl.gpu_per_node
     gpus = cl.gpu_per_node * cl.node_num
     rm = e.rollout_model
     rm.engine_type = _engine_type(rm.engine_type, gpus)
-    engines = [rm] + [dataclasses.replace(x, engine_type=_engine_type(x.engine_type, gpus)) for x in e.auxiliary_models]
-    explorer_gpus = sum(x.engine_num * (x.tensor_parallel_size if x.engine_type == "vllm" else 1) for x in engines)
+    # NOTE: one rollout engine is started whatever engine_num says, and auxiliary models are not started at all
+    # (configs/checks.py warns about both): only what runs is given GPUs.
+    explorer_gpus = rm.tensor_parallel_size if rm.engine_type == "vllm" else 1
     if gpus == 0 or c.mode == "train":
         explorer_gpus = 0
     cl.explorer_gpu_num = explorer_gpus
     cl.trainer_gpu_num = {"train": gpus, "both": gpus - explorer_gpus}.get(c.mode, 0)
     if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
         raise ConfigError(
-            f"cluster: the explorer's engines need {explorer_gpus} GPUs "
-            f"(engine_num x tensor_parallel_size) of {gpus}, leaving none for the trainer"
+            f"cluster: the rollout engine needs {explorer_gpus} GPUs (tensor_parallel_size) of {gpus}, "
+            "leaving none for the trainer"
         )
     if gpus and explorer_gpus > gpus:
         raise ConfigError(f"cluster: the explorer's engines need {explorer_gpus} GPUs but the node has {gpus}")
@@ -524,6 +556,7 @@ def derive(cfg: Config) -> Config:
 
     One section per config part, in this order (later sections read what earlier ones filled in)."""
     c = copy.deepcopy(cfg)
+    check_ranges(c)  # first: later sections compute with these numbers
     preset = _derive_algorithm(c.algorithm)
     _derive_token_limits(c.model)
     _derive_synchronizer(c, preset)
@@ -531,6 +564,8 @@ def derive(cfg: Config) -> Config:
     _derive_paths(c, preset)
     _derive_trainer_explorer(c)
     _derive_cluster(c)
+    check_ranges(c)  # the derived values too
+    check_support(c)
     return c
 
 
@@ -597,9 +632,12 @@ def entry(argv: list[str], description: str) -> Config:
     try:
         cfg, dry = cli(argv, description)
         logging.getLogger().setLevel(cfg.log.level)
+        if cfg.cluster.gpu_per_node == 0:  # 0 means no GPU: set before torch looks (children inherit it)
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if dry:
             dry_run(cfg)
             raise SystemExit(0)
+        resolve_stages(cfg)  # every refusal here, before any process starts
         return cfg
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

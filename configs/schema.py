@@ -66,8 +66,6 @@ class OptimizerConfig:
     """AdamW (beta1, beta2)."""
     weight_decay: float = 0.01
     """AdamW decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Gradient-norm clip (Trinity's optimizer key; trainer.grad_clip wins when both are set)."""
 
 
 @dataclasses.dataclass
@@ -164,9 +162,9 @@ class ModelConfig:
 @dataclasses.dataclass
 class ClusterConfig:
     node_num: int = 1
-    """Number of nodes (nanorft's design point is 1)."""
-    gpu_per_node: int = 0
-    """GPUs per node; 0 = as many as torch sees (none on a CPU machine)."""
+    """Number of nodes; nanorft runs on one node (more is refused)."""
+    gpu_per_node: Optional[int] = None
+    """GPUs per node: 0 = none (everything on the CPU, even where CUDA is visible); unset = as many as torch sees."""
     explorer_gpu_num: int = 0
     """Derived: GPUs given to rollout engines (engine_num x tensor_parallel_size for vLLM)."""
     trainer_gpu_num: int = 0
@@ -260,7 +258,7 @@ class TasksetConfig:
     data_selector: DataSelectorConfig = _field(DataSelectorConfig)
     """Task order."""
     enable_progress_bar: bool = False
-    """Show a progress bar while reading the files."""
+    """Show a progress bar (on stderr) while the rows are read and turned into tasks."""
 
 
 @dataclasses.dataclass
@@ -438,8 +436,6 @@ class TrainerConfig:
     """Sharding: both names give FSDP2 (fully_shard)."""
     save_interval: int = 0
     """Save a checkpoint every this many steps; 0 = only at the end."""
-    save_hf_checkpoint: Literal["always", "never", "last"] = "last"
-    """When to also write the HF-format copy of the weights."""
     max_checkpoints_to_keep: Optional[int] = None
     """Delete older checkpoints beyond this many; unset = keep all."""
     total_steps: Optional[int] = None
@@ -462,12 +458,11 @@ class TrainerConfig:
     """Passes over each batch."""
     ppo_mini_batch_size: int = 0
     """Experiences per optimizer step; 0 = train_batch_size (one optimizer step per train step)."""
-    fix_actor_microbatch_loss_scale: bool = False
-    """token-mean: weight micro-batches by tokens so the sum matches the full-batch loss."""
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (veRL enable_gradient_checkpointing)."""
     use_remove_padding: bool = True
-    """Pack sequences without padding in the forward pass."""
+    """Lay each group's prompt out once in the packed micro-batches (false: every response gets its own copy of its
+    prompt). Either way sequences are packed without padding."""
     param_offload: bool = False
     """FSDP2 CPU offload of actor parameters (GPU only)."""
     optimizer_offload: bool = False

@@ -9,6 +9,14 @@ sys.path.insert(0, str(ROOT))
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def fresh_config_warnings():
+    """configs/checks.py says each warning once per process; each test is a fresh start (caplog sees it)."""
+    from configs import checks
+
+    checks._WARNED_ALREADY.clear()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """The embedded tiny model (and a small arithmetic taskset), built once per test session."""

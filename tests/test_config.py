@@ -159,18 +159,41 @@ def test_derived_values(tmp_path):
         derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpoo}\n")])[0])
 
 
-def test_gpu_split(tmp_path):
+def test_gpu_split(tmp_path, caplog):
     base = MINIMAL + "cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: vllm, engine_num: 2, tensor_parallel_size: 2}\n"
-    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base)])[0])
-    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (4, 4)
+    # one engine is started (engine_num > 1 is warned about), so the split counts one engine's GPUs
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base)])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (2, 6)
+    assert "explorer.rollout_model.engine_num = 2: one rollout engine is started" in caplog.text
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base + "mode: train\n")])[0])
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 8)
     with pytest.raises(ConfigError, match="leaving none for the trainer"):
-        derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.engine_num", "4"])[0])
+        derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.tensor_parallel_size", "8"])[0])
+    aux = base + "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2}]\n"
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux)])[0])
+    assert cfg.cluster.explorer_gpu_num == 2  # auxiliary models are not started, so they take no GPUs
+    assert "explorer.auxiliary_models" in caplog.text and "not started" in caplog.text
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")])[0])
-    if cfg.cluster.gpu_per_node == 0:  # a CPU machine: the HF engine, no GPUs to split
-        assert cfg.explorer.rollout_model.engine_type == "hf"
-        assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 0)
+    # 0 means no GPU, whatever the machine has: the HF engine and nothing to split
+    assert cfg.cluster.gpu_per_node == 0 and cfg.explorer.rollout_model.engine_type == "hf"
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 0)
+    with pytest.raises(ConfigError, match="cluster.node_num = 2 is refused: multi-node"):
+        derive(cli(["--config", write(tmp_path, base), "--cluster.node_num", "2"])[0])
+
+
+def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):
+    code = ("import os, sys, configs; configs.entry(sys.argv[1:], 'x'); "
+            "print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    cpu = write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")
+    out = subprocess.run([sys.executable, "-c", code, "--config", cpu], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "''"
+    out = subprocess.run([sys.executable, "-c", code, "--config", write(tmp_path, MINIMAL, "d.yaml")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None"  # unset: torch sees what the machine has
 
 
 def test_stages_inherit_the_global_config(tmp_path):

@@ -173,6 +173,10 @@ def test_eval_metrics_by_hand():
     assert m["eval/t/accuracy/mean@4"] == pytest.approx((0.75 + 0.0) / 2)
     assert m["eval/t/accuracy/best@4"] == pytest.approx(0.5) and m["eval/t/accuracy/worst@4"] == 0.0
     assert m["eval/t/finished_task_count"] == 2 and m["eval/t/failed_count"] == 1
+    assert not [k for k in m if "over_tasks" in k]
+    d = explore.eval_metrics("t", results, k=4, detailed=True)  # monitor.detailed_stats: across the task means
+    assert d["eval/t/accuracy/max_over_tasks@4"] == 0.75 and d["eval/t/accuracy/min_over_tasks@4"] == 0.0
+    assert d["eval/t/accuracy/std_over_tasks@4"] == pytest.approx(0.375)
 
 
 def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):

@@ -1,0 +1,231 @@
+"""What a derived config may hold: the allowed range of every number, and the keys this build refuses or warns about.
+
+    check_ranges(cfg)     # before and after derive(): every field in RANGES inside its range, or ConfigError
+    check_support(cfg)    # after derive(): REFUSED values -> ConfigError, WARNED values -> a warning at start
+
+Every message names the key's path as the YAML spells it (`buffer.explorer_input.eval_tasksets[0].rollout_args.top_p`)
+and says why. The tables are keyed by (schema class, field), so a range written once holds for every place the class
+appears (each taskset, each auxiliary model). A key refused only for some values is refused only for those.
+tests/test_config.py walks the schema: every field is read by the code or named here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Iterator
+
+from algos import asymre, cispo, dpo, gae, grpo, kl, mix, opmd, ppo_loss, rec, reinforceplusplus, sample, sapo, \
+    sft_loss, sppo
+from algos.overlong import Config as OverlongRewardConfig
+from configs.schema import (
+    AlgorithmConfig,
+    BufferConfig,
+    ClusterConfig,
+    Config,
+    CriticConfig,
+    ExperienceBufferConfig,
+    ExplorerConfig,
+    GenerationConfig,
+    InferenceModelConfig,
+    ModelConfig,
+    OptimizerConfig,
+    RolloutCorrectionConfig,
+    SynchronizerConfig,
+    TasksetConfig,
+    TrainerConfig,
+)
+
+log = logging.getLogger("nanorft.config")
+
+
+class ConfigError(ValueError):
+    """A config problem, with the path of the offending key in the message."""
+
+
+def _num(ok: Callable[[float], bool], text: str) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: isinstance(v, (int, float)) and math.isfinite(v) and ok(v)), text
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = _num(lambda v: v > 0, "> 0"), _num(lambda v: v >= 0, ">= 0"), \
+    _num(lambda v: v >= 1, ">= 1")
+FRACTION, PROBABILITY = _num(lambda v: 0 <= v <= 1, "in [0, 1]"), _num(lambda v: 0 < v <= 1, "in (0, 1]")
+TOP_K = _num(lambda v: v >= -1, ">= -1 (-1 or 0 = off)")
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+
+# (class, field) -> (predicate, allowed range). None (an unset optional) is always allowed.
+RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
+    (OptimizerConfig, "lr"): POSITIVE,
+    (OptimizerConfig, "lr_warmup_steps"): _num(lambda v: v >= -1, ">= -1 (-1 = use lr_warmup_steps_ratio)"),
+    (OptimizerConfig, "lr_warmup_steps_ratio"): FRACTION,
+    (OptimizerConfig, "min_lr_ratio"): FRACTION,
+    (OptimizerConfig, "betas"): (lambda v: len(v) == 2 and all(_num(lambda b: 0 <= b < 1, "")[0](b) for b in v),
+                                 "two numbers in [0, 1)"),
+    (OptimizerConfig, "weight_decay"): NON_NEGATIVE,
+    (AlgorithmConfig, "repeat_times"): AT_LEAST_1,
+    (OverlongRewardConfig, "buffer_len"): NON_NEGATIVE,
+    (OverlongRewardConfig, "penalty_factor"): NON_NEGATIVE,
+    (ModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
+    (ModelConfig, "max_prompt_tokens"): AT_LEAST_1,
+    (ModelConfig, "max_response_tokens"): AT_LEAST_1,
+    (ModelConfig, "min_response_tokens"): NON_NEGATIVE,
+    (ModelConfig, "temperature"): NON_NEGATIVE,
+    (ModelConfig, "top_p"): PROBABILITY,
+    (ModelConfig, "top_k"): TOP_K,
+    (ModelConfig, "logprobs"): NON_NEGATIVE,
+    (ModelConfig, "repetition_penalty"): POSITIVE,
+    (ClusterConfig, "node_num"): AT_LEAST_1,
+    (ClusterConfig, "gpu_per_node"): NON_NEGATIVE,
+    (GenerationConfig, "temperature"): NON_NEGATIVE,
+    (GenerationConfig, "top_p"): PROBABILITY,
+    (GenerationConfig, "top_k"): TOP_K,
+    (GenerationConfig, "logprobs"): NON_NEGATIVE,
+    (GenerationConfig, "max_tokens"): AT_LEAST_1,
+    (TasksetConfig, "repeat_times"): AT_LEAST_1,
+    (ExperienceBufferConfig, "max_read_timeout"): POSITIVE,
+    (ExperienceBufferConfig, "reuse_cooldown_time"): NON_NEGATIVE,
+    (ExperienceBufferConfig, "priority_decay"): NON_NEGATIVE,
+    (BufferConfig, "batch_size"): AT_LEAST_1,
+    (BufferConfig, "train_batch_size"): NON_NEGATIVE,
+    (BufferConfig, "total_epochs"): AT_LEAST_1,
+    (BufferConfig, "total_steps"): AT_LEAST_1,
+    (InferenceModelConfig, "engine_num"): AT_LEAST_1,
+    (InferenceModelConfig, "tensor_parallel_size"): AT_LEAST_1,
+    (InferenceModelConfig, "gpu_memory_utilization"): PROBABILITY,
+    (InferenceModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
+    (InferenceModelConfig, "dtype"): (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+    (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
+    (ExplorerConfig, "max_timeout"): POSITIVE,
+    (ExplorerConfig, "max_retry_times"): NON_NEGATIVE,
+    (ExplorerConfig, "eval_interval"): AT_LEAST_1,
+    (SynchronizerConfig, "sync_interval"): AT_LEAST_1,
+    (SynchronizerConfig, "sync_offset"): NON_NEGATIVE,
+    (SynchronizerConfig, "sync_timeout"): POSITIVE,
+    (CriticConfig, "lr"): POSITIVE,
+    (CriticConfig, "lr_warmup_steps_ratio"): FRACTION,
+    (CriticConfig, "weight_decay"): NON_NEGATIVE,
+    (CriticConfig, "cliprange_value"): POSITIVE,
+    (CriticConfig, "grad_clip"): POSITIVE,
+    (CriticConfig, "micro_batch_size_per_gpu"): AT_LEAST_1,
+    (TrainerConfig, "save_interval"): NON_NEGATIVE,
+    (TrainerConfig, "max_checkpoints_to_keep"): AT_LEAST_1,
+    (TrainerConfig, "total_steps"): AT_LEAST_1,
+    (TrainerConfig, "grad_clip"): POSITIVE,
+    (TrainerConfig, "max_token_len_per_gpu"): AT_LEAST_1,
+    (TrainerConfig, "micro_batch_size_per_gpu"): AT_LEAST_1,
+    (TrainerConfig, "log_prob_micro_batch_size_per_gpu"): AT_LEAST_1,
+    (TrainerConfig, "ppo_epochs"): AT_LEAST_1,
+    (TrainerConfig, "ppo_mini_batch_size"): NON_NEGATIVE,
+    (TrainerConfig, "critic_warmup"): NON_NEGATIVE,
+    (RolloutCorrectionConfig, "rollout_is_threshold"): _num(lambda v: v > 1, "> 1 (importance weights are cut at it)"),
+    # the algos/ pieces' *_args (checked by configs.piece_config)
+    (gae.Config, "gamma"): FRACTION, (gae.Config, "lam"): FRACTION, (reinforceplusplus.Config, "gamma"): FRACTION,
+    (grpo.Config, "epsilon"): POSITIVE, (grpo.Config, "std_threshold"): NON_NEGATIVE,
+    (opmd.AdvantageConfig, "tau"): POSITIVE, (opmd.LossConfig, "tau"): POSITIVE,
+    (rec.AdvantageConfig, "epsilon"): POSITIVE, (rec.LossConfig, "temp"): POSITIVE,
+    (ppo_loss.Config, "clip_range"): POSITIVE, (ppo_loss.Config, "clip_range_low"): NON_NEGATIVE,
+    (ppo_loss.Config, "clip_range_high"): NON_NEGATIVE, (ppo_loss.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    (mix.Config, "clip_range"): POSITIVE, (mix.Config, "clip_range_low"): NON_NEGATIVE,
+    (mix.Config, "clip_range_high"): NON_NEGATIVE, (mix.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    (mix.Config, "mu"): FRACTION, (cispo.Config, "clip_range_low"): NON_NEGATIVE,
+    (cispo.Config, "clip_range_high"): NON_NEGATIVE, (sapo.Config, "tau_pos"): POSITIVE,
+    (sapo.Config, "tau_neg"): POSITIVE, (sppo.Config, "epsilon"): POSITIVE, (dpo.Config, "beta"): POSITIVE,
+    (dpo.Config, "label_smoothing"): _num(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    (sft_loss.PhiConfig, "cutoff_prob"): PROBABILITY, (kl.Config, "kl_coef"): NON_NEGATIVE,
+    (kl.Config, "target_kl"): POSITIVE, (kl.Config, "horizon"): AT_LEAST_1,
+    (sample.Config, "max_staleness"): NON_NEGATIVE, (sample.Config, "refill_rounds"): NON_NEGATIVE,
+    (sample.Config, "expert_data_ratio"): FRACTION, (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
+}
+
+Rule = tuple[type, str, Callable[[Any, Config], bool], str]  # (class, field, applies(value, cfg), why)
+
+# Values this build cannot honour: a ConfigError naming the key and why.
+REFUSED: list[Rule] = [
+    (ModelConfig, "logprobs", lambda v, c: v > 0,
+     "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is), and no loss "
+     "reads them; set 0"),
+    (GenerationConfig, "logprobs", lambda v, c: v > 0,
+     "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is); set 0"),
+    (ModelConfig, "repetition_penalty", lambda v, c: v != 1.0 and c.explorer.rollout_model.engine_type == "hf",
+     "not supported by the HF engine: a penalised sample's log-prob would not be the one the trainer computes "
+     "(vLLM applies it); set 1.0"),
+    (InferenceModelConfig, "enable_history", lambda v, c: v,
+     "it needs the explorer's OpenAI-compatible API and multi-turn workflows, which nanorft does not have yet"),
+    (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c: v != 1,
+     "nanorft has no sequence parallelism; set 1"),
+    (ClusterConfig, "node_num", lambda v, c: v > 1,
+     "multi-node runs are not supported yet: nanorft launches its processes on one node"),
+    (TrainerConfig, "optimizer_offload", lambda v, c: v and not c.trainer.param_offload,
+     "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
+     "set trainer.param_offload: true as well"),
+    (CriticConfig, "optimizer_offload", lambda v, c: v and not c.trainer.critic.param_offload,
+     "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
+     "set trainer.critic.param_offload: true as well"),
+]
+
+_VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
+# Values accepted with a warning at start that says what will not happen.
+WARNED: list[Rule] = [
+    (ExplorerConfig, "auxiliary_models", lambda v, c: bool(v),
+     "auxiliary models are not started yet: workflows cannot call them, and they take no GPUs from the split"),
+    (InferenceModelConfig, "engine_num", lambda v, c: v > 1,
+     "one rollout engine is started (several engines are not implemented yet); the GPU split counts one"),
+    (InferenceModelConfig, "enforce_eager", lambda v, c: v and c.explorer.rollout_model.engine_type == "hf",
+     _VLLM_ONLY),
+    (InferenceModelConfig, "enable_chunked_prefill",
+     lambda v, c: not v and c.explorer.rollout_model.engine_type == "hf", _VLLM_ONLY),
+    (InferenceModelConfig, "enable_prefix_caching",
+     lambda v, c: not v and c.explorer.rollout_model.engine_type == "hf",
+     "has no effect on the HF engine, which always computes a group's prompt once"),
+    (InferenceModelConfig, "gpu_memory_utilization",
+     lambda v, c: v != 0.9 and c.explorer.rollout_model.engine_type == "hf", _VLLM_ONLY),
+    (InferenceModelConfig, "tensor_parallel_size",
+     lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
+     "the HF engine runs on one device (tensor parallelism is a vLLM option)"),
+]
+
+
+def walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any, str, Any]]:
+    """(path of the field, the dataclass holding it, field name, value) for every field, depth first."""
+    for f in dataclasses.fields(obj):
+        value, where = getattr(obj, f.name), f"{path}.{f.name}" if path else f.name
+        yield where, obj, f.name, value
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
+        for key, item in ([(None, value)] if dataclasses.is_dataclass(value) else list(items)):
+            if dataclasses.is_dataclass(item):
+                yield from walk(item, where if key is None else f"{where}[{key}]" if isinstance(key, int)
+                                else f"{where}.{key}")
+
+
+def check_ranges(cfg: Any, prefix: str = "") -> None:
+    """Every number of RANGES inside its range (unset optionals pass), and no float infinite or NaN, in the config or
+    piece config `cfg` (whose fields' paths start with `prefix`); or a ConfigError naming the key."""
+    for path, obj, name, value in walk(cfg, prefix):
+        rule = RANGES.get((type(obj), name))
+        if rule is not None and value is not None and not rule[0](value):
+            raise ConfigError(f"{path}: {value!r} is out of range; allowed: {rule[1]}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{path}: {value!r} is not a finite number")
+
+
+def check_support(cfg: Config) -> None:
+    """REFUSED values fail; WARNED values are logged (once per process that derives the config)."""
+    for path, obj, name, value in walk(cfg):
+        for cls, field, applies, why in REFUSED:
+            if type(obj) is cls and name == field and value is not None and applies(value, cfg):
+                raise ConfigError(f"{path} = {value!r} is refused: {why}")
+        for cls, field, applies, why in WARNED:
+            if type(obj) is cls and name == field and value is not None and applies(value, cfg):
+                _warn_once(f"config: {path} = {value!r}: {why}")
+
+
+_WARNED_ALREADY: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A process derives its config more than once (validation, then each stage): say each thing once."""
+    if message not in _WARNED_ALREADY:
+        _WARNED_ALREADY.add(message)
+        log.warning("%s", message)
+
