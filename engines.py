@@ -40,7 +40,7 @@ import torch
 from transformers import DynamicCache
 
 from buffer import Experience
-from models import load_model, load_tokenizer
+from models import load_model, load_tokenizer, with_template
 
 log = logging.getLogger(__name__)
 
@@ -393,7 +393,8 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, max_model_len: int = 2048, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 dtype: str = "bfloat16", seed: int = 42) -> None:
+                 dtype: str = "bfloat16", seed: int = 42, repetition_penalty: float = 1.0, **llm_kwargs: Any) -> None:
+        """`llm_kwargs`: further vllm.LLM arguments (enforce_eager, enable_chunked_prefill)."""
         import vllm  # lazily: this module must import without vLLM
 
         # NOTE: collective_rpc with a Python function (load_weights) needs pickled callables.
@@ -404,7 +405,9 @@ class VLLMEngine:
         # top-p before "processed" log-probs, HFEngine does not; they agree when both are off.
         self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
                             gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-                            seed=seed, max_model_len=max_model_len, dtype=dtype, logprobs_mode="processed_logprobs")
+                            seed=seed, max_model_len=max_model_len, dtype=dtype, logprobs_mode="processed_logprobs",
+                            **llm_kwargs)
+        self.repetition_penalty = repetition_penalty
         self.tokenizer = load_tokenizer(model_path)
         self.model_version = 0
         self.num_batches = 0
@@ -428,7 +431,8 @@ class VLLMEngine:
         sps = [self.vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p,
                                         top_k=p.top_k if p.top_k > 0 else -1,
                                         max_tokens=min(p.max_tokens, self.max_model_len - len(ids)),
-                                        min_tokens=p.min_tokens, stop=list(p.stop), seed=p.seed, logprobs=0)
+                                        min_tokens=p.min_tokens, stop=list(p.stop), seed=p.seed, logprobs=0,
+                                        repetition_penalty=self.repetition_penalty)
                for ids, p in zip(prompt_ids, params)]
         self.num_batches += 1
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
@@ -458,8 +462,10 @@ class VLLMEngine:
         self.batcher.call(update)
 
 
-def make_engine(cfg_rollout_model, model_path: str, max_model_len: int) -> HFEngine | VLLMEngine:
-    """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present."""
+def make_engine(cfg_rollout_model, model_path: str, max_model_len: int,
+                repetition_penalty: float = 1.0) -> HFEngine | VLLMEngine:
+    """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present.
+    `repetition_penalty` (model.repetition_penalty): vLLM only (the config refuses it for the HF engine)."""
     kind = cfg_rollout_model.engine_type
     have_vllm, have_gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     if kind == "auto":
@@ -473,7 +479,9 @@ def make_engine(cfg_rollout_model, model_path: str, max_model_len: int) -> HFEng
         log.info("rollout engine: vLLM (%s), tp=%d", why, cfg_rollout_model.tensor_parallel_size)
         return VLLMEngine(model_path, max_model_len, cfg_rollout_model.tensor_parallel_size,
                           cfg_rollout_model.gpu_memory_utilization, cfg_rollout_model.enable_prefix_caching,
-                          cfg_rollout_model.dtype, cfg_rollout_model.seed)
+                          cfg_rollout_model.dtype, cfg_rollout_model.seed, repetition_penalty,
+                          enforce_eager=cfg_rollout_model.enforce_eager,
+                          enable_chunked_prefill=cfg_rollout_model.enable_chunked_prefill)
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
     log.info("rollout engine: HF on %s %s (%s)", device, dtype, why)
     if cfg_rollout_model.engine_num > 1:
@@ -484,12 +492,25 @@ def make_engine(cfg_rollout_model, model_path: str, max_model_len: int) -> HFEng
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed")
 
 
-class ModelHandle:
-    """What a workflow gets: chat / generate returning buffer.Experience, no access to the weights."""
+class PromptTooLong(ValueError):
+    """A prompt over model.max_prompt_tokens with model.enable_prompt_truncation off (the runner does not retry it)."""
 
-    def __init__(self, engine: HFEngine | VLLMEngine, tokenizer, defaults: dict | None = None) -> None:
+
+class ModelHandle:
+    """What a workflow gets: chat / generate returning buffer.Experience, no access to the weights.
+    `defaults`: sampling arguments of every request (e.g. min_tokens = model.min_response_tokens);
+    `max_prompt_tokens`: longer prompts keep their last max_prompt_tokens tokens and are marked "prompt_truncated"
+    (the trainer gives them no loss), or with `truncate` off fail with PromptTooLong; `ignore_eos`: sample to
+    max_tokens (EOS suppressed, as min_tokens = max_tokens); `template_kwargs`: variables of the chat template
+    (e.g. enable_thinking)."""
+
+    def __init__(self, engine: HFEngine | VLLMEngine, tokenizer, defaults: dict | None = None,
+                 max_prompt_tokens: int | None = None, truncate: bool = True, ignore_eos: bool = False,
+                 template_kwargs: dict | None = None) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.defaults = self.sampling(**(defaults or {}))
+        self.max_prompt, self.truncate, self.ignore_eos = max_prompt_tokens, truncate, ignore_eos
+        self.template_kwargs = template_kwargs or {}
 
     @property
     def model_version(self) -> int:
@@ -501,17 +522,45 @@ class ModelHandle:
             raise TypeError(f"unknown sampling argument(s) {unknown}; accepted: {list(SAMPLING_KEYS)}")
         return sampling
 
-    def chat(self, messages: list[dict], n: int = 1, **sampling) -> list[Experience]:
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.generate([prompt], n=n, **sampling)[0]
+    def chat(self, messages: list[dict], n: int = 1, tools: list | None = None, chat_template: str | None = None,
+             reply_prefix: str | None = None, **sampling) -> list[Experience]:
+        """Sample n responses to `messages`, rendered by the tokenizer's chat template (or `chat_template`) with
+        `tools`; the assistant turn starts with `reply_prefix` (part of the prompt, not of the response text)."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools,
+                                                    chat_template=chat_template or None, **self.template_kwargs)
+        return self.generate([prompt + (reply_prefix or "")], n=n, **sampling)[0]
+
+    def encode(self, prompt: str) -> tuple[list[int], bool]:
+        """Token ids of a templated prompt, cut to max_prompt_tokens (keeping its end: the generation prompt)."""
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        if self.max_prompt is None or len(ids) <= self.max_prompt:
+            return ids, False
+        if not self.truncate:
+            raise PromptTooLong(f"a prompt of {len(ids)} tokens exceeds model.max_prompt_tokens ({self.max_prompt}) "
+                                "and model.enable_prompt_truncation is off")
+        return ids[-self.max_prompt:], True
 
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
         """n experiences per prompt text (already templated; encoded without special tokens)."""
         params = SamplingParams(n=n, **{**self.defaults, **self.sampling(**sampling)})
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        futures = [self.engine.submit(x, params) for x in ids]  # submitted together: one batch
+        if self.ignore_eos:
+            params.min_tokens = params.max_tokens
+        encoded = [self.encode(p) for p in prompts]
+        futures = [self.engine.submit(x, params) for x, _ in encoded]  # submitted together: one batch
+        # the temperature the trainer scores at: log-probs of greedy requests are taken at 1.0 (see above)
+        info = {"temperature": params.temperature if params.temperature > 0 else 1.0}
         return [[Experience(tokens=torch.tensor(x + c.token_ids, dtype=torch.long), prompt_length=len(x),
                             logprobs=torch.tensor(c.logprobs, dtype=torch.float32), model_version=c.model_version,
-                            truncate_status="response_truncated" if c.truncated else None,
-                            prompt_text=p, response_text=c.text)
-                 for c in f.result()] for p, x, f in zip(prompts, ids, futures)]
+                            truncate_status="prompt_truncated" if cut else "response_truncated" if c.truncated
+                            else None, prompt_text=p, response_text=c.text, info=dict(info))
+                 for c in f.result()] for p, (x, cut), f in zip(prompts, encoded, futures)]
+
+
+def rollout_handle(cfg, engine: HFEngine | VLLMEngine, tokenizer) -> ModelHandle:
+    """The handle every workflow of this explorer gets, with the config's prompt limits and template settings."""
+    m, rm = cfg.model, cfg.explorer.rollout_model
+    kwargs = {} if m.enable_thinking is None else {"enable_thinking": m.enable_thinking}
+    if rm.chat_template:
+        tokenizer = with_template(tokenizer, rm.chat_template)
+    return ModelHandle(engine, tokenizer, {"min_tokens": m.min_response_tokens}, m.max_prompt_tokens,
+                       m.enable_prompt_truncation, rm.ignore_eos, kwargs)

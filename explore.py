@@ -41,8 +41,8 @@ import configs
 import launch
 import sync
 from buffer import Experience, ExperienceDB
-from engines import ModelHandle, make_engine
-from models import fingerprint, load_tokenizer
+from engines import ModelHandle, PromptTooLong, make_engine, rollout_handle
+from models import config_tokenizer, fingerprint
 from monitor import Monitor
 from tasksets import Task, TaskReader, load_tasks
 from workflows import build_workflow
@@ -80,7 +80,7 @@ def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> t
             try:
                 box["exps"] = check_experiences(build_workflow(task, handle).run(), task)
             except Exception as e:  # any failure of user code is reported, never raised into the explorer
-                box["error"] = f"{type(e).__name__}: {e}"
+                box["error"], box["final"] = f"{type(e).__name__}: {e}", isinstance(e, PromptTooLong)
 
         # NOTE: daemon thread: a hung workflow is abandoned here and cannot block the exit.
         worker = threading.Thread(target=target, daemon=True, name=f"workflow-{task.task_id}")
@@ -90,6 +90,8 @@ def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> t
         if not error:
             return box["exps"], ""
         log.warning("task %s attempt %d/%d failed: %s", task.task_id, attempt + 1, retries + 1, error)
+        if box.get("final"):  # the same input fails the same way: not retried
+            break
     return None, error
 
 
@@ -269,7 +271,8 @@ def set_up(cfg: configs.Config) -> Explorer:
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
-    db.check_identity(fingerprint(cfg.model.model_path, load_tokenizer(cfg.model.model_path)), f"explorer {name}")
+    tokenizer = config_tokenizer(cfg.model)
+    db.check_identity(fingerprint(cfg.model.model_path, tokenizer), f"explorer {name}")
     reader = TaskReader(b.explorer_input.tasksets, total_epochs=10**9 if b.total_steps else b.total_epochs)
     saved, step = db.explorer_states().get(name), 0
     if saved:
@@ -277,9 +280,9 @@ def set_up(cfg: configs.Config) -> Explorer:
         step = saved["step"]
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
     path, version = start_weights(cfg)
-    engine = make_engine(e.rollout_model, path, cfg.model.max_model_len)
+    engine = make_engine(e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty)
     engine.model_version = version
-    return Explorer(cfg, db, reader, step, engine, [ModelHandle(engine, load_tokenizer(cfg.model.model_path))],
+    return Explorer(cfg, db, reader, step, engine, [rollout_handle(cfg, engine, tokenizer)],
                     ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), Monitor(cfg, role=name),
                     [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
                     total_steps(cfg, reader))
@@ -423,8 +426,9 @@ def bench(cfg: configs.Config) -> int:
     if cfg.explorer.bench_on_latest_checkpoint:
         steps = steps[-1:]
     targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, cfg.model.model_path)]
-    engine = make_engine(cfg.explorer.rollout_model, targets[0][1], cfg.model.max_model_len)
-    handles = [ModelHandle(engine, load_tokenizer(cfg.model.model_path))]
+    rm = cfg.explorer.rollout_model
+    engine = make_engine(rm, targets[0][1], rm.max_model_len, cfg.model.repetition_penalty)
+    handles = [rollout_handle(cfg, engine, config_tokenizer(cfg.model))]
     pool = ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner")
     eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
     monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")

@@ -22,6 +22,8 @@ outright. PreTrainedTokenizerFast loads tokenizer.json exactly as saved.
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import random
@@ -37,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from buffer import Experience
 from tasksets import DataError, format_row, read_rows
-from configs.schema import ExperienceBufferConfig, TrainerConfig
+from configs.schema import ExperienceBufferConfig, ModelConfig, TrainerConfig
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
@@ -59,6 +61,32 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 GQA_SDPA = "nanorft_gqa_sdpa"  # the attention implementation the project's models use on CPU
+
+
+def config_tokenizer(m: ModelConfig) -> PreTrainedTokenizerBase:
+    """The tokenizer of model.model_path with the config's chat template: model.chat_template_path's file, else
+    model.custom_chat_template, else its own; model.enable_thinking, when set, reaches the template (Qwen3's reads
+    it) in every rendering, SFT and rollout alike. Trainer and explorer both load it here (the DB identity check
+    hashes the template)."""
+    tokenizer = load_tokenizer(m.model_path)
+    template = Path(m.chat_template_path).read_text() if m.chat_template_path else m.custom_chat_template
+    tokenizer = with_template(tokenizer, template)
+    if m.enable_thinking is not None:
+        # NOTE: an instance-level partial, so that every apply_chat_template call (models.render, the rollout
+        # handle) passes the variable; the class and other tokenizers are untouched
+        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template,
+                                                          enable_thinking=m.enable_thinking)
+    return tokenizer
+
+
+def with_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> PreTrainedTokenizerBase:
+    """`tokenizer` itself, or a shallow copy rendering with chat `template` (format.chat_template,
+    rollout_model.chat_template) when one is given."""
+    if not template:
+        return tokenizer
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = template
+    return tokenizer
 
 
 def gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -187,7 +215,7 @@ def file_units(eb: ExperienceBufferConfig, tokenizer, max_len: int) -> list[list
         raise DataError(
             f"buffer {eb.name}: a file buffer for the trainer needs schema_type sft or dpo, got {eb.schema_type!r}"
         )
-    units = []
+    units, tokenizer = [], with_template(tokenizer, eb.format.chat_template)
     for _, n, row in read_rows(eb.path, eb.subset_name, eb.split):
         f = format_row(row, eb.format, f"{eb.path}: row {n}", kind=eb.schema_type)
         units.append(dpo_experiences(f, tokenizer, max_len, f"pair/{n}") if eb.schema_type == "dpo" else
@@ -213,8 +241,9 @@ def step_batch(
     """The step's experiences as dense tensors, built once; the trainer's later phases read and extend it.
     Per sequence [B]: prompt_lengths, response_lengths, rewards, group_index (a task's repeats share it; an
     experience without a group is its own), prompt_index (same prompt token ids, same index: pack() shares
-    them), expert (mix: expert SFT rows), has_rollout_logprobs, temperature (that of the taskset that produced
-    it, from `temperatures`; 1 otherwise). Prompts [B,P] right-padded. Per response token [B,T]: responses
+    them), expert (mix: expert SFT rows), has_rollout_logprobs, temperature (the one it was sampled at, recorded
+    by the rollout handle; else that of the taskset that produced it, from `temperatures`; else 1). A response to
+    a truncated prompt gets an empty response_mask. Prompts [B,P] right-padded. Per response token [B,T]: responses
     (the token ids), response_mask (action tokens; the first token of a response without a prompt has no logit
     to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows).
     NOTE: T = max(width, the longest response): the trainer passes model.max_response_tokens, so that
@@ -231,6 +260,8 @@ def step_batch(
         batch["responses"][b, :r] = x.tokens[p:]
         batch["response_mask"][b, :r] = True if x.action_mask is None else x.action_mask
         batch["response_mask"][b, 0] &= p > 0
+        if x.truncate_status == "prompt_truncated":  # the model saw a cut prompt: no loss (Trinity-RFT's rule)
+            batch["response_mask"][b] = False
         if x.logprobs is not None:
             batch["rollout_logprobs"][b, :r] = x.logprobs
         groups.setdefault(x.group_id or f"id/{x.id}/{b}", len(groups))
@@ -243,7 +274,8 @@ def step_batch(
         "prompt_index": torch.tensor([prompts[tuple(x.tokens[: x.prompt_length].tolist())] for x in exps]),  # [B]
         "expert": torch.tensor([bool(x.info.get("expert")) for x in exps]),  # [B]
         "has_rollout_logprobs": torch.tensor([x.logprobs is not None for x in exps]),  # [B]
-        "temperature": torch.tensor([(temperatures or {}).get(x.info.get("taskset"), 1.0) for x in exps]),  # [B]
+        "temperature": torch.tensor([x.info.get("temperature") or (temperatures or {}).get(x.info.get("taskset"), 1.0)
+                                     for x in exps]),  # [B]
     }
     batch["expert_mask"] = batch["expert"][:, None].float().expand(B, T).contiguous()  # [B,T]
     return batch

@@ -45,6 +45,8 @@ class Task:
     rollout_args: GenerationConfig
     repeat_times: int  # responses to sample (the group size)
     is_eval: bool = False
+    chat_template: str = ""  # format.chat_template: renders this task's prompt instead of the tokenizer's
+    reply_prefix: str | None = None  # format.reply_prefix: text the assistant turn starts with
 
     @property
     def task_id(self) -> str:
@@ -157,7 +159,8 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
             workflow=row.get(fmt.workflow_key) if fmt.workflow_key else ts.default_workflow_type,
             reward_fn=row.get(fmt.reward_fn_key) if fmt.reward_fn_key else ts.default_reward_fn_type,
             workflow_args=ts.workflow_args, reward_fn_args=ts.reward_fn_args, rollout_args=ts.rollout_args,
-            repeat_times=ts.repeat_times or 1, is_eval=is_eval,
+            repeat_times=ts.repeat_times or 1, is_eval=is_eval, chat_template=fmt.chat_template,
+            reply_prefix=fmt.reply_prefix,
         ))
     if not tasks:
         raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows")

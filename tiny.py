@@ -204,8 +204,9 @@ def make_tokenizer() -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256, 257, 258
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    # NOTE: model_input_names: without it transformers < 5 also returns token_type_ids, which Qwen2's generate refuses
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   chat_template=CHAT_TEMPLATE, model_input_names=["input_ids", "attention_mask"])
 
 
 def make_model(o: Options, tokenizer: Any) -> Any:

@@ -67,8 +67,8 @@ from algos.kl import adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, 
 from algos.utils import masked_mean
 from buffer import Experience
 from configs.schema import OptimizerConfig
-from models import (TokenScorer, build_model, load_tokenizer, micro_batch, micro_batches, pack_units, score, step_batch,
-                    unit_length)
+from models import (TokenScorer, build_model, config_tokenizer, micro_batch, micro_batches, pack_units, score,
+                    step_batch, unit_length)
 from monitor import Monitor, preview
 from source import Source
 
@@ -154,7 +154,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
         log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
                   "or choose another name (the explorer and trainer must share one)", job, resume)
         return None
-    tokenizer = load_tokenizer(cfg.model.model_path)
+    tokenizer = config_tokenizer(cfg.model)
     pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
               "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
               if not (k == "advantage_fn" and a.advantage_fn == "none")}

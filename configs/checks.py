@@ -154,6 +154,9 @@ REFUSED: list[Rule] = [
      "it needs the explorer's OpenAI-compatible API and multi-turn workflows, which nanorft does not have yet"),
     (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c: v != 1,
      "nanorft has no sequence parallelism; set 1"),
+    (ModelConfig, "trust_remote_code", lambda v, c: v,
+     "nanorft loads only models whose modelling code ships with transformers (its FSDP wrapping and attention "
+     "functions are written for those); no code from the model folder is run"),
     (ClusterConfig, "node_num", lambda v, c: v > 1,
      "multi-node runs are not supported yet: nanorft launches its processes on one node"),
     (TrainerConfig, "optimizer_offload", lambda v, c: v and not c.trainer.param_offload,

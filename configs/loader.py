@@ -430,6 +430,8 @@ def _derive_token_limits(m: ModelConfig) -> None:
     if m.min_response_tokens > m.max_response_tokens:
         raise ConfigError(f"model.min_response_tokens ({m.min_response_tokens}) exceeds max_response_tokens")
     m.critic_model_path = m.critic_model_path or m.model_path
+    if m.chat_template_path and not Path(m.chat_template_path).is_file():
+        raise ConfigError(f"model.chat_template_path: {m.chat_template_path} is not a file")
 
 
 def _derive_synchronizer(c: Config, preset: Preset) -> None:

@@ -130,11 +130,11 @@ class ModelConfig:
     critic_model_path: str = ""
     """Model the critic starts from (ppo). Empty: model_path (derived)."""
     trust_remote_code: bool = False
-    """Allow custom modelling code from the model folder."""
+    """Allow custom modelling code from the model folder: refused (true); nanorft runs transformers' own models."""
     custom_chat_template: str = ""
-    """Jinja chat template overriding the tokenizer's."""
+    """Jinja chat template overriding the tokenizer's (trainer and explorer alike)."""
     chat_template_path: str = ""
-    """File holding a chat template (wins over custom_chat_template)."""
+    """File holding a chat template (wins over custom_chat_template; a missing file is refused)."""
     max_model_len: Optional[int] = None
     """Longest prompt + response in tokens. Unset: max_prompt_tokens + max_response_tokens (derived)."""
     max_prompt_tokens: Optional[int] = None
@@ -142,9 +142,10 @@ class ModelConfig:
     max_response_tokens: Optional[int] = None
     """Longest response in tokens. Unset: max_model_len - max_prompt_tokens, or half (derived)."""
     min_response_tokens: int = 1
-    """Shortest response in tokens (EOS is suppressed before that)."""
+    """Shortest response in tokens: every rollout request's default min_tokens (EOS is suppressed before that)."""
     enable_prompt_truncation: bool = True
-    """Truncate over-long prompts (the experience is then masked out) instead of failing."""
+    """A prompt over max_prompt_tokens keeps its last max_prompt_tokens tokens and its experience gets no loss
+    (truncate_status prompt_truncated); false: the task fails at once (not retried), naming the lengths."""
     temperature: float = 1.0
     """Default sampling temperature (tasksets' rollout_args override it)."""
     top_p: float = 1.0
@@ -195,7 +196,8 @@ class FormatConfig:
     rejected_key: str = "rejected"
     """Column with the dispreferred response (DPO)."""
     reply_prefix: Optional[str] = None
-    """Text the assistant turn starts with (added after the generation prompt)."""
+    """Text the assistant turn starts with (added after the generation prompt: part of the prompt tokens; the
+    response text the reward sees does not include it)."""
     workflow_key: Optional[str] = None
     """Column naming a per-row workflow (overrides the taskset's)."""
     reward_fn_key: Optional[str] = None
@@ -203,7 +205,8 @@ class FormatConfig:
     enable_concatenated_multi_turn: bool = False
     """SFT on messages: train on every assistant turn of a conversation, not only the last."""
     chat_template: str = ""
-    """Chat template for this data; empty = model.custom_chat_template or the tokenizer's."""
+    """Chat template for this data (task prompts, SFT / DPO rows); empty = the model's (model.chat_template_path,
+    model.custom_chat_template or the tokenizer's)."""
 
 
 @dataclasses.dataclass
@@ -359,9 +362,9 @@ class InferenceModelConfig:
     enable_history: bool = False
     """Record every call of a workflow as an experience (multi-step workflows)."""
     chat_template: str = ""
-    """Chat template for this engine; empty = the model's."""
+    """Chat template of the rollout prompts (a taskset's format.chat_template wins); empty = the model's."""
     ignore_eos: bool = False
-    """Keep sampling past EOS (benchmarks)."""
+    """Keep sampling past EOS up to max_tokens (benchmarks; EOS is suppressed, as min_tokens = max_tokens)."""
 
 
 @dataclasses.dataclass

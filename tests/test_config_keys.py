@@ -5,6 +5,7 @@ import ast
 import copy
 import dataclasses
 import logging
+import subprocess
 import typing
 from pathlib import Path
 
@@ -22,8 +23,9 @@ REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
 OURS = sorted((ROOT / "configs").rglob("*.yaml"))
 # The code that runs: every module but the schema and the tables of configs/checks.py (naming a field in a
 # range or a refusal does not honour it) and the tests / benchmark scripts.
-RUNTIME = sorted(p for p in ROOT.glob("**/*.py") if p.parts[len(ROOT.parts)] not in (".venv", "tests", "scripts")
-                 and p.relative_to(ROOT).as_posix() not in ("configs/schema.py", "configs/checks.py"))
+TRACKED = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+RUNTIME = sorted(ROOT / f for f in TRACKED.split() if f.split("/")[0] not in ("tests", "scripts")
+                 and f not in ("configs/schema.py", "configs/checks.py"))
 
 
 def schema_fields(cls: type = Config, path: str = "") -> list[tuple[type, str, str]]:
@@ -94,6 +96,8 @@ REFUSAL_CASES = {
                                                  "explorer.rollout_model.enable_history = True is refused: it needs"),
     ("TrainerConfig", "ulysses_sequence_parallel_size"): ({"trainer": {"ulysses_sequence_parallel_size": 2}},
                                                           "ulysses_sequence_parallel_size = 2 is refused"),
+    ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},
+                                           "model.trust_remote_code = True is refused: nanorft loads only models"),
     ("ClusterConfig", "node_num"): ({"cluster": {"node_num": 2}}, "cluster.node_num = 2 is refused: multi-node"),
     ("TrainerConfig", "optimizer_offload"): ({"trainer": {"optimizer_offload": True}},
                                              "trainer.optimizer_offload = True is refused: FSDP2"),
@@ -152,7 +156,7 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
     (tmp_path / "c.yaml").write_text(text)
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", str(tmp_path / "c.yaml")])[0])
-    assert "trainer.save_hf_checkpoint is ignored: nanorft's checkpoints hold their weights as an HF folder" in caplog.text
+    assert "trainer.save_hf_checkpoint is ignored: nanorft's checkpoints hold their weights" in caplog.text
     assert "trainer.fix_actor_microbatch_loss_scale is ignored" in caplog.text
     assert cfg.trainer.grad_clip == 0.5  # Trinity's optimizer.clip_grad is the trainer's clip
     clash = merged({"trainer": {"grad_clip": 2.0}, "algorithm": {"optimizer": {"clip_grad": 0.5}}})
@@ -171,7 +175,6 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
     ("explorer.rollout_model.dtype", "fp8", "one of auto"),
 ])
 def test_values_out_of_range_name_the_key_and_the_range(path, value, allowed):
-    raw = MINIMAL | {}
     node = raw = copy.deepcopy(MINIMAL)
     *parents, last = path.split(".")
     for k in parents:
@@ -191,8 +194,7 @@ def leaves(d, prefix=""):
 
 
 def mutate(raw: dict, path: str, value) -> dict:
-    out = copy.deepcopy(raw)
-    node, *_ = [out]
+    node = out = copy.deepcopy(raw)
     *parents, last = path.split(".")
     for k in parents:
         node = node[k]

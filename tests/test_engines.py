@@ -2,6 +2,7 @@
 in one batch, batching across threads, weight loading, make_engine, ModelHandle; VLLMEngine's
 contract runs only where vLLM and a CUDA GPU are present."""
 
+import dataclasses
 import importlib.util
 import logging
 import threading
@@ -10,8 +11,11 @@ import pytest
 import torch
 
 from configs.schema import InferenceModelConfig
-from engines import Completion, HFEngine, ModelHandle, SamplingParams, VLLMEngine, make_engine
-from models import load_model
+import models
+from configs.schema import ModelConfig
+from engines import Completion, HFEngine, ModelHandle, PromptTooLong, SamplingParams, VLLMEngine, make_engine
+from models import config_tokenizer, load_model
+from tiny import CHAT_TEMPLATE as tiny_chat_template
 from tiny import build
 
 HAVE_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
@@ -277,6 +281,66 @@ def test_model_handle_chat_returns_consistent_experiences(engine):
         handle.chat(messages, max_new_tokens=4)
     with pytest.raises(TypeError, match="do_sample"):
         ModelHandle(engine, engine.tokenizer, {"do_sample": True})
+
+
+def _model_cfg(tiny_path: str, **kw) -> ModelConfig:
+    return dataclasses.replace(ModelConfig(model_path=tiny_path, max_model_len=256), **kw)
+
+
+def test_config_chat_templates_and_enable_thinking_reach_every_rendering(tiny_path, tmp_path):
+    messages = [{"role": "user", "content": "hi"}]
+    own = config_tokenizer(_model_cfg(tiny_path)).apply_chat_template(messages, tokenize=False)
+    custom = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if enable_thinking %}[think]{% endif %}"
+    tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom))
+    assert own.startswith("<|im_start|>user") and tok.apply_chat_template(messages, tokenize=False) == "<hi>"
+    (tmp_path / "t.jinja").write_text("FILE{{ messages[0]['content'] }}")
+    path = str(tmp_path / "t.jinja")
+    tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom, chat_template_path=path))
+    assert tok.apply_chat_template(messages, tokenize=False) == "FILEhi"  # the file wins
+    tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom, enable_thinking=True))
+    assert tok.apply_chat_template(messages, tokenize=False) == "<hi>[think]"
+    assert models.render(tok, messages) == tok.encode("<hi>[think]", add_special_tokens=False)  # SFT rendering too
+    assert config_tokenizer(_model_cfg(tiny_path)).chat_template == tiny_chat_template  # others untouched
+
+
+def test_handle_renders_tools_template_and_reply_prefix(engine):
+    handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 2})
+    messages = [{"role": "user", "content": "hi"}]
+    template = "{{ messages[0]['content'] }}|{{ tools | length if tools else 'none' }}|"
+    (x, *_) = handle.chat(messages, tools=[{"name": "calc"}, {"name": "x"}], chat_template=template,
+                          reply_prefix="The answer")
+    assert x.prompt_text == "hi|2|The answer"  # tools reached the template; the prefix ends the prompt
+    assert x.tokens[: x.prompt_length].tolist() == engine.tokenizer.encode("hi|2|The answer", add_special_tokens=False)
+    assert not x.response_text.startswith("The answer")
+
+
+def test_over_long_prompts_are_cut_and_masked_or_refused_once(engine):
+    long = "a long prompt " * 20
+    handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 3, "temperature": 0.6}, max_prompt_tokens=16)
+    x, y = handle.generate([long, "short"], n=1)[0][0], handle.generate(["short"], n=1)[0][0]
+    ids = engine.tokenizer.encode(long, add_special_tokens=False)
+    assert x.truncate_status == "prompt_truncated" and x.tokens[:16].tolist() == ids[-16:]
+    assert y.truncate_status in (None, "response_truncated") and y.info["temperature"] == 0.6
+    batch = models.step_batch([x, y], 3)
+    assert not batch["response_mask"][0].any() and batch["response_mask"][1].any()  # no loss on the cut prompt
+    assert batch["temperature"].tolist() == pytest.approx([0.6, 0.6])  # scored at the temperature it was sampled at
+    strict = ModelHandle(engine, engine.tokenizer, {"max_tokens": 3}, max_prompt_tokens=16, truncate=False)
+    with pytest.raises(PromptTooLong, match="exceeds model.max_prompt_tokens"):
+        strict.generate([long])
+
+
+def test_min_response_tokens_and_ignore_eos_defaults(tiny_path):
+    # the flat model of test_min_tokens_suppresses_eos: EOS comes early in some of 64 samples unless held back
+    with HFEngine(tiny_path) as e:
+        state = {k: v.clone() for k, v in e.model.state_dict().items()}
+        state["model.norm.weight"].zero_()
+        e.load_weights(state, version=1)
+        free = ModelHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0}).generate(["hi"], n=64)[0]
+        held = ModelHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0, "min_tokens": 30}).generate(["hi"], n=64)[0]
+        to_end = ModelHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0}, ignore_eos=True).generate(["hi"], n=64)[0]
+    assert sum(x.response_length < 30 for x in free) >= 5
+    assert all(x.response_length >= 30 for x in held)  # model.min_response_tokens is the handle's default min_tokens
+    assert all(x.response_length == 40 for x in to_end)  # ignore_eos: every sample runs to max_tokens
 
 
 # --- vLLM: the same contract, on a GPU machine with vLLM installed

@@ -19,9 +19,10 @@ import explore
 import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
-from engines import HFEngine, ModelHandle
+from configs.schema import GenerationConfig
+from engines import HFEngine, ModelHandle, PromptTooLong
 from models import load_tokenizer
-from tasksets import TaskReader, load_tasks
+from tasksets import Task, TaskReader, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,6 +135,23 @@ class FlakyOnce(workflows.Workflow):
         if FlakyOnce.calls == 1:
             raise RuntimeError("first attempt fails")
         return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=1.0, metrics={"accuracy": 1.0})]
+
+
+class TooLong(workflows.Workflow):
+    calls = 0
+
+    def run(self):
+        TooLong.calls += 1
+        raise PromptTooLong("a prompt of 999 tokens exceeds model.max_prompt_tokens (16)")
+
+
+def test_an_over_long_prompt_fails_once_without_retries(monkeypatch):
+    monkeypatch.setitem(workflows.WORKFLOWS, "too_long", TooLong)
+    task = Task(taskset="t", index=0, epoch=0, raw={}, prompt="x", messages=None, reference=None, tools=None,
+                workflow="too_long", reward_fn="", workflow_args={}, reward_fn_args={}, rollout_args=GenerationConfig(),
+                repeat_times=1)
+    exps, error = explore.run_task(task, None, timeout=10, retries=3)
+    assert exps is None and "exceeds model.max_prompt_tokens" in error and TooLong.calls == 1  # the same input: no retry
 
 
 @pytest.fixture(scope="module")

@@ -77,3 +77,17 @@ def test_importing_buffer_or_tasksets_pulls_in_no_config_loader_nor_algorithms(m
             "('configs', 'algos', 'models', 'tyro', 'omegaconf', 'transformers')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_dependency_floor_is_the_version_the_floor_check_installs():
+    """pyproject.toml's floors are exercised: scripts/check_floors.sh (run by .ci/run) installs each at exactly its
+    floor and runs the tests that touch them."""
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {m.group(1).lower(): m.group(2) for d in deps if (m := re.match(r"([\w-]+)>=([\w.]+)", d))}
+    script = (ROOT / "scripts/check_floors.sh").read_text()
+    pinned = dict(re.findall(r'"([\w-]+)==([\w.]+)"', script)) | dict(re.findall(r"install -q \S+ (torch)==([\w.]+)", script))
+    from packaging.version import Version
+
+    assert floors and {k: Version(pinned.get(k, "0")) for k in floors} == {k: Version(v) for k, v in floors.items()}
+    assert "bash scripts/check_floors.sh" in (ROOT / ".ci/run").read_text()

@@ -43,8 +43,10 @@ class ModelHandle(Protocol):
 
     model_version: int  # weights version currently served
 
-    def chat(self, messages: list[dict], n: int = 1, **sampling: Any) -> list[Experience]:
-        """Apply the chat template to `messages` and sample n responses."""
+    def chat(self, messages: list[dict], n: int = 1, tools: list | None = None, chat_template: str | None = None,
+             reply_prefix: str | None = None, **sampling: Any) -> list[Experience]:
+        """Apply the chat template (or `chat_template`) to `messages` with `tools`, start the assistant turn with
+        `reply_prefix`, and sample n responses (`chat_options(task)` gives the taskset format's three)."""
         ...
 
     def generate(self, prompts: list[str], n: int = 1, **sampling: Any) -> list[list[Experience]]:
@@ -77,6 +79,12 @@ def sampling_kwargs(args: GenerationConfig) -> dict[str, Any]:
     `logprobs` (extra top log-probs) is not a sampling key of the handle, which always returns the
     log-prob of each sampled token, so it is not passed on."""
     return {k: v for k, v in dataclasses.asdict(args).items() if v is not None and k != "logprobs"}
+
+
+def chat_options(task: Task) -> dict[str, Any]:
+    """What the taskset's format says about rendering a task's prompt: ModelHandle.chat's tools (format.tools_key),
+    chat_template and reply_prefix."""
+    return {"tools": task.tools, "chat_template": task.chat_template or None, "reply_prefix": task.reply_prefix}
 
 
 def chat_messages(task: Task) -> list[dict]:

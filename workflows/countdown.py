@@ -33,7 +33,7 @@ from typing import Any
 
 from buffer import Experience
 from tasksets import Task
-from workflows import Workflow, apply_reward, chat_messages, sampling_kwargs
+from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
           "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
@@ -128,7 +128,8 @@ class CountdownWorkflow(Workflow):
     def run(self) -> list[Experience]:
         task = self.task
         reference = {"target": task.raw["target"], "nums": list(task.raw["nums"])}
-        exps = self.model.chat(countdown_messages(task), n=task.repeat_times, **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(countdown_messages(task), n=task.repeat_times, **chat_options(task),
+                              **sampling_kwargs(task.rollout_args))
         for exp in exps:
             apply_reward(exp, self.reward_fn(exp.response_text, reference))
         return exps

@@ -38,7 +38,7 @@ from fractions import Fraction
 from typing import Any
 
 from buffer import Experience
-from workflows import Workflow, apply_reward, chat_messages, sampling_kwargs
+from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 MAX_ANSWER_CHARS = 200  # longer final answers are judged wrong without parsing (no model writes them)
 MAX_NUMBER_CHARS = 40  # longer numerals are not read as numbers (Fraction would be slow / refuse them)
@@ -195,7 +195,8 @@ class MathWorkflow(Workflow):
 
     def run(self) -> list[Experience]:
         task = self.task
-        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
+                              **sampling_kwargs(task.rollout_args))
         extra = {k: task.workflow_args[k] for k in ("last_number_fallback",) if k in task.workflow_args}
         for exp in exps:
             apply_reward(exp, self.reward_fn(exp.response_text, task.reference, **extra))

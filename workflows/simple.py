@@ -10,7 +10,7 @@ Worked example (reward_fn = "math_reward", reference "#### 42"):
 from __future__ import annotations
 
 from buffer import Experience
-from workflows import Workflow, apply_reward, chat_messages, sampling_kwargs
+from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 
 class SimpleWorkflow(Workflow):
@@ -22,7 +22,8 @@ class SimpleWorkflow(Workflow):
         task = self.task
         if self.reward_fn is None:
             raise ValueError(f"{task.task_id}: simple_workflow needs a reward function (reward_fn)")
-        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
+                              **sampling_kwargs(task.rollout_args))
         for exp in exps:
             apply_reward(exp, self.reward_fn(exp.response_text, task.reference))
         return exps

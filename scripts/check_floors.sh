@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The dependency floors of pyproject.toml, exercised: a second virtual environment with the lowest version each
+# floor allows (`pip install --resolution lowest-direct`-style, by hand: pip has no such flag), then the tests that
+# touch those libraries. Run by .ci/run after the README's test command; about 5 minutes.
+#   bash scripts/check_floors.sh [PYTEST ARGS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${NANORFT_FLOORS_VENV:-.venv-floors}
+PY="$VENV/bin/python"
+# NOTE: keep in step with pyproject.toml's floors (tests/test_repo.py checks that every floor is listed here).
+FLOORS=(
+  "transformers==4.56.0" "datasets==3.0.0" "tokenizers==0.22.0" "safetensors==0.4.3" "tyro==0.9.3"
+  "omegaconf==2.3.0" "pyyaml==6.0" "tqdm==4.66.3" "math-verify==0.8.0" "pytest==8.0.0" "wandb==0.19.0"
+  "tensorboard==2.18.0" "matplotlib==3.9.0"
+)
+[ -x "$PY" ] || python3 -m venv "$VENV"
+"$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
+"$PY" -m pip install -q --disable-pip-version-check "${FLOORS[@]}"
+# --no-deps: the project itself, the floors above staying in place
+"$PY" -m pip install -q --disable-pip-version-check --no-deps -e .
+"$PY" -m pip check
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy) "
+exec "$PY" -m pytest -q -p no:cacheprovider tests/test_config.py tests/test_config_keys.py tests/test_workflows.py \
+  tests/test_engines.py tests/test_tasksets.py tests/test_train.py tests/test_monitor.py tests/test_launch.py -x "$@"
