@@ -107,6 +107,25 @@ def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     return Experience(**tensors, **json.loads(meta), **columns)
 
 
+def refuse_foreign(path: str) -> None:
+    """DBMismatch, before anything is written, when `path` holds something other than an experience DB: a file that
+    is not SQLite, or another program's SQLite database (tables, but no meta table)."""
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb") as f:
+        if f.read(16) != b"SQLite format 3\x00":
+            raise DBMismatch(f"{path} is not a SQLite database; point buffer.trainer_input.experience_buffer.path at "
+                             "a new file (nothing was changed)")
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # read-only: a foreign file stays as it is
+    try:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    finally:
+        conn.close()
+    if tables and "meta" not in tables:
+        raise DBMismatch(f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); "
+                         "point buffer.trainer_input.experience_buffer.path at a new file (nothing was changed)")
+
+
 class DBMismatch(RuntimeError):
     """This experience DB cannot be shared with this process: another schema version or another model."""
 
@@ -190,6 +209,7 @@ class ExperienceDB:
 
     def __init__(self, url: str, busy_timeout: float = 60.0) -> None:
         self.path = sqlite_path(url)
+        refuse_foreign(self.path)
         if os.path.dirname(self.path):
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
         # isolation_level=None: autocommit, so the module never opens transactions behind our

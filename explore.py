@@ -303,6 +303,7 @@ def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str,
 
 def write(x: Explorer, exps: list[Experience]) -> None:
     """The step's experiences and the explorer's position, in one DB transaction (and <name>_meta.json)."""
+    sync.pause_for_test("explore.before_write", x.step)
     name = x.cfg.explorer.name
     state = {"step": x.step, "reader": x.reader.state(), "model_version": x.engine.model_version, "time": time.time(),
              "finished": False}

@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import resource
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ class Monitor:
         self.dir = Path(cfg.checkpoint_job_dir, "monitor")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.history = open(self.dir / f"{role}.jsonl", "a", encoding="utf-8")  # appends across restarts
+        self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
         self.tb = self.wandb = None
         kind, args = cfg.monitor.monitor_type, cfg.monitor.monitor_args
         if kind == "tensorboard":
@@ -78,15 +80,50 @@ class Monitor:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
-        shown = " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items()))
-        log.info("[%s] step %d %s", self.role, step, shown)
+        self.file_log.info("[%s] step %d %s", self.role, step,
+                           " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items())))
+        log.info("[%s] step %d %s", self.role, step, headline(numbers))
 
     def close(self) -> None:
         self.history.close()
+        for handler in self.file_log.handlers:  # this role's file: off the root logger too
+            logging.getLogger().removeHandler(handler)
+            handler.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+# What a person watches, in this order: the first key matching each pattern is shown (the rest are in the history,
+# tensorboard / wandb and the role's log file).
+HEADLINE = (("reward", r"^(rollout/reward/mean|critic/reward_mean)$"), ("loss", r"^actor/\w*_loss$"),
+            ("acc", r"^(eval|bench)/[^/]+/accuracy/mean@\d+$"), ("tok/s", r"^(rollout/tokens_per_s|perf/throughput)$"),
+            ("s/step", r"^time/(step|rollout)$"))
+
+
+def headline(numbers: dict[str, float]) -> str:
+    """The console's line of a step: a few numbers, e.g. `reward 0.54 loss 0.0174 tok/s 7456 s/step 3.1`."""
+    out = []
+    for name, pattern in HEADLINE:
+        key = next((k for k in sorted(numbers) if re.match(pattern, k)), None)
+        if key is not None:
+            out.append(f"{name} {numbers[key]:.4g}")
+    return " ".join(out) or f"{len(numbers)} metrics"
+
+
+def role_log_file(job_dir: str, role: str) -> logging.Logger:
+    """Every record of this process also goes to <job dir>/log/<role>.log (appended across restarts), and so do
+    the full metric lines, which the console leaves out (the returned logger writes to the file only)."""
+    path = Path(job_dir, "log", f"{role}.log")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logging.getLogger().addHandler(handler)
+    file_only = logging.getLogger(f"nanorft.metrics.{role}")
+    file_only.propagate, file_only.level = False, logging.INFO
+    file_only.handlers = [handler]
+    return file_only
 
 
 def preview(exps: list, width: int = 300) -> dict[str, str]:

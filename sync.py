@@ -43,6 +43,7 @@ there). The store listens on 127.0.0.1 only, so both sides run on one machine.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import math
@@ -58,9 +59,11 @@ from typing import Any, Callable
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.tensor import DTensor
+
+from tasksets import DataError
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
@@ -435,6 +438,7 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
     write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
     dist.barrier()
     if rank == 0:
+        write_manifest(actor.parent)
         write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
             {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
         write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
@@ -460,15 +464,65 @@ def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: 
 
 
 def checkpoint_steps(job: Path) -> list[int]:
-    return [int(p.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/trainer_state.json")]
+    return [int(p.parent.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/trainer_state.json")]
 
 
 def latest_checkpoint(job: str | Path) -> int:
-    """The step of the newest complete checkpoint, 0 when there is none."""
+    """The step of the newest complete, undamaged checkpoint, 0 when there is none. A checkpoint whose files do not
+    match its manifest is skipped with a warning naming the file (and left in place); DataError when every
+    checkpoint is damaged."""
     try:
-        return int(Path(job, CKPT_POINTER).read_text().strip() or 0)
+        newest = int(Path(job, CKPT_POINTER).read_text().strip() or 0)
     except FileNotFoundError:
         return 0
+    steps = sorted((s for s in checkpoint_steps(Path(job)) if s <= newest), reverse=True)
+    for step in steps:
+        damage = check_manifest(Path(job, f"global_step_{step}"))
+        if not damage:
+            if step != newest:
+                log.warning("resuming from checkpoint step %d, the newest undamaged one (not %d)", step, newest)
+            return step
+        log.warning("checkpoint step %d is damaged and skipped (left as it is): %s", step, damage)
+    raise DataError(f"{job}: every checkpoint is damaged (see the warnings above); move them away to start afresh")
+
+
+MANIFEST = "manifest.json"  # a checkpoint's files: relative path -> [size, sha256], written last
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file of a checkpoint folder (rank 0, after every rank has written)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(folder).as_posix(): [p.stat().st_size, _sha256(p)] for p in files}
+    write_atomic(folder / MANIFEST, lambda p: Path(p).write_text(json.dumps(entries, indent=1)))
+
+
+def check_manifest(folder: Path) -> str:
+    """'' when every file of the manifest is there with its size and sha256; else what is wrong, naming the file.
+    A checkpoint written before manifests existed passes with a warning."""
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        log.warning("%s has no %s (written by an older nanorft): its files cannot be checked", folder, MANIFEST)
+        return ""
+    except json.JSONDecodeError:
+        return f"{folder / MANIFEST} is not valid JSON"
+    for name, (size, digest) in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written"
+        if _sha256(path) != digest:
+            return f"{path} differs from what was written (sha256)"
+    return ""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int,
@@ -499,3 +553,13 @@ def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder
     set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
                              options=StateDictOptions(full_state_dict=True))
     return meta
+
+
+def pause_for_test(point: str, step: int) -> None:
+    """Tests only: with NANORFT_TEST_PAUSE_AT=<point>:<step>, the process touches the file
+    NANORFT_TEST_PAUSE_MARKER at that point and waits there, so that a test can kill it at a known place
+    (a kill timed by the clock races the run: on a fast machine the explorer had finished before the kill)."""
+    if os.environ.get("NANORFT_TEST_PAUSE_AT") == f"{point}:{step}":
+        Path(os.environ["NANORFT_TEST_PAUSE_MARKER"]).touch()
+        while True:
+            time.sleep(60)

@@ -12,6 +12,7 @@ malformed row) is a DataError naming the file, row and key.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,11 +80,16 @@ def read_rows(path: str, subset_name: str | None = None, split: str = "train") -
     import datasets  # slow to import; only readers need it
 
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its parse errors are re-raised below, with the line
     if Path(path).expanduser().exists():
         rows = []
         for f in find_data_files(path, subset_name, split):
-            ds = datasets.load_dataset(_BUILDERS.get(f.suffix, "json"), data_files=str(f), split="train")
-            rows += [(str(f), i, row) for i, row in enumerate(ds)]
+            try:
+                ds = datasets.load_dataset(_BUILDERS.get(f.suffix, "json"), data_files=str(f), split="train")
+                rows += [(str(f), i, row) for i, row in enumerate(ds)]  # NOTE: bad bytes surface here, not above
+            except Exception as e:  # datasets / pyarrow / pandas errors name neither the file nor the line
+                where = bad_line(f) if f.suffix == ".jsonl" else ""
+                raise DataError(f"{f}: {where or f'cannot be read ({type(e).__name__}: {str(e)[:300]})'}") from None
         return rows
     try:
         ds = datasets.load_dataset(path, subset_name, split=split)
@@ -93,6 +99,26 @@ def read_rows(path: str, subset_name: str | None = None, split: str = "train") -
             f"(subset {subset_name!r}, split {split!r}) failed: {type(e).__name__}: {e}"
         ) from e
     return [(f"hub:{path}", i, row) for i, row in enumerate(ds)]
+
+
+def bad_line(f: Path) -> str:
+    """'line N: why' for the first line of a JSON-lines file that is not UTF-8 or not a JSON object (the reader's
+    own error names neither); '' when every line is fine."""
+    with open(f, "rb") as fh:
+        for n, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return f"line {n}: not UTF-8 (byte 0x{raw[e.start]:02x} at byte {e.start + 1})"
+            if not text.strip():
+                continue
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as e:
+                return f"line {n}: not valid JSON ({e.msg} at column {e.colno})"
+            if not isinstance(value, dict):
+                return f"line {n}: a JSON {type(value).__name__}, not an object (one row per line)"
+    return ""
 
 
 def _column(row: dict, key: str, where: str, what: str) -> Any:

@@ -462,6 +462,7 @@ def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
     sync.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
                          p.cfg.trainer.max_checkpoints_to_keep, (p.critic, p.critic_optim) if p.critic else None,
                          p.kl_coef)
+    sync.pause_for_test("train.after_save", step)
 
 
 def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, float], step: int) -> None:

@@ -634,6 +634,7 @@ def entry(argv: list[str], description: str) -> Config:
     try:
         cfg, dry = cli(argv, description)
         logging.getLogger().setLevel(cfg.log.level)
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its loading chatter; our warnings stay
         if cfg.cluster.gpu_per_node == 0:  # 0 means no GPU: set before torch looks (children inherit it)
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
         if dry:

@@ -345,3 +345,17 @@ def test_three_writer_processes_one_reader(tmp_path: Path) -> None:
     assert sorted(m for _, m in seen) == sorted(expected)  # every marker exactly once
     with ExperienceDB(path) as db:
         assert db.counts() == {"total": total, "pending": 0, "claimed": total, "dropped": 0, "claims": total}
+
+
+def test_a_file_that_is_not_an_experience_db_is_named_and_left_alone(tmp_path):
+    text, other = tmp_path / "notes.db", tmp_path / "other.db"
+    text.write_bytes(b"not a database, just text\n")
+    with sqlite3.connect(other) as conn:
+        conn.execute("CREATE TABLE users (name TEXT)")
+    before = {p: p.read_bytes() for p in (text, other)}
+    with pytest.raises(buffer.DBMismatch, match=f"{text} is not a SQLite database"):
+        ExperienceDB(f"sqlite:///{text}")
+    with pytest.raises(buffer.DBMismatch, match=rf"{other} is a SQLite database of another program \(tables: users\)"):
+        ExperienceDB(f"sqlite:///{other}")
+    assert {p: p.read_bytes() for p in (text, other)} == before  # nothing was changed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.db", "other.db"]  # no -wal / -shm files either

@@ -80,19 +80,18 @@ def expected_groups(config: Path, steps: int, batch: int) -> list[str]:
 def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir, tmp_path):
     config = write_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 5, "model.max_response_tokens": 48,
                                                        "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"}})
-    proc = subprocess.Popen([sys.executable, "explore.py", "--config", str(config)], cwd=ROOT,
+    marker = tmp_path / "paused"
+    env = {**os.environ, "NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    proc = subprocess.Popen([sys.executable, "explore.py", "--config", str(config)], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline:  # wait until the first step is in the DB, then kill during the next
-        dbs = list((tmp_path / "ck").rglob("*.db"))
-        if dbs and sqlite3.connect(dbs[0]).execute("SELECT COUNT(*) FROM experiences").fetchone()[0] > 0:
-            break
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:  # step 3 generated, not written
         time.sleep(0.05)
-    time.sleep(0.5)
-    proc.send_signal(signal.SIGKILL)
+    assert marker.exists(), proc.stderr.read()[-3000:] if proc.poll() is not None else "no pause within 300 s"
+    proc.send_signal(signal.SIGKILL)  # a known place: mid-step 3, its experiences generated but not in the DB
     proc.wait()
     killed_at = len(db_rows(tmp_path)) // 6
-    assert 1 <= killed_at < 5, "the kill must land before the run ends"
+    assert killed_at == 2
     out = run_explorer(config)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming explorer explorer after step {killed_at}" in out.stderr
@@ -237,3 +236,19 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     assert out.returncode == 1
     errors = [line for line in out.stderr.splitlines() if "ERROR" in line]
     assert len(errors) == 1 and "the trainer finished and sent stop" in errors[0], errors
+
+
+def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny_model_dir, tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = (Path(tiny_model_dir).parent / "arith" / "train.jsonl").read_bytes().splitlines(keepends=True)
+    (data / "train.jsonl").write_bytes(b"".join(lines[:4]) + b'{"question": "x", "answer": \n' + lines[4])
+    out = run_explorer(write_config(tmp_path, tiny_model_dir, **{"buffer.explorer_input.taskset.path": str(data)}))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{data / 'train.jsonl'}: line 5: not valid JSON" in out.stderr
+    db = tmp_path / "other.db"
+    db.write_bytes(b"some notes\n")
+    out = run_explorer(write_config(tmp_path, tiny_model_dir, **{
+        "buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"}))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert f"{db} is not a SQLite database" in out.stderr and db.read_bytes() == b"some notes\n"

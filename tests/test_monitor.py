@@ -23,7 +23,13 @@ def test_history_console_and_tensorboard(tmp_path, caplog):
         mon.log({"rollout/reward/mean": 0.25, "time/step": 1.5, "note": "text", "bad": float("nan")}, step=1)
         mon.log({"rollout/reward/mean": 0.75}, step=2)
     mon.close()
-    assert re.search(r"\[explorer\] step 1 perf/max_rss_gb=[0-9.]+ rollout/reward/mean=0.25 time/step=1.5", caplog.text)
+    # the console: a short line; the role's log file: every record, and the full metric line
+    assert "[explorer] step 1 reward 0.25 s/step 1.5\n" in caplog.text and "rollout/reward/mean=0.25" not in caplog.text
+    logged = (tmp_path / "job/log/explorer.log").read_text()
+    assert re.search(r"\[explorer\] step 1 perf/max_rss_gb=[0-9.]+ rollout/reward/mean=0.25 time/step=1.5", logged)
+    assert "[explorer] step 2 reward 0.75" in logged  # the console's line too
+    logging.getLogger("nanorft.x").info("after close")
+    assert "after close" not in (tmp_path / "job/log/explorer.log").read_text()  # the handler left with the monitor
     hist = read_history(tmp_path / "job/monitor/explorer.jsonl")
     assert [h["step"] for h in hist] == [1, 2] and hist[0]["note"] == "text"
     # every record carries the process's peak memory: this test process holds torch, so > 0.1 GB

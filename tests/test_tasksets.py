@@ -155,3 +155,16 @@ def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
     rnd = taskset(path, data_selector={"selector_type": "random", "seed": 1})
     one, two = TaskReader([rnd], 1).read(8), TaskReader([rnd], 1).read(8)
     assert [t.index for t in one] == [t.index for t in two] and len({t.index for t in one}) < 8  # with replacement
+
+
+@pytest.mark.parametrize("bad, named", [
+    (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 1)"),
+    (b'{"question": "x\xff", "answer": "2"}\n', "line 3: not UTF-8 (byte 0xff at byte 16)"),
+    (b"[1, 2]\n", "line 3: a JSON list, not an object (one row per line)"),
+])
+def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
+    good = b'{"question": "a", "answer": "1"}\n'
+    (tmp_path / "train.jsonl").write_bytes(good + good + bad + good)
+    with pytest.raises(DataError) as e:
+        read_rows(str(tmp_path))
+    assert str(e.value) == f"{tmp_path / 'train.jsonl'}: {named}"

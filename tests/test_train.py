@@ -2,6 +2,7 @@
 scaling, checkpoints and exact resume, a GRPO step checked against hand-computed numbers."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,12 +16,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import models
+import sync
 import train
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from conftest import plain_logprobs, write_yaml
 from models import load_model, load_tokenizer
 from monitor import read_history
+from tasksets import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -236,14 +239,16 @@ def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     assert straight.returncode == 0, straight.stderr[-3000:]
     config = sft_config(tmp_path / "b", tiny_model_dir, **over)
     job = tmp_path / "b" / "ck" / "p" / "t"
+    marker = tmp_path / "paused"  # the trainer waits there after saving step 2 (sync.pause_for_test)
     proc = subprocess.Popen([sys.executable, "train.py", "--config", str(config)], cwd=ROOT,
-                            env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"},
+                            env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1",
+                                 "NANORFT_TEST_PAUSE_AT": "train.after_save:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    pointer = job / "latest_checkpointed_iteration.txt"
     deadline = time.monotonic() + 240
-    while not (pointer.exists() and pointer.read_text().strip() == "2") and proc.poll() is None:
+    while not marker.exists() and proc.poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    assert marker.exists(), proc.stderr.read()[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (job / "global_step_4").exists()
@@ -315,3 +320,38 @@ def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_m
             "explorers: none has written to this DB yet. Stopping") in out.stderr
     with ExperienceDB(f"sqlite:///{tmp_path / 'ck' / 'p' / 't' / 'buffer' / 'exp.db'}") as d:
         assert json.loads(d.get_meta("trainer"))["status"] == "stopped" and d.counts()["claims"] == 0
+
+
+def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path, tiny_model_dir, caplog):
+    out = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3, "trainer.save_interval": 1}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "t"
+    manifest = json.loads((job / "global_step_3" / "manifest.json").read_text())
+    assert {"actor/huggingface/model.safetensors", "actor/optimizer.safetensors", "actor/trainer_state.json",
+            "actor/rng_state_rank0.safetensors"} <= set(manifest)
+    assert sync.latest_checkpoint(job) == 3
+    weights_3 = job / "global_step_3" / "actor" / "huggingface" / "model.safetensors"
+    weights_3.write_bytes(weights_3.read_bytes()[:-100])  # truncated
+    (job / "global_step_2" / "actor" / "optimizer.safetensors").unlink()  # missing
+    with caplog.at_level(logging.WARNING, logger="nanorft.sync"):
+        assert sync.latest_checkpoint(job) == 1
+    assert f"checkpoint step 3 is damaged and skipped (left as it is): {weights_3} has" in caplog.text
+    assert "global_step_2/actor/optimizer.safetensors is missing" in caplog.text
+    assert "resuming from checkpoint step 1, the newest undamaged one (not 3)" in caplog.text
+    assert weights_3.is_file() and (job / "global_step_2").is_dir()  # nothing deleted
+    resumed = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3, "trainer.save_interval": 1}))
+    assert resumed.returncode == 0 and "resumed from checkpoint step 1" in resumed.stderr, resumed.stderr[-3000:]
+    assert sync.latest_checkpoint(job) == 3  # steps 2 and 3 written again, whole
+    for step in (1, 2, 3):  # every one damaged: a named error, not a silent fresh start
+        state = job / f"global_step_{step}" / "actor" / "trainer_state.json"
+        state.write_text(state.read_text() + " ")
+    with pytest.raises(DataError, match="every checkpoint is damaged"):
+        sync.latest_checkpoint(job)
+
+
+def test_max_checkpoints_to_keep_prunes_the_oldest(tmp_path, tiny_model_dir):
+    over = {"buffer.total_steps": 3, "trainer.save_interval": 1, "trainer.max_checkpoints_to_keep": 2}
+    out = run_train(sft_config(tmp_path, tiny_model_dir, **over))
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "t"
+    assert sorted(sync.checkpoint_steps(job)) == [2, 3] and sync.latest_checkpoint(job) == 3
