@@ -36,6 +36,7 @@ from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, 
                           AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging as transformers_logging
 
 from buffer import Experience
 from tasksets import DataError, format_row, read_rows
@@ -144,6 +145,7 @@ def register_attention() -> str:
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A causal LM in eval mode, with gqa_sdpa attention. dtype: "float32" | "bfloat16" | "float16" (float32 on
     CPU: bf16 matmuls are 3-5x slower there)."""
+    transformers_logging.disable_progress_bar()  # its "Loading weights" bar, at every weight load, is log noise
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=getattr(torch, dtype), attn_implementation=register_attention()
     )

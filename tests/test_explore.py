@@ -68,7 +68,9 @@ def test_explore_mode_fills_the_db(tiny_model_dir, tmp_path):
     assert {(r, v, e) for _, r, v, e in rows} == {(0, 0, "explorer"), (1, 0, "explorer")}
     meta = json.loads((tmp_path / "ck/p/e/explorer_meta.json").read_text())
     assert meta["latest_iteration"] == 4 and meta["reader"]["index"] == 12
-    assert "eval/arith_test/accuracy/mean@2" in out.stderr  # the final evaluation
+    logged = next((tmp_path / "ck").rglob("log/explorer.log")).read_text()
+    assert "eval/arith_test/accuracy/mean@2" in logged  # the final evaluation, in the role's log file
+    assert "acc " in out.stderr  # and its accuracy on the console's short line
 
 
 def expected_groups(config: Path, steps: int, batch: int) -> list[str]:

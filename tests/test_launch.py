@@ -119,12 +119,18 @@ def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
 
 
 def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
-    """The trainer fails at its first loss (an invalid loss argument); the explorer, waiting for weights,
-    is stopped by the launcher long before its 120 s sync timeout, and the exit code is non-zero."""
-    config = both_config(tmp_path, tiny_model_dir, **{"algorithm.policy_loss_fn_args": {"clip_ratio_c": 0.5}})
+    """The trainer fails at set-up (PPO's critic model does not exist; the explorer does not load it); the
+    explorer, waiting for weights, is stopped by the launcher long before its 120 s sync timeout, and the exit
+    code is non-zero. An invalid loss argument never gets that far: the config refuses it before any start."""
+    bad = both_config(tmp_path / "bad", tiny_model_dir, **{"algorithm.policy_loss_fn_args": {"clip_ratio_c": 0.5}})
+    out = launch(bad)
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "config error: algorithm.policy_loss_fn_args.clip_ratio_c: 0.5 is out of range; allowed: > 1")
+    config = both_config(tmp_path, tiny_model_dir, **{"algorithm.algorithm_type": "ppo",
+                                                      "model.critic_model_path": str(tmp_path / "no_such_critic")})
     start = time.monotonic()
     out = launch(config)
     assert out.returncode != 0
     assert time.monotonic() - start < 100
     assert "trainer failed" in out.stderr and "stopping explorer" in out.stderr
-    assert "clip_ratio_c must be > 1" in out.stderr
+    assert "no_such_critic" in out.stderr
