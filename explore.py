@@ -389,7 +389,9 @@ def finish(x: Explorer, code: int) -> int:
 def explore(cfg: configs.Config) -> int:
     """Explore mode (and the explorer half of mode both); returns the exit code."""
     x = set_up(cfg)
-    bar = tqdm(total=x.steps, initial=x.step, desc=cfg.explorer.name, unit="step", dynamic_ncols=True)
+    x.monitor.total = x.steps
+    bar = tqdm(total=x.steps, initial=x.step, desc=cfg.explorer.name, unit="step", dynamic_ncols=True,
+               disable=not sys.stderr.isatty())  # a bar for a person at a terminal; not in redirected logs
     # --- eval on startup (step 0 only: not again on restart)
     if x.step == 0 and cfg.explorer.eval_on_startup and x.eval_sets:
         x.monitor.log(evaluate(x.pool, x.handles, cfg, x.eval_sets), step=0)

@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, sqlite_path
-from monitor import read_history
+from monitor import close_log_file, log_to_file, read_history
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
@@ -282,7 +282,9 @@ def run(cfg: configs.Config) -> int:
         stages.append(stage)
         job = Path(stage.checkpoint_job_dir)
         job.mkdir(parents=True, exist_ok=True)
-        config_file = job / (f"config_{role}.yaml" if (role := async_role(cfg)) else "config.yaml")
+        side = async_role(cfg)
+        file_log = log_to_file(str(job), f"launch_{side}" if side else "launch")  # log/launch.log
+        config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
         config_file.write_text(configs.to_yaml(stage))
         log.info(
             "stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file
@@ -303,6 +305,8 @@ def run(cfg: configs.Config) -> int:
             stop(procs, grace=30.0)
         if code:
             log.error("stage %s failed; later stages not run", stage.name)
+        close_log_file(file_log)
+        if code:
             break
     # --- summary and plot
     out = run_dir(cfg, stages)

@@ -5,7 +5,9 @@
     mon.close()
 
 Every metric goes to three places:
-- the console, one line per step (INFO log of logger "nanorft.monitor");
+- the console, one short line per step (INFO log of logger "nanorft.monitor": step/total, reward or loss, eval
+  accuracy, tokens/s, s/step) and one line per evaluation (`[explorer] eval step 20: arith_test accuracy 0.785`);
+  the full `key=value` line goes to `<job dir>/log/<role>.log` only (`role_log_file`), with every log record;
 - `<job dir>/monitor/<role>.jsonl`, one JSON object per step: the run's history, which plots and
   `summary.json` are made from, and which survives without tensorboard or wandb;
 - `monitor.monitor_type`: tensorboard (`<job dir>/monitor/tensorboard/<role>/`), wandb (project =
@@ -39,7 +41,7 @@ class Monitor:
     """Console + JSONL history + the configured sink (tensorboard, wandb or none)."""
 
     def __init__(self, cfg: Config, role: str) -> None:
-        self.role = role
+        self.role, self.total = role, cfg.buffer.total_steps or cfg.trainer.total_steps  # shown as step/total
         self.dir = Path(cfg.checkpoint_job_dir, "monitor")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.history = open(self.dir / f"{role}.jsonl", "a", encoding="utf-8")  # appends across restarts
@@ -82,13 +84,14 @@ class Monitor:
             self.wandb.log(numbers, step=step)
         self.file_log.info("[%s] step %d %s", self.role, step,
                            " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items())))
-        log.info("[%s] step %d %s", self.role, step, headline(numbers))
+        log.info("[%s] step %s %s", self.role, f"{step}/{self.total}" if self.total else step, headline(numbers))
+        if evals := eval_line(numbers):
+            log.info("[%s] %s step %d: %s", self.role, evals[0], step, evals[1])
 
     def close(self) -> None:
         self.history.close()
         for handler in self.file_log.handlers:  # this role's file: off the root logger too
-            logging.getLogger().removeHandler(handler)
-            handler.close()
+            close_log_file(handler)
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -112,14 +115,39 @@ def headline(numbers: dict[str, float]) -> str:
     return " ".join(out) or f"{len(numbers)} metrics"
 
 
-def role_log_file(job_dir: str, role: str) -> logging.Logger:
-    """Every record of this process also goes to <job dir>/log/<role>.log (appended across restarts), and so do
-    the full metric lines, which the console leaves out (the returned logger writes to the file only)."""
+def eval_line(numbers: dict[str, float]) -> tuple[str, str] | None:
+    """("eval" or "bench", "arith_test accuracy 0.785, ...") for a step with evaluation metrics (accuracy, else
+    reward, mean over the k runs), or None."""
+    found = [m.groups() + (v,) for k, v in sorted(numbers.items())
+             if (m := re.match(r"^(eval|bench)/([^/]+)/(accuracy|reward)/mean@\d+$", k))]
+    if not found:
+        return None
+    accuracy = {name for _, name, metric, _ in found if metric == "accuracy"}
+    shown = [f"{name} {metric} {v:.3f}" for _, name, metric, v in found
+             if metric == "accuracy" or name not in accuracy]
+    return found[0][0], ", ".join(shown)
+
+
+def log_to_file(job_dir: str, role: str) -> logging.Handler:
+    """Every log record of this process from now on also goes to <job dir>/log/<role>.log (appended across
+    restarts); the caller removes the returned handler from the root logger when done (`close_log_file`)."""
     path = Path(job_dir, "log", f"{role}.log")
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
     logging.getLogger().addHandler(handler)
+    return handler
+
+
+def close_log_file(handler: logging.Handler) -> None:
+    logging.getLogger().removeHandler(handler)
+    handler.close()
+
+
+def role_log_file(job_dir: str, role: str) -> logging.Logger:
+    """The process's log file (`log_to_file`), plus a logger that writes to it only: for the full metric lines,
+    which the console leaves out."""
+    handler = log_to_file(job_dir, role)
     file_only = logging.getLogger(f"nanorft.metrics.{role}")
     file_only.propagate, file_only.level = False, logging.INFO
     file_only.handlers = [handler]

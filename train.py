@@ -547,6 +547,7 @@ def train(cfg: configs.Config) -> int:
             # --- read
             with timer(timing, "time/read"):
                 exps = p.source.read(step)
+            sync.pause_for_test("train.after_read", step)  # tests: a kill here, the step's batch claimed
             if not exps:
                 code = no_batch(p, step, done)
                 break

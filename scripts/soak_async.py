@@ -10,6 +10,10 @@ one-step-ahead explorer, staleness control) on a fresh tiny model with small bat
 (re)start, or, one time in four, only a random moment of its start-up; then it waits a random
 fraction of a step more and SIGKILLs the victim's whole process group (mid-rollout, mid-DB-write,
 mid-checkpoint: wherever it happens to be), and restarts it. Afterwards both run to the end.
+The cycles of --schedule (what CI runs) kill at points the script chooses instead, never after a clock
+delay: cycle c (0, 1, ...) waits until its trigger, the trainer for victim trainer, else the explorer, is
+paused (NANORFT_TEST_PAUSE_AT, sync.pause_for_test) at `train.after_read:<c + 2>` (step c + 2's batch
+claimed, not trained) or `explore.before_write:<c + 2>` (generated, not written); --steps >= cycles + 2.
 
 Checks (`check`, also usable on any finished async run):
 - every experience is pending, claimed by exactly one train step, or dropped (stale); no id is claimed
@@ -69,15 +73,18 @@ class Proc:
 
     def __init__(self, role: str, config: Path, logs: Path) -> None:
         self.role, self.config, self.log, self.p = role, config, logs / f"{role}.log", None
-        self.starts = 0
+        self.starts, self.pause, self.marker = 0, "", logs / f"{role}.paused"
 
-    def start(self) -> None:
+    def start(self, pause: str = "") -> None:
+        """Start the process; with `pause` (<point>:<step>) it touches self.marker there and waits to be killed."""
+        self.pause, self.marker = pause, self.log.parent / f"{self.role}_{self.starts}.paused"
+        env = {"NANORFT_TEST_PAUSE_AT": pause, "NANORFT_TEST_PAUSE_MARKER": str(self.marker)} if pause else {}
         script = "train.py" if self.role == "trainer" else "explore.py"
         with self.log.open("a") as f:
             f.write(f"\n===== start {self.starts} at {time.strftime('%H:%M:%S')} =====\n")
         self.p = subprocess.Popen([sys.executable, script, "--config", str(self.config)], cwd=ROOT,
                                   stdout=self.log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                  env={**os.environ, "OMP_NUM_THREADS": "1", **env})
         self.starts += 1
 
     def kill(self) -> None:
@@ -95,6 +102,46 @@ def progress(db: Path, role: str) -> int:
     except sqlite3.OperationalError:  # the file exists but its tables do not yet
         return -1
     return json.loads(row[0])["step"] if row else -1
+
+
+def trigger(victim: str) -> str:
+    """The side whose pause point times a scheduled kill of `victim`."""
+    return "trainer" if victim == "trainer" else "explorer"
+
+
+def pause_for(role: str, schedule: list[str], after: int) -> str:
+    """The pause point of `role`'s next scheduled trigger after cycle `after` ("": none)."""
+    point = "train.after_read" if role == "trainer" else "explore.before_write"
+    return next((f"{point}:{c + 2}" for c in range(after + 1, len(schedule)) if trigger(schedule[c]) == role), "")
+
+
+def wait_paused(proc: Proc, timeout: float = 300) -> bool:
+    """Wait until `proc` is paused at its point (False: it exited or did not get there in `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while not proc.marker.exists() and proc.p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return proc.marker.exists()
+
+
+def pick_moment(cycle: int, victim: str, schedule: list[str], procs: dict[str, Proc], db: Path,
+                rng: random.Random) -> str:
+    """Wait for the moment of cycle's kill and say which it is ("": the scheduled pause did not come).
+    Scheduled: a pause point; else after progress since the (re)start, or (1 in 4) somewhere in the start-up."""
+    if cycle < len(schedule):
+        side = procs[trigger(victim)]
+        return f"{side.role} paused at {side.pause}" if wait_paused(side) else ""
+    if rng.random() < 0.25:
+        time.sleep(rng.uniform(0.0, 5.0))
+        return "start-up"
+    roles = ["explorer", "trainer"] if victim == "both" else [victim]
+    base = {r: progress(db, r) for r in roles}
+    deadline = time.monotonic() + 120
+    while any(progress(db, r) <= base[r] for r in roles) and time.monotonic() < deadline:
+        if any(procs[r].p.poll() is not None for r in roles):
+            break
+        time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 1.5))
+    return "after progress"
 
 
 def check(trainer_config: Path, explorer_config: Path) -> dict:
@@ -149,24 +196,14 @@ def main() -> int:
     procs = {role: Proc(role, files[role], out / "logs") for role in ("trainer", "explorer")}
     schedule = [v for v in args.schedule.split(",") if v]
     kills, start = [], time.monotonic()
-    for p in procs.values():
-        p.start()
+    for role, p in procs.items():
+        p.start(pause_for(role, schedule, -1))
     for cycle in range(args.cycles):
         victim = schedule[cycle] if cycle < len(schedule) else rng.choice(["explorer", "trainer", "both"])
         roles = ["explorer", "trainer"] if victim == "both" else [victim]
-        # --- pick the moment: after progress since the (re)start, or (1 in 4) somewhere in the start-up
-        if rng.random() < 0.25 and cycle >= len(schedule):
-            time.sleep(rng.uniform(0.0, 5.0))
-            moment = "start-up"
-        else:
-            base = {r: progress(db, r) for r in roles}
-            deadline = time.monotonic() + 120
-            while any(progress(db, r) <= base[r] for r in roles) and time.monotonic() < deadline:
-                if any(procs[r].p.poll() is not None for r in roles):
-                    break
-                time.sleep(0.1)
-            time.sleep(rng.uniform(0.0, 1.5))
-            moment = "after progress"
+        if not (moment := pick_moment(cycle, victim, schedule, procs, db, rng)):
+            print(f"cycle {cycle}: no pause at {procs[trigger(victim)].pause}; no more kills", flush=True)
+            break
         exited = {r: procs[r].p.poll() for r in roles if procs[r].p.poll() is not None}
         if exited:  # finished (0) or failed on its own: the run is ending, no more kills
             print(f"cycle {cycle}: {exited} had already exited; no more kills", flush=True)
@@ -178,9 +215,10 @@ def main() -> int:
                       "explorer_step": at["explorer"], "t": round(time.monotonic() - start, 1)})
         print(f"cycle {cycle}: SIGKILL {victim} ({moment}; trainer step {at['trainer']}, explorer step "
               f"{at['explorer']})", flush=True)
-        time.sleep(rng.uniform(0.0, 2.0))
+        if cycle >= len(schedule):
+            time.sleep(rng.uniform(0.0, 2.0))
         for r in roles:
-            procs[r].start()
+            procs[r].start(pause_for(r, schedule, cycle))
     # --- let both finish
     codes = {}
     for role, p in procs.items():

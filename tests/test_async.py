@@ -143,15 +143,19 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
 
 
 def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path):
-    """scripts/soak_async.py with a fixed schedule: SIGKILL the explorer, the trainer, then both, each after
-    it made progress, restart them, run to the end, check: experiences written = claimed + pending (+
-    dropped), none used twice, train steps 1..T each with a full batch, no task skipped or repeated."""
+    """scripts/soak_async.py with a fixed schedule: SIGKILL the explorer, the trainer, then both, each at a
+    pause point (NANORFT_TEST_PAUSE_AT: never a clock delay, so the run cannot end before a kill), restart
+    them, run to the end, check: experiences written = claimed + pending (+ dropped), none used twice, train
+    steps 1..T each with a full batch, no task skipped or repeated."""
     out = subprocess.run([sys.executable, "scripts/soak_async.py", "--cycles", "3", "--schedule", "explorer,trainer,both",
                           "--steps", "6", "--out", str(tmp_path / "soak")], cwd=ROOT, capture_output=True, text=True,
                          timeout=900)
     result = json.loads((tmp_path / "soak/soak_result.json").read_text())
     assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
     assert [k["victim"] for k in result["kills"]] == ["explorer", "trainer", "both"]
+    assert [k["moment"] for k in result["kills"]] == [  # step 2 generated, not written; step 3 claimed, not trained
+        "explorer paused at explore.before_write:2", "trainer paused at train.after_read:3",
+        "explorer paused at explore.before_write:4"]
     assert result["starts"] == {"trainer": 3, "explorer": 3}
     inv = result["invariants"]
     assert inv["train_steps"] == 6 and inv["claimed"] == 6 * 6 and inv["experiences"] == inv["claimed"] + inv["pending"] + inv["dropped"]

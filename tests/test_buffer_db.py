@@ -164,20 +164,23 @@ def test_no_reuse_without_cooldown(db: ExperienceDB) -> None:
         db.claim(2, step=2, reuse_cooldown=0.0)  # queue order never reuses
 
 
-def test_reuse_after_cooldown_and_decay(db: ExperienceDB) -> None:
-    cool = 0.4  # s; the claims between two sleeps must take less than this, even on a busy machine
+def test_reuse_after_cooldown_and_decay(db: ExperienceDB, monkeypatch) -> None:
+    clock = [1e9]  # the DB's clock (time.time), moved by the test: no sleeps, so a busy machine cannot race it
+    monkeypatch.setattr(buffer.time, "time", lambda: clock[0])
+    cool = 10.0  # s
     a, c = db.write([make(0, model_version=5), make(1, model_version=4)])
     assert ids(db.claim(1, step=1, priority=True, reuse_cooldown=cool)) == [a]
     # a is cooling down, so c comes next, then nothing is eligible.
+    clock[0] += cool - 1
     assert ids(db.claim(1, step=2, priority=True, reuse_cooldown=cool)) == [c]
     assert db.claim(1, step=3, priority=True, reuse_cooldown=cool) == []
-    time.sleep(cool + 0.1)
+    clock[0] += cool
     # Both used once: priorities a = 5 - 2*1 = 3, c = 4 - 2*1 = 2.
     assert ids(db.claim(2, step=4, priority=True, reuse_cooldown=cool)) == [a, c]
-    time.sleep(cool + 0.1)
+    clock[0] += cool
     # Now a = 5 - 2*2 = 1 > c = 4 - 2*2 = 0; after one more use a = -1 < c: use_count decays a.
     assert ids(db.claim(1, step=5, priority=True, reuse_cooldown=cool)) == [a]
-    time.sleep(cool + 0.1)
+    clock[0] += cool
     assert ids(db.claim(1, step=6, priority=True, reuse_cooldown=cool)) == [c]
     use = dict(sqlite3.connect(db.path).execute("SELECT id, use_count FROM experiences").fetchall())
     assert use == {a: 3, c: 3}

@@ -4,6 +4,7 @@ process stopping the others."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -98,6 +99,11 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
     assert rollout_logprob_gap(db, 1, run / "sft" / "global_step_2" / "actor" / "huggingface") > 1e-3
     trainer = read_history(run / "rft" / "monitor" / "trainer.jsonl")
     assert [r["step"] for r in trainer] == [1, 2, 3] and all(r["batch/staleness/max"] == 0 for r in trainer)
+    # every stage's processes and the launcher wrote their log files (bench: <explorer name>_bench)
+    bench_log = (run / "eval_base/log/explorer_bench.log").read_text()
+    assert "[explorer_bench] bench step 0: arith_test accuracy " in bench_log
+    assert "stage run/sft: mode train" in (run / "sft/log/launch.log").read_text()
+    assert "[trainer] step 2 actor/" in (run / "sft/log/trainer.log").read_text()
 
 
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
@@ -116,6 +122,15 @@ def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
     summary = json.loads((run / "summary.json").read_text())
     assert summary["accuracy_before_sft"] is None and 0.0 <= summary["accuracy_after_rft"] <= 1.0
+    # per-role log files: every record and the full metric lines; the console: short lines (issue 13)
+    logs = {role: (run / "log" / f"{role}.log").read_text() for role in ("launch", "trainer", "explorer")}
+    assert "stage run: mode both" in logs["launch"] and "trainer finished" in logs["launch"]
+    assert re.search(r"\[trainer\] step 3 actor/\S+=\S+ .*perf/throughput=\S+ ", logs["trainer"])
+    assert "[trainer] step 3/3 " in logs["trainer"] and "[trainer] step 3/3 " in out.stderr
+    assert re.search(r"\[explorer\] eval step 2: arith_test accuracy \d\.\d{3}\n", logs["explorer"])
+    assert "[explorer] eval step 2: arith_test accuracy " in out.stderr and "rollout/reward/mean=" not in out.stderr
+    steps = [line for line in out.stderr.splitlines() if "] step " in line]
+    assert len(steps) >= 6 and max(map(len, steps)) <= 120, steps
 
 
 def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):

@@ -7,7 +7,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from configs.schema import Config
-from monitor import Monitor, read_history
+from monitor import Monitor, close_log_file, log_to_file, read_history
 
 
 def config(tmp_path, kind: str) -> Config:
@@ -38,6 +38,31 @@ def test_history_console_and_tensorboard(tmp_path, caplog):
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("rollout/reward/mean")] == [(1, 0.25), (2, 0.75)]
     assert "bad" not in events.Tags()["scalars"] and "note" not in events.Tags()["scalars"]
+
+
+def test_console_shows_step_of_total_and_a_line_per_evaluation(tmp_path, caplog):
+    cfg = config(tmp_path, "none")
+    cfg.buffer.total_steps = 20
+    mon = Monitor(cfg, role="explorer")
+    metrics = {"rollout/reward/mean": 0.5, "rollout/tokens_per_s": 7456.2, "eval/arith_test/accuracy/mean@4": 0.785,
+               "eval/arith_test/reward/mean@4": 0.9, "eval/other/reward/mean@1": 0.25,
+               **{f"x/m{i}": i for i in range(50)}}
+    with caplog.at_level(logging.INFO, logger="nanorft.monitor"):
+        mon.log(metrics, step=20)
+    mon.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "nanorft.monitor"]
+    assert lines == ["[explorer] step 20/20 reward 0.5 acc 0.785 tok/s 7456",
+                     "[explorer] eval step 20: arith_test accuracy 0.785, other reward 0.250"]
+    logged = (tmp_path / "job/log/explorer.log").read_text()
+    assert "x/m49=49" in logged and lines[1] in logged
+
+
+def test_log_to_file_takes_every_record_until_closed(tmp_path):
+    handler = log_to_file(str(tmp_path / "job"), "launch")
+    logging.getLogger("nanorft.launch").warning("stage s: started")
+    close_log_file(handler)
+    logging.getLogger("nanorft.launch").warning("after close")
+    assert (tmp_path / "job/log/launch.log").read_text().endswith("WARNING nanorft.launch: stage s: started\n")
 
 
 def test_history_appends_across_restarts(tmp_path):

@@ -240,15 +240,16 @@ def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     config = sft_config(tmp_path / "b", tiny_model_dir, **over)
     job = tmp_path / "b" / "ck" / "p" / "t"
     marker = tmp_path / "paused"  # the trainer waits there after saving step 2 (sync.pause_for_test)
-    proc = subprocess.Popen([sys.executable, "train.py", "--config", str(config)], cwd=ROOT,
-                            env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1",
-                                 "NANORFT_TEST_PAUSE_AT": "train.after_save:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1",
+           "NANORFT_TEST_PAUSE_AT": "train.after_save:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the trainer
+        proc = subprocess.Popen([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=err, text=True)
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert marker.exists(), proc.stderr.read()[-3000:]
+    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:]
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (job / "global_step_4").exists()
