@@ -35,8 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 import configs
 import launch
 import sync
@@ -390,8 +388,6 @@ def explore(cfg: configs.Config) -> int:
     """Explore mode (and the explorer half of mode both); returns the exit code."""
     x = set_up(cfg)
     x.monitor.total = x.steps
-    bar = tqdm(total=x.steps, initial=x.step, desc=cfg.explorer.name, unit="step", dynamic_ncols=True,
-               disable=not sys.stderr.isatty())  # a bar for a person at a terminal; not in redirected logs
     # --- eval on startup (step 0 only: not again on restart)
     if x.step == 0 and cfg.explorer.eval_on_startup and x.eval_sets:
         x.monitor.log(evaluate(x.pool, x.handles, cfg, x.eval_sets), step=0)
@@ -405,8 +401,6 @@ def explore(cfg: configs.Config) -> int:
         # --- write: the step's experiences and the position, in one transaction
         x.step += 1
         write(x, exps)
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['rollout/reward/mean']:.3f}", version=x.engine.model_version)
         # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files
         if x.step < x.steps:
             stop, more = sync_weights(x)
@@ -418,7 +412,6 @@ def explore(cfg: configs.Config) -> int:
         if x.eval_sets and (x.step % cfg.explorer.eval_interval == 0 or x.step == x.steps):
             metrics.update(evaluate(x.pool, x.handles, cfg, x.eval_sets))
         x.monitor.log(metrics, step=x.step)
-    bar.close()
     return finish(x, code)
 
 

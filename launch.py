@@ -33,12 +33,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TextIO
 
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, sqlite_path
-from monitor import close_log_file, log_to_file, read_history
+from monitor import (CONSOLE, Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline,
+                     log_to_file, numbers_of, read_history)
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
@@ -85,10 +86,13 @@ def cpu_split() -> tuple[int, int]:
     return explorer, max(1, cores - explorer)
 
 
-def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0) -> int:
-    """Wait for every process. The first non-zero exit stops the others; returns that code (0 if all ok)."""
+def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0, tick: Callable[[], None] | None = None) -> int:
+    """Wait for every process (calling `tick` every 0.2 s). The first non-zero exit stops the others; returns that
+    code (0 if all ok)."""
     running = dict(procs)
     while running:
+        if tick is not None:
+            tick()
         for role, p in list(running.items()):
             code = p.poll()
             if code is None:
@@ -266,6 +270,81 @@ def reopen_explorer(stage: configs.Config) -> None:
             db.set_explorer_state(stage.explorer.name, {**state, "finished": False})
 
 
+def run_stage(stage: configs.Config, side: str) -> int:
+    """Start the stage's processes and wait for them; returns the exit code. On a terminal, the launcher draws a
+    progress bar per process from their histories (the processes then leave the console to it)."""
+    start, job = time.monotonic(), Path(stage.checkpoint_job_dir)
+    job.mkdir(parents=True, exist_ok=True)
+    file_log = log_to_file(str(job), f"launch_{side}" if side else "launch")  # log/launch.log
+    config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
+    config_file.write_text(configs.to_yaml(stage))
+    log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
+    procs: dict[str, subprocess.Popen] = {}
+    bars = bars_wanted()
+    watch = Watch(stage, bars) if bars else None
+    try:
+        if stage.mode == "both":
+            reopen_explorer(stage)
+        for role, (cmd, env) in commands(stage, config_file).items():
+            if env:
+                log.info("%s: %s", role, " ".join(f"{k}={v}" for k, v in env.items()))
+            env = {**os.environ, **env, LAUNCHED: "1", **({CONSOLE: "launcher"} if bars else {})}
+            procs[role] = subprocess.Popen(cmd, cwd=os.getcwd(), env=env)
+        code = supervise(procs, tick=watch.tick if watch else None)
+    except KeyboardInterrupt:
+        log.error("interrupted: stopping %s", ", ".join(procs))
+        code = 130
+    finally:
+        stop(procs, grace=30.0)
+        if watch:
+            watch.close()
+    log.info("%s", stage_line(stage, list(procs), code, time.monotonic() - start))
+    close_log_file(file_log)
+    return code
+
+
+class Watch:
+    """The launcher's console on a terminal: a bar per process of the stage, fed from their histories."""
+
+    def __init__(self, stage: configs.Config, bars: bool = True, file: TextIO | None = None) -> None:
+        roles = list(commands(stage, Path()).keys())
+        self.tails = {role: HistoryTail(history_path(stage, role)) for role in roles}
+        self.console = Console(dict.fromkeys(roles), bars=bars, file=file)
+
+    def tick(self) -> None:
+        for role, tail in self.tails.items():
+            for record in tail.read():
+                self.console.step(role, record["step"], numbers_of(record), record.get("total_steps"))
+
+    def close(self) -> None:
+        self.tick()
+        self.console.close()
+
+
+def history_path(stage: configs.Config, role: str) -> Path:
+    """The JSONL history the stage's `role` process writes (its Monitor's role name)."""
+    name = {"trainer": stage.trainer.name, "explorer": stage.explorer.name}[role]
+    if role == "explorer" and stage.mode == "bench":
+        name = f"{name}_bench"
+    return Path(stage.checkpoint_job_dir, "monitor", f"{name}.jsonl")
+
+
+def stage_line(stage: configs.Config, roles: list[str], code: int, seconds: float) -> str:
+    """The line at a stage's end: how it ended, its time, and each process's last numbers."""
+    parts = []
+    for role in roles:
+        path = history_path(stage, role)
+        records = read_history(path) if path.exists() else []
+        last = next((r for r in reversed(records) if r.get("step")), None)
+        evals = next((e for r in reversed(records) if (e := eval_line(numbers_of(r)))), None)
+        if last:
+            parts.append(f"{role} step {last['step']}: {headline(numbers_of(last))}")
+        if evals:
+            parts.append(f"last {evals[0]} {evals[1]}")
+    how = "finished" if code == 0 else f"FAILED (exit code {code})"
+    return f"stage {stage.name} {how} in {seconds:.0f} s" + (": " + "; ".join(parts) if parts else "")
+
+
 def run(cfg: configs.Config) -> int:
     """Run every stage of `cfg`; returns the exit code."""
     start = time.monotonic()
@@ -280,33 +359,9 @@ def run(cfg: configs.Config) -> int:
     code, stages = 0, []
     for stage in stages_in_order(cfg):
         stages.append(stage)
-        job = Path(stage.checkpoint_job_dir)
-        job.mkdir(parents=True, exist_ok=True)
-        side = async_role(cfg)
-        file_log = log_to_file(str(job), f"launch_{side}" if side else "launch")  # log/launch.log
-        config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
-        config_file.write_text(configs.to_yaml(stage))
-        log.info(
-            "stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file
-        )
-        procs: dict[str, subprocess.Popen] = {}
-        try:
-            if stage.mode == "both":
-                reopen_explorer(stage)
-            for role, (cmd, env) in commands(stage, config_file).items():
-                if env:
-                    log.info("%s: %s", role, " ".join(f"{k}={v}" for k, v in env.items()))
-                procs[role] = subprocess.Popen(cmd, cwd=os.getcwd(), env={**os.environ, **env, LAUNCHED: "1"})
-            code = supervise(procs)
-        except KeyboardInterrupt:
-            log.error("interrupted: stopping %s", ", ".join(procs))
-            code = 130
-        finally:
-            stop(procs, grace=30.0)
+        code = run_stage(stage, async_role(cfg))
         if code:
             log.error("stage %s failed; later stages not run", stage.name)
-        close_log_file(file_log)
-        if code:
             break
     # --- summary and plot
     out = run_dir(cfg, stages)

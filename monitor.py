@@ -5,9 +5,11 @@
     mon.close()
 
 Every metric goes to three places:
-- the console, one short line per step (INFO log of logger "nanorft.monitor": step/total, reward or loss, eval
-  accuracy, tokens/s, s/step) and one line per evaluation (`[explorer] eval step 20: arith_test accuracy 0.785`);
-  the full `key=value` line goes to `<job dir>/log/<role>.log` only (`role_log_file`), with every log record;
+- the console (`Console`): on a terminal a tqdm bar per process (step/total, reward or loss, eval accuracy,
+  tokens/s, s/step, ETA), elsewhere one short line per step; and one line per evaluation (`[explorer] eval step 20:
+  arith_test accuracy 0.785`). Under the launcher on a terminal, the launcher draws every process's bar from their
+  histories (`HistoryTail`). The short lines and the full `key=value` line go to `<job dir>/log/<role>.log`
+  (`role_log_file`), with every log record;
 - `<job dir>/monitor/<role>.jsonl`, one JSON object per step: the run's history, which plots and
   `summary.json` are made from, and which survives without tensorboard or wandb;
 - `monitor.monitor_type`: tensorboard (`<job dir>/monitor/tensorboard/<role>/`), wandb (project =
@@ -27,11 +29,16 @@ import math
 import os
 import re
 import resource
+import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
+from configs.loader import CONSOLE
 from configs.schema import Config
 
 log = logging.getLogger("nanorft.monitor")
@@ -46,6 +53,7 @@ class Monitor:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.history = open(self.dir / f"{role}.jsonl", "a", encoding="utf-8")  # appends across restarts
         self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
+        self.console: Console | None = None
         self.tb = self.wandb = None
         kind, args = cfg.monitor.monitor_type, cfg.monitor.monitor_args
         if kind == "tensorboard":
@@ -72,9 +80,8 @@ class Monitor:
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        numbers = {k: float(v) for k, v in metrics.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-        self.history.write(json.dumps({"step": step, **metrics}, default=str) + "\n")
+        numbers = numbers_of(metrics)
+        self.history.write(json.dumps({"step": step, "total_steps": self.total, **metrics}, default=str) + "\n")
         self.history.flush()
         if self.tb is not None:
             for k, v in numbers.items():
@@ -84,12 +91,20 @@ class Monitor:
             self.wandb.log(numbers, step=step)
         self.file_log.info("[%s] step %d %s", self.role, step,
                            " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items())))
-        log.info("[%s] step %s %s", self.role, f"{step}/{self.total}" if self.total else step, headline(numbers))
-        if evals := eval_line(numbers):
-            log.info("[%s] %s step %d: %s", self.role, evals[0], step, evals[1])
+        for line in console_lines(self.role, step, self.total, numbers):
+            self.file_log.info("%s", line)
+        for k, v in metrics.items():  # text entries (preview/...): the history and the log file, not the console
+            if isinstance(v, str):
+                self.file_log.info("[%s] %s: %s", self.role, k, v)
+        if self.console is None and os.environ.get(CONSOLE) != "launcher":  # made here: `total` is known by now
+            self.console = Console({self.role: self.total}, bars=bars_wanted())
+        if self.console is not None:
+            self.console.step(self.role, step, numbers, self.total)
 
     def close(self) -> None:
         self.history.close()
+        if self.console is not None:
+            self.console.close()
         for handler in self.file_log.handlers:  # this role's file: off the root logger too
             close_log_file(handler)
         if self.tb is not None:
@@ -115,6 +130,21 @@ def headline(numbers: dict[str, float]) -> str:
     return " ".join(out) or f"{len(numbers)} metrics"
 
 
+def numbers_of(metrics: dict[str, Any]) -> dict[str, float]:
+    """The finite numbers of a metrics record (what the console and the sinks show)."""
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+def console_lines(role: str, step: int, total: int | None, numbers: dict[str, float]) -> list[str]:
+    """A step's readable lines: `[trainer] step 3/10 loss 0.0174 ...`, and `[explorer] eval step 20: ...` after an
+    evaluation."""
+    lines = [f"[{role}] step {f'{step}/{total}' if total else step} {headline(numbers)}"]
+    if evals := eval_line(numbers):
+        lines.append(f"[{role}] {evals[0]} step {step}: {evals[1]}")
+    return lines
+
+
 def eval_line(numbers: dict[str, float]) -> tuple[str, str] | None:
     """("eval" or "bench", "arith_test accuracy 0.785, ...") for a step with evaluation metrics (accuracy, else
     reward, mean over the k runs), or None."""
@@ -126,6 +156,81 @@ def eval_line(numbers: dict[str, float]) -> tuple[str, str] | None:
     shown = [f"{name} {metric} {v:.3f}" for _, name, metric, v in found
              if metric == "accuracy" or name not in accuracy]
     return found[0][0], ", ".join(shown)
+
+
+def bars_wanted(stream: TextIO | None = None) -> bool:
+    """Whether `stream` (stderr) is a terminal that can draw progress bars: not a file, a pipe or TERM=dumb."""
+    stream = stream or sys.stderr
+    if not stream.isatty() or os.environ.get("TERM") == "dumb":
+        return False
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0  # 0: a terminal without a size (tqdm draws nothing)
+    except (OSError, ValueError):
+        return True
+
+
+class Console:
+    """What a person watching the run sees. With `bars`: one tqdm bar per role (step/total, the headline numbers,
+    ETA), evaluation lines and every log record printed above the bars. Without: one line per step and per
+    evaluation on stderr. Console only: the log files get their lines from `Monitor`."""
+
+    def __init__(self, totals: dict[str, int | None], bars: bool, file: TextIO | None = None) -> None:
+        self.file = file or sys.stderr
+        self.bars: dict[str, tqdm] = {}
+        self.redirect = logging_redirect_tqdm() if bars else None  # log records above the bars, not through them
+        if self.redirect is not None:
+            self.redirect.__enter__()
+            self.bars = {role: tqdm(total=total, desc=role, position=i, file=self.file, unit="step",
+                                    dynamic_ncols=True, leave=True) for i, (role, total) in enumerate(totals.items())}
+
+    def step(self, role: str, step: int, numbers: dict[str, float], total: int | None = None) -> None:
+        lines = console_lines(role, step, total, numbers)
+        bar = self.bars.get(role)
+        if bar is None:
+            self.note(*(f"{time.strftime('%H:%M:%S')} {line}" for line in lines))
+            return
+        if total and bar.total != total:
+            bar.total = total
+        if bar.n == 0 and step > 1:  # a resumed run: the rate and ETA count from here
+            bar.n = bar.initial = bar.last_print_n = step - 1
+        bar.set_postfix_str(headline(numbers), refresh=False)
+        bar.update(max(step - bar.n, 0))
+        bar.refresh()
+        self.note(*lines[1:])
+
+    def note(self, *lines: str) -> None:
+        """Lines for the console (above the bars when there are bars)."""
+        for line in lines:
+            if self.bars:
+                tqdm.write(line, file=self.file)
+            elif log.isEnabledFor(logging.INFO):  # log.level WARNING quiets the lines as it did the log records
+                print(line, file=self.file, flush=True)
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+        if self.redirect is not None:
+            self.redirect.__exit__(None, None, None)
+            self.redirect = None
+
+
+class HistoryTail:
+    """The records another process appends to its JSONL history (`Monitor`), as they come: only records written
+    after this was made, and only complete lines."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+
+    def read(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        done = data[: data.rfind(b"\n") + 1]
+        self.offset += len(done)
+        return [json.loads(line) for line in done.decode("utf-8").splitlines() if line.strip()]
 
 
 def log_to_file(job_dir: str, role: str) -> logging.Handler:
@@ -163,7 +268,6 @@ def preview(exps: list, width: int = 300) -> dict[str, str]:
     out = {}
     for key, x in (("lowest", min(scored, key=lambda e: e.reward)), ("highest", max(scored, key=lambda e: e.reward))):
         out[f"preview/{key}"] = f"reward {x.reward:.4g} | {x.prompt_text[-width:]!r} -> {x.response_text[:width]!r}"
-        log.info("preview (%s reward): %s", key, out[f"preview/{key}"])
     return out
 
 

@@ -626,6 +626,9 @@ def dry_run(cfg: Config, out: Any = None) -> None:
     out.flush()
 
 
+CONSOLE = "NANORFT_CONSOLE"  # "launcher": the launcher draws this process's console (monitor.Console)
+
+
 def entry(argv: list[str], description: str) -> Config:
     """What every script does first: logging, config, and --dry-run (which exits). Exits 2 on a bad config."""
     logging.basicConfig(
@@ -634,6 +637,9 @@ def entry(argv: list[str], description: str) -> Config:
     try:
         cfg, dry = cli(argv, description)
         logging.getLogger().setLevel(cfg.log.level)
+        if os.environ.get(CONSOLE) == "launcher":  # the launcher draws the console: INFO goes to the log file only
+            for handler in logging.getLogger().handlers:
+                handler.setLevel(logging.WARNING)
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # its loading chatter; our warnings stay
         if cfg.cluster.gpu_per_node == 0:  # 0 means no GPU: set before torch looks (children inherit it)
             os.environ["CUDA_VISIBLE_DEVICES"] = ""

@@ -1,12 +1,17 @@
 """Whole experiments through the launcher as a user runs them (real processes): stages (bench, SFT in
-train mode, GRPO in mode both) with checkpoint sync, mode both with process-group sync, and a failing
-process stopping the others."""
+train mode, GRPO in mode both) with checkpoint sync, mode both with process-group sync, a failing
+process stopping the others, and what a person sees on a terminal."""
 
+import fcntl
 import json
 import os
+import pty
 import re
+import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -149,3 +154,43 @@ def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
     assert time.monotonic() - start < 100
     assert "trainer failed" in out.stderr and "stopping explorer" in out.stderr
     assert "no_such_critic" in out.stderr
+
+
+def on_a_terminal(cmd: list[str], timeout: float = 400) -> tuple[int, str]:
+    """Run `cmd` with stdin/stdout/stderr on a pseudo-terminal of 120 x 40, as in a person's shell; (exit code,
+    everything it showed)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TERM": "xterm"}
+    p = subprocess.Popen(cmd, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=env)
+    os.close(slave)
+    shown, deadline = b"", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([master], [], [], 1.0)[0]:
+            try:
+                chunk = os.read(master, 1 << 16)
+            except OSError:  # the other side closed: the process is gone
+                break
+            if not chunk:
+                break
+            shown += chunk
+    os.close(master)
+    p.kill()
+    return p.wait(), shown.decode("utf-8", errors="replace")
+
+
+def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_model_dir):
+    config = both_config(tmp_path, tiny_model_dir)
+    code, shown = on_a_terminal([sys.executable, "launch.py", "--config", str(config)])
+    assert code == 0, shown[-4000:]
+    # the launcher draws both processes' bars from their histories: step/total, the numbers watched, the rate
+    assert re.search(r"\rtrainer: 100%\|[^|]*\| 3/3 \[[^]]*s/step, reward \S+ loss \S+ tok/s \S+ s/step", shown), shown
+    assert re.search(r"\rexplorer: 100%\|[^|]*\| 3/3 \[[^]]*, reward \S+ acc \S+ tok/s", shown), shown
+    assert "[explorer] eval step 2: arith_test accuracy " in shown  # a line at each evaluation, above the bars
+    assert re.search(r"stage run finished in \d+ s: trainer step 3: .*; explorer step 3: .*; last eval arith_test "
+                     r"accuracy \d\.\d{3}", shown)
+    # the processes' own INFO records and per-step lines go to their log files only
+    assert "nanorft.explore" not in shown and "nanorft.train" not in shown and "] step 1/3" not in shown, shown
+    run = tmp_path / "ck" / "p" / "run"
+    assert "INFO nanorft.explore: " in (run / "log" / "explorer.log").read_text()
+    assert "[trainer] step 1/3 " in (run / "log" / "trainer.log").read_text()

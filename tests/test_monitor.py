@@ -1,13 +1,18 @@
 """Monitor: the console line, the JSONL history, tensorboard events and an offline wandb run, read back."""
 
+import io
 import logging
 import re
+import sys
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from buffer import Experience
 from configs.schema import Config
-from monitor import Monitor, close_log_file, log_to_file, read_history
+from monitor import (CONSOLE, Console, HistoryTail, Monitor, bars_wanted, close_log_file, log_to_file, preview,
+                     read_history)
 
 
 def config(tmp_path, kind: str) -> Config:
@@ -17,14 +22,16 @@ def config(tmp_path, kind: str) -> Config:
     return cfg
 
 
-def test_history_console_and_tensorboard(tmp_path, caplog):
+def test_history_console_and_tensorboard(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="nanorft.monitor")  # the console's lines follow log.level, as in a run
     mon = Monitor(config(tmp_path, "tensorboard"), role="explorer")
-    with caplog.at_level(logging.INFO, logger="nanorft.monitor"):
-        mon.log({"rollout/reward/mean": 0.25, "time/step": 1.5, "note": "text", "bad": float("nan")}, step=1)
-        mon.log({"rollout/reward/mean": 0.75}, step=2)
+    mon.log({"rollout/reward/mean": 0.25, "time/step": 1.5, "note": "text", "bad": float("nan")}, step=1)
+    mon.log({"rollout/reward/mean": 0.75}, step=2)
     mon.close()
-    # the console: a short line; the role's log file: every record, and the full metric line
-    assert "[explorer] step 1 reward 0.25 s/step 1.5\n" in caplog.text and "rollout/reward/mean=0.25" not in caplog.text
+    # the console (not a terminal here): a short line; the role's log file: every record, and the full metric line
+    err = capsys.readouterr().err
+    assert re.search(r"^\d\d:\d\d:\d\d \[explorer\] step 1 reward 0.25 s/step 1.5$", err, re.M), err
+    assert "rollout/reward/mean=0.25" not in err
     logged = (tmp_path / "job/log/explorer.log").read_text()
     assert re.search(r"\[explorer\] step 1 perf/max_rss_gb=[0-9.]+ rollout/reward/mean=0.25 time/step=1.5", logged)
     assert "[explorer] step 2 reward 0.75" in logged  # the console's line too
@@ -40,17 +47,17 @@ def test_history_console_and_tensorboard(tmp_path, caplog):
     assert "bad" not in events.Tags()["scalars"] and "note" not in events.Tags()["scalars"]
 
 
-def test_console_shows_step_of_total_and_a_line_per_evaluation(tmp_path, caplog):
+def test_console_shows_step_of_total_and_a_line_per_evaluation(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="nanorft.monitor")
     cfg = config(tmp_path, "none")
     cfg.buffer.total_steps = 20
     mon = Monitor(cfg, role="explorer")
     metrics = {"rollout/reward/mean": 0.5, "rollout/tokens_per_s": 7456.2, "eval/arith_test/accuracy/mean@4": 0.785,
                "eval/arith_test/reward/mean@4": 0.9, "eval/other/reward/mean@1": 0.25,
                **{f"x/m{i}": i for i in range(50)}}
-    with caplog.at_level(logging.INFO, logger="nanorft.monitor"):
-        mon.log(metrics, step=20)
+    mon.log(metrics, step=20)
     mon.close()
-    lines = [r.getMessage() for r in caplog.records if r.name == "nanorft.monitor"]
+    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines()]
     assert lines == ["[explorer] step 20/20 reward 0.5 acc 0.785 tok/s 7456",
                      "[explorer] eval step 20: arith_test accuracy 0.785, other reward 0.250"]
     logged = (tmp_path / "job/log/explorer.log").read_text()
@@ -83,3 +90,71 @@ def test_wandb_runs_offline_without_a_key(tmp_path, monkeypatch):
     mon.close()
     runs = list((tmp_path / "job/monitor/wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+class Terminal(io.StringIO):
+    """A stream that says it is a terminal, as stderr does in a person's shell."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_a_bar_per_process_with_the_headline_and_eval_lines_above(tmp_path, monkeypatch):
+    monkeypatch.delenv("TERM", raising=False)
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert bars_wanted() and not bars_wanted(io.StringIO())
+    handler = logging.StreamHandler(screen)  # the console's log handler, as logging.basicConfig makes it
+    logging.getLogger().addHandler(handler)
+    try:
+        console = Console({"trainer": 4, "explorer": None}, bars=True)
+        console.step("trainer", 1, {"actor/pg_loss": 0.5, "perf/throughput": 99.0})
+        console.step("explorer", 2, {"rollout/reward/mean": 0.25, "eval/arith_test/accuracy/mean@1": 0.5}, total=4)
+        logging.getLogger("nanorft.x").warning("a warning while the bars are up")
+        console.close()
+    finally:
+        logging.getLogger().removeHandler(handler)
+    out = screen.getvalue()
+    assert re.search(r"trainer: +25%\|.*\| 1/4 .*loss 0.5 tok/s 99", out), out
+    assert re.search(r"explorer: +50%\|.*\| 2/4 .*reward 0.25 acc 0.5", out), out
+    assert "[explorer] eval step 2: arith_test accuracy 0.500\n" in out
+    assert "a warning while the bars are up" in out  # log records go above the bars, through tqdm
+    assert "[trainer] step" not in out  # no per-step lines under a bar
+
+
+def test_under_the_launcher_the_process_leaves_the_console_to_it(tmp_path, monkeypatch, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="nanorft.monitor")
+    monkeypatch.setenv(CONSOLE, "launcher")
+    mon = Monitor(config(tmp_path, "none"), role="trainer")
+    mon.log({"actor/pg_loss": 1.0}, step=1)
+    mon.close()
+    assert capsys.readouterr().err == ""
+    assert "[trainer] step 1 loss 1" in (tmp_path / "job/log/trainer.log").read_text()  # the file keeps the line
+
+
+def test_history_tail_gives_new_complete_records_only(tmp_path):
+    path = tmp_path / "h.jsonl"
+    path.write_text('{"step": 1}\n')
+    tail = HistoryTail(path)  # records written before are not news
+    assert tail.read() == []
+    with open(path, "a") as f:
+        f.write('{"step": 2}\n{"st')
+        f.flush()
+        assert tail.read() == [{"step": 2}]  # the half-written line waits
+        f.write('ep": 3}\n')
+    assert tail.read() == [{"step": 3}] and tail.read() == []
+    assert HistoryTail(tmp_path / "none.jsonl").read() == []
+
+
+def test_preview_puts_the_lowest_and_highest_reward_samples_in_the_history_and_log_file(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="nanorft.monitor")
+    exps = [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=r, prompt_text=f"q{r}",
+                       response_text=f"a{r}") for r in (0.5, -1.0, 2.0)]
+    shown = preview(exps) | preview([Experience(tokens=torch.tensor([1, 2]), prompt_length=1)])
+    assert shown == {"preview/lowest": "reward -1 | 'q-1.0' -> 'a-1.0'", "preview/highest": "reward 2 | 'q2.0' -> 'a2.0'"}
+    mon = Monitor(config(tmp_path, "none"), role="trainer")
+    mon.log({"actor/pg_loss": 1.0, **shown}, step=1)
+    mon.close()
+    assert read_history(tmp_path / "job/monitor/trainer.jsonl")[0]["preview/highest"] == shown["preview/highest"]
+    assert "[trainer] preview/lowest: reward -1 | 'q-1.0' -> 'a-1.0'" in (tmp_path / "job/log/trainer.log").read_text()
+    assert "preview" not in capsys.readouterr().err  # the console keeps its short line
