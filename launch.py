@@ -59,7 +59,9 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
     if ranks > 1:
         train_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *train_cmd[1:]]
     trainer = (train_cmd, {})
-    if cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
+    if cl.colocate:  # one GPU, shared
+        explorer[1]["CUDA_VISIBLE_DEVICES"] = trainer[1]["CUDA_VISIBLE_DEVICES"] = "0"
+    elif cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
         gpus = [str(i) for i in range(cl.explorer_gpu_num + cl.trainer_gpu_num)]
         explorer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[: cl.explorer_gpu_num])
         trainer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[cl.explorer_gpu_num:])

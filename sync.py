@@ -116,10 +116,30 @@ def save_hf(model: Any, tokenizer: Any, folder: str | Path, state_dict: dict[str
 
 def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int,
                state_dict: dict[str, torch.Tensor] | None = None) -> Path:
-    """Save the weights as global_step_<step>'s HF folder, then point latest_state_dict_iteration.txt to it."""
+    """Save the weights as global_step_<step>'s HF folder, then point latest_state_dict_iteration.txt to it, then
+    delete the published folders no explorer will load any more (`prune_published`)."""
     final = save_hf(model, tokenizer, weights_path(job_dir, step), state_dict)
     set_latest(job_dir, step)
+    prune_published(job_dir, step)
     return final
+
+
+def prune_published(job_dir: str | Path, newest: int) -> list[int]:
+    """Delete the folders of steps published for explorers only (no checkpoint there: those are kept by
+    max_checkpoints_to_keep) older than `newest`, the pointer's step, except the one just before it, which an
+    explorer may still be loading (and if it vanishes, explore.load_published loads the newest). Steps after
+    `newest` (a killed run's, before its resume rewound the pointer) are left to be replaced. Returns the steps
+    deleted."""
+    job = Path(job_dir)
+    published = sorted(s for s in (_step_of(p) for p in job.glob("global_step_*/actor/huggingface")) if s < newest)
+    gone = [s for s in published[:-1] if not (job / f"global_step_{s}" / "actor" / "trainer_state.json").exists()]
+    for s in gone:
+        shutil.rmtree(job / f"global_step_{s}", ignore_errors=True)
+    return gone
+
+
+def _step_of(hf_folder: Path) -> int:
+    return int(hf_folder.parent.parent.name.removeprefix("global_step_"))
 
 
 def latest_version(job_dir: str | Path) -> int:
@@ -464,7 +484,7 @@ def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: 
 
 
 def checkpoint_steps(job: Path) -> list[int]:
-    return [int(p.parent.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/trainer_state.json")]
+    return [_step_of(p) for p in job.glob("global_step_*/actor/trainer_state.json")]
 
 
 def latest_checkpoint(job: str | Path) -> int:

@@ -157,6 +157,10 @@ REFUSED: list[Rule] = [
     (ModelConfig, "trust_remote_code", lambda v, c: v,
      "nanorft loads only models whose modelling code ships with transformers (its FSDP wrapping and attention "
      "functions are written for those); no code from the model folder is run"),
+    (RolloutCorrectionConfig, "rollout_is", lambda v, c: v != "none" and filtered_vllm_rollouts(c),
+     "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering, the trainer's "
+     "over the full distribution: the importance weights would compare different things. Set top_p 1.0 and top_k "
+     "-1 in the training tasksets' rollout_args (or model), use the HF engine, or set rollout_is: none"),
     (ClusterConfig, "node_num", lambda v, c: v > 1,
      "multi-node runs are not supported yet: nanorft launches its processes on one node"),
     (TrainerConfig, "optimizer_offload", lambda v, c: v and not c.trainer.param_offload,
@@ -167,13 +171,20 @@ REFUSED: list[Rule] = [
      "set trainer.critic.param_offload: true as well"),
 ]
 
+def filtered_vllm_rollouts(c: Config) -> bool:
+    """Whether a training taskset samples with top-k / top-p on a vLLM engine."""
+    return c.explorer.rollout_model.engine_type != "hf" and any(
+        (ts.rollout_args.top_p or 1.0) < 1.0 or (ts.rollout_args.top_k or -1) > 0
+        for ts in c.buffer.explorer_input.tasksets)
+
+
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
 # Values accepted with a warning at start that says what will not happen.
 WARNED: list[Rule] = [
     (ExplorerConfig, "auxiliary_models", lambda v, c: bool(v),
      "auxiliary models are not started yet: workflows cannot call them, and they take no GPUs from the split"),
-    (InferenceModelConfig, "engine_num", lambda v, c: v > 1,
-     "one rollout engine is started (several engines are not implemented yet); the GPU split counts one"),
+    (InferenceModelConfig, "engine_num", lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
+     "the HF engine runs as one engine (several are a vLLM option); the GPU split counts one"),
     (InferenceModelConfig, "enforce_eager", lambda v, c: v and c.explorer.rollout_model.engine_type == "hf",
      _VLLM_ONLY),
     (InferenceModelConfig, "enable_chunked_prefill",

@@ -364,10 +364,8 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
 
 
 def _engine_type(requested: str, gpus: int) -> str:
-    if requested in ("vllm", "vllm_async"):
-        return "vllm"
-    if requested == "hf":
-        return "hf"
+    if requested in ("vllm", "vllm_async", "hf"):
+        return requested
     return "vllm" if gpus > 0 and importlib.util.find_spec("vllm") is not None else "hf"
 
 
@@ -531,26 +529,47 @@ def _derive_trainer_explorer(c: Config) -> None:
 
 
 def _derive_cluster(c: Config) -> None:
-    """Which GPUs go to the explorer's engines, which to the trainer."""
+    """Which GPUs go to the explorer's engines (engine_num x tensor_parallel_size for vLLM, one for the HF engine),
+    which to the trainer. Mode both on one GPU colocates them (Trinity's `colocate`): both use GPU 0."""
     cl, e = c.cluster, c.explorer
     cl.gpu_per_node = _detect_gpus() if cl.gpu_per_node is None else cl.gpu_per_node
     gpus = cl.gpu_per_node * cl.node_num
     rm = e.rollout_model
     rm.engine_type = _engine_type(rm.engine_type, gpus)
-    # NOTE: one rollout engine is started whatever engine_num says, and auxiliary models are not started at all
-    # (configs/checks.py warns about both): only what runs is given GPUs.
-    explorer_gpus = rm.tensor_parallel_size if rm.engine_type == "vllm" else 1
+    # NOTE: auxiliary models are not started (configs/checks.py warns): only what runs is given GPUs.
+    explorer_gpus = rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1
     if gpus == 0 or c.mode == "train":
         explorer_gpus = 0
+    cl.colocate = bool(gpus == 1 and c.mode == "both")
+    if cl.colocate:
+        _derive_colocation(c)
+        explorer_gpus = 1
     cl.explorer_gpu_num = explorer_gpus
-    cl.trainer_gpu_num = {"train": gpus, "both": gpus - explorer_gpus}.get(c.mode, 0)
-    if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
-        raise ConfigError(
-            f"cluster: the rollout engine needs {explorer_gpus} GPUs (tensor_parallel_size) of {gpus}, "
-            "leaving none for the trainer"
-        )
+    cl.trainer_gpu_num = {"train": gpus, "both": 1 if cl.colocate else gpus - explorer_gpus}.get(c.mode, 0)
+    engines = (f"explorer.rollout_model.engine_num {rm.engine_num} x tensor_parallel_size {rm.tensor_parallel_size}"
+               f" = {explorer_gpus} GPUs")
     if gpus and explorer_gpus > gpus:
-        raise ConfigError(f"cluster: the explorer's engines need {explorer_gpus} GPUs but the node has {gpus}")
+        raise ConfigError(f"cluster: the rollout engines need {engines}, cluster.gpu_per_node gives {gpus}")
+    if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
+        raise ConfigError(f"cluster: in mode both the rollout engines take {engines} of cluster.gpu_per_node "
+                          f"{gpus}, leaving none for the trainer")
+
+
+COLOCATED_VLLM_MEMORY = 0.25  # Trinity's cap of gpu_memory_utilization when vLLM shares the GPU with the trainer
+
+
+def _derive_colocation(c: Config) -> None:
+    """Mode both on one GPU: one engine on one GPU, vLLM within COLOCATED_VLLM_MEMORY of it (and asleep while the
+    trainer steps, explore.py); weights over the process group travel through host memory (gloo: NCCL cannot join
+    two ranks on one GPU)."""
+    rm = c.explorer.rollout_model
+    if rm.engine_type != "hf" and (rm.engine_num, rm.tensor_parallel_size) != (1, 1):
+        raise ConfigError(f"explorer.rollout_model: engine_num {rm.engine_num} x tensor_parallel_size "
+                          f"{rm.tensor_parallel_size} on one GPU shared with the trainer: both must be 1")
+    if rm.engine_type != "hf" and rm.gpu_memory_utilization > COLOCATED_VLLM_MEMORY:
+        log.info("explorer.rollout_model.gpu_memory_utilization %g capped to %g: the trainer shares the GPU",
+                 rm.gpu_memory_utilization, COLOCATED_VLLM_MEMORY)
+        rm.gpu_memory_utilization = COLOCATED_VLLM_MEMORY
 
 
 def derive(cfg: Config) -> Config:

@@ -170,6 +170,8 @@ class ClusterConfig:
     """Derived: GPUs given to rollout engines (engine_num x tensor_parallel_size for vLLM)."""
     trainer_gpu_num: int = 0
     """Derived: GPUs left for the trainer (its torchrun world size on GPU)."""
+    colocate: bool = False
+    """Derived: mode both on one GPU; explorer and trainer share it (vLLM sleeps while the trainer steps)."""
 
 
 # --- buffer

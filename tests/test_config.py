@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 import configs
+import launch
 from configs import ConfigError, cli, derive, from_dict, normalize, read_yaml, resolve_stages, to_yaml
 from configs.schema import Config
 
@@ -162,19 +163,26 @@ def test_derived_values(tmp_path):
 
 def test_gpu_split(tmp_path, caplog):
     base = MINIMAL + "cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: vllm, engine_num: 2, tensor_parallel_size: 2}\n"
-    # one engine is started (engine_num > 1 is warned about), so the split counts one engine's GPUs
-    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
-        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base)])[0])
-    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (2, 6)
-    assert "explorer.rollout_model.engine_num = 2: one rollout engine is started" in caplog.text
+    # vLLM: engine_num engines of tensor_parallel_size GPUs each; the trainer gets the rest
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base)])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num, cfg.cluster.colocate) == (4, 4, False)
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):  # the HF engine is one engine on one GPU
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.engine_type", "hf",
+                                     "--explorer.rollout_model.tensor_parallel_size", "1"])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (1, 7)
+    assert "explorer.rollout_model.engine_num = 2: the HF engine runs as one engine" in caplog.text
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base + "mode: train\n")])[0])
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 8)
-    with pytest.raises(ConfigError, match="leaving none for the trainer"):
+    with pytest.raises(ConfigError, match="engine_num 1 x tensor_parallel_size 8 = 8 GPUs of cluster.gpu_per_node 8, "
+                                          "leaving none for the trainer"):
+        derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.tensor_parallel_size", "8",
+                    "--explorer.rollout_model.engine_num", "1"])[0])
+    with pytest.raises(ConfigError, match="engine_num 2 x tensor_parallel_size 8 = 16 GPUs, cluster.gpu_per_node gives 8"):
         derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.tensor_parallel_size", "8"])[0])
     aux = base + "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2}]\n"
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux)])[0])
-    assert cfg.cluster.explorer_gpu_num == 2  # auxiliary models are not started, so they take no GPUs
+    assert cfg.cluster.explorer_gpu_num == 4  # auxiliary models are not started, so they take no GPUs
     assert "explorer.auxiliary_models" in caplog.text and "not started" in caplog.text
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")])[0])
     # 0 means no GPU, whatever the machine has: the HF engine and nothing to split
@@ -182,6 +190,36 @@ def test_gpu_split(tmp_path, caplog):
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 0)
     with pytest.raises(ConfigError, match="cluster.node_num = 2 is refused: multi-node"):
         derive(cli(["--config", write(tmp_path, base), "--cluster.node_num", "2"])[0])
+
+
+@pytest.mark.parametrize("name, layout", [  # what each file's comments say
+    ("gsm8k.yaml", (1, 1, False)),  # one vLLM engine, the trainer on the remaining GPU
+    ("async/gsm8k_explorer.yaml", (4, 0, False)),  # 4 vLLM engines on 4 GPUs
+    ("async/gsm8k_explorer_new.yaml", (2, 0, False)),  # a second explorer on two GPUs that became free
+    ("async/gsm8k_trainer.yaml", (0, 4, False)),  # the trainer on 4 GPUs
+])
+def test_the_gsm8k_configs_resolve_to_the_gpu_layout_they_describe(name, layout):
+    (cfg,) = resolve_stages(cli(["--config", str(ROOT / "configs" / name)])[0])
+    cl = cfg.cluster
+    assert (cl.explorer_gpu_num, cl.trainer_gpu_num, cl.colocate) == layout
+
+
+def test_mode_both_on_one_gpu_colocates(tmp_path, caplog):
+    """Trinity's colocate: one GPU shared by explorer and trainer, vLLM capped to a quarter of it."""
+    one = MINIMAL + "cluster: {gpu_per_node: 1}\nexplorer:\n  rollout_model: {engine_type: vllm}\n"
+    with caplog.at_level(logging.INFO, logger="nanorft.config"):
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, one)])[0])
+    cl = cfg.cluster
+    assert (cl.colocate, cl.explorer_gpu_num, cl.trainer_gpu_num) == (True, 1, 1)
+    assert cfg.explorer.rollout_model.gpu_memory_utilization == 0.25 and "capped to 0.25" in caplog.text
+    config_file = tmp_path / "resolved.yaml"
+    config_file.write_text(to_yaml(cfg))
+    cmds = launch.commands(cfg, config_file)
+    assert cmds["explorer"][1]["CUDA_VISIBLE_DEVICES"] == cmds["trainer"][1]["CUDA_VISIBLE_DEVICES"] == "0"
+    with pytest.raises(ConfigError, match="engine_num 2 x tensor_parallel_size 1 on one GPU shared"):
+        derive(cli(["--config", write(tmp_path, one), "--explorer.rollout_model.engine_num", "2"])[0])
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, one), "--mode", "train"])[0])
+    assert (cfg.cluster.colocate, cfg.cluster.trainer_gpu_num) == (False, 1)
 
 
 def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):

@@ -99,6 +99,10 @@ REFUSAL_CASES = {
     ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},
                                            "model.trust_remote_code = True is refused: nanorft loads only models"),
     ("ClusterConfig", "node_num"): ({"cluster": {"node_num": 2}}, "cluster.node_num = 2 is refused: multi-node"),
+    ("RolloutCorrectionConfig", "rollout_is"): (
+        {"explorer": {"rollout_model": {"engine_type": "vllm"}}, "algorithm": {"rollout_correction": {
+            "rollout_is": "token"}}, "buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
+        "algorithm.rollout_correction.rollout_is = 'token' is refused: vLLM's log-probs"),
     ("TrainerConfig", "optimizer_offload"): ({"trainer": {"optimizer_offload": True}},
                                              "trainer.optimizer_offload = True is refused: FSDP2"),
     ("CriticConfig", "optimizer_offload"): ({"trainer": {"critic": {"optimizer_offload": True}}},
@@ -107,8 +111,8 @@ REFUSAL_CASES = {
 WARNING_CASES = {
     ("ExplorerConfig", "auxiliary_models"): ({"explorer": {"auxiliary_models": [{"model_path": "judge"}]}},
                                              "explorer.auxiliary_models"),
-    ("InferenceModelConfig", "engine_num"): ({"explorer": {"rollout_model": {"engine_num": 4}}},
-                                             "explorer.rollout_model.engine_num = 4: one rollout engine is started"),
+    ("InferenceModelConfig", "engine_num"): ({"explorer": {"rollout_model": {"engine_type": "hf", "engine_num": 4}}},
+                                             "explorer.rollout_model.engine_num = 4: the HF engine runs as one"),
     ("InferenceModelConfig", "enforce_eager"): ({"explorer": {"rollout_model": {"engine_type": "hf",
                                                  "enforce_eager": True}}}, "enforce_eager = True: has no effect"),
     ("InferenceModelConfig", "enable_chunked_prefill"): ({"explorer": {"rollout_model": {

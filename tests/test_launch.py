@@ -78,7 +78,7 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
                     "trainer_input": {"experience_buffer": {"name": "sft", "storage_type": "file",
                                                             "path": str(data / "sft.jsonl"),
                                                             "format": {"prompt_type": "messages"}}}}},
-        {"stage_name": "rft"}])
+        {"stage_name": "rft", "trainer": {"save_interval": 1}}])  # checkpoints: step 1's weights are kept
     out = launch(config)
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -194,3 +194,5 @@ def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_
     run = tmp_path / "ck" / "p" / "run"
     assert "INFO nanorft.explore: " in (run / "log" / "explorer.log").read_text()
     assert "[trainer] step 1/3 " in (run / "log" / "trainer.log").read_text()
+    # step 1's published weights were deleted once step 3's came (no checkpoint there, no explorer to load them)
+    assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_2", "global_step_3"]

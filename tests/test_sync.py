@@ -35,6 +35,18 @@ def test_publish_then_load_exact_weights(tiny_model_dir, tmp_path):
     assert not list(tmp_path.rglob("*.tmp-*"))
 
 
+def test_published_folders_no_explorer_will_load_are_pruned(tiny_model_dir, tmp_path):
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    (tmp_path / "global_step_9/actor/huggingface").mkdir(parents=True)  # a killed run's, after the pointer
+    for step in range(1, 6):
+        sync.publish_hf(model, tok, tmp_path, step)
+        if step == 2:  # a checkpoint step: kept whatever comes later (max_checkpoints_to_keep prunes those)
+            (tmp_path / "global_step_2/actor/trainer_state.json").write_text("{}")
+    # 5: the pointer; 4: an explorer may still be loading it; 2: a checkpoint; 9: newer than the pointer
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == [f"global_step_{s}" for s in (2, 4, 5, 9)]
+    assert sync.latest_version(tmp_path) == 5 and sync.prune_published(tmp_path, 5) == []
+
+
 def test_checkpoint_load_is_bitwise(tiny_model_dir, tmp_path):
     """publish_hf -> HFEngine.load_weights(folder): every engine tensor equals the trainer's, bit for bit."""
     model = load_model(tiny_model_dir)

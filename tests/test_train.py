@@ -119,6 +119,27 @@ def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatc
             assert sorted(seen) == list(range(len(exps))), (share, budget)
 
 
+def test_rollout_and_trainer_logprobs_mean_the_same_thing_at_t_0_6(tiny_model_dir):
+    """Issue 14: the HF engine's log-probs are of the full temperature-scaled distribution (top-k / top-p filter
+    the sample only), and the trainer scores each experience at the temperature it was sampled at: the first
+    token's importance ratio between trainer and rollout is 1 within 1e-4."""
+    from engines import HFEngine, ModelHandle
+
+    with HFEngine(tiny_model_dir) as engine:
+        handle = ModelHandle(engine, engine.tokenizer, {"temperature": 0.6, "top_p": 0.8, "top_k": 5, "max_tokens": 6})
+        exps = handle.chat([{"role": "user", "content": "What is 3 + 4?"}], n=4, seed=3)
+    batch = models.step_batch(exps, width=6)
+    scorer = models.TokenScorer(load_model(tiny_model_dir))
+    units = models.pack_units(batch, list(range(len(exps))), True, 10**6)
+    [micro] = models.micro_batches(batch, units, 10**6, None)
+    mb = models.micro_batch(batch, micro, True, torch.device("cpu"))
+    with torch.no_grad():
+        logp, _ = scorer(mb, entropy=False)
+    ratios = [(logp[k, 0] - exps[b].logprobs[0]).exp().item() for k, b in enumerate(mb["rows"].tolist())]
+    assert len(ratios) == 4 and max(abs(r - 1) for r in ratios) < 1e-4, ratios
+    assert min(x.logprobs[0].item() for x in exps) < -1e-3  # not a token the filters made certain
+
+
 def test_packed_gradients_match_one_sequence_at_a_time(tiny_model_dir):
     """The backward pass too: the gradient of a weighted sum of log-probs is the same with shared prompts and
     per-segment attention, with one padded row per sequence, and with each sequence run alone through the plain
