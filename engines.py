@@ -15,7 +15,7 @@ Every engine has `generate(prompt_ids, params)`, `submit(prompt_ids, params) -> 
 `load_weights(source, version)` and `model_version`. Workflows only see a `ModelHandle`.
 - HFEngine (engine_type "hf") runs anywhere: its own decode loop over a left-padded batch with a KV
   cache, because one batch mixes requests with different sampling params (model.generate cannot).
-- VLLMEngine (engine_type "vllm") is the GPU production path, a thin wrapper over `vllm.LLM`.
+- vLLM (engine_type "vllm" / "vllm_async") is the GPU production path: vllm_engine.py, engine_num engines.
 Same seed -> same samples within one engine; a different batch composition can, rarely, flip a
 near-tie (float rounding of padded batches), as in vLLM. Concurrent `submit` calls share batches.
 Log-probs (`rollout_logprobs`) are log_softmax(raw logits / temperature) at the sampled token, over
@@ -28,11 +28,11 @@ from __future__ import annotations
 import concurrent.futures
 import importlib.util
 import logging
-import os
 import queue
 import random
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -370,6 +370,15 @@ class HFEngine:
         cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=-1)
         return text[:cut] if cut >= 0 else None
 
+    def sleep(self) -> None:
+        """On a GPU shared with the trainer (cluster.colocate): the model waits in host memory; a no-op on the CPU."""
+        if str(self.device).startswith("cuda"):
+            self.batcher.call(lambda: (self.model.to("cpu"), torch.cuda.empty_cache()))
+
+    def wake_up(self) -> None:
+        if str(self.device).startswith("cuda"):
+            self.batcher.call(lambda: self.model.to(self.device))
+
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
         """New weights from an HF folder or a state dict, between batches (on the worker); then model_version =
         version."""
@@ -386,86 +395,11 @@ class HFEngine:
         self.batcher.call(load)
 
 
-class VLLMEngine:
-    """The GPU production path: `vllm.LLM` behind the same interface (vLLM 0.33's public API)."""
-
-    engine_type = "vllm"
-
-    def __init__(self, model_path: str, max_model_len: int = 2048, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
-                 dtype: str = "bfloat16", seed: int = 42, repetition_penalty: float = 1.0, **llm_kwargs: Any) -> None:
-        """`llm_kwargs`: further vllm.LLM arguments (enforce_eager, enable_chunked_prefill)."""
-        import vllm  # lazily: this module must import without vLLM
-
-        # NOTE: collective_rpc with a Python function (load_weights) needs pickled callables.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-        self.vllm, self.max_model_len = vllm, max_model_len
-        # logprobs_mode="processed_logprobs": log-probs after temperature scaling, like HFEngine's
-        # (vLLM's default, raw_logprobs, ignores the temperature). NOTE: vLLM also applies top-k /
-        # top-p before "processed" log-probs, HFEngine does not; they agree when both are off.
-        self.llm = vllm.LLM(model=model_path, tensor_parallel_size=tensor_parallel_size,
-                            gpu_memory_utilization=gpu_memory_utilization, enable_prefix_caching=enable_prefix_caching,
-                            seed=seed, max_model_len=max_model_len, dtype=dtype, logprobs_mode="processed_logprobs",
-                            **llm_kwargs)
-        self.repetition_penalty = repetition_penalty
-        self.tokenizer = load_tokenizer(model_path)
-        self.model_version = 0
-        self.num_batches = 0
-        self.batcher = Batcher(self.run_batch, max_model_len)
-
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
-        return self.batcher.submit(prompt_ids, params)
-
-    def close(self) -> None:
-        self.batcher.close()
-
-    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-        """As HFEngine.generate. vLLM's defaults already match it: the stop string is cut from the
-        text, the EOS token stays in token_ids. NOTE: vLLM detokenises (text, stop strings) with
-        its own AutoTokenizer, which for model_type qwen2 is not models.load_tokenizer's (see
-        models.py); token ids and log-probs do not depend on it."""
-        return collect(self.batcher, prompt_ids, params)
-
-    def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-        """The worker's part of generate: one vllm.LLM.generate call."""
-        sps = [self.vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p,
-                                        top_k=p.top_k if p.top_k > 0 else -1,
-                                        max_tokens=min(p.max_tokens, self.max_model_len - len(ids)),
-                                        min_tokens=p.min_tokens, stop=list(p.stop), seed=p.seed, logprobs=0,
-                                        repetition_penalty=self.repetition_penalty)
-               for ids, p in zip(prompt_ids, params)]
-        self.num_batches += 1
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
-        version = self.model_version
-        return [[Completion(list(o.token_ids), [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)],
-                            o.text, "length" if o.finish_reason == "length" else "stop", version)
-                 for o in req.outputs] for req in outs]
-
-    def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
-        """NOTE: the one place that touches vLLM's private surface: each worker's
-        model_runner.get_model().load_weights (the loader vLLM itself uses: it maps HF names to vLLM's
-        fused layers and skips lm_head when embeddings are tied), called through the public
-        collective_rpc. The weights are pickled to every worker: fine for small models; large ones
-        want a CUDA-IPC or NCCL path (sync.py's business)."""
-        if isinstance(source, str):
-            source = load_model(source, dtype="float32", device="cpu").state_dict()
-        weights = [(name, t.detach().cpu()) for name, t in source.items()]
-
-        def load(worker, weights):  # runs inside each vLLM worker process
-            worker.model_runner.get_model().load_weights(weights=weights)
-
-        def update() -> None:
-            self.llm.collective_rpc(load, args=(weights,))
-            self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
-            self.model_version = version
-
-        self.batcher.call(update)
-
-
-def make_engine(cfg_rollout_model, model_path: str, max_model_len: int,
-                repetition_penalty: float = 1.0) -> HFEngine | VLLMEngine:
-    """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present.
-    `repetition_penalty` (model.repetition_penalty): vLLM only (the config refuses it for the HF engine)."""
+def make_engine(cfg_rollout_model, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
+                colocate: bool = False) -> Any:
+    """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present. vLLM:
+    vllm_engine.make_pool (engine_num engines; `repetition_penalty` = model.repetition_penalty, which the config
+    refuses for the HF engine; `colocate`: sleep mode, the GPU is shared with the trainer)."""
     kind = cfg_rollout_model.engine_type
     have_vllm, have_gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     if kind == "auto":
@@ -475,13 +409,12 @@ def make_engine(cfg_rollout_model, model_path: str, max_model_len: int,
     else:
         why = f"engine_type={kind} in the config"
     if kind in ("vllm", "vllm_async"):
-        # NOTE: vllm_async is served by the same synchronous vllm.LLM behind the batching queue
-        log.info("rollout engine: vLLM (%s), tp=%d", why, cfg_rollout_model.tensor_parallel_size)
-        return VLLMEngine(model_path, max_model_len, cfg_rollout_model.tensor_parallel_size,
-                          cfg_rollout_model.gpu_memory_utilization, cfg_rollout_model.enable_prefix_caching,
-                          cfg_rollout_model.dtype, cfg_rollout_model.seed, repetition_penalty,
-                          enforce_eager=cfg_rollout_model.enforce_eager,
-                          enable_chunked_prefill=cfg_rollout_model.enable_chunked_prefill)
+        import vllm_engine
+
+        log.info("rollout engines: vLLM (%s), %d x tp %d", why, cfg_rollout_model.engine_num,
+                 cfg_rollout_model.tensor_parallel_size)
+        rm = dataclasses.replace(cfg_rollout_model, engine_type=kind)
+        return vllm_engine.make_pool(rm, model_path, max_model_len, repetition_penalty, colocate)
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
     log.info("rollout engine: HF on %s %s (%s)", device, dtype, why)
     if cfg_rollout_model.engine_num > 1:
@@ -504,7 +437,7 @@ class ModelHandle:
     max_tokens (EOS suppressed, as min_tokens = max_tokens); `template_kwargs`: variables of the chat template
     (e.g. enable_thinking)."""
 
-    def __init__(self, engine: HFEngine | VLLMEngine, tokenizer, defaults: dict | None = None,
+    def __init__(self, engine: Any, tokenizer, defaults: dict | None = None,
                  max_prompt_tokens: int | None = None, truncate: bool = True, ignore_eos: bool = False,
                  template_kwargs: dict | None = None) -> None:
         self.engine, self.tokenizer = engine, tokenizer
@@ -556,7 +489,7 @@ class ModelHandle:
                  for c in f.result()] for p, (x, cut), f in zip(prompts, encoded, futures)]
 
 
-def rollout_handle(cfg, engine: HFEngine | VLLMEngine, tokenizer) -> ModelHandle:
+def rollout_handle(cfg, engine: Any, tokenizer) -> ModelHandle:
     """The handle every workflow of this explorer gets, with the config's prompt limits and template settings."""
     m, rm = cfg.model, cfg.explorer.rollout_model
     kwargs = {} if m.enable_thinking is None else {"enable_thinking": m.enable_thinking}

@@ -278,7 +278,8 @@ def set_up(cfg: configs.Config) -> Explorer:
         step = saved["step"]
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
     path, version = start_weights(cfg)
-    engine = make_engine(e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty)
+    engine = make_engine(e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty,
+                         cfg.cluster.colocate)
     engine.model_version = version
     return Explorer(cfg, db, reader, step, engine, [rollout_handle(cfg, engine, tokenizer)],
                     ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), Monitor(cfg, role=name),
@@ -312,10 +313,9 @@ def write(x: Explorer, exps: list[Experience]) -> None:
 
 def receive(x: Explorer, want: int) -> tuple[int, dict[str, float]]:
     """Process-group sync: the trainer's weights of step `want`, into the engine. (exit code, metrics)."""
-    t0, s = time.monotonic(), x.cfg.synchronizer
+    t0 = time.monotonic()
     try:
-        x.receiver = x.receiver or sync.open_receiver(x.cfg.checkpoint_job_dir, s.sync_timeout)
-        got = sync.receive_weights(x.receiver)
+        got = take_weights(x)
     except sync.SyncError as err:
         got, why = None, str(err)
     else:
@@ -324,13 +324,32 @@ def receive(x: Explorer, want: int) -> tuple[int, dict[str, float]]:
         log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
                   want, why, x.step)
         return 1, {}
-    version, state = got
+    version, size = got
     if version != want:
         log.warning("sync point after step %d: got weights of step %d, expected %d", x.step, version, want)
-    metrics = {"sync/bytes": sum(t.numel() * t.element_size() for t in state.values()),
-               "sync/receive_seconds": time.monotonic() - t0}
-    x.engine.load_weights(state, version=version)
-    return 0, metrics | {"time/sync": time.monotonic() - t0}
+    return 0, {"sync/bytes": size, "sync/receive_seconds": time.monotonic() - t0, "time/sync": time.monotonic() - t0}
+
+
+def take_weights(x: Explorer) -> tuple[int, int] | None:
+    """The next weights over the trainer's group, into the engine: (version, bytes), or None after its stop.
+    The HF engine receives them in this process; vLLM engines' workers join the group and take them onto their
+    GPUs (vllm_engine.EnginePool.receive), this process reading only the header."""
+    job, timeout = x.cfg.checkpoint_job_dir, x.cfg.synchronizer.sync_timeout
+    workers = x.engine.join_ranks() if hasattr(x.engine, "join_ranks") else 0
+    if x.receiver is None:
+        x.receiver = sync.open_receiver(job, timeout, receivers=workers or 1)
+        if workers:
+            x.engine.join_group(job, timeout)
+    header = sync.receive_header(x.receiver)
+    if header is None:
+        return None
+    if workers:
+        x.engine.receive(header)
+    else:
+        state = {name: t for bucket in sync.receive_buckets(x.receiver, header) for name, t in bucket}
+        x.engine.load_weights(state, version=header["version"])
+    sync.ack(x.receiver)
+    return header["version"], sync.header_bytes(header)
 
 
 def load_newer(x: Explorer) -> tuple[int | None, dict[str, float]]:
@@ -403,7 +422,11 @@ def explore(cfg: configs.Config) -> int:
         write(x, exps)
         # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files
         if x.step < x.steps:
+            if x.cfg.cluster.colocate and sync.weights_needed(x.step, cfg):  # the trainer needs the GPU now
+                x.engine.sleep()
             stop, more = sync_weights(x)
+            if x.cfg.cluster.colocate:
+                x.engine.wake_up()
             metrics |= more
             if stop is not None:
                 code = stop

@@ -9,18 +9,16 @@ Checkpoint method (`synchronizer.sync_method: checkpoint`), Trinity-RFT's layout
     version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet; the
                                                    # waiting, with the trainer's state, is explore.py's)
 
-NOTE: the folder is written under a temporary name and renamed into place, and only then is the
-pointer file replaced (also by rename). A reader that follows the pointer therefore never sees a
-half-written folder, even if the trainer is killed mid-save.
+NOTE: the folder is written under a temporary name and renamed into place, and only then is the pointer file
+replaced (also by rename): a reader that follows the pointer never sees a half-written folder.
 
-Checkpoints (the trainer's, for resuming): `save_checkpoint` writes global_step_N/actor/{huggingface/,
-optimizer.safetensors, rng_state_rank<r>.safetensors, trainer_state.json} (and critic/{huggingface/,
-optimizer.safetensors, trainer_state.json} when there is a critic) and then moves
-latest_checkpointed_iteration.txt; `latest_checkpoint` / `load_checkpoint` read them back.
+The trainer's checkpoints (for resuming), in the same global_step_N folders: checkpoint.py.
 
 Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the full tensors to
-the explorer over a two-rank group built by hand beside torchrun's default group (gloo on CPU, NCCL
-on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source), the explorer is rank 1.
+the explorer over a group built by hand beside torchrun's default group (gloo on CPU, NCCL on GPU; never
+init_process_group). Trainer rank 0 is rank 0 (the source); the receivers are ranks 1..: the HF explorer
+itself, or every worker of every vLLM engine (vllm_engine.WeightReceiver: each takes the buckets onto its GPU).
+The explorer announces the group's size in the store (`open_receiver(..., receivers=n)`).
 
     link = open_sender(job_dir, device, timeout)       # trainer rank 0: TCPStore + <job dir>/sync_group.json
     send_weights(link, version, specs, tensors)        # every rank; specs [(name, shape, dtype)], tensors lazy
@@ -28,6 +26,7 @@ on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source), the ex
     close_sender(link, finished=True)                  # "stop": a waiting explorer learns the trainer is done
     link = open_receiver(job_dir, timeout)             # explorer: find the file, connect to the store
     got = receive_weights(link)                        # (version, {name: tensor}), or None after "stop"
+    # or by part: header = receive_header(link); for bucket in receive_buckets(link, header): ...; ack(link)
     close_receiver(link)
 
 The wire, per transfer n: the header (JSON: version, names, shapes, dtypes, buckets; or stop) is the store
@@ -43,7 +42,6 @@ there). The store listens on 127.0.0.1 only, so both sides run on one machine.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import math
@@ -51,24 +49,20 @@ import os
 import shutil
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
-
-from tasksets import DataError
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
-CKPT_POINTER = "latest_checkpointed_iteration.txt"  # the newest complete checkpoint
 GROUP_FILE = "sync_group.json"  # where trainer rank 0 tells the explorer how to reach its store
+WORLD_KEY = "nanorft/world"  # the weight group's size: 1 (the trainer) + the receiving ranks, set by the explorer
 
 
 def weights_path(job_dir: str | Path, step: int) -> Path:
@@ -131,14 +125,14 @@ def prune_published(job_dir: str | Path, newest: int) -> list[int]:
     `newest` (a killed run's, before its resume rewound the pointer) are left to be replaced. Returns the steps
     deleted."""
     job = Path(job_dir)
-    published = sorted(s for s in (_step_of(p) for p in job.glob("global_step_*/actor/huggingface")) if s < newest)
+    published = sorted(s for s in (step_of(p) for p in job.glob("global_step_*/actor/huggingface")) if s < newest)
     gone = [s for s in published[:-1] if not (job / f"global_step_{s}" / "actor" / "trainer_state.json").exists()]
     for s in gone:
         shutil.rmtree(job / f"global_step_{s}", ignore_errors=True)
     return gone
 
 
-def _step_of(hf_folder: Path) -> int:
+def step_of(hf_folder: Path) -> int:
     return int(hf_folder.parent.parent.name.removeprefix("global_step_"))
 
 
@@ -198,7 +192,7 @@ class WeightLink:
     """One side of the trainer -> explorer weight link."""
 
     store: dist.TCPStore  # served by trainer rank 0's process; the explorer is a client
-    rank: int  # 0 = trainer (the source), 1 = explorer
+    rank: int  # 0 = trainer (the source); 1.. the receivers (the HF explorer, or each vLLM worker)
     backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
     device: torch.device  # where tensors travel from / arrive on
     timeout: datetime.timedelta  # each wait for the other side
@@ -212,20 +206,23 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 
 def _group(link: WeightLink) -> Any:
-    """The two-rank group (made once; blocks until the other side makes it too, up to link.timeout)."""
+    """The group of the trainer and every receiver (made once; blocks until all of them make it too, up to
+    link.timeout). Its size is what the explorer announced (`announce_receivers`)."""
     if link.group is None:
+        link.store.wait([WORLD_KEY], link.timeout)
+        world = int(link.store.get(WORLD_KEY))
         store = dist.PrefixStore("nanorft/weights", link.store)
         if link.backend == "nccl":
             from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
 
             opts = ProcessGroupNCCL.Options()
             opts._timeout = link.timeout
-            link.group = ProcessGroupNCCL(store, link.rank, 2, opts)
+            link.group = ProcessGroupNCCL(store, link.rank, world, opts)
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = link.timeout
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # loopback only
-            link.group = dist.ProcessGroupGloo(store, link.rank, 2, opts)
+            link.group = dist.ProcessGroupGloo(store, link.rank, world, opts)
     return link.group
 
 
@@ -343,9 +340,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.device | None = None) -> WeightLink:
-    """Explorer: wait up to `timeout` s for a live trainer's sync_group.json and connect to its store.
-    device: where tensors arrive (default: the current CUDA device for NCCL, else CPU).
+def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.device | None = None,
+                  rank: int = 1, receivers: int | None = 1) -> WeightLink:
+    """Explorer: wait up to `timeout` s for a live trainer's sync_group.json and connect to its store as group rank
+    `rank`; `receivers`: the explorer announces how many ranks will receive (1: itself; vLLM: its workers, which
+    connect with their own rank and receivers=None). device: where tensors arrive under NCCL (default: the current
+    CUDA device); gloo receives on the CPU.
     A file left by a dead trainer is skipped (it may be replaced by a new one before the deadline)."""
     path, deadline, why = Path(job_dir, GROUP_FILE), time.monotonic() + timeout, f"no {GROUP_FILE}"
     while True:
@@ -361,10 +361,12 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
                 store = dist.TCPStore(info["host"], info["port"], 2, False, _timeout(attempt))
                 store.set_timeout(_timeout(timeout))
                 backend = info["backend"]
-                dev = torch.device(device or ("cuda" if backend == "nccl" else "cpu"))
+                dev = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
                 if dev.type == "cuda" and dev.index is None:
                     dev = torch.device("cuda", torch.cuda.current_device())
-                return WeightLink(store, 1, backend, dev, _timeout(timeout), Path(job_dir))
+                if receivers is not None:
+                    store.set(WORLD_KEY, str(1 + receivers))
+                return WeightLink(store, rank, backend, dev, _timeout(timeout), Path(job_dir))
             except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
                 why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]
         if time.monotonic() >= deadline:
@@ -373,8 +375,19 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
 
 
 def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """Block (up to link.timeout) for the next weights: (version, {name: tensor}), or None when the
-    trainer sent "stop" after finishing. SyncError when it is gone, failed, or times out."""
+    """Block (up to link.timeout) for the next weights: (version, {name: tensor}), or None after a finished
+    trainer's "stop". SyncError when it is gone, failed, or times out."""
+    header = receive_header(link)
+    if header is None:
+        return None
+    state = {name: t for bucket in receive_buckets(link, header) for name, t in bucket}
+    ack(link)
+    return header["version"], state
+
+
+def receive_header(link: WeightLink) -> dict | None:
+    """The next transfer's header (version, names, shapes, dtypes, buckets), or None after a "stop" from a finished
+    trainer (acknowledged). SyncError when the trainer is gone, failed, or the wait times out."""
     key = f"nanorft/header/{link.count}"
     try:
         link.store.wait([key], link.timeout)
@@ -382,11 +395,17 @@ def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | N
     except RuntimeError as e:  # the store died with the trainer's process, or the wait timed out
         raise SyncError(f"no weights from the trainer (transfer {link.count}): {str(e).splitlines()[0]}") from e
     if header.get("stop"):
-        _ack(link)
+        ack(link)
         if not header["finished"]:
             raise SyncError("the trainer stopped on an error")
         return None
-    state: dict[str, torch.Tensor] = {}
+    return header
+
+
+def receive_buckets(link: WeightLink, header: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The transfer's tensors, one bucket at a time as they arrive on link.device: [(name, tensor)], views into
+    the bucket's buffer (no copies). Every receiving rank of the group takes every bucket."""
+    done = 0
     try:
         specs = [(name, tuple(shape), _dtype(name, d)) for name, shape, d in
                  zip(header["names"], header["shapes"], header["dtypes"], strict=True)]
@@ -394,17 +413,18 @@ def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | N
             sizes = [math.prod(specs[i][1]) * specs[i][2].itemsize for i in bucket]
             buf = torch.empty(sum(sizes), dtype=torch.uint8, device=link.device)
             _broadcast(link, buf)
-            for i, part in zip(bucket, buf.split(sizes)):  # views into the bucket: no copies
-                name, shape, dtype = specs[i]
-                state[name] = part.view(dtype).view(shape)
+            yield [(specs[i][0], part.view(specs[i][2]).view(specs[i][1])) for i, part in zip(bucket, buf.split(sizes))]
+            done += len(bucket)
     except SyncError:
         raise
     except RuntimeError as e:  # gloo: "Connection closed by peer" when the trainer dies mid-transfer
-        raise SyncError(
-            f"weight transfer {link.count} broke after {len(state)} tensors: {str(e).splitlines()[0]}"
-        ) from e
-    _ack(link)
-    return header["version"], state
+        raise SyncError(f"weight transfer {link.count} broke after {done} tensors: {str(e).splitlines()[0]}") from e
+
+
+def header_bytes(header: dict) -> int:
+    """The bytes a transfer carries."""
+    return sum(math.prod(shape) * _dtype(name, d).itemsize
+               for name, shape, d in zip(header["names"], header["shapes"], header["dtypes"]))
 
 
 def _dtype(name: str, dtype_name: str) -> torch.dtype:
@@ -414,7 +434,8 @@ def _dtype(name: str, dtype_name: str) -> torch.dtype:
     return dtype
 
 
-def _ack(link: WeightLink) -> None:
+def ack(link: WeightLink) -> None:
+    """Tell the trainer this transfer (or its stop) arrived; the next header key follows."""
     link.store.set(f"nanorft/ack/{link.count}", "1")
     link.count += 1
 
@@ -430,149 +451,9 @@ def close_receiver(link: WeightLink) -> None:
     link.group = None
 
 
-# --- checkpoints (the trainer's; resume)
-
-
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights on rank 0's CPU; {} on other ranks. Every rank must call it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
-def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path,
-                    step: int, rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None,
-                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
-                    state: dict | None = None) -> None:
-    """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
-    then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
-    `model` (and the critic's) is the trainer's FSDP2 root, a models.TokenScorer: its `.model` is the HF model.
-    `weights`: the full state when the sync phase just published this step's HF folder (else None);
-    `keep`: delete older checkpoints beyond this many; `state`: small JSON trainer state (e.g. the adaptive
-    KL coefficient) kept in actor/trainer_state.json. Every rank must call it.
-    NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
-    job, actor = Path(job_dir), weights_path(job_dir, step).parent
-    if critic is not None:
-        _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
-    _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
-    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
-    dist.barrier()
-    if rank == 0:
-        write_manifest(actor.parent)
-        write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
-            {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
-        write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
-        if keep:
-            for old in sorted(checkpoint_steps(job))[:-keep]:
-                shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
-
-
-def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, folder: Path, rank: int,
-               weights: dict[str, torch.Tensor] | None, meta: dict) -> None:
-    """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic)."""
-    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
-    weights = weights if published else full_state(model.model)
-    if rank == 0:
-        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
-            save_hf(model.model, tokenizer, folder / "huggingface", weights)
-        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
-        write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
-        write_atomic(folder / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
-            meta | {"param_groups": osd["param_groups"]}, indent=1)))
-    dist.barrier()
-
-
-def checkpoint_steps(job: Path) -> list[int]:
-    return [_step_of(p) for p in job.glob("global_step_*/actor/trainer_state.json")]
-
-
-def latest_checkpoint(job: str | Path) -> int:
-    """The step of the newest complete, undamaged checkpoint, 0 when there is none. A checkpoint whose files do not
-    match its manifest is skipped with a warning naming the file (and left in place); DataError when every
-    checkpoint is damaged."""
-    try:
-        newest = int(Path(job, CKPT_POINTER).read_text().strip() or 0)
-    except FileNotFoundError:
-        return 0
-    steps = sorted((s for s in checkpoint_steps(Path(job)) if s <= newest), reverse=True)
-    for step in steps:
-        damage = check_manifest(Path(job, f"global_step_{step}"))
-        if not damage:
-            if step != newest:
-                log.warning("resuming from checkpoint step %d, the newest undamaged one (not %d)", step, newest)
-            return step
-        log.warning("checkpoint step %d is damaged and skipped (left as it is): %s", step, damage)
-    raise DataError(f"{job}: every checkpoint is damaged (see the warnings above); move them away to start afresh")
-
-
-MANIFEST = "manifest.json"  # a checkpoint's files: relative path -> [size, sha256], written last
-
-
-def write_manifest(folder: Path) -> None:
-    """Record the size and sha256 of every file of a checkpoint folder (rank 0, after every rank has written)."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {p.relative_to(folder).as_posix(): [p.stat().st_size, _sha256(p)] for p in files}
-    write_atomic(folder / MANIFEST, lambda p: Path(p).write_text(json.dumps(entries, indent=1)))
-
-
-def check_manifest(folder: Path) -> str:
-    """'' when every file of the manifest is there with its size and sha256; else what is wrong, naming the file.
-    A checkpoint written before manifests existed passes with a warning."""
-    try:
-        entries = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        log.warning("%s has no %s (written by an older nanorft): its files cannot be checked", folder, MANIFEST)
-        return ""
-    except json.JSONDecodeError:
-        return f"{folder / MANIFEST} is not valid JSON"
-    for name, (size, digest) in entries.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if path.stat().st_size != size:
-            return f"{path} has {path.stat().st_size} bytes, {size} were written"
-        if _sha256(path) != digest:
-            return f"{path} differs from what was written (sha256)"
-    return ""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int,
-                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> dict:
-    """Optimizer states (actor, and critic when given) and RNG of checkpoint `step` (the weights were loaded
-    from its HF folders); returns the trainer state saved with it."""
-    actor = weights_path(job_dir, step).parent
-    meta = _load_optimizer(model, optim, actor)
-    if critic is not None:
-        _load_optimizer(*critic, actor.parent / "critic")
-    rng_file = actor / f"rng_state_rank{rank}.safetensors"
-    if rng_file.is_file():
-        rng = safetensors.torch.load_file(rng_file)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-    return meta.get("state", {})
-
-
-def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path) -> dict:
-    """Load <folder>/optimizer.safetensors into `optim`; returns <folder>/trainer_state.json."""
-    tensors = safetensors.torch.load_file(folder / "optimizer.safetensors")
-    meta = json.loads((folder / "trainer_state.json").read_text())
-    state: dict[str, dict] = {}
-    for key, v in tensors.items():
-        fqn, name = key.rsplit("/", 1)
-        state.setdefault(fqn, {})[name] = v
-    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
-                             options=StateDictOptions(full_state_dict=True))
-    return meta
 
 
 def pause_for_test(point: str, step: int) -> None:

@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 import algos
 import configs
 import launch
+import checkpoint
 import sync
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
@@ -149,7 +150,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
     rank, world, device = setup_distributed()
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
-    resume = sync.latest_checkpoint(job)
+    resume = checkpoint.latest_checkpoint(job)
     if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
         log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
                   "or choose another name (the explorer and trainer must share one)", job, resume)
@@ -175,7 +176,8 @@ def set_up(cfg: configs.Config) -> Parts | None:
               None, Monitor(cfg, role=t.name) if rank == 0 else None)
     resume_state(p)
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
-        p.sender = sync.open_sender(job, device, cfg.synchronizer.sync_timeout)
+        # NOTE: NCCL cannot join two ranks on one GPU: a colocated explorer gets the weights through host memory
+        p.sender = sync.open_sender(job, "cpu" if cfg.cluster.colocate else device, cfg.synchronizer.sync_timeout)
     if rank == 0:
         log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
                  "%d step(s), packing: %s", world, device.type, resume + 1, p.total, a.advantage_fn, a.policy_loss_fn,
@@ -197,7 +199,7 @@ def resume_state(p: Parts) -> None:
     job = p.cfg.checkpoint_job_dir
     if p.resume:
         critic = (p.critic, p.critic_optim) if p.critic else None
-        saved = sync.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
+        saved = checkpoint.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
         adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
         if p.rank == 0:
@@ -458,8 +460,8 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
 
 
 def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
-    """The checkpoint of `step`: weights, optimizer states, RNG, KL coefficients (sync.save_checkpoint)."""
-    sync.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
+    """The checkpoint of `step`: weights, optimizer states, RNG, KL coefficients (checkpoint.save_checkpoint)."""
+    checkpoint.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
                          p.cfg.trainer.max_checkpoints_to_keep, (p.critic, p.critic_optim) if p.critic else None,
                          p.kl_coef)
     sync.pause_for_test("train.after_save", step)

@@ -1,6 +1,6 @@
 """engines.py: HFEngine against a plain forward pass of the same model, per-request sampling params
-in one batch, batching across threads, weight loading, make_engine, ModelHandle; VLLMEngine's
-contract runs only where vLLM and a CUDA GPU are present."""
+in one batch, batching across threads, weight loading, make_engine, ModelHandle; the vLLM engines' contract
+runs for real only where vLLM and a CUDA GPU are present (against a fake of vLLM's API: tests/test_vllm_engine.py)."""
 
 import dataclasses
 import importlib.util
@@ -12,9 +12,10 @@ import torch
 
 from configs.schema import InferenceModelConfig
 import models
+import sync
 from configs.schema import ModelConfig
-from engines import Completion, HFEngine, ModelHandle, PromptTooLong, SamplingParams, VLLMEngine, make_engine
-from models import config_tokenizer, load_model
+from engines import Completion, HFEngine, ModelHandle, PromptTooLong, SamplingParams, make_engine
+from models import config_tokenizer, load_model, load_tokenizer
 from tiny import CHAT_TEMPLATE as tiny_chat_template
 from tiny import build
 
@@ -251,7 +252,7 @@ def test_make_engine_picks_and_says_why(tiny_path, caplog):
     caplog.set_level(logging.INFO, logger="engines")
     e = make_engine(InferenceModelConfig(engine_type="auto"), tiny_path, max_model_len=256)
     try:
-        assert isinstance(e, VLLMEngine if HAVE_VLLM_GPU else HFEngine)
+        assert (e.engine_type == "vllm") if HAVE_VLLM_GPU else isinstance(e, HFEngine)
         assert "engine_type=auto" in caplog.text
         if not HAVE_VLLM_GPU:
             assert "rollout engine: HF" in caplog.text and ("not installed" in caplog.text or "absent" in caplog.text)
@@ -346,7 +347,8 @@ def test_min_response_tokens_and_ignore_eos_defaults(tiny_path):
 # --- vLLM: the same contract, on a GPU machine with vLLM installed
 @pytest.fixture(scope="module")
 def vllm_engine(tiny_path):
-    e = VLLMEngine(tiny_path, max_model_len=512, gpu_memory_utilization=0.3, dtype="float32")
+    rm = InferenceModelConfig(engine_type="vllm", gpu_memory_utilization=0.3, dtype="float32")
+    e = make_engine(rm, tiny_path, max_model_len=512)  # vllm_engine.EnginePool of one engine
     yield e
     e.close()
 
@@ -373,10 +375,11 @@ def test_vllm_params_seed_submit_and_weights(vllm_engine, ref, prompts, tiny_pat
     with torch.no_grad():
         for w in other.parameters():
             w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
-    vllm_engine.load_weights(other.state_dict(), version=2)
+    folder = sync.publish_hf(other, load_tokenizer(tiny_path), tmp_path, step=2)
+    vllm_engine.load_weights(str(folder), version=2)  # every worker reads the files onto its GPU
     greedy = vllm_engine.generate(prompts[:1], [SamplingParams(temperature=0.0, max_tokens=20)])[0][0]
     assert vllm_engine.model_version == 2 and greedy.token_ids == greedy_by_hand(other, prompts[0], 20, [258, 256])
-    vllm_engine.load_weights(ref.state_dict(), version=3)
+    vllm_engine.load_weights(tiny_path, version=3)
 
 
 def test_a_groups_prompt_is_prefilled_once(tiny_path, ref, prompts):

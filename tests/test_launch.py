@@ -47,9 +47,10 @@ def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     return write_yaml(tmp_path / "run.yaml", cfg, over)
 
 
-def launch(config: Path, *args: str, script: str = "launch.py", timeout: float = 400) -> subprocess.CompletedProcess:
+def launch(config: Path, *args: str, script: str = "launch.py", timeout: float = 400,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, script, "--config", str(config), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
 def versions_by_step(db: Path) -> list[int]:

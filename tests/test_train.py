@@ -15,8 +15,8 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
+import checkpoint
 import models
-import sync
 import train
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
@@ -351,24 +351,24 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path
     manifest = json.loads((job / "global_step_3" / "manifest.json").read_text())
     assert {"actor/huggingface/model.safetensors", "actor/optimizer.safetensors", "actor/trainer_state.json",
             "actor/rng_state_rank0.safetensors"} <= set(manifest)
-    assert sync.latest_checkpoint(job) == 3
+    assert checkpoint.latest_checkpoint(job) == 3
     weights_3 = job / "global_step_3" / "actor" / "huggingface" / "model.safetensors"
     weights_3.write_bytes(weights_3.read_bytes()[:-100])  # truncated
     (job / "global_step_2" / "actor" / "optimizer.safetensors").unlink()  # missing
     with caplog.at_level(logging.WARNING, logger="nanorft.sync"):
-        assert sync.latest_checkpoint(job) == 1
+        assert checkpoint.latest_checkpoint(job) == 1
     assert f"checkpoint step 3 is damaged and skipped (left as it is): {weights_3} has" in caplog.text
     assert "global_step_2/actor/optimizer.safetensors is missing" in caplog.text
     assert "resuming from checkpoint step 1, the newest undamaged one (not 3)" in caplog.text
     assert weights_3.is_file() and (job / "global_step_2").is_dir()  # nothing deleted
     resumed = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3, "trainer.save_interval": 1}))
     assert resumed.returncode == 0 and "resumed from checkpoint step 1" in resumed.stderr, resumed.stderr[-3000:]
-    assert sync.latest_checkpoint(job) == 3  # steps 2 and 3 written again, whole
+    assert checkpoint.latest_checkpoint(job) == 3  # steps 2 and 3 written again, whole
     for step in (1, 2, 3):  # every one damaged: a named error, not a silent fresh start
         state = job / f"global_step_{step}" / "actor" / "trainer_state.json"
         state.write_text(state.read_text() + " ")
     with pytest.raises(DataError, match="every checkpoint is damaged"):
-        sync.latest_checkpoint(job)
+        checkpoint.latest_checkpoint(job)
 
 
 def test_max_checkpoints_to_keep_prunes_the_oldest(tmp_path, tiny_model_dir):
@@ -376,4 +376,4 @@ def test_max_checkpoints_to_keep_prunes_the_oldest(tmp_path, tiny_model_dir):
     out = run_train(sft_config(tmp_path, tiny_model_dir, **over))
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "t"
-    assert sorted(sync.checkpoint_steps(job)) == [2, 3] and sync.latest_checkpoint(job) == 3
+    assert sorted(checkpoint.checkpoint_steps(job)) == [2, 3] and checkpoint.latest_checkpoint(job) == 3

@@ -1,0 +1,173 @@
+"""checkpoint.py: the trainer's checkpoints, for resuming, in Trinity-RFT's layout (beside the weights that sync.py
+publishes for explorers):
+
+    <job dir>/global_step_N/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
+                                   trainer_state.json}   (+ critic/{huggingface/, optimizer.safetensors, ...})
+    <job dir>/global_step_N/manifest.json              size and sha256 of every file, written last
+    <job dir>/latest_checkpointed_iteration.txt        N, moved after every rank has written
+
+    save_checkpoint(model, optim, tokenizer, job_dir, step, rank, weights, keep)   # every rank
+    step = latest_checkpoint(job_dir)              # the newest undamaged one (damaged ones are named, skipped)
+    state = load_checkpoint(model, optim, job_dir, step, rank)   # optimizer states and RNG; the weights come
+                                                                 # from the HF folder when the model is built
+No pickle: safetensors for tensors, JSON for the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+
+from sync import full_state, save_hf, step_of, weights_path, write_atomic
+from tasksets import DataError
+
+log = logging.getLogger("nanorft.checkpoint")
+CKPT_POINTER = "latest_checkpointed_iteration.txt"  # the newest complete checkpoint
+
+
+def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path,
+                    step: int, rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None,
+                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+                    state: dict | None = None) -> None:
+    """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
+    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
+    then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
+    `model` (and the critic's) is the trainer's FSDP2 root, a models.TokenScorer: its `.model` is the HF model.
+    `weights`: the full state when the sync phase just published this step's HF folder (else None);
+    `keep`: delete older checkpoints beyond this many; `state`: small JSON trainer state (e.g. the adaptive
+    KL coefficient) kept in actor/trainer_state.json. Every rank must call it.
+    NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
+    job, actor = Path(job_dir), weights_path(job_dir, step).parent
+    if critic is not None:
+        _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
+    _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
+    dist.barrier()
+    if rank == 0:
+        write_manifest(actor.parent)
+        write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
+            {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
+        write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
+        if keep:
+            for old in sorted(checkpoint_steps(job))[:-keep]:
+                shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
+
+
+def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, folder: Path, rank: int,
+               weights: dict[str, torch.Tensor] | None, meta: dict) -> None:
+    """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic)."""
+    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
+    weights = weights if published else full_state(model.model)
+    if rank == 0:
+        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
+            save_hf(model.model, tokenizer, folder / "huggingface", weights)
+        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
+        write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
+        write_atomic(folder / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
+            meta | {"param_groups": osd["param_groups"]}, indent=1)))
+    dist.barrier()
+
+
+def checkpoint_steps(job: Path) -> list[int]:
+    return [step_of(p) for p in job.glob("global_step_*/actor/trainer_state.json")]
+
+
+def latest_checkpoint(job: str | Path) -> int:
+    """The step of the newest complete, undamaged checkpoint, 0 when there is none. A checkpoint whose files do not
+    match its manifest is skipped with a warning naming the file (and left in place); DataError when every
+    checkpoint is damaged."""
+    try:
+        newest = int(Path(job, CKPT_POINTER).read_text().strip() or 0)
+    except FileNotFoundError:
+        return 0
+    steps = sorted((s for s in checkpoint_steps(Path(job)) if s <= newest), reverse=True)
+    for step in steps:
+        damage = check_manifest(Path(job, f"global_step_{step}"))
+        if not damage:
+            if step != newest:
+                log.warning("resuming from checkpoint step %d, the newest undamaged one (not %d)", step, newest)
+            return step
+        log.warning("checkpoint step %d is damaged and skipped (left as it is): %s", step, damage)
+    raise DataError(f"{job}: every checkpoint is damaged (see the warnings above); move them away to start afresh")
+
+
+MANIFEST = "manifest.json"  # a checkpoint's files: relative path -> [size, sha256], written last
+
+
+def write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file of a checkpoint folder (rank 0, after every rank has written)."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {p.relative_to(folder).as_posix(): [p.stat().st_size, _sha256(p)] for p in files}
+    write_atomic(folder / MANIFEST, lambda p: Path(p).write_text(json.dumps(entries, indent=1)))
+
+
+def check_manifest(folder: Path) -> str:
+    """'' when every file of the manifest is there with its size and sha256; else what is wrong, naming the file.
+    A checkpoint written before manifests existed passes with a warning."""
+    try:
+        entries = json.loads((folder / MANIFEST).read_text())
+    except FileNotFoundError:
+        log.warning("%s has no %s (written by an older nanorft): its files cannot be checked", folder, MANIFEST)
+        return ""
+    except json.JSONDecodeError:
+        return f"{folder / MANIFEST} is not valid JSON"
+    for name, (size, digest) in entries.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if path.stat().st_size != size:
+            return f"{path} has {path.stat().st_size} bytes, {size} were written"
+        if _sha256(path) != digest:
+            return f"{path} differs from what was written (sha256)"
+    return ""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int,
+                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> dict:
+    """Optimizer states (actor, and critic when given) and RNG of checkpoint `step` (the weights were loaded
+    from its HF folders); returns the trainer state saved with it."""
+    actor = weights_path(job_dir, step).parent
+    meta = _load_optimizer(model, optim, actor)
+    if critic is not None:
+        _load_optimizer(*critic, actor.parent / "critic")
+    rng_file = actor / f"rng_state_rank{rank}.safetensors"
+    if rng_file.is_file():
+        rng = safetensors.torch.load_file(rng_file)
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta.get("state", {})
+
+
+def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path) -> dict:
+    """Load <folder>/optimizer.safetensors into `optim`; returns <folder>/trainer_state.json."""
+    tensors = safetensors.torch.load_file(folder / "optimizer.safetensors")
+    meta = json.loads((folder / "trainer_state.json").read_text())
+    state: dict[str, dict] = {}
+    for key, v in tensors.items():
+        fqn, name = key.rsplit("/", 1)
+        state.setdefault(fqn, {})[name] = v
+    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
+                             options=StateDictOptions(full_state_dict=True))
+    return meta

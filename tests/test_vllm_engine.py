@@ -1,0 +1,196 @@
+"""vllm_engine.py against a fake of vLLM's documented API (tests/fake_vllm: no vLLM, no GPU here): every method of
+the adapter runs on CPU. engine_num engines on their own GPUs, requests spread over them, vllm_async streaming,
+weights from a folder read by every worker, weights over the trainer's group straight into every worker (real
+gloo group, real trainer side), sleep / wake-up, log-prob semantics. The same contract on real vLLM:
+tests/test_engines.py's vLLM tests, on a machine with vLLM and a GPU."""
+
+import dataclasses
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import sync
+from configs.schema import InferenceModelConfig
+from conftest import plain_logprobs
+from engines import SamplingParams, make_engine
+from models import load_model, load_tokenizer
+
+FAKE = Path(__file__).resolve().parent / "fake_vllm"
+
+
+@pytest.fixture
+def vllm(monkeypatch):
+    """The fake `vllm` module, importable for this test only, on a machine of 4 (pretend) GPUs."""
+    monkeypatch.syspath_prepend(str(FAKE))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    import vllm
+
+    assert vllm.__version__.endswith("+fake")
+    vllm.ENGINES.clear()
+    yield vllm
+    sys.modules.pop("vllm", None)
+
+
+def rollout_model(**over) -> InferenceModelConfig:
+    return dataclasses.replace(InferenceModelConfig(engine_type="vllm", gpu_memory_utilization=0.5, enforce_eager=True,
+                                                    dtype="float32"), **over)
+
+
+def prompts(model_dir: str) -> list[list[int]]:
+    tok = load_tokenizer(model_dir)
+    return [tok.encode(t, add_special_tokens=False) for t in ("What is 2 + 3?", "hi", "Tom has 4 apples.")]
+
+
+def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4,5,6")  # the launcher's split for this explorer
+    rm = rollout_model(engine_num=2, tensor_parallel_size=2, enable_prefix_caching=False, seed=7)
+    pool = make_engine(rm, tiny_model_dir, 256, repetition_penalty=1.0)
+    try:
+        assert [e.visible_devices for e in vllm.ENGINES] == ["3,4", "5,6"]  # engine i on GPUs [i*tp, (i+1)*tp)
+        args = vllm.ENGINES[0].args
+        assert (args.tensor_parallel_size, args.gpu_memory_utilization, args.enable_prefix_caching, args.seed,
+                args.enforce_eager, args.dtype, args.max_model_len) == (2, 0.5, False, 7, True, "float32", 256)
+        assert args.logprobs_mode == "processed_logprobs" and args.worker_extension_cls == "vllm_engine.WeightReceiver"
+        assert not args.enable_sleep_mode and [len(e.workers) for e in vllm.ENGINES] == [2, 2]
+        ids = prompts(tiny_model_dir)
+        futures = [pool.submit(ids[i % 3], SamplingParams(n=2, max_tokens=4, seed=i)) for i in range(8)]
+        outs = [f.result() for f in futures]
+        assert all(len(o) == 2 and all(1 <= len(c.token_ids) <= 4 for c in o) for o in outs)
+        assert all(len(e.requests) >= 2 for e in vllm.ENGINES)  # both engines took requests
+        assert sum(len(e.requests) for e in vllm.ENGINES) == 8
+    finally:
+        pool.close()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,4,5,6"  # restored after each engine started
+
+
+def test_rollout_logprobs_are_the_temperature_scaled_distribution(vllm, tiny_model_dir):
+    """processed_logprobs without top-k / top-p: the trainer's log_softmax(logits / T); with top-p they differ,
+    which is why configs/checks.py refuses the off-policy correction then."""
+    pool = make_engine(rollout_model(), tiny_model_dir, 256)
+    ref, ids = load_model(tiny_model_dir), prompts(tiny_model_dir)
+    try:
+        full, nucleus = pool.generate(ids[:1], [SamplingParams(n=3, temperature=0.6, max_tokens=6, seed=1)])[0], \
+            pool.generate(ids[:1], [SamplingParams(n=3, temperature=0.6, top_p=0.3, max_tokens=6, seed=1)])[0]
+    finally:
+        pool.close()
+    for c in full:
+        want = plain_logprobs(ref, ids[0] + c.token_ids, len(ids[0]), 0.6)
+        torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-5, rtol=0)
+    gaps = [(torch.tensor(c.logprobs) - plain_logprobs(ref, ids[0] + c.token_ids, len(ids[0]), 0.6)).abs().max()
+            for c in nucleus]
+    assert max(gaps) > 1e-2  # renormalised over the nucleus: not the full distribution
+
+
+def perturbed(model_dir: str, scale: float = 0.05) -> torch.nn.Module:
+    model = load_model(model_dir)
+    with torch.no_grad():
+        for i, w in enumerate(model.parameters()):
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(i)) * scale)
+    return model
+
+
+def worker_weights(vllm) -> list[dict[str, torch.Tensor]]:
+    return [dict(w.model_runner.model.hf.state_dict()) for e in vllm.ENGINES for w in e.workers]
+
+
+def test_weights_from_a_published_folder_reach_every_worker(vllm, tiny_model_dir, tmp_path):
+    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2), tiny_model_dir, 256)
+    new = perturbed(tiny_model_dir)
+    folder = sync.publish_hf(new, load_tokenizer(tiny_model_dir), tmp_path, step=3)
+    try:
+        pool.load_weights(str(folder), version=3)
+        with pytest.raises(TypeError, match="not a state dict"):
+            pool.load_weights(new.state_dict(), version=4)  # no state dicts through the explorer's memory
+        greedy = pool.generate(prompts(tiny_model_dir)[:1], [SamplingParams(temperature=0.0, max_tokens=5)])[0][0]
+    finally:
+        pool.close()
+    assert pool.model_version == 3 and greedy.model_version == 3
+    for weights in worker_weights(vllm):
+        for name, t in new.state_dict().items():
+            assert torch.equal(weights[name], t), name
+    assert [e.prefix_cache_resets for e in vllm.ENGINES] == [1, 1]  # old KV blocks are not reused
+
+
+def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path):
+    """A real trainer side (sync.open_sender + send_model, gloo) and 2 engines x 2 workers, each joining the group
+    as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly."""
+    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2), tiny_model_dir, 256)
+    new = perturbed(tiny_model_dir)
+    sender = sync.open_sender(tmp_path, "cpu", timeout=60)
+    sent = threading.Thread(target=sync.send_model, args=(sender, new, 5))
+    try:
+        link = sync.open_receiver(tmp_path, timeout=30, receivers=pool.join_ranks())  # announces 1 + 4 ranks
+        pool.join_group(str(tmp_path), 30)
+        sent.start()
+        header = sync.receive_header(link)
+        assert pool.receive(header) == len(dict(new.named_parameters()))
+        sync.ack(link)
+        sent.join(timeout=60)
+        assert pool.model_version == 5
+        sync.close_sender(sender, finished=True, grace=5)
+        assert sync.receive_header(link) is None  # the trainer finished
+    finally:
+        pool.close()
+    for weights in worker_weights(vllm):
+        for name, t in new.state_dict().items():
+            assert torch.equal(weights[name], t), name
+
+
+def test_sleep_and_wake_up_on_a_shared_gpu(vllm, tiny_model_dir):
+    pool = make_engine(rollout_model(), tiny_model_dir, 256, colocate=True)
+    ids = prompts(tiny_model_dir)[:1]
+    try:
+        assert vllm.ENGINES[0].args.enable_sleep_mode
+        pool.sleep()
+        with pytest.raises(RuntimeError, match="while the engine sleeps"):
+            pool.generate(ids, [SamplingParams(max_tokens=2)])
+        pool.wake_up()
+        assert len(pool.generate(ids, [SamplingParams(max_tokens=2)])[0]) == 1
+    finally:
+        pool.close()
+
+
+def test_vllm_async_streams_each_request_into_the_running_engine(vllm, tiny_model_dir):
+    pool = make_engine(rollout_model(engine_type="vllm_async"), tiny_model_dir, 256, colocate=True)
+    ids = prompts(tiny_model_dir)
+    try:
+        futures = [pool.submit(ids[i % 3], SamplingParams(n=2, max_tokens=3, seed=i)) for i in range(6)]
+        outs = [f.result(timeout=120) for f in futures]
+        engine = pool.engines[0].llm
+        assert all(len(o) == 2 for o in outs) and engine.max_in_flight > 1  # not one batch after another
+        pool.sleep()
+        pool.wake_up()
+        with pytest.raises(ValueError, match="leaves no room"):
+            pool.submit(ids[0] * 200, SamplingParams(max_tokens=3))  # refused before it reaches vLLM
+        pool.load_weights(str(Path(tiny_model_dir)), version=1)
+        assert pool.model_version == 1 and engine.engine.prefix_cache_resets == 1
+    finally:
+        pool.close()
+    assert engine.shut
+
+
+def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny_model_dir):
+    """The whole loop through the launcher with the fake vLLM in the explorer: one (pretend) GPU shared by
+    explorer and trainer (cluster.colocate: the engine sleeps while the trainer steps), weights over the group into
+    the vLLM worker at every step: the rollouts of step s come from exactly the trainer's weights of step s - 1."""
+    from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
+
+    config = both_config(tmp_path, tiny_model_dir, **{
+        "synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "cluster": {"gpu_per_node": 1},
+        "model.min_response_tokens": 0,  # vLLM's processed log-probs would renormalise without EOS (configs/checks.py)
+        "explorer.rollout_model": {"engine_type": "vllm", "dtype": "float32"}})
+    env = {"PYTHONPATH": os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")])}
+    out = launch(config, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    resolved = (run / "config.yaml").read_text()
+    assert "colocate: true" in resolved and "gpu_memory_utilization: 0.25" in resolved
+    assert "rollout engine 1/1: vllm on GPU(s) 0" in out.stderr
+    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    # step 2's weights (the save_interval checkpoint) were in the vLLM worker for explore step 3, exactly
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4

@@ -1,0 +1,315 @@
+"""vllm_engine.py: the GPU rollout engines, vLLM behind engines.py's interface (submit / generate / load_weights /
+model_version / close), written against vLLM 0.33's documented API and kept thin.
+
+    pool = make_pool(cfg.explorer.rollout_model, model_path, max_model_len)   # engine_num engines (EnginePool)
+    pool.submit(prompt_ids, engines.SamplingParams(n=8)).result()             # to the least busy engine
+    pool.load_weights("<job>/global_step_10/actor/huggingface", version=10)   # every worker reads the files
+    pool.join_group(job_dir, timeout); pool.receive(header)                   # or straight from the trainer's GPU
+    pool.sleep(); pool.wake_up()                                              # on a GPU shared with the trainer
+
+- VLLMEngine (engine_type vllm): one `vllm.LLM`, its requests gathered into batches by engines.Batcher.
+- AsyncVLLMEngine (engine_type vllm_async): one `vllm.AsyncLLMEngine` driven by an asyncio loop in a thread:
+  each request goes in as it comes and vLLM batches continuously (no batch-by-batch waiting).
+- EnginePool: engine_num engines of tensor_parallel_size GPUs each, engine i on the explorer's GPUs
+  [i * tp, (i + 1) * tp); a request goes to the engine with the fewest requests in flight.
+Weights never pass through the explorer's memory: each vLLM worker runs `WeightReceiver` (vLLM's
+`worker_extension_cls`, called through `collective_rpc`) and either reads a published HF folder itself or joins
+the trainer's weight group (sync.py) as its own rank and takes each bucket onto its GPU, loading it with the
+model's own `load_weights` (which maps HF names onto vLLM's fused layers).
+Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
+but also after top-k / top-p: configs/checks.py refuses the off-policy correction with those on vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import safetensors.torch
+import torch
+
+import sync
+from engines import Batcher, Completion, SamplingParams, check_request, collect
+from models import load_tokenizer
+
+log = logging.getLogger(__name__)
+EXTENSION = "vllm_engine.WeightReceiver"
+SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy back, no reload
+
+
+def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty: float, colocate: bool) -> dict:
+    """The vLLM engine arguments of a rollout model config (every vLLM option of the schema)."""
+    return {"model": model_path, "tensor_parallel_size": rm.tensor_parallel_size,
+            "gpu_memory_utilization": rm.gpu_memory_utilization, "enable_prefix_caching": rm.enable_prefix_caching,
+            "enable_chunked_prefill": rm.enable_chunked_prefill, "enforce_eager": rm.enforce_eager,
+            "dtype": rm.dtype, "seed": rm.seed, "max_model_len": max_model_len,
+            "logprobs_mode": "processed_logprobs", "worker_extension_cls": EXTENSION, "enable_sleep_mode": colocate}
+
+
+def vllm_params(vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: int, penalty: float) -> Any:
+    """vllm.SamplingParams of one request: logprobs=0 returns the sampled token's log-prob only."""
+    return vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
+                               max_tokens=min(p.max_tokens, max_model_len - len(prompt)), min_tokens=p.min_tokens,
+                               stop=list(p.stop), seed=p.seed, logprobs=0, repetition_penalty=penalty)
+
+
+def completions(request_output: Any, version: int) -> list[Completion]:
+    """engines.Completion of each sample of a vLLM RequestOutput (the EOS that ended a sample stays in token_ids;
+    a stop string is cut from the text)."""
+    return [Completion(list(o.token_ids), [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)], o.text,
+                       "length" if o.finish_reason == "length" else "stop", version) for o in request_output.outputs]
+
+
+class VLLMEngine:
+    """engine_type vllm: one `vllm.LLM`; concurrent submits share batches (engines.Batcher), one generate call
+    per batch. `llm_args`: engine_args(...)."""
+
+    engine_type = "vllm"
+
+    def __init__(self, llm_args: dict, repetition_penalty: float = 1.0) -> None:
+        import vllm  # lazily: nanorft imports without vLLM
+
+        self.vllm, self.penalty, self.max_model_len = vllm, repetition_penalty, llm_args["max_model_len"]
+        self.llm = vllm.LLM(**llm_args)
+        self.tokenizer = load_tokenizer(llm_args["model"])
+        self.model_version = 0
+        self.batcher = Batcher(self.run_batch, self.max_model_len)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        return self.batcher.submit(prompt_ids, params)
+
+    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+        return collect(self.batcher, prompt_ids, params)
+
+    def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+        sps = [vllm_params(self.vllm, ids, p, self.max_model_len, self.penalty) for ids, p in zip(prompt_ids, params)]
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
+        return [completions(out, self.model_version) for out in outs]
+
+    def rpc(self, method: str, *args: Any) -> list:
+        """A WeightReceiver method on every worker of this engine, between batches; the workers' results."""
+        return self.batcher.call(lambda: self.llm.collective_rpc(method, args=args))
+
+    def updated(self, version: int) -> None:
+        self.batcher.call(self.llm.reset_prefix_cache)  # cached KV blocks were computed by the old weights
+        self.model_version = version
+
+    def sleep(self) -> None:
+        self.batcher.call(lambda: self.llm.sleep(level=SLEEP_LEVEL))
+
+    def wake_up(self) -> None:
+        self.batcher.call(self.llm.wake_up)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
+class AsyncVLLMEngine:
+    """engine_type vllm_async: one `vllm.AsyncLLMEngine` on an asyncio loop in its own thread; each submit is one
+    request streamed into the running engine (continuous batching)."""
+
+    engine_type = "vllm_async"
+
+    def __init__(self, llm_args: dict, repetition_penalty: float = 1.0) -> None:
+        import vllm
+
+        self.vllm, self.penalty, self.max_model_len = vllm, repetition_penalty, llm_args["max_model_len"]
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True)
+        self.thread.start()
+        self.llm = self.call(self._start(vllm.AsyncEngineArgs(**llm_args)))
+        self.tokenizer = load_tokenizer(llm_args["model"])
+        self.model_version, self.ids = 0, itertools.count()
+
+    async def _start(self, args: Any) -> Any:
+        return self.vllm.AsyncLLMEngine.from_engine_args(args)
+
+    def call(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        check_request(prompt_ids, params, self.max_model_len)
+        sp = vllm_params(self.vllm, prompt_ids, params, self.max_model_len, self.penalty)
+        return asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, sp), self.loop)
+
+    async def _generate(self, prompt_ids: list[int], sp: Any) -> list[Completion]:
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id=f"r{next(self.ids)}"):
+            final = out  # the last output is the finished request
+        return completions(final, self.model_version)
+
+    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+        futures = [self.submit(ids, p) for ids, p in zip(prompt_ids, params)]
+        return [f.result() for f in futures]
+
+    def rpc(self, method: str, *args: Any) -> list:
+        return self.call(self.llm.collective_rpc(method, args=args))
+
+    def updated(self, version: int) -> None:
+        self.call(self.llm.reset_prefix_cache())
+        self.model_version = version
+
+    def sleep(self) -> None:
+        self.call(self.llm.sleep(level=SLEEP_LEVEL))
+
+    def wake_up(self) -> None:
+        self.call(self.llm.wake_up())
+
+    def close(self) -> None:
+        if self.loop.is_running():
+            self.llm.shutdown()
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join()
+
+
+class EnginePool:
+    """engine_num vLLM engines behind one engine's interface: requests go to the least busy engine; weights, sleep
+    and wake-up go to all of them at once (their workers meet in one weight group, so one at a time would hang)."""
+
+    def __init__(self, engines: list[VLLMEngine | AsyncVLLMEngine], ranks_per_engine: int) -> None:
+        self.engines, self.per_engine = engines, ranks_per_engine
+        self.engine_type, self.tokenizer = engines[0].engine_type, engines[0].tokenizer
+        self.in_flight = [0] * len(engines)
+        self.mutex, self.asleep = threading.Lock(), False
+
+    @property
+    def model_version(self) -> int:
+        return self.engines[0].model_version
+
+    @model_version.setter
+    def model_version(self, version: int) -> None:  # the explorer sets the version of the weights it started with
+        for e in self.engines:
+            e.model_version = version
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        with self.mutex:
+            i = min(range(len(self.engines)), key=self.in_flight.__getitem__)
+            self.in_flight[i] += 1
+        future = self.engines[i].submit(prompt_ids, params)
+        future.add_done_callback(lambda _: self._done(i))
+        return future
+
+    def _done(self, i: int) -> None:
+        with self.mutex:
+            self.in_flight[i] -= 1
+
+    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
+        futures = [self.submit(ids, p) for ids, p in zip(prompt_ids, params)]
+        return [f.result() for f in futures]
+
+    def all(self, fn: Any) -> list:
+        """fn(engine) on every engine at once (threads); their results in engine order."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.engines)) as pool:
+            return list(pool.map(fn, self.engines))
+
+    def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
+        """New weights from a published HF folder, which every worker reads onto its GPU itself."""
+        if not isinstance(source, str):
+            raise TypeError("vLLM engines load weights from a folder or over the weight group, not a state dict")
+        self.wake_up()  # vLLM loads weights into awake engines
+        self.all(lambda e: e.rpc("nanorft_load_folder", source))
+        self.all(lambda e: e.updated(version))
+
+    def join_ranks(self) -> int:
+        """How many ranks receive weights over the group: every worker of every engine."""
+        return len(self.engines) * self.per_engine
+
+    def join_group(self, job_dir: str, timeout: float) -> None:
+        """Every worker joins the trainer's weight group (sync.open_receiver) as rank 1 + its index, after the
+        explorer announced join_ranks() receivers."""
+        self.all(lambda e: e.rpc("nanorft_join", job_dir, 1 + self.engines.index(e) * self.per_engine, timeout))
+
+    def receive(self, header: dict) -> int:
+        """One transfer over the weight group (after sync.receive_header): every worker takes the buckets; returns
+        the tensors loaded per worker."""
+        self.wake_up()
+        counts = self.all(lambda e: e.rpc("nanorft_receive", header))
+        self.all(lambda e: e.updated(header["version"]))
+        return min(min(c) for c in counts)
+
+    def sleep(self) -> None:
+        """Free the GPU for the trainer (level 1: weights to host memory, KV cache dropped)."""
+        if not self.asleep:
+            self.all(lambda e: e.sleep())
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        if self.asleep:
+            self.all(lambda e: e.wake_up())
+            self.asleep = False
+
+    def close(self) -> None:
+        self.all(lambda e: e.close())
+
+
+@contextlib.contextmanager
+def visible_gpus(gpus: list[str]) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES = `gpus` while an engine starts. NOTE: vLLM starts its engine core and workers as
+    processes at construction; they inherit the environment then, so each engine sees its own GPUs only."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def explorer_gpus(count: int) -> list[str]:
+    """The GPUs this explorer process may use, as CUDA_VISIBLE_DEVICES names them (the launcher's split)."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = [g for g in seen.split(",") if g] if seen is not None else [str(i) for i in range(count)]
+    return names
+
+
+def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
+              colocate: bool = False) -> EnginePool:
+    """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated)."""
+    cls = AsyncVLLMEngine if rm.engine_type == "vllm_async" else VLLMEngine
+    tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())
+    if len(gpus) < rm.engine_num * tp:
+        raise RuntimeError(f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
+                           f"this explorer sees {len(gpus)} ({gpus})")
+    args = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate)
+    engines = []
+    for i in range(rm.engine_num):
+        with visible_gpus(gpus[i * tp : (i + 1) * tp]):
+            engines.append(cls(args, repetition_penalty))
+        log.info("rollout engine %d/%d: %s on GPU(s) %s", i + 1, rm.engine_num, cls.engine_type,
+                 ",".join(gpus[i * tp : (i + 1) * tp]))
+    return EnginePool(engines, tp)
+
+
+class WeightReceiver:
+    """vLLM worker extension (`worker_extension_cls`): its methods run in every worker process through
+    collective_rpc, with `self` the worker (self.device: its GPU; self.rank: its rank in the engine)."""
+
+    def nanorft_load_folder(self, folder: str) -> int:
+        """Load an HF folder's safetensors files straight onto this worker's device; returns the tensors loaded."""
+        model, n = self.model_runner.get_model(), 0
+        for path in sorted(Path(folder).glob("*.safetensors")):
+            weights = safetensors.torch.load_file(path, device=str(self.device))
+            model.load_weights(weights=weights.items())
+            n += len(weights)
+        return n
+
+    def nanorft_join(self, job_dir: str, first_rank: int, timeout: float) -> None:
+        """Join the trainer's weight group as rank first_rank + this worker's rank."""
+        self.nanorft_link = sync.open_receiver(job_dir, timeout, self.device, first_rank + self.rank, None)
+
+    def nanorft_receive(self, header: dict) -> int:
+        """Take one transfer's buckets onto this worker's device, loading each as it comes."""
+        model, n = self.model_runner.get_model(), 0
+        for bucket in sync.receive_buckets(self.nanorft_link, header):
+            model.load_weights(weights=bucket)
+            n += len(bucket)
+        return n
