@@ -299,11 +299,13 @@ def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, t
     return sent
 
 
-def send_model(link: WeightLink | None, model: torch.nn.Module, version: int) -> int:
+def send_model(link: WeightLink | None, model: torch.nn.Module, version: int,
+               dtype: torch.dtype | None = None) -> int:
     """send_weights of an (FSDP2-sharded) model: one full parameter at a time, gathered on every rank
-    (call it on every rank, link=None on all but rank 0); tied weights appear once."""
+    (call it on every rank, link=None on all but rank 0); tied weights appear once. `dtype`: floating-point
+    parameters are sent in it (e.g. bf16 for a bf16 engine: half the bytes); default their own."""
     params = dict(model.named_parameters())
-    specs = [(k, tuple(v.shape), v.dtype) for k, v in params.items()]
+    specs = [(k, tuple(v.shape), as_dtype(v, dtype)) for k, v in params.items()]
     with torch.no_grad():
         tensors = (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
         return send_weights(link, version, specs, tensors)
@@ -449,6 +451,16 @@ def close_receiver(link: WeightLink) -> None:
     if link.group is not None and hasattr(link.group, "shutdown"):
         link.group.shutdown()
     link.group = None
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """`dtype` for a floating-point tensor (None: its own), a non-floating tensor's own dtype."""
+    return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+
+def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`state` with its floating-point tensors in `dtype` (the others as they are)."""
+    return {k: v.to(as_dtype(v, dtype)) for k, v in state.items()}
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

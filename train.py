@@ -140,6 +140,13 @@ class Parts:
         return "advantage_fn" in self.pieces
 
     @property
+    def engine_dtype(self) -> torch.dtype:  # the dtype the rollout engine runs in: weights are published in it
+        return getattr(torch, self.cfg.explorer.rollout_model.dtype) if self.device.type == "cuda" else torch.float32
+
+    def saves(self, step: int) -> bool:  # a checkpoint at `step`
+        return bool(self.cfg.trainer.save_interval and step % self.cfg.trainer.save_interval == 0) or step == self.total
+
+    @property
     def share(self) -> bool:  # trainer.use_remove_padding: pack, each group's prompt laid out once
         return self.cfg.trainer.use_remove_padding
 
@@ -445,16 +452,19 @@ def reduce_max(value: float, device: torch.device) -> float:
 
 def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
     """The weights of `step` for the explorer when one will wait for them (sync.publishes): sent over the process
-    group, or written as the step's HF folder; the last step's always as a folder. Returns the full state it
-    gathered (rank 0; {} elsewhere), which the checkpoint then reuses, or None."""
+    group, or written as the step's HF folder; the last step's always as a folder. Both in the engine's dtype
+    (bf16 on GPU by default: half the bytes of the fp32 master weights), except a folder that is also a
+    checkpoint's weights (fp32: a resume continues from the exact weights). Returns the full state it gathered
+    (rank 0; {} elsewhere), which the checkpoint then reuses, or None."""
     s, job = p.cfg.synchronizer, p.cfg.checkpoint_job_dir
     wanted = p.rl and sync.publishes(step, p.cfg, p.total)  # no explorer waits for an offline stage's weights
     if s.sync_method == "nccl" and wanted:
-        sync.send_model(p.sender, p.actor.model, step)  # sender is None on ranks > 0
+        sync.send_model(p.sender, p.actor.model, step, p.engine_dtype)  # sender is None on ranks > 0
     if (wanted and s.sync_method == "checkpoint") or step == p.total:
         weights = sync.full_state(p.actor.model)
         if p.rank == 0:
-            sync.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=weights)
+            folder = weights if p.saves(step) else sync.cast(weights, p.engine_dtype)
+            sync.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=folder)
         return weights
     return None
 
@@ -567,7 +577,7 @@ def train(cfg: configs.Config) -> int:
             with timer(timing, "time/sync"):
                 weights = publish(p, step)
             with timer(timing, "time/save_checkpoint"):
-                if (p.cfg.trainer.save_interval and step % p.cfg.trainer.save_interval == 0) or step == p.total:
+                if p.saves(step):
                     save(p, step, weights)
                     saved = step
             done = step

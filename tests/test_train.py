@@ -1,6 +1,7 @@
 """The trainer: real train.py processes (plain and torchrun with 2 gloo ranks), micro-batching and loss
 scaling, checkpoints and exact resume, a GRPO step checked against hand-computed numbers."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import checkpoint
+import configs
 import models
 import train
 from algos.utils import AGG_MODES
@@ -250,6 +253,35 @@ def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir)
     assert gen.shape[1] > ids["input_ids"].shape[1]
     optim = safetensors.torch.load_file(job / "global_step_2" / "actor" / "optimizer.safetensors")
     assert any(k.endswith("/exp_avg_sq") for k in optim)
+
+
+def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(tmp_path, tiny_model_dir,
+                                                                                 monkeypatch):
+    """A trainer on GPU for a bf16 engine publishes bf16 folders (half the bytes of its fp32 master weights); a
+    folder that is also a checkpoint's weights stays fp32, so a resume continues from the exact weights."""
+    cfg = configs.Config()
+    cfg.checkpoint_job_dir, cfg.trainer.save_interval, cfg.explorer.rollout_model.dtype = str(tmp_path), 2, "bfloat16"
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, 128  # publishes 1..3
+    model = load_model(tiny_model_dir)
+    monkeypatch.setattr(train.sync, "full_state", lambda m: dict(m.state_dict()))  # no process group here
+    cfg.synchronizer.sync_method = "checkpoint"
+    actor = types.SimpleNamespace(model=model)
+    p = train.Parts(cfg, 0, 1, torch.device("cuda"), load_tokenizer(tiny_model_dir), actor, None, None, None, None,
+                    {"advantage_fn": None}, {}, None, 4, 0, {}, None, None)
+    assert p.engine_dtype == torch.bfloat16 and [s for s in range(1, 5) if p.saves(s)] == [2, 4]
+    for step in (1, 2):
+        assert train.publish(p, step) is not None
+    job = Path(cfg.checkpoint_job_dir)
+    bf16, fp32 = (safetensors.torch.load_file(job / f"global_step_{s}/actor/huggingface/model.safetensors")
+                  for s in (1, 2))
+    assert {t.dtype for t in bf16.values()} == {torch.bfloat16} and {t.dtype for t in fp32.values()} == {torch.float32}
+    for name, t in fp32.items():
+        assert torch.equal(t, model.state_dict()[name]) and torch.equal(bf16[name], t.bfloat16()), name
+    loaded = load_model(str(job / "global_step_1/actor/huggingface"))  # an engine loads it as it would any folder
+    embed = "model.embed_tokens.weight"
+    assert torch.equal(loaded.get_input_embeddings().weight, bf16[embed].float())
+    cpu = dataclasses.replace(p, device=torch.device("cpu"))  # the HF engine on CPU runs in fp32
+    assert cpu.engine_dtype == torch.float32
 
 
 def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):

@@ -116,18 +116,23 @@ def test_weights_from_a_published_folder_reach_every_worker(vllm, tiny_model_dir
     assert [e.prefix_cache_resets for e in vllm.ENGINES] == [1, 1]  # old KV blocks are not reused
 
 
-def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path, dtype):
     """A real trainer side (sync.open_sender + send_model, gloo) and 2 engines x 2 workers, each joining the group
-    as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly."""
-    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2), tiny_model_dir, 256)
+    as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly.
+    A bf16 engine gets bf16 on the wire (the trainer casts its fp32 master weights): half the bytes."""
+    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2, dtype=dtype), tiny_model_dir, 256)
     new = perturbed(tiny_model_dir)
     sender = sync.open_sender(tmp_path, "cpu", timeout=60)
-    sent = threading.Thread(target=sync.send_model, args=(sender, new, 5))
+    sent = threading.Thread(target=sync.send_model, args=(sender, new, 5, getattr(torch, dtype)))
     try:
         link = sync.open_receiver(tmp_path, timeout=30, receivers=pool.join_ranks())  # announces 1 + 4 ranks
         pool.join_group(str(tmp_path), 30)
         sent.start()
         header = sync.receive_header(link)
+        assert set(header["dtypes"]) == {dtype}
+        fp32_bytes = sum(p.numel() * 4 for p in new.parameters())
+        assert sync.header_bytes(header) == fp32_bytes // (1 if dtype == "float32" else 2)
         assert pool.receive(header) == len(dict(new.named_parameters()))
         sync.ack(link)
         sent.join(timeout=60)
@@ -138,7 +143,7 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         pool.close()
     for weights in worker_weights(vllm):
         for name, t in new.state_dict().items():
-            assert torch.equal(weights[name], t), name
+            assert torch.equal(weights[name], t.to(getattr(torch, dtype))), name
 
 
 def test_sleep_and_wake_up_on_a_shared_gpu(vllm, tiny_model_dir):
