@@ -36,7 +36,7 @@ import safetensors.torch
 import torch
 
 import sync
-from engines import Batcher, Completion, SamplingParams, check_request, collect
+from engines import Batcher, Completion, SamplingParams, check_request
 from models import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -84,9 +84,6 @@ class VLLMEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
         return self.batcher.submit(prompt_ids, params)
-
-    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-        return collect(self.batcher, prompt_ids, params)
 
     def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
         sps = [vllm_params(self.vllm, ids, p, self.max_model_len, self.penalty) for ids, p in zip(prompt_ids, params)]
@@ -144,10 +141,6 @@ class AsyncVLLMEngine:
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id=f"r{next(self.ids)}"):
             final = out  # the last output is the finished request
         return completions(final, self.model_version)
-
-    def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
-        futures = [self.submit(ids, p) for ids, p in zip(prompt_ids, params)]
-        return [f.result() for f in futures]
 
     def rpc(self, method: str, *args: Any) -> list:
         return self.call(self.llm.collective_rpc(method, args=args))

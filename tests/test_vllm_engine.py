@@ -63,9 +63,22 @@ def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, t
         assert all(len(o) == 2 and all(1 <= len(c.token_ids) <= 4 for c in o) for o in outs)
         assert all(len(e.requests) >= 2 for e in vllm.ENGINES)  # both engines took requests
         assert sum(len(e.requests) for e in vllm.ENGINES) == 8
+        pool.model_version = 4  # the explorer sets the version of the weights it started from, on every engine
+        assert [e.model_version for e in pool.engines] == [4, 4] and pool.generate(ids[:1], [SamplingParams(
+            max_tokens=2)])[0][0].model_version == 4
     finally:
         pool.close()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,4,5,6"  # restored after each engine started
+    with pytest.raises(RuntimeError, match="3 engines x 2 GPUs need 6 GPUs; this explorer sees 4"):
+        make_engine(dataclasses.replace(rm, engine_num=3), tiny_model_dir, 256)
+
+
+def test_an_explorer_that_sees_every_gpu_leaves_the_environment_as_it_was(vllm, tiny_model_dir, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # two GPUs, none hidden
+    pool = make_engine(rollout_model(engine_num=2), tiny_model_dir, 256)
+    pool.close()
+    assert [e.visible_devices for e in vllm.ENGINES] == ["0", "1"] and "CUDA_VISIBLE_DEVICES" not in os.environ
 
 
 def test_rollout_logprobs_are_the_temperature_scaled_distribution(vllm, tiny_model_dir):
