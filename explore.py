@@ -424,6 +424,7 @@ def explore(cfg: configs.Config) -> int:
         if x.step < x.steps:
             if x.cfg.cluster.colocate and sync.weights_needed(x.step, cfg):  # the trainer needs the GPU now
                 x.engine.sleep()
+                log.info("step %d: the engine sleeps while the trainer uses the shared GPU", x.step)
             stop, more = sync_weights(x)
             if x.cfg.cluster.colocate:
                 x.engine.wake_up()

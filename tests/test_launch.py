@@ -180,6 +180,21 @@ def on_a_terminal(cmd: list[str], timeout: float = 400) -> tuple[int, str]:
     return p.wait(), shown.decode("utf-8", errors="replace")
 
 
+def test_mode_both_on_one_gpu_colocates_the_hf_engine(tmp_path, tiny_model_dir):
+    """cluster.gpu_per_node 1: explorer and trainer share the GPU (here the CPU: the engine's sleep moves nothing);
+    the engine sleeps before every sync point and the weights come over the group through host memory."""
+    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2,
+                                                      "cluster": {"gpu_per_node": 1}})
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    assert "colocate: true" in (run / "config.yaml").read_text()
+    log = (run / "log" / "explorer.log").read_text()
+    assert [s for s in (1, 2, 3) if f"step {s}: the engine sleeps while the trainer" in log] == [1, 2]
+    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
+
+
 def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_model_dir):
     config = both_config(tmp_path, tiny_model_dir)
     code, shown = on_a_terminal([sys.executable, "launch.py", "--config", str(config)])
