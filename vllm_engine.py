@@ -17,7 +17,8 @@ Weights never pass through the explorer's memory: each vLLM worker runs `WeightR
 the trainer's weight group (sync.py) as its own rank and takes each bucket onto its GPU, loading it with the
 model's own `load_weights` (which maps HF names onto vLLM's fused layers).
 Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
-but also after top-k / top-p: configs/checks.py refuses the off-policy correction with those on vLLM.
+but also after top-k / top-p, EOS masking and the repetition penalty: configs/checks.py refuses the off-policy
+correction with those on vLLM.
 """
 
 from __future__ import annotations

@@ -158,10 +158,11 @@ REFUSED: list[Rule] = [
      "nanorft loads only models whose modelling code ships with transformers (its FSDP wrapping and attention "
      "functions are written for those); no code from the model folder is run"),
     (RolloutCorrectionConfig, "rollout_is", lambda v, c: v != "none" and filtered_vllm_rollouts(c),
-     "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering and min_tokens' "
-     "EOS masking, the trainer's over the full distribution: the importance weights would compare different things."
-     " Set top_p 1.0 and top_k -1 in the training tasksets' rollout_args (or model) and model.min_response_tokens "
-     "0, use the HF engine, or set rollout_is: none"),
+     "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering, the EOS masking "
+     "of min_tokens / ignore_eos and the repetition penalty, the trainer's over the full distribution: the "
+     "importance weights would compare different things. Set top_p 1.0 and top_k -1 in the training tasksets' "
+     "rollout_args (or model), model.min_response_tokens 0, ignore_eos false and repetition_penalty 1.0, use the "
+     "HF engine, or set rollout_is: none"),
     (ClusterConfig, "node_num", lambda v, c: v > 1,
      "multi-node runs are not supported yet: nanorft launches its processes on one node"),
     (TrainerConfig, "optimizer_offload", lambda v, c: v and not c.trainer.param_offload,
@@ -173,8 +174,11 @@ REFUSED: list[Rule] = [
 ]
 
 def filtered_vllm_rollouts(c: Config) -> bool:
-    """Whether a vLLM engine samples the training tasksets from a filtered distribution (top-k, top-p, min_tokens)."""
-    return c.explorer.rollout_model.engine_type != "hf" and (c.model.min_response_tokens > 0 or any(
+    """Whether a vLLM engine samples the training tasksets from a changed distribution (top-k, top-p, min_tokens
+    or ignore_eos masking EOS, a repetition penalty): vLLM's processed log-probs are taken after all of them."""
+    rm = c.explorer.rollout_model
+    return rm.engine_type != "hf" and (c.model.min_response_tokens > 0 or rm.ignore_eos or
+                                       c.model.repetition_penalty != 1.0 or any(
         (ts.rollout_args.top_p or 1.0) < 1.0 or (ts.rollout_args.top_k or -1) > 0
         for ts in c.buffer.explorer_input.tasksets))
 

@@ -126,10 +126,12 @@ WARNING_CASES = {
 }
 
 
+def merge(a: dict, b: dict) -> dict:
+    return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
+
+
 def merged(overrides: dict) -> dict:
-    def merge(a: dict, b: dict) -> dict:
-        return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
-                        for k, v in b.items()}}
     return merge(copy.deepcopy(MINIMAL), overrides)
 
 
@@ -144,6 +146,25 @@ def test_refused_values_name_the_key_and_why(rule):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         resolve_stages(from_dict(Config, normalize(merged(overrides))))
     resolve_stages(from_dict(Config, normalize(MINIMAL)))  # and the default value is accepted
+
+
+@pytest.mark.parametrize("changed", [{"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
+                                     {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_k": 20}}}}},
+                                     {"model": {"min_response_tokens": 2}}, {"model": {"repetition_penalty": 1.1}},
+                                     {"explorer": {"rollout_model": {"ignore_eos": True}}}], ids=str)
+def test_the_off_policy_correction_is_refused_only_where_vllm_logprobs_differ(changed):
+    """vLLM's processed log-probs follow every change to the distribution: with any, rollout_is is refused on vLLM;
+    on the HF engine (log-probs of the full temperature-scaled distribution), or without rollout_is, accepted."""
+    def config(engine: str, rollout_is: str) -> dict:
+        return merged(merge({"explorer": {"rollout_model": {"engine_type": engine}},
+                             "algorithm": {"rollout_correction": {"rollout_is": rollout_is}}}, changed))
+
+    with pytest.raises(ConfigError, match="rollout_is = 'token' is refused: vLLM's log-probs"):
+        resolve_stages(from_dict(Config, normalize(config("vllm", "token"))))
+    for engine, rollout_is in (("hf", "token"), ("vllm", "none")):
+        if engine == "hf" and "repetition_penalty" in str(changed):
+            continue  # refused on the HF engine for its own reason (REFUSAL_CASES)
+        resolve_stages(from_dict(Config, normalize(config(engine, rollout_is))))
 
 
 @pytest.mark.parametrize("rule", sorted(WARNING_CASES), ids="/".join)
