@@ -207,7 +207,7 @@ def _timeout(seconds: float) -> datetime.timedelta:
 
 def _group(link: WeightLink) -> Any:
     """The group of the trainer and every receiver (made once; blocks until all of them make it too, up to
-    link.timeout). Its size is what the explorer announced (`announce_receivers`)."""
+    link.timeout). Its size is what the explorer announced (`open_receiver(..., receivers=n)`)."""
     if link.group is None:
         link.store.wait([WORLD_KEY], link.timeout)
         world = int(link.store.get(WORLD_KEY))

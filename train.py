@@ -58,9 +58,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import algos
+import checkpoint
 import configs
 import launch
-import checkpoint
 import sync
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
@@ -472,8 +472,8 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
 def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
     """The checkpoint of `step`: weights, optimizer states, RNG, KL coefficients (checkpoint.save_checkpoint)."""
     checkpoint.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
-                         p.cfg.trainer.max_checkpoints_to_keep, (p.critic, p.critic_optim) if p.critic else None,
-                         p.kl_coef)
+                               p.cfg.trainer.max_checkpoints_to_keep,
+                               (p.critic, p.critic_optim) if p.critic else None, p.kl_coef)
     sync.pause_for_test("train.after_save", step)
 
 
