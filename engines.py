@@ -439,11 +439,12 @@ class ModelHandle:
 
     def __init__(self, engine: Any, tokenizer, defaults: dict | None = None,
                  max_prompt_tokens: int | None = None, truncate: bool = True, ignore_eos: bool = False,
-                 template_kwargs: dict | None = None) -> None:
+                 template_kwargs: dict | None = None, max_model_len: int | None = None) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.defaults = self.sampling(**(defaults or {}))
         self.max_prompt, self.truncate, self.ignore_eos = max_prompt_tokens, truncate, ignore_eos
         self.template_kwargs = template_kwargs or {}
+        self.max_model_len = max_model_len  # prompt + response tokens (a multi-turn episode's context limit)
 
     @property
     def model_version(self) -> int:
@@ -459,9 +460,26 @@ class ModelHandle:
              reply_prefix: str | None = None, **sampling) -> list[Experience]:
         """Sample n responses to `messages`, rendered by the tokenizer's chat template (or `chat_template`) with
         `tools`; the assistant turn starts with `reply_prefix` (part of the prompt, not of the response text)."""
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=tools,
-                                                    chat_template=chat_template or None, **self.template_kwargs)
+        prompt = self.render(messages, tools, chat_template)
         return self.generate([prompt + (reply_prefix or "")], n=n, **sampling)[0]
+
+    def render(self, messages: list[dict], tools: list | None = None, chat_template: str | None = None,
+               generation: bool = True) -> str:
+        """`messages` through the chat template (or `chat_template`), with the assistant's generation prompt."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False,
+                                                  tools=tools, chat_template=chat_template or None,
+                                                  **self.template_kwargs)
+
+    def params(self, n: int = 1, **sampling) -> SamplingParams:
+        """A request's SamplingParams: the handle's defaults, then `sampling` (ignore_eos: min_tokens = max_tokens)."""
+        params = SamplingParams(n=n, **{**self.defaults, **self.sampling(**sampling)})
+        if self.ignore_eos:
+            params.min_tokens = params.max_tokens
+        return params
+
+    def submit(self, ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        """Completions of exact token ids (a multi-turn episode's context): a future of list[Completion]."""
+        return self.engine.submit(ids, params)
 
     def encode(self, prompt: str) -> tuple[list[int], bool]:
         """Token ids of a templated prompt, cut to max_prompt_tokens (keeping its end: the generation prompt)."""
@@ -475,9 +493,7 @@ class ModelHandle:
 
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
         """n experiences per prompt text (already templated; encoded without special tokens)."""
-        params = SamplingParams(n=n, **{**self.defaults, **self.sampling(**sampling)})
-        if self.ignore_eos:
-            params.min_tokens = params.max_tokens
+        params = self.params(n, **sampling)
         encoded = [self.encode(p) for p in prompts]
         futures = [self.engine.submit(x, params) for x, _ in encoded]  # submitted together: one batch
         # the temperature the trainer scores at: log-probs of greedy requests are taken at 1.0 (see above)
@@ -496,4 +512,4 @@ def rollout_handle(cfg, engine: Any, tokenizer) -> ModelHandle:
     if rm.chat_template:
         tokenizer = with_template(tokenizer, rm.chat_template)
     return ModelHandle(engine, tokenizer, {"min_tokens": m.min_response_tokens}, m.max_prompt_tokens,
-                       m.enable_prompt_truncation, rm.ignore_eos, kwargs)
+                       m.enable_prompt_truncation, rm.ignore_eos, kwargs, rm.max_model_len)
