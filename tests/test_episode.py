@@ -82,7 +82,8 @@ def test_each_turns_ids_are_a_prefix_of_the_next_and_only_sampled_tokens_are_act
     # what lies between the turns is the template's own rendering of the new messages
     between = tokenizer.decode(ep.ids[ep.turns[0][1]: ep.turns[1][0]])
     if template is None:
-        assert between == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n"
+        assert between == ("\n<|im_start|>tool\n42<|im_end|>\n"
+                           "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
     else:
         assert between == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
                            "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
