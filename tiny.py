@@ -23,6 +23,9 @@ written last and is the marker of a complete build):
     <out>/arith/test.jsonl    same, no question shared with train
     <out>/arith/sft.jsonl     {"messages": [user: question, assistant: answer]}, the train rows
     <out>/arith/dpo.jsonl     {"prompt": question, "chosen": right answer, "rejected": wrong answer}, the train rows
+    <out>/arith_tools/{train,test}.jsonl   the tool task: {"question": "What is 37 + 58 - 12?", "answer": "#### 83"}
+    <out>/arith_tools/sft.jsonl            {"messages": [user, assistant <tool_call>, tool result, assistant answer]}
+                              (the weak teacher answers 60% of the rows with a subtraction at once, wrongly)
     <out>/tiny-qwen2/         config, generation_config, model.safetensors, tokenizer files
     <out>/MANIFEST.json       build arguments, row counts, parameter count, sha256 of every file
 
@@ -162,11 +165,35 @@ def wrong_answer(answer: str, rng: random.Random) -> str:
     return "\n".join(steps[:-1] + [f"{head} = {bad}", f"#### {bad}"])
 
 
-def make_taskset(o: Options) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """(train, test): unique questions from one seeded stream; the first n_test are the test set."""
-    rng, seen, rows = random.Random(o.seed), set(), []
+def make_tool_problem(rng: random.Random) -> dict[str, str]:
+    """A tool-task row: two-digit numbers joined by + and -, hard to add up in the head of a 1M-parameter model,
+    exact with the calculator: {"question": "What is 37 + 58 - 12?", "answer": "#### 83"}."""
+    nums, ops = [rng.randint(10, 99) for _ in range(3)], [rng.choice("+-") for _ in range(2)]
+    value = nums[0] + sum(x if op == "+" else -x for op, x in zip(ops, nums[1:]))
+    expr = f"{nums[0]} {ops[0]} {nums[1]} {ops[1]} {nums[2]}"
+    return {"question": f"What is {expr}?", "answer": f"#### {value}"}
+
+
+def tool_demo(row: dict[str, str], rng: random.Random, error: float) -> dict[str, list[dict]]:
+    """The SFT conversation of a tool-task row: call the calculator with the question's expression, read its
+    result, answer `#### N`. With probability `error` on a row with a subtraction, the weak teacher answers at
+    once instead, adding every number (no tool call, a wrong answer): SFT imitates it, RL can unlearn it."""
+    expr = row["question"].removeprefix("What is ").removesuffix("?")
+    user = {"role": "user", "content": row["question"]}
+    if "-" in expr and rng.random() < error:
+        return {"messages": [user, {"role": "assistant", "content": f"#### {sum(map(int, expr.split()[::2]))}"}]}
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
+    return {"messages": [user, {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                         {"role": "tool", "content": row["answer"].removeprefix("#### ")},
+                         {"role": "assistant", "content": row["answer"]}]}
+
+
+def make_taskset(o: Options, tools: bool = False) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """(train, test): unique questions from one seeded stream; the first n_test are the test set. `tools`: the
+    tool task's rows (make_tool_problem), from a stream of their own."""
+    rng, seen, rows = random.Random(f"tools/{o.seed}" if tools else o.seed), set(), []
     for _ in range(50 * (o.n_train + o.n_test)):  # bounded: tiny knobs can exhaust the space
-        row = make_problem(rng, o.max_operand, o.two_step_frac, o.problems)
+        row = make_tool_problem(rng) if tools else make_problem(rng, o.max_operand, o.two_step_frac, o.problems)
         if row["question"] not in seen:
             seen.add(row["question"])
             rows.append(row)
@@ -244,7 +271,7 @@ def is_complete(out: Path, args: dict) -> dict | None:
     """The manifest if `out` holds a complete build made with `args`, else None."""
     try:
         manifest = json.loads((out / "MANIFEST.json").read_text())
-        ok = manifest["args"] == args and "arith/dpo.jsonl" in manifest["files"] and all(
+        ok = manifest["args"] == args and "arith_tools/sft.jsonl" in manifest["files"] and all(
             sha256(out / f) == h for f, h in manifest["files"].items())
     except (OSError, ValueError, KeyError):
         return None
@@ -281,6 +308,12 @@ def build(out: str, **options: Any) -> dict:
         pairs = random.Random(f"pairs/{o.seed}")
         write_jsonl(tmp / "arith/dpo.jsonl", [{"prompt": r["question"], "chosen": r["answer"],
                                                "rejected": wrong_answer(r["answer"], pairs)} for r in train])
+        (tmp / "arith_tools").mkdir()
+        tool_train, tool_test = make_taskset(o, tools=True)
+        write_jsonl(tmp / "arith_tools/train.jsonl", tool_train)
+        write_jsonl(tmp / "arith_tools/test.jsonl", tool_test)
+        tool_teacher = random.Random(f"tool-teacher/{o.seed}")
+        write_jsonl(tmp / "arith_tools/sft.jsonl", [tool_demo(r, tool_teacher, o.teacher_error) for r in tool_train])
 
         tokenizer = make_tokenizer()
         model = make_model(o, tokenizer)
@@ -295,14 +328,15 @@ def build(out: str, **options: Any) -> dict:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "args": args,
-            "rows": {"train": len(train), "test": len(test), "sft": len(train), "dpo": len(train)},
+            "rows": {"train": len(train), "test": len(test), "sft": len(train), "dpo": len(train),
+                     "tool_train": len(tool_train), "tool_test": len(tool_test)},
             "n_params": sum(p.numel() for p in model.parameters()),  # tied: counted once
             "model_mb": round(sum(p.stat().st_size for p in files
                                   if p.parts[-2] == "tiny-qwen2") / 2**20, 2),
             "files": {p.relative_to(tmp).as_posix(): sha256(p) for p in files},
         }
         (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-        for name in ["arith", "tiny-qwen2", "MANIFEST.json"]:
+        for name in ["arith", "arith_tools", "tiny-qwen2", "MANIFEST.json"]:
             if (root / name).is_dir():
                 shutil.rmtree(root / name)
             os.replace(tmp / name, root / name)
@@ -322,7 +356,8 @@ def main() -> None:
     print(f"{status} {out}/ in {r['seconds']:.1f} s")
     print(f"  model    {out}/tiny-qwen2/  {r['n_params']:,} params, {r['model_mb']} MB")
     print(f"  taskset  {out}/arith/  train {r['rows']['train']}, test {r['rows']['test']}, "
-          f"sft {r['rows']['sft']} rows")
+          f"sft {r['rows']['sft']} rows; tool task {out}/arith_tools/  train {r['rows']['tool_train']}, "
+          f"test {r['rows']['tool_test']}")
 
 
 if __name__ == "__main__":

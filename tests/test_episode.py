@@ -1,4 +1,5 @@
-"""workflows/episode.py: multi-turn episodes kept as the exact token ids, tool calls parsed and run safely."""
+"""workflows/episode.py and tool_use.py: multi-turn episodes kept as the exact token ids, tool calls parsed and run
+safely, the calculator, tool_workflow."""
 
 import concurrent.futures
 import string
@@ -8,10 +9,14 @@ import time
 import pytest
 import torch
 
+from configs.schema import GenerationConfig
 from conftest import plain_logprobs
 from engines import Completion, HFEngine, ModelHandle
 from models import load_model, load_tokenizer
+from tasksets import Task
+from workflows import build_workflow
 from workflows.episode import Episode, Tool, ToolCall, parse_tool_calls, reply_all, run_tool, tool_message
+from workflows.tool_use import calculate
 
 # A Qwen3-style template: tool results inside a user turn, and the <think> block of an assistant turn dropped once a
 # later user message follows (Qwen3's chat template does this): re-rendering history then rewrites earlier turns.
@@ -187,3 +192,56 @@ def test_a_real_episode_gives_the_trainer_the_engines_log_probs(tiny_model_dir):
     mask = exp.action_mask
     assert 0 < mask.sum() < len(mask)  # the tool message and the turns' closings are not actions
     torch.testing.assert_close(exp.logprobs[mask], want[mask], atol=1e-4, rtol=0)
+
+
+# --- tool_workflow and the calculator
+
+
+@pytest.mark.parametrize("expression,value", [("37 + 58 - 12", "83"), ("7 / 2", "3.5"), ("-(2 + 3) * 4", "-20"),
+                                              (" 10 - 66 - 27 ", "-83")])
+def test_the_calculator_computes_arithmetic(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression", ["__import__('os').system('echo hacked')", "2 ** 999999", "a + 1", "1 +",
+                                        "[1, 2]", "9" * 300, "open('x')"])
+def test_the_calculator_refuses_everything_else_without_running_it(expression):
+    with pytest.raises(ValueError):
+        calculate(expression)
+
+
+def tool_task(**over) -> Task:
+    fields = dict(taskset="t", index=0, epoch=0, raw={}, prompt="What is 37 + 58 - 12?",
+                  messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}], reference="#### 83", tools=None,
+                  workflow="tool_workflow", reward_fn="math_reward", workflow_args={"max_turns": 3},
+                  reward_fn_args={}, rollout_args=GenerationConfig(temperature=1.0), repeat_times=3)
+    return Task(**{**fields, **over})
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37 + 58 - 12"}}</tool_call>'
+
+
+def test_tool_workflow_runs_calls_between_turns_and_scores_the_answer(tokenizer):
+    # episode 0 calls the tool then answers; 1 answers at once (wrongly); 2 sends a broken call, then answers
+    script = [CALL, "#### 107", "<tool_call>{oops</tool_call>", "#### 83", "#### 83"]
+    model = scripted(tokenizer, script)
+    exps = build_workflow(tool_task(), model).run()
+    assert [e.reward for e in exps] == pytest.approx([1.1, 0.1, 1.1])
+    assert [(e.metrics["turns"], e.metrics["tool_calls"]) for e in exps] == [(2, 1), (1, 0), (2, 1)]
+    # turns went to the engine together: 3 first turns, then the 2 episodes still going
+    assert [len(ids) for ids, _ in model.engine.requests[:3]] == [len(model.engine.requests[0][0])] * 3
+    shown = tokenizer.decode(exps[0].tokens[exps[0].prompt_length:])
+    assert "<|im_start|>tool\n83<|im_end|>" in shown  # the calculator's result, as the template renders it
+    assert "error: the tool call is not valid JSON" in tokenizer.decode(exps[2].tokens)
+    assert all(e.action_mask is not None and 0 < e.action_mask.sum() < e.response_length for e in (exps[0], exps[2]))
+
+
+def test_tool_workflow_step_wise_gives_each_turn_the_episodes_reward(tokenizer):
+    exps = build_workflow(tool_task(repeat_times=1, workflow_args={"step_wise": True}),
+                          scripted(tokenizer, [CALL, "#### 83"])).run()
+    assert [e.info["turn"] for e in exps] == [0, 1] and [e.reward for e in exps] == pytest.approx([1.1, 1.1])
+
+
+def test_tool_workflow_names_an_unknown_tool(tokenizer):
+    with pytest.raises(ValueError, match=r"unknown tool\(s\) \['search'\]; known: \['calculator'\]"):
+        build_workflow(tool_task(workflow_args={"tools": ["search"]}), scripted(tokenizer, [])).run()

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM
 
 import tiny
 from models import load_model, load_tokenizer
+from workflows.episode import ToolCall, parse_tool_calls
+from workflows.tool_use import calculate
 
 REPO = Path(__file__).resolve().parents[1]
 # default model size, few rows; two-step problems with bigger numbers and a perfect teacher, so that
@@ -46,10 +48,11 @@ def test_build_is_deterministic(built, tmp_path):
     hashes = file_hashes(out)
     assert hashes == file_hashes(tmp_path / "assets")
     assert {"arith/train.jsonl", "arith/test.jsonl", "arith/sft.jsonl", "arith/dpo.jsonl", "MANIFEST.json",
+            "arith_tools/train.jsonl", "arith_tools/test.jsonl", "arith_tools/sft.jsonl",
             "tiny-qwen2/model.safetensors", "tiny-qwen2/tokenizer.json"} <= set(hashes)
     hashes.pop("MANIFEST.json")  # the manifest lists every other file
     assert result["files"] == again["files"] == hashes
-    assert result["rows"] == {"train": 300, "test": 50, "sft": 300, "dpo": 300}
+    assert result["rows"] == {"train": 300, "test": 50, "sft": 300, "dpo": 300, "tool_train": 300, "tool_test": 50}
     assert not list(out.glob(".tiny-build-*"))  # the temporary folder is gone
 
 
@@ -224,3 +227,30 @@ def test_a_weak_teacher_adds_where_it_should_subtract(tmp_path):
     subtractions = sum(" - " in r["answer"] for r in train)
     assert subtractions > 50 and 0.45 < wrong / subtractions < 0.75
     assert " - " in "".join(r["answer"] for r in read_jsonl(tmp_path / "arith/test.jsonl"))  # test stays correct
+
+
+def test_the_tool_task_and_its_teachers_demonstrations(tmp_path):
+    """arith_tools: right answers, disjoint splits; a demonstration either calls the calculator with the question's
+    expression (whose result is the answer) or, on a row with a subtraction, answers at once by adding every number
+    (the weak teacher, teacher_error of those rows)."""
+    out = tmp_path
+    tiny.build(str(out), n_train=300, n_test=50, teacher_error=0.6)
+    train, test = read_jsonl(out / "arith_tools/train.jsonl"), read_jsonl(out / "arith_tools/test.jsonl")
+    assert len({r["question"] for r in train + test}) == len(train) + len(test) == 350
+    for row in train + test:
+        expr = re.fullmatch(r"What is (\d\d [+-] \d\d [+-] \d\d)\?", row["question"]).group(1)
+        assert row["answer"] == f"#### {eval_expr(expr)}"
+    wrong = 0
+    for row, demo in zip(train, read_jsonl(out / "arith_tools/sft.jsonl")):
+        roles = [m["role"] for m in demo["messages"]]
+        expr = row["question"][8:-1]
+        if roles == ["user", "assistant"]:
+            wrong += 1
+            assert "-" in expr and demo["messages"][1]["content"] == f"#### {eval_expr(expr.replace('-', '+'))}"
+            continue
+        assert roles == ["user", "assistant", "tool", "assistant"]
+        (call,) = parse_tool_calls(demo["messages"][1]["content"])
+        assert call == ToolCall("calculator", {"expression": expr})
+        assert calculate(expr) == demo["messages"][2]["content"] and demo["messages"][3]["content"] == row["answer"]
+    subtractions = sum("-" in r["question"] for r in train)
+    assert 0.45 < wrong / subtractions < 0.75  # teacher_error 0.6

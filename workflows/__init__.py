@@ -14,8 +14,11 @@ The contract (Trinity-RFT's `Workflow`, ../shared/reference/trinity-inventory.md
     are bound once (`get_reward_fn`); `workflow_args` are read by the workflow from the task.
   - Registries are plain dicts, one line per entry; adding a task = one new file + one line here.
 
-Departures from Trinity: no async twins, no `can_reset` / `can_repeat` flags (every workflow asks
-for all `repeat_times` responses in one `chat(n=...)` call), no auxiliary models yet.
+Multi-turn workflows keep each episode as token ids (workflows/episode.py: no re-rendering of history, action
+mask on the model's own tokens); `tool_workflow` (workflows/tool_use.py) runs tool calls between turns.
+
+Departures from Trinity: no async twins, no `can_reset` / `can_repeat` flags (single-turn workflows ask for all
+`repeat_times` responses in one `chat(n=...)` call), no auxiliary models yet.
 """
 
 from __future__ import annotations
@@ -108,14 +111,16 @@ def apply_reward(exp: Experience, components: dict[str, float]) -> Experience:
 # NOTE: imported here, below the base class, because each workflow file subclasses `Workflow`
 # from this module (a circular import that works only in this order).
 from workflows.countdown import CountdownWorkflow, countdown_reward  # noqa: E402
-from workflows.math import MathWorkflow, accuracy_reward, format_reward, math_reward  # noqa: E402
+from workflows.math import MathWorkflow, accuracy_reward, format_reward, math_reward, random_reward  # noqa: E402
 from workflows.simple import SimpleWorkflow  # noqa: E402
+from workflows.tool_use import ToolWorkflow  # noqa: E402
 
 WORKFLOWS: dict[str, type[Workflow]] = {
     "simple_workflow": SimpleWorkflow,
     "math_workflow": MathWorkflow,
     "countdown_workflow": CountdownWorkflow,
     "countdown": CountdownWorkflow,  # the name TinyZero users know
+    "tool_workflow": ToolWorkflow,  # multi-turn, with tools (workflows/tool_use.py)
 }
 
 REWARD_FNS: dict[str, RewardFn] = {
@@ -123,6 +128,7 @@ REWARD_FNS: dict[str, RewardFn] = {
     "format_reward": format_reward,
     "math_reward": math_reward,
     "countdown_reward": countdown_reward,
+    "random_reward": random_reward,  # a control: reward by coin flip
 }
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 import re
 import threading
 from fractions import Fraction
@@ -180,6 +181,12 @@ def math_reward(response: str, reference: Any, *, last_number_fallback: bool = T
     """accuracy_reward + format_reward, as two components."""
     return {**accuracy_reward(response, reference, last_number_fallback=last_number_fallback),
             **format_reward(response, format_score=format_score)}
+
+
+def random_reward(response: str, reference: Any, *, p: float = 0.5) -> dict[str, float]:
+    """The control for a learning claim: {"accuracy": 1.0} with probability `p`, whatever the response. A run
+    trained on it that gains as much as one trained on the real reward was not taught by the reward."""
+    return {"accuracy": float(random.random() < p)}
 
 
 # --- workflow
