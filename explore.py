@@ -43,7 +43,7 @@ from engines import ModelHandle, PromptTooLong, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint
 from monitor import Monitor
 from tasksets import Task, TaskReader, load_tasks
-from workflows import build_workflow
+from workflows import build_workflow, get_reward_fn, get_workflow
 
 log = logging.getLogger("nanorft.explore")
 
@@ -264,9 +264,25 @@ class Explorer:
     receiver: sync.WeightLink | None = None  # the process-group link to the trainer, opened at the first sync point
 
 
+def check_workflows(cfg: configs.Config) -> None:
+    """Each taskset's workflow and reward function (with its reward_fn_args) exist, before any work is done:
+    a ConfigError naming the key otherwise (a name in a task row, format.workflow_key, is checked per task)."""
+    for key in ("tasksets", "eval_tasksets"):
+        for i, ts in enumerate(getattr(cfg.buffer.explorer_input, key)):
+            where = f"buffer.explorer_input.{key}[{i}] ({ts.name})"
+            try:
+                if ts.default_workflow_type:
+                    get_workflow(ts.default_workflow_type)
+                if ts.default_reward_fn_type:
+                    get_reward_fn(ts.default_reward_fn_type, **ts.reward_fn_args)
+            except (KeyError, TypeError) as err:
+                raise configs.ConfigError(f"{where}: {err.args[0]}") from err
+
+
 def set_up(cfg: configs.Config) -> Explorer:
     """DB and saved position, engine (with the newest published weights), runners, monitor, eval tasks."""
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
+    check_workflows(cfg)
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
     tokenizer = config_tokenizer(cfg.model)

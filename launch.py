@@ -233,7 +233,7 @@ def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Con
             continue
         try:
             code = runners[stage.mode](stage)
-        except (DataError, DBMismatch) as e:  # bad input: the message says it all, no traceback
+        except (DataError, DBMismatch, configs.ConfigError) as e:  # bad input: the message says it all, no traceback
             log.error("%s of stage %s stops: %s", role, stage.name, e)
             return 2
         if code:

@@ -151,7 +151,8 @@ REFUSED: list[Rule] = [
      "not supported by the HF engine: a penalised sample's log-prob would not be the one the trainer computes "
      "(vLLM applies it); set 1.0"),
     (InferenceModelConfig, "enable_history", lambda v, c: v,
-     "it needs the explorer's OpenAI-compatible API and multi-turn workflows, which nanorft does not have yet"),
+     "it records the calls made through the explorer's OpenAI-compatible API, which nanorft does not have yet "
+     "(multi-turn workflows keep their own token-level history: workflows/episode.py)"),
     (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c: v != 1,
      "nanorft has no sequence parallelism; set 1"),
     (ModelConfig, "trust_remote_code", lambda v, c: v,

@@ -93,7 +93,7 @@ REFUSAL_CASES = {
     ("ModelConfig", "repetition_penalty"): ({"model": {"repetition_penalty": 1.1}, "explorer": {"rollout_model": {
         "engine_type": "hf"}}}, "model.repetition_penalty = 1.1 is refused: not supported by the HF engine"),
     ("InferenceModelConfig", "enable_history"): ({"explorer": {"rollout_model": {"enable_history": True}}},
-                                                 "explorer.rollout_model.enable_history = True is refused: it needs"),
+                                                 "explorer.rollout_model.enable_history = True is refused: it records the calls"),
     ("TrainerConfig", "ulysses_sequence_parallel_size"): ({"trainer": {"ulysses_sequence_parallel_size": 2}},
                                                           "ulysses_sequence_parallel_size = 2 is refused"),
     ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},

@@ -286,3 +286,52 @@ def test_sampling_kwargs_drops_unset_and_logprobs():
 def test_empty_answer_forms_state_nothing():
     assert extract_answer("\\boxed{} <answer> </answer>") is None
     assert format_reward("<answer></answer>") == {"format_score": -0.1}
+
+
+# --- a user's own workflow and reward function, named in the YAML (no edit of the project)
+
+USER_FILE = '''
+from workflows import Workflow, apply_reward
+
+def shout_reward(response, reference, *, bonus=0.0):
+    return {"loud": float(response.isupper()) + bonus}
+
+class EchoWorkflow(Workflow):
+    def run(self):
+        exps = self.model.chat([{"role": "user", "content": self.task.prompt}], n=self.task.repeat_times)
+        return [apply_reward(e, self.reward_fn(e.response_text, self.task.reference)) for e in exps]
+'''
+
+
+def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
+    path = tmp_path / "my_task.py"
+    path.write_text(USER_FILE)
+    task = make_task(f"{path}:EchoWorkflow", f"{path}:shout_reward", reward_fn_args={"bonus": 0.5})
+    exps = build_workflow(task, FakeModel(["HEY", "hey", "HO"])).run()
+    assert [e.reward for e in exps] == [1.5, 0.5, 1.5] and exps[0].metrics == {"loud": 1.5}
+    assert get_reward_fn("workflows.math:math_reward")("#### 4", "#### 4") == {"accuracy": 1.0, "format_score": 0.1}
+    with pytest.raises(KeyError, match=r"cannot import .*nope\.py"):
+        get_workflow(f"{tmp_path}/nope.py:EchoWorkflow")
+    with pytest.raises(KeyError, match="has no 'Missing'"):
+        get_workflow(f"{path}:Missing")
+    with pytest.raises(KeyError, match="is not a subclass of workflows.Workflow"):
+        get_workflow(f"{path}:shout_reward")
+    with pytest.raises(TypeError, match=r"takes no argument\(s\) \['loudness'\]"):
+        get_reward_fn(f"{path}:shout_reward", loudness=2)
+
+
+def test_the_explorer_names_a_workflow_or_reward_fn_that_does_not_exist_before_any_work():
+    import configs
+    from explore import check_workflows
+
+    cfg = configs.Config()
+    ts = configs.TasksetConfig(name="arith", default_workflow_type="math_workflow", default_reward_fn_type="math_reward")
+    cfg.buffer.explorer_input.tasksets = [ts]
+    check_workflows(cfg)
+    ts.default_workflow_type = "math_workflw"
+    with pytest.raises(configs.ConfigError, match=r"tasksets\[0\] \(arith\): unknown workflow 'math_workflw'\. "
+                                                  r"Did you mean 'math_workflow'\?"):
+        check_workflows(cfg)
+    ts.default_workflow_type, ts.reward_fn_args = "math_workflow", {"last_number_fallbak": False}
+    with pytest.raises(configs.ConfigError, match=r"math_reward' takes no argument\(s\) \['last_number_fallbak'\]"):
+        check_workflows(cfg)

@@ -12,7 +12,9 @@ The contract (Trinity-RFT's `Workflow`, ../shared/reference/trinity-inventory.md
     named components (e.g. {"accuracy": 1.0, "format_score": 0.1}); the reward is their sum and each
     component is also stored in `exp.metrics` so it gets logged. `reward_fn_args` from the config
     are bound once (`get_reward_fn`); `workflow_args` are read by the workflow from the task.
-  - Registries are plain dicts, one line per entry; adding a task = one new file + one line here.
+  - Registries are plain dicts, one line per entry; adding a task = one new file + one line here, or no
+    line at all: a workflow or reward function named `module:attr` / `path/file.py:attr` in the YAML is
+    imported from there (`load_object`).
 
 Multi-turn workflows keep each episode as token ids (workflows/episode.py: no re-rendering of history, action
 mask on the model's own tokens); `tool_workflow` (workflows/tool_use.py) runs tool calls between turns.
@@ -26,7 +28,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
+import importlib.util
 import inspect
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from buffer import Experience
@@ -138,19 +143,51 @@ def _unknown(kind: str, name: str, known: dict) -> KeyError:
     return KeyError(f"unknown {kind} {name!r}.{hint} Known: {', '.join(sorted(known))}")
 
 
+@functools.lru_cache(maxsize=None)  # once per process: get_workflow runs for every task
+def load_object(spec: str, kind: str) -> Any:
+    """`module:attr` or `path/to/file.py:attr`: a workflow or reward function of the user's own, named in the
+    YAML, without editing the project (the module is imported as any Python module: the config is trusted)."""
+    module, _, attr = spec.rpartition(":")
+    try:
+        if module.endswith(".py"):
+            loaded = importlib.util.spec_from_file_location(Path(module).stem, module)
+            if loaded is None or not Path(module).is_file():
+                raise ImportError(f"no file {module}")
+            mod = importlib.util.module_from_spec(loaded)
+            loaded.loader.exec_module(mod)
+        else:
+            mod = importlib.import_module(module)
+    except ImportError as e:
+        raise KeyError(f"{kind} {spec!r}: cannot import {module!r} ({e})") from e
+    if not hasattr(mod, attr):
+        raise KeyError(f"{kind} {spec!r}: {module!r} has no {attr!r}")
+    return getattr(mod, attr)
+
+
 def get_workflow(name: str) -> type[Workflow]:
-    """The workflow class registered under `name`; KeyError listing the known names otherwise."""
+    """The workflow class registered under `name`, or named `module:attr` (load_object); KeyError listing the
+    known names otherwise."""
+    if ":" in name:
+        cls = load_object(name, "workflow")
+        if not (isinstance(cls, type) and issubclass(cls, Workflow)):
+            raise KeyError(f"workflow {name!r} is not a subclass of workflows.Workflow")
+        return cls
     if name not in WORKFLOWS:
         raise _unknown("workflow", name, WORKFLOWS)
     return WORKFLOWS[name]
 
 
 def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
-    """The reward function `name` with `reward_fn_args` bound; unknown names or args fail here,
-    at construction, not at the first response."""
-    if name not in REWARD_FNS:
+    """The reward function `name` (registered, or `module:attr`) with `reward_fn_args` bound; unknown names or
+    args fail here, at construction, not at the first response."""
+    if ":" in name:
+        fn = load_object(name, "reward function")
+        if not callable(fn):
+            raise KeyError(f"reward function {name!r} is not callable")
+    elif name not in REWARD_FNS:
         raise _unknown("reward function", name, REWARD_FNS)
-    fn = REWARD_FNS[name]
+    else:
+        fn = REWARD_FNS[name]
     params = inspect.signature(fn).parameters
     bad = [k for k in reward_fn_args if k not in params or k in ("response", "reference")]
     if bad:
