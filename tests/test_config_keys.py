@@ -92,8 +92,9 @@ REFUSAL_CASES = {
                                        "tasksets[0].rollout_args.logprobs = 2 is refused"),
     ("ModelConfig", "repetition_penalty"): ({"model": {"repetition_penalty": 1.1}, "explorer": {"rollout_model": {
         "engine_type": "hf"}}}, "model.repetition_penalty = 1.1 is refused: not supported by the HF engine"),
-    ("InferenceModelConfig", "enable_history"): ({"explorer": {"rollout_model": {"enable_history": True}}},
-                                                 "explorer.rollout_model.enable_history = True is refused: it records the calls"),
+    ("InferenceModelConfig", "enable_history"): (
+        {"explorer": {"rollout_model": {"enable_history": True}}},
+        "explorer.rollout_model.enable_history = True is refused: it records the calls"),
     ("TrainerConfig", "ulysses_sequence_parallel_size"): ({"trainer": {"ulysses_sequence_parallel_size": 2}},
                                                           "ulysses_sequence_parallel_size = 2 is refused"),
     ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},
