@@ -237,12 +237,17 @@ def pick(units: list[list[Experience]], first: int, count: int, tag: str) -> lis
 # --- the trainer's batches: the step batch (dense, built once), packed micro-batches, log-probs and values
 
 
+def episode_key(x: Experience, b: int) -> tuple:
+    """The turns of one multi-turn episode share it (their group and info["episode"]); any other row is its own."""
+    return (x.group_id, x.info["episode"]) if x.group_id and "episode" in x.info else ("row", b)
+
+
 def step_batch(
     exps: list[Experience], width: int, temperatures: dict[str, float] | None = None
 ) -> dict[str, torch.Tensor]:
     """The step's experiences as dense tensors, built once; the trainer's later phases read and extend it.
     Per sequence [B]: prompt_lengths, response_lengths, rewards, group_index (a task's repeats share it; an
-    experience without a group is its own), prompt_index (same prompt token ids, same index: pack() shares
+    experience without a group is its own), episode_index (the turns of one episode share it), prompt_index (same prompt token ids, same index: pack() shares
     them), expert (mix: expert SFT rows), has_rollout_logprobs, temperature (the one it was sampled at, recorded
     by the rollout handle; else that of the taskset that produced it, from `temperatures`; else 1). A response to
     a truncated prompt gets an empty response_mask. Prompts [B,P] right-padded. Per response token [B,T]: responses
@@ -255,6 +260,7 @@ def step_batch(
     batch = {"prompts": torch.zeros(B, P, dtype=torch.long), "responses": torch.zeros(B, T, dtype=torch.long),
              "response_mask": torch.zeros(B, T, dtype=torch.bool), "rollout_logprobs": torch.zeros(B, T)}
     groups: dict[str, int] = {}
+    episodes: dict[tuple, int] = {}
     prompts: dict[tuple[int, ...], int] = {}
     for b, x in enumerate(exps):
         p, r = x.prompt_length, x.response_length
@@ -267,12 +273,14 @@ def step_batch(
         if x.logprobs is not None:
             batch["rollout_logprobs"][b, :r] = x.logprobs
         groups.setdefault(x.group_id or f"id/{x.id}/{b}", len(groups))
+        episodes.setdefault(episode_key(x, b), len(episodes))
         prompts.setdefault(tuple(x.tokens[:p].tolist()), len(prompts))
     batch |= {
         "prompt_lengths": torch.tensor([x.prompt_length for x in exps]),  # [B]
         "response_lengths": torch.tensor([x.response_length for x in exps]),  # [B]
         "rewards": torch.tensor([float(x.reward or 0.0) for x in exps]),  # [B]
         "group_index": torch.tensor([groups[x.group_id or f"id/{x.id}/{b}"] for b, x in enumerate(exps)]),  # [B]
+        "episode_index": torch.tensor([episodes[episode_key(x, b)] for b, x in enumerate(exps)]),  # [B]
         "prompt_index": torch.tensor([prompts[tuple(x.tokens[: x.prompt_length].tolist())] for x in exps]),  # [B]
         "expert": torch.tensor([bool(x.info.get("expert")) for x in exps]),  # [B]
         "has_rollout_logprobs": torch.tensor([x.logprobs is not None for x in exps]),  # [B]

@@ -33,7 +33,7 @@ import functools
 from typing import Callable
 
 from algos import (asymre, cispo, dpo, entropy, gae, grpo, gspo, importance_sampling, kl, mix, opmd, ppo_loss, rec,
-                   reinforce, reinforceplusplus, rloo, sample, sapo, sft_loss, sppo, topr)
+                   reinforce, reinforceplusplus, rloo, sample, sapo, sft_loss, sppo, step_wise_grpo, topr)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +64,7 @@ PRESETS: dict[str, Preset] = {
     "sapo": Preset(2, "grpo", "sapo", "k2"),
     "sppo": Preset(2, "opmd", "sppo", "none", entropy_loss_fn="none", use_reference=False),
     "rec": Preset(2, "rec", "rec", "k2"),
+    "multi_step_grpo": Preset(8, "step_wise_grpo", "ppo", "k2"),  # one experience per turn (step_wise)
     "mix": Preset(8, "grpo", "mix", "k2", entropy_loss_fn="mix", sample_strategy="mix"),
     "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True,
                   schema="sft"),
@@ -73,6 +74,7 @@ PRESETS: dict[str, Preset] = {
 
 ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
     "grpo": (grpo.compute, grpo.Config),
+    "step_wise_grpo": (step_wise_grpo.compute, step_wise_grpo.Config),
     "ppo": (gae.compute, gae.Config),
     "reinforceplusplus": (reinforceplusplus.compute, reinforceplusplus.Config),
     "reinforce": (reinforce.compute, reinforce.Config),

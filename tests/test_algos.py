@@ -192,6 +192,7 @@ def random_batch(seed=0, B=3, T=5):
     return {"old_logprobs": -torch.rand(B, T, generator=g), "ref_logprobs": -torch.rand(B, T, generator=g),
             "advantages": torch.randn(B, T, generator=g), "response_mask": mask,
             "rewards": torch.rand(B, generator=g), "group_index": torch.arange(B) // 2,  # [0, 0, 1] for B = 3
+            "episode_index": torch.arange(B),  # single-turn rows: each its own episode
             "expert_mask": torch.zeros(B, T)}  # no expert SFT rows (mix)
 
 
@@ -213,7 +214,8 @@ def test_registries_cover_expected_names():
     assert set(POLICY_LOSS_FNS) == set(POLICY_METRICS)
     assert set(ENTROPY_LOSS_FNS) == set(ENTROPY_METRICS)
     assert set(KL_FNS) == set(kl.KINDS)
-    assert set(ADVANTAGE_FNS) == {"grpo", "ppo", "reinforceplusplus", "reinforce", "rloo", "opmd", "asymre", "rec"}
+    assert set(ADVANTAGE_FNS) == {"grpo", "ppo", "reinforceplusplus", "reinforce", "rloo", "opmd", "asymre", "rec",
+                                  "step_wise_grpo"}
 
 
 @pytest.mark.parametrize("name", list(POLICY_LOSS_FNS))

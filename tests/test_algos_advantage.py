@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from algos import ADVANTAGE_FNS, asymre, gae, grpo, opmd, reinforce, reinforceplusplus, rloo
+from algos import ADVANTAGE_FNS, asymre, gae, grpo, opmd, reinforce, reinforceplusplus, rloo, step_wise_grpo
 from algos.utils import group_mean, masked_whiten
 
 
@@ -161,6 +161,23 @@ def test_grpo_batch_std():
         grpo.compute(group_batch([1.0], [0]), grpo.Config(std_cal_level="global"))
 
 
+def test_step_wise_grpo_normalises_over_episodes_and_gives_each_turn_its_episodes_advantage():
+    # group 0: episode A (2 turns, reward 1) rows 0-1, B (1 turn, 0) row 2; group 1: C (1 turn, 2) row 3,
+    # D (3 turns, 0) rows 4-6. Per group over EPISODES: [1, 0] and [2, 0] -> mean 0.5 / 1, unbiased std 0.7071 / 1.4142
+    # -> A = +-0.7071 in both groups, whatever the number of turns (per-row GRPO would weigh A twice and D 3 times)
+    batch = {"rewards": torch.tensor([1.0, 1, 0, 2, 0, 0, 0]), "group_index": torch.tensor([0, 0, 0, 1, 1, 1, 1]),
+             "episode_index": torch.tensor([0, 0, 1, 2, 3, 3, 3]), "response_mask": torch.ones(7, 2, dtype=torch.bool)}
+    a = 1 / math.sqrt(2)
+    out, metrics = step_wise_grpo.compute(batch, step_wise_grpo.Config())
+    assert out["advantages"][:, 0].tolist() == pytest.approx([a, a, -a, a, -a, -a, -a], abs=1e-5)
+    assert out["advantages"][:, 1].tolist() == out["advantages"][:, 0].tolist() and out["keep"].all()
+    assert (metrics["experience_count"], metrics["episode_count"]) == (7, 4)
+    out, _ = step_wise_grpo.compute(batch, step_wise_grpo.Config(enable_step_norm=True))  # A_e / S_e
+    assert out["advantages"][:, 0].tolist() == pytest.approx([a / 2, a / 2, -a, a, -a / 3, -a / 3, -a / 3], abs=1e-5)
+    per_row, _ = grpo.compute(batch, grpo.Config())
+    assert per_row["advantages"][0, 0].item() != pytest.approx(a, abs=1e-3)  # what counting turns would give
+
+
 # --- properties of every registered advantage fn
 
 
@@ -176,7 +193,8 @@ def full_batch(mask, groups, seed=0):
     token_rewards = token_rewards * mask - 0.01 * torch.rand(B, T, generator=g) * mask  # KL penalty on valid tokens
     return {"rewards": rewards, "token_level_rewards": token_rewards, "response_mask": mask,
             "values": torch.randn(B, T, generator=g) * 3,  # garbage on padding: must be masked
-            "group_index": torch.as_tensor(groups, dtype=torch.long)}
+            "group_index": torch.as_tensor(groups, dtype=torch.long),
+            "episode_index": torch.arange(B)}  # single-turn rows: each its own episode
 
 
 EDGE_CASES = {

@@ -51,6 +51,12 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.C
         over["buffer.trainer_input.auxiliary_buffers"] = {"sft_dataset": {
             "storage_type": "file", "path": str(data / "sft.jsonl"), "format": {"prompt_type": "messages"}}}
         over["algorithm.sample_strategy_args"] = {"expert_data_ratio": 0.5}
+    if preset == "multi_step_grpo":  # tool_workflow, one experience per turn
+        tools = {"name": "arith_tools", "path": str(data.parent / "arith_tools"), "split": "train",
+                 "format": {"prompt_key": "question", "response_key": "answer"},
+                 "workflow_args": {"step_wise": True, "max_turns": 2}}
+        over |= {"buffer.default_workflow_type": "tool_workflow", "model.max_model_len": 200,
+                 "buffer.explorer_input.taskset": tools, "buffer.explorer_input.eval_tasksets": []}
     return launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
 
 

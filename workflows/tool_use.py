@@ -80,13 +80,16 @@ class ToolWorkflow(Workflow):
                     continue
                 calls[k] += len(found)
                 e.add([tool_message(run_tool(tools, c, float(args.get("tool_timeout", 10)))) for c in found])
-        return [exp for e, n in zip(episodes, calls) for exp in self.score(e, n, bool(args.get("step_wise")))]
+        return [exp for k, (e, n) in enumerate(zip(episodes, calls))
+                for exp in self.score(e, n, bool(args.get("step_wise")), k)]
 
-    def score(self, episode: Episode, calls: int, step_wise: bool) -> list[Experience]:
-        """The episode's experience(s), rewarded for its last reply (the answer; a tool call if it never answered)."""
+    def score(self, episode: Episode, calls: int, step_wise: bool, k: int) -> list[Experience]:
+        """Episode k's experience(s), rewarded for its last reply (the answer; a tool call if it never answered);
+        info["episode"] = k ties the turns of one episode together (step_wise_grpo)."""
         components = self.reward_fn(episode.messages_text(-1), self.task.reference)
         exps = episode.turn_experiences() if step_wise else [episode.experience()]
         for exp in exps:
             apply_reward(exp, components)
             exp.metrics.update({"tool_calls": float(calls), "turns": float(len(episode.turns))})
+            exp.info["episode"] = k
         return exps

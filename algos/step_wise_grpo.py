@@ -1,0 +1,48 @@
+"""Step-wise GRPO advantage for multi-turn episodes kept as one experience per turn (Trinity-RFT's
+`step_wise_grpo`, the advantage of its `multi_step_grpo` preset; GRPO: Shao et al., arXiv 2402.03300).
+
+Objective: a task's group holds G episodes (runs); episode e has steps (turns) s = 1..S_e, each an experience.
+    R_e = the episode's reward (every step of it carries it: workflows/tool_use.py with step_wise)
+    A_e = (R_e - mean_g(R)) / (std_g(R) + epsilon)         # GRPO over episodes, NOT over steps
+    A_e = A_e / S_e                                         # enable_step_norm
+    advantages[b, t] = A_{e(b)} * mask[b, t]                # every step of episode e; returns = advantages
+So an episode of 5 turns weighs no more in the group's statistics than one of 1 turn. The other options are
+grpo.py's (std_threshold, norm_adv_by_std_in_grpo, std_cal_level), applied to the episodes.
+
+Deviations from Trinity-RFT: R_e is the mean of its steps' rewards (equal to the last step's, which Trinity
+reads, when the steps carry the episode's reward); episodes are batch["episode_index"] [B] (the trainer numbers
+them from each experience's group and its info["episode"]), not experience-id strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from algos import grpo
+from algos.utils import group_mean
+
+
+@dataclasses.dataclass
+class Config(grpo.Config):
+    """advantage_fn_args for `step_wise_grpo`: grpo's, and enable_step_norm."""
+
+    enable_step_norm: bool = False
+    """Divide each episode's advantage by its number of steps S_e."""
+
+
+def compute(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Advantages from batch["rewards"] [B], ["group_index"] [B], ["episode_index"] [B], ["response_mask"] [B,T]."""
+    r = batch["rewards"].to(torch.float32)  # [B]
+    ei = batch["episode_index"].long()  # [B] episodes numbered 0..E-1
+    reward, steps = group_mean(r, ei)  # [E], [E]
+    group = torch.zeros_like(reward, dtype=torch.long).index_copy_(0, ei, batch["group_index"].long())  # [E]
+    episodes = {"rewards": reward, "group_index": group, "response_mask": torch.ones(len(reward), 1)}
+    out, metrics = grpo.compute(episodes, cfg)  # GRPO over the E episodes
+    score = out["advantages"][:, 0]  # [E]
+    if cfg.enable_step_norm:
+        score = score / steps.clamp(min=1.0)  # [E]
+    adv = score[ei][:, None] * batch["response_mask"].to(score.dtype)  # [B,T]
+    metrics |= {"experience_count": float(len(r)), "episode_count": float(len(reward))}
+    return {"advantages": adv, "returns": adv.clone(), "keep": out["keep"][ei]}, metrics
