@@ -445,6 +445,20 @@ class ModelHandle:
         self.max_prompt, self.truncate, self.ignore_eos = max_prompt_tokens, truncate, ignore_eos
         self.template_kwargs = template_kwargs or {}
         self.max_model_len = max_model_len  # prompt + response tokens (a multi-turn episode's context limit)
+        self.api: Any = None  # openai_api.OpenAIServer, when explorer.rollout_model.enable_openai_api
+
+    def openai_client(self) -> Any:
+        """An `openai.OpenAI` client of the explorer's OpenAI-compatible API (its model: `self.api.name`), in a
+        session of its own: with enable_history, `history(client)` turns its calls into experiences."""
+        if self.api is None:
+            raise RuntimeError("the OpenAI-compatible API is off: set explorer.rollout_model.enable_openai_api: true")
+        return self.api.client()
+
+    def history(self, client: Any) -> list[Experience]:
+        """Every choice of every call `client` made (openai_client), as an Experience, in call order."""
+        if self.api is None or not self.api.record:
+            raise RuntimeError("calls are recorded only with explorer.rollout_model.enable_history: true")
+        return self.api.history(client)
 
     @property
     def model_version(self) -> int:

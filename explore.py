@@ -42,6 +42,7 @@ from buffer import Experience, ExperienceDB
 from engines import ModelHandle, PromptTooLong, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint
 from monitor import Monitor
+from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks
 from workflows import build_workflow, get_reward_fn, get_workflow
 
@@ -283,6 +284,7 @@ def set_up(cfg: configs.Config) -> Explorer:
     """DB and saved position, engine (with the newest published weights), runners, monitor, eval tasks."""
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     check_workflows(cfg)
+    monitor = Monitor(cfg, role=name)  # first: it opens the log file that set-up's records go to
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
     tokenizer = config_tokenizer(cfg.model)
@@ -297,10 +299,22 @@ def set_up(cfg: configs.Config) -> Explorer:
     engine = make_engine(e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty,
                          cfg.cluster.colocate)
     engine.model_version = version
-    return Explorer(cfg, db, reader, step, engine, [rollout_handle(cfg, engine, tokenizer)],
-                    ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), Monitor(cfg, role=name),
+    return Explorer(cfg, db, reader, step, engine, [serve_api(cfg, rollout_handle(cfg, engine, tokenizer))],
+                    ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), monitor,
                     [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
                     total_steps(cfg, reader))
+
+
+def serve_api(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
+    """explorer.rollout_model.enable_openai_api: the OpenAI-compatible API over `handle` (openai_api.py), for
+    workflows that call `handle.openai_client()`; its model name is model.model_path (as vLLM's server names it)."""
+    rm = cfg.explorer.rollout_model
+    if rm.enable_openai_api:
+        handle.api = OpenAIServer(handle, cfg.model.model_path, rm.enable_history, rm.openai_api_host,
+                                  rm.openai_api_port)
+        log.info("explorer %s: OpenAI-compatible API at %s/v1 (model %r, history %s)", cfg.explorer.name,
+                 handle.api.start(), cfg.model.model_path, "on" if rm.enable_history else "off")
+    return handle
 
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
@@ -412,6 +426,9 @@ def finish(x: Explorer, code: int) -> int:
         sync.close_receiver(x.receiver)
     x.monitor.close()
     x.pool.shutdown(wait=False, cancel_futures=True)
+    for handle in x.handles:
+        if handle.api is not None:
+            handle.api.stop()
     log.info("explorer %s finished at step %d; %s", name, x.step, x.db.counts())
     return code
 
@@ -464,7 +481,7 @@ def bench(cfg: configs.Config) -> int:
     targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, cfg.model.model_path)]
     rm = cfg.explorer.rollout_model
     engine = make_engine(rm, targets[0][1], rm.max_model_len, cfg.model.repetition_penalty)
-    handles = [rollout_handle(cfg, engine, config_tokenizer(cfg.model))]
+    handles = [serve_api(cfg, rollout_handle(cfg, engine, config_tokenizer(cfg.model)))]
     pool = ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner")
     eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
     monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")
@@ -477,6 +494,8 @@ def bench(cfg: configs.Config) -> int:
         print(f"bench step {s} ({path}): {json.dumps(shown)}", flush=True)
     monitor.close()
     pool.shutdown(wait=False, cancel_futures=True)
+    if handles[0].api is not None:
+        handles[0].api.stop()
     return 0
 
 

@@ -22,6 +22,7 @@ perf/max_memory_allocated_gb).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -32,7 +33,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 import torch
 from tqdm import tqdm
@@ -274,3 +275,11 @@ def preview(exps: list, width: int = 300) -> dict[str, str]:
 def read_history(path: str | Path) -> list[dict]:
     """The JSONL history a Monitor wrote (for plots and summaries)."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@contextlib.contextmanager
+def timer(timing: dict[str, float], key: str) -> Iterator[None]:
+    """Seconds spent in the block, as timing[key] (the `time/...` metrics)."""
+    start = time.monotonic()
+    yield
+    timing[key] = time.monotonic() - start

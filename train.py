@@ -43,15 +43,13 @@ Deviations from veRL / Trinity-RFT:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import math
 import os
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -70,7 +68,7 @@ from buffer import Experience
 from configs.schema import OptimizerConfig
 from models import (TokenScorer, build_model, config_tokenizer, micro_batch, micro_batches, pack_units, score,
                     step_batch, unit_length)
-from monitor import Monitor, preview
+from monitor import Monitor, preview, timer
 from source import Source
 
 log = logging.getLogger("nanorft.train")
@@ -535,14 +533,6 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
         p.monitor.close()
     dist.destroy_process_group()
     return code
-
-
-@contextlib.contextmanager
-def timer(timing: dict[str, float], key: str) -> Iterator[None]:
-    """Seconds spent in the block, as timing[key]."""
-    start = time.monotonic()
-    yield
-    timing[key] = time.monotonic() - start
 
 
 # --- main

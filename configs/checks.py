@@ -94,6 +94,7 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (InferenceModelConfig, "tensor_parallel_size"): AT_LEAST_1,
     (InferenceModelConfig, "gpu_memory_utilization"): PROBABILITY,
     (InferenceModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
+    (InferenceModelConfig, "openai_api_port"): _num(lambda v: 0 <= v <= 65535, "0..65535 (0: a free port)"),
     (InferenceModelConfig, "dtype"): (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
     (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
     (ExplorerConfig, "max_timeout"): POSITIVE,
@@ -150,9 +151,9 @@ REFUSED: list[Rule] = [
     (ModelConfig, "repetition_penalty", lambda v, c: v != 1.0 and c.explorer.rollout_model.engine_type == "hf",
      "not supported by the HF engine: a penalised sample's log-prob would not be the one the trainer computes "
      "(vLLM applies it); set 1.0"),
-    (InferenceModelConfig, "enable_history", lambda v, c: v,
-     "it records the calls made through the explorer's OpenAI-compatible API, which nanorft does not have yet "
-     "(multi-turn workflows keep their own token-level history: workflows/episode.py)"),
+    (InferenceModelConfig, "enable_history", lambda v, c: v and not c.explorer.rollout_model.enable_openai_api,
+     "it records the calls made through the explorer's OpenAI-compatible API: set enable_openai_api: true as well "
+     "(multi-turn workflows on the model handle keep their own token-level history: workflows/episode.py)"),
     (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c: v != 1,
      "nanorft has no sequence parallelism; set 1"),
     (ModelConfig, "trust_remote_code", lambda v, c: v,

@@ -362,7 +362,15 @@ class InferenceModelConfig:
     max_model_len: Optional[int] = None
     """Context length of this engine; unset = model.max_model_len."""
     enable_history: bool = False
-    """Record every call of a workflow as an experience (multi-step workflows)."""
+    """Record the calls a workflow makes through the OpenAI-compatible API (ModelHandle.openai_client), so that it
+    can turn them into experiences (ModelHandle.history); needs enable_openai_api."""
+    enable_openai_api: bool = False
+    """Serve the rollout engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)
+    from the explorer, for workflows written against the `openai` client (openai_api.py)."""
+    openai_api_host: str = "127.0.0.1"
+    """Address the API binds to (loopback: only this machine can call it)."""
+    openai_api_port: int = 0
+    """Port of the API; 0 = a free one (logged at start)."""
     chat_template: str = ""
     """Chat template of the rollout prompts (a taskset's format.chat_template wins); empty = the model's."""
     ignore_eos: bool = False

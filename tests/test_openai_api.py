@@ -1,0 +1,119 @@
+"""openai_api.py: a real server (uvicorn, in a thread) over the real HF engine, hit by the real `openai` client."""
+
+import openai
+import pytest
+import torch
+
+from conftest import plain_logprobs
+from engines import HFEngine, ModelHandle
+from models import load_model
+from openai_api import OpenAIServer
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with HFEngine(tiny_model_dir) as engine:
+        handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 8}, max_model_len=256)
+        s = OpenAIServer(handle, "tiny", record=True)
+        s.start()
+        yield s
+        s.stop()
+
+
+def test_it_serves_on_loopback_and_lists_its_model(server):
+    assert server.url.startswith("http://127.0.0.1:")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    (model,) = client.models.list().data
+    assert model.id == "tiny" and model.max_model_len == 256
+
+
+def test_chat_completions_return_token_ids_and_the_trainers_log_probs(server, tiny_model_dir):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, n=3, temperature=0.7, max_tokens=5,
+                                         seed=1, logprobs=True, extra_body={"return_token_ids": True})
+    assert len(out.choices) == 3 and out.usage.completion_tokens == sum(len(c.token_ids) for c in out.choices)
+    prompt = out.prompt_token_ids
+    assert prompt == server.handle.tokenizer.encode(server.handle.render(MESSAGES), add_special_tokens=False)
+    ref = load_model(tiny_model_dir)
+    for c in out.choices:
+        assert 1 <= len(c.token_ids) <= 5 and len(c.logprobs.content) == len(c.token_ids)
+        got = torch.tensor([t.logprob for t in c.logprobs.content])
+        torch.testing.assert_close(got, plain_logprobs(ref, prompt + c.token_ids, len(prompt), 0.7), atol=1e-4,
+                                   rtol=0)
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    assert plain.choices[0].logprobs is None and not hasattr(plain, "prompt_token_ids")
+
+
+def test_text_completions(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    out = client.completions.create(model="tiny", prompt="2 + 3 =", max_tokens=4, temperature=0, logprobs=0)
+    (choice,) = out.choices
+    assert len(choice.logprobs.tokens) == len(choice.logprobs.token_logprobs) == out.usage.completion_tokens >= 1
+
+
+def test_bad_requests_get_named_errors(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
+    with pytest.raises(openai.NotFoundError, match="this explorer serves 'tiny'"):
+        client.chat.completions.create(model="gpt-4", messages=MESSAGES)
+    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=5)
+    with pytest.raises(openai.BadRequestError, match="leaves no room for a response"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 400}])
+
+
+def test_a_sessions_calls_become_experiences(server):
+    client = server.client()
+    first = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=4,
+                                           extra_body={"return_token_ids": True})
+    follow = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
+                         {"role": "user", "content": "Sure?"}]
+    second = client.chat.completions.create(model="tiny", messages=follow, max_tokens=4,
+                                            extra_body={"return_token_ids": True})
+    other = server.client()
+    other.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    exps = server.history(client)
+    assert len(exps) == 3  # two choices, then one: the other session's call is not here
+    assert exps[0].tokens.tolist() == first.prompt_token_ids + first.choices[0].token_ids
+    assert exps[2].tokens.tolist() == second.prompt_token_ids + second.choices[0].token_ids
+    assert exps[2].prompt_length == len(second.prompt_token_ids) and len(exps[2].logprobs) == exps[2].response_length
+    assert server.history(client) == [] and len(server.history(other)) == 1
+
+
+API_WORKFLOW = '''
+from workflows import Workflow, apply_reward
+
+
+class ApiWorkflow(Workflow):
+    """Written against the openai client: one call for the group, its recorded history as the experiences."""
+
+    default_reward_fn = "math_reward"
+
+    def run(self):
+        client = self.model.openai_client()
+        client.chat.completions.create(model=self.model.api.name, n=self.task.repeat_times, max_tokens=12,
+                                       temperature=1.0, messages=[{"role": "user", "content": self.task.prompt}])
+        return [apply_reward(e, self.reward_fn(e.response_text, self.task.reference))
+                for e in self.model.history(client)]
+'''
+
+
+def test_a_workflow_on_the_openai_client_trains_through_the_explorer(tmp_path, tiny_model_dir):
+    """mode both: the explorer serves its engine, a user's workflow (named file.py:Class in the YAML) calls it
+    with the openai client, its recorded calls become the experiences the trainer trains on."""
+    from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
+
+    (tmp_path / "api_flow.py").write_text(API_WORKFLOW)
+    config = both_config(tmp_path, tiny_model_dir, **{
+        "buffer.default_workflow_type": f"{tmp_path / 'api_flow.py'}:ApiWorkflow", "trainer.save_interval": 2,
+        "explorer.rollout_model": {"engine_type": "hf", "enable_openai_api": True, "enable_history": True}})
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    assert "OpenAI-compatible API at http://127.0.0.1:" in (run / "log" / "explorer.log").read_text()
+    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    # the experiences carry the log-probs of exactly the weights that served the calls
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
