@@ -34,6 +34,7 @@ import threading
 import time
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -396,10 +397,11 @@ class HFEngine:
 
 
 def make_engine(cfg_rollout_model, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
-                colocate: bool = False) -> Any:
+                colocate: bool = False, first_gpu: int = 0) -> Any:
     """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present. vLLM:
-    vllm_engine.make_pool (engine_num engines; `repetition_penalty` = model.repetition_penalty, which the config
-    refuses for the HF engine; `colocate`: sleep mode, the GPU is shared with the trainer)."""
+    vllm_engine.make_pool (engine_num engines from the explorer's GPU `first_gpu` on; `repetition_penalty` =
+    model.repetition_penalty, which the config refuses for the HF engine; `colocate`: sleep mode, the GPU is
+    shared with the trainer)."""
     kind = cfg_rollout_model.engine_type
     have_vllm, have_gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     if kind == "auto":
@@ -414,7 +416,7 @@ def make_engine(cfg_rollout_model, model_path: str, max_model_len: int, repetiti
         log.info("rollout engines: vLLM (%s), %d x tp %d", why, cfg_rollout_model.engine_num,
                  cfg_rollout_model.tensor_parallel_size)
         rm = dataclasses.replace(cfg_rollout_model, engine_type=kind)
-        return vllm_engine.make_pool(rm, model_path, max_model_len, repetition_penalty, colocate)
+        return vllm_engine.make_pool(rm, model_path, max_model_len, repetition_penalty, colocate, first_gpu)
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
     log.info("rollout engine: HF on %s %s (%s)", device, dtype, why)
     if cfg_rollout_model.engine_num > 1:
@@ -446,6 +448,7 @@ class ModelHandle:
         self.template_kwargs = template_kwargs or {}
         self.max_model_len = max_model_len  # prompt + response tokens (a multi-turn episode's context limit)
         self.api: Any = None  # openai_api.OpenAIServer, when explorer.rollout_model.enable_openai_api
+        self.auxiliary: dict[str, ModelHandle] = {}  # explorer.auxiliary_models by name (auxiliary_handles)
 
     def openai_client(self) -> Any:
         """An `openai.OpenAI` client of the explorer's OpenAI-compatible API (its model: `self.api.name`), in a
@@ -517,6 +520,23 @@ class ModelHandle:
                             truncate_status="prompt_truncated" if cut else "response_truncated" if c.truncated
                             else None, prompt_text=p, response_text=c.text, info=dict(info))
                  for c in f.result()] for p, (x, cut), f in zip(prompts, encoded, futures)]
+
+
+def auxiliary_handles(cfg) -> dict[str, ModelHandle]:
+    """explorer.auxiliary_models, each on engines of its own (vLLM: on the explorer's GPUs after the rollout
+    model's; HF: on the explorer's device), by name: the model folder's name (name#2, ... for repeats). Workflows
+    reach them as `self.auxiliary_models[name]` (e.g. a judge, workflows/judge.py)."""
+    rm, handles = cfg.explorer.rollout_model, {}
+    first = rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 0
+    for aux in cfg.explorer.auxiliary_models:
+        engine = make_engine(aux, aux.model_path, aux.max_model_len, first_gpu=first)
+        first += aux.engine_num * aux.tensor_parallel_size if aux.engine_type != "hf" else 0
+        tokenizer = load_tokenizer(aux.model_path)
+        tokenizer = with_template(tokenizer, aux.chat_template) if aux.chat_template else tokenizer
+        name = Path(aux.model_path.rstrip("/")).name
+        name = name if name not in handles else f"{name}#{sum(k.split('#')[0] == name for k in handles) + 1}"
+        handles[name] = ModelHandle(engine, tokenizer, {}, ignore_eos=aux.ignore_eos, max_model_len=aux.max_model_len)
+    return handles
 
 
 def rollout_handle(cfg, engine: Any, tokenizer) -> ModelHandle:

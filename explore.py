@@ -39,7 +39,7 @@ import configs
 import launch
 import sync
 from buffer import Experience, ExperienceDB
-from engines import ModelHandle, PromptTooLong, make_engine, rollout_handle
+from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint
 from monitor import Monitor
 from openai_api import OpenAIServer
@@ -306,8 +306,10 @@ def set_up(cfg: configs.Config) -> Explorer:
 
 
 def serve_api(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
-    """explorer.rollout_model.enable_openai_api: the OpenAI-compatible API over `handle` (openai_api.py), for
-    workflows that call `handle.openai_client()`; its model name is model.model_path (as vLLM's server names it)."""
+    """The rollout handle's extras: explorer.auxiliary_models' engines (handle.auxiliary, by name), and with
+    explorer.rollout_model.enable_openai_api the OpenAI-compatible API over it (openai_api.py), for workflows that
+    call `handle.openai_client()`; its model name is model.model_path (as vLLM's server names it)."""
+    handle.auxiliary = auxiliary_handles(cfg)
     rm = cfg.explorer.rollout_model
     if rm.enable_openai_api:
         handle.api = OpenAIServer(handle, cfg.model.model_path, rm.enable_history, rm.openai_api_host,

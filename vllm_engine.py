@@ -266,10 +266,11 @@ def explorer_gpus(count: int) -> list[str]:
 
 
 def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
-              colocate: bool = False) -> EnginePool:
-    """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated)."""
+              colocate: bool = False, first_gpu: int = 0) -> EnginePool:
+    """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated),
+    from the explorer's GPU `first_gpu` on (auxiliary models come after the rollout model's)."""
     cls = AsyncVLLMEngine if rm.engine_type == "vllm_async" else VLLMEngine
-    tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())
+    tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())[first_gpu:]
     if len(gpus) < rm.engine_num * tp:
         raise RuntimeError(f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
                            f"this explorer sees {len(gpus)} ({gpus})")

@@ -188,8 +188,6 @@ def filtered_vllm_rollouts(c: Config) -> bool:
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
 # Values accepted with a warning at start that says what will not happen.
 WARNED: list[Rule] = [
-    (ExplorerConfig, "auxiliary_models", lambda v, c: bool(v),
-     "auxiliary models are not started yet: workflows cannot call them, and they take no GPUs from the split"),
     (InferenceModelConfig, "engine_num", lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
      "the HF engine runs as one engine (several are a vLLM option); the GPU split counts one"),
     (InferenceModelConfig, "enforce_eager", lambda v, c: v and c.explorer.rollout_model.engine_type == "hf",

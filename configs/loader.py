@@ -519,6 +519,11 @@ def _derive_trainer_explorer(c: Config) -> None:
     t.trainer_strategy = {"fsdp": "fsdp2"}.get(t.trainer_strategy, t.trainer_strategy)  # both mean fully_shard
     rm = c.explorer.rollout_model
     rm.max_model_len = rm.max_model_len or c.model.max_model_len
+    for i, aux in enumerate(c.explorer.auxiliary_models):
+        aux.max_model_len = aux.max_model_len or c.model.max_model_len
+        if not aux.model_path:
+            raise ConfigError(f"explorer.auxiliary_models[{i}].model_path is empty: an auxiliary model serves its "
+                              "own model")
     if rm.max_model_len < c.model.max_model_len:
         raise ConfigError(f"explorer.rollout_model.max_model_len ({rm.max_model_len}) is below model.max_model_len "
                           f"({c.model.max_model_len}): the engine could not hold a full prompt + response")
@@ -536,8 +541,10 @@ def _derive_cluster(c: Config) -> None:
     gpus = cl.gpu_per_node * cl.node_num
     rm = e.rollout_model
     rm.engine_type = _engine_type(rm.engine_type, gpus)
-    # NOTE: auxiliary models are not started (configs/checks.py warns): only what runs is given GPUs.
-    explorer_gpus = rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1
+    for aux in e.auxiliary_models:  # each on its own vLLM engines, after the rollout model's GPUs; HF: shares its device
+        aux.engine_type = _engine_type(aux.engine_type, gpus)
+    vllm_gpus = [m.engine_num * m.tensor_parallel_size if m.engine_type != "hf" else 0 for m in e.auxiliary_models]
+    explorer_gpus = (rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1) + sum(vllm_gpus)
     if gpus == 0 or c.mode == "train":
         explorer_gpus = 0
     cl.colocate = bool(gpus == 1 and c.mode == "both")
@@ -547,7 +554,7 @@ def _derive_cluster(c: Config) -> None:
     cl.explorer_gpu_num = explorer_gpus
     cl.trainer_gpu_num = {"train": gpus, "both": 1 if cl.colocate else gpus - explorer_gpus}.get(c.mode, 0)
     engines = (f"explorer.rollout_model.engine_num {rm.engine_num} x tensor_parallel_size {rm.tensor_parallel_size}"
-               f" = {explorer_gpus} GPUs")
+               + (f" + auxiliary models' {sum(vllm_gpus)}" if sum(vllm_gpus) else "") + f" = {explorer_gpus} GPUs")
     if gpus and explorer_gpus > gpus:
         raise ConfigError(f"cluster: the rollout engines need {engines}, cluster.gpu_per_node gives {gpus}")
     if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
@@ -563,6 +570,9 @@ def _derive_colocation(c: Config) -> None:
     trainer steps, explore.py); weights over the process group travel through host memory (gloo: NCCL cannot join
     two ranks on one GPU)."""
     rm = c.explorer.rollout_model
+    if any(m.engine_type != "hf" for m in c.explorer.auxiliary_models):
+        raise ConfigError("explorer.auxiliary_models: a vLLM auxiliary model needs GPUs of its own; on one GPU shared "
+                          "by the explorer and the trainer, give it engine_type: hf")
     if rm.engine_type != "hf" and (rm.engine_num, rm.tensor_parallel_size) != (1, 1):
         raise ConfigError(f"explorer.rollout_model: engine_num {rm.engine_num} x tensor_parallel_size "
                           f"{rm.tensor_parallel_size} on one GPU shared with the trainer: both must be 1")

@@ -180,10 +180,12 @@ def test_gpu_split(tmp_path, caplog):
     with pytest.raises(ConfigError, match="engine_num 2 x tensor_parallel_size 8 = 16 GPUs, cluster.gpu_per_node gives 8"):
         derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.tensor_parallel_size", "8"])[0])
     aux = base + "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2}]\n"
-    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
-        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux)])[0])
-    assert cfg.cluster.explorer_gpu_num == 4  # auxiliary models are not started, so they take no GPUs
-    assert "explorer.auxiliary_models" in caplog.text and "not started" in caplog.text
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux)])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (6, 2)  # a vLLM judge's GPUs count
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux.replace("judge, engine_type: vllm", "judge, engine_type: hf"))])[0])
+    assert cfg.cluster.explorer_gpu_num == 4  # an HF auxiliary model shares the explorer's device
+    with pytest.raises(ConfigError, match="auxiliary models' 2 = 6 GPUs of cluster.gpu_per_node 6"):
+        derive(cli(["--config", write(tmp_path, aux), "--cluster.gpu_per_node", "6"])[0])
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")])[0])
     # 0 means no GPU, whatever the machine has: the HF engine and nothing to split
     assert cfg.cluster.gpu_per_node == 0 and cfg.explorer.rollout_model.engine_type == "hf"

@@ -110,8 +110,6 @@ REFUSAL_CASES = {
                                             "trainer.critic.optimizer_offload = True is refused"),
 }
 WARNING_CASES = {
-    ("ExplorerConfig", "auxiliary_models"): ({"explorer": {"auxiliary_models": [{"model_path": "judge"}]}},
-                                             "explorer.auxiliary_models"),
     ("InferenceModelConfig", "engine_num"): ({"explorer": {"rollout_model": {"engine_type": "hf", "engine_num": 4}}},
                                              "explorer.rollout_model.engine_num = 4: the HF engine runs as one"),
     ("InferenceModelConfig", "enforce_eager"): ({"explorer": {"rollout_model": {"engine_type": "hf",

@@ -212,3 +212,35 @@ def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_
     assert "[trainer] step 1/3 " in (run / "log" / "trainer.log").read_text()
     # step 1's published weights were deleted once step 3's came (no checkpoint there, no explorer to load them)
     assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_2", "global_step_3"]
+
+
+AUX_WORKFLOW = '''
+from workflows import Workflow, apply_reward
+
+
+class AskTheJudge(Workflow):
+    """The policy answers; the auxiliary model (a second engine in the explorer) is asked about each answer."""
+
+    def run(self):
+        exps = self.model.chat([{"role": "user", "content": self.task.prompt}], n=self.task.repeat_times)
+        (name,) = self.auxiliary_models
+        for e in exps:
+            (said,) = self.auxiliary_models[name].chat([{"role": "user", "content": e.response_text}], max_tokens=4)
+            apply_reward(e, {"aux_tokens": float(said.response_length), "aux_is_" + name.replace("-", "_"): 1.0})
+        return exps
+'''
+
+
+def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_path, tiny_model_dir):
+    (tmp_path / "aux_flow.py").write_text(AUX_WORKFLOW)
+    config = both_config(tmp_path, tiny_model_dir, **{
+        "buffer.default_workflow_type": f"{tmp_path / 'aux_flow.py'}:AskTheJudge", "buffer.total_steps": 2,
+        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf"}],
+        "buffer.explorer_input.eval_tasksets": []})
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    with ExperienceDB(f"sqlite:///{run / 'buffer' / 'exp.db'}") as db:
+        metrics = [json.loads(m)["metrics"] for (m,) in db.conn.execute("SELECT meta FROM payloads")]
+    assert len(metrics) == 8 and all(m["aux_is_tiny_qwen2"] == 1.0 and 1 <= m["aux_tokens"] <= 4 for m in metrics)
+    assert (run / "log" / "explorer.log").read_text().count("rollout engine: HF on cpu") == 2

@@ -24,6 +24,7 @@ from workflows import (
     sampling_kwargs,
 )
 from workflows.countdown import PROMPT, countdown_reward, evaluate, parse_equation
+from workflows.judge import JudgeError, parse_grade
 from workflows.math import (
     accuracy_reward,
     extract_answer,
@@ -335,3 +336,44 @@ def test_the_explorer_names_a_workflow_or_reward_fn_that_does_not_exist_before_a
     ts.default_workflow_type, ts.reward_fn_args = "math_workflow", {"last_number_fallbak": False}
     with pytest.raises(configs.ConfigError, match=r"math_reward' takes no argument\(s\) \['last_number_fallbak'\]"):
         check_workflows(cfg)
+
+
+# --- an auxiliary model as a judge
+
+
+@pytest.mark.parametrize("reply,grade", [("Matches. Score: 10", 1.0), ("Score: 3\nno, Score: 7.5", 0.75),
+                                         ("Score:0", 0.0)])
+def test_parse_grade(reply, grade):
+    assert parse_grade(reply) == grade
+
+
+@pytest.mark.parametrize("reply", ["Looks fine.", "Score: 11", "Score: -1", "score 5", ""])
+def test_parse_grade_refuses_ungraded_output(reply):
+    with pytest.raises(JudgeError):
+        parse_grade(reply)
+
+
+class Judge(FakeModel):
+    """A judge that replies with the scripted texts in turn; records the prompts and temperatures it got."""
+
+    def chat(self, messages, n=1, **sampling):
+        self.calls.append({"messages": messages, **sampling})
+        text = self.responses.pop(0)
+        return [Experience(tokens=torch.arange(4), prompt_length=2, response_text=text)]
+
+
+def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
+    model = FakeModel(["#### 42", "#### 41"])
+    model.auxiliary = {"judge-7b": Judge(["ok. Score: 10", "hmm", "wrong. Score: 2"])}
+    exps = build_workflow(make_task("llm_judge_workflow", "", repeat_times=2), model).run()
+    assert [e.reward for e in exps] == [1.0, 0.2] and exps[1].metrics == {"judge": 0.2}
+    calls = model.auxiliary["judge-7b"].calls
+    assert "Response: #### 41" in calls[1]["messages"][0]["content"] and "Reference answer: #### 42" in \
+        calls[1]["messages"][0]["content"]
+    assert [c["temperature"] for c in calls] == [0.0, 0.0, 0.7]  # "hmm" had no grade: asked again, sampled
+    model.auxiliary = {"judge-7b": Judge(["fine", "fine", "fine"])}
+    with pytest.raises(JudgeError, match=r"after 3 replies: no `Score: N` in the judge's reply 'fine'"):
+        build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
+    model.auxiliary = {}
+    with pytest.raises(ValueError, match="needs a judge in explorer.auxiliary_models"):
+        build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()

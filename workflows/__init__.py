@@ -20,7 +20,8 @@ Multi-turn workflows keep each episode as token ids (workflows/episode.py: no re
 mask on the model's own tokens); `tool_workflow` (workflows/tool_use.py) runs tool calls between turns.
 
 Departures from Trinity: no async twins, no `can_reset` / `can_repeat` flags (single-turn workflows ask for all
-`repeat_times` responses in one `chat(n=...)` call), no auxiliary models yet.
+`repeat_times` responses in one `chat(n=...)` call). Auxiliary models (`explorer.auxiliary_models`, e.g. a
+judge: workflows/judge.py) are `self.auxiliary_models[name]`, handles like `self.model`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Workflow:
     def __init__(self, task: Task, model: ModelHandle, reward_fn: RewardFn | None) -> None:
         self.task = task
         self.model = model
+        self.auxiliary_models: dict[str, ModelHandle] = getattr(model, "auxiliary", {})  # e.g. a judge, by name
         if reward_fn is None and self.default_reward_fn is not None:
             reward_fn = get_reward_fn(self.default_reward_fn, **task.reward_fn_args)
         self.reward_fn = reward_fn
@@ -116,6 +118,7 @@ def apply_reward(exp: Experience, components: dict[str, float]) -> Experience:
 # NOTE: imported here, below the base class, because each workflow file subclasses `Workflow`
 # from this module (a circular import that works only in this order).
 from workflows.countdown import CountdownWorkflow, countdown_reward  # noqa: E402
+from workflows.judge import JudgeWorkflow  # noqa: E402
 from workflows.math import MathWorkflow, accuracy_reward, format_reward, math_reward, random_reward  # noqa: E402
 from workflows.simple import SimpleWorkflow  # noqa: E402
 from workflows.tool_use import ToolWorkflow  # noqa: E402
@@ -126,6 +129,7 @@ WORKFLOWS: dict[str, type[Workflow]] = {
     "countdown_workflow": CountdownWorkflow,
     "countdown": CountdownWorkflow,  # the name TinyZero users know
     "tool_workflow": ToolWorkflow,  # multi-turn, with tools (workflows/tool_use.py)
+    "llm_judge_workflow": JudgeWorkflow,  # graded by an auxiliary model (workflows/judge.py)
 }
 
 REWARD_FNS: dict[str, RewardFn] = {

@@ -1,0 +1,77 @@
+"""llm_judge_workflow: the policy answers, an auxiliary model grades each answer (LLM as a judge; Trinity's
+rubric_judge_workflow, cut down).
+
+The group's `repeat_times` responses come from one `chat(n=...)` call; each is shown to the judge
+(`explorer.auxiliary_models`, named by `workflow_args.judge`, default the first) with the question and the
+reference answer, greedily; its reply must contain `Score: N` with N in [0, max_score]. A reply without one is
+asked again at temperature 0.7, up to `judge_retries` more times; then the task fails with the judge's reply in
+the message (never a silent 0: an ungraded response is no data point).
+
+Worked example (max_score 10):
+    question "What is 6 x 7?", reference "#### 42", response "#### 42"
+    judge: "The response states 42, which matches. Score: 10"  -> {"judge": 1.0}, reward 1.0
+    judge: "Looks fine."                                        -> asked again; ungraded every time -> JudgeError
+
+workflow_args: judge (auxiliary model name), max_score (10), judge_retries (2), judge_max_tokens (64),
+system_prompt (the policy's).
+"""
+
+from __future__ import annotations
+
+import re
+
+from buffer import Experience
+from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
+
+PROMPT = ("Grade the response to the question against the reference answer.\n"
+          "Question: {question}\nReference answer: {reference}\nResponse: {response}\n"
+          "Reply with your reasoning, then a last line `Score: N` with N from 0 to {max_score}.")
+_SCORE = re.compile(r"Score:\s*(-?\d+(?:\.\d+)?)")
+
+
+class JudgeError(ValueError):
+    """The judge gave no usable grade."""
+
+
+def parse_grade(text: str, max_score: float = 10.0) -> float:
+    """The judge's grade in [0, 1]: the last `Score: N` of `text` divided by max_score; JudgeError when there is
+    none or N is outside [0, max_score]."""
+    found = _SCORE.findall(text)
+    if not found:
+        raise JudgeError(f"no `Score: N` in the judge's reply {text[-200:]!r}")
+    score = float(found[-1])
+    if not 0 <= score <= max_score:
+        raise JudgeError(f"the judge's score {score:g} is outside [0, {max_score:g}]")
+    return score / max_score
+
+
+class JudgeWorkflow(Workflow):
+    """llm_judge_workflow: responses graded by an auxiliary model."""
+
+    def run(self) -> list[Experience]:
+        task, args = self.task, self.task.workflow_args
+        if not self.auxiliary_models:
+            raise ValueError(f"{task.task_id}: llm_judge_workflow needs a judge in explorer.auxiliary_models")
+        name = args.get("judge", next(iter(self.auxiliary_models)))
+        if name not in self.auxiliary_models:
+            raise ValueError(f"{task.task_id}: no auxiliary model {name!r}; there are {list(self.auxiliary_models)}")
+        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
+                               **sampling_kwargs(task.rollout_args))
+        for exp in exps:
+            apply_reward(exp, {"judge": self.grade(self.auxiliary_models[name], exp.response_text)})
+        return exps
+
+    def grade(self, judge, response: str) -> float:
+        """The judge's grade of one response, asked again (sampled) while it gives none."""
+        args, max_score = self.task.workflow_args, float(self.task.workflow_args.get("max_score", 10))
+        prompt = PROMPT.format(question=self.task.prompt, reference=self.task.reference, response=response,
+                               max_score=f"{max_score:g}")
+        error = None
+        for attempt in range(int(args.get("judge_retries", 2)) + 1):
+            reply = judge.chat([{"role": "user", "content": prompt}], n=1, temperature=0.0 if attempt == 0 else 0.7,
+                               max_tokens=int(args.get("judge_max_tokens", 64)))[0]
+            try:
+                return parse_grade(reply.response_text, max_score)
+            except JudgeError as e:
+                error = e
+        raise JudgeError(f"after {attempt + 1} replies: {error}")
