@@ -245,3 +245,15 @@ def test_tool_workflow_step_wise_gives_each_turn_the_episodes_reward(tokenizer):
 def test_tool_workflow_names_an_unknown_tool(tokenizer):
     with pytest.raises(ValueError, match=r"unknown tool\(s\) \['search'\]; known: \['calculator'\]"):
         build_workflow(tool_task(workflow_args={"tools": ["search"]}), scripted(tokenizer, [])).run()
+
+
+def test_the_tools_reach_the_chat_template(tokenizer):
+    """The registered tools' schemas and the taskset's own (format.tools_key) are what the template renders."""
+    template = ("{%- for t in tools or [] -%}{{- 'TOOL ' + t.function.name + '\\n' -}}{%- endfor -%}"
+                "{%- for m in messages -%}{{- m.role + ': ' + m.content + '\\n' -}}{%- endfor -%}"
+                "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}")
+    search = {"type": "function", "function": {"name": "search", "description": "web", "parameters": {}}}
+    model = scripted(tokenizer, ["#### 83"])
+    build_workflow(tool_task(repeat_times=1, tools=[search], chat_template=template), model).run()
+    prompt = tokenizer.decode(model.engine.requests[0][0])
+    assert prompt.startswith("TOOL calculator\nTOOL search\nuser: What is 37 + 58 - 12?\nassistant: ")

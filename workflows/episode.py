@@ -114,12 +114,13 @@ def tool_message(content: str) -> dict:
 
 class Episode:
     """One conversation between the model and an environment, kept as token ids (see the module docstring).
-    `model`: the workflow's ModelHandle; `tools`: Tool objects (their schemas reach the chat template)."""
+    `model`: the workflow's ModelHandle; `tools`: Tool objects or JSON tool schemas (e.g. a taskset's
+    format.tools_key column), which reach the chat template."""
 
-    def __init__(self, model: Any, messages: list[dict], tools: list[Tool] | None = None, max_turns: int = 8,
+    def __init__(self, model: Any, messages: list[dict], tools: list[Tool | dict] | None = None, max_turns: int = 8,
                  chat_template: str | None = None) -> None:
         self.model, self.max_turns, self.template = model, max_turns, chat_template
-        self.tools = [t.schema() for t in tools or []] or None
+        self.tools = [t.schema() if isinstance(t, Tool) else t for t in tools or []] or None
         self.messages = list(messages)
         self.ids = model.tokenizer.encode(self._render(self.messages), add_special_tokens=False)
         self.prompt_length = len(self.ids)

@@ -67,7 +67,8 @@ class ToolWorkflow(Workflow):
         if unknown:
             raise ValueError(f"{task.task_id}: unknown tool(s) {unknown}; known: {sorted(TOOLS)}")
         tools = [TOOLS[name] for name in args.get("tools", ["calculator"])]
-        episodes = [Episode(self.model, chat_messages(task), tools, int(args.get("max_turns", 4)),
+        schemas = [*tools, *(task.tools or [])]  # the taskset's own tool schemas (format.tools_key) too
+        episodes = [Episode(self.model, chat_messages(task), schemas, int(args.get("max_turns", 4)),
                             task.chat_template or None) for _ in range(task.repeat_times)]
         calls = [0] * len(episodes)
         while not all(e.done for e in episodes):
