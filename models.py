@@ -247,10 +247,10 @@ def step_batch(
 ) -> dict[str, torch.Tensor]:
     """The step's experiences as dense tensors, built once; the trainer's later phases read and extend it.
     Per sequence [B]: prompt_lengths, response_lengths, rewards, group_index (a task's repeats share it; an
-    experience without a group is its own), episode_index (the turns of one episode share it), prompt_index (same prompt token ids, same index: pack() shares
-    them), expert (mix: expert SFT rows), has_rollout_logprobs, temperature (the one it was sampled at, recorded
-    by the rollout handle; else that of the taskset that produced it, from `temperatures`; else 1). A response to
-    a truncated prompt gets an empty response_mask. Prompts [B,P] right-padded. Per response token [B,T]: responses
+    experience without a group is its own), episode_index (the turns of one episode share it), prompt_index
+    (same prompt token ids, same index: pack() shares them), expert (mix: expert SFT rows), has_rollout_logprobs,
+    temperature (the one it was sampled at, recorded by the rollout handle; else that of the taskset that produced
+    it, from `temperatures`; else 1). A response to a truncated prompt gets an empty response_mask. Prompts [B,P] right-padded. Per response token [B,T]: responses
     (the token ids), response_mask (action tokens; the first token of a response without a prompt has no logit
     to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows).
     NOTE: T = max(width, the longest response): the trainer passes model.max_response_tokens, so that

@@ -278,6 +278,29 @@ def is_complete(out: Path, args: dict) -> dict | None:
     return manifest if ok else None
 
 
+def write_tasksets(tmp: Path, o: Options) -> dict[str, int]:
+    """<tmp>/arith/ and <tmp>/arith_tools/ (see the module docstring); their row counts."""
+    (tmp / "arith").mkdir()
+    train, test = make_taskset(o)
+    write_jsonl(tmp / "arith/train.jsonl", train)
+    write_jsonl(tmp / "arith/test.jsonl", test)
+    teacher = random.Random(f"teacher/{o.seed}")  # its own stream: train/test rows do not depend on it
+    write_jsonl(tmp / "arith/sft.jsonl", [{"messages": [
+        {"role": "user", "content": r["question"]},
+        {"role": "assistant", "content": teacher_answer(r["answer"], teacher, o.teacher_error)}]} for r in train])
+    pairs = random.Random(f"pairs/{o.seed}")
+    write_jsonl(tmp / "arith/dpo.jsonl", [{"prompt": r["question"], "chosen": r["answer"],
+                                           "rejected": wrong_answer(r["answer"], pairs)} for r in train])
+    (tmp / "arith_tools").mkdir()
+    tool_train, tool_test = make_taskset(o, tools=True)
+    write_jsonl(tmp / "arith_tools/train.jsonl", tool_train)
+    write_jsonl(tmp / "arith_tools/test.jsonl", tool_test)
+    tool_teacher = random.Random(f"tool-teacher/{o.seed}")
+    write_jsonl(tmp / "arith_tools/sft.jsonl", [tool_demo(r, tool_teacher, o.teacher_error) for r in tool_train])
+    return {"train": len(train), "test": len(test), "sft": len(train), "dpo": len(train),
+            "tool_train": len(tool_train), "tool_test": len(tool_test)}
+
+
 def build(out: str, **options: Any) -> dict:
     """Build into `out` (see the module docstring); `options` are Options' fields."""
     t0, o = time.time(), Options(**options)  # unknown option -> TypeError naming it
@@ -291,30 +314,13 @@ def build(out: str, **options: Any) -> dict:
 
     root.mkdir(parents=True, exist_ok=True)
     # NOTE: the manifest goes first and comes back last, so an interrupted rebuild never looks
-    # complete. Only our three entries are replaced: <out> may hold other things (checkpoints).
+    # complete. Only our four entries are replaced: <out> may hold other things (checkpoints).
     (root / "MANIFEST.json").unlink(missing_ok=True)
     for stale in root.glob(".tiny-build-*"):  # left by a killed build
         shutil.rmtree(stale)
     with tempfile.TemporaryDirectory(dir=root, prefix=".tiny-build-") as tmp_name:
         tmp = Path(tmp_name)
-        (tmp / "arith").mkdir()
-        train, test = make_taskset(o)
-        write_jsonl(tmp / "arith/train.jsonl", train)
-        write_jsonl(tmp / "arith/test.jsonl", test)
-        teacher = random.Random(f"teacher/{o.seed}")  # its own stream: train/test rows do not depend on it
-        write_jsonl(tmp / "arith/sft.jsonl", [{"messages": [
-            {"role": "user", "content": r["question"]},
-            {"role": "assistant", "content": teacher_answer(r["answer"], teacher, o.teacher_error)}]} for r in train])
-        pairs = random.Random(f"pairs/{o.seed}")
-        write_jsonl(tmp / "arith/dpo.jsonl", [{"prompt": r["question"], "chosen": r["answer"],
-                                               "rejected": wrong_answer(r["answer"], pairs)} for r in train])
-        (tmp / "arith_tools").mkdir()
-        tool_train, tool_test = make_taskset(o, tools=True)
-        write_jsonl(tmp / "arith_tools/train.jsonl", tool_train)
-        write_jsonl(tmp / "arith_tools/test.jsonl", tool_test)
-        tool_teacher = random.Random(f"tool-teacher/{o.seed}")
-        write_jsonl(tmp / "arith_tools/sft.jsonl", [tool_demo(r, tool_teacher, o.teacher_error) for r in tool_train])
-
+        rows = write_tasksets(tmp, o)
         tokenizer = make_tokenizer()
         model = make_model(o, tokenizer)
         transformers.utils.logging.disable_progress_bar()  # a bar for one 4 MB file is noise
@@ -328,8 +334,7 @@ def build(out: str, **options: Any) -> dict:
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "args": args,
-            "rows": {"train": len(train), "test": len(test), "sft": len(train), "dpo": len(train),
-                     "tool_train": len(tool_train), "tool_test": len(tool_test)},
+            "rows": rows,
             "n_params": sum(p.numel() for p in model.parameters()),  # tied: counted once
             "model_mb": round(sum(p.stat().st_size for p in files
                                   if p.parts[-2] == "tiny-qwen2") / 2**20, 2),

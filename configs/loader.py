@@ -541,7 +541,7 @@ def _derive_cluster(c: Config) -> None:
     gpus = cl.gpu_per_node * cl.node_num
     rm = e.rollout_model
     rm.engine_type = _engine_type(rm.engine_type, gpus)
-    for aux in e.auxiliary_models:  # each on its own vLLM engines, after the rollout model's GPUs; HF: shares its device
+    for aux in e.auxiliary_models:  # vLLM: GPUs of its own after the rollout model's; HF: the explorer's device
         aux.engine_type = _engine_type(aux.engine_type, gpus)
     vllm_gpus = [m.engine_num * m.tensor_parallel_size if m.engine_type != "hf" else 0 for m in e.auxiliary_models]
     explorer_gpus = (rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1) + sum(vllm_gpus)
