@@ -250,9 +250,10 @@ def step_batch(
     experience without a group is its own), episode_index (the turns of one episode share it), prompt_index
     (same prompt token ids, same index: pack() shares them), expert (mix: expert SFT rows), has_rollout_logprobs,
     temperature (the one it was sampled at, recorded by the rollout handle; else that of the taskset that produced
-    it, from `temperatures`; else 1). A response to a truncated prompt gets an empty response_mask. Prompts [B,P] right-padded. Per response token [B,T]: responses
-    (the token ids), response_mask (action tokens; the first token of a response without a prompt has no logit
-    to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows).
+    it, from `temperatures`; else 1). A response to a truncated prompt gets an empty response_mask. Prompts [B,P]
+    right-padded. Per response token [B,T]: responses (the token ids), response_mask (action tokens; the first
+    token of a response without a prompt has no logit to score it), rollout_logprobs (0 where the engine gave
+    none), expert_mask (1.0 on expert rows).
     NOTE: T = max(width, the longest response): the trainer passes model.max_response_tokens, so that
     seq-mean-token-sum-norm divides by Dr.GRPO's constant whatever the batch holds."""
     B, P = len(exps), max(max(x.prompt_length for x in exps), 1)
