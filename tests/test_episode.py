@@ -123,7 +123,7 @@ def test_episodes_end_at_max_turns_and_at_the_context_limit(tokenizer):
     model = scripted(tokenizer, ["a"], max_model_len=40)
     ep = Episode(model, [{"role": "user", "content": "hi"}])
     ep.reply()
-    assert model.engine.requests[0][1].max_tokens == 40 - ep.prompt_length - 1  # clamped to the room left
+    assert model.engine.requests[0][1].max_tokens == 40 - ep.prompt_length  # clamped to the room left
     before = list(ep.ids)
     ep.add([tool_message("x " * 40)])
     assert ep.done and ep.truncated and ep.ids == before  # nothing half-added

@@ -154,7 +154,7 @@ class Episode:
         if self.done:
             raise RuntimeError("the episode is over")
         params = self.model.params(1, **sampling)
-        params.max_tokens = min(params.max_tokens, self.room() - 1)
+        params.max_tokens = min(params.max_tokens, self.room())  # add() leaves at least one token of room
         self.temperature = params.temperature if params.temperature > 0 else 1.0
         return self.model.submit(self.ids, params)
 
@@ -173,6 +173,8 @@ class Episode:
             return c.text
         closing = self.closing[1:] if self.closing[:1] == c.token_ids[-1:] else self.closing  # EOS already there
         self._append(closing)
+        if self.room() < 1:  # the closing filled the context: no room for another turn
+            self.done = self.truncated = True
         self.done = self.done or len(self.turns) >= self.max_turns
         return c.text
 
@@ -187,7 +189,7 @@ class Episode:
             raise ValueError("the chat template renders earlier messages differently once new ones follow; "
                              "multi-turn episodes need a template that only appends")
         ids = self.model.tokenizer.encode(after[len(before):], add_special_tokens=False)
-        if len(ids) >= self.room():
+        if len(ids) >= self.room():  # no token left for the model's reply
             self.done = self.truncated = True
             return
         self.messages += messages
