@@ -299,13 +299,13 @@ def set_up(cfg: configs.Config) -> Explorer:
     engine = make_engine(e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty,
                          cfg.cluster.colocate)
     engine.model_version = version
-    return Explorer(cfg, db, reader, step, engine, [serve_api(cfg, rollout_handle(cfg, engine, tokenizer))],
+    return Explorer(cfg, db, reader, step, engine, [with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
                     ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), monitor,
                     [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
                     total_steps(cfg, reader))
 
 
-def serve_api(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
+def with_extras(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
     """The rollout handle's extras: explorer.auxiliary_models' engines (handle.auxiliary, by name), and with
     explorer.rollout_model.enable_openai_api the OpenAI-compatible API over it (openai_api.py), for workflows that
     call `handle.openai_client()`; its model name is model.model_path (as vLLM's server names it)."""
@@ -481,9 +481,10 @@ def bench(cfg: configs.Config) -> int:
     if cfg.explorer.bench_on_latest_checkpoint:
         steps = steps[-1:]
     targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, cfg.model.model_path)]
+    check_workflows(cfg)
     rm = cfg.explorer.rollout_model
     engine = make_engine(rm, targets[0][1], rm.max_model_len, cfg.model.repetition_penalty)
-    handles = [serve_api(cfg, rollout_handle(cfg, engine, config_tokenizer(cfg.model)))]
+    handles = [with_extras(cfg, rollout_handle(cfg, engine, config_tokenizer(cfg.model)))]
     pool = ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner")
     eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
     monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")
