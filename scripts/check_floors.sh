@@ -11,7 +11,7 @@ PY="$VENV/bin/python"
 FLOORS=(
   "transformers==4.56.0" "datasets==3.0.0" "tokenizers==0.22.0" "safetensors==0.4.3" "tyro==0.9.3"
   "omegaconf==2.3.0" "pyyaml==6.0" "tqdm==4.66.3" "math-verify==0.8.0" "pytest==8.0.0" "wandb==0.19.10"
-  "tensorboard==2.18.0" "matplotlib==3.9.0" "fastapi==0.115.0" "uvicorn==0.30.0" "openai==1.40.0"
+  "tensorboard==2.18.0" "matplotlib==3.9.0" "fastapi==0.115.0" "uvicorn==0.30.0" "openai==1.55.3"
 )
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
