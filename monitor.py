@@ -14,7 +14,8 @@ Every metric goes to three places:
   `summary.json` are made from, and which survives without tensorboard or wandb;
 - `monitor.monitor_type`: tensorboard (`<job dir>/monitor/tensorboard/<role>/`), wandb (project =
   `project`, run = `<name>_<role>`, as Trinity-RFT names them; offline in `<job dir>/monitor/` when no
-  API key is set, so a run never blocks on a login), or none.
+  API key is set, so a run never blocks on a login), mlflow (experiment = `project`, run = `<name>_<role>`; a
+  local file store unless a tracking URI is given: `MlflowSink`), or none.
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
 perf/max_memory_allocated_gb).
@@ -55,7 +56,7 @@ class Monitor:
         self.history = open(self.dir / f"{role}.jsonl", "a", encoding="utf-8")  # appends across restarts
         self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
         self.console: Console | None = None
-        self.tb = self.wandb = None
+        self.tb = self.wandb = self.mlflow = None
         kind, args = cfg.monitor.monitor_type, cfg.monitor.monitor_args
         if kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -73,6 +74,8 @@ class Monitor:
             self.wandb = wandb.init(project=cfg.project, name=f"{cfg.name}_{role}".replace("/", "_"), dir=str(self.dir),
                                     mode=mode, config=dataclasses.asdict(cfg), reinit="create_new")
             log.info("wandb run %s (%s) in %s", self.wandb.name, mode, self.dir)
+        elif kind == "mlflow":
+            self.mlflow = MlflowSink(cfg, role, self.dir)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
@@ -90,6 +93,8 @@ class Monitor:
             self.tb.flush()
         if self.wandb is not None:
             self.wandb.log(numbers, step=step)
+        if self.mlflow is not None:
+            self.mlflow.log(numbers, step)
         self.file_log.info("[%s] step %d %s", self.role, step,
                            " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items())))
         for line in console_lines(self.role, step, self.total, numbers):
@@ -112,6 +117,50 @@ class Monitor:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.mlflow is not None:
+            self.mlflow.close()
+
+
+class MlflowSink:
+    """monitor_type mlflow: experiment = `project`, run = `<name>_<role>`, the resolved config as the run's
+    config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a file store in <job dir>/monitor/
+    mlruns: a run never waits on a server), username / password (else MLFLOW_TRACKING_USERNAME / _PASSWORD).
+    mlflow refuses some characters in metric names (`@` of `mean@1`): they become `_` (`mlflow_key`)."""
+
+    def __init__(self, cfg: Config, role: str, folder: Path) -> None:
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise ImportError("monitor_type mlflow needs mlflow: pip install -e '.[mlflow]'") from e
+        args = cfg.monitor.monitor_args
+        for key, env in (("username", "MLFLOW_TRACKING_USERNAME"), ("password", "MLFLOW_TRACKING_PASSWORD")):
+            if args.get(key):
+                os.environ[env] = str(args[key])
+        uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or (folder / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a local file store
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(uri)
+        found = self.client.get_experiment_by_name(cfg.project)
+        experiment = found.experiment_id if found else self.client.create_experiment(cfg.project)
+        self.run = self.client.create_run(experiment, run_name=f"{cfg.name}_{role}".replace("/", "_")).info.run_id
+        self.client.log_dict(self.run, json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), "config.json")
+        log.info("mlflow run %s (experiment %s) at %s", self.run, cfg.project, uri)
+
+    def log(self, numbers: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(mlflow_key(k), v, now, step) for k, v in numbers.items()]
+        for i in range(0, len(metrics), 1000):  # mlflow's limit per batch
+            self.client.log_batch(self.run, metrics=metrics[i:i + 1000])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run)
+
+
+def mlflow_key(key: str) -> str:
+    """A metric name mlflow accepts (alphanumerics, _ - . space /): `eval/x/accuracy/mean@1` -> `.../mean_1`."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", key)
 
 
 # What a person watches, in this order: the first key matching each pattern is shown (the rest are in the history,

@@ -498,10 +498,10 @@ class TrainerConfig:
 
 @dataclasses.dataclass
 class MonitorConfig:
-    monitor_type: Literal["tensorboard", "wandb", "none"] = "tensorboard"
+    monitor_type: Literal["tensorboard", "wandb", "mlflow", "none"] = "tensorboard"
     """Where metrics go besides the console (wandb runs offline when no API key is set)."""
     monitor_args: ArgsDict = _field(dict)
-    """Monitor options, e.g. wandb base_url / api_key."""
+    """Monitor options: wandb base_url / api_key; mlflow uri / username / password."""
     detailed_stats: bool = False
     """Eval metrics also get max/min/std across tasks."""
 

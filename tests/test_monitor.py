@@ -92,6 +92,27 @@ def test_wandb_runs_offline_without_a_key(tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
+def test_mlflow_logs_every_number_under_a_name_it_accepts(tmp_path, monkeypatch):
+    """A local file store (the default without a tracking URI): experiment = project, run = <name>_<role>, the
+    config as an artifact; `@` (mlflow refuses it) becomes `_`."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    mon = Monitor(config(tmp_path, "mlflow"), role="trainer")
+    mon.log({"actor/pg_loss": 0.5, "eval/arith/accuracy/mean@1": 0.25, "note": "text"}, step=1)
+    mon.log({"actor/pg_loss": 0.25}, step=2)
+    mon.close()
+    client = MlflowClient((tmp_path / "job/monitor/mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("nanorft").experiment_id])
+    assert run.info.run_name == "t_trainer" and run.info.status == "FINISHED"
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [(1, 0.5),
+                                                                                                        (2, 0.25)]
+    assert run.data.metrics["eval/arith/accuracy/mean_1"] == 0.25 and "note" not in run.data.metrics
+    assert "perf/max_rss_gb" in run.data.metrics
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.json"]
+
+
 class Terminal(io.StringIO):
     """A stream that says it is a terminal, as stderr does in a person's shell."""
 
