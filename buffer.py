@@ -107,6 +107,28 @@ def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     return Experience(**tensors, **json.loads(meta), **columns)
 
 
+def pack(exps: list[Experience]) -> bytes:
+    """Experiences as one byte string (to send them between trainer ranks; no pickle): per experience the
+    lengths of its safetensors blob and of its JSON (the other fields and the columns), then both."""
+    parts = []
+    for exp in exps:
+        blob, meta = serialise(exp)
+        head = json.dumps({"meta": meta, "columns": {c: getattr(exp, c) for c in (*COLUMNS, "id")}}).encode()
+        parts += [len(blob).to_bytes(8, "little"), len(head).to_bytes(8, "little"), blob, head]
+    return b"".join(parts)
+
+
+def unpack(data: bytes) -> list[Experience]:
+    """Inverse of `pack`."""
+    out, at = [], 0
+    while at < len(data):
+        n_blob, n_head = int.from_bytes(data[at:at + 8], "little"), int.from_bytes(data[at + 8:at + 16], "little")
+        blob, head = data[at + 16:at + 16 + n_blob], json.loads(data[at + 16 + n_blob:at + 16 + n_blob + n_head])
+        out.append(deserialise(blob, head["meta"], **head["columns"]))
+        at += 16 + n_blob + n_head
+    return out
+
+
 def refuse_foreign(path: str) -> None:
     """DBMismatch, before anything is written, when `path` holds something other than an experience DB: a file that
     is not SQLite, or another program's SQLite database (tables, but no meta table)."""

@@ -5,7 +5,7 @@
     source.ended                  # True once every explorer writing to the DB has finished
 
 From the DB, rank 0 claims the batch (waiting for it, with a log line every 30 s and the explorers' states)
-and the other ranks read the same ids. The sample strategy (algos/sample.py) says what a step's claim
+and sends it to the other ranks over the process group: only rank 0 opens the DB. The sample strategy (algos/sample.py) says what a step's claim
 wants: a staleness bound (min_version), dynamic-sampling refills of groups whose rewards tie, expert rows
 from an auxiliary file (mix). File data (schema_type sft or dpo) is read in a seeded order per epoch, a pure
 function of the step, so that a resumed run continues exactly.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import algos
 import configs
 from algos.sample import tied_groups
-from buffer import Experience, ExperienceDB
+from buffer import Experience, ExperienceDB, pack, unpack
 from models import file_units, fingerprint, pick
 from tasksets import DataError, read_rows
 
@@ -49,8 +49,10 @@ class Source:
             self.units = file_units(eb, tokenizer, cfg.model.max_model_len)
             self.per_step = max(cfg.buffer.train_batch_size // len(self.units[0]), 1)  # rows (pairs) per step
             return
-        self.db = ExperienceDB(eb.path)
-        self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
+        self.db: ExperienceDB | None = None  # NOTE: rank 0 only; the other ranks get each batch from it
+        if rank == 0:
+            self.db = ExperienceDB(eb.path)
+            self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
         a = cfg.algorithm
         self.strategy = (algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
                          configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args))
@@ -83,15 +85,24 @@ class Source:
         # mix: expert rows on top of the train_batch_size RL experiences, `ratio` of the whole batch
         n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
         expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
-        ids = torch.zeros(n + 2, dtype=torch.long, device=self.device)  # [count, ended, ids...]
-        if self.rank == 0:
-            got = self.claim(step, n)
-            ids[:2] = torch.tensor([len(got), self.ended])
-            ids[2 : len(got) + 2] = torch.tensor([x.id for x in got], dtype=torch.long)
-        dist.broadcast(ids, src=0)
-        self.ended = bool(ids[1])
-        got = got if self.rank == 0 else self.db.get(ids[2 : int(ids[0]) + 2].tolist())
+        got = self.claim(step, n) if self.rank == 0 else []
+        got = self.share(got)
         return got + expert if got else []
+
+    def share(self, got: list[Experience]) -> list[Experience]:
+        """Rank 0's batch on every rank, sent over the process group as bytes (buffer.pack: no pickle), with
+        `ended`: only rank 0 talks to the DB, wherever the other ranks run."""
+        data = pack(got) if self.rank == 0 else b""
+        head = torch.tensor([len(data), self.ended], dtype=torch.long, device=self.device)  # [bytes, ended]
+        dist.broadcast(head, src=0)
+        self.ended = bool(head[1])
+        n = int(head[0])
+        if dist.get_world_size() == 1 or n == 0:
+            return got
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if self.rank == 0 else \
+            torch.empty(n, dtype=torch.uint8, device=self.device)
+        dist.broadcast(buf, src=0)
+        return got if self.rank == 0 else unpack(buf.cpu().numpy().tobytes())
 
     def claim(self, step: int, n: int) -> list[Experience]:
         """Rank 0: claim n experiences for `step` (waiting for them); dynamic sampling replaces tied groups."""

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
-from buffer import Experience, ExperienceDB
+from buffer import Experience, ExperienceDB, pack, unpack
 
 
 def make(i: int = 0, **fields: object) -> Experience:
@@ -362,3 +362,19 @@ def test_a_file_that_is_not_an_experience_db_is_named_and_left_alone(tmp_path):
         ExperienceDB(f"sqlite:///{other}")
     assert {p: p.read_bytes() for p in (text, other)} == before  # nothing was changed
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.db", "other.db"]  # no -wal / -shm files either
+def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
+    """buffer.pack / unpack (the trainer's rank 0 sends each batch to the others this way, no pickle)."""
+    exps = [Experience(tokens=torch.tensor([1, 2, 3, 4]), prompt_length=2, logprobs=torch.tensor([-0.5, -0.25]),
+                       action_mask=torch.tensor([True, False]), reward=1.5, group_id="g", run_id=1, task_id="t",
+                       model_version=3, explorer="e", info={"temperature": 0.7}, metrics={"accuracy": 1.0},
+                       response_text="ok", id=7),
+            Experience(tokens=torch.tensor([5, 6]), prompt_length=1, reward=0.0, id=8)]
+    back = unpack(pack(exps))
+    assert len(back) == 2 and unpack(b"") == []
+    for a, b in zip(exps, back):
+        for f in ("prompt_length", "reward", "group_id", "run_id", "task_id", "model_version", "explorer", "info",
+                  "metrics", "response_text", "id"):
+            assert getattr(a, f) == getattr(b, f), f
+        assert torch.equal(a.tokens, b.tokens) and b.tokens.dtype == torch.long
+        for f in ("logprobs", "action_mask"):
+            assert (getattr(a, f) is None and getattr(b, f) is None) or torch.equal(getattr(a, f), getattr(b, f)), f

@@ -409,3 +409,40 @@ def test_max_checkpoints_to_keep_prunes_the_oldest(tmp_path, tiny_model_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "t"
     assert sorted(checkpoint.checkpoint_steps(job)) == [2, 3] and checkpoint.latest_checkpoint(job) == 3
+
+
+def read_on_rank(rank: int, world: int, port: int, db_url: str, model_dir: str, out: str) -> None:
+    """A trainer rank's Source under a real gloo group; on ranks > 0 opening the DB fails the test."""
+    import source
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    if rank > 0:
+        def refuse(*args, **kwargs):
+            raise AssertionError(f"rank {rank} opened the experience DB")
+        source.ExperienceDB = refuse
+    cfg = configs.Config()
+    cfg.model.model_path, cfg.buffer.train_batch_size, cfg.algorithm.sample_strategy = model_dir, 4, "default"
+    cfg.buffer.trainer_input.experience_buffer.path = db_url
+    cfg.buffer.trainer_input.experience_buffer.max_read_timeout = 30
+    src = source.Source(cfg, load_tokenizer(model_dir), rank, torch.device("cpu"))
+    got = [[(x.id, x.tokens.tolist(), x.reward, x.group_id) for x in src.read(step)] for step in (1, 2)]
+    Path(out, f"rank{rank}.json").write_text(json.dumps(got))
+    torch.distributed.destroy_process_group()
+
+
+def test_only_rank_0_reads_the_db_and_every_rank_gets_its_batch(tmp_path, tiny_model_dir):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    url = f"sqlite:///{tmp_path / 'exp.db'}"
+    with ExperienceDB(url) as db:
+        db.write(experiences([(3, [2, 4]), (5, [1, 3]), (2, [6, 6]), (4, [1, 1])]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(read_on_rank, args=(2, port, url, tiny_model_dir, str(tmp_path)), nprocs=2, join=True)
+    zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert zero == one and [len(batch) for batch in zero] == [4, 4]
+    assert sorted(x[0] for batch in zero for x in batch) == list(range(1, 9))  # each experience once
