@@ -7,8 +7,8 @@
 From the DB, rank 0 claims the batch (waiting for it, with a log line every 30 s and the explorers' states)
 and sends it to the other ranks over the process group: only rank 0 opens the DB. The sample strategy
 (algos/sample.py) says what a step's claim wants: a staleness bound (min_version), dynamic-sampling refills of
-groups whose rewards tie, expert rows from an auxiliary file (mix). File data (schema_type sft or dpo) is read in a seeded order per epoch, a pure
-function of the step, so that a resumed run continues exactly.
+groups whose rewards tie, expert rows from an auxiliary file (mix). File data (schema_type sft or dpo) is read
+in a seeded order per epoch, a pure function of the step, so that a resumed run continues exactly.
 """
 
 from __future__ import annotations
