@@ -182,17 +182,20 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
     }
 
 
-def plot(summary: dict, path: Path) -> None:
-    """SFT loss, train reward and held-out accuracy over the run's steps (all stages on one axis)."""
+def plot(summary: dict, path: Path) -> bool:
+    """SFT loss, train reward and held-out accuracy over the run's steps (all stages on one axis); False (and no
+    file) when the run recorded none of them, e.g. a stage that failed at start."""
+    panels = [("SFT loss", "sft_loss", summary["reward_history"]), ("train reward (rollout mean)", "reward",
+              summary["reward_history"]), ("held-out accuracy (greedy)", "accuracy", summary["eval_history"])]
+    panels = [(title, key, [x for x in rows if key in x]) for title, key, rows in panels]
+    panels = [p for p in panels if p[2]]
+    if not panels:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    panels = [("SFT loss", "sft_loss", summary["reward_history"]), ("train reward (rollout mean)", "reward",
-              summary["reward_history"]), ("held-out accuracy (greedy)", "accuracy", summary["eval_history"])]
-    panels = [(title, key, [x for x in rows if key in x]) for title, key, rows in panels]
-    panels = [p for p in panels if p[2]]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
     for ax, (title, key, rows) in zip(axes[0], panels):
         ax.plot([x["global_step"] for x in rows], [x[key] for x in rows], "o-" if key == "accuracy" else "-", ms=4)
@@ -208,6 +211,7 @@ def plot(summary: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 # --- main
@@ -370,16 +374,18 @@ def run(cfg: configs.Config) -> int:
     summary = summarize(cfg, stages, time.monotonic() - start)
     summary["exit_code"] = code
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    drawn = out / "reward_accuracy.png"
     try:
-        plot(summary, out / "reward_accuracy.png")
+        drawn = drawn if plot(summary, drawn) else "none (no step recorded a loss, reward or accuracy)"
     except Exception as e:  # a plot must not turn a finished run into a failure
         log.warning("could not draw the plot: %s", e)
+        drawn = "none"
     shown = {
         k: summary[k]
         for k in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft", "wall_seconds", "steps")
     }
     print(f"\nrun {'finished' if code == 0 else f'FAILED (exit code {code})'}: {json.dumps(shown)}")
-    print(f"summary: {out / 'summary.json'}\nplot:    {out / 'reward_accuracy.png'}", flush=True)
+    print(f"summary: {out / 'summary.json'}\nplot:    {drawn}", flush=True)
     return code
 
 

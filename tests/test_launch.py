@@ -155,6 +155,17 @@ def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
     assert time.monotonic() - start < 100
     assert "trainer failed" in out.stderr and "stopping explorer" in out.stderr
     assert "no_such_critic" in out.stderr
+    assert "could not draw the plot" not in out.stderr and "\nplot:    " in out.stdout
+
+
+def test_the_plot_is_drawn_from_what_the_run_recorded_and_skipped_when_nothing_was(tmp_path):
+    import launch as launcher
+
+    empty = {"reward_history": [], "eval_history": [], "config": "c", "accuracy_before_sft": None,
+             "accuracy_after_sft": None, "accuracy_after_rft": None}
+    assert launcher.plot(empty, tmp_path / "a.png") is False and not (tmp_path / "a.png").exists()
+    some = empty | {"eval_history": [{"global_step": 0, "accuracy": 0.25}, {"global_step": 10, "accuracy": 0.5}]}
+    assert launcher.plot(some, tmp_path / "b.png") is True and (tmp_path / "b.png").stat().st_size > 1000
 
 
 def on_a_terminal(cmd: list[str], timeout: float = 400) -> tuple[int, str]:
