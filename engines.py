@@ -513,13 +513,23 @@ class ModelHandle:
         params = self.params(n, **sampling)
         encoded = [self.encode(p) for p in prompts]
         futures = [self.engine.submit(x, params) for x, _ in encoded]  # submitted together: one batch
-        # the temperature the trainer scores at: log-probs of greedy requests are taken at 1.0 (see above)
-        info = {"temperature": params.temperature if params.temperature > 0 else 1.0}
-        return [[Experience(tokens=torch.tensor(x + c.token_ids, dtype=torch.long), prompt_length=len(x),
-                            logprobs=torch.tensor(c.logprobs, dtype=torch.float32), model_version=c.model_version,
-                            truncate_status="prompt_truncated" if cut else "response_truncated" if c.truncated
-                            else None, prompt_text=p, response_text=c.text, info=dict(info))
-                 for c in f.result()] for p, (x, cut), f in zip(prompts, encoded, futures)]
+        return [[experience(x, c, scored_temperature(params), p, cut) for c in f.result()]
+                for p, (x, cut), f in zip(prompts, encoded, futures)]
+
+
+def scored_temperature(params: SamplingParams) -> float:
+    """The temperature the trainer scores a response at: its sampling temperature, 1.0 for greedy requests (whose
+    log-probs the engines take at 1.0)."""
+    return params.temperature if params.temperature > 0 else 1.0
+
+
+def experience(prompt: list[int], c: Completion, temperature: float, prompt_text: str = "",
+               prompt_cut: bool = False) -> Experience:
+    """A sampled response (engines.Completion) to the prompt ids `prompt` as an Experience."""
+    return Experience(tokens=torch.tensor(prompt + c.token_ids, dtype=torch.long), prompt_length=len(prompt),
+                      logprobs=torch.tensor(c.logprobs, dtype=torch.float32), model_version=c.model_version,
+                      truncate_status="prompt_truncated" if prompt_cut else "response_truncated" if c.truncated
+                      else None, prompt_text=prompt_text, response_text=c.text, info={"temperature": temperature})
 
 
 def auxiliary_handles(cfg) -> dict[str, ModelHandle]:

@@ -28,13 +28,13 @@ import time
 import uuid
 from typing import Any
 
-import torch
 import uvicorn
 from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from buffer import Experience
+from engines import experience, scored_temperature
 
 
 class Request(BaseModel):
@@ -126,11 +126,7 @@ class OpenAIServer:
         session = str(client.base_url).rstrip("/").split("/")[-2]
         with self.lock:
             calls, self.sessions[session] = self.sessions.get(session, []), []
-        return [Experience(tokens=torch.tensor(c.prompt_ids + x.token_ids, dtype=torch.long),
-                           prompt_length=len(c.prompt_ids), logprobs=torch.tensor(x.logprobs, dtype=torch.float32),
-                           model_version=x.model_version, response_text=x.text,
-                           truncate_status="response_truncated" if x.truncated else None,
-                           info={"temperature": c.temperature}) for c in calls for x in c.completions]
+        return [experience(c.prompt_ids, x, c.temperature) for c in calls for x in c.completions]
 
     # --- the app
 
@@ -196,7 +192,7 @@ class OpenAIServer:
             completions = self.handle.submit(ids, params).result()
         except ValueError as e:  # a request no engine can serve (too long, bad sampling values)
             raise HTTPException(400, str(e)) from e
-        call = Call(ids, completions, params.temperature if params.temperature > 0 else 1.0)
+        call = Call(ids, completions, scored_temperature(params))
         if session and self.record:
             with self.lock:
                 self.sessions[session].append(call)

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import torch
 
 from buffer import Experience
+from engines import scored_temperature
 
 _PROBE = [{"role": "user", "content": "?"}]  # a conversation to render new messages after
 _MARK = "\x00MARK\x00"  # a string no template writes
@@ -155,7 +156,7 @@ class Episode:
             raise RuntimeError("the episode is over")
         params = self.model.params(1, **sampling)
         params.max_tokens = min(params.max_tokens, self.room())  # add() leaves at least one token of room
-        self.temperature = params.temperature if params.temperature > 0 else 1.0
+        self.temperature = scored_temperature(params)
         return self.model.submit(self.ids, params)
 
     def record(self, completions: list) -> str:
