@@ -6,7 +6,9 @@
     batch = db.claim(64, step=12, timeout=30.0)   # waits up to 30 s for 64 unclaimed experiences
 
 The DB is one SQLite file in WAL mode, so any number of explorer processes can write while one
-trainer process claims. Schema (version SCHEMA_VERSION, stored in `meta`):
+trainer process claims; or, for explorers on other hosts, a PostgreSQL database
+(`postgresql://user:password@host:5432/db`, through psycopg 3: the `postgres` extra) with the same tables,
+the same SQL where it can be the same, and the same semantics. Schema (version SCHEMA_VERSION, stored in `meta`):
   - experiences: one row per experience, plain columns that the `sqlite3` CLI shows (explorer,
     model_version, group_id, run_id, task_id, reward, prompt/response length), plus use_count (how
     many train steps used the row), last_claimed (unix time) and dropped_step (the train step whose
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sqlite3
 import time
 from contextlib import contextmanager
@@ -129,6 +132,28 @@ def unpack(data: bytes) -> list[Experience]:
     return out
 
 
+# --- the two back-ends: a SQLite file, or a PostgreSQL database
+
+
+class DBMismatch(RuntimeError):
+    """This experience DB cannot be shared with this process: another schema version or another model, another
+    program's data, or a database that cannot be reached."""
+
+
+def is_postgres(url: str) -> bool:
+    return url.startswith(("postgresql://", "postgres://"))
+
+
+def shown(url: str) -> str:
+    """The URL as messages show it: a password in it is replaced by ***."""
+    return re.sub(r"^(\w+://[^:/@]*):[^@]*@", r"\1:***@", url)
+
+
+def sqlite_path(url: str) -> str:
+    """'sqlite:///rel.db' -> 'rel.db', 'sqlite:////abs/x.db' -> '/abs/x.db', a plain path as is."""
+    return url.removeprefix("sqlite:///")
+
+
 def refuse_foreign(path: str) -> None:
     """DBMismatch, before anything is written, when `path` holds something other than an experience DB: a file that
     is not SQLite, or another program's SQLite database (tables, but no meta table)."""
@@ -148,8 +173,45 @@ def refuse_foreign(path: str) -> None:
                          "point buffer.trainer_input.experience_buffer.path at a new file (nothing was changed)")
 
 
-class DBMismatch(RuntimeError):
-    """This experience DB cannot be shared with this process: another schema version or another model."""
+def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
+    """A connection to the SQLite file at `path` (created if missing), in WAL mode."""
+    refuse_foreign(path)
+    if os.path.dirname(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    # isolation_level=None: autocommit, so the module never opens transactions behind our
+    # back; every write goes through `transaction` (BEGIN IMMEDIATE).
+    conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
+    # WAL: readers never block writers, nor vice versa. NOTE: switching a new file to WAL needs
+    # an exclusive lock, and when several processes open the same new file at once SQLite
+    # answers "database is locked" without waiting (deadlock avoidance), hence the retry.
+    deadline = time.monotonic() + busy_timeout
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    # NORMAL: no fsync per commit; the WAL stays consistent, a power cut may lose the last commits.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def open_postgres(url: str, busy_timeout: float) -> Any:
+    """A psycopg 3 connection in autocommit mode (transactions are opened explicitly), or a DBMismatch that says
+    why there is none."""
+    try:
+        import psycopg
+    except ImportError:
+        raise DBMismatch(f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with "
+                         "pip install -e '.[postgres]'") from None
+    try:
+        return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(busy_timeout)))
+    except psycopg.Error as e:
+        reason = " ".join(str(e).split())
+        raise DBMismatch(f"cannot open the experience DB {shown(url)} "
+                         f"(buffer.trainer_input.experience_buffer.path): {reason}") from None
 
 
 @contextmanager
@@ -170,26 +232,59 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
         raise
 
 
-def sqlite_path(url: str) -> str:
-    """'sqlite:///rel.db' -> 'rel.db', 'sqlite:////abs/x.db' -> '/abs/x.db', a plain path as is."""
-    return url.removeprefix("sqlite:///")
+class Qmark:
+    """A psycopg cursor that takes sqlite3's `?` placeholders, in which every statement here is written (psycopg
+    wants %s; no statement here has a literal ? or %)."""
+
+    def __init__(self, cur: Any) -> None:
+        self.cur = cur
+
+    def execute(self, sql: str, args: Any = ()) -> "Qmark":
+        self.cur.execute(sql.replace("?", "%s"), args)
+        return self
+
+    def executemany(self, sql: str, rows: list, returning: bool = False) -> "Qmark":
+        self.cur.executemany(sql.replace("?", "%s"), rows, returning=returning)
+        return self
+
+    def returned(self) -> list:
+        """The first column of each statement's result after executemany(..., returning=True), in order."""
+        out = [self.cur.fetchone()[0]]
+        while self.cur.nextset():
+            out.append(self.cur.fetchone()[0])
+        return out
+
+    def fetchone(self) -> Any:
+        return self.cur.fetchone()
+
+    def fetchall(self) -> list:
+        return self.cur.fetchall()
+
+    def __iter__(self) -> Iterator:
+        return iter(self.cur)
 
 
-# SQL is kept portable where it costs nothing. SQLite-specific bits: AUTOINCREMENT, BLOB, the
-# PRAGMAs, BEGIN IMMEDIATE, and last_insert_rowid() in write() (PostgreSQL: SERIAL, BYTEA,
-# SELECT ... FOR UPDATE SKIP LOCKED, INSERT ... RETURNING id).
+# One schema for both back-ends, with their type names filled in. SQLite's REAL is 8 bytes, PostgreSQL's 4: there
+# it is DOUBLE PRECISION (a 4-byte float cannot tell two unix times 100 s apart). The other differences are in
+# ExperienceDB: BEGIN IMMEDIATE vs BEGIN + FOR UPDATE SKIP LOCKED, last_insert_rowid() vs INSERT ... RETURNING id.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, created REAL, explorer TEXT, model_version INTEGER,
-    group_id TEXT, run_id INTEGER, task_id TEXT, reward REAL, prompt_length INTEGER,
-    response_length INTEGER, use_count INTEGER NOT NULL DEFAULT 0, last_claimed REAL, dropped_step INTEGER);
-CREATE TABLE IF NOT EXISTS payloads (id INTEGER PRIMARY KEY, tensors BLOB NOT NULL, meta TEXT NOT NULL);
+    id {id}, created {real}, explorer TEXT, model_version INTEGER,
+    group_id TEXT, run_id INTEGER, task_id TEXT, reward {real}, prompt_length INTEGER,
+    response_length INTEGER, use_count INTEGER NOT NULL DEFAULT 0, last_claimed {real}, dropped_step INTEGER);
+CREATE TABLE IF NOT EXISTS payloads (id {int} PRIMARY KEY, tensors {blob} NOT NULL, meta TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS claims (
-    exp_id INTEGER NOT NULL, step INTEGER NOT NULL, claimed REAL NOT NULL);
+    exp_id {int} NOT NULL, step INTEGER NOT NULL, claimed {real} NOT NULL);
 CREATE INDEX IF NOT EXISTS experiences_pending ON experiences (id) WHERE use_count = 0 AND dropped_step IS NULL;
 CREATE INDEX IF NOT EXISTS claims_step ON claims (step);
-CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id);
+CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id)
 """
+TYPES = {"sqlite": {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "int": "INTEGER", "real": "REAL", "blob": "BLOB"},
+         "postgresql": {"id": "BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY", "int": "BIGINT",
+                        "real": "DOUBLE PRECISION", "blob": "BYTEA"}}
+INSERT_EXPERIENCES = ("INSERT INTO experiences (created, explorer, model_version, group_id, run_id, task_id, reward,"
+                      " prompt_length, response_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)")
+SETUP_LOCK = 0x6E616E6F  # PostgreSQL advisory lock key of ExperienceDB's set-up ("nano")
 # NOTE: the blobs live in `payloads` (same id), not in `experiences`: a claim updates use_count and
 # last_claimed, and SQLite rewrites a changed row whole, overflow pages included. With ~8 KB blobs in
 # the row, that rewrite was half the cost of a claim (docs/LOG.md); small rows also keep scans cheap.
@@ -220,9 +315,9 @@ class _Eligible:
         return eligible, order, args
 
 class ExperienceDB:
-    """Experiences in one SQLite file, shared by explorer processes (writers) and the trainer.
+    """Experiences in one SQLite file or PostgreSQL database, shared by explorer processes (writers) and the trainer.
 
-        with ExperienceDB("sqlite:///buffer.db") as db:
+        with ExperienceDB("sqlite:///buffer.db") as db:           # or "postgresql://user@host/db"
             ids = db.write(exps)                            # explorer: one transaction per batch
             batch = db.claim(64, step=3, timeout=30.0)      # trainer: wait for 64, mark them used
             db.release_after(2)                             # trainer resumed at step 2: undo step 3
@@ -230,52 +325,82 @@ class ExperienceDB:
     """
 
     def __init__(self, url: str, busy_timeout: float = 60.0) -> None:
-        self.path = sqlite_path(url)
-        refuse_foreign(self.path)
-        if os.path.dirname(self.path):
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        # isolation_level=None: autocommit, so the module never opens transactions behind our
-        # back; every write goes through `transaction` (BEGIN IMMEDIATE).
-        self.conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
-        # WAL: readers never block writers, nor vice versa. NOTE: switching a new file to WAL needs
-        # an exclusive lock, and when several processes open the same new file at once SQLite
-        # answers "database is locked" without waiting (deadlock avoidance), hence the retry.
-        deadline = time.monotonic() + busy_timeout
-        while True:
-            try:
-                self.conn.execute("PRAGMA journal_mode=WAL")
-                break
-            except sqlite3.OperationalError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.01)
-        # NORMAL: no fsync per commit; the WAL stays consistent, a power cut may lose the last commits.
-        self.conn.execute("PRAGMA synchronous=NORMAL")
-        with transaction(self.conn) as cur:
+        self.url, self.postgres = url, is_postgres(url)
+        self.path = shown(url) if self.postgres else sqlite_path(url)  # what messages name
+        self.conn = open_postgres(url, busy_timeout) if self.postgres else open_sqlite(self.path, busy_timeout)
+        try:
+            self._set_up()
+        except DBMismatch:
+            raise
+        except Exception as e:  # PostgreSQL: e.g. no right to CREATE in the schema (PostgreSQL 15's public)
+            if not self.postgres:
+                raise
+            raise DBMismatch(f"{self.path}: cannot set up the experience DB's tables: {' '.join(str(e).split())}"
+                             ) from None
+
+    def _set_up(self) -> None:
+        """The tables (created if missing) in one transaction, after the schema version and foreign-data checks."""
+        with self.transaction() as cur:
+            if self.postgres:
+                # NOTE: CREATE TABLE IF NOT EXISTS is not safe against itself in PostgreSQL: two processes creating
+                # a table at once can fail on a catalog index. This lock (held to COMMIT) takes turns.
+                cur.execute("SELECT pg_advisory_xact_lock(?)", (SETUP_LOCK,))
+                self._refuse_foreign(cur)
             cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
             row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
             if row is not None and row[0] != str(SCHEMA_VERSION):
                 raise DBMismatch(f"{self.path}: experience DB has schema version {row[0]}, this "
                                  f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
-            for statement in SCHEMA.split(";"):
+            for statement in SCHEMA.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
                 cur.execute(statement)
             cur.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
                         " ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
 
+    def _refuse_foreign(self, cur: Qmark) -> None:
+        """PostgreSQL: DBMismatch when the database (its current schema) holds another program's tables, or when the
+        URL's search_path names no schema that exists."""
+        if cur.execute("SELECT current_schema()").fetchone()[0] is None:
+            raise DBMismatch(f"{self.path}: the search_path names no schema that exists; create it first (CREATE "
+                             "SCHEMA <name>) or drop the options= part of the URL")
+        tables = {r[0] for r in cur.execute("SELECT table_name FROM information_schema.tables"
+                                            " WHERE table_schema = current_schema()")}
+        if tables and "meta" not in tables:
+            raise DBMismatch(f"{self.path} holds the tables of another program ({', '.join(sorted(tables))}); point "
+                             "buffer.trainer_input.experience_buffer.path at a new database, or at a schema of its "
+                             "own with ?options=-csearch_path%3D<schema> (nothing was changed)")
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """A cursor inside one transaction: COMMIT at the end, ROLLBACK on any exception. SQLite: BEGIN IMMEDIATE
+        (the write lock up front); PostgreSQL: BEGIN, row locks taken by the statements (claims: FOR UPDATE SKIP
+        LOCKED)."""
+        if not self.postgres:
+            with transaction(self.conn) as cur:
+                yield cur
+            return
+        with self.conn.cursor() as cur, self.conn.transaction():
+            yield Qmark(cur)
+
+    def query(self, sql: str, args: Any = ()) -> list:
+        """The rows of one read-only statement (written with `?` placeholders), outside any transaction."""
+        if not self.postgres:
+            return self.conn.execute(sql, args).fetchall()
+        with self.conn.cursor() as cur:
+            return Qmark(cur).execute(sql, args).fetchall()
+
     def get_meta(self, key: str) -> str | None:
-        row = self.conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-        return None if row is None else row[0]
+        rows = self.query("SELECT value FROM meta WHERE key = ?", (key,))
+        return rows[0][0] if rows else None
 
     def meta_items(self, prefix: str) -> dict[str, str]:
         """Every meta key/value whose key starts with `prefix` (e.g. "explorer/": each explorer's state)."""
-        rows = self.conn.execute("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix))
-        return dict(rows.fetchall())
+        return dict(self.query("SELECT key, value FROM meta WHERE substr(key, 1, ?) = ?", (len(prefix), prefix)))
 
     def set_meta(self, key: str, value: str, *, overwrite: bool = True) -> str:
         """Store key=value and return the stored value. With overwrite=False an existing value is
         kept and returned, so a caller can compare it with its own (e.g. a model fingerprint)."""
         conflict = "DO UPDATE SET value = excluded.value" if overwrite else "DO NOTHING"
-        with transaction(self.conn) as cur:
+        with self.transaction() as cur:
             cur.execute(f"INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) {conflict}",
                         (key, value))
             return cur.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0]
@@ -292,23 +417,25 @@ class ExperienceDB:
         now = time.time()
         rows = [(now, e.explorer, e.model_version, e.group_id, e.run_id, e.task_id, e.reward,
                  e.prompt_length, e.response_length, *serialise(e)) for e in exps]
-        with transaction(self.conn) as cur:
+        with self.transaction() as cur:
             cur.executemany("INSERT INTO meta (key, value) VALUES (?, ?)"
                             " ON CONFLICT (key) DO UPDATE SET value = excluded.value", list((meta or {}).items()))
             if not rows:
                 return []
-            cur.executemany(
-                "INSERT INTO experiences (created, explorer, model_version, group_id, run_id, task_id,"
-                " reward, prompt_length, response_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [row[:-2] for row in rows])
-            # NOTE: we hold the write lock and AUTOINCREMENT gives max+1 to each insert, so the
-            # ids are consecutive and end at last_insert_rowid() (executemany leaves lastrowid
-            # unset).
-            last = cur.execute("SELECT last_insert_rowid()").fetchone()[0]
-            ids = list(range(last - len(rows) + 1, last + 1))
+            ids = self._insert_experiences(cur, [row[:-2] for row in rows])
             cur.executemany("INSERT INTO payloads (id, tensors, meta) VALUES (?, ?, ?)",
                             [(i, *row[-2:]) for i, row in zip(ids, rows)])
         return ids
+
+    def _insert_experiences(self, cur: Any, rows: list[tuple]) -> list[int]:
+        """INSERT the rows' plain columns; their ids, in order."""
+        if self.postgres:  # one result (the id) per row, in order: psycopg's executemany with returning
+            return cur.executemany(INSERT_EXPERIENCES + " RETURNING id", rows, returning=True).returned()
+        cur.executemany(INSERT_EXPERIENCES, rows)
+        # NOTE: we hold the write lock and AUTOINCREMENT gives max+1 to each insert, so the ids are consecutive and
+        # end at last_insert_rowid() (executemany leaves lastrowid unset).
+        last = cur.execute("SELECT last_insert_rowid()").fetchone()[0]
+        return list(range(last - len(rows) + 1, last + 1))
 
     def claim(self, n: int, step: int, *, timeout: float = 0.0, priority: bool = False,
               reuse_cooldown: float | None = None, decay: float = 2.0, min_version: int | None = None,
@@ -353,16 +480,20 @@ class ExperienceDB:
         final look with fewer than n claims them only if `keep_partial`. Otherwise claim nothing: (ids seen, None).
 
         Look and claim happen under one write lock, and a claim is made only when n are there or waiting is
-        over: a reader that took partial batches while waiting would starve another reader."""
+        over: a reader that took partial batches while waiting would starve another reader. PostgreSQL has no
+        database-wide write lock: the look locks the rows it picks (FOR UPDATE), skipping rows that another
+        claim has locked (SKIP LOCKED), so that two trainers never take the same experience nor wait on each
+        other."""
         now = time.time()
         eligible, order, args = which.sql(now)
-        with transaction(self.conn) as cur:
+        lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
+        with self.transaction() as cur:
             if which.min_version is not None:
                 cur.execute("UPDATE experiences SET dropped_step = ? WHERE use_count = 0 AND dropped_step IS NULL"
                             " AND model_version < ?", (step, which.min_version))
             # Ids first (a scan of small rows), payloads second, for the chosen ids only.
             ids = [row[0] for row in cur.execute(
-                f"SELECT id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?", (*args, n))]
+                f"SELECT id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?{lock}", (*args, n))]
             if len(ids) < n and not final:
                 return ids, None
             if len(ids) < n and not keep_partial:
@@ -371,13 +502,14 @@ class ExperienceDB:
                             " last_claimed = ? WHERE id = ?", [(now, i) for i in ids])
             cur.executemany("INSERT INTO claims (exp_id, step, claimed) VALUES (?, ?, ?)",
                             [(i, step, now) for i in ids])
-            rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
+            # NOTE: `IN ()` is an error in PostgreSQL (SQLite takes it)
+            rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall() if ids else []
         return ids, rows
 
     def get(self, ids: list[int]) -> list[Experience]:
         """The experiences with these row ids, in that order, without claiming them (the trainer's
         other ranks read what rank 0 claimed)."""
-        rows = self.conn.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall()
+        rows = self.query(SELECT_ROWS.format(", ".join("?" * len(ids))), ids) if ids else []
         by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols))) for id, blob, meta, *cols in rows}
         missing = [i for i in ids if i not in by_id]
         if missing:
@@ -388,7 +520,7 @@ class ExperienceDB:
         """Undo the claims (and staleness drops) of train steps > `step`, for a trainer resumed from
         checkpoint `step`: those experiences become claimable again as if never used. Returns the
         claims released."""
-        with transaction(self.conn) as cur:
+        with self.transaction() as cur:
             released = cur.execute("SELECT exp_id, COUNT(*) FROM claims WHERE step > ?"
                                    " GROUP BY exp_id", (step,)).fetchall()
             cur.execute("DELETE FROM claims WHERE step > ?", (step,))
@@ -427,10 +559,10 @@ class ExperienceDB:
     def counts(self) -> dict[str, int]:
         """Row counts: total = pending (never claimed) + claimed (at least once) + dropped; claims."""
         # One statement, so that the counts come from one snapshot even while others write.
-        total, pending, dropped, claims = self.conn.execute(
+        ((total, pending, dropped, claims),) = self.query(
             "SELECT (SELECT COUNT(*) FROM experiences), (SELECT COUNT(*) FROM experiences WHERE use_count = 0"
             " AND dropped_step IS NULL), (SELECT COUNT(*) FROM experiences WHERE dropped_step IS NOT NULL),"
-            " (SELECT COUNT(*) FROM claims)").fetchone()
+            " (SELECT COUNT(*) FROM claims)")
         return {"total": total, "pending": pending, "claimed": total - pending - dropped, "dropped": dropped,
                 "claims": claims}
 

@@ -37,7 +37,7 @@ from typing import Callable, Iterator, TextIO
 
 import configs
 import sync
-from buffer import DBMismatch, ExperienceDB, sqlite_path
+from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from monitor import (CONSOLE, Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline,
                      log_to_file, numbers_of, read_history)
 from tasksets import DataError
@@ -268,12 +268,15 @@ def reopen_explorer(stage: configs.Config) -> None:
     wrote to the DB finished, ends before the explorer has started; an explorer with nothing left to do
     marks itself finished again at once."""
     url = stage.buffer.trainer_input.experience_buffer.path
-    if not Path(sqlite_path(url)).is_file():
+    if not is_postgres(url) and not Path(sqlite_path(url)).is_file():
         return
-    with ExperienceDB(url) as db:
-        state = db.explorer_states().get(stage.explorer.name)
-        if state and state.get("finished"):
-            db.set_explorer_state(stage.explorer.name, {**state, "finished": False})
+    try:
+        with ExperienceDB(url) as db:
+            state = db.explorer_states().get(stage.explorer.name)
+            if state and state.get("finished"):
+                db.set_explorer_state(stage.explorer.name, {**state, "finished": False})
+    except DBMismatch:  # the processes name the problem themselves, as they do without a launcher
+        return
 
 
 def run_stage(stage: configs.Config, side: str) -> int:

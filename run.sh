@@ -9,7 +9,8 @@ cd "$(dirname "$0")"
 VENV=.venv
 PY="$VENV/bin/python"
 
-TEST_EXTRAS="test,bench,mlflow"  # pytest and openai, TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor)
+# pytest and openai, TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor), psycopg (the PostgreSQL DB)
+TEST_EXTRAS="test,bench,mlflow,postgres"
 
 setup() {  # $1: "" (the project) or $TEST_EXTRAS (the project and what its tests need)
   local hash stamp

@@ -509,6 +509,10 @@ def _derive_paths(c: Config, preset: Preset) -> None:
             eb.schema_type = "experience" if eb.storage_type != "file" else preset.schema if eb is bufs[0] else "sft"
         if not eb.path and eb.storage_type != "file":
             eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
+        scheme = eb.path.split("://")[0] if "://" in eb.path else ""
+        if eb.storage_type != "file" and scheme not in ("", "sqlite", "postgresql", "postgres"):
+            raise ConfigError(f"buffer.trainer_input.experience_buffer.path: {scheme}:// is not an experience DB this "
+                              "project serves; use sqlite:///path.db or postgresql://user@host/db")
 
 
 def _derive_trainer_explorer(c: Config) -> None:

@@ -271,13 +271,15 @@ class ExperienceBufferConfig:
     name: str = "experience_buffer"
     """Buffer name (the DB file is named after it when path is empty)."""
     storage_type: Literal["queue", "sql", "file"] = "queue"
-    """queue / sql: the SQLite experience DB; file: read-only SFT/DPO data files (train mode)."""
+    """queue / sql: the experience DB (SQLite or PostgreSQL, by path); file: read-only SFT/DPO data files (train
+    mode)."""
     schema_type: Literal["", "experience", "sft", "dpo"] = ""
     """What the rows are: experiences (the DB), SFT conversations or DPO pairs (files). Empty: from the algorithm
     (derived)."""
     path: str = ""
-    """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived); file: a data file or
-    folder."""
+    """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived), or
+    postgresql://user:password@host:port/db for explorers and trainers on several hosts (the `postgres` extra);
+    file: a data file or folder."""
     subset_name: Optional[str] = None
     """file: subset (sub-folder) name."""
     split: str = "train"

@@ -3,6 +3,7 @@ restart them, let the run finish, then check that nothing was lost, repeated or 
 
     python scripts/soak_async.py --cycles 20 --seed 0                 # the soak of docs/LOG.md (~10 min, 2 CPUs)
     python scripts/soak_async.py --cycles 3 --schedule explorer,trainer,both --steps 6   # what CI runs
+    python scripts/soak_async.py --cycles 20 --db-url postgresql://user@host/db        # on a PostgreSQL DB
 
 The run is configs/async/tiny_{trainer,explorer}.yaml (mode train + mode explore, checkpoint sync,
 one-step-ahead explorer, staleness control) on a fresh tiny model with small batches, checkpoints every
@@ -32,7 +33,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -43,12 +43,14 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from buffer import ExperienceDB, is_postgres, sqlite_path  # noqa: E402
 from configs import cli, resolve_stages  # noqa: E402
 from tasksets import TaskReader  # noqa: E402
 
 
-def write_configs(out: Path, model: str, data: str, steps: int) -> dict[str, Path]:
-    """The async tiny pair, made small and fast, writing under `out`."""
+def write_configs(out: Path, model: str, data: str, steps: int, db_url: str) -> dict[str, Path]:
+    """The async tiny pair, made small and fast, writing under `out` (the experience DB at `db_url`; "": the
+    default SQLite file in the job dir)."""
     files = {}
     for role, name in (("trainer", "tiny_trainer.yaml"), ("explorer", "tiny_explorer.yaml")):
         cfg = yaml.safe_load((ROOT / "configs/async" / name).read_text())
@@ -59,6 +61,8 @@ def write_configs(out: Path, model: str, data: str, steps: int) -> dict[str, Pat
         for ts in [cfg["buffer"]["explorer_input"]["taskset"], *cfg["buffer"]["explorer_input"]["eval_tasksets"]]:
             ts["path"] = data
         cfg["buffer"]["trainer_input"]["experience_buffer"]["max_read_timeout"] = 300
+        if db_url:
+            cfg["buffer"]["trainer_input"]["experience_buffer"]["path"] = db_url
         cfg["synchronizer"]["sync_timeout"] = 300
         cfg["explorer"].update(runner_per_model=6, eval_interval=1000, eval_on_startup=False)
         cfg["trainer"]["save_interval"] = 3
@@ -92,16 +96,13 @@ class Proc:
         self.p.wait()
 
 
-def progress(db: Path, role: str) -> int:
+def progress(url: str, role: str) -> int:
     """The trainer's last finished step or the explorer's last written step, from the DB (-1: none)."""
-    if not db.exists():
+    if not is_postgres(url) and not Path(sqlite_path(url)).exists():  # NOTE: opening would create the file
         return -1
-    key = "trainer" if role == "trainer" else "explorer/explorer"
-    try:
-        row = sqlite3.connect(db, timeout=30).execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    except sqlite3.OperationalError:  # the file exists but its tables do not yet
-        return -1
-    return json.loads(row[0])["step"] if row else -1
+    with ExperienceDB(url) as db:
+        state = db.trainer_status() if role == "trainer" else db.explorer_states().get("explorer")
+    return state["step"] if state else -1
 
 
 def trigger(victim: str) -> str:
@@ -123,7 +124,7 @@ def wait_paused(proc: Proc, timeout: float = 300) -> bool:
     return proc.marker.exists()
 
 
-def pick_moment(cycle: int, victim: str, schedule: list[str], procs: dict[str, Proc], db: Path,
+def pick_moment(cycle: int, victim: str, schedule: list[str], procs: dict[str, Proc], db: str,
                 rng: random.Random) -> str:
     """Wait for the moment of cycle's kill and say which it is ("": the scheduled pause did not come).
     Scheduled: a pause point; else after progress since the (re)start, or (1 in 4) somewhere in the start-up."""
@@ -148,9 +149,11 @@ def check(trainer_config: Path, explorer_config: Path) -> dict:
     """The invariants of a finished asynchronous run; returns counts, raises AssertionError on a violation."""
     (tc,) = resolve_stages(cli(["--config", str(trainer_config)])[0])
     (ec,) = resolve_stages(cli(["--config", str(explorer_config)])[0])
-    job, db = Path(tc.checkpoint_job_dir), sqlite3.connect(tc.buffer.trainer_input.experience_buffer.path[len("sqlite:///"):])
-    rows = db.execute("SELECT id, use_count, dropped_step, group_id, explorer FROM experiences ORDER BY id").fetchall()
-    claims = db.execute("SELECT exp_id, step FROM claims").fetchall()
+    job = Path(tc.checkpoint_job_dir)
+    with ExperienceDB(tc.buffer.trainer_input.experience_buffer.path) as db:
+        rows = db.query("SELECT id, use_count, dropped_step, group_id, explorer FROM experiences ORDER BY id")
+        claims = db.query("SELECT exp_id, step FROM claims")
+        state = db.explorer_states()["explorer"]
     by_exp = collections.Counter(e for e, _ in claims)
     assert max(by_exp.values(), default=1) == 1, f"experiences used twice: {[e for e, c in by_exp.items() if c > 1][:5]}"
     for id_, use, dropped, *_ in rows:
@@ -171,7 +174,6 @@ def check(trainer_config: Path, explorer_config: Path) -> dict:
     expected = [f"{ec.explorer.name}/{t.epoch}/{t.task_id}" for t in reader.read(len(groups))]
     assert groups == expected, "tasks skipped or explored twice: " + str(
         next((i, g, e) for i, (g, e) in enumerate(zip(groups, expected)) if g != e))
-    state = json.loads(db.execute("SELECT value FROM meta WHERE key = 'explorer/explorer'").fetchone()[0])
     assert state["reader"]["index"] + state["reader"]["epoch"] * len(reader) == len(groups), (state, len(groups))
     return {"experiences": len(rows), "claimed": claimed, "pending": pending, "dropped": dropped,
             "train_steps": total, "tasks": len(groups), "explorer_steps": state["step"]}
@@ -184,6 +186,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=0, help="train steps of the run (default: 5 per cycle)")
     ap.add_argument("--schedule", default="", help="victims in order (explorer,trainer,both); default: random")
     ap.add_argument("--out", default="", help="work folder (default: a new one under /tmp)")
+    ap.add_argument("--db-url", default="", help="the experience DB (default: a SQLite file in the run's job dir)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     out = Path(args.out or f"/tmp/nanorft_soak_{time.strftime('%Y%m%d-%H%M%S')}")
@@ -191,8 +194,9 @@ def main() -> int:
     from tiny import build
 
     build(str(out / "assets"), n_train=200, n_test=10)
-    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 5 * args.cycles)
-    db = out / "ck/nanorft/soak/buffer/tiny_async_buffer.db"
+    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 5 * args.cycles,
+                          args.db_url)
+    db = args.db_url or f"sqlite:///{out / 'ck/nanorft/soak/buffer/tiny_async_buffer.db'}"
     procs = {role: Proc(role, files[role], out / "logs") for role in ("trainer", "explorer")}
     schedule = [v for v in args.schedule.split(",") if v]
     kills, start = [], time.monotonic()

@@ -1,5 +1,6 @@
 """Shared fixtures. Tests run from the repository root on CPU (`bash run.sh test`)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import pytest
+
+import pgserver
 
 
 @pytest.fixture(autouse=True)
@@ -25,6 +28,46 @@ def tiny_model_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny")
     build(str(out), n_train=50, n_test=10)
     return str(out / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server for the session (tests/pgserver.py). Where none can start, the PostgreSQL cases are
+    skipped with the reason, except under CI, which installs the server: there they fail."""
+    why = pgserver.missing()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the experience DB tests on PostgreSQL too: {why}")
+        pytest.skip(why)
+    with pgserver.PostgresServer() as pg:
+        yield pg
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request, tmp_path) -> str:
+    """An experience DB URL that nothing has used yet, once per back-end: a SQLite file, a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/buffer.db"
+    return request.getfixturevalue("postgres").database()
+
+
+def raw(url: str, sql: str, args: tuple = ()) -> list:
+    """Run one statement (`?` placeholders) on a new connection of the DB's own driver, without buffer.py, and
+    commit; its rows ([] for a statement without)."""
+    if url.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            cur = conn.execute(sql.replace("?", "%s"), args)
+            return cur.fetchall() if cur.description else []
+    import sqlite3
+
+    conn = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=30)
+    try:
+        with conn:  # commits
+            return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
 
 
 def write_yaml(path: Path, cfg: dict, over: dict) -> Path:

@@ -1,10 +1,10 @@
 """Asynchronous RFT with real processes: the trainer (mode train) and explorers (mode explore) started
 separately, in either order, a second explorer joining, SIGKILL + restart of either side (the soak
-script), and the failure modes: no explorer, no trainer, a DB of another model or schema."""
+script), and the failure modes: no explorer, no trainer, a DB of another model or schema. The tests that meet
+through the experience DB run on both back-ends (`url`: the default SQLite file, a PostgreSQL database)."""
 
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 import time
@@ -14,14 +14,26 @@ import pytest
 import yaml
 
 from buffer import ExperienceDB
-from conftest import write_yaml
+from conftest import raw, write_yaml
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def pair(tmp_path: Path, tiny_model_dir: str, **over) -> dict[str, Path]:
-    """configs/async/tiny_{trainer,explorer,explorer_new}.yaml made small: 6 train steps of 3 tasks x 2."""
+@pytest.fixture(params=["sqlite", "postgresql"])
+def url(request, tmp_path) -> str:
+    """The run's experience DB: the SQLite file that the config derives in the job dir, or a new PostgreSQL
+    database (which `pair` then sets as buffer.trainer_input.experience_buffer.path)."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/ck/nanorft/tiny_async/buffer/tiny_async_buffer.db"
+    return request.getfixturevalue("postgres").database()
+
+
+def pair(tmp_path: Path, tiny_model_dir: str, url: str = "", **over) -> dict[str, Path]:
+    """configs/async/tiny_{trainer,explorer,explorer_new}.yaml made small: 6 train steps of 3 tasks x 2; a
+    PostgreSQL `url` as the experience DB."""
+    if url.startswith("postgresql://"):
+        over = {"buffer.trainer_input.experience_buffer.path": url, **over}
     data = str(Path(tiny_model_dir).parent / "arith")
     files = {}
     for role in ("trainer", "explorer", "explorer_new"):
@@ -42,15 +54,17 @@ def start(config: Path, script: str, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def meta(db: Path, key: str) -> str | None:
+def meta(url: str, key: str) -> str | None:
     """A meta value of the DB as another process sees it (None while the file or table is missing)."""
-    if not db.exists():  # NOTE: connecting would create an empty file
-        return None
+    if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists():
+        return None  # NOTE: connecting would create an empty file
     try:
-        row = sqlite3.connect(db, timeout=30).execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    except sqlite3.OperationalError:
+        rows = raw(url, "SELECT value FROM meta WHERE key = ?", (key,))
+    except Exception as e:  # sqlite3.OperationalError, psycopg.errors.UndefinedTable: no meta table yet
+        if "meta" not in str(e):
+            raise
         return None
-    return row and row[0]
+    return rows[0][0] if rows else None
 
 
 def wait_for(predicate, what: str, timeout: float = 180) -> None:
@@ -60,25 +74,24 @@ def wait_for(predicate, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
-def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir):
+def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     """Trainer before any explorer (it waits and says so); explorer joins; a second explorer (another name,
     another task order) joins while they run; the trainer ends after its steps and the explorers stop at
     their next sync point. Metrics are kept per explorer; the trainer logs versions, staleness and the
     rollout-vs-trainer mismatch."""
-    files, job = pair(tmp_path, tiny_model_dir), tmp_path / "ck/nanorft/tiny_async"
+    files, job = pair(tmp_path, tiny_model_dir, url), tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in files}
     trainer = start(files["trainer"], "train.py", logs["trainer"])
     wait_for(lambda: "waiting for experiences: 0 of 6 ready" in logs["trainer"].read_text(), "the trainer's waiting note")
     assert "explorers: none has written to this DB yet" in logs["trainer"].read_text()
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
-    db = job / "buffer/tiny_async_buffer.db"
-    wait_for(lambda: meta(db, "explorer/explorer") is not None, "the first explorer step")
+    wait_for(lambda: meta(url, "explorer/explorer") is not None, "the first explorer step")
     new = start(files["explorer_new"], "explore.py", logs["explorer_new"])
     codes = [p.wait(timeout=300) for p in (trainer, explorer, new)]
     assert codes == [0, 0, 0], {r: logs[r].read_text()[-2000:] for r in logs}
 
-    with ExperienceDB(f"sqlite:///{db}") as d:
-        writers = dict(d.conn.execute("SELECT explorer, COUNT(*) FROM experiences GROUP BY explorer").fetchall())
+    with ExperienceDB(url) as d:
+        writers = dict(d.query("SELECT explorer, COUNT(*) FROM experiences GROUP BY explorer"))
         states = {k: json.loads(v) for k, v in d.meta_items("explorer/").items()}
         assert json.loads(d.get_meta("trainer"))["status"] == "finished"
         assert d.counts()["claims"] == 6 * 6
@@ -100,11 +113,12 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.parametrize("style", ["fixed", "explorer_driven"])
-def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir, style):
+def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir, style, url):
     """Explorer first: it waits at its first sync point (saying for what) until the trainer comes. A
     second start of the finished trainer does nothing: it resumes at its last step. explorer_driven:
     at each sync point the explorer takes any newer weights (waits only when there are none)."""
-    files, job = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_style": style}), tmp_path / "ck/nanorft/tiny_async"
+    files, job = pair(tmp_path, tiny_model_dir, url, **{"synchronizer.sync_style": style}), \
+        tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
     wait_for(lambda: "waiting for the trainer's weights of step 1" in logs["explorer"].read_text(), "the explorer's note")
@@ -119,11 +133,11 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
     assert versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 4, versions
 
 
-def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(tmp_path, tiny_model_dir):
+def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(tmp_path, tiny_model_dir, url):
     """trainer_driven: the explorer loads new weights whenever the trainer has published some and never
     waits, so a fast explorer runs ahead; staleness_control (max_staleness 1 here) then drops what is too
     old, the trainer ends when the explorer has finished and nothing usable is left, and saves that step."""
-    files, job = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_style": "trainer_driven",
+    files, job = pair(tmp_path, tiny_model_dir, url, **{"synchronizer.sync_style": "trainer_driven",
                                                    "algorithm.sample_strategy_args.max_staleness": 1}), \
         tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
@@ -133,23 +147,23 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
     trainer = start(files["trainer"], "train.py", logs["trainer"])
     assert trainer.wait(timeout=300) == 0, logs["trainer"].read_text()[-2000:]
     # all 36 experiences are version 0: steps 1 and 2 may use them (staleness 0, 1); step 3 drops the rest
-    db = job / "buffer/tiny_async_buffer.db"
-    with ExperienceDB(f"sqlite:///{db}") as d:
+    with ExperienceDB(url) as d:
         assert d.counts() == {"total": 36, "pending": 0, "claimed": 12, "dropped": 24, "claims": 12}
     assert "every explorer writing to the experience DB has finished and no experiences are left: " \
            "training ends after step 2 of 6" in logs["trainer"].read_text()
     assert (job / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
-    assert json.loads(meta(db, "trainer"))["status"] == "finished"
+    assert json.loads(meta(url, "trainer"))["status"] == "finished"
 
 
-def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path):
+def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, url):
     """scripts/soak_async.py with a fixed schedule: SIGKILL the explorer, the trainer, then both, each at a
     pause point (NANORFT_TEST_PAUSE_AT: never a clock delay, so the run cannot end before a kill), restart
     them, run to the end, check: experiences written = claimed + pending (+ dropped), none used twice, train
     steps 1..T each with a full batch, no task skipped or repeated."""
+    db = ["--db-url", url] if url.startswith("postgresql://") else []  # sqlite: the script's default file
     out = subprocess.run([sys.executable, "scripts/soak_async.py", "--cycles", "3", "--schedule", "explorer,trainer,both",
-                          "--steps", "6", "--out", str(tmp_path / "soak")], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900)
+                          "--steps", "6", "--out", str(tmp_path / "soak"), *db], cwd=ROOT, capture_output=True,
+                         text=True, timeout=900)
     result = json.loads((tmp_path / "soak/soak_result.json").read_text())
     assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
     assert [k["victim"] for k in result["kills"]] == ["explorer", "trainer", "both"]
@@ -172,10 +186,9 @@ def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
             "no trainer has used this DB yet. Restart to continue after step 2.") in out.stderr
 
 
-def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir):
-    files, job = pair(tmp_path, tiny_model_dir), tmp_path / "ck/nanorft/tiny_async"
-    db = job / "buffer/tiny_async_buffer.db"
-    with ExperienceDB(f"sqlite:///{db}") as d:
+def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url):
+    files = pair(tmp_path, tiny_model_dir, url)
+    with ExperienceDB(url) as d:
         d.check_identity({"model_type": "llama", "vocab_size": 32000}, "another explorer")
     for script, role in (("explore.py", "explorer"), ("train.py", "trainer")):
         out = subprocess.run([sys.executable, script, "--config", str(files[role])], cwd=ROOT, capture_output=True,
@@ -183,15 +196,13 @@ def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir):
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert "this experience DB was written for another model or tokenizer (" in out.stderr
         assert "model_type: DB has 'llama', " + ("explorer explorer" if role == "explorer" else "the trainer") + " has 'qwen2'" in out.stderr
-    raw = sqlite3.connect(db)
-    raw.execute("UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    raw.commit()
+    raw(url, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 2" in out.stderr
 
 
-def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_model_dir):
+def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_model_dir, db_url):
     """The explorer's wait at a checkpoint sync point: the newest published version once it is >= want;
     exit code 0 when the trainer has finished first; 1 with the trainer's last state after the timeout."""
     import threading
@@ -200,7 +211,7 @@ def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_mod
     import sync
     from models import load_model, load_tokenizer
 
-    db = ExperienceDB(f"sqlite:///{tmp_path / 'b.db'}")
+    db = ExperienceDB(db_url)
     version, why, code = explore.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=0.3)
     assert (version, code) == (0, 1) and why == ("no weights of step 1 after 0.3 s (synchronizer.sync_timeout); "
                                                  "no trainer has used this DB yet")

@@ -1,9 +1,12 @@
 """Tests of the experience DB in buffer.py: serialisation, claim order, waiting, reuse, release
-after a resume, schema checks, and several real processes writing and reading one file at once."""
+after a resume, schema checks, and several real processes writing and reading one DB at once; each on both
+back-ends (`db_url`: a SQLite file and a database of a real PostgreSQL server that the tests start)."""
 
 import json
 import logging
 import multiprocessing
+import re
+import sys
 import sqlite3
 import threading
 import time
@@ -16,6 +19,7 @@ import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
 from buffer import Experience, ExperienceDB, pack, unpack
+from conftest import raw
 
 
 def make(i: int = 0, **fields: object) -> Experience:
@@ -29,8 +33,8 @@ def ids(exps: list[Experience]) -> list[int | None]:
 
 
 @pytest.fixture
-def db(tmp_path: Path) -> Iterator[ExperienceDB]:
-    with ExperienceDB(f"sqlite:///{tmp_path}/buffer.db") as db:
+def db(db_url: str) -> Iterator[ExperienceDB]:
+    with ExperienceDB(db_url) as db:
         yield db
 
 
@@ -75,7 +79,7 @@ def test_round_trip_every_field(db: ExperienceDB) -> None:
 
 def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:
     db.write([make(0, action_mask=torch.tensor([True, True, False, True]), info={"k": "v"})])
-    blob, meta = sqlite3.connect(db.path).execute("SELECT tensors, meta FROM payloads").fetchone()
+    ((blob, meta),) = raw(db.url, "SELECT tensors, meta FROM payloads")
     assert not blob.startswith(b"\x80")  # pickle protocol 2+ starts with 0x80
     header_len = int.from_bytes(blob[:8], "little")
     header = json.loads(blob[8:8 + header_len])
@@ -89,9 +93,8 @@ def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:
 def test_plain_columns_readable_without_buffer_py(db: ExperienceDB) -> None:
     db.write([make(0, reward=1.0, model_version=3, group_id="a"),
               make(1, reward=-0.5, model_version=4, group_id="b")])
-    rows = sqlite3.connect(db.path).execute(
-        "SELECT reward, model_version, group_id, prompt_length, response_length, use_count FROM experiences"
-        " ORDER BY id").fetchall()
+    rows = raw(db.url, "SELECT reward, model_version, group_id, prompt_length, response_length, use_count"
+                       " FROM experiences ORDER BY id")
     assert rows == [(1.0, 3, "a", 3, 4, 0), (-0.5, 4, "b", 3, 4, 0)]
 
 
@@ -106,7 +109,7 @@ def test_queue_order_and_claims_recorded(db: ExperienceDB) -> None:
     assert ids(db.claim(4, step=2)) == [5, 6, 7, 8]
     assert ids(db.claim(4, step=3)) == [9, 10, 11]  # timeout 0: what exists
     assert db.claim(4, step=4) == []
-    claims = sqlite3.connect(db.path).execute("SELECT exp_id, step FROM claims ORDER BY exp_id").fetchall()
+    claims = raw(db.url, "SELECT exp_id, step FROM claims ORDER BY exp_id")
     expected = [(i, 1) for i in (1, 2, 3, 4)] + [(i, 2) for i in (5, 6, 7, 8)] + [(i, 3) for i in (9, 10, 11)]
     assert claims == expected
     assert db.counts() == {"total": 11, "pending": 0, "claimed": 11, "dropped": 0, "claims": 11}
@@ -133,7 +136,7 @@ def test_returns_at_once_when_enough(db: ExperienceDB, caplog: pytest.LogCapture
 
 def test_writer_thread_completes_waiting_claim(db: ExperienceDB) -> None:
     def writer() -> None:
-        with ExperienceDB(db.path) as other:  # a connection belongs to one thread
+        with ExperienceDB(db.url) as other:  # a connection belongs to one thread
             for b in range(4):
                 time.sleep(0.1)
                 other.write([make(10 * b + i) for i in range(2)])
@@ -182,7 +185,7 @@ def test_reuse_after_cooldown_and_decay(db: ExperienceDB, monkeypatch) -> None:
     assert ids(db.claim(1, step=5, priority=True, reuse_cooldown=cool)) == [a]
     clock[0] += cool
     assert ids(db.claim(1, step=6, priority=True, reuse_cooldown=cool)) == [c]
-    use = dict(sqlite3.connect(db.path).execute("SELECT id, use_count FROM experiences").fetchall())
+    use = dict(raw(db.url, "SELECT id, use_count FROM experiences"))
     assert use == {a: 3, c: 3}
     assert db.counts()["claims"] == 6
 
@@ -204,9 +207,7 @@ def test_release_after(db: ExperienceDB) -> None:
         assert len(db.claim(3, step=step)) == 3
     assert db.release_after(1) == 6
     assert db.counts() == {"total": 9, "pending": 6, "claimed": 3, "dropped": 0, "claims": 3}
-    raw = sqlite3.connect(db.path)
-    assert raw.execute("SELECT COUNT(*) FROM experiences WHERE use_count = 0 AND last_claimed IS NULL"
-                       ).fetchone()[0] == 6
+    assert raw(db.url, "SELECT COUNT(*) FROM experiences WHERE use_count = 0 AND last_claimed IS NULL") == [(6,)]
     assert ids(db.claim(6, step=2)) == [4, 5, 6, 7, 8, 9]
     assert db.counts() == {"total": 9, "pending": 0, "claimed": 9, "dropped": 0, "claims": 9}
     assert db.release_after(5) == 0
@@ -215,12 +216,11 @@ def test_release_after(db: ExperienceDB) -> None:
 def test_release_after_restores_last_claimed_of_reused(db: ExperienceDB) -> None:
     (a,) = db.write([make(0)])
     db.claim(1, step=1, priority=True, reuse_cooldown=0.0)
-    first = sqlite3.connect(db.path).execute("SELECT last_claimed FROM experiences").fetchone()[0]
+    ((first,),) = raw(db.url, "SELECT last_claimed FROM experiences")
     time.sleep(0.05)
     db.claim(1, step=2, priority=True, reuse_cooldown=0.0)
     assert db.release_after(1) == 1
-    row = sqlite3.connect(db.path).execute("SELECT use_count, last_claimed FROM experiences").fetchone()
-    assert row == (1, first)
+    assert raw(db.url, "SELECT use_count, last_claimed FROM experiences") == [(1, first)]
 
 
 def test_staleness_drops_old_pending_and_release_undoes_it(db: ExperienceDB) -> None:
@@ -228,8 +228,7 @@ def test_staleness_drops_old_pending_and_release_undoes_it(db: ExperienceDB) -> 
     got = db.claim(2, step=5, min_version=2)  # versions 0 and 1 (ids 1, 2, 6) are dropped by step 5
     assert ids(got) == [3, 4]
     assert db.counts() == {"total": 6, "pending": 1, "claimed": 2, "dropped": 3, "claims": 2}
-    raw = sqlite3.connect(db.path)
-    assert raw.execute("SELECT id FROM experiences WHERE dropped_step = 5 ORDER BY id").fetchall() == [(1,), (2,), (6,)]
+    assert raw(db.url, "SELECT id FROM experiences WHERE dropped_step = 5 ORDER BY id") == [(1,), (2,), (6,)]
     assert ids(db.claim(5, step=6, min_version=0)) == [5]  # dropped rows stay out of later claims
     assert db.release_after(4) == 3  # a trainer resumed at step 4: claims and drops of steps 5, 6 undone
     assert db.counts() == {"total": 6, "pending": 6, "claimed": 0, "dropped": 0, "claims": 0}
@@ -262,15 +261,12 @@ def test_identity_mismatch_refused(db: ExperienceDB) -> None:
 # --- the file
 
 
-def test_schema_version_mismatch_refused(tmp_path: Path) -> None:
-    path = tmp_path / "old.db"
-    ExperienceDB(str(path)).close()
-    raw = sqlite3.connect(path)
-    raw.execute("UPDATE meta SET value = '0' WHERE key = 'schema_version'")
-    raw.commit()
-    raw.close()
-    with pytest.raises(RuntimeError, match=rf"old\.db.*schema version 0.*expects {buffer.SCHEMA_VERSION}"):
-        ExperienceDB(str(path))
+def test_schema_version_mismatch_refused(db_url: str) -> None:
+    ExperienceDB(db_url).close()
+    raw(db_url, "UPDATE meta SET value = '0' WHERE key = 'schema_version'")
+    shown = re.escape(db_url.removeprefix("sqlite:///"))
+    with pytest.raises(RuntimeError, match=rf"{shown}: experience DB has schema version 0.*expects {buffer.SCHEMA_VERSION}"):
+        ExperienceDB(db_url)
 
 
 def test_meta_set_if_absent(db: ExperienceDB) -> None:
@@ -304,34 +300,39 @@ def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
-# --- real processes: 3 writers and 1 reader on one fresh file
+# --- real processes: 3 writers and 2 readers (explorers and trainers) on one fresh DB
 
-WRITERS, BATCHES, BATCH, READ = 3, 40, 25, 32
+WRITERS, READERS, BATCHES, BATCH, READ = 3, 2, 40, 25, 32
 
 
-def writer_process(path: str, writer: int) -> None:
-    with ExperienceDB(path) as db:
+def writer_process(url: str, writer: int) -> None:
+    with ExperienceDB(url) as db:
         for b in range(BATCHES):
             db.write([make(i, explorer=f"w{writer}", info={"marker": f"{writer}-{b}-{i}"})
                       for i in range(BATCH)])
 
 
-def reader_process(path: str, out: str, deadline: float) -> None:
-    seen: list[tuple[int, str]] = []
-    with ExperienceDB(path) as db:
+def reader_process(url: str, reader: int, out: str, deadline: float) -> None:
+    """Claims until every experience has been claimed by one of the readers (the DB's counts say when)."""
+    seen: list[tuple[int, str, int]] = []
+    with ExperienceDB(url) as db:
         step = 0
-        while len(seen) < WRITERS * BATCHES * BATCH and time.time() < deadline:
+        while db.counts()["claims"] < WRITERS * BATCHES * BATCH and time.time() < deadline:
             step += 1
-            seen += [(e.id, e.info["marker"]) for e in db.claim(READ, step=step, timeout=2.0)]
+            # steps of reader r: r, r + READERS, ...: distinct across readers, as the claims table wants
+            seen += [(e.id, e.info["marker"], reader) for e in db.claim(READ, step=step * READERS + reader,
+                                                                        timeout=0.5)]
     Path(out).write_text(json.dumps(seen))
 
 
-def test_three_writer_processes_one_reader(tmp_path: Path) -> None:
-    path, out = str(tmp_path / "shared.db"), str(tmp_path / "seen.json")
+def test_three_writer_processes_two_readers(db_url: str, tmp_path: Path) -> None:
+    """Every process opens the fresh DB at once (set-up races), the writers write while both readers claim: each
+    experience is claimed exactly once, by one reader."""
+    outs = [str(tmp_path / f"seen{r}.json") for r in range(READERS)]
     ctx = multiprocessing.get_context("spawn")
-    deadline = time.time() + 150.0  # the reader gives up here, so the test cannot hang
-    procs = [ctx.Process(target=writer_process, args=(path, w)) for w in range(WRITERS)]
-    procs.append(ctx.Process(target=reader_process, args=(path, out, deadline)))
+    deadline = time.time() + 150.0  # the readers give up here, so the test cannot hang
+    procs = [ctx.Process(target=writer_process, args=(db_url, w)) for w in range(WRITERS)]
+    procs += [ctx.Process(target=reader_process, args=(db_url, r, outs[r], deadline)) for r in range(READERS)]
     for p in procs:
         p.start()
     for p in procs:
@@ -340,13 +341,13 @@ def test_three_writer_processes_one_reader(tmp_path: Path) -> None:
         if p.is_alive():
             p.kill()
     assert [p.exitcode for p in procs] == [0] * len(procs)  # any exception ("database is locked") -> 1
-    seen = json.loads(Path(out).read_text())
+    seen = [x for out in outs for x in json.loads(Path(out).read_text())]
     total = WRITERS * BATCHES * BATCH
     assert len(seen) == total
-    assert len({i for i, _ in seen}) == total  # no id claimed twice
+    assert len({i for i, _, _ in seen}) == total  # no id claimed twice
     expected = {f"{w}-{b}-{i}" for w in range(WRITERS) for b in range(BATCHES) for i in range(BATCH)}
-    assert sorted(m for _, m in seen) == sorted(expected)  # every marker exactly once
-    with ExperienceDB(path) as db:
+    assert sorted(m for _, m, _ in seen) == sorted(expected)  # every marker exactly once
+    with ExperienceDB(db_url) as db:
         assert db.counts() == {"total": total, "pending": 0, "claimed": total, "dropped": 0, "claims": total}
 
 
@@ -378,3 +379,56 @@ def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
         assert torch.equal(a.tokens, b.tokens) and b.tokens.dtype == torch.long
         for f in ("logprobs", "action_mask"):
             assert (getattr(a, f) is None and getattr(b, f) is None) or torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+# --- PostgreSQL: what differs from a file
+
+
+def test_times_and_rewards_keep_double_precision(db: ExperienceDB) -> None:
+    """A 4-byte REAL (PostgreSQL's REAL) would round a unix time by ~100 s and 0.1 to 0.10000000149."""
+    before = time.time()
+    db.write([make(0, reward=0.1)])
+    db.claim(1, step=1)
+    ((created, last_claimed, reward),) = raw(db.url, "SELECT created, last_claimed, reward FROM experiences")
+    assert before <= created <= last_claimed <= time.time() and reward == 0.1
+
+
+def test_a_postgresql_database_of_another_program_is_named_and_left_alone(postgres) -> None:
+    url = postgres.database()
+    raw(url, "CREATE TABLE users (name TEXT)")
+    with pytest.raises(buffer.DBMismatch, match=r"holds the tables of another program \(users\).*nothing was changed"):
+        ExperienceDB(url)
+    tables = raw(url, "SELECT table_name FROM information_schema.tables WHERE table_schema = 'public'")
+    assert tables == [("users",)]
+    # a schema of its own, named in the URL, beside the other program's tables
+    with pytest.raises(buffer.DBMismatch, match=r"the search_path names no schema that exists; create it first"):
+        ExperienceDB(url + "&options=-csearch_path%3Drun1")
+    raw(url, "CREATE SCHEMA run1")
+    with ExperienceDB(url + "&options=-csearch_path%3Drun1") as db:
+        db.write([make(0)])
+        assert db.counts()["total"] == 1
+    tables = raw(url, "SELECT table_schema, table_name FROM information_schema.tables"
+                      " WHERE table_schema IN ('public', 'run1') ORDER BY 1, 2")
+    assert tables == [("public", "users")] + [("run1", t) for t in ("claims", "experiences", "meta", "payloads")]
+
+
+def test_a_postgresql_user_without_create_rights_is_named(postgres) -> None:
+    """PostgreSQL 15: a user who does not own the database may not create tables in its public schema."""
+    url = postgres.database()
+    raw(url, "CREATE ROLE visitor LOGIN")
+    with pytest.raises(buffer.DBMismatch, match=r"cannot set up the experience DB's tables: permission denied"):
+        ExperienceDB(url.replace("nanorft@", "visitor@"))
+
+
+def test_an_unreachable_postgresql_db_is_named_without_its_password(postgres, monkeypatch) -> None:
+    url = postgres.url("no_such_db").replace("nanorft@", "nanorft:s3cret@")
+    with pytest.raises(buffer.DBMismatch) as e:
+        ExperienceDB(url, busy_timeout=2)
+    text = str(e.value)
+    assert "cannot open the experience DB postgresql://nanorft:***@/no_such_db" in text
+    assert "buffer.trainer_input.experience_buffer.path" in text and 'database "no_such_db" does not exist' in text
+    assert "s3cret" not in text
+    fresh = postgres.database()
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the postgres extra were not installed
+    with pytest.raises(buffer.DBMismatch, match=r"needs psycopg 3; install it with pip install -e '\.\[postgres\]'"):
+        ExperienceDB(fresh)

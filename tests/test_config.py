@@ -87,6 +87,15 @@ def test_wrong_type_names_path_value_and_type(tmp_path):
         cli(["--config", write(tmp_path, MINIMAL.replace("batch_size: 4", "batch_size: 2.5"))])
 
 
+def test_experience_db_urls_sqlite_or_postgresql_else_named(tmp_path):
+    for url in ("sqlite:///x.db", "postgresql://u:p@db.example:5432/rft", "postgres://u@h/rft", "plain/path.db"):
+        cfg, _ = cli(["--config", write(tmp_path, MINIMAL), "--buffer.trainer_input.experience_buffer.path", url])
+        assert derive(cfg).buffer.trainer_input.experience_buffer.path == url
+    cfg, _ = cli(["--config", write(tmp_path, MINIMAL), "--buffer.trainer_input.experience_buffer.path", "mysql://h/db"])
+    with pytest.raises(ConfigError, match=r"experience_buffer\.path: mysql:// is not an experience DB .*postgresql://"):
+        derive(cfg)
+
+
 def test_values_are_coerced_to_field_types(tmp_path):
     text = MINIMAL + "algorithm:\n  optimizer:\n    lr: 1e-6\n    betas: [0.9, '0.95']\ntrainer:\n  grad_clip: 2\n"
     cfg, _ = cli(["--config", write(tmp_path, text)])

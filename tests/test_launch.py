@@ -15,6 +15,7 @@ import termios
 import time
 from pathlib import Path
 
+import pytest
 
 from buffer import ExperienceDB
 from models import load_model
@@ -53,18 +54,19 @@ def launch(config: Path, *args: str, script: str = "launch.py", timeout: float =
                           text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
-def versions_by_step(db: Path) -> list[int]:
-    with ExperienceDB(f"sqlite:///{db}") as d:
-        rows = d.conn.execute("SELECT id, model_version FROM experiences ORDER BY id").fetchall()
+def versions_by_step(db: Path | str) -> list[int]:
+    """The model version of each experience, in DB order (`db`: a SQLite file or a DB URL)."""
+    with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
+        rows = d.query("SELECT id, model_version FROM experiences ORDER BY id")
     return [v for _, v in rows]
 
 
-def rollout_logprob_gap(db: Path, version: int, weights: Path) -> float:
+def rollout_logprob_gap(db: Path | str, version: int, weights: Path) -> float:
     """Largest |rollout log-prob - log-prob under `weights`| over the experiences of `version`: the
     engine's weights at rollout time were `weights` iff this is float rounding (~1e-6)."""
     model = load_model(str(weights))
-    with ExperienceDB(f"sqlite:///{db}") as d:
-        ids = [i for (i,) in d.conn.execute("SELECT id FROM experiences WHERE model_version = ?", (version,))]
+    with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
+        ids = [i for (i,) in d.query("SELECT id FROM experiences WHERE model_version = ?", (version,))]
         exps = d.get(ids)
     assert exps
     return max((plain_logprobs(model, x.tokens, x.prompt_length) - x.logprobs).abs().max().item() for x in exps)
@@ -112,20 +114,25 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
     assert "[trainer] step 2 actor/" in (run / "sft/log/trainer.log").read_text()
 
 
-def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
-    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2})
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, request):
+    run = tmp_path / "ck" / "p" / "run"
+    db = f"sqlite:///{run / 'buffer' / 'exp.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").database()
+    over = {"synchronizer.sync_method": "nccl", "trainer.save_interval": 2}
+    if backend == "postgresql":
+        over["buffer.trainer_input.experience_buffer.path"] = db
+    config = both_config(tmp_path, tiny_model_dir, **over)
     out = launch(config, script="train.py")  # the other documented way in: train.py hands over to the launcher
     assert out.returncode == 0, out.stderr[-4000:]
-    run = tmp_path / "ck" / "p" / "run"
-    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    assert versions_by_step(db) == [0] * 4 + [1] * 4 + [2] * 4
     explorer = read_history(run / "monitor" / "explorer.jsonl")
     assert [r["rollout/model_version"] for r in explorer if "rollout/model_version" in r] == [0, 1, 2]
     # no files moved the weights during the run: the state-dict pointer moved once, to the final step;
     # step 2 is the save_interval checkpoint, and the engine held exactly those weights for explore step 3
     assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_2", "global_step_3"]
     assert (run / "latest_state_dict_iteration.txt").read_text().strip() == "3"
-    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
-    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
+    assert rollout_logprob_gap(db, 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
+    assert rollout_logprob_gap(db, 2, Path(tiny_model_dir)) > 1e-3
     summary = json.loads((run / "summary.json").read_text())
     assert summary["accuracy_before_sft"] is None and 0.0 <= summary["accuracy_after_rft"] <= 1.0
     # per-role log files: every record and the full metric lines; the console: short lines (issue 13)
@@ -252,6 +259,6 @@ def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_pa
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
     with ExperienceDB(f"sqlite:///{run / 'buffer' / 'exp.db'}") as db:
-        metrics = [json.loads(m)["metrics"] for (m,) in db.conn.execute("SELECT meta FROM payloads")]
+        metrics = [json.loads(m)["metrics"] for (m,) in db.query("SELECT meta FROM payloads")]
     assert len(metrics) == 8 and all(m["aux_is_tiny_qwen2"] == 1.0 and 1 <= m["aux_tokens"] <= 4 for m in metrics)
     assert (run / "log" / "explorer.log").read_text().count("rollout engine: HF on cpu") == 2

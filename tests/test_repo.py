@@ -83,8 +83,10 @@ def test_every_dependency_floor_is_the_version_the_floor_check_installs():
     """pyproject.toml's floors are exercised: scripts/check_floors.sh (run by .ci/run) installs each at exactly its
     floor and runs the tests that touch them."""
     tomllib = pytest.importorskip("tomllib")
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    floors = {m.group(1).lower(): m.group(2) for d in deps if (m := re.match(r"([\w-]+)>=([\w.]+)", d))}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]  # the ones the tests install (not bench's TRL pin, not gpu)
+    deps = project["dependencies"] + extras["test"] + extras["mlflow"] + extras["postgres"]
+    floors = {m.group(1).lower(): m.group(2) for d in deps if (m := re.match(r"([\w-]+)(?:\[\w+\])?>=([\w.]+)", d))}
     script = (ROOT / "scripts/check_floors.sh").read_text()
     pinned = dict(re.findall(r'"([\w-]+)==([\w.]+)"', script)) | dict(re.findall(r"install -q \S+ (torch)==([\w.]+)", script))
     from packaging.version import Version

@@ -1,0 +1,125 @@
+"""A throwaway PostgreSQL server for the tests and benchmarks: the Debian server binaries (initdb, postgres), run
+as an unprivileged user, listening on a unix socket only (no TCP port), in a new temporary directory that is
+deleted when the server stops.
+
+    with PostgresServer() as pg:
+        url = pg.database("t1")        # postgresql://nanorft@/t1?host=/tmp/nanorft-pg-xxxx: a new, empty database
+        ...
+
+As root (CI containers), the server runs as the `postgres` user (created by Debian's package), else `nobody`:
+postgres refuses to run as root. `fast=True` turns fsync off (tests); benchmarks keep the defaults.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+ADMIN = "nanorft"  # the superuser initdb creates; trust authentication on the socket
+
+
+def find(program: str) -> str | None:
+    """A PostgreSQL server binary: on PATH, else Debian's /usr/lib/postgresql/<version>/bin (newest version)."""
+    found = shutil.which(program)
+    if found:
+        return found
+    versions = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{program}"), key=lambda p: int(p.split("/")[4]))
+    return versions[-1] if versions else None
+
+
+def missing() -> str:
+    """Why no server can start here ("" if one can)."""
+    gone = [p for p in ("initdb", "postgres") if find(p) is None]
+    if gone:
+        return f"PostgreSQL server binaries not found ({', '.join(gone)}): apt-get install postgresql"
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        return "psycopg is not installed: pip install -e '.[postgres]'"
+    return ""
+
+
+class PostgresServer:
+    def __init__(self, fast: bool = True) -> None:
+        self.fast, self.proc, self.dir, self.count = fast, None, "", 0
+        self.user = None
+        if os.geteuid() == 0:
+            names = {p.pw_name for p in pwd.getpwall()}
+            self.user = "postgres" if "postgres" in names else "nobody"
+
+    def start(self) -> "PostgresServer":
+        why = missing()
+        if why:
+            raise RuntimeError(why)
+        # NOTE: under /tmp itself, not pytest's tmp_path: that sits in a 0700 folder of root's that the server's
+        # user cannot enter.
+        self.dir = tempfile.mkdtemp(prefix="nanorft-pg-")
+        if self.user:
+            shutil.chown(self.dir, self.user)
+        data = os.path.join(self.dir, "data")
+        self._run([find("initdb"), "-D", data, "-U", ADMIN, "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"])
+        settings = ["-c", "listen_addresses=", "-c", f"unix_socket_directories={self.dir}", "-c", "max_connections=200"]
+        if self.fast:
+            settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        log = open(os.path.join(self.dir, "server.log"), "w")
+        self.proc = subprocess.Popen([find("postgres"), "-D", data, *settings], stdout=log, stderr=subprocess.STDOUT,
+                                     user=self.user, start_new_session=True)
+        self._wait_ready()
+        return self
+
+    def _run(self, cmd: list[str]) -> None:
+        out = subprocess.run(cmd, user=self.user, capture_output=True, text=True, cwd=self.dir)
+        if out.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+    def _wait_ready(self, timeout: float = 60.0) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                psycopg.connect(self.url("postgres"), connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    text = open(os.path.join(self.dir, "server.log")).read()[-2000:]
+                    self.stop()
+                    raise RuntimeError(f"the PostgreSQL server did not start: {text}") from None
+                time.sleep(0.1)
+
+    def url(self, database: str) -> str:
+        return f"postgresql://{ADMIN}@/{database}?host={self.dir}"
+
+    def database(self, name: str = "") -> str:
+        """A new, empty database on this server; its URL."""
+        import psycopg
+
+        self.count += 1
+        name = name or f"t{self.count}"
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # fast shutdown: ends the sessions, no checkpoint wait
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = ""
+
+    def __enter__(self) -> "PostgresServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
