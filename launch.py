@@ -11,6 +11,10 @@ Per stage (`configs.resolve_stages`: the global config with the stage's keys mer
     mode explore -> python explore.py;  mode bench -> python explore.py (evaluation only)
     mode both    -> trainer and explorer at once: they take turns through the experience DB and the
                     weights (sync_interval / sync_offset); GPUs are split between them.
+With cluster.node_num > 1 the trainer spans nodes (torchrun with a static rendezvous at cluster.master_addr:
+master_port): this launcher, on node 0, starts what runs there (the explorer; the trainer's first node unless the
+explorer has node 0 whole) and prints, once per stage, the line to run on each other node:
+    node 1: cd <this directory> && python -m torch.distributed.run --nnodes=2 --node-rank=1 ... train.py --config ...
 A stage starts from the weights the previous stage published last. If a process fails, the launcher
 stops the others (SIGTERM, then SIGKILL after a grace period), names the failed one and exits non-zero;
 nothing is left running. After the last stage it writes `summary.json` and `reward_accuracy.png` in the
@@ -28,6 +32,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -51,24 +56,48 @@ LAUNCHED = "NANORFT_LAUNCHED"  # marks the processes started here (train.py then
 
 
 def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """role -> (command line, extra environment) of the processes a stage's mode needs."""
+    """role -> (command line, extra environment) of the processes a stage's mode needs on this node (node 0): the
+    trainer only where its first node is this one (`other_nodes` says what the others run)."""
     py, cl = sys.executable, stage.cluster
     explorer = ([py, str(HERE / "explore.py"), "--config", str(config_file)], {})
-    ranks = max(cl.trainer_gpu_num, 1)
-    train_cmd = [py, str(HERE / "train.py"), "--config", str(config_file)]
-    if ranks > 1:
-        train_cmd = [py, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *train_cmd[1:]]
-    trainer = (train_cmd, {})
+    trainer = (trainer_command(stage, config_file), {})
     if cl.colocate:  # one GPU, shared
         explorer[1]["CUDA_VISIBLE_DEVICES"] = trainer[1]["CUDA_VISIBLE_DEVICES"] = "0"
     elif cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
-        gpus = [str(i) for i in range(cl.explorer_gpu_num + cl.trainer_gpu_num)]
-        explorer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[: cl.explorer_gpu_num])
-        trainer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[cl.explorer_gpu_num:])
+        explorer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(cl.explorer_gpu_num)))
+        trainer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(
+            map(str, range(cl.explorer_gpu_num, cl.explorer_gpu_num + cl.trainer_gpu_num_per_node)))
     elif stage.mode == "both" and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
         explorer[1]["OMP_NUM_THREADS"], trainer[1]["OMP_NUM_THREADS"] = map(str, cpu_split())
-    return {"train": {"trainer": trainer}, "explore": {"explorer": explorer}, "bench": {"explorer": explorer},
-            "both": {"trainer": trainer, "explorer": explorer}}[stage.mode]
+    here = {"trainer": trainer} if cl.trainer_node_num == cl.node_num else {}  # else node 0 is the explorer's
+    return {"train": here, "explore": {"explorer": explorer}, "bench": {"explorer": explorer},
+            "both": {**here, "explorer": explorer}}[stage.mode]
+
+
+def trainer_command(stage: configs.Config, config_file: Path, node_rank: int = 0) -> list[str]:
+    """The trainer's command line on the `node_rank`-th of its nodes: a plain process for one rank, torchrun
+    --standalone for more on one node, and over several nodes torchrun with a static rendezvous at
+    cluster.master_addr:master_port. NOTE: static, not c10d (which torchrun recommends): c10d ignores --node-rank
+    and numbers the nodes by host name and process id (docs/LOG.md), while trainer rank 0, which reads the DB and
+    serves the weights, must be on the node this launcher knows (node 0, or node 1 after the explorer's)."""
+    cl = stage.cluster
+    cmd, ranks = [str(HERE / "train.py"), "--config", str(config_file)], max(cl.trainer_gpu_num_per_node, 1)
+    if cl.node_num > 1:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cl.trainer_node_num}",
+                f"--node-rank={node_rank}", f"--nproc-per-node={ranks}", "--rdzv-backend=static",
+                f"--master-addr={cl.master_addr}", f"--master-port={cl.master_port}", *cmd]
+    if ranks > 1:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd]
+    return [sys.executable, *cmd]
+
+
+def other_nodes(stage: configs.Config, config_file: Path) -> list[str]:
+    """What each other node runs in this stage (cluster.node_num > 1): 'node <k>: <shell line>', the trainer's
+    command from this directory (the same paths on every node: a shared filesystem)."""
+    cl, cwd = stage.cluster, shlex.quote(os.getcwd())
+    first = cl.node_num - cl.trainer_node_num  # the trainer's first node: 0, or 1 when node 0 is the explorer's
+    return [f"node {first + r}: cd {cwd} && {shlex.join(trainer_command(stage, config_file, r))}"
+            for r in range(cl.trainer_node_num) if first + r > 0]
 
 
 def overlaps(stage: configs.Config) -> bool:
@@ -288,6 +317,11 @@ def run_stage(stage: configs.Config, side: str) -> int:
     config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
     config_file.write_text(configs.to_yaml(stage))
     log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
+    if others := other_nodes(stage, config_file):
+        log.info("stage %s spans %d nodes: run on each other node (the same paths there: a shared filesystem); the "
+                 "trainer waits at its rendezvous %s:%d until every node has joined (10 min at most):\n  %s",
+                 stage.name, stage.cluster.node_num, stage.cluster.master_addr, stage.cluster.master_port,
+                 "\n  ".join(others))
     procs: dict[str, subprocess.Popen] = {}
     bars = bars_wanted()
     watch = Watch(stage, bars) if bars else None

@@ -36,7 +36,8 @@ acks with `nanorft/ack/<n>`.
 Headers go through the store, not the group, so that "stop" never blocks on a departed explorer and a
 dead trainer is noticed at once (the store lives in the trainer's process: its sockets close).
 NOTE: the group itself is created at the first transfer (creating it blocks until both sides are
-there). The store listens on 127.0.0.1 only, so both sides run on one machine.
+there). The store listens on `synchronizer.sync_host`, 127.0.0.1 unless the config names another address (the
+explorer on another host than trainer rank 0: mode both on GPUs over several nodes, where the group is NCCL's).
 """
 
 from __future__ import annotations
@@ -221,7 +222,9 @@ def _group(link: WeightLink) -> Any:
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = link.timeout
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # loopback only
+            # NOTE: loopback: a gloo group (CPU tensors) joins an explorer on trainer rank 0's host (the CPU layout
+            # keeps both on node 0; a GPU shared with the explorer is one node)
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
             link.group = dist.ProcessGroupGloo(store, link.rank, world, opts)
     return link.group
 
@@ -235,20 +238,23 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)  # same memory, 1 byte per element: bitwise exact
 
 
-def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float) -> WeightLink:
-    """Trainer rank 0: serve a store on 127.0.0.1 (a free port) and write <job dir>/sync_group.json.
-    device "cpu" -> gloo; "cuda[:i]" -> NCCL (NOTE: NCCL needs the explorer on another GPU; on one
-    shared GPU use "cpu", gloo)."""
+def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float,
+                host: str = "127.0.0.1") -> WeightLink:
+    """Trainer rank 0: serve a store on `host` (a free port) and write <job dir>/sync_group.json, which names it
+    (a wildcard host, 0.0.0.0 or ::, by this machine's name). device "cpu" -> gloo; "cuda[:i]" -> NCCL (NOTE: NCCL
+    needs the explorer on another GPU; on one shared GPU use "cpu", gloo)."""
     device = torch.device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    sock = socket.create_server(("127.0.0.1", 0))  # bound here so that the store listens on loopback only
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family)  # bound here so that the store listens on `host` only
     port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 2, True, _timeout(timeout), wait_for_workers=False,
+    store = dist.TCPStore(host, port, 2, True, _timeout(timeout), wait_for_workers=False,
                           master_listen_fd=sock.detach())  # the store owns the socket from now on
     Path(job_dir).mkdir(parents=True, exist_ok=True)
-    info = {"host": "127.0.0.1", "port": port, "pid": os.getpid(), "backend": backend}
+    shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
+    info = {"host": shown, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(), "backend": backend}
     _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
-    log.info("weight sync: %s group served on 127.0.0.1:%d (%s)", backend, port, Path(job_dir, GROUP_FILE))
+    log.info("weight sync: %s group served on %s:%d (%s)", backend, host, port, Path(job_dir, GROUP_FILE))
     return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir))
 
 
@@ -348,14 +354,17 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
     `rank`; `receivers`: the explorer announces how many ranks will receive (1: itself; vLLM: its workers, which
     connect with their own rank and receivers=None). device: where tensors arrive under NCCL (default: the current
     CUDA device); gloo receives on the CPU.
-    A file left by a dead trainer is skipped (it may be replaced by a new one before the deadline)."""
+    A file left by a dead trainer is skipped (it may be replaced by a new one before the deadline); one written on
+    another host is tried (its store answers or not)."""
     path, deadline, why = Path(job_dir, GROUP_FILE), time.monotonic() + timeout, f"no {GROUP_FILE}"
     while True:
         try:
             info = json.loads(path.read_text())
         except (FileNotFoundError, ValueError):  # not there yet, or (never, as it is renamed) half-written
             info = None
-        if info is not None and not _pid_alive(info["pid"]):
+        # NOTE: a pid names a process of the host that wrote the file: only there can it be checked
+        here = info is not None and info.get("hostname", socket.gethostname()) == socket.gethostname()
+        if here and not _pid_alive(info["pid"]):
             why = f"{path} was written by process {info['pid']}, which is gone"
         elif info is not None:
             try:

@@ -8,6 +8,9 @@ Launch lines:
     python train.py --config tiny.yaml --mode train      # the trainer alone (one plain process)
     torchrun --standalone --nproc_per_node 2 train.py --config tiny.yaml --mode train   # FSDP2 on 2 ranks
     python train.py --config tiny.yaml --dry-run         # print the resolved config
+    # cluster.node_num 2: the launcher on node 0 prints the line for node 1, a static rendezvous (launch.py):
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend static --master-addr NODE0 \
+        --master-port 29500 train.py --config <job dir>/config.yaml
 
 One train step, straight down `train()`, a phase function each:
     read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
@@ -182,7 +185,8 @@ def set_up(cfg: configs.Config) -> Parts | None:
     resume_state(p)
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
         # NOTE: NCCL cannot join two ranks on one GPU: a colocated explorer gets the weights through host memory
-        p.sender = sync.open_sender(job, "cpu" if cfg.cluster.colocate else device, cfg.synchronizer.sync_timeout)
+        p.sender = sync.open_sender(job, "cpu" if cfg.cluster.colocate else device, cfg.synchronizer.sync_timeout,
+                                    cfg.synchronizer.sync_host)
     if rank == 0:
         log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
                  "%d step(s), packing: %s", world, device.type, resume + 1, p.total, a.advantage_fn, a.policy_loss_fn,

@@ -12,6 +12,7 @@ tests/test_config.py walks the schema: every field is read by the code or named 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import math
 from typing import Any, Callable, Iterator
@@ -52,6 +53,7 @@ POSITIVE, NON_NEGATIVE, AT_LEAST_1 = _num(lambda v: v > 0, "> 0"), _num(lambda v
     _num(lambda v: v >= 1, ">= 1")
 FRACTION, PROBABILITY = _num(lambda v: 0 <= v <= 1, "in [0, 1]"), _num(lambda v: 0 < v <= 1, "in (0, 1]")
 TOP_K = _num(lambda v: v >= -1, ">= -1 (-1 or 0 = off)")
+HOST = (lambda v: isinstance(v, str) and v != "" and not any(ch.isspace() for ch in v), "a host name or IP address")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 
 # (class, field) -> (predicate, allowed range). None (an unset optional) is always allowed.
@@ -77,6 +79,8 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (ModelConfig, "repetition_penalty"): POSITIVE,
     (ClusterConfig, "node_num"): AT_LEAST_1,
     (ClusterConfig, "gpu_per_node"): NON_NEGATIVE,
+    (ClusterConfig, "master_addr"): HOST,
+    (ClusterConfig, "master_port"): _num(lambda v: 1 <= v <= 65535, "1..65535"),
     (GenerationConfig, "temperature"): NON_NEGATIVE,
     (GenerationConfig, "top_p"): PROBABILITY,
     (GenerationConfig, "top_k"): TOP_K,
@@ -103,6 +107,7 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (SynchronizerConfig, "sync_interval"): AT_LEAST_1,
     (SynchronizerConfig, "sync_offset"): NON_NEGATIVE,
     (SynchronizerConfig, "sync_timeout"): POSITIVE,
+    (SynchronizerConfig, "sync_host"): HOST,
     (CriticConfig, "lr"): POSITIVE,
     (CriticConfig, "lr_warmup_steps_ratio"): FRACTION,
     (CriticConfig, "weight_decay"): NON_NEGATIVE,
@@ -165,8 +170,15 @@ REFUSED: list[Rule] = [
      "importance weights would compare different things. Set top_p 1.0 and top_k -1 in the training tasksets' "
      "rollout_args (or model), model.min_response_tokens 0, ignore_eos false and repetition_penalty 1.0, use the "
      "HF engine, or set rollout_is: none"),
-    (ClusterConfig, "node_num", lambda v, c: v > 1,
-     "multi-node runs are not supported yet: nanorft launches its processes on one node"),
+    (SynchronizerConfig, "sync_host", lambda v, c: loopback(v) and c.synchronizer.sync_method == "nccl" and
+     explorer_apart(c),
+     "the explorer (node 0) cannot reach a store on trainer rank 0's loopback (node 1, cluster.master_addr): set an "
+     "address of that node the explorer reaches (e.g. the same as cluster.master_addr), or sync_method checkpoint"),
+    (ExperienceBufferConfig, "path", lambda v, c: explorer_apart(c) and sqlite_db(v, c),
+     "an SQLite DB serves the processes of one host only (its WAL needs shared memory, network filesystems break "
+     "its locks), and here the explorer has node 0 while trainer rank 0, which reads the DB, runs on node 1: use a "
+     "PostgreSQL URL (postgresql://user@host/db), or run mode train over the nodes with explorers on trainer rank "
+     "0's host"),
     (TrainerConfig, "optimizer_offload", lambda v, c: v and not c.trainer.param_offload,
      "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
      "set trainer.param_offload: true as well"),
@@ -174,6 +186,27 @@ REFUSED: list[Rule] = [
      "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
      "set trainer.critic.param_offload: true as well"),
 ]
+
+def loopback(host: str) -> bool:
+    """Whether `host` names this machine only (127.x.x.x, ::1, localhost)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def explorer_apart(c: Config) -> bool:
+    """Whether the explorer and trainer rank 0 run on different hosts: mode both on GPUs over several nodes (node 0
+    is the explorer's, the trainer starts at node 1), unless every "node" is this machine (a loopback master_addr)."""
+    cl = c.cluster
+    return c.mode == "both" and cl.trainer_node_num < cl.node_num and not loopback(cl.master_addr)
+
+
+def sqlite_db(url: str, c: Config) -> bool:
+    """Whether `url` is the trainer's experience DB and an SQLite file (not a file taskset, not PostgreSQL)."""
+    eb = c.buffer.trainer_input.experience_buffer
+    return url == eb.path and eb.storage_type != "file" and (url.startswith("sqlite:") or "://" not in url)
+
 
 def filtered_vllm_rollouts(c: Config) -> bool:
     """Whether a vLLM engine samples the training tasksets from a changed distribution (top-k, top-p, min_tokens
@@ -202,6 +235,15 @@ WARNED: list[Rule] = [
     (InferenceModelConfig, "tensor_parallel_size",
      lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
      "the HF engine runs on one device (tensor parallelism is a vLLM option)"),
+    (ClusterConfig, "node_num", lambda v, c: v > 1 and c.mode in ("explore", "bench"),
+     "an explorer is one process on the node it starts on; the other nodes have nothing to run in this mode (start "
+     "one explorer per node, each with its own explorer.name, against the same experience DB URL)"),
+    (ClusterConfig, "master_addr", lambda v, c: v != "127.0.0.1" and c.cluster.node_num == 1,
+     "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
+    (ClusterConfig, "master_port", lambda v, c: v != 29500 and c.cluster.node_num == 1,
+     "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
+    (SynchronizerConfig, "sync_host", lambda v, c: v != "127.0.0.1" and c.synchronizer.sync_method != "nccl",
+     "has no effect with sync_method checkpoint (the explorer reads the published files)"),
 ]
 
 

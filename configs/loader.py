@@ -539,7 +539,8 @@ def _derive_trainer_explorer(c: Config) -> None:
 
 def _derive_cluster(c: Config) -> None:
     """Which GPUs go to the explorer's engines (engine_num x tensor_parallel_size for vLLM, one for the HF engine),
-    which to the trainer. Mode both on one GPU colocates them (Trinity's `colocate`): both use GPU 0."""
+    which to the trainer, and on which nodes (_derive_nodes). Mode both on one GPU colocates them (Trinity's
+    `colocate`): both use GPU 0."""
     cl, e = c.cluster, c.explorer
     cl.gpu_per_node = _detect_gpus() if cl.gpu_per_node is None else cl.gpu_per_node
     gpus = cl.gpu_per_node * cl.node_num
@@ -564,6 +565,32 @@ def _derive_cluster(c: Config) -> None:
     if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
         raise ConfigError(f"cluster: in mode both the rollout engines take {engines} of cluster.gpu_per_node "
                           f"{gpus}, leaving none for the trainer")
+    _derive_nodes(c, engines)
+
+
+def _derive_nodes(c: Config, engines: str) -> None:
+    """The trainer's nodes (the last trainer_node_num of node_num) and its ranks on each. The explorer is one
+    process on node 0. On the CPU, one trainer rank per node on every node (node 0 shared with the explorer, as on
+    one node). On GPUs over several nodes, the trainer takes whole nodes (Trinity-RFT's rule), so in mode both the
+    explorer's engines must fill node 0 and the trainer starts at node 1."""
+    cl, n, per = c.cluster, c.cluster.node_num, c.cluster.gpu_per_node
+    if c.mode not in ("train", "both"):
+        cl.trainer_node_num = cl.trainer_gpu_num_per_node = 0
+        return
+    if per == 0:
+        cl.trainer_node_num, cl.trainer_gpu_num_per_node = n, 0
+        return
+    if n > 1 and cl.explorer_gpu_num > per:
+        raise ConfigError(f"cluster: the explorer runs on node 0, and its rollout engines need {engines}, more than "
+                          f"cluster.gpu_per_node {per}")
+    if cl.trainer_gpu_num > per and cl.trainer_gpu_num % per:
+        raise ConfigError(f"cluster: over cluster.node_num {n} nodes the trainer takes whole nodes: the rollout "
+                          f"engines take {engines} of node 0's cluster.gpu_per_node {per}, leaving "
+                          f"{cl.trainer_gpu_num} GPUs, not a multiple of {per}; give the explorer all of node 0 "
+                          f"(explorer.rollout_model.engine_num x tensor_parallel_size = {per}), or run mode train "
+                          "over the nodes and explorers (mode explore) on other hosts")
+    cl.trainer_node_num = max(cl.trainer_gpu_num // per, 1) if n > 1 else 1
+    cl.trainer_gpu_num_per_node = cl.trainer_gpu_num // cl.trainer_node_num
 
 
 COLOCATED_VLLM_MEMORY = 0.25  # Trinity's cap of gpu_memory_utilization when vLLM shares the GPU with the trainer

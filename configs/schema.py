@@ -163,13 +163,25 @@ class ModelConfig:
 @dataclasses.dataclass
 class ClusterConfig:
     node_num: int = 1
-    """Number of nodes; nanorft runs on one node (more is refused)."""
+    """Number of nodes. The launcher runs on node 0 (the explorer's, in mode both) and prints the command for each
+    other node; more than one spans the trainer over nodes (torchrun, static rendezvous at master_addr)."""
     gpu_per_node: Optional[int] = None
-    """GPUs per node: 0 = none (everything on the CPU, even where CUDA is visible); unset = as many as torch sees."""
+    """GPUs per node: 0 = none (everything on the CPU, even where CUDA is visible); unset = as many as torch sees.
+    On the CPU the launcher starts one trainer rank per node."""
+    master_addr: str = "127.0.0.1"
+    """With node_num > 1: the address of the trainer's first node, which holds trainer rank 0 and torchrun's
+    rendezvous; every trainer node must reach it. That node is node 0, except in mode both on GPUs, where node 0 is
+    the explorer's and the trainer starts at node 1. 127.0.0.1: every "node" on this machine (a test)."""
+    master_port: int = 29500
+    """With node_num > 1: the TCP port of the rendezvous on master_addr (torchrun's --master-port)."""
     explorer_gpu_num: int = 0
     """Derived: GPUs given to rollout engines (engine_num x tensor_parallel_size for vLLM)."""
     trainer_gpu_num: int = 0
     """Derived: GPUs left for the trainer (its torchrun world size on GPU)."""
+    trainer_node_num: int = 0
+    """Derived: nodes the trainer spans, the last ones (torchrun --nnodes); 0 when the mode has no trainer."""
+    trainer_gpu_num_per_node: int = 0
+    """Derived: trainer GPUs (ranks) on each of its nodes (torchrun --nproc-per-node); 0 on the CPU: one rank."""
     colocate: bool = False
     """Derived: mode both on one GPU; explorer and trainer share it (vLLM sleeps while the trainer steps)."""
 
@@ -419,6 +431,11 @@ class SynchronizerConfig:
     """Explorer steps run before the first sync (1 = one-step off-policy pipelining)."""
     sync_timeout: float = 3600.0
     """Seconds either side waits for the other at a sync point."""
+    sync_host: str = "127.0.0.1"
+    """sync_method nccl: the address trainer rank 0's weight store binds to and announces to the explorer in
+    <job dir>/sync_group.json. Loopback (only this machine) unless the explorer runs on another host than trainer
+    rank 0 (cluster.node_num > 1, mode both on GPUs): then an address of that node the explorer reaches (0.0.0.0:
+    every interface, announced by host name)."""
 
 
 @dataclasses.dataclass

@@ -199,8 +199,44 @@ def test_gpu_split(tmp_path, caplog):
     # 0 means no GPU, whatever the machine has: the HF engine and nothing to split
     assert cfg.cluster.gpu_per_node == 0 and cfg.explorer.rollout_model.engine_type == "hf"
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 0)
-    with pytest.raises(ConfigError, match="cluster.node_num = 2 is refused: multi-node"):
-        derive(cli(["--config", write(tmp_path, base), "--cluster.node_num", "2"])[0])
+
+
+def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_path):
+    """cluster.node_num > 1: the trainer spans whole nodes, the last ones (torchrun with a static rendezvous at
+    master_addr); the launcher on node 0 starts what runs there and names the line for each other node."""
+    def layout(text: str, *args: str) -> tuple[configs.Config, dict, list[str]]:
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, text), *args])[0])
+        return cfg, launch.commands(cfg, Path("/j/config.yaml")), launch.other_nodes(cfg, Path("/j/config.yaml"))
+
+    gpus = MINIMAL + ("cluster: {node_num: 3, gpu_per_node: 8, master_addr: node1, master_port: 29400}\n"
+                      "explorer:\n  rollout_model: {engine_type: vllm, engine_num: 4, tensor_parallel_size: 2}\n")
+    # mode both: the explorer's 8 GPUs fill node 0, the trainer has nodes 1 and 2 (node 0 starts only the explorer);
+    # the explorer reaches the DB and trainer rank 0's weight store on node 1 (configs/checks.py refuses SQLite and
+    # a loopback sync_host there: tests/test_config_keys.py)
+    apart = ("--buffer.trainer_input.experience_buffer.path", "postgresql://u@db/x", "--synchronizer.sync_host", "n1")
+    cfg, here, others = layout(gpus, *apart)
+    cl = cfg.cluster
+    assert (cl.explorer_gpu_num, cl.trainer_gpu_num, cl.trainer_node_num, cl.trainer_gpu_num_per_node) == (8, 16, 2, 8)
+    assert list(here) == ["explorer"] and here["explorer"][1] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert [line.split(" && ")[0] for line in others] == [f"node 1: cd {os.getcwd()}", f"node 2: cd {os.getcwd()}"]
+    assert others[1].split(" && ")[1].split()[1:10] == [
+        "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=static",
+        "--master-addr=node1", "--master-port=29400", str(ROOT / "train.py")]
+    # mode train: every node, node 0 included (trainer rank 0 is there: node-rank 0)
+    cfg, here, others = layout(gpus, "--mode", "train")
+    assert (cfg.cluster.trainer_node_num, cfg.cluster.trainer_gpu_num_per_node) == (3, 8)
+    assert "--node-rank=0" in here["trainer"][0] and [o.split(":")[0] for o in others] == ["node 1", "node 2"]
+    # the CPU: one trainer rank on every node; node 0 also runs the explorer
+    cfg, here, others = layout(MINIMAL + "cluster: {node_num: 2, gpu_per_node: 0}\n")
+    assert list(here) == ["trainer", "explorer"] and "--nproc-per-node=1" in here["trainer"][0]
+    assert len(others) == 1 and "--nnodes=2 --node-rank=1 " in others[0]
+    with pytest.raises(ConfigError, match="whole nodes: the rollout engines take explorer.rollout_model.engine_num 2 "
+                                          "x tensor_parallel_size 2 = 4 GPUs of node 0's cluster.gpu_per_node 8, "
+                                          "leaving 20 GPUs, not a multiple of 8"):
+        layout(gpus, *apart, "--explorer.rollout_model.engine_num", "2")
+    with pytest.raises(ConfigError, match="the explorer runs on node 0, and its rollout engines need .* = 16 GPUs, "
+                                          "more than cluster.gpu_per_node 8"):
+        layout(gpus, *apart, "--explorer.rollout_model.engine_num", "8")
 
 
 @pytest.mark.parametrize("name, layout", [  # what each file's comments say

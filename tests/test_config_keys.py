@@ -85,6 +85,9 @@ def test_the_tables_name_real_fields_and_known_trinity_keys():
 
 MINIMAL = {"model": {"model_path": "m", "max_model_len": 256}, "buffer": {"batch_size": 4, "explorer_input": {
     "taskset": {"path": "data/x"}}}}
+# mode both on GPUs over two hosts: the explorer has node 0 (4 vLLM engines), trainer rank 0 is on node 1
+APART = {"mode": "both", "cluster": {"node_num": 2, "gpu_per_node": 4, "master_addr": "10.0.0.2"},
+         "explorer": {"rollout_model": {"engine_type": "vllm", "engine_num": 4}}}
 # One case per rule of configs/checks.py: (overrides, expected refusal) and (overrides, expected warning).
 REFUSAL_CASES = {
     ("ModelConfig", "logprobs"): ({"model": {"logprobs": 5}}, "model.logprobs = 5 is refused: top-k log-probs"),
@@ -99,7 +102,9 @@ REFUSAL_CASES = {
                                                           "ulysses_sequence_parallel_size = 2 is refused"),
     ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},
                                            "model.trust_remote_code = True is refused: nanorft loads only models"),
-    ("ClusterConfig", "node_num"): ({"cluster": {"node_num": 2}}, "cluster.node_num = 2 is refused: multi-node"),
+    ("ExperienceBufferConfig", "path"): (APART, "buffer.trainer_input.experience_buffer.path = 'sqlite:///"),
+    ("SynchronizerConfig", "sync_host"): ({**APART, "buffer": {"trainer_input": {"experience_buffer": {
+        "path": "postgresql://u@db/x"}}}}, "synchronizer.sync_host = '127.0.0.1' is refused: the explorer"),
     ("RolloutCorrectionConfig", "rollout_is"): (
         {"explorer": {"rollout_model": {"engine_type": "vllm"}}, "algorithm": {"rollout_correction": {
             "rollout_is": "token"}}, "buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
@@ -122,6 +127,14 @@ WARNING_CASES = {
         "engine_type": "hf", "gpu_memory_utilization": 0.5}}}, "gpu_memory_utilization = 0.5: has no effect"),
     ("InferenceModelConfig", "tensor_parallel_size"): ({"explorer": {"rollout_model": {
         "engine_type": "hf", "tensor_parallel_size": 2}}}, "tensor_parallel_size = 2: the HF engine runs on one"),
+    ("ClusterConfig", "node_num"): ({"mode": "explore", "cluster": {"node_num": 2, "gpu_per_node": 0}},
+                                    "cluster.node_num = 2: an explorer is one process on the node it starts on"),
+    ("ClusterConfig", "master_addr"): ({"cluster": {"master_addr": "10.0.0.2"}},
+                                       "cluster.master_addr = '10.0.0.2': has no effect on one node"),
+    ("ClusterConfig", "master_port"): ({"cluster": {"master_port": 29600}},
+                                       "cluster.master_port = 29600: has no effect on one node"),
+    ("SynchronizerConfig", "sync_host"): ({"synchronizer": {"sync_method": "checkpoint", "sync_host": "10.0.0.2"}},
+                                          "sync_host = '10.0.0.2': has no effect with sync_method checkpoint"),
 }
 
 
@@ -196,7 +209,8 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
     ("algorithm.optimizer.lr", float("nan"), "> 0"), ("trainer.critic.lr", -1e-5, "> 0"),
     ("buffer.explorer_input.taskset.rollout_args.top_p", 0.0, "in (0, 1]"),
     ("algorithm.optimizer.betas", [0.9], "two numbers in [0, 1)"), ("trainer.ppo_epochs", 0, ">= 1"),
-    ("explorer.rollout_model.dtype", "fp8", "one of auto"),
+    ("explorer.rollout_model.dtype", "fp8", "one of auto"), ("cluster.master_port", 0, "1..65535"),
+    ("synchronizer.sync_host", "", "a host name or IP address"),
 ])
 def test_values_out_of_range_name_the_key_and_the_range(path, value, allowed):
     node = raw = copy.deepcopy(MINIMAL)

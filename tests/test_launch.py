@@ -1,6 +1,6 @@
 """Whole experiments through the launcher as a user runs them (real processes): stages (bench, SFT in
 train mode, GRPO in mode both) with checkpoint sync, mode both with process-group sync, a failing
-process stopping the others, and what a person sees on a terminal."""
+process stopping the others, what a person sees on a terminal, and two "nodes" on loopback (cluster.node_num 2)."""
 
 import fcntl
 import json
@@ -8,6 +8,7 @@ import os
 import pty
 import re
 import select
+import socket
 import struct
 import subprocess
 import sys
@@ -16,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 
 from buffer import ExperienceDB
 from models import load_model
@@ -262,3 +265,72 @@ def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_pa
         metrics = [json.loads(m)["metrics"] for (m,) in db.query("SELECT meta FROM payloads")]
     assert len(metrics) == 8 and all(m["aux_is_tiny_qwen2"] == 1.0 and 1 <= m["aux_tokens"] <= 4 for m in metrics)
     assert (run / "log" / "explorer.log").read_text().count("rollout engine: HF on cpu") == 2
+
+
+# --- several nodes: two "nodes" on this machine, rendezvousing on 127.0.0.1
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, subprocess.CompletedProcess]:
+    """`python launch.py --config CONFIG` as node 0 (output to files under `out`), then the line it prints for
+    node 1, run as printed by bash. Returns (the launcher's exit code, its stderr, node 1's process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "node0.out", "w") as stdout, open(out / "node0.err", "w") as stderr:
+        node0 = subprocess.Popen([sys.executable, "launch.py", "--config", str(config)], cwd=ROOT, env=env,
+                                 stdout=stdout, stderr=stderr)
+    deadline, line = time.monotonic() + 120, None
+    while line is None and node0.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        line = next((x.removeprefix("  node 1: ") for x in (out / "node0.err").read_text().splitlines()
+                     if x.startswith("  node 1: ")), None)
+    try:
+        assert line is not None, (out / "node0.err").read_text()[-3000:]
+        node1 = subprocess.run(["bash", "-c", line], cwd="/", env=env, capture_output=True, text=True, timeout=timeout)
+        code = node0.wait(timeout=timeout)
+    finally:
+        if node0.poll() is None:
+            node0.kill()
+    return code, (out / "node0.err").read_text(), node1
+
+
+def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model_dir):
+    """cluster.node_num 2 (one CPU rank per node): the launcher on node 0 prints the line for node 1 once; run as
+    printed (from another directory), it joins, and the two SFT steps end at exactly the weights of one torchrun of
+    two ranks on one node."""
+    from test_train import run_train, sft_config, weights
+
+    port = free_port()
+    config = sft_config(tmp_path / "nodes", tiny_model_dir, **{"cluster": {"node_num": 2, "gpu_per_node": 0,
+                                                                           "master_port": port}})
+    code, err, node1 = two_nodes(config, tmp_path / "out")
+    assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
+    assert err.count("  node 1: ") == 1 and f"--nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=static " \
+        f"--master-addr=127.0.0.1 --master-port={port} " in err
+    job = tmp_path / "nodes" / "ck" / "p" / "t"
+    assert "trainer: 2 rank(s) on cpu" in (job / "log" / "trainer.log").read_text()
+    one = run_train(sft_config(tmp_path / "one", tiny_model_dir), ranks=2)
+    assert one.returncode == 0, one.stderr[-3000:]
+    start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
+    apart, together = weights(job, 2), weights(tmp_path / "one" / "ck" / "p" / "t", 2)
+    assert all(torch.equal(apart[k], together[k]) for k in start)
+    assert max((apart[k] - start[k]).abs().max().item() for k in start) > 1e-3  # and they moved
+
+
+def test_two_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
+    """On the CPU, node 0 runs the explorer beside trainer rank 0 (the DB and the weight store stay on one host),
+    node 1 the second trainer rank: on-policy GRPO gets every step's weights over the group."""
+    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "cluster": {
+        "node_num": 2, "gpu_per_node": 0, "master_port": free_port()}})
+    code, err, node1 = two_nodes(config, tmp_path / "out")
+    assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
+    run = tmp_path / "ck" / "p" / "run"
+    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    trainer = (run / "log" / "trainer.log").read_text()
+    assert "trainer: 2 rank(s) on cpu" in trainer and "weight sync: gloo group served on 127.0.0.1:" in trainer
+    assert json.loads((run / "summary.json").read_text())["exit_code"] == 0

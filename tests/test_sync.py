@@ -3,6 +3,7 @@ process group (real trainer/explorer processes over gloo: bitwise load, stop, an
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -122,6 +123,24 @@ def test_no_trainer_is_a_clear_error(tmp_path):
     with pytest.raises(sync.SyncError, match="which is gone"):
         sync.open_receiver(tmp_path, timeout=2)
     assert time.monotonic() - start < 20
+
+
+def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
+    """synchronizer.sync_host (here 127.0.0.2, standing for a node's cluster address): the store listens there and
+    nowhere else, and sync_group.json names it and the host that wrote it. A file written on another host is tried
+    (the explorer of a multi-node run), not skipped for a pid that names a process of that host."""
+    link = sync.open_sender(tmp_path, "cpu", timeout=10, host="127.0.0.2")
+    info = json.loads((tmp_path / sync.GROUP_FILE).read_text())
+    assert (info["host"], info["hostname"], info["pid"]) == ("127.0.0.2", socket.gethostname(), os.getpid())
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", info["port"]), timeout=2)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / sync.GROUP_FILE).write_text(json.dumps({**info, "pid": int(dead.stdout), "hostname": "node1"}))
+    receiver = sync.open_receiver(tmp_path, timeout=5)
+    receiver.store.set("probe", "from the explorer")
+    assert link.store.get("probe") == b"from the explorer"
+    sync.close_receiver(receiver)
+    sync.close_sender(link, grace=1)
 
 
 @pytest.mark.parametrize("when", ["before_header", "mid_transfer"])
