@@ -265,7 +265,8 @@ def test_schema_version_mismatch_refused(db_url: str) -> None:
     ExperienceDB(db_url).close()
     raw(db_url, "UPDATE meta SET value = '0' WHERE key = 'schema_version'")
     shown = re.escape(db_url.removeprefix("sqlite:///"))
-    with pytest.raises(RuntimeError, match=rf"{shown}: experience DB has schema version 0.*expects {buffer.SCHEMA_VERSION}"):
+    version = buffer.SCHEMA_VERSION
+    with pytest.raises(RuntimeError, match=rf"{shown}: experience DB has schema version 0.*expects {version}"):
         ExperienceDB(db_url)
 
 
