@@ -183,7 +183,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--steps", type=int, default=0, help="train steps of the run (default: 5 per cycle)")
+    ap.add_argument("--steps", type=int, default=0, help="train steps of the run (default: 10 per cycle)")
     ap.add_argument("--schedule", default="", help="victims in order (explorer,trainer,both); default: random")
     ap.add_argument("--out", default="", help="work folder (default: a new one under /tmp)")
     ap.add_argument("--db-url", default="", help="the experience DB (default: a SQLite file in the run's job dir)")
@@ -194,7 +194,7 @@ def main() -> int:
     from tiny import build
 
     build(str(out / "assets"), n_train=200, n_test=10)
-    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 5 * args.cycles,
+    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 10 * args.cycles,
                           args.db_url)
     db = args.db_url or f"sqlite:///{out / 'ck/nanorft/soak/buffer/tiny_async_buffer.db'}"
     procs = {role: Proc(role, files[role], out / "logs") for role in ("trainer", "explorer")}
@@ -231,7 +231,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             p.kill()
             codes[role] = "timeout"
-    result = {"cycles": args.cycles, "seed": args.seed, "steps": args.steps or 5 * args.cycles, "kills": kills,
+    result = {"cycles": args.cycles, "seed": args.seed, "steps": args.steps or 10 * args.cycles, "kills": kills,
               "exit_codes": codes,
               "starts": {r: p.starts for r, p in procs.items()}, "seconds": round(time.monotonic() - start, 1),
               "out": str(out)}
