@@ -145,8 +145,8 @@ def is_postgres(url: str) -> bool:
 
 
 def shown(url: str) -> str:
-    """The URL as messages show it: a password in it is replaced by ***."""
-    return re.sub(r"^(\w+://[^:/@]*):[^@]*@", r"\1:***@", url)
+    """The URL as messages show it: a password in it (user:password@ or ?password=) is replaced by ***."""
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", re.sub(r"^(\w+://[^:/@]*):[^@]*@", r"\1:***@", url))
 
 
 def sqlite_path(url: str) -> str:

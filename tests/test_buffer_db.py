@@ -429,6 +429,8 @@ def test_an_unreachable_postgresql_db_is_named_without_its_password(postgres, mo
     assert "cannot open the experience DB postgresql://nanorft:***@/no_such_db" in text
     assert "buffer.trainer_input.experience_buffer.path" in text and 'database "no_such_db" does not exist' in text
     assert "s3cret" not in text
+    assert buffer.shown("postgresql://u@h/db?sslmode=require&password=s3cret&x=1") == \
+        "postgresql://u@h/db?sslmode=require&password=***&x=1"
     fresh = postgres.database()
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the postgres extra were not installed
     with pytest.raises(buffer.DBMismatch, match=r"needs psycopg 3; install it with pip install -e '\.\[postgres\]'"):
