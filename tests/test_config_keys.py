@@ -108,6 +108,10 @@ REFUSAL_CASES = {
                                              "trainer.optimizer_offload = True is refused: FSDP2"),
     ("CriticConfig", "optimizer_offload"): ({"trainer": {"critic": {"optimizer_offload": True}}},
                                             "trainer.critic.optimizer_offload = True is refused"),
+    ("ModelConfig", "lora_configs"): ({"model": {"lora_configs": [{}, {"lora_rank": 8}]}},
+                                      "model.lora_configs = [2 sections] is refused: one LoRA adapter at most"),
+    ("LoRAConfig", "path"): ({"model": {"lora_configs": [{"path": "tests"}]}},
+                             "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter"),
 }
 WARNING_CASES = {
     ("InferenceModelConfig", "engine_num"): ({"explorer": {"rollout_model": {"engine_type": "hf", "engine_num": 4}}},
@@ -122,6 +126,15 @@ WARNING_CASES = {
         "engine_type": "hf", "gpu_memory_utilization": 0.5}}}, "gpu_memory_utilization = 0.5: has no effect"),
     ("InferenceModelConfig", "tensor_parallel_size"): ({"explorer": {"rollout_model": {
         "engine_type": "hf", "tensor_parallel_size": 2}}}, "tensor_parallel_size = 2: the HF engine runs on one"),
+    ("LoRAConfig", "name"): ({"model": {"lora_configs": [{"name": "a"}]}},
+                             "model.lora_configs[0].name = 'a': has no effect: it is vLLM's way of serving"),
+    ("LoRAConfig", "base_model_name"): ({"model": {"lora_configs": [{"base_model_name": "b"}]}},
+                                        "model.lora_configs[0].base_model_name = 'b': has no effect"),
+    ("LoRAConfig", "lora_dtype"): ({"model": {"lora_configs": [{"lora_dtype": "bfloat16"}]}},
+                                   "lora_dtype = 'bfloat16': the adapter trains in fp32"),
+    ("ModelConfig", "fully_sharded_loras"): ({"model": {"fully_sharded_loras": True}},
+                                             "model.fully_sharded_loras = True: has no effect"),
+    ("ModelConfig", "max_cpu_loras"): ({"model": {"max_cpu_loras": 2}}, "model.max_cpu_loras = 2: has no effect"),
 }
 
 
