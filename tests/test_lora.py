@@ -35,9 +35,20 @@ def one_rank():
     dist.destroy_process_group()
 
 
-def micro(seed: int = 0) -> dict:
-    batch = models.step_batch(experiences([(9, [6, 4]), (5, [7])], seed=seed), width=7)
-    return models.micro_batch(batch, models.pack_units(batch, [0, 1, 2], True, 10**6), True, CPU)
+def micro(seed: int = 0) -> tuple[list, dict]:
+    """Three random sequences (two sharing a prompt) and their packed micro-batch."""
+    exps = experiences([(9, [6, 4]), (5, [7])], seed=seed)
+    batch = models.step_batch(exps, width=7)
+    return exps, models.micro_batch(batch, models.pack_units(batch, [0, 1, 2], True, 10**6), True, CPU)
+
+
+def gap(scorer: torch.nn.Module, model: torch.nn.Module) -> float:
+    """Largest |log-prob from the trainer's (FSDP2) scorer - from `model` run on each sequence alone| over micro()."""
+    exps, mb = micro()
+    with torch.no_grad():
+        logp = scorer(mb)[0]  # [n,T]
+    return max((logp[k, : exps[b].response_length] - plain_logprobs(model, exps[b].tokens, exps[b].prompt_length))
+               .abs().max().item() for k, b in enumerate(mb["rows"].tolist()))
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -144,10 +155,11 @@ def test_layers_lora_cannot_merge_here_are_refused_by_name(tiny_model_dir, targe
 # --- the trainer's pieces, in this process (one rank)
 
 
-def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, one_rank):
+def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, tmp_path, one_rank):
     """The optimizer holds the adapter's A and B and nothing else; a new adapter starts exactly at the base; after
-    steps the base weights are bitwise those of the file, B has moved, and the reference (the actor with its adapter
-    off) scores exactly as the base model. The reference runs first: gradients still reach A and B after it."""
+    steps the base weights are bitwise those of the file, B has moved, the merged weights the trainer publishes give
+    its log-probs, and the reference (the actor with its adapter off) scores exactly as the base model. The
+    reference runs first: gradients still reach A and B after it."""
     actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
     optim = train.adamw(actor, 1e-2, OptimizerConfig())
     adapter = {name: q for name, q in actor.named_parameters() if lora.is_adapter(name)}
@@ -157,12 +169,12 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, o
     base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
     assert all(torch.equal(lora.full_state(actor)[k], base[k]) for k in base)  # B = 0: W + s B A == W bitwise
     ref, plain_base = lora.WithoutAdapter(actor), models.build_model(tiny_model_dir, TrainerConfig(), CPU, False)
-    mb = micro()
+    mb = micro()[1]
     with torch.no_grad():
         assert torch.equal(ref(mb)[0], plain_base(mb)[0])  # the first pass of the actor: with its adapter off
     for step in range(2):
         optim.zero_grad()
-        (-actor(micro(step))[0].sum()).backward()
+        (-actor(micro(step)[1])[0].sum()).backward()
         grads = {n: q.grad.full_tensor().abs().max().item() for n, q in adapter.items() if q.grad is not None}
         want = [n for n in adapter if ".lora_B." in n or step == 1]  # at step 0, B = 0: A gets no gradient yet
         assert set(grads) == set(adapter) and min(grads[n] for n in want) > 0, step
@@ -175,6 +187,8 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, o
     with torch.no_grad():
         assert torch.equal(ref(mb)[0], plain_base(mb)[0])  # still exactly the base
         assert (actor(mb)[0] - plain_base(mb)[0]).abs().max().item() > 1e-3  # while the actor has moved
+    folder = sync.save_hf(actor.model, None, tmp_path / "published", lora.full_state(actor))
+    assert gap(actor, plain(folder)) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
 
 
 def test_the_process_group_sends_the_merged_weights_under_the_plain_names(tiny_model_dir, tmp_path, one_rank):
@@ -217,17 +231,7 @@ def test_an_explorer_starts_where_the_trainer_does_from_a_saved_adapter(tiny_mod
     assert folder == str(tmp_path / "job" / "lora_start" / "explorer")
     actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=lora.start(cfg, 0))
     assert actor.adapter.peft.peft_config["default"].r == 4
-    exps = experiences([(9, [6, 4]), (5, [7])])
-    batch = models.step_batch(exps, width=7)
-    mb = models.micro_batch(batch, models.pack_units(batch, [0, 1, 2], True, 10**6), True, CPU)
-    with torch.no_grad():
-        trainer_logp = actor(mb)[0]  # [n,T]
-    engine_model, base_model = plain(folder), plain(tiny_model_dir)
-    for k, b in enumerate(mb["rows"].tolist()):
-        x = exps[b]
-        want = plain_logprobs(engine_model, x.tokens, x.prompt_length)
-        assert (trainer_logp[k, : x.response_length] - want).abs().max().item() < 1e-5
-        assert (plain_logprobs(base_model, x.tokens, x.prompt_length) - want).abs().max().item() > 1e-3
+    assert gap(actor, plain(folder)) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
 
 
 # --- whole runs of train.py
