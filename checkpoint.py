@@ -3,13 +3,16 @@ publishes for explorers):
 
     <job dir>/global_step_N/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
                                    trainer_state.json}   (+ critic/{huggingface/, optimizer.safetensors, ...})
+        a LoRA actor (lora.py): lora_adapter/ (peft's format) instead of huggingface/, which is there only when the
+        step's merged weights were published for the explorer
     <job dir>/global_step_N/manifest.json              size and sha256 of every file, written last
     <job dir>/latest_checkpointed_iteration.txt        N, moved after every rank has written
 
     save_checkpoint(model, optim, tokenizer, job_dir, step, rank, weights, keep)   # every rank
     step = latest_checkpoint(job_dir)              # the newest undamaged one (damaged ones are named, skipped)
     state = load_checkpoint(model, optim, job_dir, step, rank)   # optimizer states and RNG; the weights come
-                                                                 # from the HF folder when the model is built
+                                                                 # from the HF folder (LoRA: lora_adapter/) when
+                                                                 # the model is built
 No pickle: safetensors for tensors, JSON for the rest.
 """
 
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+import lora
 from sync import full_state, save_hf, step_of, weights_path, write_atomic
 from tasksets import DataError
 
@@ -67,12 +71,16 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
 
 def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, folder: Path, rank: int,
                weights: dict[str, torch.Tensor] | None, meta: dict) -> None:
-    """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic)."""
+    """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic); a LoRA
+    actor's lora_adapter/ instead of huggingface/ (which the sync phase may have written)."""
     osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
-    weights = weights if published else full_state(model.model)
+    adapter = lora.adapter_state(model) if model.adapter is not None else None  # LoRA: the adapter alone
+    weights = weights if published or adapter is not None else full_state(model.model)
     if rank == 0:
-        if not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
+        if adapter is not None:
+            lora.save_adapter(model, folder / lora.ADAPTER_DIR, adapter)
+        elif not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
             save_hf(model.model, tokenizer, folder / "huggingface", weights)
         tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
         write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))

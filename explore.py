@@ -37,10 +37,11 @@ from typing import Any
 
 import configs
 import launch
+import lora
 import sync
 from buffer import Experience, ExperienceDB
 from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
-from models import config_tokenizer, fingerprint
+from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks
@@ -229,9 +230,21 @@ def load_published(engine: Any, job: str, version: int) -> int:
 
 
 def start_weights(cfg: configs.Config) -> tuple[str, int]:
-    """Newest published weights of this job (a restart resumes with them), else model.model_path."""
+    """Newest published weights of this job (a restart resumes with them), else the starting model."""
     weights = sync.latest_weights(cfg.checkpoint_job_dir)
-    return (str(weights), sync.latest_version(cfg.checkpoint_job_dir)) if weights else (cfg.model.model_path, 0)
+    return (str(weights), sync.latest_version(cfg.checkpoint_job_dir)) if weights else (base_weights(cfg), 0)
+
+
+def base_weights(cfg: configs.Config) -> str:
+    """model.model_path; with LoRA from a saved adapter (model.lora_configs[0].path), an HF folder of the two merged
+    (<job dir>/lora_start/<explorer name>, written here): the policy the trainer starts from."""
+    saved = cfg.model.lora_configs[0].path if cfg.model.lora_configs else ""
+    if not saved:
+        return cfg.model.model_path
+    folder = Path(cfg.checkpoint_job_dir, "lora_start", cfg.explorer.name)
+    log.info("LoRA from the saved adapter %s: the engine starts from it merged into %s (%s)", saved,
+             cfg.model.model_path, folder)
+    return str(lora.merged_folder(load_model(cfg.model.model_path), saved, config_tokenizer(cfg.model), folder))
 
 
 def runners(cfg: configs.Config) -> int:
@@ -480,7 +493,7 @@ def bench(cfg: configs.Config) -> int:
     steps = sorted(int(p.parent.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/huggingface"))
     if cfg.explorer.bench_on_latest_checkpoint:
         steps = steps[-1:]
-    targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, cfg.model.model_path)]
+    targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, base_weights(cfg))]
     check_workflows(cfg)
     rm = cfg.explorer.rollout_model
     engine = make_engine(rm, targets[0][1], rm.max_model_len, cfg.model.repetition_penalty)

@@ -38,9 +38,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as transformers_logging
 
+import lora
 from buffer import Experience
 from tasksets import DataError, format_row, read_rows
-from configs.schema import ExperienceBufferConfig, ModelConfig, TrainerConfig
+from configs.schema import ExperienceBufferConfig, LoRAConfig, ModelConfig, TrainerConfig
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
@@ -428,11 +429,11 @@ class TokenScorer(torch.nn.Module):
     NOTE: the vocabulary projection runs on the scored positions only, in chunks of CHUNK_ELEMENTS logits, each
     recomputed in the backward pass (activation checkpointing): Qwen's 152k vocabulary at 16k tokens would be
     ~10 GB per fp32 tensor otherwise. A model whose head does more than a linear map (soft-capping, scaling)
-    is refused rather than scored wrongly."""
+    is refused rather than scored wrongly. `adapter`: the model's LoRA adapter (lora.wrap), or None."""
 
-    def __init__(self, model: PreTrainedModel, critic: bool = False) -> None:
+    def __init__(self, model: PreTrainedModel, critic: bool = False, adapter: lora.Adapter | None = None) -> None:
         super().__init__()
-        self.model, self.critic = model, critic
+        self.model, self.critic, self.adapter = model, critic, adapter
         extras = [
             k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)
         ]
@@ -461,12 +462,13 @@ class TokenScorer(torch.nn.Module):
         return logp, ent
 
 
-def build_model(
-    path: str, t: TrainerConfig, device: torch.device, trainable: bool, critic: bool = False
-) -> TokenScorer:
+def build_model(path: str, t: TrainerConfig, device: torch.device, trainable: bool, critic: bool = False,
+                adapter: tuple[LoRAConfig, str] | None = None) -> TokenScorer:
     """An HF causal LM (or, `critic`, the value model) in a models.TokenScorer, sharded with FSDP2: each decoder
-    layer, then the scorer (the root: embeddings, final norm and head)."""
+    layer, then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA adapter is put
+    into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and its A and B."""
     hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+    lora_adapter = lora.wrap(hf, *adapter) if adapter else None
     if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     cuda = device.type == "cuda"
@@ -474,7 +476,7 @@ def build_model(
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
     if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
-    model = TokenScorer(hf, critic=critic)
+    model = TokenScorer(hf, critic=critic, adapter=lora_adapter)
     for layer in hf.base_model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group

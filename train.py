@@ -42,6 +42,7 @@ Deviations from veRL / Trinity-RFT:
   computed here, in the trainer, on the whole batch (Trinity computes group advantages in the explorer); a
   DPO pair stays on one rank and in one micro-batch.
 - seq-mean-token-sum-norm divides by model.max_response_tokens (Dr.GRPO's constant), whatever the batch.
+- LoRA (model.lora_configs): the engines get merged weights, the reference is the base (lora.py).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ import algos
 import checkpoint
 import configs
 import launch
+import lora
 import sync
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
@@ -167,8 +169,9 @@ def set_up(cfg: configs.Config) -> Parts | None:
     pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
               "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
               if not (k == "advantage_fn" and a.advantage_fn == "none")}
-    actor_path = str(sync.weights_path(job, resume)) if resume else cfg.model.model_path
-    actor = build_model(actor_path, t, device, True)
+    adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
+    actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
+    actor = build_model(actor_path, t, device, True, adapter=adapter)
     # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
     needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
@@ -176,8 +179,9 @@ def set_up(cfg: configs.Config) -> Parts | None:
         cfg.model.critic_model_path
     critic = build_model(critic_path, t, device, True, critic=True) if "values" in needs else None
     source = Source(cfg, tokenizer, rank, device)
-    p = Parts(cfg, rank, world, device, tokenizer, actor, adamw(actor, a.optimizer.lr, a.optimizer),
-              build_model(cfg.model.model_path, t, device, False) if use_ref else None,
+    ref = (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False)) \
+        if use_ref else None  # with LoRA, the actor with its adapter switched off: the base model
+    p = Parts(cfg, rank, world, device, tokenizer, actor, adamw(actor, a.optimizer.lr, a.optimizer), ref,
               critic, adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
               pieces, {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")}, source, source.total_steps(),
               resume, {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
@@ -195,10 +199,10 @@ def set_up(cfg: configs.Config) -> Parts | None:
     return p
 
 
-def adamw(
-    model: torch.nn.Module, lr: float, o: OptimizerConfig, weight_decay: float | None = None
-) -> torch.optim.AdamW:
-    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas),
+def adamw(model: torch.nn.Module, lr: float, o: OptimizerConfig,
+          weight_decay: float | None = None) -> torch.optim.AdamW:
+    """AdamW over the weights that train (a LoRA actor's: its adapter's alone)."""
+    return torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, betas=tuple(o.betas),
                              weight_decay=o.weight_decay if weight_decay is None else weight_decay)
 
 
@@ -462,9 +466,9 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
     s, job = p.cfg.synchronizer, p.cfg.checkpoint_job_dir
     wanted = p.rl and sync.publishes(step, p.cfg, p.total)  # no explorer waits for an offline stage's weights
     if s.sync_method == "nccl" and wanted:
-        sync.send_model(p.sender, p.actor.model, step, p.engine_dtype)  # sender is None on ranks > 0
+        lora.send_model(p.sender, p.actor, step, p.engine_dtype)  # sender is None on ranks > 0; LoRA merged
     if (wanted and s.sync_method == "checkpoint") or step == p.total:
-        weights = sync.full_state(p.actor.model)
+        weights = lora.full_state(p.actor)
         if p.rank == 0:
             folder = weights if p.saves(step) else sync.cast(weights, p.engine_dtype)
             sync.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=folder)
@@ -525,7 +529,7 @@ def no_batch(p: Parts, step: int, done: int) -> int:
 def finish(p: Parts, done: int, saved: int, code: int) -> int:
     """Publish and save the last finished step unless done (data ran out, or stopped waiting); close up."""
     if saved < done:
-        weights = sync.full_state(p.actor.model)
+        weights = lora.full_state(p.actor)
         if p.rank == 0:
             sync.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
         save(p, done, weights)

@@ -15,6 +15,7 @@ import dataclasses
 import ipaddress
 import logging
 import math
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from algos import asymre, cispo, dpo, gae, grpo, kl, mix, opmd, ppo_loss, rec, reinforceplusplus, sample, sapo, \
@@ -30,6 +31,7 @@ from configs.schema import (
     ExplorerConfig,
     GenerationConfig,
     InferenceModelConfig,
+    LoRAConfig,
     ModelConfig,
     OptimizerConfig,
     RolloutCorrectionConfig,
@@ -77,6 +79,9 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (ModelConfig, "top_k"): TOP_K,
     (ModelConfig, "logprobs"): NON_NEGATIVE,
     (ModelConfig, "repetition_penalty"): POSITIVE,
+    (ModelConfig, "max_cpu_loras"): AT_LEAST_1,
+    (LoRAConfig, "lora_rank"): AT_LEAST_1,
+    (LoRAConfig, "lora_alpha"): POSITIVE,
     (ClusterConfig, "node_num"): AT_LEAST_1,
     (ClusterConfig, "gpu_per_node"): NON_NEGATIVE,
     (ClusterConfig, "master_addr"): HOST,
@@ -185,6 +190,9 @@ REFUSED: list[Rule] = [
     (CriticConfig, "optimizer_offload", lambda v, c: v and not c.trainer.critic.param_offload,
      "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
      "set trainer.critic.param_offload: true as well"),
+    (ModelConfig, "lora_configs", lambda v, c: len(v) > 1, "one LoRA adapter at most (as in Trinity-RFT)"),
+    (LoRAConfig, "path", lambda v, c: v and not Path(v, "adapter_config.json").is_file(),
+     "not a saved peft adapter (a folder with adapter_config.json and adapter_model.safetensors)"),
 ]
 
 def loopback(host: str) -> bool:
@@ -219,6 +227,7 @@ def filtered_vllm_rollouts(c: Config) -> bool:
 
 
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
+_MERGED = "has no effect: it is vLLM's way of serving an adapter, and nanorft's engines get merged weights (lora.py)"
 # Values accepted with a warning at start that says what will not happen.
 WARNED: list[Rule] = [
     (InferenceModelConfig, "engine_num", lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
@@ -244,6 +253,13 @@ WARNED: list[Rule] = [
      "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
     (SynchronizerConfig, "sync_host", lambda v, c: v != "127.0.0.1" and c.synchronizer.sync_method != "nccl",
      "has no effect with sync_method checkpoint (the explorer reads the published files)"),
+    (LoRAConfig, "name", lambda v, c: v != "", _MERGED),
+    (LoRAConfig, "base_model_name", lambda v, c: v != "", _MERGED),
+    (LoRAConfig, "lora_dtype", lambda v, c: v not in ("auto", "float32", "fp32"),
+     "the adapter trains in fp32 (as every trained weight) and reaches the engines merged into the base weights, in "
+     "the engine's dtype (explorer.rollout_model.dtype)"),
+    (ModelConfig, "fully_sharded_loras", lambda v, c: v, _MERGED),
+    (ModelConfig, "max_cpu_loras", lambda v, c: True, _MERGED),
 ]
 
 
@@ -275,7 +291,9 @@ def check_support(cfg: Config) -> None:
     for path, obj, name, value in walk(cfg):
         for cls, field, applies, why in REFUSED:
             if type(obj) is cls and name == field and value is not None and applies(value, cfg):
-                raise ConfigError(f"{path} = {value!r} is refused: {why}")
+                shown = f"[{len(value)} sections]" if isinstance(value, list) and dataclasses.is_dataclass(
+                    value[0]) else repr(value)
+                raise ConfigError(f"{path} = {shown} is refused: {why}")
         for cls, field, applies, why in WARNED:
             if type(obj) is cls and name == field and value is not None and applies(value, cfg):
                 _warn_once(f"config: {path} = {value!r}: {why}")

@@ -241,7 +241,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], path)
+        if len(inner) == 1:
+            return _coerce(value, inner[0], path)
+        for option in inner:  # `str | list[str]`: the first type the value fits, in the order written
+            try:
+                return _coerce(value, option, path)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{path}: {value!r} is not a valid {' or '.join(map(_type_name, inner))}")
     if origin is typing.Literal:
         if value in args:
             return value

@@ -124,6 +124,32 @@ class AlgorithmConfig:
 
 
 @dataclasses.dataclass
+class LoRAConfig:
+    name: str = ""
+    """Trinity's adapter name (vLLM's lora_name); the engines here get merged weights, so no request names an adapter:
+    warned when set."""
+    path: str = ""
+    """A saved adapter to start from (peft's format: adapter_config.json + adapter_model.safetensors, e.g. a
+    checkpoint's actor/lora_adapter); its own adapter_config.json decides rank, alpha and layers. Empty: a new adapter
+    (B = 0: training starts exactly at model_path)."""
+    base_model_name: str = ""
+    """Trinity's name of the base model for vLLM's LoRA requests; names nothing here: warned when set."""
+    lora_rank: int = 32
+    """r: rank of the update B.A added to each adapted weight (>= 1)."""
+    lora_alpha: float = 32.0
+    """alpha: the update is scaled by alpha / r (> 0)."""
+    lora_dtype: str = "auto"
+    """vLLM's dtype of the adapter weights. Here the adapter trains in fp32 (as every trained weight) and the engines
+    get it merged in their own dtype: auto and float32 mean that; anything else is warned about."""
+    target_modules: str | list[str] = "all-linear"
+    """Layers that get an adapter, as peft reads target_modules: all-linear (every linear layer but the LM head), a
+    list of module names (`[q_proj, v_proj]`: a name matches itself and any module name ending in `.name`), or one
+    regular expression matching a module's whole name."""
+    exclude_modules: str | list[str] | None = None
+    """Layers left without an adapter, as peft reads exclude_modules (a list of names, or one regular expression)."""
+
+
+@dataclasses.dataclass
 class ModelConfig:
     model_path: str = ""
     """HF folder or hub id of the model to train (required)."""
@@ -158,6 +184,13 @@ class ModelConfig:
     """Repetition penalty of the rollout engine (1.0 = off)."""
     enable_thinking: Optional[bool] = None
     """Passed to chat templates that know it (Qwen3); unset = the template's default."""
+    lora_configs: list[LoRAConfig] = _field(list)
+    """LoRA (one adapter at most, as in Trinity-RFT): the trainer trains an adapter through peft instead of the whole
+    model, and the engines get the weights with the adapter merged in (lora.py). Empty: full fine-tuning."""
+    fully_sharded_loras: bool = False
+    """vLLM's option for serving adapters; the engines here get merged weights: no effect (warned when true)."""
+    max_cpu_loras: Optional[int] = None
+    """vLLM's option for serving adapters; no effect here (warned when set)."""
 
 
 @dataclasses.dataclass

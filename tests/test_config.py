@@ -355,13 +355,17 @@ def test_every_schema_field_has_a_docstring():
     assert not missing, f"fields without a docstring: {missing}"
 
 
+# lists and dicts of sections: empty by default, so their fields have no flags
+SECTION_LISTS = ("tasksets", "eval_tasksets", "auxiliary_models", "stages", "auxiliary_buffers", "lora_configs")
+
+
 def _flags(cls: type, prefix: str = "") -> list[str]:
     out = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             out += _flags(type(default), f"{prefix}{f.name}.")
-        elif not (isinstance(default, (list, dict)) and f.name in ("tasksets", "eval_tasksets", "auxiliary_models", "stages", "auxiliary_buffers")):
+        elif not (isinstance(default, (list, dict)) and f.name in SECTION_LISTS):
             out.append(f"--{prefix}{f.name}")
     return out
 

@@ -113,6 +113,10 @@ REFUSAL_CASES = {
                                              "trainer.optimizer_offload = True is refused: FSDP2"),
     ("CriticConfig", "optimizer_offload"): ({"trainer": {"critic": {"optimizer_offload": True}}},
                                             "trainer.critic.optimizer_offload = True is refused"),
+    ("ModelConfig", "lora_configs"): ({"model": {"lora_configs": [{}, {"lora_rank": 8}]}},
+                                      "model.lora_configs = [2 sections] is refused: one LoRA adapter at most"),
+    ("LoRAConfig", "path"): ({"model": {"lora_configs": [{"path": "tests"}]}},
+                             "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter"),
 }
 WARNING_CASES = {
     ("InferenceModelConfig", "engine_num"): ({"explorer": {"rollout_model": {"engine_type": "hf", "engine_num": 4}}},
@@ -135,6 +139,15 @@ WARNING_CASES = {
                                        "cluster.master_port = 29600: has no effect on one node"),
     ("SynchronizerConfig", "sync_host"): ({"synchronizer": {"sync_method": "checkpoint", "sync_host": "10.0.0.2"}},
                                           "sync_host = '10.0.0.2': has no effect with sync_method checkpoint"),
+    ("LoRAConfig", "name"): ({"model": {"lora_configs": [{"name": "a"}]}},
+                             "model.lora_configs[0].name = 'a': has no effect: it is vLLM's way of serving"),
+    ("LoRAConfig", "base_model_name"): ({"model": {"lora_configs": [{"base_model_name": "b"}]}},
+                                        "model.lora_configs[0].base_model_name = 'b': has no effect"),
+    ("LoRAConfig", "lora_dtype"): ({"model": {"lora_configs": [{"lora_dtype": "bfloat16"}]}},
+                                   "lora_dtype = 'bfloat16': the adapter trains in fp32"),
+    ("ModelConfig", "fully_sharded_loras"): ({"model": {"fully_sharded_loras": True}},
+                                             "model.fully_sharded_loras = True: has no effect"),
+    ("ModelConfig", "max_cpu_loras"): ({"model": {"max_cpu_loras": 2}}, "model.max_cpu_loras = 2: has no effect"),
 }
 
 

@@ -284,15 +284,15 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
     assert cpu.engine_dtype == torch.float32
 
 
-def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
-    """SIGKILL after the step-2 checkpoint, restart: the final weights equal an uninterrupted run's bitwise
-    (model, optimizer, data position and RNG all restored)."""
-    over = {"buffer.total_steps": 4, "trainer.save_interval": 2}
+def straight_and_resumed(tmp_path: Path, tiny_model_dir: str, **over) -> tuple[Path, Path, str]:
+    """Two SFT runs of 4 steps, checkpoints every 2: one straight through; one SIGKILLed after saving step 2 (it waits
+    there: sync.pause_for_test), then restarted. Returns their job directories and the restart's stderr."""
+    over = {"buffer.total_steps": 4, "trainer.save_interval": 2, **over}
     straight = run_train(sft_config(tmp_path / "a", tiny_model_dir, **over))
     assert straight.returncode == 0, straight.stderr[-3000:]
     config = sft_config(tmp_path / "b", tiny_model_dir, **over)
     job = tmp_path / "b" / "ck" / "p" / "t"
-    marker = tmp_path / "paused"  # the trainer waits there after saving step 2 (sync.pause_for_test)
+    marker = tmp_path / "paused"  # the trainer touches it after saving step 2, then waits
     env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1",
            "NANORFT_TEST_PAUSE_AT": "train.after_save:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
     with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the trainer
@@ -309,7 +309,14 @@ def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     resumed = run_train(config)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 2" in resumed.stderr
-    a, b = weights(tmp_path / "a" / "ck" / "p" / "t", 4), weights(job, 4)
+    return tmp_path / "a" / "ck" / "p" / "t", job, resumed.stderr
+
+
+def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
+    """SIGKILL after the step-2 checkpoint, restart: the final weights equal an uninterrupted run's bitwise
+    (model, optimizer, data position and RNG all restored)."""
+    straight, resumed, _ = straight_and_resumed(tmp_path, tiny_model_dir)
+    a, b = weights(straight, 4), weights(resumed, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

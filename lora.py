@@ -1,0 +1,208 @@
+"""lora.py: LoRA through peft (Hu et al., arXiv:2106.09685): the trainer's actor learns a low-rank update of its
+linear layers, W + (alpha / r) B A, instead of W itself; everything outside the trainer sees plain weights.
+
+    spec = start(cfg, resume)             # (LoRAConfig, saved adapter or ""), or None: full fine-tuning
+    adapter = wrap(hf, *spec)             # models.build_model: peft's layers injected into the HF model, before
+                                          # fully_shard; only A and B require grad (and go into the optimizer)
+    weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
+    send_model(link, actor, version)      # the same, over the process group (sync.send_weights)
+    state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint
+    save_adapter(actor, folder, state)    # peft's format: adapter_config.json + adapter_model.safetensors
+    ref = WithoutAdapter(actor)           # the reference model: the actor with its adapter switched off
+    merged_folder(model, saved, tokenizer, folder)   # the explorer's start when training starts from a saved adapter
+
+Trinity-RFT's keys (model.lora_configs, one adapter), and where nanorft departs from it:
+- The engines get merged weights (W + s B A under W's own name, in the engine's dtype), by checkpoint or over the
+  process group alike: the explorer cannot tell LoRA is in play. Trinity instead serves the adapter with vLLM's LoRA
+  support (enable_lora) and turns the process-group sync off with LoRA. So `name`, `base_model_name`, `lora_dtype`,
+  `fully_sharded_loras` and `max_cpu_loras` (vLLM's serving options) have no effect and are warned about.
+- The reference model (a KL term, DPO) is the actor with its adapter switched off (peft's disable_adapter), as veRL's
+  ref_in_actor: no second copy of the base weights, and exactly model.model_path since the base weights never change.
+  Starting from a saved adapter (lora_configs[0].path), the reference is still the base without it (veRL's too).
+- A checkpoint holds the adapter alone (global_step_N/actor/lora_adapter, peft's format) and its optimizer state; a
+  resume rebuilds model.model_path + that adapter. The merged HF folder is there when the step was also published
+  (checkpoint sync, and always the last step), as the explorers, bench mode and the next stage need it.
+- A new adapter is peft's (A Kaiming-uniform, B = 0: the first step starts exactly at the base), drawn from a fixed
+  seed so that every rank draws the same; no dropout (the first update's old and current log-probs must agree).
+- Only plain LoRA on linear layers is merged here: an adapter with DoRA, LoRA biases, fan-in-fan-out layers, embedding
+  layers, the LM head (tied to the embeddings in small models) or extra trained modules is refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+from torch.distributed.tensor import DTensor
+
+import sync
+from configs.checks import ConfigError
+from configs.schema import LoRAConfig
+from tasksets import DataError
+
+log = logging.getLogger("nanorft.lora")
+ADAPTER = "default"  # peft's name of the one adapter (lora_configs[0].name names nothing here)
+ADAPTER_DIR = "lora_adapter"  # global_step_N/actor/<this>: a checkpoint's adapter, in peft's format
+WHERE = "model.lora_configs[0]"
+
+
+@dataclasses.dataclass
+class Adapter:
+    """The LoRA adapter inside a models.TokenScorer's HF model (peft's layers replace the adapted nn.Linear in place).
+    A plain attribute of the scorer, not a submodule: the PeftModel wraps the same HF model."""
+
+    peft: PeftModel  # saves the adapter in peft's format; switches it off (the reference model)
+    scaling: dict[str, float]  # name of each adapted layer in the HF model -> its alpha / r
+
+
+def start(cfg: Any, resume: int) -> tuple[LoRAConfig, str] | None:
+    """None without model.lora_configs; else its adapter and where its weights come from: a resumed run's checkpoint,
+    else lora_configs[0].path ("" = a new adapter). The base is always model.model_path."""
+    saved = sync.weights_path(cfg.checkpoint_job_dir, resume).parent / ADAPTER_DIR
+    # NOTE: a LoRA checkpoint has no full weights to resume full fine-tuning from, and a full one no adapter
+    if resume and saved.is_dir() != bool(cfg.model.lora_configs):
+        raise DataError(f"checkpoint step {resume} of {cfg.checkpoint_job_dir} was written "
+                        f"{'with' if saved.is_dir() else 'without'} LoRA and model.lora_configs is "
+                        f"{'empty' if saved.is_dir() else 'set'}: resume with the config it was written with")
+    if not cfg.model.lora_configs:
+        return None
+    c = cfg.model.lora_configs[0]
+    return c, str(saved) if resume else c.path
+
+
+def is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def wrap(hf: torch.nn.Module, c: LoRAConfig, saved: str) -> Adapter:
+    """`hf` with a LoRA adapter injected in place: the saved one at `saved`, else a new one as `c` says; its own
+    weights frozen, only the adapter's A and B trainable. ConfigError / DataError naming what peft cannot do here."""
+    base = getattr(hf, "name_or_path", "")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # NOTE: a new A is drawn alike on every rank (FSDP2 keeps each rank's own shard)
+        try:
+            peft = PeftModel.from_pretrained(hf, saved, is_trainable=True) if saved else get_peft_model(hf, LoraConfig(
+                r=c.lora_rank, lora_alpha=c.lora_alpha, target_modules=c.target_modules,
+                exclude_modules=c.exclude_modules, lora_dropout=0.0, bias="none"))
+        except ValueError as e:  # peft: no module matches target_modules, or a layer type it cannot adapt
+            raise (DataError(f"{WHERE}: the adapter at {saved}: {e}") if saved else
+                   ConfigError(f"{WHERE}.target_modules / exclude_modules: {e}")) from e
+    what = f"the adapter at {saved}" if saved else f"{WHERE}.target_modules"
+    head = hf.get_output_embeddings()
+    scaling = {}
+    for name, m in hf.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        if not isinstance(m, LoraLinear) or m.fan_in_fan_out or m is head or m.use_dora.get(ADAPTER) or \
+                m.lora_bias.get(ADAPTER):
+            raise (DataError if saved else ConfigError)(
+                f"{what}: {name} is not a plain LoRA on a linear layer (DoRA, LoRA bias, fan-in-fan-out, an embedding "
+                "or the LM head), which nanorft cannot merge for the engines")
+        scaling[name] = float(m.scaling[ADAPTER])
+    extra = [n for n, q in hf.named_parameters() if q.requires_grad and not is_adapter(n)]
+    if extra:
+        raise (DataError if saved else ConfigError)(f"{what}: it trains more than LoRA matrices ({extra[:3]}...)")
+    adapted = peft.peft_config[ADAPTER]
+    if saved and adapted.base_model_name_or_path not in (None, base):
+        log.warning("%s was trained on %s; it is put on model.model_path = %s", saved, adapted.base_model_name_or_path,
+                    base)
+    trained = sum(q.numel() for n, q in hf.named_parameters() if is_adapter(n))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("LoRA (%s): r %s, alpha %s on %d layers; %d of %d weights trained", saved or "a new adapter",
+                 adapted.r, adapted.lora_alpha, len(scaling), trained, sum(q.numel() for q in hf.parameters()))
+    return Adapter(peft, scaling)
+
+
+# --- what leaves the trainer: merged weights for the engines, the adapter alone for checkpoints
+
+
+def merge(state: dict[str, torch.Tensor], scaling: dict[str, float]) -> dict[str, torch.Tensor]:
+    """A state dict of the HF model with an adapter, as the plain model's: W + scaling x B A [out,in] under each
+    adapted layer's own name (its base_layer's), the other weights as they are, the adapter's dropped."""
+    out = {}
+    for key, value in state.items():
+        if is_adapter(key):
+            continue
+        module, _, leaf = key.rpartition(".")
+        if module.endswith(".base_layer"):
+            layer = module.removesuffix(".base_layer")
+            if leaf == "weight":
+                a, b = state[f"{layer}.lora_A.{ADAPTER}.weight"], state[f"{layer}.lora_B.{ADAPTER}.weight"]  # [r,in]
+                value = value + scaling[layer] * (b.float() @ a.float()).to(value.dtype)  # [out,r] @ [r,in]
+            key = f"{layer}.{leaf}"
+        out[key] = value
+    return out
+
+
+def full_state(scorer: Any) -> dict[str, torch.Tensor]:
+    """The HF weights the engines load, full, on rank 0 ({} elsewhere; every rank calls it): sync.full_state, with
+    a LoRA adapter merged into the layers it adapts."""
+    state = sync.full_state(scorer.model)
+    adapter = getattr(scorer, "adapter", None)
+    return merge(state, adapter.scaling) if adapter is not None and state else state
+
+
+def send_model(link: sync.WeightLink | None, scorer: Any, version: int, dtype: torch.dtype | None = None) -> int:
+    """sync.send_model of the scorer's HF model (every rank calls it; link None but on rank 0); with a LoRA adapter,
+    the merged weights under the plain model's parameter names (gathered whole on rank 0 first, as the checkpoint
+    method does)."""
+    if getattr(scorer, "adapter", None) is None:
+        return sync.send_model(link, scorer.model, version, dtype)
+    state = full_state(scorer)
+    names = [n.replace(".base_layer.", ".") for n, _ in scorer.model.named_parameters() if not is_adapter(n)]
+    specs = [(n, tuple(state[n].shape), sync.as_dtype(state[n], dtype)) for n in names] if state else []
+    return sync.send_weights(link, version, specs, (state[n] for n, _, _ in specs))
+
+
+def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:
+    """The adapter's A and B, full, on rank 0's CPU ({} elsewhere), named as in the HF model. Every rank calls it:
+    gathering a sharded tensor is a collective."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = {}
+    with torch.no_grad():
+        for name, q in scorer.model.named_parameters():
+            if is_adapter(name):
+                full = q.full_tensor() if isinstance(q, DTensor) else q
+                if rank == 0:
+                    out[name] = full.detach().to("cpu", copy=True)
+    return out
+
+
+def save_adapter(scorer: Any, folder: Path, state: dict[str, torch.Tensor]) -> None:
+    """The adapter as peft saves it (adapter_config.json, adapter_model.safetensors, README.md), loadable by
+    peft.PeftModel.from_pretrained on model.model_path; written under a temporary name and renamed into place."""
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # NOTE: peft names a PeftModel's weights base_model.model.<name in the HF model>; it drops the adapter's name
+    scorer.adapter.peft.save_pretrained(str(tmp), state_dict={f"base_model.model.{k}": v for k, v in state.items()})
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+class WithoutAdapter(torch.nn.Module):
+    """The actor as the reference model: its forward with the adapter switched off, i.e. the base model (its weights
+    never change), without a second copy of them (veRL's ref_in_actor)."""
+
+    def __init__(self, actor: torch.nn.Module) -> None:
+        super().__init__()
+        self.actor = actor
+
+    def forward(self, mb: dict, entropy: bool = False, entropy_grad: bool = False) -> tuple[torch.Tensor, Any]:
+        # NOTE: peft flips requires_grad of A and B off and back on around this; FSDP2 takes it up at each unshard
+        with self.actor.adapter.peft.disable_adapter():
+            return self.actor(mb, entropy, entropy_grad)
+
+
+def merged_folder(model: torch.nn.Module, saved: str, tokenizer: Any, folder: Path) -> Path:
+    """An HF folder of `model` with the saved adapter merged in by peft itself (merge_and_unload): the weights an
+    explorer starts from when training starts from a saved adapter (the trainer starts from base + adapter)."""
+    return sync.save_hf(PeftModel.from_pretrained(model, saved).merge_and_unload(), tokenizer, folder)

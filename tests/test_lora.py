@@ -1,0 +1,320 @@
+"""LoRA through peft (lora.py): the config's refusals, an adapter that alone trains, merged weights for the engines
+(files and the process group) equal to the peft model, adapter checkpoints that plain peft loads, an exact resume,
+one rank == two ranks, the reference model without the adapter, and an explorer starting from a saved adapter."""
+
+import json
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+import explore
+import lora
+import models
+import sync
+import train
+from configs import Config, ConfigError, cli, from_dict, normalize, resolve_stages
+from configs.schema import LoRAConfig, OptimizerConfig, TrainerConfig
+from conftest import plain_logprobs
+from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
+from test_train import experiences, run_train, sft_config, straight_and_resumed
+
+LORA = {"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}]}
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def one_rank():
+    """A process group of one (what train.py makes in a plain process), for FSDP2 in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def micro(seed: int = 0) -> tuple[list, dict]:
+    """Three random sequences (two sharing a prompt) and their packed micro-batch."""
+    exps = experiences([(9, [6, 4]), (5, [7])], seed=seed)
+    batch = models.step_batch(exps, width=7)
+    return exps, models.micro_batch(batch, models.pack_units(batch, [0, 1, 2], True, 10**6), True, CPU)
+
+
+def gap(scorer: torch.nn.Module, model: torch.nn.Module) -> float:
+    """Largest |log-prob from the trainer's (FSDP2) scorer - from `model` run on each sequence alone| over micro()."""
+    exps, mb = micro()
+    with torch.no_grad():
+        logp = scorer(mb)[0]  # [n,T]
+    return max((logp[k, : exps[b].response_length] - plain_logprobs(model, exps[b].tokens, exps[b].prompt_length))
+               .abs().max().item() for k, b in enumerate(mb["rows"].tolist()))
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids[None]).logits[0].float()  # [L,V]
+
+
+def plain(folder: str | Path) -> torch.nn.Module:
+    """A folder as plain transformers loads it (its own attention, no nanorft code)."""
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def with_random_b(hf: torch.nn.Module, adapter_cfg: LoRAConfig, seed: int = 1) -> lora.Adapter:
+    """A LoRA adapter on `hf` with B drawn at random (a new one has B = 0, which would hide a wrong merge)."""
+    adapter = lora.wrap(hf, adapter_cfg, "")
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, q in hf.named_parameters():
+            if ".lora_B." in name:
+                q.copy_(torch.randn(q.shape, generator=g) * 0.05)
+    return adapter
+
+
+# --- the config
+
+
+def resolved(lora_configs: list) -> Config:
+    raw = {"model": {"model_path": "m", "max_model_len": 256, "lora_configs": lora_configs},
+           "buffer": {"batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}}}
+    return resolve_stages(from_dict(Config, normalize(raw)))[0]
+
+
+@pytest.mark.parametrize("lora_configs, message", [
+    ([{"lora_rank": 0}], r"model.lora_configs\[0\].lora_rank: 0 is out of range; allowed: >= 1"),
+    ([{"lora_alpha": -1}], r"model.lora_configs\[0\].lora_alpha: -1.0 is out of range; allowed: > 0"),
+    ([{}, {}], r"model.lora_configs = \[2 sections\] is refused: one LoRA adapter at most"),
+    ([{"path": "assets"}], r"model.lora_configs\[0\].path = 'assets' is refused: not a saved peft adapter"),
+    ([{"target_modules": {"q": 1}}], r"lora_configs\[0\].target_modules: \{'q': 1\} is not a valid str or list"),
+    ([{"lora_ranks": 8}], r"model.lora_configs\[0\].lora_ranks: unknown key; did you mean lora_rank\?"),
+])
+def test_bad_lora_keys_are_refused_by_name(lora_configs, message):
+    with pytest.raises(ConfigError, match=message):
+        resolved(lora_configs)
+
+
+def test_trinity_keys_read_as_peft_reads_them():
+    c = resolved([{"lora_rank": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "exclude_modules": "x"}])
+    assert c.model.lora_configs == [LoRAConfig(lora_rank=8, lora_alpha=16.0, target_modules=["q_proj", "v_proj"],
+                                               exclude_modules="x")]
+    assert resolved([{}]).model.lora_configs[0].target_modules == "all-linear"  # Trinity's default: a string
+
+
+def test_help_shows_the_adapter_keys_and_the_command_line_sets_them(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {model_path: m, max_model_len: 256, lora_configs: [{lora_rank: 8}]}\n"
+                    "buffer: {batch_size: 4, explorer_input: {taskset: {path: data/x}}}\n")
+    cfg, _ = cli(["--config", str(path), "--model.lora_configs.0.lora_alpha", "4",
+                  "--model.lora_configs.0.target_modules", "q_proj", "v_proj"])
+    assert cfg.model.lora_configs == [LoRAConfig(lora_rank=8, lora_alpha=4.0, target_modules=["q_proj", "v_proj"])]
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli(["--config", str(path), "--help"])
+    shown = capsys.readouterr().out
+    assert "--model.lora_configs.0.lora_rank INT" in shown and "r: rank of the update B.A" in shown
+    assert "--model.lora_configs.0.target_modules STR|" in shown and "--model.fully_sharded_loras" in shown
+
+
+@pytest.mark.parametrize("target, exclude, layers", [
+    ("all-linear", None, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+    (["q_proj", "v_proj"], None, {"q_proj", "v_proj"}),
+    (r".*\.mlp\..*_proj", None, {"gate_proj", "up_proj", "down_proj"}),
+    ("all-linear", ["down_proj", "o_proj"], {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}),
+])
+def test_merged_weights_give_the_peft_models_logits(tiny_model_dir, tmp_path, target, exclude, layers):
+    """target_modules / exclude_modules as peft reads them, never the LM head; the merged weights (W + s B A under
+    W's name) saved as the trainer publishes them load in plain transformers and give the peft model's logits."""
+    hf = models.load_model(tiny_model_dir)
+    adapter = with_random_b(hf, LoRAConfig(lora_rank=4, lora_alpha=8, target_modules=target, exclude_modules=exclude))
+    n_layers = hf.config.num_hidden_layers
+    assert {name.rsplit(".", 1)[1] for name in adapter.scaling} == layers
+    assert len(adapter.scaling) == len(layers) * n_layers
+    assert set(adapter.scaling.values()) == {2.0} and not isinstance(hf.lm_head, lora.LoraLayer)
+    merged = lora.merge(hf.state_dict(), adapter.scaling)
+    base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
+    assert set(merged) - {"lm_head.weight"} == set(base)  # the plain model's names (the head is tied)
+    sync.save_hf(hf, models.load_tokenizer(tiny_model_dir), tmp_path / "merged", merged)
+    ids = torch.arange(3, 60)
+    want = logits(hf, ids)  # the peft model: x W^T + s (x A^T) B^T
+    got = logits(plain(tmp_path / "merged"), ids)
+    assert (got - want).abs().max().item() < 1e-5
+    assert (got - logits(plain(tiny_model_dir), ids)).abs().max().item() > 1e-2  # the adapter does change them
+
+
+@pytest.mark.parametrize("target, message", [
+    (["nothing_here"], "model.lora_configs\\[0\\].target_modules / exclude_modules: Target modules"),
+    (["lm_head"], "lm_head is not a plain LoRA on a linear layer"),
+    (["embed_tokens"], "embed_tokens is not a plain LoRA on a linear layer"),
+])
+def test_layers_lora_cannot_merge_here_are_refused_by_name(tiny_model_dir, target, message):
+    with pytest.raises(ConfigError, match=message):
+        lora.wrap(models.load_model(tiny_model_dir), LoRAConfig(lora_rank=4, target_modules=target), "")
+
+
+# --- the trainer's pieces, in this process (one rank)
+
+
+def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, tmp_path, one_rank):
+    """The optimizer holds the adapter's A and B and nothing else; a new adapter starts exactly at the base; after
+    steps the base weights are bitwise those of the file, B has moved, the merged weights the trainer publishes give
+    its log-probs, and the reference (the actor with its adapter off) scores exactly as the base model. The
+    reference runs first: gradients still reach A and B after it."""
+    actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    optim = train.adamw(actor, 1e-2, OptimizerConfig())
+    adapter = {name: q for name, q in actor.named_parameters() if lora.is_adapter(name)}
+    assert [q for g in optim.param_groups for q in g["params"]] == list(adapter.values())
+    assert len(adapter) == 2 * 7 * 4 and all(q.requires_grad for q in adapter.values())
+    assert not [n for n, q in actor.named_parameters() if q.requires_grad and n not in adapter]
+    base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
+    assert all(torch.equal(lora.full_state(actor)[k], base[k]) for k in base)  # B = 0: W + s B A == W bitwise
+    ref, plain_base = lora.WithoutAdapter(actor), models.build_model(tiny_model_dir, TrainerConfig(), CPU, False)
+    mb = micro()[1]
+    with torch.no_grad():
+        assert torch.equal(ref(mb)[0], plain_base(mb)[0])  # the first pass of the actor: with its adapter off
+    for step in range(2):
+        optim.zero_grad()
+        (-actor(micro(step)[1])[0].sum()).backward()
+        grads = {n: q.grad.full_tensor().abs().max().item() for n, q in adapter.items() if q.grad is not None}
+        want = [n for n in adapter if ".lora_B." in n or step == 1]  # at step 0, B = 0: A gets no gradient yet
+        assert set(grads) == set(adapter) and min(grads[n] for n in want) > 0, step
+        optim.step()
+    state = sync.full_state(actor.model)
+    for k, t in base.items():  # the frozen weights, under peft's base_layer names where adapted
+        k = k if k in state else k.replace(".weight", ".base_layer.weight").replace(".bias", ".base_layer.bias")
+        assert torch.equal(state[f"{k}"], t), k
+    assert min(state[n.removeprefix("model.")].abs().max().item() for n in adapter if ".lora_B." in n) > 1e-3
+    with torch.no_grad():
+        assert torch.equal(ref(mb)[0], plain_base(mb)[0])  # still exactly the base
+        assert (actor(mb)[0] - plain_base(mb)[0]).abs().max().item() > 1e-3  # while the actor has moved
+    folder = sync.save_hf(actor.model, None, tmp_path / "published", lora.full_state(actor))
+    assert gap(actor, plain(folder)) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
+
+
+def test_the_process_group_sends_the_merged_weights_under_the_plain_names(tiny_model_dir, tmp_path, one_rank):
+    """sync_method nccl with LoRA: what the explorer receives (and loads strictly into a plain model) is the merged
+    weights, bit for bit what the checkpoint method would publish, in the engine's dtype."""
+    import threading
+
+    from engines import HFEngine
+
+    actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    with torch.no_grad():
+        for name, q in actor.named_parameters():
+            if ".lora_B." in name:
+                q.fill_(0.01)
+    merged = lora.full_state(actor)
+    sender, got = sync.open_sender(tmp_path, "cpu", 60), {}
+    receiver = threading.Thread(target=lambda: got.update(
+        zip(("version", "state"), sync.receive_weights(sync.open_receiver(tmp_path, 60)))))
+    receiver.start()
+    sent = lora.send_model(sender, actor, 7, torch.bfloat16)
+    receiver.join(60)
+    sync.close_sender(sender, grace=0.1)
+    names = {n for n, _ in models.load_model(tiny_model_dir).named_parameters()}
+    assert got["version"] == 7 and set(got["state"]) == names and sent > 0
+    assert all(torch.equal(got["state"][n], merged[n].bfloat16()) for n in names)
+    with HFEngine(tiny_model_dir) as engine:
+        engine.load_weights({n: t.float() for n, t in got["state"].items()}, version=7)  # strict: the plain names
+
+
+def test_an_explorer_starts_where_the_trainer_does_from_a_saved_adapter(tiny_model_dir, tmp_path, one_rank):
+    """model.lora_configs[0].path: the trainer starts from base + that adapter, and the explorer's engine from a
+    folder of the two merged by peft (lora.merged_folder): the same log-probs."""
+    hf = models.load_model(tiny_model_dir)
+    adapter = with_random_b(hf, LoRAConfig(lora_rank=4, lora_alpha=8))
+    adapter.peft.save_pretrained(str(tmp_path / "saved"))
+    cfg = Config()
+    cfg.model.model_path, cfg.checkpoint_job_dir = tiny_model_dir, str(tmp_path / "job")
+    cfg.model.lora_configs = [LoRAConfig(path=str(tmp_path / "saved"), lora_rank=32)]  # the saved rank wins (4)
+    folder = explore.base_weights(cfg)
+    assert folder == str(tmp_path / "job" / "lora_start" / "explorer")
+    actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=lora.start(cfg, 0))
+    assert actor.adapter.peft.peft_config["default"].r == 4
+    assert gap(actor, plain(folder)) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
+
+
+# --- whole runs of train.py
+
+
+def adapter_of(job: Path, step: int) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(job / f"global_step_{step}/actor/lora_adapter/adapter_model.safetensors")
+
+
+def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model_dir):
+    """global_step_N/actor/lora_adapter in peft's format and the adapter's optimizer state, listed in the manifest;
+    the merged HF folder only where the step was published (the last); PeftModel.from_pretrained(base, adapter)
+    gives that folder's logits."""
+    out = run_train(sft_config(tmp_path, tiny_model_dir, **LORA, **{"trainer.save_interval": 1}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "t"
+    one, two = job / "global_step_1" / "actor", job / "global_step_2" / "actor"
+    assert {p.name for p in one.iterdir()} == {"lora_adapter", "optimizer.safetensors", "trainer_state.json",
+                                                "rng_state_rank0.safetensors"}
+    assert {p.name for p in two.iterdir()} == {p.name for p in one.iterdir()} | {"huggingface"}
+    assert {p.name for p in (two / "lora_adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+    manifest = json.loads((job / "global_step_2" / "manifest.json").read_text())
+    assert {"actor/lora_adapter/adapter_model.safetensors", "actor/lora_adapter/adapter_config.json"} <= set(manifest)
+    saved = adapter_of(job, 2)
+    assert len(saved) == 2 * 7 * 4 and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    optim = safetensors.torch.load_file(two / "optimizer.safetensors")  # Adam's state of A and B alone
+    assert {k.rsplit("/", 1)[0] for k in optim} == {
+        "model." + k.removeprefix("base_model.model.").replace(".weight", ".default.weight") for k in saved}
+    assert not torch.equal(adapter_of(job, 1)[next(k for k in saved if "lora_B" in k)],
+                           saved[next(k for k in saved if "lora_B" in k)])
+    peft_model = PeftModel.from_pretrained(plain(tiny_model_dir), str(two / "lora_adapter")).eval()
+    ids = torch.arange(3, 60)
+    published = plain(two / "huggingface")
+    assert (logits(peft_model, ids) - logits(published, ids)).abs().max().item() < 1e-5
+    assert (logits(published, ids) - logits(plain(tiny_model_dir), ids)).abs().max().item() > 1e-3
+    base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
+    merged = safetensors.torch.load_file(two / "huggingface" / "model.safetensors")
+    assert set(merged) == set(base) and torch.equal(merged["model.embed_tokens.weight"],
+                                                    base["model.embed_tokens.weight"])
+    full = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3}))  # the same run, no LoRA
+    assert full.returncode == 2 and "checkpoint step 2 of" in full.stderr and "was written with LoRA and " \
+        "model.lora_configs is empty: resume with the config it was written with" in full.stderr
+
+
+def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir):
+    """SIGKILL after the step-2 checkpoint, restart from base + the step-2 adapter: step 4's adapter, optimizer
+    state and published weights equal an uninterrupted run's bitwise."""
+    straight, resumed, stderr = straight_and_resumed(tmp_path, tiny_model_dir, **LORA)
+    assert "LoRA (" in stderr and "lora_adapter" in stderr  # the restart loaded the checkpoint's adapter
+    for name in ("lora_adapter/adapter_model.safetensors", "optimizer.safetensors", "huggingface/model.safetensors"):
+        a, b = (safetensors.torch.load_file(job / "global_step_4" / "actor" / name) for job in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
+    two, four = adapter_of(resumed, 2), adapter_of(resumed, 4)
+    assert not all(torch.equal(two[k], four[k]) for k in two)  # steps 3 and 4 did train
+
+
+def test_two_fsdp_ranks_train_the_adapter_as_one_does(tmp_path, tiny_model_dir):
+    final = {}
+    for ranks in (0, 2):
+        out = run_train(sft_config(tmp_path / str(ranks), tiny_model_dir, **LORA), ranks=ranks)
+        assert out.returncode == 0, out.stderr[-3000:]
+        final[ranks] = adapter_of(tmp_path / str(ranks) / "ck" / "p" / "t", 2)
+    b = [k for k in final[0] if ".lora_B." in k]
+    moved = max(final[0][k].abs().max().item() for k in b)  # B starts at 0
+    assert moved > 1e-3
+    assert max((final[2][k] - final[0][k]).abs().max().item() for k in final[0]) < moved / 100
+
+
+def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_model_dir):
+    """GRPO with a KL loss to the reference (the actor without its adapter), the merged weights sent over the process
+    group: the engine samples step 3 from exactly base + step-2 adapter; the KL is 0 at step 1 (B = 0) and not after."""
+    config = both_config(tmp_path, tiny_model_dir, **LORA, **{
+        "synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "algorithm.optimizer.lr": 1e-2,
+        "algorithm.kl_loss_fn": "k2", "algorithm.kl_loss_fn_args": {"kl_coef": 0.1}})
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
+    merged = lora.merged_folder(plain(tiny_model_dir), str(run / "global_step_2" / "actor" / "lora_adapter"),
+                                models.load_tokenizer(tiny_model_dir), tmp_path / "merged2")
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, merged) < 1e-4
+    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
+    from monitor import read_history
+
+    kl = [r["actor/kl_loss"] for r in read_history(run / "monitor" / "trainer.jsonl")]
+    assert abs(kl[0]) < 1e-7 and kl[2] > 1e-6, kl
