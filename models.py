@@ -26,10 +26,12 @@ import copy
 import functools
 import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
@@ -460,6 +462,20 @@ class TokenScorer(torch.nn.Module):
         logp = scatter(torch.cat([p[0] for p in parts]), mb["dest"], n, T)  # [n,T]
         ent = scatter(torch.cat([p[1] for p in parts]), mb["dest"], n, T) if entropy else None  # [n,T]
         return logp, ent
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun's process group (or a one-process group); this rank, world size and device."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(backend)
+    else:  # a plain process: a group of one, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def build_model(path: str, t: TrainerConfig, device: torch.device, trainable: bool, critic: bool = False,

@@ -40,7 +40,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from configs.loader import CONSOLE
+from configs.resolve import CONSOLE
 from configs.schema import Config
 
 log = logging.getLogger("nanorft.monitor")

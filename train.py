@@ -8,9 +8,8 @@ Launch lines:
     python train.py --config tiny.yaml --mode train      # the trainer alone (one plain process)
     torchrun --standalone --nproc_per_node 2 train.py --config tiny.yaml --mode train   # FSDP2 on 2 ranks
     python train.py --config tiny.yaml --dry-run         # print the resolved config
-    # cluster.node_num 2: the launcher on node 0 prints the line for node 1, a static rendezvous (launch.py):
-    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend static --master-addr NODE0 \
-        --master-port 29500 train.py --config <job dir>/config.yaml
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend static --master-addr NODE0 ...  # a node
+        # of a cluster.node_num 2 run: the launcher on node 0 prints this line in full (launch.py)
 
 One train step, straight down `train()`, a phase function each:
     read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
@@ -72,28 +71,11 @@ from algos.utils import masked_mean
 from buffer import Experience
 from configs.schema import OptimizerConfig
 from models import (TokenScorer, build_model, config_tokenizer, micro_batch, micro_batches, pack_units, score,
-                    step_batch, unit_length)
+                    setup_distributed, step_batch, unit_length)
 from monitor import Monitor, preview, timer
 from source import Source
 
 log = logging.getLogger("nanorft.train")
-
-
-# --- distributed set-up
-
-
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun's process group (or a one-process group); this rank, world size and device."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    backend = "nccl" if cuda else "gloo"
-    if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group(backend)
-    else:  # a plain process: a group of one, no rendezvous needed
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size(), device
 
 
 def lr_at(step: int, o: OptimizerConfig, total: int) -> float:

@@ -2,7 +2,7 @@
 
 Every field carries Trinity-RFT's default (see ../shared/reference/config-guide.txt) unless its
 docstring says otherwise, and a docstring that `--help` shows. YAML files only set values; the
-loader (configs/loader.py) validates them against these classes, and `derive()` fills in the values
+loader (configs/loader.py) validates them against these classes, and `derive()` (configs/resolve.py) fills in the values
 that depend on others (train_batch_size, max_model_len, ...). Nothing here mutates itself.
 
 Fields marked "derived" are filled in by `configs.derive`; leave them unset in YAML.

@@ -399,7 +399,7 @@ def report(a: argparse.Namespace, record: dict) -> None:
 
 
 def main(a: argparse.Namespace) -> None:
-    _, world, device = train.setup_distributed()
+    _, world, device = models.setup_distributed()
     if world != 1:
         raise SystemExit("run it as one plain process (no torchrun)")
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench_gpu_"))
