@@ -39,8 +39,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from peft import LoraConfig, PeftModel, get_peft_model
-from peft.tuners.lora import Linear as LoraLinear, LoraLayer
 from torch.distributed.tensor import DTensor
 
 import sync
@@ -59,7 +57,7 @@ class Adapter:
     """The LoRA adapter inside a models.TokenScorer's HF model (peft's layers replace the adapted nn.Linear in place).
     A plain attribute of the scorer, not a submodule: the PeftModel wraps the same HF model."""
 
-    peft: PeftModel  # saves the adapter in peft's format; switches it off (the reference model)
+    peft: Any  # the peft.PeftModel: saves the adapter in peft's format; switches it off (the reference model)
     scaling: dict[str, float]  # name of each adapted layer in the HF model -> its alpha / r
 
 
@@ -85,6 +83,11 @@ def is_adapter(name: str) -> bool:
 def wrap(hf: torch.nn.Module, c: LoRAConfig, saved: str) -> Adapter:
     """`hf` with a LoRA adapter injected in place: the saved one at `saved`, else a new one as `c` says; its own
     weights frozen, only the adapter's A and B trainable. ConfigError / DataError naming what peft cannot do here."""
+    # NOTE: peft is imported here, not at the top: the import costs about a second per process (accelerate and the
+    # rest), and only a LoRA trainer needs it
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+
     base = getattr(hf, "name_or_path", "")
     with torch.random.fork_rng():
         torch.manual_seed(0)  # NOTE: a new A is drawn alike on every rank (FSDP2 keeps each rank's own shard)
@@ -205,4 +208,6 @@ class WithoutAdapter(torch.nn.Module):
 def merged_folder(model: torch.nn.Module, saved: str, tokenizer: Any, folder: Path) -> Path:
     """An HF folder of `model` with the saved adapter merged in by peft itself (merge_and_unload): the weights an
     explorer starts from when training starts from a saved adapter (the trainer starts from base + adapter)."""
+    from peft import PeftModel  # NOTE: here, as in wrap
+
     return sync.save_hf(PeftModel.from_pretrained(model, saved).merge_and_unload(), tokenizer, folder)
