@@ -10,6 +10,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
 import explore
@@ -130,7 +131,7 @@ def test_merged_weights_give_the_peft_models_logits(tiny_model_dir, tmp_path, ta
     n_layers = hf.config.num_hidden_layers
     assert {name.rsplit(".", 1)[1] for name in adapter.scaling} == layers
     assert len(adapter.scaling) == len(layers) * n_layers
-    assert set(adapter.scaling.values()) == {2.0} and not isinstance(hf.lm_head, lora.LoraLayer)
+    assert set(adapter.scaling.values()) == {2.0} and not isinstance(hf.lm_head, LoraLayer)
     merged = lora.merge(hf.state_dict(), adapter.scaling)
     base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
     assert set(merged) - {"lm_head.weight"} == set(base)  # the plain model's names (the head is tied)
