@@ -85,7 +85,7 @@ def trainer_command(stage: configs.Config, config_file: Path, node_rank: int = 0
     if cl.node_num > 1:
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cl.trainer_node_num}",
                 f"--node-rank={node_rank}", f"--nproc-per-node={ranks}", "--rdzv-backend=static",
-                f"--master-addr={cl.master_addr}", f"--master-port={cl.master_port}", *cmd]
+                f"--rdzv-endpoint={cl.master_addr}:{cl.master_port}", *cmd]
     if ranks > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd]
     return [sys.executable, *cmd]

@@ -8,7 +8,7 @@ Launch lines:
     python train.py --config tiny.yaml --mode train      # the trainer alone (one plain process)
     torchrun --standalone --nproc_per_node 2 train.py --config tiny.yaml --mode train   # FSDP2 on 2 ranks
     python train.py --config tiny.yaml --dry-run         # print the resolved config
-    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend static --master-addr NODE0 ...  # a node
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --rdzv-backend static --rdzv-endpoint NODE0:29500 ...  # a node
         # of a cluster.node_num 2 run: the launcher on node 0 prints this line in full (launch.py)
 
 One train step, straight down `train()`, a phase function each:

@@ -206,7 +206,7 @@ class ClusterConfig:
     rendezvous; every trainer node must reach it. That node is node 0, except in mode both on GPUs, where node 0 is
     the explorer's and the trainer starts at node 1. 127.0.0.1: every "node" on this machine (a test)."""
     master_port: int = 29500
-    """With node_num > 1: the TCP port of the rendezvous on master_addr (torchrun's --master-port)."""
+    """With node_num > 1: the TCP port of the rendezvous on master_addr (torchrun's --rdzv-endpoint addr:port)."""
     explorer_gpu_num: int = 0
     """Derived: GPUs given to rollout engines (engine_num x tensor_parallel_size for vLLM)."""
     trainer_gpu_num: int = 0

@@ -219,9 +219,9 @@ def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_pat
     assert (cl.explorer_gpu_num, cl.trainer_gpu_num, cl.trainer_node_num, cl.trainer_gpu_num_per_node) == (8, 16, 2, 8)
     assert list(here) == ["explorer"] and here["explorer"][1] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert [line.split(" && ")[0] for line in others] == [f"node 1: cd {os.getcwd()}", f"node 2: cd {os.getcwd()}"]
-    assert others[1].split(" && ")[1].split()[1:10] == [
+    assert others[1].split(" && ")[1].split()[1:9] == [
         "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=static",
-        "--master-addr=node1", "--master-port=29400", str(ROOT / "train.py")]
+        "--rdzv-endpoint=node1:29400", str(ROOT / "train.py")]
     # mode train: every node, node 0 included (trainer rank 0 is there: node-rank 0)
     cfg, here, others = layout(gpus, "--mode", "train")
     assert (cfg.cluster.trainer_node_num, cfg.cluster.trainer_gpu_num_per_node) == (3, 8)

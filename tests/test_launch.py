@@ -311,7 +311,7 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
     code, err, node1 = two_nodes(config, tmp_path / "out")
     assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
     assert err.count("  node 1: ") == 1 and f"--nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=static " \
-        f"--master-addr=127.0.0.1 --master-port={port} " in err
+        f"--rdzv-endpoint=127.0.0.1:{port} " in err
     job = tmp_path / "nodes" / "ck" / "p" / "t"
     assert "trainer: 2 rank(s) on cpu" in (job / "log" / "trainer.log").read_text()
     one = run_train(sft_config(tmp_path / "one", tiny_model_dir), ranks=2)
