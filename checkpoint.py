@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 import lora
-from sync import full_state, save_hf, step_of, weights_path, write_atomic
+from sync import full_state, in_use, save_hf, step_of, weights_path, write_atomic
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.checkpoint")
@@ -49,8 +49,9 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
     then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
     `model` (and the critic's) is the trainer's FSDP2 root, a models.TokenScorer: its `.model` is the HF model.
     `weights`: the full state when the sync phase just published this step's HF folder (else None);
-    `keep`: delete older checkpoints beyond this many; `state`: small JSON trainer state (e.g. the adaptive
-    KL coefficient) kept in actor/trainer_state.json. Every rank must call it.
+    `keep`: delete older checkpoints beyond this many (prune_checkpoints: never one an explorer may be loading);
+    `state`: small JSON trainer state (e.g. the adaptive KL coefficient) kept in actor/trainer_state.json. Every rank
+    must call it.
     NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
     if critic is not None:
@@ -65,8 +66,18 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
             {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
         write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
         if keep:
-            for old in sorted(checkpoint_steps(job))[:-keep]:
-                shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
+            prune_checkpoints(job, keep)
+
+
+def prune_checkpoints(job: Path, keep: int) -> list[int]:
+    """Delete checkpoints older than the newest `keep`, except the folders an explorer may be loading
+    (sync.in_use: the state-dict pointer's step and the HF folder before it; e.g. sync_interval 10, save_interval 1,
+    keep 2: at step 12 the pointer is still at 10). Returns the steps deleted."""
+    spared = in_use(job)
+    gone = [s for s in sorted(checkpoint_steps(job))[:-keep] if s not in spared]
+    for old in gone:
+        shutil.rmtree(job / f"global_step_{old}", ignore_errors=True)
+    return gone
 
 
 def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, folder: Path, rank: int,

@@ -62,16 +62,30 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
     explorer = ([py, str(HERE / "explore.py"), "--config", str(config_file)], {})
     trainer = (trainer_command(stage, config_file), {})
     if cl.colocate:  # one GPU, shared
-        explorer[1]["CUDA_VISIBLE_DEVICES"] = trainer[1]["CUDA_VISIBLE_DEVICES"] = "0"
+        explorer[1]["CUDA_VISIBLE_DEVICES"] = trainer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(range(1))
     elif cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
-        explorer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(cl.explorer_gpu_num)))
-        trainer[1]["CUDA_VISIBLE_DEVICES"] = ",".join(
-            map(str, range(cl.explorer_gpu_num, cl.explorer_gpu_num + cl.trainer_gpu_num_per_node)))
+        explorer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(range(cl.explorer_gpu_num))
+        trainer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(
+            range(cl.explorer_gpu_num, cl.explorer_gpu_num + cl.trainer_gpu_num_per_node))
     elif stage.mode == "both" and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
         explorer[1]["OMP_NUM_THREADS"], trainer[1]["OMP_NUM_THREADS"] = map(str, cpu_split())
     here = {"trainer": trainer} if cl.trainer_node_num == cl.node_num else {}  # else node 0 is the explorer's
     return {"train": here, "explore": {"explorer": explorer}, "bench": {"explorer": explorer},
             "both": {**here, "explorer": explorer}}[stage.mode]
+
+
+def visible_gpus(indices: range) -> str:
+    """CUDA_VISIBLE_DEVICES for a child that gets the GPUs `indices` of the ones this launcher sees: the entries of
+    the launcher's own CUDA_VISIBLE_DEVICES (`CUDA_VISIBLE_DEVICES=3 bash run.sh` runs on GPU 3, not 0), or the
+    indices themselves where it is unset. ConfigError when it lists fewer GPUs than the layout needs."""
+    mine = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mine is None:
+        return ",".join(map(str, indices))
+    names = [g.strip() for g in mine.split(",") if g.strip()]
+    if indices and indices[-1] >= len(names):
+        raise configs.ConfigError(f"cluster: the layout needs GPUs {list(indices)} of this node's, but "
+                                  f"CUDA_VISIBLE_DEVICES={mine!r} shows {len(names)}: set cluster.gpu_per_node")
+    return ",".join(names[i] for i in indices)
 
 
 def trainer_command(stage: configs.Config, config_file: Path, node_rank: int = 0) -> list[str]:
@@ -393,7 +407,8 @@ def run(cfg: configs.Config) -> int:
     start = time.monotonic()
     try:
         cfg = fresh_name(cfg)
-        configs.resolve_stages(cfg)  # every stage valid before anything starts
+        for stage in configs.resolve_stages(cfg):  # every stage valid, with the GPUs it needs, before anything starts
+            commands(stage, Path())
     except configs.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -145,12 +145,20 @@ def register_attention() -> str:
     return GQA_SDPA
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    """torch.<name> for a floating-point dtype's torch name; ValueError naming it otherwise."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {name!r} is not a torch floating-point dtype name (float32, bfloat16, float16)")
+    return dtype
+
+
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A causal LM in eval mode, with gqa_sdpa attention. dtype: "float32" | "bfloat16" | "float16" (float32 on
-    CPU: bf16 matmuls are 3-5x slower there)."""
+    CPU: bf16 matmuls are 3-5x slower there; a config's bf16 / fp16 / auto are resolved to these by configs.derive)."""
     transformers_logging.disable_progress_bar()  # its "Loading weights" bar, at every weight load, is log noise
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation=register_attention()
+        path, dtype=torch_dtype(dtype), attn_implementation=register_attention()
     )
     return model.to(device).eval()
 

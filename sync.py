@@ -133,6 +133,16 @@ def prune_published(job_dir: str | Path, newest: int) -> list[int]:
     return gone
 
 
+def in_use(job_dir: str | Path) -> set[int]:
+    """The steps whose folders an explorer may be loading: the pointer's, and the newest HF folder before it (the
+    pointer moved a moment ago). Neither prune_published nor the checkpoint pruning (checkpoint.py) deletes them."""
+    newest = latest_version(job_dir)
+    if not newest:
+        return set()
+    before = [s for s in (step_of(p) for p in Path(job_dir).glob("global_step_*/actor/huggingface")) if s < newest]
+    return {newest, *([max(before)] if before else [])}
+
+
 def step_of(hf_folder: Path) -> int:
     return int(hf_folder.parent.parent.name.removeprefix("global_step_"))
 
@@ -259,14 +269,21 @@ def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float,
 
 
 BUCKET_BYTES = 256 * 2**20  # tensors travel packed into buffers of up to this size (a larger tensor: its own)
+ALIGN = 16  # bytes: each tensor starts at a multiple of this in its bucket (any dtype's itemsize divides it)
+
+
+def _padded(shape: Any, dtype: torch.dtype) -> int:
+    """A tensor's bytes in a bucket, rounded up to ALIGN."""
+    return -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
 
 
 def buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[list[int]]:
-    """The indices of `specs`, in order, grouped into buckets of at most BUCKET_BYTES (one broadcast each)."""
+    """The indices of `specs`, in order, grouped into buckets of at most BUCKET_BYTES (one broadcast each; a tensor
+    larger than that alone in its own). Sizes count each tensor's padding to ALIGN bytes (`layout`)."""
     out: list[list[int]] = []
     size = 0
     for i, (_, shape, dtype) in enumerate(specs):
-        n = math.prod(shape) * dtype.itemsize
+        n = _padded(shape, dtype)
         if not out or size + n > BUCKET_BYTES:
             out.append([])
             size = 0
@@ -275,11 +292,23 @@ def buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[list[
     return out
 
 
+def layout(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket: list[int]) -> tuple[list[int], int]:
+    """(byte offset of each tensor of `bucket`, the bucket's bytes): tensors one after another, each starting at a
+    multiple of ALIGN. NOTE: `uint8_buffer[offset:].view(dtype)` needs the offset to be a multiple of the dtype's
+    itemsize (a bf16 tensor of odd length followed by an fp32 one is not, unpadded): both sides use this layout."""
+    offsets, end = [], 0
+    for i in bucket:
+        offsets.append(end)
+        end += _padded(specs[i][1], specs[i][2])
+    return offsets, end
+
+
 def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
                  tensors: Iterable[torch.Tensor]) -> int:
-    """Send one version of the weights; returns the bytes sent. `tensors` yields the full tensors in
-    `specs` order, lazily (one full parameter at a time); each is cast to its spec's dtype and copied into
-    its bucket (`buckets`), which is broadcast once full: few broadcasts, at most a bucket in extra memory.
+    """Send one version of the weights; returns the tensors' bytes sent (header_bytes; the padding of `layout` not
+    counted). `tensors` yields the full tensors in `specs` order, lazily (one full parameter at a time); each is
+    cast to its spec's dtype and copied into its bucket (`buckets`, `layout`), which is broadcast once full: few
+    broadcasts, at most a bucket in extra memory.
     NOTE: call it on EVERY trainer rank, link=None on all but rank 0: producing the tensors
     (FSDP2 `full_tensor()`) is a collective, so the other ranks iterate too and drop them."""
     if link is None:
@@ -292,16 +321,21 @@ def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, t
     link.count += 1
     sent, stream = 0, iter(tensors)
     for bucket in header["buckets"]:
-        parts = []
-        for i in bucket:
+        offsets, size = layout(specs, bucket)
+        buf = None
+        for i, at in zip(bucket, offsets):
             name, shape, dtype = specs[i]
             t = next(stream)
             if tuple(t.shape) != tuple(shape):
                 raise SyncError(f"{name}: tensor of shape {tuple(t.shape)}, spec says {tuple(shape)}")
-            parts.append(_as_bytes(t.detach().to(device=link.device, dtype=dtype)))
-        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+            part = _as_bytes(t.detach().to(device=link.device, dtype=dtype))
+            if len(bucket) == 1 and part.numel() == size:  # a tensor alone, no padding: sent as it is, no copy
+                buf = part
+                break
+            buf = torch.zeros(size, dtype=torch.uint8, device=link.device) if buf is None else buf  # padding: 0
+            buf[at : at + part.numel()].copy_(part)
         _broadcast(link, buf)
-        sent += buf.numel()
+        sent += sum(math.prod(specs[i][1]) * specs[i][2].itemsize for i in bucket)
     return sent
 
 
@@ -333,9 +367,7 @@ def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -
             path.unlink()
     except (FileNotFoundError, ValueError, KeyError):
         pass
-    if link.group is not None and hasattr(link.group, "shutdown"):
-        link.group.shutdown()
-    link.group = None
+    drop_group(link)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -353,7 +385,8 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
     """Explorer: wait up to `timeout` s for a live trainer's sync_group.json and connect to its store as group rank
     `rank`; `receivers`: the explorer announces how many ranks will receive (1: itself; vLLM: its workers, which
     connect with their own rank and receivers=None). device: where tensors arrive under NCCL (default: the current
-    CUDA device); gloo receives on the CPU.
+    CUDA device, looked up at the first bucket: a link that only reads headers, a vLLM explorer's, never touches CUDA,
+    so it makes no CUDA context on its engines' GPU); gloo receives on the CPU.
     A file left by a dead trainer is skipped (it may be replaced by a new one before the deadline); one written on
     another host is tried (its store answers or not)."""
     path, deadline, why = Path(job_dir, GROUP_FILE), time.monotonic() + timeout, f"no {GROUP_FILE}"
@@ -373,8 +406,6 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
                 store.set_timeout(_timeout(timeout))
                 backend = info["backend"]
                 dev = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
-                if dev.type == "cuda" and dev.index is None:
-                    dev = torch.device("cuda", torch.cuda.current_device())
                 if receivers is not None:
                     store.set(WORLD_KEY, str(1 + receivers))
                 return WeightLink(store, rank, backend, dev, _timeout(timeout), Path(job_dir))
@@ -383,6 +414,13 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
         if time.monotonic() >= deadline:
             raise SyncError(f"no trainer to receive weights from after {timeout:g} s: {why}")
         time.sleep(0.2)
+
+
+def _device(link: WeightLink) -> torch.device:
+    """Where this receiver's tensors arrive: link.device, a bare "cuda" resolved to the current device (once)."""
+    if link.device.type == "cuda" and link.device.index is None:
+        link.device = torch.device("cuda", torch.cuda.current_device())
+    return link.device
 
 
 def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -421,10 +459,11 @@ def receive_buckets(link: WeightLink, header: dict) -> Iterator[list[tuple[str, 
         specs = [(name, tuple(shape), _dtype(name, d)) for name, shape, d in
                  zip(header["names"], header["shapes"], header["dtypes"], strict=True)]
         for bucket in header["buckets"]:
-            sizes = [math.prod(specs[i][1]) * specs[i][2].itemsize for i in bucket]
-            buf = torch.empty(sum(sizes), dtype=torch.uint8, device=link.device)
+            offsets, size = layout(specs, bucket)
+            buf = torch.empty(size, dtype=torch.uint8, device=_device(link))
             _broadcast(link, buf)
-            yield [(specs[i][0], part.view(specs[i][2]).view(specs[i][1])) for i, part in zip(bucket, buf.split(sizes))]
+            yield [(name, buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+                   for (name, shape, dtype), at in zip((specs[i] for i in bucket), offsets)]
             done += len(bucket)
     except SyncError:
         raise
@@ -457,6 +496,11 @@ def close_receiver(link: WeightLink) -> None:
         link.store.set("nanorft/closed", "1")
     except RuntimeError:
         pass  # the trainer is already gone
+    drop_group(link)
+
+
+def drop_group(link: WeightLink) -> None:
+    """Shut this rank's side of the weight group down (a vLLM worker's, when its engine closes); the store stays."""
     if link.group is not None and hasattr(link.group, "shutdown"):
         link.group.shutdown()
     link.group = None
@@ -468,8 +512,15 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
 
 
 def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`state` with its floating-point tensors in `dtype` (the others as they are)."""
-    return {k: v.to(as_dtype(v, dtype)) for k, v in state.items()}
+    """`state` with its floating-point tensors in `dtype` (the others as they are). Tensors that share memory (tied
+    embeddings) share the cast one. NOTE: else save_pretrained no longer sees them tied and writes the LM head
+    twice (vocab x hidden more bytes: ~0.47 GB for Qwen2.5-1.5B in bf16)."""
+    done: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for k, v in state.items():
+        key = (v.device, v.data_ptr(), v.shape, v.stride(), v.dtype)
+        out[k] = done[key] if key in done else done.setdefault(key, v.to(as_dtype(v, dtype)))
+    return out
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

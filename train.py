@@ -71,7 +71,7 @@ from algos.utils import masked_mean
 from buffer import Experience
 from configs.schema import OptimizerConfig
 from models import (TokenScorer, build_model, config_tokenizer, micro_batch, micro_batches, pack_units, score,
-                    setup_distributed, step_batch, unit_length)
+                    setup_distributed, step_batch, torch_dtype, unit_length)
 from monitor import Monitor, preview, timer
 from source import Source
 
@@ -126,7 +126,7 @@ class Parts:
 
     @property
     def engine_dtype(self) -> torch.dtype:  # the dtype the rollout engine runs in: weights are published in it
-        return getattr(torch, self.cfg.explorer.rollout_model.dtype) if self.device.type == "cuda" else torch.float32
+        return engine_dtype(self.cfg, self.device)
 
     def saves(self, step: int) -> bool:  # a checkpoint at `step`
         return bool(self.cfg.trainer.save_interval and step % self.cfg.trainer.save_interval == 0) or step == self.total
@@ -134,6 +134,12 @@ class Parts:
     @property
     def share(self) -> bool:  # trainer.use_remove_padding: pack, each group's prompt laid out once
         return self.cfg.trainer.use_remove_padding
+
+
+def engine_dtype(cfg: configs.Config, device: torch.device) -> torch.dtype:
+    """The rollout engine's dtype, which weights are sent and published in: explorer.rollout_model.dtype on CUDA (a
+    torch name after configs.derive: bf16 and auto are bfloat16 there), float32 on the CPU."""
+    return torch_dtype(cfg.explorer.rollout_model.dtype) if device.type == "cuda" else torch.float32
 
 
 def set_up(cfg: configs.Config) -> Parts | None:

@@ -30,6 +30,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -54,18 +55,30 @@ def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty
             "logprobs_mode": "processed_logprobs", "worker_extension_cls": EXTENSION, "enable_sleep_mode": colocate}
 
 
-def vllm_params(vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: int, penalty: float) -> Any:
-    """vllm.SamplingParams of one request: logprobs=0 returns the sampled token's log-prob only."""
+def vllm_params(vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: int, penalty: float,
+                **extra: Any) -> Any:
+    """vllm.SamplingParams of one request: logprobs=0 returns the sampled token's log-prob only. `extra`: more
+    SamplingParams fields (the async engine's output_kind)."""
     return vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
                                max_tokens=min(p.max_tokens, max_model_len - len(prompt)), min_tokens=p.min_tokens,
-                               stop=list(p.stop), seed=p.seed, logprobs=0, repetition_penalty=penalty)
+                               stop=list(p.stop), seed=p.seed, logprobs=0, repetition_penalty=penalty, **extra)
 
 
-def completions(request_output: Any, version: int) -> list[Completion]:
-    """engines.Completion of each sample of a vLLM RequestOutput (the EOS that ended a sample stays in token_ids;
-    a stop string is cut from the text)."""
+def completions(outputs: list[Any], version: int) -> list[Completion]:
+    """engines.Completion of each sample (vLLM CompletionOutputs; the EOS that ended a sample stays in token_ids; a
+    stop string is cut from the text)."""
     return [Completion(list(o.token_ids), [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)], o.text,
-                       "length" if o.finish_reason == "length" else "stop", version) for o in request_output.outputs]
+                       "length" if o.finish_reason == "length" else "stop", version) for o in outputs]
+
+
+def reset_prefix_cache(reset: Any, tries: int = 50) -> None:
+    """reset() (an engine's reset_prefix_cache) until it returns True. NOTE: vLLM returns False, resetting nothing,
+    while requests hold cached blocks; KV blocks of the old weights must not serve the new ones."""
+    for _ in range(tries):
+        if reset():
+            return
+        time.sleep(0.1)
+    raise RuntimeError(f"vLLM would not reset its prefix cache after new weights ({tries} tries): requests running?")
 
 
 class VLLMEngine:
@@ -89,14 +102,14 @@ class VLLMEngine:
     def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
         sps = [vllm_params(self.vllm, ids, p, self.max_model_len, self.penalty) for ids, p in zip(prompt_ids, params)]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
-        return [completions(out, self.model_version) for out in outs]
+        return [completions(out.outputs, self.model_version) for out in outs]
 
     def rpc(self, method: str, *args: Any) -> list:
         """A WeightReceiver method on every worker of this engine, between batches; the workers' results."""
         return self.batcher.call(lambda: self.llm.collective_rpc(method, args=args))
 
     def updated(self, version: int) -> None:
-        self.batcher.call(self.llm.reset_prefix_cache)  # cached KV blocks were computed by the old weights
+        reset_prefix_cache(lambda: self.batcher.call(self.llm.reset_prefix_cache))  # KV blocks of the old weights
         self.model_version = version
 
     def sleep(self) -> None:
@@ -111,14 +124,18 @@ class VLLMEngine:
 
 class AsyncVLLMEngine:
     """engine_type vllm_async: one `vllm.AsyncLLMEngine` on an asyncio loop in its own thread; each submit is one
-    request streamed into the running engine (continuous batching)."""
+    request streamed into the running engine (continuous batching). NOTE: vLLM's async engine streams by default, and
+    with n > 1 each streamed output holds only the sample that just produced tokens: requests ask for
+    RequestOutputKind.FINAL_ONLY (one output, all n samples), and samples are collected by index regardless."""
 
     engine_type = "vllm_async"
 
     def __init__(self, llm_args: dict, repetition_penalty: float = 1.0) -> None:
         import vllm
+        from vllm.sampling_params import RequestOutputKind
 
         self.vllm, self.penalty, self.max_model_len = vllm, repetition_penalty, llm_args["max_model_len"]
+        self.final_only = RequestOutputKind.FINAL_ONLY
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="vllm-async", daemon=True)
         self.thread.start()
@@ -134,20 +151,22 @@ class AsyncVLLMEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
         check_request(prompt_ids, params, self.max_model_len)
-        sp = vllm_params(self.vllm, prompt_ids, params, self.max_model_len, self.penalty)
+        sp = vllm_params(self.vllm, prompt_ids, params, self.max_model_len, self.penalty, output_kind=self.final_only)
         return asyncio.run_coroutine_threadsafe(self._generate(prompt_ids, sp), self.loop)
 
     async def _generate(self, prompt_ids: list[int], sp: Any) -> list[Completion]:
-        final = None
+        samples: dict[int, Any] = {}  # sample index -> its newest (cumulative) output
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id=f"r{next(self.ids)}"):
-            final = out  # the last output is the finished request
-        return completions(final, self.model_version)
+            samples.update((o.index, o) for o in out.outputs)
+        if sorted(samples) != list(range(sp.n)):
+            raise RuntimeError(f"vLLM returned samples {sorted(samples)} of a request for n={sp.n}")
+        return completions([samples[i] for i in range(sp.n)], self.model_version)
 
     def rpc(self, method: str, *args: Any) -> list:
         return self.call(self.llm.collective_rpc(method, args=args))
 
     def updated(self, version: int) -> None:
-        self.call(self.llm.reset_prefix_cache())
+        reset_prefix_cache(lambda: self.call(self.llm.reset_prefix_cache()))
         self.model_version = version
 
     def sleep(self) -> None:
@@ -156,9 +175,12 @@ class AsyncVLLMEngine:
     def wake_up(self) -> None:
         self.call(self.llm.wake_up())
 
+    async def _shutdown(self) -> None:
+        self.llm.shutdown()  # on the loop that runs the engine's output handler, which it cancels
+
     def close(self) -> None:
         if self.loop.is_running():
-            self.llm.shutdown()
+            self.call(self._shutdown())
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
 
@@ -171,7 +193,7 @@ class EnginePool:
         self.engines, self.per_engine = engines, ranks_per_engine
         self.engine_type, self.tokenizer = engines[0].engine_type, engines[0].tokenizer
         self.in_flight = [0] * len(engines)
-        self.mutex, self.asleep = threading.Lock(), False
+        self.mutex, self.asleep, self.joined = threading.Lock(), False, False
 
     @property
     def model_version(self) -> int:
@@ -204,11 +226,17 @@ class EnginePool:
             return list(pool.map(fn, self.engines))
 
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
-        """New weights from a published HF folder, which every worker reads onto its GPU itself."""
+        """New weights from a published HF folder, which every worker reads onto its GPU itself. OSError when a
+        worker could not (explore.load_published then retries with the newest folder)."""
         if not isinstance(source, str):
             raise TypeError("vLLM engines load weights from a folder or over the weight group, not a state dict")
         self.wake_up()  # vLLM loads weights into awake engines
-        self.all(lambda e: e.rpc("nanorft_load_folder", source))
+        try:
+            counts = [n for c in self.all(lambda e: e.rpc("nanorft_load_folder", source)) for n in c]
+        except Exception as e:  # NOTE: vLLM re-raises a worker's exception as its own error type
+            raise OSError(f"vLLM workers could not load {source}: {e}") from e
+        if min(counts) < 1 or len(set(counts)) > 1:
+            raise OSError(f"vLLM workers loaded {counts} tensors from {source}: every worker must load them all")
         self.all(lambda e: e.updated(version))
 
     def join_ranks(self) -> int:
@@ -219,6 +247,7 @@ class EnginePool:
         """Every worker joins the trainer's weight group (sync.open_receiver) as rank 1 + its index, after the
         explorer announced join_ranks() receivers."""
         self.all(lambda e: e.rpc("nanorft_join", job_dir, 1 + self.engines.index(e) * self.per_engine, timeout))
+        self.joined = True
 
     def receive(self, header: dict) -> int:
         """One transfer over the weight group (after sync.receive_header): every worker takes the buckets; returns
@@ -240,6 +269,9 @@ class EnginePool:
             self.asleep = False
 
     def close(self) -> None:
+        if self.joined:  # each worker leaves the weight group first
+            self.all(lambda e: e.rpc("nanorft_close"))
+            self.joined = False
         self.all(lambda e: e.close())
 
 
@@ -270,6 +302,8 @@ def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: 
     """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated),
     from the explorer's GPU `first_gpu` on (auxiliary models come after the rollout model's)."""
     cls = AsyncVLLMEngine if rm.engine_type == "vllm_async" else VLLMEngine
+    # NOTE: vLLM forks its workers by default; spawned, each reads the CUDA_VISIBLE_DEVICES its engine was built with
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())[first_gpu:]
     if len(gpus) < rm.engine_num * tp:
         raise RuntimeError(f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
@@ -278,7 +312,7 @@ def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: 
     engines = []
     for i in range(rm.engine_num):
         with visible_gpus(gpus[i * tp : (i + 1) * tp]):
-            engines.append(cls(args, repetition_penalty))
+            engines.append(cls({**args, "seed": rm.seed + i}, repetition_penalty))  # engines sample differently
         log.info("rollout engine %d/%d: %s on GPU(s) %s", i + 1, rm.engine_num, cls.engine_type,
                  ",".join(gpus[i * tp : (i + 1) * tp]))
     return EnginePool(engines, tp)
@@ -289,9 +323,12 @@ class WeightReceiver:
     collective_rpc, with `self` the worker (self.device: its GPU; self.rank: its rank in the engine)."""
 
     def nanorft_load_folder(self, folder: str) -> int:
-        """Load an HF folder's safetensors files straight onto this worker's device; returns the tensors loaded."""
-        model, n = self.model_runner.get_model(), 0
-        for path in sorted(Path(folder).glob("*.safetensors")):
+        """Load an HF folder's safetensors files straight onto this worker's device; returns the tensors loaded.
+        FileNotFoundError when the folder has none (a missing folder, say, a pruned one)."""
+        model, n, files = self.model_runner.get_model(), 0, sorted(Path(folder).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {folder}" + ("" if Path(folder).is_dir() else " (no folder)"))
+        for path in files:
             weights = safetensors.torch.load_file(path, device=str(self.device))
             model.load_weights(weights=weights.items())
             n += len(weights)
@@ -308,3 +345,9 @@ class WeightReceiver:
             model.load_weights(weights=bucket)
             n += len(bucket)
         return n
+
+    def nanorft_close(self) -> None:
+        """Leave the weight group (the engine closes)."""
+        if getattr(self, "nanorft_link", None) is not None:
+            sync.drop_group(self.nanorft_link)
+            self.nanorft_link = None

@@ -104,7 +104,9 @@ def _derive_token_limits(m: ModelConfig) -> None:
 def _derive_synchronizer(c: Config, preset: Preset) -> None:
     """Trinity's aliases, and nccl only where both sides live in one launch."""
     s = c.synchronizer
-    s.sync_method = {"online": "nccl", "offline": "checkpoint"}.get(s.sync_method, s.sync_method)
+    # NOTE: Trinity's `memory` (forced when colocated): trainer rank 0 gathers the full weights into host memory and
+    # the explorer loads them from there; here that is the process group (gloo through host memory on one GPU)
+    s.sync_method = {"online": "nccl", "offline": "checkpoint", "memory": "nccl"}.get(s.sync_method, s.sync_method)
     s.sync_style = {"dynamic_by_trainer": "trainer_driven", "dynamic_by_explorer": "explorer_driven"}.get(
         s.sync_style, s.sync_style
     )
@@ -282,6 +284,19 @@ def _derive_colocation(c: Config) -> None:
         rm.gpu_memory_utilization = COLOCATED_VLLM_MEMORY
 
 
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+
+
+def _derive_dtypes(c: Config) -> None:
+    """Engine dtypes as torch names (what train.py, models.load_model and vLLM read): bf16 -> bfloat16, fp16 / half ->
+    float16, fp32 / float -> float32; auto -> bfloat16 with GPUs (cluster.gpu_per_node > 0), float32 without (the HF
+    engine and the trainer on the CPU use float32 whatever the name). NOTE: not the model config's torch_dtype,
+    which vLLM's own auto would read: one rule, known before any model file is opened."""
+    gpus = c.cluster.gpu_per_node > 0
+    for m in (c.explorer.rollout_model, *c.explorer.auxiliary_models):
+        m.dtype = ("bfloat16" if gpus else "float32") if m.dtype == "auto" else DTYPE_NAMES.get(m.dtype, m.dtype)
+
+
 def derive(cfg: Config) -> Config:
     """Return a copy of `cfg` with every derived value filled in. Idempotent: derive(derive(c)) == derive(c).
 
@@ -295,6 +310,7 @@ def derive(cfg: Config) -> Config:
     _derive_paths(c, preset)
     _derive_trainer_explorer(c)
     _derive_cluster(c)
+    _derive_dtypes(c)
     check_ranges(c)  # the derived values too
     check_support(c)
     return c

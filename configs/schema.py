@@ -403,9 +403,11 @@ class InferenceModelConfig:
     enforce_eager: bool = False
     """vLLM: no CUDA graphs (slower, starts faster)."""
     dtype: str = "bfloat16"
-    """Engine dtype on GPU (the HF engine uses float32 on CPU)."""
+    """Engine dtype on GPU (the HF engine uses float32 on CPU); bf16 / fp16 / half / fp32 / float are resolved to
+    torch's names, auto to bfloat16 with GPUs and float32 without (configs/resolve.py). Weights are sent and
+    published in it."""
     seed: int = 42
-    """Sampling seed of the engine."""
+    """Sampling seed of the engine (vLLM engine i gets seed + i)."""
     max_model_len: Optional[int] = None
     """Context length of this engine; unset = model.max_model_len."""
     enable_history: bool = False
@@ -452,8 +454,9 @@ class ExplorerConfig:
 
 @dataclasses.dataclass
 class SynchronizerConfig:
-    sync_method: Literal["nccl", "checkpoint", "online", "offline"] = "nccl"
-    """nccl: a process group (NCCL on GPU, gloo on CPU), mode both only; checkpoint: explorer polls saved weights."""
+    sync_method: Literal["nccl", "checkpoint", "online", "offline", "memory"] = "nccl"
+    """nccl: a process group (NCCL on GPU, gloo on CPU), mode both only; checkpoint: explorer polls saved weights.
+    memory (Trinity's, for one shared GPU): an alias of nccl, whose weights go through host memory there."""
     sync_style: Literal["fixed", "trainer_driven", "explorer_driven", "dynamic_by_trainer", "dynamic_by_explorer"] = (
         "fixed"
     )

@@ -43,8 +43,10 @@ What is measured:
             from sync.send_model(link, scorer.model, v) to the receiver holding every tensor (one clock: same
             host); engine_load_s: HFEngine.load_weights(state_dict, v) after it. One warm-up transfer (it also
             creates the group), then --sync-repeats (median).
-            checkpoint: sync.full_state(scorer.model) (gather_s), sync.publish_hf (save_s),
+            checkpoint: sync.full_state(scorer.model) (gather_s), sync.cast + sync.publish_hf (save_s),
             HFEngine.load_weights(folder, v) (engine_load_s); bytes = the folder's safetensors files.
+            Both in the dtype train.py sends and publishes in (train.engine_dtype: the rollout engine's, bf16 on
+            CUDA by default; fp32 on the CPU).
 Output: a markdown table of every figure, then one JSON line (--json FILE writes it too).
 """
 
@@ -263,8 +265,10 @@ def sync_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
 
 
-def bench_group(a: argparse.Namespace, scorer: models.TokenScorer, work: Path, device: torch.device) -> dict:
-    """The process-group method: this process sends, a second one (--role receiver) receives and loads."""
+def bench_group(a: argparse.Namespace, scorer: models.TokenScorer, work: Path, device: torch.device,
+                dtype: torch.dtype) -> dict:
+    """The process-group method: this process sends in `dtype` (train.py's: the engine's), a second one (--role
+    receiver) receives and loads."""
     nccl = sync_backend(device) == "nccl"
     send_dev, recv_dev = ("cuda:0", "cuda:1") if nccl else ("cpu", "cpu")
     engine_dev = "cuda:1" if nccl else "cuda" if device.type == "cuda" else "cpu"
@@ -274,7 +278,7 @@ def bench_group(a: argparse.Namespace, scorer: models.TokenScorer, work: Path, d
     rows = []
     for version in range(a.sync_repeats + 1):  # version 0: the warm-up, which also creates the group
         start, t0 = time.time(), time.perf_counter()
-        sent = sync.send_model(link, scorer.model, version)
+        sent = sync.send_model(link, scorer.model, version, dtype)
         send_s = time.perf_counter() - t0
         key = f"bench/loaded/{version}"
         # NOTE: the next send starts only once the receiver has loaded this one and waits again
@@ -312,14 +316,16 @@ def receiver(a: argparse.Namespace) -> None:
     engine.close()
 
 
-def bench_checkpoint(a: argparse.Namespace, scorer: models.TokenScorer, engine: HFEngine, cfg: configs.Config) -> dict:
-    """The checkpoint method: gather the full state, publish the HF folder, load it into the engine."""
+def bench_checkpoint(a: argparse.Namespace, scorer: models.TokenScorer, engine: HFEngine, cfg: configs.Config,
+                     dtype: torch.dtype) -> dict:
+    """The checkpoint method: gather the full state, publish the HF folder in `dtype` (train.publish's, for a step
+    that is not also a checkpoint), load it into the engine."""
     tokenizer, job, rows, size = models.load_tokenizer(cfg.model.model_path), cfg.checkpoint_job_dir, [], 0
     for version in range(1, a.sync_repeats + 1):
         t0 = time.perf_counter()
         state = sync.full_state(scorer.model)
         t1 = time.perf_counter()
-        folder = sync.publish_hf(scorer.model, tokenizer, job, version, state_dict=state)
+        folder = sync.publish_hf(scorer.model, tokenizer, job, version, state_dict=sync.cast(state, dtype))
         t2 = time.perf_counter()
         engine.load_weights(str(sync.weights_path(job, version)), version)
         sync_cuda()
@@ -327,7 +333,7 @@ def bench_checkpoint(a: argparse.Namespace, scorer: models.TokenScorer, engine: 
         rows.append((t1 - t0, t2 - t1, t3 - t2, t3 - t0))
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         del state
-        shutil.rmtree(folder.parent.parent)  # 1.5b: 6 GB of fp32 per folder
+        shutil.rmtree(folder.parent.parent)  # 1.5b: 3 GB of bf16 per folder
     names = ("gather_s", "save_s", "engine_load_s", "total_s")
     return {f"sync/checkpoint/{k}": statistics.median(r[i] for r in rows) for i, k in enumerate(names)} | {
         "sync/checkpoint/bytes": size}
@@ -409,13 +415,15 @@ def main(a: argparse.Namespace) -> None:
     cfg = trainer_config(a, work, device)
     # --- trainer
     scorer, optim, results = bench_trainer(a, cfg, device, facts, peak)
-    # --- sync: process group (a second process), then checkpoint files into this process's engine
-    results |= bench_group(a, scorer, work, device)
+    # --- sync: process group (a second process), then checkpoint files into this process's engine; in the dtype
+    # train.py sends and publishes in (the engine's: bf16 on CUDA by default, fp32 on the CPU)
+    wire = train.engine_dtype(cfg, device)
+    results |= bench_group(a, scorer, work, device, wire)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     concurrency = [int(x) for x in a.concurrency.split(",")]
     engine = HFEngine(str(work / "model"), device=device.type, dtype=dtype,
                       max_model_len=a.prompt_len + a.decode_tokens, max_batch_size=max(concurrency))
-    results |= bench_checkpoint(a, scorer, engine, cfg)
+    results |= bench_checkpoint(a, scorer, engine, cfg, wire)
     # --- engine: the trainer's memory freed first
     del scorer, optim
     gc.collect()
@@ -429,7 +437,7 @@ def main(a: argparse.Namespace) -> None:
     settings |= {"tokens_per_micro_batch": cfg.trainer.max_token_len_per_gpu, "peak_tflops": peak,
                  "gradient_checkpointing": cfg.trainer.gradient_checkpointing, "engine_dtype": dtype,
                  "trainer_compute": "bf16 (fp32 master weights)" if device.type == "cuda" else "fp32",
-                 "sync_backend": sync_backend(device),
+                 "sync_backend": sync_backend(device), "sync_dtype": str(wire).removeprefix("torch."),
                  "engine_requests": {c: f"{c // min(a.group_size, c)} prompts x n={min(a.group_size, c)}"
                                      for c in concurrency}}
     report(a, {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -34,6 +35,16 @@ def test_publish_then_load_exact_weights(tiny_model_dir, tmp_path):
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert not list(tmp_path.rglob("*.tmp-*"))
+
+
+def test_a_folder_published_in_bf16_keeps_tied_embeddings_tied(tiny_model_dir, tmp_path):
+    """sync.cast (train.publish's bf16 folders) casts tied tensors once, so the folder holds the LM head once."""
+    model = load_model(tiny_model_dir)
+    assert model.config.tie_word_embeddings
+    path = sync.publish_hf(model, None, tmp_path, 1, state_dict=sync.cast(model.state_dict(), torch.bfloat16))
+    saved = load_file(path / "model.safetensors")
+    assert "lm_head.weight" not in saved and {t.dtype for t in saved.values()} == {torch.bfloat16}
+    assert sum(t.numel() for t in saved.values()) == sum(p.numel() for p in model.parameters())
 
 
 def test_published_folders_no_explorer_will_load_are_pruned(tiny_model_dir, tmp_path):
@@ -154,6 +165,114 @@ def test_trainer_death_is_a_clear_error(tmp_path, when):
         sync.receive_weights(link)
     assert time.monotonic() - start < 15
     trainer.communicate(timeout=30)
+
+
+# --- buckets: tensors of any dtypes packed into few broadcasts
+
+
+def test_buckets_group_tensors_in_order_each_aligned_for_its_dtype(monkeypatch):
+    """Buckets of at most BUCKET_BYTES (a larger tensor alone), every tensor at a multiple of 16 bytes, so that the
+    receiver's uint8 slice can be viewed as its dtype (an odd-length bf16 tensor ends at an offset no fp32 tensor
+    could start at)."""
+    monkeypatch.setattr(sync, "BUCKET_BYTES", 64)
+    specs = [("a", (3,), torch.bfloat16), ("b", (5,), torch.float32), ("c", (40,), torch.float32),
+             ("d", (1,), torch.int64), ("e", (2, 2), torch.bfloat16), ("f", (), torch.float16)]
+    assert sync.buckets(specs) == [[0, 1], [2], [3, 4, 5]]  # 16 + 32; 160 alone; 16 + 16 + 16
+    assert sync.layout(specs, [0, 1]) == ([0, 16], 48) and sync.layout(specs, [2]) == ([0], 160)
+    assert sync.layout(specs, [3, 4, 5]) == ([0, 16, 32], 48)
+    for bucket in sync.buckets(specs):
+        offsets, size = sync.layout(specs, bucket)
+        buf = torch.zeros(size, dtype=torch.uint8)
+        for i, at in zip(bucket, offsets):  # what receive_buckets does with each part
+            _, shape, dtype = specs[i]
+            assert buf[at : at + torch.Size(shape).numel() * dtype.itemsize].view(dtype).view(shape).shape == shape
+
+
+def loopback(tmp_path: Path, specs: list, tensors: list, version: int = 1) -> tuple[dict, dict]:
+    """send_weights in a thread of this process (a real gloo group of 2 ranks); (the header, the tensors received)."""
+    link = sync.open_sender(tmp_path, "cpu", timeout=30)
+    sender = threading.Thread(target=sync.send_weights, args=(link, version, specs, iter(tensors)))
+    sender.start()
+    receiver = sync.open_receiver(tmp_path, timeout=30)
+    try:
+        header = sync.receive_header(receiver)
+        got = {name: t.clone() for bucket in sync.receive_buckets(receiver, header) for name, t in bucket}
+        sync.ack(receiver)
+        sender.join(timeout=30)
+    finally:
+        sync.close_sender(link, grace=0.1)
+        sync.close_receiver(receiver)
+    return header, got
+
+
+def test_tensors_of_mixed_dtypes_and_odd_sizes_arrive_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "BUCKET_BYTES", 100)
+    gen = torch.Generator().manual_seed(0)
+    specs = [("odd_bf16", (3,), torch.bfloat16), ("f32", (7,), torch.float32), ("i64", (2,), torch.int64),
+             ("f16", (5, 1), torch.float16), ("big", (30,), torch.float32), ("b", (1,), torch.bfloat16)]
+    tensors = [(torch.randn(s, generator=gen) * 100).to(d) for _, s, d in specs]
+    header, got = loopback(tmp_path, specs, tensors)
+    assert header["buckets"] == [[0, 1, 2, 3], [4], [5]] and sync.header_bytes(header) == sum(t.nbytes for t in tensors)
+    for (name, shape, dtype), t in zip(specs, tensors):
+        assert got[name].dtype == dtype and got[name].shape == shape and torch.equal(got[name], t), name
+
+
+def test_several_buckets_of_mixed_dtypes_into_the_hf_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """The tiny model's parameters, bf16 and fp32 in turn, in buckets of at most 4 KiB: many broadcasts, and the
+    engine ends with exactly what was sent (cast back to its fp32)."""
+    monkeypatch.setattr(sync, "BUCKET_BYTES", 4096)
+    model = load_model(tiny_model_dir)
+    perturb(model)
+    params = dict(model.named_parameters())
+    specs = [(n, tuple(t.shape), torch.bfloat16 if i % 2 else torch.float32) for i, (n, t) in enumerate(params.items())]
+    header, got = loopback(tmp_path, specs, [t.detach() for t in params.values()], version=4)
+    assert len(header["buckets"]) > 10
+    with HFEngine(tiny_model_dir) as engine:
+        engine.load_weights(got, version=4)
+        state = engine.model.state_dict()
+    for name, _, dtype in specs:
+        assert torch.equal(state[name], params[name].detach().to(dtype).float()), name
+
+
+def test_a_header_only_link_makes_no_cuda_context(tmp_path, monkeypatch):
+    """A vLLM explorer reads only the headers of an NCCL group (its engines' workers take the tensors): opening the
+    link and reading a header must not touch CUDA, which would put a context on its engine's GPU."""
+    link = sync.open_sender(tmp_path, "cuda", timeout=10)  # announces NCCL; the group is never made here
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("the header link touched CUDA"))
+    receiver = sync.open_receiver(tmp_path, timeout=10, receivers=2)
+    assert receiver.backend == "nccl" and int(link.store.get(sync.WORLD_KEY)) == 3
+    sync.close_sender(link, finished=True, grace=0.1)
+    assert sync.receive_header(receiver) is None
+    sync.close_receiver(receiver)
+
+
+# --- which folders are deleted
+
+
+def test_checkpoint_pruning_spares_the_folders_an_explorer_may_be_loading(tmp_path):
+    """sync_interval 10, save_interval 1, max_checkpoints_to_keep 2: at step 12 the state-dict pointer is still at
+    10, which max_checkpoints_to_keep alone would delete under an explorer loading it; 9 (the folder before the
+    pointer) is spared too. Once the pointer moves on, both go."""
+    import checkpoint
+
+    def save(step: int) -> None:  # what train.py leaves: the published folder, then the checkpoint of the step
+        if step % 10 == 0:
+            (tmp_path / f"global_step_{step}/actor/huggingface").mkdir(parents=True)
+            sync.set_latest(tmp_path, step)
+        (tmp_path / f"global_step_{step}/actor/huggingface").mkdir(parents=True, exist_ok=True)
+        (tmp_path / f"global_step_{step}/actor/trainer_state.json").write_text("{}")
+        checkpoint.prune_checkpoints(tmp_path, keep=2)
+
+    def kept() -> list[int]:
+        return sorted(int(p.name.removeprefix("global_step_")) for p in tmp_path.glob("global_step_*"))
+
+    for step in range(1, 13):
+        save(step)
+    assert sync.latest_version(tmp_path) == 10 and kept() == [9, 10, 11, 12]
+    for step in range(13, 21):
+        save(step)
+    assert kept() == [19, 20]
+    assert sync.in_use(tmp_path) == {19, 20}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sync needs 2 CUDA GPUs (one per side)")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import sync
+import vllm_engine
 from configs.schema import InferenceModelConfig
 from conftest import plain_logprobs
 from engines import SamplingParams, make_engine
@@ -27,13 +28,17 @@ def vllm(monkeypatch):
     """The fake `vllm` module, importable for this test only, on a machine of 4 (pretend) GPUs."""
     monkeypatch.syspath_prepend(str(FAKE))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
-    monkeypatch.delitem(sys.modules, "vllm", raising=False)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "")
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD")  # unset here, and after the test whatever make_pool sets
+    for name in ("vllm", "vllm.sampling_params"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     import vllm
 
     assert vllm.__version__.endswith("+fake")
     vllm.ENGINES.clear()
     yield vllm
     sys.modules.pop("vllm", None)
+    sys.modules.pop("vllm.sampling_params", None)
 
 
 def rollout_model(**over) -> InferenceModelConfig:
@@ -52,6 +57,9 @@ def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, t
     pool = make_engine(rm, tiny_model_dir, 256, repetition_penalty=1.0)
     try:
         assert [e.visible_devices for e in vllm.ENGINES] == ["3,4", "5,6"]  # engine i on GPUs [i*tp, (i+1)*tp)
+        # spawned workers, so that each reads its engine's CUDA_VISIBLE_DEVICES; engine i samples with seed + i
+        assert [e.multiproc_method for e in vllm.ENGINES] == ["spawn", "spawn"]
+        assert [e.args.seed for e in vllm.ENGINES] == [7, 8]
         args = vllm.ENGINES[0].args
         assert (args.tensor_parallel_size, args.gpu_memory_utilization, args.enable_prefix_caching, args.seed,
                 args.enforce_eager, args.dtype, args.max_model_len) == (2, 0.5, False, 7, True, "float32", 256)
@@ -129,24 +137,31 @@ def test_weights_from_a_published_folder_reach_every_worker(vllm, tiny_model_dir
     assert [e.prefix_cache_resets for e in vllm.ENGINES] == [1, 1]  # old KV blocks are not reused
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path, dtype):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "mixed"])
+def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path, dtype, monkeypatch):
     """A real trainer side (sync.open_sender + send_model, gloo) and 2 engines x 2 workers, each joining the group
     as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly.
-    A bf16 engine gets bf16 on the wire (the trainer casts its fp32 master weights): half the bytes."""
-    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2, dtype=dtype), tiny_model_dir, 256)
+    A bf16 engine gets bf16 on the wire (the trainer casts its fp32 master weights): half the bytes. "mixed": bf16
+    and fp32 tensors in turn, in buckets of at most 8 KiB, so that many buckets of both dtypes travel."""
+    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2, dtype=dtype.replace("mixed", "float32")),
+                       tiny_model_dir, 256)
     new = perturbed(tiny_model_dir)
     sender = sync.open_sender(tmp_path, "cpu", timeout=60)
-    sent = threading.Thread(target=sync.send_model, args=(sender, new, 5, getattr(torch, dtype)))
+    params = dict(new.named_parameters())
+    specs = [(n, tuple(t.shape), torch.bfloat16 if dtype == "bfloat16" or (dtype == "mixed" and i % 2) else
+              torch.float32) for i, (n, t) in enumerate(params.items())]
+    if dtype == "mixed":
+        monkeypatch.setattr(sync, "BUCKET_BYTES", 8192)
+    sent = threading.Thread(target=sync.send_weights, args=(sender, 5, specs, (t.detach() for t in params.values())))
     try:
         link = sync.open_receiver(tmp_path, timeout=30, receivers=pool.join_ranks())  # announces 1 + 4 ranks
         pool.join_group(str(tmp_path), 30)
         sent.start()
         header = sync.receive_header(link)
-        assert set(header["dtypes"]) == {dtype}
-        fp32_bytes = sum(p.numel() * 4 for p in new.parameters())
-        assert sync.header_bytes(header) == fp32_bytes // (1 if dtype == "float32" else 2)
-        assert pool.receive(header) == len(dict(new.named_parameters()))
+        assert set(header["dtypes"]) == ({dtype} if dtype != "mixed" else {"float32", "bfloat16"})
+        assert sync.header_bytes(header) == sum(t.numel() * d.itemsize for t, (_, _, d) in zip(params.values(), specs))
+        assert len(header["buckets"]) > (10 if dtype == "mixed" else 0)
+        assert pool.receive(header) == len(params)
         sync.ack(link)
         sent.join(timeout=60)
         assert pool.model_version == 5
@@ -154,23 +169,116 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         assert sync.receive_header(link) is None  # the trainer finished
     finally:
         pool.close()
+    assert all(w.nanorft_link is None for e in vllm.ENGINES for w in e.workers)  # each left the group at close
     for weights in worker_weights(vllm):
-        for name, t in new.state_dict().items():
-            assert torch.equal(weights[name], t.to(getattr(torch, dtype))), name
+        for name, _, wire in specs:
+            assert torch.equal(weights[name], params[name].detach().to(wire).float()), name
 
 
-def test_sleep_and_wake_up_on_a_shared_gpu(vllm, tiny_model_dir):
+def test_sleep_and_wake_up_on_a_shared_gpu(vllm, tiny_model_dir, monkeypatch, tmp_path):
+    """The adapter sleeps at level 1 (weights kept in host memory): after wake_up it generates exactly as before,
+    without a reload. Level 2 throws the weights away (the fake then refuses to generate, where vLLM would generate
+    from garbage) until they are loaded again, which a weight load does."""
     pool = make_engine(rollout_model(), tiny_model_dir, 256, colocate=True)
-    ids = prompts(tiny_model_dir)[:1]
+    ids, greedy = prompts(tiny_model_dir)[:1], [SamplingParams(temperature=0.0, max_tokens=6)]
+    llm = vllm.ENGINES[0]
     try:
-        assert vllm.ENGINES[0].args.enable_sleep_mode
+        assert llm.args.enable_sleep_mode
+        before = pool.generate(ids, greedy)[0][0].token_ids
         pool.sleep()
         with pytest.raises(RuntimeError, match="while the engine sleeps"):
-            pool.generate(ids, [SamplingParams(max_tokens=2)])
+            pool.generate(ids, greedy)
         pool.wake_up()
-        assert len(pool.generate(ids, [SamplingParams(max_tokens=2)])[0]) == 1
+        assert pool.generate(ids, greedy)[0][0].token_ids == before  # level 1: the same weights, no reload
+        monkeypatch.setattr(vllm_engine, "SLEEP_LEVEL", 2)
+        pool.sleep()
+        pool.wake_up()
+        with pytest.raises(RuntimeError, match="discarded by sleep"):
+            pool.generate(ids, greedy)
+        pool.load_weights(tiny_model_dir, version=1)  # level 2 needs weights loaded after it
+        assert pool.generate(ids, greedy)[0][0].token_ids == before
+        # wake_up by part, as vLLM: the KV cache still sleeps after the weights woke
+        llm.sleep(level=1)
+        llm.wake_up(tags=["weights"])
+        with pytest.raises(RuntimeError, match="sleeps"):
+            llm.generate([{"prompt_token_ids": ids[0]}], vllm.SamplingParams(max_tokens=2))
+        llm.wake_up(tags=["kv_cache"])
+        with pytest.raises(ValueError, match="wake_up tags"):
+            llm.wake_up(tags=["weight"])
+        assert len(pool.generate(ids, greedy)[0]) == 1
     finally:
         pool.close()
+
+
+def test_prefix_cache_reset_waits_until_vllm_does_it(vllm, tiny_model_dir):
+    """vLLM's reset_prefix_cache returns False (and resets nothing) while requests hold blocks: the adapter tries
+    again, and never takes new weights with the old weights' KV blocks in place."""
+    pool = make_engine(rollout_model(), tiny_model_dir, 256)
+    llm, answers = vllm.ENGINES[0], iter([False, False, True])
+    real = llm.reset_prefix_cache
+    llm.reset_prefix_cache = lambda: next(answers) and real()
+    try:
+        pool.load_weights(tiny_model_dir, version=2)
+    finally:
+        pool.close()
+    assert pool.model_version == 2 and llm.prefix_cache_resets == 1 and next(answers, None) is None
+    with pytest.raises(RuntimeError, match="would not reset its prefix cache"):
+        vllm_engine.reset_prefix_cache(lambda: False, tries=2)
+
+
+def test_a_folder_the_workers_cannot_load_is_an_oserror_and_the_explorer_loads_the_newest(vllm, tiny_model_dir,
+                                                                                           tmp_path):
+    """A missing (say, pruned) or empty folder: no worker loads anything, the version stays, and the error is an
+    OSError, which explore.load_published answers by loading the newest published folder."""
+    import explore
+    from safetensors.torch import save_file
+
+    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2), tiny_model_dir, 256)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    save_file({}, str(empty / "model.safetensors"))
+    new = perturbed(tiny_model_dir)
+    try:
+        with pytest.raises(OSError, match=r"no \*.safetensors in .*gone \(no folder\)"):
+            pool.load_weights(str(tmp_path / "gone"), version=3)
+        with pytest.raises(OSError, match=r"loaded \[0, 0, 0, 0\] tensors"):
+            pool.load_weights(str(empty), version=3)
+        assert pool.model_version == 0 and all(e.prefix_cache_resets == 0 for e in vllm.ENGINES)
+        sync.publish_hf(new, load_tokenizer(tiny_model_dir), tmp_path, step=5)  # the newest, while 4 is gone
+        assert explore.load_published(pool, str(tmp_path), 4) == 5
+    finally:
+        pool.close()
+    assert pool.model_version == 5
+    for weights in worker_weights(vllm):
+        assert all(torch.equal(weights[name], t) for name, t in new.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["FINAL_ONLY", "CUMULATIVE"])
+def test_vllm_async_returns_every_sample_of_a_request(vllm, tiny_model_dir, monkeypatch, kind):
+    """vLLM's async engine streams, and with n > 1 each streamed output holds one sample only: the adapter asks for
+    FINAL_ONLY (one output of all n), and collects samples by index should outputs stream anyway (CUMULATIVE:
+    the fake streams a token of one sample per output). Either way n = 8 gives 8 completions, the same ones."""
+    pool = make_engine(rollout_model(engine_type="vllm_async"), tiny_model_dir, 256)
+    engine, ids = pool.engines[0], prompts(tiny_model_dir)
+    if kind == "CUMULATIVE":
+        monkeypatch.setattr(engine, "final_only", vllm.sampling_params.RequestOutputKind.CUMULATIVE)
+    try:
+        out = pool.submit(ids[0], SamplingParams(n=8, max_tokens=5, seed=3)).result(timeout=120)
+        streamed = []
+
+        async def collect() -> None:
+            sp = vllm.SamplingParams(n=8, max_tokens=5, seed=3, logprobs=0)
+            async for o in engine.llm.generate({"prompt_token_ids": ids[0]}, sp, request_id="probe"):
+                streamed.append(o)
+
+        engine.call(collect())
+    finally:
+        pool.close()
+    assert len(out) == 8 and all(1 <= len(c.token_ids) <= 5 for c in out) and len({tuple(c.token_ids) for c in out}) > 1
+    assert all(len(c.logprobs) == len(c.token_ids) for c in out)
+    assert len(streamed) > 8 and all(len(o.outputs) == 1 for o in streamed)  # the default streams one sample each
+    whole = vllm.ENGINES[0]._run("x", ids[0], vllm.SamplingParams(n=8, max_tokens=5, seed=3, logprobs=0))
+    assert [c.token_ids for c in out] == [o.token_ids for o in whole.outputs]  # every sample, in index order
 
 
 def test_vllm_async_streams_each_request_into_the_running_engine(vllm, tiny_model_dir):
@@ -189,7 +297,7 @@ def test_vllm_async_streams_each_request_into_the_running_engine(vllm, tiny_mode
         assert pool.model_version == 1 and engine.engine.prefix_cache_resets == 1
     finally:
         pool.close()
-    assert engine.shut
+    assert engine.shut and engine.shut_on_loop  # shut down on the loop that runs the engine
 
 
 def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny_model_dir):

@@ -3,8 +3,8 @@ GPU (every test machine of this project). Written from vLLM's documentation (0.3
 `generate`, `collective_rpc`, `reset_prefix_cache`, `sleep(level)`, `wake_up(tags)`; `AsyncEngineArgs`,
 `AsyncLLMEngine.from_engine_args` with async `generate(prompt, sampling_params, request_id)` (an async generator whose
 last output is the finished request), async `collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`, and
-`shutdown`; `SamplingParams`; outputs with `.outputs[i].token_ids / .logprobs ({token: Logprob}) / .text /
-.finish_reason`.
+`shutdown`; `SamplingParams` and `sampling_params.RequestOutputKind`; outputs with `.outputs[i].index / .token_ids /
+.logprobs ({token: Logprob}) / .text / .finish_reason`.
 
 What it models, so that the adapter's use of it is checked:
 - engine arguments: only vLLM's names are accepted (a TypeError otherwise); logprobs_mode must be one of vLLM's;
@@ -12,8 +12,14 @@ What it models, so that the adapter's use of it is checked:
   (`worker_extension_cls`) mixed in, as vLLM does; collective_rpc runs a method on every worker at once (threads,
   as vLLM's worker processes) and returns their results in rank order;
 - "processed_logprobs": log-probs after temperature, top-k and top-p (the filtered distribution renormalised);
-- sleep mode: sleep() without enable_sleep_mode is an error, generate() while asleep is an error;
-- the environment each engine was built in (CUDA_VISIBLE_DEVICES), and the requests each engine ran.
+- the async engine streams as vLLM's does: without output_kind FINAL_ONLY, every output holds ONE sample (the one
+  that just produced a token: its tokens so far, or only the new ones with DELTA); with it, one output of all n;
+- sleep mode: sleep() without enable_sleep_mode is an error; generate() while any part sleeps is an error; level 1
+  keeps the weights (in host memory), level 2 discards them: after wake_up, generating before every weight was
+  loaded again is an error (real vLLM would generate from garbage); wake_up(tags=["weights"] / ["kv_cache"]) wakes a
+  part; loading weights into sleeping weights is an error; reset_prefix_cache() is False while requests run;
+- the environment each engine was built in (CUDA_VISIBLE_DEVICES, VLLM_WORKER_MULTIPROC_METHOD), and the
+  requests each engine ran; engine arguments' dtype among vLLM's names.
 Generation is a plain loop of full forward passes of the tiny model (no KV cache): slow, but exact.
 """
 
@@ -30,23 +36,14 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
 __version__ = "0.33.0+fake"
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType: no bf16 / fp16 / fp32
 ENGINES: list["LLM"] = []  # every engine built, for the tests to look into
-
-
-@dataclasses.dataclass
-class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1 (or 0): off
-    min_tokens: int = 0
-    max_tokens: int | None = 16
-    stop: list[str] | None = None
-    seed: int | None = None
-    logprobs: int | None = None  # 0: the sampled token's log-prob only
-    repetition_penalty: float = 1.0
+SLEEP_TAGS = ("weights", "kv_cache")
+__all__ = ["LLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind"]
 
 
 @dataclasses.dataclass
@@ -60,7 +57,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length"; None while the sample runs (streamed)
 
 
 @dataclasses.dataclass
@@ -91,6 +88,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode {self.logprobs_mode!r} not in {LOGPROBS_MODES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
 
 
 AsyncEngineArgs = EngineArgs
@@ -107,12 +106,21 @@ class ModelRunner:
 class FakeModel(torch.nn.Module):
     """The HF model under vLLM's `load_weights(weights: Iterable[(HF name, tensor)])`."""
 
-    def __init__(self, hf: torch.nn.Module) -> None:
+    def __init__(self, hf: torch.nn.Module, sleeping: set[str]) -> None:
         super().__init__()
-        self.hf = hf
+        self.hf, self.sleeping = hf, sleeping  # the engine's parts asleep (SLEEP_TAGS)
         self.loaded: list[str] = []
+        self.discarded: set[str] = set()  # weights a level-2 sleep threw away, not loaded since
+
+    def discard(self) -> None:
+        with torch.no_grad():
+            for name, w in self.hf.named_parameters():
+                w.fill_(float("nan"))  # what the re-allocated memory holds: not the weights
+                self.discarded.add(name)
 
     def load_weights(self, weights: Any) -> set[str]:
+        if "weights" in self.sleeping:
+            raise RuntimeError("load_weights while the weights sleep: wake_up first")
         params = dict(self.hf.named_parameters())
         names = set()
         with torch.no_grad():
@@ -122,6 +130,7 @@ class FakeModel(torch.nn.Module):
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
                 names.add(name)
         self.loaded += sorted(names)
+        self.discarded -= names
         return names
 
 
@@ -131,8 +140,8 @@ class Worker:
     def __init__(self, args: EngineArgs, rank: int) -> None:
         self.rank, self.local_rank, self.device = rank, rank, torch.device("cpu")
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-        self.model_runner = ModelRunner(FakeModel(hf))
-        self.asleep = False
+        self.sleeping: set[str] = set()
+        self.model_runner = ModelRunner(FakeModel(hf, self.sleeping))
 
 
 def _worker_class(extension: str) -> type:
@@ -146,27 +155,42 @@ class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.args = EngineArgs(model=model, **kwargs)
         self.visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+        self.multiproc_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # how its workers would start
         cls = _worker_class(self.args.worker_extension_cls)
         self.workers = [cls(self.args, r) for r in range(self.args.tensor_parallel_size)]
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
         self.requests: list[list[int]] = []  # prompt ids of every request run
-        self.prefix_cache_resets, self.asleep = 0, False
+        self.prefix_cache_resets, self.running = 0, 0
         self.lock = threading.Lock()
         ENGINES.append(self)
 
     # --- generation
-    def generate(self, prompts: list[dict], sampling_params: Any = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    @property
+    def asleep(self) -> bool:
+        return bool(self.workers[0].sleeping)
+
+    def check_awake(self) -> None:
         if self.asleep:
-            raise RuntimeError("generate() while the engine sleeps: call wake_up() first")
+            raise RuntimeError(f"generate() while the engine sleeps ({sorted(self.workers[0].sleeping)}): wake_up()")
+        if stale := self.workers[0].model_runner.model.discarded:
+            raise RuntimeError(f"generate() with {len(stale)} weights discarded by sleep(level=2) and not loaded since")
+
+    def generate(self, prompts: list[dict], sampling_params: Any = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        self.check_awake()
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         return [self._run(str(i), p["prompt_token_ids"], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _run(self, request_id: str, prompt: list[int], sp: SamplingParams) -> RequestOutput:
         with self.lock:
             self.requests.append(list(prompt))
-        model = self.workers[0].model_runner.model.hf
-        gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else self.args.seed)
-        outs = [self._sample(model, prompt, sp, gen, i) for i in range(sp.n)]
+            self.running += 1
+        try:
+            model = self.workers[0].model_runner.model.hf
+            gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else self.args.seed)
+            outs = [self._sample(model, prompt, sp, gen, i) for i in range(sp.n)]
+        finally:
+            with self.lock:
+                self.running -= 1
         return RequestOutput(request_id, list(prompt), outs, finished=True)
 
     def _sample(self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator,
@@ -194,6 +218,9 @@ class LLM:
             return [f.result() for f in futures]
 
     def reset_prefix_cache(self) -> bool:
+        """False (nothing reset) while requests run, as vLLM."""
+        if self.running:
+            return False
         self.prefix_cache_resets += 1
         return True
 
@@ -202,10 +229,16 @@ class LLM:
             raise ValueError("Sleep mode is not enabled (enable_sleep_mode=True)")
         if level not in (1, 2):
             raise ValueError(f"sleep level {level}")
-        self.asleep = True
+        for w in self.workers:
+            w.sleeping.update(SLEEP_TAGS)
+            if level == 2:
+                w.model_runner.model.discard()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        self.asleep = False
+        if unknown := set(tags or ()) - set(SLEEP_TAGS):
+            raise ValueError(f"wake_up tags {sorted(unknown)}: vLLM's are {SLEEP_TAGS}")
+        for w in self.workers:
+            w.sleeping.difference_update(tags or SLEEP_TAGS)
 
 
 def processed(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
@@ -228,22 +261,26 @@ class AsyncLLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.engine = LLM(**dataclasses.asdict(args))
         self.in_flight = self.max_in_flight = 0
-        self.shut = False
+        self.shut, self.shut_on_loop = False, False
+        self.loop = asyncio.get_running_loop()  # vLLM's output handler runs on the loop that built the engine
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
         return cls(engine_args)
 
     async def generate(self, prompt: dict, sampling_params: SamplingParams, request_id: str):
-        if self.engine.asleep:
-            raise RuntimeError("generate() while the engine sleeps")
+        self.engine.check_awake()
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
             await asyncio.sleep(0.01)  # other requests come in meanwhile: continuous batching
-            yield RequestOutput(request_id, prompt["prompt_token_ids"], [], finished=False)
             out = await asyncio.to_thread(self.engine._run, request_id, prompt["prompt_token_ids"], sampling_params)
-            yield out
+            if sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                yield out
+                return
+            for streamed in stream(out, sampling_params.output_kind == RequestOutputKind.DELTA, self.engine.tokenizer):
+                yield streamed
+                await asyncio.sleep(0)
         finally:
             self.in_flight -= 1
 
@@ -252,7 +289,7 @@ class AsyncLLMEngine:
         return await asyncio.to_thread(self.engine.collective_rpc, method, timeout, args, kwargs)
 
     async def reset_prefix_cache(self) -> bool:
-        return self.engine.reset_prefix_cache()
+        return not self.in_flight and self.engine.reset_prefix_cache()
 
     async def sleep(self, level: int = 1) -> None:
         self.engine.sleep(level)
@@ -262,3 +299,26 @@ class AsyncLLMEngine:
 
     def shutdown(self) -> None:
         self.shut = True
+        try:
+            self.shut_on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:  # called from another thread
+            self.shut_on_loop = False
+
+
+def stream(final: RequestOutput, delta: bool, tokenizer: Any) -> list[RequestOutput]:
+    """A finished request as vLLM's async engine streams it with n samples: one output per new token of ONE sample
+    (the samples interleaved, a token each in turn), holding that sample's tokens so far (or with `delta` the new
+    one only); finish_reason on a sample's last; `finished` on the very last output."""
+    outs, longest = [], max(len(o.token_ids) for o in final.outputs)
+    for t in range(longest):
+        for o in final.outputs:
+            if t >= len(o.token_ids):
+                continue
+            lo = t if delta else 0
+            ids, lps = o.token_ids[lo : t + 1], o.logprobs[lo : t + 1]
+            done = t == len(o.token_ids) - 1
+            child = CompletionOutput(o.index, tokenizer.decode(ids, skip_special_tokens=True), ids, lps,
+                                     o.finish_reason if done else None)
+            outs.append(RequestOutput(final.request_id, final.prompt_token_ids, [child], finished=False))
+    outs[-1].finished = True
+    return outs
