@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from buffer import Experience
+from configs.resolve import explorer_gpu_plan
 from models import load_model, load_tokenizer, with_template
 
 log = logging.getLogger(__name__)
@@ -458,14 +459,28 @@ class ModelHandle:
         return self.api.client()
 
     def history(self, client: Any) -> list[Experience]:
-        """Every choice of every call `client` made (openai_client), as an Experience, in call order."""
+        """Every choice of every call `client` made (openai_client), as an Experience, in call order; or with
+        `episode()`, the calls of one conversation as one experience (openai_api.OpenAIServer.episode). Either
+        ends the client's session."""
         if self.api is None or not self.api.record:
             raise RuntimeError("calls are recorded only with explorer.rollout_model.enable_history: true")
         return self.api.history(client)
 
+    def episode(self, client: Any) -> Experience:
+        """`client`'s calls of one conversation as one experience (see history())."""
+        if self.api is None or not self.api.record:
+            raise RuntimeError("calls are recorded only with explorer.rollout_model.enable_history: true")
+        return self.api.episode(client)
+
     @property
     def model_version(self) -> int:
         return self.engine.model_version
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """The ids that end a response: the engine's (HFEngine: the tokenizer's EOS and the generation config's),
+        else the tokenizer's EOS."""
+        return list(getattr(self.engine, "eos_ids", None) or [self.tokenizer.eos_token_id])
 
     def sampling(self, **sampling) -> dict:
         unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
@@ -536,11 +551,9 @@ def auxiliary_handles(cfg) -> dict[str, ModelHandle]:
     """explorer.auxiliary_models, each on engines of its own (vLLM: on the explorer's GPUs after the rollout
     model's; HF: on the explorer's device), by name: the model folder's name (name#2, ... for repeats). Workflows
     reach them as `self.auxiliary_models[name]` (e.g. a judge, workflows/judge.py)."""
-    rm, handles = cfg.explorer.rollout_model, {}
-    first = rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 0
-    for aux in cfg.explorer.auxiliary_models:
+    handles, (_, starts) = {}, explorer_gpu_plan(cfg.explorer)  # the GPU split the config resolved
+    for aux, first in zip(cfg.explorer.auxiliary_models, starts):
         engine = make_engine(aux, aux.model_path, aux.max_model_len, first_gpu=first)
-        first += aux.engine_num * aux.tensor_parallel_size if aux.engine_type != "hf" else 0
         tokenizer = load_tokenizer(aux.model_path)
         tokenizer = with_template(tokenizer, aux.chat_template) if aux.chat_template else tokenizer
         name = Path(aux.model_path.rstrip("/")).name

@@ -40,10 +40,12 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as transformers_logging
 
+import algos
 import lora
 from buffer import Experience
 from tasksets import DataError, format_row, read_rows
-from configs.schema import ExperienceBufferConfig, LoRAConfig, ModelConfig, TrainerConfig
+from configs import piece_config
+from configs.schema import AlgorithmConfig, ExperienceBufferConfig, LoRAConfig, ModelConfig, TrainerConfig
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
@@ -300,7 +302,29 @@ def step_batch(
                                      for x in exps]),  # [B]
     }
     batch["expert_mask"] = batch["expert"][:, None].float().expand(B, T).contiguous()  # [B,T]
+    batch["stored_advantages"] = torch.zeros(B, T)  # [B,T] an explorer-side advantage fn's (group_advantages)
+    batch["has_stored_advantages"] = torch.tensor([x.advantages is not None for x in exps])  # [B]
+    for b, x in enumerate(exps):
+        if x.advantages is not None:
+            batch["stored_advantages"][b, : x.response_length] = x.advantages
     return batch
+
+
+def group_advantages(exps: list[Experience], algorithm: AlgorithmConfig) -> None:
+    """With an advantage fn computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS: step_wise_grpo), its advantages
+    over one task's whole group, before it is written: exp.advantages [R]; a row it filters out (std_threshold)
+    gets an empty action_mask (it leaves the loss, as in the trainer). A no-op for every other advantage fn."""
+    fn = algos.EXPLORER_ADVANTAGE_FNS.get(algorithm.advantage_fn)
+    if fn is None or not exps:
+        return
+    batch = step_batch(exps, 0)
+    keys = ("rewards", "group_index", "episode_index", "response_mask")
+    out, _ = fn({k: batch[k] for k in keys}, piece_config("advantage_fn", algorithm.advantage_fn,
+                                                         algorithm.advantage_fn_args))
+    for b, x in enumerate(exps):
+        x.advantages = out["advantages"][b, : x.response_length].float()  # [R]
+        if not out["keep"][b]:
+            x.action_mask = torch.zeros(x.response_length, dtype=torch.bool)  # [R]
 
 
 def pack_units(batch: dict[str, torch.Tensor], idx: list[int], share: bool, budget: int,

@@ -7,15 +7,21 @@
     client.chat.completions.create(model="tiny-qwen2", messages=[...], n=4, logprobs=True,
                                    extra_body={"return_token_ids": True})
     exps = server.history(client)                                # every call of that session as Experiences
+    exp = server.episode(client2)     # or a session's calls as ONE experience, when each extends the one before
     server.stop()
 
 Endpoints (FastAPI on uvicorn, in a thread of the explorer; bound to 127.0.0.1 unless the config says otherwise):
 GET /v1/models, POST /v1/chat/completions, POST /v1/completions; the same under /s/<session>/v1/, where calls
 are recorded (enable_history) for that session. Responses follow OpenAI's shapes; `logprobs: true` adds each
 sampled token's log-prob, `return_token_ids: true` (vLLM's request field) adds `prompt_token_ids` and each
-choice's `token_ids`. Sampling keys: n, temperature, top_p, top_k, max_tokens / max_completion_tokens, min_tokens,
-stop, seed; only max_model_len limits the rest (as in Trinity). Not served: streaming (400), top_logprobs > 0
-(400: the engines return the sampled token's log-prob only), tool-call parsing (tool calls stay in the text).
+choice's `token_ids`. /v1/completions takes the prompt as a string or, as OpenAI's and vLLM's do, as a list of
+token ids: a multi-turn client continues from the exact ids it was given (prompt_token_ids + token_ids + the next
+messages' ids), and `episode()` turns such a session into one experience. Sampling keys: n, temperature, top_p,
+top_k, max_tokens / max_completion_tokens (unset: whatever max_model_len leaves, as vLLM does), min_tokens, stop,
+seed; only max_model_len limits the rest (as in Trinity). Not served: streaming (400), top_logprobs > 0 (400: the
+engines return the sampled token's log-prob only), tool-call parsing (tool calls stay in the text), several
+prompts in one request (400). Messages the chat template cannot render (e.g. an assistant message with content
+null) get a 400 that says why.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+import torch
+
 from buffer import Experience
 from engines import experience, scored_temperature
 
@@ -43,7 +51,7 @@ class Request(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str
     messages: list[dict] | None = None  # chat
-    prompt: str | None = None  # completions
+    prompt: str | list | None = None  # completions: a string, or a list of token ids
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -99,7 +107,7 @@ class OpenAIServer:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError(f"the OpenAI-compatible API did not start on {self.host}:{self.port}")
             time.sleep(0.01)
-        self.url = f"http://{self.host}:{self.port}"
+        self.url = f"http://[{self.host}]:{self.port}" if ":" in self.host else f"http://{self.host}:{self.port}"
         return self.url
 
     def stop(self) -> None:
@@ -122,11 +130,46 @@ class OpenAIServer:
 
     def history(self, client: Any) -> list[Experience]:
         """Every choice of every call `client` made, as an Experience (prompt ids, response ids, log-probs,
-        model version), in call order; the session's record is emptied."""
+        model version), in call order. It ends the session: the client's later calls get a 404."""
+        return [experience(c.prompt_ids, x, c.temperature) for c in self.take(client) for x in c.completions]
+
+    def episode(self, client: Any) -> Experience:
+        """The session's calls as ONE experience, when each call (n = 1) continued the conversation exactly: its
+        prompt ids start with the previous call's prompt and reply ids. prompt = the first call's prompt; response
+        = every later token; action_mask on the replies only (what came between them, the template's closing and
+        the new messages, is never trained on). ValueError saying which call broke the chain otherwise, e.g. a
+        chat template that re-renders history differently: continue with /v1/completions and token ids then, or
+        use history() (one experience per call). Ends the session, as history() does."""
+        calls = self.take(client)
+        if not calls or any(len(c.completions) != 1 for c in calls):
+            raise ValueError("an episode is one conversation: a session of calls with n = 1 each")
+        if len({c.temperature for c in calls}) > 1:
+            raise ValueError(f"the calls were sampled at temperatures {[c.temperature for c in calls]}; an "
+                             "experience is scored at one")
+        ids, logprobs, mask = list(calls[0].prompt_ids), [], []
+        for k, c in enumerate(calls):
+            if c.prompt_ids[: len(ids)] != ids:
+                raise ValueError(f"call {k + 1}'s prompt does not continue call {k}'s prompt and reply token for "
+                                 "token (its history was rendered or tokenised again); send /v1/completions with "
+                                 "the prompt as token ids to continue exactly, or use history()")
+            gap, (reply,) = c.prompt_ids[len(ids):], c.completions
+            ids += gap + reply.token_ids
+            logprobs += [0.0] * len(gap) + list(reply.logprobs)
+            mask += [False] * len(gap) + [True] * len(reply.token_ids)
+        P = len(calls[0].prompt_ids)
+        tokenizer = self.handle.tokenizer
+        return Experience(tokens=torch.tensor(ids), prompt_length=P, logprobs=torch.tensor(logprobs),
+                          action_mask=torch.tensor(mask), model_version=min(c.completions[0].model_version
+                                                                            for c in calls),
+                          truncate_status="response_truncated" if calls[-1].completions[0].truncated else None,
+                          prompt_text=tokenizer.decode(ids[:P]), response_text=tokenizer.decode(ids[P:]),
+                          info={"temperature": calls[0].temperature, "turns": len(calls)})
+
+    def take(self, client: Any) -> list[Call]:
+        """The calls of `client`'s session, which ends (its key is removed: no record is kept of it)."""
         session = str(client.base_url).rstrip("/").split("/")[-2]
         with self.lock:
-            calls, self.sessions[session] = self.sessions.get(session, []), []
-        return [experience(c.prompt_ids, x, c.temperature) for c in calls for x in c.completions]
+            return self.sessions.pop(session, [])
 
     # --- the app
 
@@ -151,23 +194,31 @@ class OpenAIServer:
     def chat(self, body: Request, session: str = "") -> dict:
         if body.messages is None:
             raise HTTPException(400, "messages is required")
-        prompt = self.handle.render(body.messages, body.tools)
-        call = self.run(body, prompt, session)
+        try:
+            prompt = self.handle.render(body.messages, body.tools)
+        except Exception as e:  # the client's messages, which the template cannot render: its error, not ours
+            raise HTTPException(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}")
+        call = self.run(body, self.handle.tokenizer.encode(prompt, add_special_tokens=False), session)
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "finish_reason": c.finish_reason} | self.extras(body, c, chat=True)
                    for i, c in enumerate(call.completions)]
         return self.reply(body, call, "chat.completion", choices)
 
     def completions(self, body: Request, session: str = "") -> dict:
-        if body.prompt is None:
-            raise HTTPException(400, "prompt is required (one string)")
-        call = self.run(body, body.prompt, session)
+        prompt, vocab = body.prompt, len(self.handle.tokenizer)
+        if isinstance(prompt, list) and not all(type(t) is int and 0 <= t < vocab for t in prompt):
+            raise HTTPException(400, f"prompt: one prompt per request, a string or a list of token ids in [0, {vocab})")
+        if prompt is None:
+            raise HTTPException(400, "prompt is required (a string, or a list of token ids)")
+        ids = prompt if isinstance(prompt, list) else self.handle.tokenizer.encode(prompt, add_special_tokens=False)
+        call = self.run(body, ids, session)
         choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason} | self.extras(body, c, chat=False)
                    for i, c in enumerate(call.completions)]
         return self.reply(body, call, "text_completion", choices)
 
-    def run(self, body: Request, prompt: str, session: str) -> Call:
-        """Sample the request's choices from the engine (this runs in FastAPI's thread pool: it may block)."""
+    def run(self, body: Request, ids: list[int], session: str) -> Call:
+        """Sample the request's choices for the prompt `ids` from the engine (this runs in FastAPI's thread pool:
+        it may block). Without max_tokens, a reply may fill what max_model_len leaves (vLLM's default)."""
         if body.model != self.name:
             raise HTTPException(404, f"model {body.model!r} is not served here; this explorer serves {self.name!r}")
         if body.stream:
@@ -182,7 +233,9 @@ class OpenAIServer:
                                       "min_tokens": body.min_tokens, "seed": body.seed,
                                       "stop": [body.stop] if isinstance(body.stop, str) else body.stop}.items()
                     if v is not None}
-        ids, limit = self.handle.tokenizer.encode(prompt, add_special_tokens=False), self.handle.max_model_len
+        limit = self.handle.max_model_len
+        if limit and "max_tokens" not in sampling:
+            sampling["max_tokens"] = max(limit - len(ids), 1)
         try:
             if limit and len(ids) >= limit:
                 raise ValueError(f"a prompt of {len(ids)} tokens leaves no room for a response within "

@@ -39,7 +39,8 @@ Deviations from veRL / Trinity-RFT:
 - PPO: the critic is AutoModelForTokenClassification (one label) on the actor's architecture, as veRL's; each
   step updates the critic first, then the actor, on the same mini-batches. Advantages for every algorithm are
   computed here, in the trainer, on the whole batch (Trinity computes group advantages in the explorer); a
-  DPO pair stays on one rank and in one micro-batch.
+  DPO pair stays on one rank and in one micro-batch. Except step_wise_grpo's: computed in the explorer over each
+  whole group (a group's turns may be split between two train steps) and read back here.
 - seq-mean-token-sum-norm divides by model.max_response_tokens (Dr.GRPO's constant), whatever the batch.
 - LoRA (model.lora_configs): the engines get merged weights, the reference is the base (lora.py).
 """
@@ -299,7 +300,8 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     rl = ~batch["expert"]  # [B]
     sub = {"token_level_rewards": batch["token_level_rewards"][rl], "response_mask": batch["response_mask"][rl],
            "group_index": batch["group_index"][rl].unique(return_inverse=True)[1],  # groups numbered 0..G-1
-           "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1]}  # episodes 0..E-1
+           "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
+           **{k: batch[k][rl] for k in ("stored_advantages", "has_stored_advantages")}}  # explorer-side (step_wise)
     sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
@@ -315,12 +317,12 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
         "critic/score/mean": sub["rewards"].mean().item(), "critic/score/max": sub["rewards"].max().item(),
         "critic/score/min": sub["rewards"].min().item(),
-        "critic/advantages/mean": adv["advantages"][valid].mean().item(),
+        "critic/advantages/mean": masked_mean(adv["advantages"], valid).item(),
         "critic/advantages/max": adv["advantages"].max().item(),
         "critic/advantages/min": adv["advantages"].min().item(),
-        "critic/returns/mean": adv["returns"][valid].mean().item()}
+        "critic/returns/mean": masked_mean(adv["returns"], valid).item()}
     if "values" in sub:
-        metrics["critic/values/mean"] = sub["values"][valid].mean().item()
+        metrics["critic/values/mean"] = masked_mean(sub["values"], valid).item()
     return metrics
 
 

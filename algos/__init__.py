@@ -6,7 +6,8 @@ empty from the preset. The trainer only ever looks pieces up by the names in the
 
 Piece registries: name -> (function, Config class for its `*_args`), validated by `configs.piece_config`.
 This package imports nothing from the rest of the project: pure tensor functions and their registries.
-    ADVANTAGE_FNS     fn(batch, cfg) -> ({"advantages", "returns", ...} [B,T], metrics)
+    ADVANTAGE_FNS     fn(batch, cfg) -> ({"advantages", "returns", ...} [B,T], metrics); EXPLORER_ADVANTAGE_FNS:
+                      those computed in the explorer (step_wise_grpo), whose entry here reads them back
     POLICY_LOSS_FNS   fn(logprobs [B,T], batch, cfg, loss_agg_mode) -> (scalar loss, metrics)
     KL_FNS            fn(logprobs [B,T], ref_logprobs [B,T]) -> per-token KL [B,T]; the KL loss and
                       KL penalty are `kl.loss(..., kind=name)` / `kl.penalty(..., kind=name)`
@@ -74,7 +75,7 @@ PRESETS: dict[str, Preset] = {
 
 ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
     "grpo": (grpo.compute, grpo.Config),
-    "step_wise_grpo": (step_wise_grpo.compute, step_wise_grpo.Config),
+    "step_wise_grpo": (step_wise_grpo.from_explorer, step_wise_grpo.Config),  # computed in the explorer (below)
     "ppo": (gae.compute, gae.Config),
     "reinforceplusplus": (reinforceplusplus.compute, reinforceplusplus.Config),
     "reinforce": (reinforce.compute, reinforce.Config),
@@ -82,6 +83,12 @@ ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
     "opmd": (opmd.advantage, opmd.AdvantageConfig),
     "asymre": (asymre.compute, asymre.Config),
     "rec": (rec.advantage, rec.AdvantageConfig),
+}
+
+# advantage fns computed in the explorer, over each task's whole group before it is written (models.group_advantages);
+# their ADVANTAGE_FNS entry is the trainer's side, which reads the result back
+EXPLORER_ADVANTAGE_FNS: dict[str, Callable] = {
+    "step_wise_grpo": step_wise_grpo.compute,
 }
 
 POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {

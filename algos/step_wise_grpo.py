@@ -9,9 +9,15 @@ Objective: a task's group holds G episodes (runs); episode e has steps (turns) s
 So an episode of 5 turns weighs no more in the group's statistics than one of 1 turn. The other options are
 grpo.py's (std_threshold, norm_adv_by_std_in_grpo, std_cal_level), applied to the episodes.
 
+Where it runs: compute() in the explorer, over each task's whole group before it is written (as Trinity's
+multi_step_grpo computes its advantages in the explorer): one explore step writes a turn per experience, more than a
+train step claims, so a group's turns may land in two train steps, and normalising each part alone would be wrong.
+The trainer's side, from_explorer(), reads them back (batch["stored_advantages"]) and recomputes nothing; so the
+trainer's reward shaping (KL penalty in the reward, overlong shaping) cannot reach them (configs refuse the two).
+
 Deviations from Trinity-RFT: R_e is the mean of its steps' rewards (equal to the last step's, which Trinity
-reads, when the steps carry the episode's reward); episodes are batch["episode_index"] [B] (the trainer numbers
-them from each experience's group and its info["episode"]), not experience-id strings.
+reads, when the steps carry the episode's reward); episodes are batch["episode_index"] [B] (numbered from each
+experience's group and its info["episode"]), not experience-id strings.
 """
 
 from __future__ import annotations
@@ -46,3 +52,15 @@ def compute(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torc
     adv = score[ei][:, None] * batch["response_mask"].to(score.dtype)  # [B,T]
     metrics |= {"experience_count": float(len(r)), "episode_count": float(len(reward))}
     return {"advantages": adv, "returns": adv.clone(), "keep": out["keep"][ei]}, metrics
+
+
+def from_explorer(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The trainer's side: the advantages compute() gave each experience in the explorer, batch["stored_advantages"]
+    [B,T] where batch["has_stored_advantages"] [B]; ValueError if a row has none."""
+    has = batch["has_stored_advantages"]  # [B]
+    if not has.all():
+        raise ValueError(f"step_wise_grpo: {int((~has).sum())} of {len(has)} experiences carry no advantages; they are "
+                         "computed in the explorer (models.group_advantages), by an explorer of this algorithm")
+    adv = batch["stored_advantages"] * batch["response_mask"].to(torch.float32)  # [B,T]
+    metrics = {"experience_count": float(len(has)), "episode_count": float(len(batch["episode_index"].unique()))}
+    return {"advantages": adv, "returns": adv.clone()}, metrics

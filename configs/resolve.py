@@ -22,10 +22,11 @@ from typing import Any
 
 import yaml
 
-from algos import PRESETS, Preset
-from configs.checks import ConfigError, check_ranges, check_support
+from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
+from configs.checks import ConfigError, _warn_once, check_ranges, check_support
 from configs.loader import cli, from_dict, normalize, piece_config
-from configs.schema import AlgorithmConfig, Config, ExperienceBufferConfig, ModelConfig, TasksetConfig
+from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
+                            TasksetConfig)
 
 log = logging.getLogger("nanorft.config")
 
@@ -169,6 +170,30 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
     r.max_tokens = m.max_response_tokens if r.max_tokens is None else r.max_tokens
 
 
+def _check_step_wise(c: Config) -> None:
+    """A step-wise taskset (workflow_args.step_wise: one experience per turn) and the advantage fn must match: turns
+    normalised as responses of their own weigh an episode by its number of turns. step_wise_grpo's advantages are
+    computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS), where the trainer's reward shaping cannot reach them."""
+    a, sets = c.algorithm, c.buffer.explorer_input.tasksets
+    step_wise = [f"buffer.explorer_input.tasksets[{i}] ({ts.name})" for i, ts in enumerate(sets)
+                 if ts.workflow_args.get("step_wise")]
+    if step_wise and a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
+        raise ConfigError(f"{', '.join(step_wise)}: workflow_args.step_wise writes one experience per turn, which "
+                          f"algorithm.advantage_fn {a.advantage_fn} would normalise as responses of their own (an "
+                          "episode weighing as many times as it has turns); use algorithm_type multi_step_grpo "
+                          "(advantage_fn step_wise_grpo)")
+    if a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
+        return
+    if a.kl_penalty_fn != "none" or a.overlong_reward.enable:
+        raise ConfigError(f"algorithm.advantage_fn {a.advantage_fn} is computed in the explorer from the rewards, "
+                          "where the trainer's reward shaping cannot reach it: algorithm.kl_penalty_fn must be none "
+                          "and algorithm.overlong_reward.enable false (a KL loss, kl_loss_fn, is fine)")
+    if sets and not step_wise and c.mode in ("both", "explore"):
+        _warn_once(f"config: algorithm.advantage_fn {a.advantage_fn} with no taskset setting workflow_args.step_wise: "
+                   "unless the workflow writes one experience per turn itself (info['episode']), this is GRPO over "
+                   "whole episodes")
+
+
 def _derive_paths(c: Config, preset: Preset) -> None:
     """The job directory, and the experience DB's default location inside it."""
     parts = [c.checkpoint_root_dir, c.project] + ([c.group] if c.group else []) + [c.name]
@@ -220,7 +245,7 @@ def _derive_cluster(c: Config) -> None:
     for aux in e.auxiliary_models:  # vLLM: GPUs of its own after the rollout model's; HF: the explorer's device
         aux.engine_type = _engine_type(aux.engine_type, gpus)
     vllm_gpus = [m.engine_num * m.tensor_parallel_size if m.engine_type != "hf" else 0 for m in e.auxiliary_models]
-    explorer_gpus = (rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1) + sum(vllm_gpus)
+    explorer_gpus, _ = explorer_gpu_plan(e)
     if gpus == 0 or c.mode == "train":
         explorer_gpus = 0
     cl.colocate = bool(gpus == 1 and c.mode == "both")
@@ -237,6 +262,19 @@ def _derive_cluster(c: Config) -> None:
         raise ConfigError(f"cluster: in mode both the rollout engines take {engines} of cluster.gpu_per_node "
                           f"{gpus}, leaving none for the trainer")
     _derive_nodes(c, engines)
+
+
+def explorer_gpu_plan(e: ExplorerConfig) -> tuple[int, list[int]]:
+    """(GPUs the explorer's engines take, the explorer-local GPU each auxiliary model's engines start at): the
+    rollout model's first (vLLM: engine_num x tensor_parallel_size; the HF engine: 1, the explorer's first GPU), then
+    each vLLM auxiliary model's in turn; an HF auxiliary model takes none (it runs on the explorer's first device).
+    _derive_cluster counts these and engines.auxiliary_handles places the engines by them: one rule for both."""
+    rm = e.rollout_model
+    first, starts = rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1, []
+    for aux in e.auxiliary_models:
+        starts.append(first)
+        first += aux.engine_num * aux.tensor_parallel_size if aux.engine_type != "hf" else 0
+    return first, starts
 
 
 def _derive_nodes(c: Config, engines: str) -> None:
@@ -307,6 +345,7 @@ def derive(cfg: Config) -> Config:
     _derive_token_limits(c.model)
     _derive_synchronizer(c, preset)
     _derive_tasksets(c)
+    _check_step_wise(c)
     _derive_paths(c, preset)
     _derive_trainer_explorer(c)
     _derive_cluster(c)

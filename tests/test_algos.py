@@ -193,7 +193,10 @@ def random_batch(seed=0, B=3, T=5):
             "advantages": torch.randn(B, T, generator=g), "response_mask": mask,
             "rewards": torch.rand(B, generator=g), "group_index": torch.arange(B) // 2,  # [0, 0, 1] for B = 3
             "episode_index": torch.arange(B),  # single-turn rows: each its own episode
-            "expert_mask": torch.zeros(B, T)}  # no expert SFT rows (mix)
+            "expert_mask": torch.zeros(B, T),  # no expert SFT rows (mix)
+            # an explorer-side advantage fn's (step_wise_grpo), as models.step_batch lays them out
+            "stored_advantages": torch.randn(B, T, generator=g),
+            "has_stored_advantages": torch.ones(B, dtype=torch.bool)}
 
 
 def policy_terms():

@@ -194,7 +194,9 @@ def full_batch(mask, groups, seed=0):
     return {"rewards": rewards, "token_level_rewards": token_rewards, "response_mask": mask,
             "values": torch.randn(B, T, generator=g) * 3,  # garbage on padding: must be masked
             "group_index": torch.as_tensor(groups, dtype=torch.long),
-            "episode_index": torch.arange(B)}  # single-turn rows: each its own episode
+            "episode_index": torch.arange(B),  # single-turn rows: each its own episode
+            "stored_advantages": torch.randn(B, T, generator=g),  # an explorer-side fn's (step_wise_grpo)
+            "has_stored_advantages": torch.ones(B, dtype=torch.bool)}
 
 
 EDGE_CASES = {

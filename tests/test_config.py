@@ -170,6 +170,40 @@ def test_derived_values(tmp_path):
         derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpoo}\n")])[0])
 
 
+def test_a_vllm_auxiliary_model_starts_after_the_gpus_the_split_gave_the_rollout_model(tmp_path, monkeypatch):
+    """An HF rollout engine takes one GPU in the split (the explorer's first); a vLLM judge then starts at GPU 1,
+    where the split counted it, not on the rollout model's GPU 0 (auxiliary_handles places engines by the same
+    rule, configs.resolve.explorer_gpu_plan, that the split counts with)."""
+    import engines
+
+    text = MINIMAL + ("cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: hf}\n"
+                      "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2, "
+                      "tensor_parallel_size: 2}, {model_path: rm, engine_type: hf}, {model_path: judge2, "
+                      "engine_type: vllm}]\n")
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
+    assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (6, 2)  # 1 (HF rollout) + 4 + 0 + 1
+    started = []
+    monkeypatch.setattr(engines, "make_engine", lambda m, path, *a, first_gpu=0, **k: started.append((path, first_gpu)))
+    monkeypatch.setattr(engines, "load_tokenizer", lambda path: object())
+    engines.auxiliary_handles(cfg)
+    assert started == [("judge", 1), ("rm", 5), ("judge2", 5)]  # the HF one shares the explorer's device
+
+
+def test_step_wise_workflows_and_the_advantage_fn_must_match(tmp_path, caplog):
+    step_wise = MINIMAL.replace("path: data/x", "path: data/x\n      workflow_args: {step_wise: true}")
+    assert "step_wise: true" in step_wise
+    with pytest.raises(ConfigError, match=r"workflow_args.step_wise writes one experience per turn, which "
+                                          r"algorithm.advantage_fn grpo would normalise"):
+        derive(cli(["--config", write(tmp_path, step_wise + "algorithm: {algorithm_type: grpo}\n")])[0])
+    derive(cli(["--config", write(tmp_path, step_wise + "algorithm: {algorithm_type: multi_step_grpo}\n")])[0])
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: multi_step_grpo}\n")])[0])
+    assert "step_wise_grpo with no taskset setting workflow_args.step_wise" in caplog.text
+    with pytest.raises(ConfigError, match="algorithm.kl_penalty_fn must be none"):
+        derive(cli(["--config", write(tmp_path, step_wise + "algorithm: {algorithm_type: multi_step_grpo, "
+                                                             "kl_penalty_fn: k1}\n")])[0])
+
+
 def test_gpu_split(tmp_path, caplog):
     base = MINIMAL + "cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: vllm, engine_num: 2, tensor_parallel_size: 2}\n"
     # vLLM: engine_num engines of tensor_parallel_size GPUs each; the trainer gets the rest

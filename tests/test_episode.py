@@ -3,51 +3,48 @@ safely, the calculator, tool_workflow."""
 
 import concurrent.futures
 import string
-import threading
-import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from configs.schema import GenerationConfig
+from algos import ADVANTAGE_FNS, step_wise_grpo
+from buffer import ExperienceDB
+from configs.schema import AlgorithmConfig, GenerationConfig
 from conftest import plain_logprobs
-from engines import Completion, HFEngine, ModelHandle
-from models import load_model, load_tokenizer
+from engines import Completion, HFEngine, ModelHandle, PromptTooLong
+from models import group_advantages, load_model, load_tokenizer, step_batch
 from tasksets import Task
 from workflows import build_workflow
-from workflows.episode import Episode, Tool, ToolCall, parse_tool_calls, reply_all, run_tool, tool_message
-from workflows.tool_use import calculate
+from workflows.episode import Episode, MixedTemperatures, reply_all, tool_message
 
-# A Qwen3-style template: tool results inside a user turn, and the <think> block of an assistant turn dropped once a
-# later user message follows (Qwen3's chat template does this): re-rendering history then rewrites earlier turns.
-THINK_TEMPLATE = (
-    "{%- set ns = namespace(last=-1) -%}"
-    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last = loop.index0 -%}{%- endif -%}{%- endfor -%}"
-    "{%- for m in messages -%}"
-    "{%- if m.role == 'assistant' -%}{%- set c = m.content -%}"
-    "{%- if loop.index0 < ns.last and '</think>' in c -%}{%- set c = c.split('</think>')[-1].lstrip('\\n') -%}"
-    "{%- endif -%}{{- '<|im_start|>assistant\\n' + c + '<|im_end|>\\n' -}}"
-    "{%- elif m.role == 'tool' -%}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' -}}"
-    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-)
+# The chat templates of real models (tests/data/chat_templates/README.md): Qwen2.5's puts the tools in the system
+# header and joins consecutive tool messages into one user turn; Qwen3's also drops the <think> block of assistant
+# turns before the last user query when history is rendered again: re-rendering would rewrite earlier turns.
+TEMPLATES = {name: (Path(__file__).parent / "data" / "chat_templates" / f"{name}.jinja").read_text()
+             for name in ("qwen2.5", "qwen3")}
+CALC_SCHEMA = {"type": "function", "function": {"name": "calculator", "description": "+ - * /",
+                                                "parameters": {"type": "object"}}}
 
 
 class ScriptedEngine:
-    """Plays the model: each request gets the next scripted text's ids (+ EOS), log-prob -0.5 per token."""
+    """Plays the model: each request gets the next scripted text's ids (+ EOS, or the id given with the text as
+    (text, end id)), log-prob -0.5 per token."""
 
-    def __init__(self, tokenizer, texts: list[str]) -> None:
+    def __init__(self, tokenizer, texts: list, eos_ids: list[int] | None = None) -> None:
         self.tokenizer, self.texts, self.requests = tokenizer, list(texts), []
         self.model_version = 3
+        if eos_ids:
+            self.eos_ids = eos_ids
 
     def submit(self, ids, params) -> concurrent.futures.Future:
         self.requests.append((list(ids), params))
-        text = self.texts.pop(0)
+        text, end = self.texts.pop(0), self.tokenizer.eos_token_id
+        if isinstance(text, tuple):
+            text, end = text
         out = self.tokenizer.encode(text, add_special_tokens=False)[: params.max_tokens]
         cut = len(out) == params.max_tokens
-        out += [] if cut else [self.tokenizer.eos_token_id]
+        out += [] if cut else [end]
         f = concurrent.futures.Future()
         f.set_result([Completion(out, [-0.5] * len(out), text, "length" if cut else "stop", self.model_version)])
         return f
@@ -62,15 +59,30 @@ def scripted(tokenizer, texts, **handle) -> ModelHandle:
     return ModelHandle(ScriptedEngine(tokenizer, texts), tokenizer, {"max_tokens": 200}, **handle)
 
 
-@pytest.mark.parametrize("template", [None, THINK_TEMPLATE], ids=["project", "qwen3-style"])
+def test_the_real_templates_render_as_their_models_do(tokenizer):
+    hi = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(hi, chat_template=TEMPLATES["qwen2.5"], tokenize=False,
+                                         add_generation_prompt=True) == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert tokenizer.apply_chat_template(hi + [{"role": "assistant", "content": "Hello"}], tokenize=False,
+                                         chat_template=TEMPLATES["qwen3"]) == (
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")
+    assert tokenizer.apply_chat_template(hi, chat_template=TEMPLATES["qwen3"], tokenize=False, enable_thinking=False,
+                                         add_generation_prompt=True).endswith("assistant\n<think>\n\n</think>\n\n")
+
+
+@pytest.mark.parametrize("template", [None, "qwen2.5", "qwen3"], ids=["project", "qwen2.5", "qwen3"])
 def test_each_turns_ids_are_a_prefix_of_the_next_and_only_sampled_tokens_are_actions(tokenizer, template):
-    turns = ["<think>6 x 7 first</think>call: <tool_call>{\"name\": \"calc\"}</tool_call>", "<think>ok</think>42"]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    turns = [f"<think>6 x 7 first</think>call: {call}\n{call}", "<think>ok</think>42"]
     model = scripted(tokenizer, turns)
-    ep = Episode(model, [{"role": "user", "content": "What is 6 x 7?"}], chat_template=template)
+    ep = Episode(model, [{"role": "user", "content": "What is 6 x 7?"}], [CALC_SCHEMA],
+                 chat_template=TEMPLATES.get(template))
     seen = [list(ep.ids)]
     ep.reply()
     seen.append(list(ep.ids))
-    ep.add([tool_message("42"), {"role": "user", "content": "And now?"}])
+    ep.add([tool_message("42"), tool_message("42"), {"role": "user", "content": "And now?"}])  # two tool results
     seen.append(list(ep.ids))
     ep.reply()
     seen.append(list(ep.ids))
@@ -87,17 +99,34 @@ def test_each_turns_ids_are_a_prefix_of_the_next_and_only_sampled_tokens_are_act
     # what lies between the turns is the template's own rendering of the new messages
     between = tokenizer.decode(ep.ids[ep.turns[0][1]: ep.turns[1][0]])
     if template is None:
-        assert between == ("\n<|im_start|>tool\n42<|im_end|>\n"
+        assert between == ("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n"
                            "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
-    else:
-        assert between == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
-                           "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
-        # re-rendering the history instead drops turn 1's <think> block: not what the model saw or sampled
-        rerendered = tokenizer.encode(model.render(ep.messages, chat_template=template), add_special_tokens=False)
+    else:  # Qwen's: the tools in the system header, the two results in one user turn
+        assert '# Tools' in tokenizer.decode(seen[0]) and '"name": "calculator"' in tokenizer.decode(seen[0])
+        assert between == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n42\n"
+                           "</tool_response><|im_end|>\n<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
+    rerendered = tokenizer.encode(model.render(ep.messages, [CALC_SCHEMA], TEMPLATES.get(template)),
+                                  add_special_tokens=False)
+    if template == "qwen3":  # re-rendering the history drops turn 1's <think> block: not what the model saw
         assert rerendered[: len(seen[1]) - 1] != seen[1][:-1]
+        assert "6 x 7 first" not in tokenizer.decode(rerendered) and "6 x 7 first" in tokenizer.decode(ep.ids)
     exp = ep.experience()
     assert exp.tokens.tolist() == ep.ids and exp.prompt_length == len(seen[0]) and exp.model_version == 3
     assert exp.action_mask.tolist() == ep.mask and exp.info["turns"] == 2 and exp.truncate_status is None
+
+
+def test_a_turn_that_ends_on_any_eos_id_gets_the_closing_without_its_end_token(tokenizer):
+    """The engine stops on any of its EOS ids (the tiny model's generation config: <|im_end|> and <|endoftext|>):
+    after a turn ended by <|endoftext|> the template's <|im_end|> is not appended too."""
+    other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    engine = ScriptedEngine(tokenizer, [("first", other), "second"], eos_ids=[tokenizer.eos_token_id, other])
+    ep = Episode(ModelHandle(engine, tokenizer, {"max_tokens": 50}), [{"role": "user", "content": "hi"}])
+    ep.reply()
+    ep.add([{"role": "user", "content": "more"}])
+    ep.reply()
+    text = tokenizer.decode(ep.ids[ep.prompt_length:])
+    assert text == ("first<|endoftext|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+                    "second<|im_end|>\n")
 
 
 def test_one_experience_per_turn(tokenizer):
@@ -134,44 +163,64 @@ def test_episodes_end_at_max_turns_and_at_the_context_limit(tokenizer):
     assert ep.done and ep.truncated and len(ep.mask) == 3
 
 
+def test_turns_keep_their_own_text_after_a_few_shot_assistant_message(tokenizer):
+    shots = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "#### 2"},
+             {"role": "user", "content": "2 + 3?"}]
+    ep = Episode(scripted(tokenizer, ["#### 5", "#### 6"]), shots)
+    ep.reply()
+    ep.add([{"role": "user", "content": "sure?"}])
+    ep.reply()
+    assert [e.response_text for e in ep.turn_experiences()] == ["#### 5", "#### 6"]
+    assert ep.messages_text(0) == "#### 5" and ep.messages_text(-1) == "#### 6"
+
+
+def test_an_episodes_prompt_goes_through_the_handles_prompt_limit(tokenizer):
+    long = [{"role": "user", "content": "What is " + "1 + " * 30 + "1?"}]
+    ep = Episode(scripted(tokenizer, ["#### 31"], max_prompt_tokens=40), long)
+    assert ep.prompt_length == 40 and ep.prompt_truncated
+    ep.reply()
+    assert ep.experience().truncate_status == "prompt_truncated"  # the trainer gives it no loss
+    assert tokenizer.decode(ep.ids[:40]).endswith("<|im_start|>assistant\n")  # the end kept: the generation prompt
+    with pytest.raises(PromptTooLong, match="exceeds model.max_prompt_tokens"):
+        Episode(scripted(tokenizer, [], max_prompt_tokens=40, truncate=False), long)
+    with pytest.raises(PromptTooLong, match=r"leaves no room for a reply within max_model_len=20"):
+        Episode(scripted(tokenizer, [], max_model_len=20), long)
+
+
+def test_each_turn_keeps_its_temperature_and_one_experience_needs_one(tokenizer):
+    ep = Episode(scripted(tokenizer, ["a", "b"]), [{"role": "user", "content": "hi"}])
+    ep.reply(temperature=0.5)
+    ep.add([{"role": "user", "content": "more"}])
+    ep.reply(temperature=1.0)
+    assert [e.info["temperature"] for e in ep.turn_experiences()] == [0.5, 1.0]
+    with pytest.raises(MixedTemperatures, match=r"temperatures \[0.5, 1.0\] cannot be one experience"):
+        ep.experience()
+    ep = Episode(scripted(tokenizer, ["a", "b"]), [{"role": "user", "content": "hi"}])
+    ep.reply(temperature=0.0)  # greedy turns are scored at 1.0
+    ep.add([{"role": "user", "content": "more"}])
+    ep.reply(temperature=1.0)
+    assert ep.experience().info["temperature"] == 1.0
+
+
+def test_a_truncated_episode_is_masked_and_counted(tokenizer):
+    ep = Episode(scripted(tokenizer, ["a b c d e f g h"]), [{"role": "user", "content": "hi"}])
+    ep.reply(max_tokens=3)  # cut at max_tokens: the episode ends truncated
+    exp = ep.experience()
+    assert exp.truncate_status == "response_truncated" and not exp.action_mask.any()  # no loss on it
+    assert exp.metrics == {"truncated": 1.0, "truncated_masked": 1.0}
+    kept = ep.experience(mask_truncated=False)
+    assert kept.action_mask.sum() == 3 and kept.metrics["truncated_masked"] == 0.0
+    assert not ep.turn_experiences()[0].action_mask.any()
+    done = Episode(scripted(tokenizer, ["a"]), [{"role": "user", "content": "hi"}], max_turns=1)
+    done.reply()
+    assert done.experience().metrics == {"truncated": 0.0, "truncated_masked": 0.0}
+
+
 def test_episodes_turns_go_to_the_engine_together(tokenizer):
     model = scripted(tokenizer, ["a", "b", "c"])
     eps = [Episode(model, [{"role": "user", "content": f"q{i}"}], max_turns=1) for i in range(3)]
     eps[1].finish()
     assert reply_all(eps) == ["a", None, "b"] and len(model.engine.requests) == 2
-
-
-def test_tool_calls_are_parsed_never_evaluated():
-    text = ('<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call> then '
-            '<tool_call>{"name": "calc", "arguments": "2+3"}</tool_call><tool_call>[1]</tool_call>'
-            '<tool_call>{nope}</tool_call><tool_call>{"name": "calc"')
-    calls = parse_tool_calls(text)
-    assert calls[0] == ToolCall("calc", {"expression": "2+3"})
-    assert [c.error for c in calls[1:]] == ["the tool call's arguments must be a JSON object",
-                                            'a tool call needs {"name": ..., "arguments": {...}}',
-                                            "the tool call is not valid JSON (Expecting property name enclosed in "
-                                            "double quotes)", "a <tool_call> without its </tool_call>"]
-    assert parse_tool_calls("no call, just __import__('os').system('x')") == []
-
-
-def test_a_failing_tool_is_an_observation_not_a_crash():
-    release = threading.Event()
-    tools = [Tool("add", lambda a, b: a + b, "a + b", {"type": "object"}),
-             Tool("boom", lambda: 1 / 0, "fails", {"type": "object"}),
-             Tool("hang", lambda: release.wait(30), "never answers", {"type": "object"})]
-    try:
-        assert run_tool(tools, ToolCall("add", {"a": 2, "b": 3})) == "5"
-        assert run_tool(tools, ToolCall("sub", {})) == "error: unknown tool 'sub'; available: add, boom, hang"
-        assert run_tool(tools, ToolCall("add", {"a": 1})).startswith("error: TypeError:")
-        assert run_tool(tools, ToolCall("boom", {})) == "error: ZeroDivisionError: division by zero"
-        assert run_tool(tools, ToolCall("", {}, "bad JSON")) == "error: bad JSON"
-        t0 = time.monotonic()
-        assert run_tool(tools, ToolCall("hang", {}), timeout=0.2) == "error: hang gave no result within 0.2 s"
-        assert time.monotonic() - t0 < 5
-    finally:
-        release.set()
-    assert tools[0].schema() == {"type": "function", "function": {"name": "add", "description": "a + b",
-                                                                  "parameters": {"type": "object"}}}
 
 
 def test_a_real_episode_gives_the_trainer_the_engines_log_probs(tiny_model_dir):
@@ -194,20 +243,7 @@ def test_a_real_episode_gives_the_trainer_the_engines_log_probs(tiny_model_dir):
     torch.testing.assert_close(exp.logprobs[mask], want[mask], atol=1e-4, rtol=0)
 
 
-# --- tool_workflow and the calculator
-
-
-@pytest.mark.parametrize("expression,value", [("37 + 58 - 12", "83"), ("7 / 2", "3.5"), ("-(2 + 3) * 4", "-20"),
-                                              (" 10 - 66 - 27 ", "-83")])
-def test_the_calculator_computes_arithmetic(expression, value):
-    assert calculate(expression) == value
-
-
-@pytest.mark.parametrize("expression", ["__import__('os').system('echo hacked')", "2 ** 999999", "a + 1", "1 +",
-                                        "[1, 2]", "9" * 300, "open('x')"])
-def test_the_calculator_refuses_everything_else_without_running_it(expression):
-    with pytest.raises(ValueError):
-        calculate(expression)
+# --- tool_workflow
 
 
 def tool_task(**over) -> Task:
@@ -241,6 +277,60 @@ def test_tool_workflow_step_wise_gives_each_turn_the_episodes_reward(tokenizer):
     exps = build_workflow(tool_task(repeat_times=1, workflow_args={"step_wise": True}),
                           scripted(tokenizer, [CALL, "#### 83"])).run()
     assert [e.info["turn"] for e in exps] == [0, 1] and [e.reward for e in exps] == pytest.approx([1.1, 1.1])
+
+
+def test_tool_workflow_masks_truncated_episodes_unless_told_not_to(tokenizer):
+    long = "x " * 200  # runs into max_tokens: the episode is truncated
+    task = tool_task(repeat_times=2, rollout_args=GenerationConfig(temperature=1.0, max_tokens=20))
+    exps = build_workflow(task, scripted(tokenizer, [long, "#### 83"])).run()
+    assert [e.metrics["truncated"] for e in exps] == [1.0, 0.0]
+    assert not exps[0].action_mask.any() and exps[1].action_mask.any()
+    assert [e.reward for e in exps] == pytest.approx([-0.1, 1.1])  # its reward still counts in the group
+    task.workflow_args = {"mask_truncated": False}
+    exps = build_workflow(task, scripted(tokenizer, [long, "#### 83"])).run()
+    assert exps[0].action_mask.sum() == 20 and exps[0].metrics["truncated_masked"] == 0.0
+
+
+def test_a_taskset_tool_without_a_function_is_named_once_and_its_calls_get_unknown_tool(tokenizer, caplog):
+    search = {"type": "function", "function": {"name": "web_search", "description": "web", "parameters": {}}}
+    call = '<tool_call>{"name": "web_search", "arguments": {"q": "x"}}</tool_call>'
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            model = scripted(tokenizer, [call, "#### 83"])
+            exps = build_workflow(tool_task(repeat_times=1, tools=[search]), model).run()
+    assert sum("'web_search' (format.tools_key)" in r.getMessage() for r in caplog.records) == 1
+    assert "error: unknown tool 'web_search'; available: calculator" in tokenizer.decode(exps[0].tokens)
+
+
+def test_step_wise_advantages_are_the_whole_groups_though_a_train_step_gets_part_of_it(tokenizer, tmp_path):
+    """Episodes of 1, 3 and 2 turns (rewards 1.1, 0.1, 1.1): step_wise_grpo runs in the explorer over the group's
+    three episodes; through the real DB, a trainer claiming 3 experiences a step gets the group in two parts and
+    reads each turn's episode advantage back unchanged. Normalising each part alone gives other numbers."""
+    from explore import stamp
+
+    script = ["#### 83", CALL, CALL, CALL, "#### 83", "#### 5"]  # turn 1 of 3 episodes, turn 2 of 2, turn 3 of 1
+    task = tool_task(workflow_args={"step_wise": True, "max_turns": 3})
+    exps = build_workflow(task, scripted(tokenizer, script)).run()
+    assert [e.info["episode"] for e in exps] == [0, 1, 1, 1, 2, 2]
+    stamp(exps, task, "explorer")
+    group_advantages(exps, AlgorithmConfig(algorithm_type="multi_step_grpo", advantage_fn="step_wise_grpo"))
+    a = 1 / 3 ** 0.5  # episodes [1.1, 0.1, 1.1]: mean 0.767, std 0.577 -> +0.577, -1.155, +0.577
+    want = {0: a, 1: -2 * a, 2: a}
+    with ExperienceDB(f"sqlite:///{tmp_path / 'exp.db'}") as db:
+        db.write(exps)
+        parts = [db.claim(3, step=1), db.claim(3, step=2)]
+    fn, cfg = ADVANTAGE_FNS["step_wise_grpo"]
+    for part in parts:
+        batch = step_batch(part, 0)
+        out, _ = fn(batch, cfg())
+        for b, x in enumerate(part):
+            mask = batch["response_mask"][b]
+            assert out["advantages"][b][mask].tolist() == pytest.approx([want[x.info["episode"]]] * int(mask.sum()),
+                                                                        abs=1e-4)
+        alone, _ = step_wise_grpo.compute(batch, cfg())  # what the trainer computing it per part would get
+        assert not torch.allclose(alone["advantages"], out["advantages"], atol=1e-3)
+    with pytest.raises(ValueError, match="1 of 1 experiences carry no advantages"):
+        fn(step_batch(build_workflow(tool_task(repeat_times=1), scripted(tokenizer, ["#### 83"])).run(), 0), cfg())
 
 
 def test_tool_workflow_names_an_unknown_tool(tokenizer):

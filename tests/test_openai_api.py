@@ -1,5 +1,7 @@
 """openai_api.py: a real server (uvicorn, in a thread) over the real HF engine, hit by the real `openai` client."""
 
+import socket
+
 import openai
 import pytest
 import torch
@@ -81,6 +83,81 @@ def test_a_sessions_calls_become_experiences(server):
     assert exps[2].tokens.tolist() == second.prompt_token_ids + second.choices[0].token_ids
     assert exps[2].prompt_length == len(second.prompt_token_ids) and len(exps[2].logprobs) == exps[2].response_length
     assert server.history(client) == [] and len(server.history(other)) == 1
+
+
+def test_a_request_without_max_tokens_may_fill_the_context(tiny_model_dir):
+    """As vLLM's server: no max_tokens = max_model_len - prompt tokens, not the engine's 16 (nor a handle's default).
+    min_tokens of all the room left makes the reply exactly that long."""
+    with HFEngine(tiny_model_dir) as engine:
+        s = OpenAIServer(ModelHandle(engine, engine.tokenizer, max_model_len=64), "tiny")
+        s.start()
+        try:
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0)
+            prompt = len(engine.tokenizer.encode(s.handle.render(MESSAGES), add_special_tokens=False))
+            out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0,
+                                                 extra_body={"min_tokens": 64 - prompt})
+            assert out.usage.completion_tokens == 64 - prompt > 16 and out.choices[0].finish_reason == "length"
+        finally:
+            s.stop()
+
+
+def test_completions_continue_from_token_ids_and_a_session_becomes_one_episode(server):
+    """A two-turn conversation through /v1/completions with the prompt as token ids: the second prompt is the first
+    one, its reply's ids and the next user turn's ids. episode() makes it one experience whose action mask covers
+    the two replies only."""
+    client = server.client()
+    tok = server.handle.tokenizer
+    first_prompt = tok.encode(server.handle.render(MESSAGES), add_special_tokens=False)
+    first = client.completions.create(model="tiny", prompt=first_prompt, max_tokens=6, temperature=1.0, seed=3,
+                                      extra_body={"return_token_ids": True})
+    reply = first.choices[0].token_ids
+    assert first.prompt_token_ids == first_prompt and len(reply) >= 1
+    gap = tok.encode("\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    second = client.completions.create(model="tiny", prompt=first_prompt + reply + gap, max_tokens=6, temperature=1.0,
+                                       extra_body={"return_token_ids": True})
+    exp = server.episode(client)
+    want = first_prompt + reply + gap + second.choices[0].token_ids
+    assert exp.tokens.tolist() == want and exp.prompt_length == len(first_prompt)
+    replies = [True] * len(reply) + [False] * len(gap) + [True] * len(second.choices[0].token_ids)
+    assert exp.action_mask.tolist() == replies
+    assert exp.logprobs[~exp.action_mask].abs().sum() == 0 and len(exp.logprobs) == exp.response_length
+    with pytest.raises(openai.BadRequestError, match=r"a list of token ids in \[0, 259\)"):
+        server.client().completions.create(model="tiny", prompt=[1, 2, 10**6], max_tokens=2)
+    # a conversation whose history changed is not one episode: said plainly, with what to do instead
+    client = server.client()
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 4?"}], max_tokens=3)
+    with pytest.raises(ValueError, match="call 2's prompt does not continue call 1's prompt and reply"):
+        server.episode(client)
+
+
+def test_history_ends_the_session_and_bad_messages_get_a_400(server):
+    client = server.client()
+    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    session = str(client.base_url).rstrip("/").split("/")[-2]
+    assert len(server.history(client)) == 1 and session not in server.sessions  # nothing kept for it
+    with pytest.raises(openai.NotFoundError, match="no session"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    call = [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]
+    with pytest.raises(openai.BadRequestError, match="the chat template cannot render these messages: TypeError"):
+        server.client().chat.completions.create(model="tiny", max_tokens=2, messages=MESSAGES + [
+            {"role": "assistant", "content": None, "tool_calls": call}, {"role": "tool", "content": "5"}])
+
+
+def test_an_ipv6_host_gets_a_url_with_brackets(tiny_model_dir):
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError as e:
+        pytest.skip(f"this machine has no IPv6 loopback: {e}")
+    with HFEngine(tiny_model_dir) as engine:
+        s = OpenAIServer(ModelHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64), "tiny",
+                         host="::1")
+        try:
+            assert s.start().startswith("http://[::1]:")
+            client = openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0)
+            assert client.models.list().data[0].id == "tiny"
+        finally:
+            s.stop()
 
 
 API_WORKFLOW = '''

@@ -54,7 +54,8 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.C
     if preset == "multi_step_grpo":  # tool_workflow, one experience per turn
         tools = {"name": "arith_tools", "path": str(data.parent / "arith_tools"), "split": "train",
                  "format": {"prompt_key": "question", "response_key": "answer"},
-                 "workflow_args": {"step_wise": True, "max_turns": 2}}
+                 # the untrained model's turns run to max_tokens: keep their actions (not masked as truncated)
+                 "workflow_args": {"step_wise": True, "max_turns": 2, "mask_truncated": False}}
         over |= {"buffer.default_workflow_type": "tool_workflow", "model.max_model_len": 200,
                  "buffer.explorer_input.taskset": tools, "buffer.explorer_input.eval_tasksets": []}
     return launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")

@@ -354,12 +354,15 @@ def test_parse_grade_refuses_ungraded_output(reply):
 
 
 class Judge(FakeModel):
-    """A judge that replies with the scripted texts in turn; records the prompts and temperatures it got."""
+    """A judge that replies with the scripted texts in turn; records each generate() call's prompts and sampling."""
 
-    def chat(self, messages, n=1, **sampling):
-        self.calls.append({"messages": messages, **sampling})
-        text = self.responses.pop(0)
-        return [Experience(tokens=torch.arange(4), prompt_length=2, response_text=text)]
+    def render(self, messages, tools=None, chat_template=None, generation=True):
+        return messages[-1]["content"]
+
+    def generate(self, prompts, n=1, **sampling):
+        self.calls.append({"prompts": prompts, **sampling})
+        return [[Experience(tokens=torch.arange(4), prompt_length=2, response_text=self.responses.pop(0))]
+                for _ in prompts]
 
 
 def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
@@ -368,12 +371,90 @@ def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
     exps = build_workflow(make_task("llm_judge_workflow", "", repeat_times=2), model).run()
     assert [e.reward for e in exps] == [1.0, 0.2] and exps[1].metrics == {"judge": 0.2}
     calls = model.auxiliary["judge-7b"].calls
-    assert "Response: #### 41" in calls[1]["messages"][0]["content"] and "Reference answer: #### 42" in \
-        calls[1]["messages"][0]["content"]
-    assert [c["temperature"] for c in calls] == [0.0, 0.0, 0.7]  # "hmm" had no grade: asked again, sampled
+    # the group's responses in one generate() call; "hmm" had no grade: asked again, alone, sampled
+    assert [len(c["prompts"]) for c in calls] == [2, 1] and [c["temperature"] for c in calls] == [0.0, 0.7]
+    assert "Response: #### 41" in calls[0]["prompts"][1] and "Reference answer: #### 42" in calls[0]["prompts"][1]
+    assert calls[1]["prompts"] == calls[0]["prompts"][1:]
     model.auxiliary = {"judge-7b": Judge(["fine", "fine", "fine"])}
     with pytest.raises(JudgeError, match=r"after 3 replies: no `Score: N` in the judge's reply 'fine'"):
         build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
     model.auxiliary = {}
     with pytest.raises(ValueError, match="needs a judge in explorer.auxiliary_models"):
         build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
+
+
+def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
+    """A copy of the tiny model trained (a few dozen steps, high lr) to answer every judge prompt with `reply`: an
+    honest real model whose output parses as a grade."""
+    import shutil
+
+    from models import load_model, load_tokenizer
+    from workflows.judge import PROMPT as JUDGE_PROMPT
+
+    shutil.copytree(tiny_model_dir, out)
+    tok, model = load_tokenizer(str(out)), load_model(str(out))
+    rows = []
+    for k in range(8):
+        text = JUDGE_PROMPT.format(question=f"What is {k} + {k + 3}?", reference=f"#### {2 * k + 3}",
+                                   response="x" * (k * 7 % 23) + f" #### {k}", max_score="10")
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                    add_generation_prompt=True), add_special_tokens=False)
+        rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for b, (p, r) in enumerate(rows):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[b, len(p): len(p) + len(r)] = torch.tensor(r)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    return str(out)
+
+
+def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_path):
+    """The explorer's path: explorer.auxiliary_models starts an HF engine for the judge (engines.auxiliary_handles,
+    via explore.with_extras), llm_judge_workflow runs on a runner (explore.run_task) and the judge, a real model
+    trained to answer "Score: 7", grades every response: reward 0.7. The untrained model as the judge never gives a
+    grade: the task fails, by name."""
+    import explore
+    from configs import cli, resolve_stages
+    from engines import HFEngine, rollout_handle
+    from tasksets import load_tasks
+    from test_explore import write_config
+
+    judge = constant_judge(tiny_model_dir, tmp_path / "judge-model")
+    with HFEngine(tiny_model_dir) as engine:
+        for judge_path, graded in ((judge, True), (tiny_model_dir, False)):
+            config = write_config(tmp_path, tiny_model_dir, **{
+                "buffer.default_workflow_type": "llm_judge_workflow", "buffer.default_reward_fn_type": None,
+                "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
+                "explorer.auxiliary_models": [{"model_path": judge_path, "engine_type": "hf", "max_model_len": 512}]})
+            (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
+            handle = explore.with_extras(cfg, rollout_handle(cfg, engine, engine.tokenizer))
+            try:
+                assert list(handle.auxiliary) == [Path(judge_path).name]
+                task = load_tasks(cfg.buffer.explorer_input.tasksets[0])[0]
+                exps, error = explore.run_task(task, handle, timeout=300, retries=0)
+            finally:
+                for aux in handle.auxiliary.values():
+                    aux.engine.close()
+            if graded:
+                assert error == "" and [e.reward for e in exps] == [0.7, 0.7] and exps[0].metrics == {"judge": 0.7}
+            else:
+                assert exps is None and error.startswith("JudgeError: after 3 replies: no `Score: N` in the judge's")
+
+
+def test_the_judge_reads_the_question_of_a_messages_taskset():
+    """A messages-format task has no `prompt`: the judge is shown its last user message."""
+    model = FakeModel(["#### 42"])
+    model.auxiliary = {"judge": Judge(["Score: 9"])}
+    messages = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "#### 2"},
+                {"role": "user", "content": "And 6 x 7?"}]
+    build_workflow(make_task("llm_judge_workflow", "", repeat_times=1, prompt=None, messages=messages), model).run()
+    assert "Question: And 6 x 7?\n" in model.auxiliary["judge"].calls[0]["prompts"][0]

@@ -79,6 +79,18 @@ class Workflow:
     def run(self) -> list[Experience]:
         raise NotImplementedError
 
+    def reward(self, response: str, run: int, **extra: Any) -> dict[str, float]:
+        """reward_fn(response, task.reference, **extra) for response `run` of the task's group; a reward function
+        with a `draw_key` argument (random_reward) also gets "<taskset>/<epoch>/<task index>/<run>", which its
+        seeded draw depends on, so that a rerun of the experiment draws the same rewards."""
+        return self.reward_fn(response, self.task.reference, **extra, **self.draw_args(run))
+
+    def draw_args(self, run: int) -> dict[str, str]:
+        """{"draw_key": ...} for a reward function that takes one (see reward()), else {}."""
+        if self.reward_fn is None or "draw_key" not in inspect.signature(self.reward_fn).parameters:
+            return {}
+        return {"draw_key": f"{self.task.taskset}/{self.task.epoch}/{self.task.index}/{run}"}
+
 
 # --- helpers shared by workflows
 
@@ -193,9 +205,10 @@ def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
     else:
         fn = REWARD_FNS[name]
     params = inspect.signature(fn).parameters
-    bad = [k for k in reward_fn_args if k not in params or k in ("response", "reference")]
+    given = ("response", "reference", "draw_key")  # by the workflow (Workflow.reward), never by the config
+    bad = [k for k in reward_fn_args if k not in params or k in given]
     if bad:
-        accepted = [p for p in params if p not in ("response", "reference")]
+        accepted = [p for p in params if p not in given]
         raise TypeError(f"reward function {name!r} takes no argument(s) {bad}; it accepts {accepted}")
     return functools.partial(fn, **reward_fn_args)
 

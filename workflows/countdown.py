@@ -130,6 +130,6 @@ class CountdownWorkflow(Workflow):
         reference = {"target": task.raw["target"], "nums": list(task.raw["nums"])}
         exps = self.model.chat(countdown_messages(task), n=task.repeat_times, **chat_options(task),
                               **sampling_kwargs(task.rollout_args))
-        for exp in exps:
-            apply_reward(exp, self.reward_fn(exp.response_text, reference))
+        for run, exp in enumerate(exps):
+            apply_reward(exp, self.reward_fn(exp.response_text, reference, **self.draw_args(run)))
         return exps

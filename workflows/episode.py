@@ -19,118 +19,61 @@ of just those messages, found as the difference between rendering [user "?"] and
 model did not sample (closings, tool and user turns) have action_mask False: never trained on.
 
 An episode ends on `finish()`, after `max_turns` assistant turns, or at the context limit (the model's
-max_model_len): a turn cut at its max_tokens or a message that does not fit ends it "response_truncated".
-Tool calls are Qwen / Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` JSON in the
-model's text, run by registered Python functions with a timeout; model text is parsed, never evaluated, and a
-malformed or failing call becomes an error message for the model, not an exception.
+max_model_len): a turn cut at its max_tokens or a message that does not fit ends it "response_truncated", and
+its experience then has no action tokens (`mask_truncated`, on by default: DAPO's overlong filtering; its reward
+still counts in its group) and the metric truncated = 1. The first prompt is cut to max_prompt_tokens as a
+single-turn prompt is (marked "prompt_truncated": no loss), or fails with PromptTooLong.
+Tool calls (workflows/tools.py) are Qwen / Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+JSON in the model's text outside its `<think>` blocks, run by registered Python functions in worker processes
+with a timeout; model text is parsed, never evaluated, and a malformed or failing call becomes an error message
+for the model, not an exception.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
-import json
-import re
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from buffer import Experience
-from engines import scored_temperature
+from engines import PromptTooLong, scored_temperature
+from workflows.tools import Tool, ToolCall, parse_tool_calls, run_tool, tool_message  # noqa: F401 (re-exported)
 
 _PROBE = [{"role": "user", "content": "?"}]  # a conversation to render new messages after
 _MARK = "\x00MARK\x00"  # a string no template writes
 
 
-@dataclasses.dataclass
-class Tool:
-    """A function the model may call: `fn(**arguments) -> str | number`; `parameters` is its JSON schema."""
-
-    name: str
-    fn: Callable[..., Any]
-    description: str
-    parameters: dict
-
-    def schema(self) -> dict:
-        """The OpenAI / HF chat-template form (`tools=` of apply_chat_template)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
-
-
-@dataclasses.dataclass
-class ToolCall:
-    name: str
-    arguments: dict
-    error: str = ""  # why the call could not be read (then name / arguments are empty)
-
-
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The `<tool_call>` blocks of an assistant turn, in order; a block that is not a JSON object with a string
-    "name" and an object "arguments" is a ToolCall with `error` set. An unclosed `<tool_call>` is one too."""
-    calls = []
-    for body in _CALL.findall(text):
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({e.msg})"))
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append(ToolCall("", {}, 'a tool call needs {"name": ..., "arguments": {...}}'))
-        elif not isinstance(obj.get("arguments", {}), dict):
-            calls.append(ToolCall("", {}, "the tool call's arguments must be a JSON object"))
-        else:
-            calls.append(ToolCall(obj["name"], obj.get("arguments", {})))
-    if text.count("<tool_call>") > len(calls):
-        calls.append(ToolCall("", {}, "a <tool_call> without its </tool_call>"))
-    return calls
-
-
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tool")
-
-
-def run_tool(tools: list[Tool], call: ToolCall, timeout: float = 10.0) -> str:
-    """The result of one call as the text the model reads next; every failure (a malformed call, an unknown tool,
-    wrong arguments, an exception, no answer within `timeout` s) is an "error: ..." text.
-    NOTE: a tool that never returns keeps its pool thread busy; the episode goes on without it."""
-    if call.error:
-        return f"error: {call.error}"
-    known = {t.name: t for t in tools}
-    if call.name not in known:
-        return f"error: unknown tool {call.name!r}; available: {', '.join(sorted(known))}"
-    future = _POOL.submit(known[call.name].fn, **call.arguments)
-    try:
-        return str(future.result(timeout=timeout))
-    except concurrent.futures.TimeoutError:
-        return f"error: {call.name} gave no result within {timeout:g} s"
-    except Exception as e:  # the tool's own failure (bad arguments included) is the model's observation
-        return f"error: {type(e).__name__}: {e}"
-
-
-def tool_message(content: str) -> dict:
-    return {"role": "tool", "content": content}
+class MixedTemperatures(ValueError):
+    """An episode whose turns were sampled at different temperatures, asked for as one experience: the trainer
+    scores an experience at one temperature (use turn_experiences(), or one temperature)."""
 
 
 class Episode:
     """One conversation between the model and an environment, kept as token ids (see the module docstring).
     `model`: the workflow's ModelHandle; `tools`: Tool objects or JSON tool schemas (e.g. a taskset's
-    format.tools_key column), which reach the chat template."""
+    format.tools_key column), which reach the chat template. The first prompt goes through the handle's
+    max_prompt_tokens (cut and marked prompt_truncated, or PromptTooLong), as single-turn prompts do; one that
+    leaves no room for a reply within max_model_len is PromptTooLong too."""
 
     def __init__(self, model: Any, messages: list[dict], tools: list[Tool | dict] | None = None, max_turns: int = 8,
                  chat_template: str | None = None) -> None:
         self.model, self.max_turns, self.template = model, max_turns, chat_template
         self.tools = [t.schema() if isinstance(t, Tool) else t for t in tools or []] or None
         self.messages = list(messages)
-        self.ids = model.tokenizer.encode(self._render(self.messages), add_special_tokens=False)
+        self.ids, self.prompt_truncated = model.encode(self._render(self.messages))
         self.prompt_length = len(self.ids)
+        if self.room() < 1:
+            raise PromptTooLong(f"an episode's prompt of {self.prompt_length} tokens leaves no room for a reply "
+                                f"within max_model_len={model.max_model_len}")
         self.logprobs: list[float] = []  # one per token after the prompt (0 where the model did not sample)
         self.mask: list[bool] = []  # True where the model sampled the token
         self.turns: list[tuple[int, int]] = []  # [start, end) of each assistant turn's sampled tokens in self.ids
+        self.texts: list[str] = []  # each assistant turn's text, as sampled
+        self.temperatures: list[float] = []  # each turn's scoring temperature (engines.scored_temperature)
         self.versions: list[int] = []
-        self.done, self.truncated, self.temperature = False, False, 1.0
-        self.closing = self._closing()
+        self.done, self.truncated, self.pending = False, False, 1.0
+        self.closing, self.eos = self._closing(), set(model.eos_ids)
 
     def _render(self, messages: list[dict], generation: bool = True) -> str:
         return self.model.render(messages, self.tools, self.template, generation)
@@ -156,7 +99,7 @@ class Episode:
             raise RuntimeError("the episode is over")
         params = self.model.params(1, **sampling)
         params.max_tokens = min(params.max_tokens, self.room())  # add() leaves at least one token of room
-        self.temperature = scored_temperature(params)
+        self.pending = scored_temperature(params)
         return self.model.submit(self.ids, params)
 
     def record(self, completions: list) -> str:
@@ -167,22 +110,33 @@ class Episode:
         self.logprobs += c.logprobs
         self.mask += [True] * len(c.token_ids)
         self.turns.append((start, len(self.ids)))
+        self.texts.append(c.text)
+        self.temperatures.append(self.pending)
         self.versions.append(c.model_version)
         self.messages.append({"role": "assistant", "content": c.text})
         if c.truncated:  # cut at max_tokens or at the context limit: nothing after it would be a real turn
             self.done = self.truncated = True
             return c.text
-        closing = self.closing[1:] if self.closing[:1] == c.token_ids[-1:] else self.closing  # EOS already there
-        self._append(closing)
+        self._append(self._closing_after(c.token_ids[-1:]))
         if self.room() < 1:  # the closing filled the context: no room for another turn
             self.done = self.truncated = True
         self.done = self.done or len(self.turns) >= self.max_turns
         return c.text
 
+    def _closing_after(self, last: list[int]) -> list[int]:
+        """The closing to append after a turn whose last sampled id is `last`: without its end-of-turn token when
+        the turn ended on one, or on any of the engine's EOS ids while the closing starts with one of them (the
+        sampled EOS ended the turn; a second end token would be text the model never saw)."""
+        head = self.closing[:1]
+        if head and (head == last or (last and last[0] in self.eos and head[0] in self.eos)):
+            return self.closing[1:]
+        return self.closing
+
     def add(self, messages: list[dict]) -> None:
         """Append tool / user / environment messages, rendered by the template after the conversation, with the
         next assistant turn's generation prompt; an episode they would push past the context limit ends
-        truncated instead."""
+        truncated instead. NOTE: give a turn's tool results in one call (templates such as Qwen's join
+        consecutive tool messages into one user turn)."""
         if self.done:
             raise RuntimeError("the episode is over")
         before, after = self._render(_PROBE, generation=False), self._render(_PROBE + list(messages))
@@ -204,35 +158,48 @@ class Episode:
     def finish(self) -> None:
         self.done = True
 
-    def experience(self) -> Experience:
+    def experience(self, mask_truncated: bool = True) -> Experience:
         """The whole episode as one experience: prompt = the first prompt, response = every later token,
-        action_mask = the assistant's sampled tokens. model_version: the oldest weights that sampled a turn."""
-        P = self.prompt_length
+        action_mask = the assistant's sampled tokens, none of them if the episode was truncated and
+        `mask_truncated` (DAPO's overlong filtering: no loss, the reward still counts in its group).
+        model_version: the oldest weights that sampled a turn. MixedTemperatures if its turns' differ."""
+        if len(set(self.temperatures)) > 1:
+            raise MixedTemperatures(f"an episode sampled at temperatures {self.temperatures} cannot be one "
+                                    "experience: the trainer scores an experience at one temperature; sample every "
+                                    "turn at one, or use turn_experiences()")
+        P, masked = self.prompt_length, self.truncated and mask_truncated
         return Experience(tokens=torch.tensor(self.ids, dtype=torch.long), prompt_length=P,
                           logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
-                          action_mask=torch.tensor(self.mask, dtype=torch.bool),
+                          action_mask=torch.tensor(self.mask, dtype=torch.bool) & (not masked),
                           model_version=min(self.versions, default=0), truncate_status=self._status(),
                           prompt_text=self.model.tokenizer.decode(self.ids[:P]),
-                          response_text=self.model.tokenizer.decode(self.ids[P:]),
-                          info={"temperature": self.temperature, "turns": len(self.turns)})
+                          response_text=self.model.tokenizer.decode(self.ids[P:]), metrics=self._metrics(masked),
+                          info={"temperature": (self.temperatures or [1.0])[0], "turns": len(self.turns)})
 
-    def turn_experiences(self) -> list[Experience]:
-        """One experience per assistant turn: prompt = everything before the turn, response = the turn's tokens."""
-        out = []
+    def turn_experiences(self, mask_truncated: bool = True) -> list[Experience]:
+        """One experience per assistant turn: prompt = everything before the turn, response = the turn's tokens,
+        scored at the turn's own temperature. A truncated episode's turns have no action (`mask_truncated`)."""
+        out, P, masked = [], self.prompt_length, self.truncated and mask_truncated
         for k, (a, b) in enumerate(self.turns):
             out.append(Experience(tokens=torch.tensor(self.ids[:b], dtype=torch.long), prompt_length=a,
-                                  logprobs=torch.tensor(self.logprobs[a - self.prompt_length:b - self.prompt_length]),
-                                  model_version=self.versions[k], response_text=self.messages_text(k),
-                                  truncate_status=self._status() if k == len(self.turns) - 1 else None,
-                                  info={"temperature": self.temperature, "turn": k, "turns": len(self.turns)}))
+                                  logprobs=torch.tensor(self.logprobs[a - P:b - P]), model_version=self.versions[k],
+                                  action_mask=torch.zeros(b - a, dtype=torch.bool) if masked else None,
+                                  response_text=self.texts[k], metrics=self._metrics(masked),
+                                  truncate_status=self._status() if k == len(self.turns) - 1 else
+                                  "prompt_truncated" if self.prompt_truncated else None,
+                                  info={"temperature": self.temperatures[k], "turn": k, "turns": len(self.turns)}))
         return out
 
     def messages_text(self, k: int) -> str:
-        """The text of assistant turn k."""
-        return [m for m in self.messages if m["role"] == "assistant"][k]["content"]
+        """The text of assistant turn k (as sampled; an initial few-shot assistant message is not a turn)."""
+        return self.texts[k]
+
+    def _metrics(self, masked: bool) -> dict[str, float]:
+        return {"truncated": float(self.truncated), "truncated_masked": float(masked)}
 
     def _status(self) -> str | None:
-        return "response_truncated" if self.truncated else None
+        """prompt_truncated (the trainer gives it no loss) before response_truncated."""
+        return "prompt_truncated" if self.prompt_truncated else "response_truncated" if self.truncated else None
 
 
 def reply_all(episodes: list[Episode], **sampling: Any) -> list[str | None]:

@@ -2,10 +2,11 @@
 rubric_judge_workflow, cut down).
 
 The group's `repeat_times` responses come from one `chat(n=...)` call; each is shown to the judge
-(`explorer.auxiliary_models`, named by `workflow_args.judge`, default the first) with the question and the
-reference answer, greedily; its reply must contain `Score: N` with N in [0, max_score]. A reply without one is
-asked again at temperature 0.7, up to `judge_retries` more times; then the task fails with the judge's reply in
-the message (never a silent 0: an ungraded response is no data point).
+(`explorer.auxiliary_models`, named by `workflow_args.judge`, default the first) with the question (the task's last
+user message) and the reference answer, all of them in one `generate()` call (one engine batch), greedily; a
+reply must contain `Score: N` with N in [0, max_score]. The responses whose reply has none are asked again, at
+temperature 0.7, up to `judge_retries` more times; then the task fails with the judge's reply in the message
+(never a silent 0: an ungraded response is no data point).
 
 Worked example (max_score 10):
     question "What is 6 x 7?", reference "#### 42", response "#### 42"
@@ -19,6 +20,7 @@ system_prompt (the policy's).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from buffer import Experience
 from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
@@ -55,23 +57,36 @@ class JudgeWorkflow(Workflow):
         name = args.get("judge", next(iter(self.auxiliary_models)))
         if name not in self.auxiliary_models:
             raise ValueError(f"{task.task_id}: no auxiliary model {name!r}; there are {list(self.auxiliary_models)}")
-        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
+        messages = chat_messages(task)
+        exps = self.model.chat(messages, n=task.repeat_times, **chat_options(task),
                                **sampling_kwargs(task.rollout_args))
-        for exp in exps:
-            apply_reward(exp, {"judge": self.grade(self.auxiliary_models[name], exp.response_text)})
+        question = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), task.prompt or "")
+        for exp, grade in zip(exps, self.grade(self.auxiliary_models[name], question, [e.response_text for e in exps])):
+            apply_reward(exp, {"judge": grade})
         return exps
 
-    def grade(self, judge, response: str) -> float:
-        """The judge's grade of one response, asked again (sampled) while it gives none."""
+    def grade(self, judge: Any, question: str, responses: list[str]) -> list[float]:
+        """The judge's grade of each response: one generate() call for all, then again (sampled) for those whose
+        reply had none."""
         args, max_score = self.task.workflow_args, float(self.task.workflow_args.get("max_score", 10))
-        prompt = PROMPT.format(question=self.task.prompt, reference=self.task.reference, response=response,
-                               max_score=f"{max_score:g}")
-        error = None
-        for attempt in range(int(args.get("judge_retries", 2)) + 1):
-            reply = judge.chat([{"role": "user", "content": prompt}], n=1, temperature=0.0 if attempt == 0 else 0.7,
-                               max_tokens=int(args.get("judge_max_tokens", 64)))[0]
-            try:
-                return parse_grade(reply.response_text, max_score)
-            except JudgeError as e:
-                error = e
-        raise JudgeError(f"after {attempt + 1} replies: {error}")
+        prompts = [judge.render([{"role": "user", "content": PROMPT.format(
+            question=question, reference=self.task.reference, response=r, max_score=f"{max_score:g}")}])
+            for r in responses]
+        grades: list[float | None] = [None] * len(responses)
+        errors: dict[int, JudgeError] = {}
+        tries = int(args.get("judge_retries", 2)) + 1
+        for attempt in range(tries):
+            todo = [i for i, g in enumerate(grades) if g is None]
+            if not todo:
+                break
+            replies = judge.generate([prompts[i] for i in todo], n=1, temperature=0.0 if attempt == 0 else 0.7,
+                                     max_tokens=int(args.get("judge_max_tokens", 64)))
+            for i, (reply,) in zip(todo, replies):
+                try:
+                    grades[i] = parse_grade(reply.response_text, max_score)
+                except JudgeError as e:
+                    errors[i] = e
+        missing = [i for i, g in enumerate(grades) if g is None]
+        if missing:
+            raise JudgeError(f"after {tries} replies: {errors[missing[0]]} (response {missing[0]} of {len(grades)})")
+        return grades

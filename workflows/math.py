@@ -183,10 +183,13 @@ def math_reward(response: str, reference: Any, *, last_number_fallback: bool = T
             **format_reward(response, format_score=format_score)}
 
 
-def random_reward(response: str, reference: Any, *, p: float = 0.5) -> dict[str, float]:
+def random_reward(response: str, reference: Any, *, p: float = 0.5, seed: int = 0,
+                  draw_key: str = "") -> dict[str, float]:
     """The control for a learning claim: {"accuracy": 1.0} with probability `p`, whatever the response. A run
-    trained on it that gains as much as one trained on the real reward was not taught by the reward."""
-    return {"accuracy": float(random.random() < p)}
+    trained on it that gains as much as one trained on the real reward was not taught by the reward.
+    The draw is seeded by (seed, draw_key, reference, response): the workflows pass draw_key =
+    "<taskset>/<epoch>/<task index>/<run>" (Workflow.reward), so a rerun of a control draws the same rewards."""
+    return {"accuracy": float(random.Random(f"{seed}/{draw_key}/{reference}/{response}").random() < p)}
 
 
 # --- workflow
@@ -205,6 +208,6 @@ class MathWorkflow(Workflow):
         exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
                               **sampling_kwargs(task.rollout_args))
         extra = {k: task.workflow_args[k] for k in ("last_number_fallback",) if k in task.workflow_args}
-        for exp in exps:
-            apply_reward(exp, self.reward_fn(exp.response_text, task.reference, **extra))
+        for run, exp in enumerate(exps):
+            apply_reward(exp, self.reward(exp.response_text, run, **extra))
         return exps

@@ -24,6 +24,6 @@ class SimpleWorkflow(Workflow):
             raise ValueError(f"{task.task_id}: simple_workflow needs a reward function (reward_fn)")
         exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
                               **sampling_kwargs(task.rollout_args))
-        for exp in exps:
-            apply_reward(exp, self.reward_fn(exp.response_text, task.reference))
+        for run, exp in enumerate(exps):
+            apply_reward(exp, self.reward(exp.response_text, run))
         return exps

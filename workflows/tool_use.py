@@ -13,43 +13,25 @@ Worked example (tools ["calculator"], reward_fn math_reward, reference "#### 83"
     assistant  #### 83                       -> reward 1.1 ({"accuracy": 1.0, "format_score": 0.1}), 2 turns
 
 workflow_args: tools (names in TOOLS, default ["calculator"]), max_turns (assistant turns, default 4),
-step_wise (bool), system_prompt (str), tool_timeout (seconds per call, default 10).
+step_wise (bool), system_prompt (str), tool_timeout (seconds per call, default 10; the call's worker process is
+killed then), mask_truncated (default true: an episode cut at the context limit or at a turn's max_tokens keeps
+its reward in the group but has no action tokens, DAPO's overlong filtering; metrics truncated and
+truncated_masked count them). A tool schema of the taskset (format.tools_key) that no registered function runs
+reaches the chat template; a warning names it once, and a call to it gets an "unknown tool" error.
 """
 
 from __future__ import annotations
 
-import ast
-import operator
+import logging
 
 from buffer import Experience
 from workflows import Workflow, apply_reward, chat_messages, sampling_kwargs
-from workflows.episode import Episode, Tool, parse_tool_calls, reply_all, run_tool, tool_message
+from workflows.calculator import calculate
+from workflows.episode import Episode, reply_all
+from workflows.tools import Tool, parse_tool_calls, run_tool, tool_message
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
-
-
-def calculate(expression: str) -> str:
-    """The value of an arithmetic expression of numbers, + - * / and parentheses, read with `ast.parse` and
-    computed node by node (never evaluated as Python): "37 + 58 - 12" -> "83", "7 / 2" -> "3.5"."""
-    if len(expression) > 200:
-        raise ValueError("the expression is longer than 200 characters")
-
-    def value(node: ast.AST) -> float:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return node.value
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-            return _BINARY[type(node.op)](value(node.left), value(node.right))
-        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](value(node.operand))
-        raise ValueError(f"not arithmetic: {ast.unparse(node)!r}")
-
-    try:
-        result = value(ast.parse(expression.strip(), mode="eval").body)
-    except SyntaxError as e:
-        raise ValueError(f"not an expression: {expression!r}") from e
-    return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
-
+log = logging.getLogger(__name__)
+_WARNED: set[str] = set()  # tool names warned about, once per process
 
 CALCULATOR = Tool("calculator", calculate, "Computes an arithmetic expression (numbers, + - * / and parentheses).",
                   {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]})
@@ -68,6 +50,7 @@ class ToolWorkflow(Workflow):
             raise ValueError(f"{task.task_id}: unknown tool(s) {unknown}; known: {sorted(TOOLS)}")
         tools = [TOOLS[name] for name in args.get("tools", ["calculator"])]
         schemas = [*tools, *(task.tools or [])]  # the taskset's own tool schemas (format.tools_key) too
+        warn_unrun(task.tools or [], tools)
         episodes = [Episode(self.model, chat_messages(task), schemas, int(args.get("max_turns", 4)),
                             task.chat_template or None) for _ in range(task.repeat_times)]
         calls = [0] * len(episodes)
@@ -81,16 +64,29 @@ class ToolWorkflow(Workflow):
                     continue
                 calls[k] += len(found)
                 e.add([tool_message(run_tool(tools, c, float(args.get("tool_timeout", 10)))) for c in found])
-        return [exp for k, (e, n) in enumerate(zip(episodes, calls))
-                for exp in self.score(e, n, bool(args.get("step_wise")), k)]
+        return [exp for k, (e, n) in enumerate(zip(episodes, calls)) for exp in self.score(e, n, k)]
 
-    def score(self, episode: Episode, calls: int, step_wise: bool, k: int) -> list[Experience]:
+    def score(self, episode: Episode, calls: int, k: int) -> list[Experience]:
         """Episode k's experience(s), rewarded for its last reply (the answer; a tool call if it never answered);
         info["episode"] = k ties the turns of one episode together (step_wise_grpo)."""
-        components = self.reward_fn(episode.messages_text(-1), self.task.reference)
-        exps = episode.turn_experiences() if step_wise else [episode.experience()]
+        args = self.task.workflow_args
+        components = self.reward(episode.messages_text(-1), k)
+        mask = bool(args.get("mask_truncated", True))
+        exps = episode.turn_experiences(mask) if args.get("step_wise") else [episode.experience(mask)]
         for exp in exps:
             apply_reward(exp, components)
             exp.metrics.update({"tool_calls": float(calls), "turns": float(len(episode.turns))})
             exp.info["episode"] = k
         return exps
+
+
+def warn_unrun(schemas: list[dict], tools: list[Tool]) -> None:
+    """Warn once per name about a taskset tool schema that reaches the template but that no function runs."""
+    names = {t.name for t in tools}
+    for schema in schemas:
+        name = str((schema.get("function") or schema).get("name", "")) if isinstance(schema, dict) else ""
+        if name and name not in names and name not in _WARNED:
+            _WARNED.add(name)
+            log.warning("the taskset's tool %r (format.tools_key) reaches the chat template, but no registered "
+                        "function runs it (workflow_args.tools: %s): the model's calls to it get an 'unknown "
+                        "tool' error", name, sorted(names))
