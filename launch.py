@@ -261,13 +261,14 @@ def plot(summary: dict, path: Path) -> bool:
 
 
 def stages_in_order(cfg: configs.Config) -> Iterator[configs.Config]:
-    """Each stage's resolved config, lazily: a stage starts from the weights the previous stage published
-    last, read when the caller asks for the next stage (after running the previous one)."""
-    previous = None
-    for stage in configs.resolve_stages(cfg):
-        if previous is not None and (weights := sync.latest_weights(previous.checkpoint_job_dir)):
+    """Each stage's resolved config, lazily: a stage starts from the weights the previous stage (or the one its
+    `start_from` names) published last, read when the caller asks for the next stage (after running the previous)."""
+    previous, done = None, {}
+    for spec, stage in zip(cfg.stages or [None], configs.resolve_stages(cfg)):
+        source = done[spec.start_from] if spec and spec.start_from else previous
+        if source is not None and (weights := sync.latest_weights(source.checkpoint_job_dir)):
             stage.model.model_path = str(weights)
-        previous = stage
+        previous = done[spec.stage_name if spec else ""] = stage
         yield stage
 
 

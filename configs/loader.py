@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import difflib
 import logging
+import re
 import types
 import typing
 from pathlib import Path
@@ -347,6 +348,26 @@ def _yaml_bool(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.P
         choices=tuple(w for k in _BOOL_WORDS for w in (k, k.capitalize(), k.upper())))
 
 
+_FILE_SPEC = re.compile(r"(?P<file>[^:]+\.py):(?P<attr>[\w.]+)")
+_SPEC_KEYS = ("default_workflow_type", "default_eval_workflow_type", "default_reward_fn_type")
+
+
+def anchor_files(raw: Any, base: Path) -> Any:
+    """A workflow or reward function named `path/file.py:attr` in a YAML file, with a relative path: resolved against
+    the YAML file's directory `base` (in every section and stage), not the process's working directory (run.sh and
+    the launcher's children run elsewhere); the resolved config then holds the absolute path."""
+    if isinstance(raw, list):
+        return [anchor_files(v, base) for v in raw]
+    if not isinstance(raw, dict):
+        return raw
+    out = {k: anchor_files(v, base) for k, v in raw.items()}
+    for key in _SPEC_KEYS:
+        m = _FILE_SPEC.fullmatch(str(out.get(key) or ""))
+        if m and not Path(m["file"]).is_absolute():
+            out[key] = f"{base / m['file']}:{m['attr']}"
+    return out
+
+
 def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     """Parse `--config FILE [--dry-run] [--section.key VALUE ...]` into a validated (not derived) Config."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -355,7 +376,8 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     known, rest = pre.parse_known_args(argv)
     cfg = Config()
     if known.config:
-        cfg = from_dict(Config, normalize(read_yaml(find_config_file(known.config))))
+        path = find_config_file(known.config)
+        cfg = from_dict(Config, anchor_files(normalize(read_yaml(path)), path.resolve().parent))
     text = (
         f"{description}\n\n--config FILE: a YAML config (a bare name is looked up in configs/). "
         "--dry-run: load, validate and print the resolved config, then exit.\n\n"

@@ -378,6 +378,9 @@ def resolve_stages(cfg: Config) -> list[Config]:
     for i, st in enumerate(cfg.stages):
         if not st.stage_name or st.stage_name in seen:
             raise ConfigError(f"stages[{i}].stage_name must be set and unique, got {st.stage_name!r}")
+        if st.start_from and st.start_from not in seen:
+            raise ConfigError(f"stages[{i}].start_from {st.start_from!r} is not an earlier stage's name (earlier: "
+                              f"{', '.join(sorted(seen)) or 'none'})")
         seen.add(st.stage_name)
         sections = ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")
         override: dict[str, Any] = {k: getattr(st, k) for k in sections}

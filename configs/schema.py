@@ -583,6 +583,9 @@ class StageConfig:
     """Overrides of the global trainer section."""
     model: ArgsDict = _field(dict)
     """Overrides of the global model section (model_path is set to the previous stage's weights)."""
+    start_from: str = ""
+    """stage_name of an earlier stage whose last weights this stage starts from; empty = the previous stage's (e.g.
+    a random-reward control and the run it controls, both from one SFT stage's weights)."""
     synchronizer: ArgsDict = _field(dict)
     """Overrides of the global synchronizer section."""
 

@@ -279,6 +279,14 @@ def test_tool_workflow_step_wise_gives_each_turn_the_episodes_reward(tokenizer):
     assert [e.info["turn"] for e in exps] == [0, 1] and [e.reward for e in exps] == pytest.approx([1.1, 1.1])
 
 
+def test_an_episode_that_ends_on_a_tool_call_gave_no_answer(tokenizer):
+    """At max_turns on a call whose numbers hold the reference (83): scored as "" (no answer), not as the last
+    number of the call."""
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "0 + 83"}}</tool_call>'
+    exps = build_workflow(tool_task(repeat_times=1, workflow_args={"max_turns": 1}), scripted(tokenizer, [call])).run()
+    assert exps[0].reward == pytest.approx(-0.1) and exps[0].metrics["accuracy"] == 0.0
+
+
 def test_tool_workflow_masks_truncated_episodes_unless_told_not_to(tokenizer):
     long = "x " * 200  # runs into max_tokens: the episode is truncated
     task = tool_task(repeat_times=2, rollout_args=GenerationConfig(temperature=1.0, max_tokens=20))

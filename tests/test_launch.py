@@ -117,6 +117,28 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
     assert "[trainer] step 2 actor/" in (run / "sft/log/trainer.log").read_text()
 
 
+def test_a_stage_starts_from_the_weights_of_the_stage_its_start_from_names(tmp_path, tiny_model_dir):
+    """stages [sft, control, rft (start_from: sft)]: control starts from sft's weights as the previous stage, and so
+    does rft, not from the control's; a start_from naming no earlier stage is refused by name."""
+    import launch
+    import sync
+    from configs import ConfigError, cli
+
+    stages = [{"stage_name": "sft"}, {"stage_name": "control"}, {"stage_name": "rft", "start_from": "sft"}]
+    cfg, _ = cli(["--config", str(both_config(tmp_path, tiny_model_dir, stages=stages))])
+    run = tmp_path / "ck" / "p" / "run"
+    started = {}
+    for stage in launch.stages_in_order(cfg):  # each stage "publishes" step 3 before the next one is resolved
+        started[stage.name] = stage.model.model_path
+        sync.weights_path(stage.checkpoint_job_dir, 3).mkdir(parents=True)
+        sync.set_latest(stage.checkpoint_job_dir, 3)
+    sft = str(sync.weights_path(run / "sft", 3))
+    assert started == {"run/sft": tiny_model_dir, "run/control": sft, "run/rft": sft}
+    stages[2]["start_from"] = "rft"
+    with pytest.raises(ConfigError, match=r"stages\[2\].start_from 'rft' is not an earlier stage's name"):
+        list(launch.stages_in_order(cli(["--config", str(both_config(tmp_path, tiny_model_dir, stages=stages))])[0]))
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, request):
     run = tmp_path / "ck" / "p" / "run"

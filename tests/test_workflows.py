@@ -2,6 +2,7 @@
 the countdown safe evaluator, the registries, and each workflow's run() against a scripted fake model."""
 
 import json
+import os
 import re
 import threading
 import time
@@ -289,6 +290,20 @@ def test_empty_answer_forms_state_nothing():
     assert format_reward("<answer></answer>") == {"format_score": -0.1}
 
 
+def test_random_reward_repeats_exactly_per_seed_task_and_run():
+    """The control's coin flips depend on (seed, task, run) only: a rerun of the experiment draws the same rewards,
+    the runs of one group draw their own, and another seed draws others."""
+    def rewards(seed: int, index: int = 0) -> list[float]:
+        task = make_task("math_workflow", "random_reward", reward_fn_args={"seed": seed}, repeat_times=16, index=index)
+        return [e.reward for e in build_workflow(task, FakeModel(["#### 42"] * 16)).run()]
+
+    first = rewards(1)
+    assert rewards(1) == first and 0 < sum(first) < 16  # the same responses, yet not one draw for the group
+    assert rewards(2) != first and rewards(1, index=5) != first
+    with pytest.raises(TypeError, match=r"takes no argument\(s\) \['draw_key'\]"):
+        get_reward_fn("random_reward", draw_key="x")  # the workflow gives it, not the config
+
+
 # --- a user's own workflow and reward function, named in the YAML (no edit of the project)
 
 USER_FILE = '''
@@ -319,6 +334,51 @@ def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
         get_workflow(f"{path}:shout_reward")
     with pytest.raises(TypeError, match=r"takes no argument\(s\) \['loudness'\]"):
         get_reward_fn(f"{path}:shout_reward", loudness=2)
+
+
+EXT_WORKFLOW = '''
+from workflows import Workflow, apply_reward
+
+
+class LengthWorkflow(Workflow):
+    """A user's workflow in a package of their own, outside the repository."""
+
+    def run(self):
+        exps = self.model.chat([{"role": "user", "content": self.task.prompt}], n=self.task.repeat_times)
+        for run, e in enumerate(exps):
+            apply_reward(e, self.reward(e.response_text, run))
+        return exps
+'''
+
+
+def test_user_code_outside_the_repository_runs_in_the_explorer(tmp_path, tiny_model_dir):
+    """explore.py as a user runs it, from the repository: the workflow is `module:attr` of a module found through
+    PYTHONPATH, the reward function `rewards.py:attr` with a path relative to the YAML file's directory (not the
+    working directory); one explore step writes their experiences."""
+    import subprocess
+    import sys
+
+    from buffer import ExperienceDB
+    from test_explore import ROOT, write_config
+
+    (tmp_path / "ext" / "my_ext").mkdir(parents=True)
+    (tmp_path / "ext" / "my_ext" / "__init__.py").write_text("")
+    (tmp_path / "ext" / "my_ext" / "flows.py").write_text(EXT_WORKFLOW)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "rewards.py").write_text("def length(response, reference):\n"
+                                                 "    return {'length': float(len(response))}\n")
+    config = write_config(tmp_path / "cfg", tiny_model_dir, **{
+        "buffer.default_workflow_type": "my_ext.flows:LengthWorkflow",
+        "buffer.default_reward_fn_type": "rewards.py:length",
+        "buffer.total_steps": 1, "buffer.explorer_input.eval_tasksets": []})
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "explore.py", "--config", str(config)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    db = next((tmp_path / "cfg" / "ck").rglob("*.db"))
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        metrics = [json.loads(m)["metrics"] for (m,) in d.query("SELECT meta FROM payloads")]
+    assert len(metrics) == 6 and all(m["length"] >= 0 for m in metrics)  # 3 tasks x 2 runs, scored by rewards.py
 
 
 def test_the_explorer_names_a_workflow_or_reward_fn_that_does_not_exist_before_any_work():

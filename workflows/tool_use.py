@@ -2,7 +2,8 @@
 
 Each of the task's `repeat_times` episodes (workflows/episode.py) runs turn by turn, all episodes' turns sent to the
 engine together: the model replies; `<tool_call>` blocks in its reply are run and their results come back as tool
-messages; a reply without a tool call is the answer, scored by the reward function against the reference. One
+messages; a reply without a tool call is the answer, scored by the reward function against the reference (an
+episode that ends on a tool call, at max_turns or cut off, is scored as no answer, ""). One
 experience per episode (its action mask covers the model's own tokens only), or with `workflow_args.step_wise`
 one per turn, each carrying the episode's reward (for step_wise_grpo).
 
@@ -67,10 +68,11 @@ class ToolWorkflow(Workflow):
         return [exp for k, (e, n) in enumerate(zip(episodes, calls)) for exp in self.score(e, n, k)]
 
     def score(self, episode: Episode, calls: int, k: int) -> list[Experience]:
-        """Episode k's experience(s), rewarded for its last reply (the answer; a tool call if it never answered);
-        info["episode"] = k ties the turns of one episode together (step_wise_grpo)."""
-        args = self.task.workflow_args
-        components = self.reward(episode.messages_text(-1), k)
+        """Episode k's experience(s), rewarded for its last reply: the answer, or "" (no answer) if the episode
+        ended on a tool call (the numbers of a call are no answer); info["episode"] = k ties the turns of one episode
+        together (step_wise_grpo)."""
+        args, last = self.task.workflow_args, episode.messages_text(-1)
+        components = self.reward("" if parse_tool_calls(last) else last, k)
         mask = bool(args.get("mask_truncated", True))
         exps = episode.turn_experiences(mask) if args.get("step_wise") else [episode.experience(mask)]
         for exp in exps:
