@@ -8,7 +8,8 @@
 The DB is one SQLite file in WAL mode, so any number of explorer processes can write while one
 trainer process claims; or, for explorers on other hosts, a PostgreSQL database
 (`postgresql://user:password@host:5432/db`, through psycopg 3: the `postgres` extra) with the same tables,
-the same SQL where it can be the same, and the same semantics. Schema (version SCHEMA_VERSION, stored in `meta`):
+the same SQL where it can be the same, and the same semantics (the connections, and a PostgreSQL connection lost
+under a running process: dbconn.py). Schema (version SCHEMA_VERSION, stored in `meta`):
   - experiences: one row per experience, plain columns that the `sqlite3` CLI shows (explorer,
     model_version, group_id, run_id, task_id, reward, prompt/response length), plus use_count (how
     many train steps used the row), last_claimed (unix time) and dropped_step (the train step whose
@@ -27,18 +28,20 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import sqlite3
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, TypeVar
 
 import safetensors.numpy
 import safetensors.torch
 import torch
 
+# NOTE: the back-ends live in dbconn.py; these names are buffer's too (its users import them from here)
+from dbconn import (DBMismatch, DBUnavailable, PostgresLink, is_postgres, open_sqlite, shown,  # noqa: F401
+                    sqlite_path, transaction)
+
 log = logging.getLogger("nanorft.buffer")
+T = TypeVar("T")
 
 # --- experiences
 
@@ -135,135 +138,6 @@ def unpack(data: bytes) -> list[Experience]:
 # --- the two back-ends: a SQLite file, or a PostgreSQL database
 
 
-class DBMismatch(RuntimeError):
-    """This experience DB cannot be shared with this process: another schema version or another model, another
-    program's data, or a database that cannot be reached."""
-
-
-def is_postgres(url: str) -> bool:
-    return url.startswith(("postgresql://", "postgres://"))
-
-
-def shown(url: str) -> str:
-    """The URL as messages show it: a password in it (user:password@ or ?password=) is replaced by ***."""
-    return re.sub(r"([?&]password=)[^&]*", r"\1***", re.sub(r"^(\w+://[^:/@]*):[^@]*@", r"\1:***@", url))
-
-
-def sqlite_path(url: str) -> str:
-    """'sqlite:///rel.db' -> 'rel.db', 'sqlite:////abs/x.db' -> '/abs/x.db', a plain path as is."""
-    return url.removeprefix("sqlite:///")
-
-
-def refuse_foreign(path: str) -> None:
-    """DBMismatch, before anything is written, when `path` holds something other than an experience DB: a file that
-    is not SQLite, or another program's SQLite database (tables, but no meta table)."""
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return
-    with open(path, "rb") as f:
-        if f.read(16) != b"SQLite format 3\x00":
-            raise DBMismatch(f"{path} is not a SQLite database; point buffer.trainer_input.experience_buffer.path at "
-                             "a new file (nothing was changed)")
-    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # read-only: a foreign file stays as it is
-    try:
-        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-    finally:
-        conn.close()
-    if tables and "meta" not in tables:
-        raise DBMismatch(f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); "
-                         "point buffer.trainer_input.experience_buffer.path at a new file (nothing was changed)")
-
-
-def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
-    """A connection to the SQLite file at `path` (created if missing), in WAL mode."""
-    refuse_foreign(path)
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    # isolation_level=None: autocommit, so the module never opens transactions behind our
-    # back; every write goes through `transaction` (BEGIN IMMEDIATE).
-    conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
-    # WAL: readers never block writers, nor vice versa. NOTE: switching a new file to WAL needs
-    # an exclusive lock, and when several processes open the same new file at once SQLite
-    # answers "database is locked" without waiting (deadlock avoidance), hence the retry.
-    deadline = time.monotonic() + busy_timeout
-    while True:
-        try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            break
-        except sqlite3.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-    # NORMAL: no fsync per commit; the WAL stays consistent, a power cut may lose the last commits.
-    conn.execute("PRAGMA synchronous=NORMAL")
-    return conn
-
-
-def open_postgres(url: str, busy_timeout: float) -> Any:
-    """A psycopg 3 connection in autocommit mode (transactions are opened explicitly), or a DBMismatch that says
-    why there is none."""
-    try:
-        import psycopg
-    except ImportError:
-        raise DBMismatch(f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with "
-                         "pip install -e '.[postgres]'") from None
-    try:
-        return psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(busy_timeout)))
-    except psycopg.Error as e:
-        reason = " ".join(str(e).split())
-        raise DBMismatch(f"cannot open the experience DB {shown(url)} "
-                         f"(buffer.trainer_input.experience_buffer.path): {reason}") from None
-
-
-@contextmanager
-def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
-    """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception.
-
-    IMMEDIATE takes the write lock up front (waiting up to the busy timeout). A plain BEGIN would
-    start as a reader and fail with SQLITE_BUSY at its first write if another process wrote in
-    between, without waiting."""
-    cur = conn.cursor()
-    cur.execute("BEGIN IMMEDIATE")
-    try:
-        yield cur
-        cur.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            cur.execute("ROLLBACK")
-        raise
-
-
-class Qmark:
-    """A psycopg cursor that takes sqlite3's `?` placeholders, in which every statement here is written (psycopg
-    wants %s; no statement here has a literal ? or %)."""
-
-    def __init__(self, cur: Any) -> None:
-        self.cur = cur
-
-    def execute(self, sql: str, args: Any = ()) -> "Qmark":
-        self.cur.execute(sql.replace("?", "%s"), args)
-        return self
-
-    def executemany(self, sql: str, rows: list, returning: bool = False) -> "Qmark":
-        self.cur.executemany(sql.replace("?", "%s"), rows, returning=returning)
-        return self
-
-    def returned(self) -> list:
-        """The first column of each statement's result after executemany(..., returning=True), in order."""
-        out = [self.cur.fetchone()[0]]
-        while self.cur.nextset():
-            out.append(self.cur.fetchone()[0])
-        return out
-
-    def fetchone(self) -> Any:
-        return self.cur.fetchone()
-
-    def fetchall(self) -> list:
-        return self.cur.fetchall()
-
-    def __iter__(self) -> Iterator:
-        return iter(self.cur)
-
-
 # One schema for both back-ends, with their type names filled in. SQLite's REAL is 8 bytes, PostgreSQL's 4: there
 # it is DOUBLE PRECISION (a 4-byte float cannot tell two unix times 100 s apart). The other differences are in
 # ExperienceDB: BEGIN IMMEDIATE vs BEGIN + FOR UPDATE SKIP LOCKED, last_insert_rowid() vs INSERT ... RETURNING id.
@@ -325,9 +199,9 @@ class ExperienceDB:
     """
 
     def __init__(self, url: str, busy_timeout: float = 60.0) -> None:
-        self.url, self.postgres = url, is_postgres(url)
+        self.url, self.postgres, self.busy_timeout = url, is_postgres(url), busy_timeout
         self.path = shown(url) if self.postgres else sqlite_path(url)  # what messages name
-        self.conn = open_postgres(url, busy_timeout) if self.postgres else open_sqlite(self.path, busy_timeout)
+        self.conn = PostgresLink(url, busy_timeout) if self.postgres else open_sqlite(self.path, busy_timeout)
         try:
             self._set_up()
         except DBMismatch:
@@ -340,23 +214,25 @@ class ExperienceDB:
 
     def _set_up(self) -> None:
         """The tables (created if missing) in one transaction, after the schema version and foreign-data checks."""
-        with self.transaction() as cur:
-            if self.postgres:
-                # NOTE: CREATE TABLE IF NOT EXISTS is not safe against itself in PostgreSQL: two processes creating
-                # a table at once can fail on a catalog index. This lock (held to COMMIT) takes turns.
-                cur.execute("SELECT pg_advisory_xact_lock(?)", (SETUP_LOCK,))
-                self._refuse_foreign(cur)
-            cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
-            row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-            if row is not None and row[0] != str(SCHEMA_VERSION):
-                raise DBMismatch(f"{self.path}: experience DB has schema version {row[0]}, this "
-                                 f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
-            for statement in SCHEMA.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
-                cur.execute(statement)
-            cur.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
-                        " ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
+        self._atomic(self._create_tables)
 
-    def _refuse_foreign(self, cur: Qmark) -> None:
+    def _create_tables(self, cur: Any) -> None:
+        if self.postgres:
+            # NOTE: CREATE TABLE IF NOT EXISTS is not safe against itself in PostgreSQL: two processes creating
+            # a table at once can fail on a catalog index. This lock (held to COMMIT) takes turns.
+            cur.execute("SELECT pg_advisory_xact_lock(?)", (SETUP_LOCK,))
+            self._refuse_foreign(cur)
+        cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
+        row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None and row[0] != str(SCHEMA_VERSION):
+            raise DBMismatch(f"{self.path}: experience DB has schema version {row[0]}, this "
+                             f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
+        for statement in SCHEMA.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
+            cur.execute(statement)
+        cur.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)"
+                    " ON CONFLICT (key) DO NOTHING", (str(SCHEMA_VERSION),))
+
+    def _refuse_foreign(self, cur: Any) -> None:
         """PostgreSQL: DBMismatch when the database (its current schema) holds another program's tables, or when the
         URL's search_path names no schema that exists."""
         if cur.execute("SELECT current_schema()").fetchone()[0] is None:
@@ -369,24 +245,20 @@ class ExperienceDB:
                              "buffer.trainer_input.experience_buffer.path at a new database, or at a schema of its "
                              "own with ?options=-csearch_path%3D<schema> (nothing was changed)")
 
-    @contextmanager
-    def transaction(self) -> Iterator[Any]:
-        """A cursor inside one transaction: COMMIT at the end, ROLLBACK on any exception. SQLite: BEGIN IMMEDIATE
-        (the write lock up front); PostgreSQL: BEGIN, row locks taken by the statements (claims: FOR UPDATE SKIP
-        LOCKED)."""
+    def _atomic(self, body: Callable[[Any], T]) -> T:
+        """body(cursor) in one transaction: COMMIT at the end, ROLLBACK on any exception; its result. SQLite: BEGIN
+        IMMEDIATE (the write lock up front); PostgreSQL: BEGIN, row locks taken by the statements (claims: FOR UPDATE
+        SKIP LOCKED), a lost connection handled as dbconn.PostgresLink.run says."""
         if not self.postgres:
             with transaction(self.conn) as cur:
-                yield cur
-            return
-        with self.conn.cursor() as cur, self.conn.transaction():
-            yield Qmark(cur)
+                return body(cur)
+        return self.conn.run(body, atomic=True)
 
     def query(self, sql: str, args: Any = ()) -> list:
         """The rows of one read-only statement (written with `?` placeholders), outside any transaction."""
         if not self.postgres:
             return self.conn.execute(sql, args).fetchall()
-        with self.conn.cursor() as cur:
-            return Qmark(cur).execute(sql, args).fetchall()
+        return self.conn.run(lambda cur: cur.execute(sql, args).fetchall(), atomic=False)
 
     def get_meta(self, key: str) -> str | None:
         rows = self.query("SELECT value FROM meta WHERE key = ?", (key,))
@@ -400,10 +272,12 @@ class ExperienceDB:
         """Store key=value and return the stored value. With overwrite=False an existing value is
         kept and returned, so a caller can compare it with its own (e.g. a model fingerprint)."""
         conflict = "DO UPDATE SET value = excluded.value" if overwrite else "DO NOTHING"
-        with self.transaction() as cur:
-            cur.execute(f"INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) {conflict}",
-                        (key, value))
+
+        def body(cur: Any) -> str:
+            cur.execute(f"INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) {conflict}", (key, value))
             return cur.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()[0]
+
+        return self._atomic(body)
 
     def write(self, exps: list[Experience], meta: dict[str, str] | None = None,
               explorer: tuple[str, dict] | None = None) -> list[int]:
@@ -417,7 +291,8 @@ class ExperienceDB:
         now = time.time()
         rows = [(now, e.explorer, e.model_version, e.group_id, e.run_id, e.task_id, e.reward,
                  e.prompt_length, e.response_length, *serialise(e)) for e in exps]
-        with self.transaction() as cur:
+
+        def body(cur: Any) -> list[int]:
             cur.executemany("INSERT INTO meta (key, value) VALUES (?, ?)"
                             " ON CONFLICT (key) DO UPDATE SET value = excluded.value", list((meta or {}).items()))
             if not rows:
@@ -425,7 +300,9 @@ class ExperienceDB:
             ids = self._insert_experiences(cur, [row[:-2] for row in rows])
             cur.executemany("INSERT INTO payloads (id, tensors, meta) VALUES (?, ?, ?)",
                             [(i, *row[-2:]) for i, row in zip(ids, rows)])
-        return ids
+            return ids
+
+        return self._atomic(body)
 
     def _insert_experiences(self, cur: Any, rows: list[tuple]) -> list[int]:
         """INSERT the rows' plain columns; their ids, in order."""
@@ -487,7 +364,8 @@ class ExperienceDB:
         now = time.time()
         eligible, order, args = which.sql(now)
         lock = " FOR UPDATE SKIP LOCKED" if self.postgres else ""
-        with self.transaction() as cur:
+
+        def body(cur: Any) -> tuple[list[int], list | None]:
             if which.min_version is not None:
                 cur.execute("UPDATE experiences SET dropped_step = ? WHERE use_count = 0 AND dropped_step IS NULL"
                             " AND model_version < ?", (step, which.min_version))
@@ -503,8 +381,9 @@ class ExperienceDB:
             cur.executemany("INSERT INTO claims (exp_id, step, claimed) VALUES (?, ?, ?)",
                             [(i, step, now) for i in ids])
             # NOTE: `IN ()` is an error in PostgreSQL (SQLite takes it)
-            rows = cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall() if ids else []
-        return ids, rows
+            return ids, cur.execute(SELECT_ROWS.format(", ".join("?" * len(ids))), ids).fetchall() if ids else []
+
+        return self._atomic(body)
 
     def get(self, ids: list[int]) -> list[Experience]:
         """The experiences with these row ids, in that order, without claiming them (the trainer's
@@ -520,7 +399,8 @@ class ExperienceDB:
         """Undo the claims (and staleness drops) of train steps > `step`, for a trainer resumed from
         checkpoint `step`: those experiences become claimable again as if never used. Returns the
         claims released."""
-        with self.transaction() as cur:
+
+        def body(cur: Any) -> int:
             released = cur.execute("SELECT exp_id, COUNT(*) FROM claims WHERE step > ?"
                                    " GROUP BY exp_id", (step,)).fetchall()
             cur.execute("DELETE FROM claims WHERE step > ?", (step,))
@@ -530,7 +410,9 @@ class ExperienceDB:
                             " (SELECT MAX(claimed) FROM claims WHERE exp_id = experiences.id)"
                             " WHERE id = ?",
                             [(count, exp_id) for exp_id, count in released])
-        return sum(count for _, count in released)
+            return sum(count for _, count in released)
+
+        return self._atomic(body)
 
     # --- the trainer / explorer handshake: what each side last recorded (their only channel besides weights)
 

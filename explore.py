@@ -22,6 +22,7 @@ retried; explore steps do not overlap; best@k / worst@k are exact over the k run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -29,12 +30,14 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
+import checkpoint
 import configs
 import launch
 import lora
@@ -284,6 +287,11 @@ def check_workflows(cfg: configs.Config) -> None:
     for key in ("tasksets", "eval_tasksets"):
         for i, ts in enumerate(getattr(cfg.buffer.explorer_input, key)):
             where = f"buffer.explorer_input.{key}[{i}] ({ts.name})"
+            runs = cfg.mode != "bench" or key == "eval_tasksets"
+            if runs and not ts.default_workflow_type and not ts.format.workflow_key:
+                raise configs.ConfigError(f"{where}: no workflow runs these tasks: set buffer.default_workflow_type, "
+                                          "the taskset's default_workflow_type (e.g. math_workflow), or a "
+                                          "format.workflow_key column")
             try:
                 if ts.default_workflow_type:
                     get_workflow(ts.default_workflow_type)
@@ -296,8 +304,8 @@ def check_workflows(cfg: configs.Config) -> None:
 def set_up(cfg: configs.Config) -> Explorer:
     """DB and saved position, engine (with the newest published weights), runners, monitor, eval tasks."""
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
-    check_workflows(cfg)
     monitor = Monitor(cfg, role=name)  # first: it opens the log file that set-up's records go to
+    check_workflows(cfg)
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
     tokenizer = config_tokenizer(cfg.model)
@@ -425,11 +433,46 @@ def sync_weights(x: Explorer) -> tuple[int | None, dict[str, float]]:
     (checkpoint). (None to go on, or the exit code to stop with; metrics)."""
     if x.cfg.synchronizer.sync_method == "nccl":
         want = sync.weights_needed(x.step, x.cfg)
-        if not want:
+        if not want or x.engine.model_version >= want:  # a restart may have loaded them already (resume_weights)
             return None, {}
         code, metrics = receive(x, want)
         return code or None, metrics
     return load_newer(x)
+
+
+def resume_weights(x: Explorer) -> int | None:
+    """Mode both, an explorer restarted after step s: before its first rollout, the weights of the last sync point
+    up to s (version w), which it may not have received before it stopped. The trainer restarts at its checkpoint R:
+    up to min(w, R) from the files it publishes at its resume (waited for: the pointer may be a killed run's, or not
+    there yet); past R the versions it sends (process group, one by one up to w) or publishes as it retrains.
+    None to go on, or the exit code to stop with."""
+    job, s = x.cfg.checkpoint_job_dir, x.cfg.synchronizer
+    want = next((w for k in range(x.step, 0, -1) if (w := sync.weights_needed(k, x.cfg))), 0)
+    resumed = sync.read_pointer(Path(job, checkpoint.CKPT_POINTER))
+    for target in (min(want, resumed), want):
+        if x.engine.model_version >= target:
+            continue
+        if s.sync_method == "nccl" and target > resumed:
+            try:
+                while x.engine.model_version < target:  # the retrained versions, in the order the trainer sends them
+                    if take_weights(x) is None:
+                        why, code = "the trainer finished and sent stop", 1
+                        break
+            except sync.SyncError as err:
+                why, code = str(err), 1
+            if x.engine.model_version >= target:
+                continue
+        else:
+            version, why, code = wait_for_trainer(job, x.db, target, x.step, s.sync_timeout)
+            if version:
+                load_published(x.engine, job, version)
+                continue
+        (log.error if code else log.info)("explorer %s restarted after step %d: no weights of step %d: %s; "
+                                          "stopping.", x.cfg.explorer.name, x.step, target, why)
+        return code
+    log.info("explorer %s restarted after step %d with the weights of step %d", x.cfg.explorer.name, x.step,
+             x.engine.model_version)
+    return None
 
 
 def finish(x: Explorer, code: int) -> int:
@@ -456,6 +499,9 @@ def explore(cfg: configs.Config) -> int:
     """Explore mode (and the explorer half of mode both); returns the exit code."""
     x = set_up(cfg)
     x.monitor.total = x.steps
+    # --- a restart in mode both: first the weights the interrupted sync point would have given
+    if x.step and cfg.mode == "both" and (stop := resume_weights(x)) is not None:
+        return finish(x, stop)
     # --- eval on startup (step 0 only: not again on restart)
     if x.step == 0 and cfg.explorer.eval_on_startup and x.eval_sets:
         x.monitor.log(evaluate(x.pool, x.handles, cfg, x.eval_sets), step=0)
@@ -488,23 +534,45 @@ def explore(cfg: configs.Config) -> int:
     return finish(x, code)
 
 
-def bench(cfg: configs.Config) -> int:
-    """Evaluate the starting model, or every published checkpoint (the newest only with bench_on_latest_checkpoint)."""
+def bench_targets(cfg: configs.Config) -> list[tuple[int, str]]:
+    """What bench mode evaluates: (step, weights) of every checkpoint, the newest only with
+    bench_on_latest_checkpoint: its HF folder, or a LoRA checkpoint's adapter alone (lora_adapter/, merged when its
+    turn comes: `bench_weights`); without any, (0, the starting model)."""
     job = Path(cfg.checkpoint_job_dir)
-    steps = sorted(int(p.parent.parent.name.split("_")[-1]) for p in job.glob("global_step_*/actor/huggingface"))
-    if cfg.explorer.bench_on_latest_checkpoint:
-        steps = steps[-1:]
-    targets = [(s, str(sync.weights_path(job, s))) for s in steps] or [(0, base_weights(cfg))]
+    found = sync.step_folders(job, f"actor/{lora.ADAPTER_DIR}")
+    found |= sync.step_folders(job, "actor/huggingface")  # merged, where there is one
+    steps = sorted(found)[-1:] if cfg.explorer.bench_on_latest_checkpoint else sorted(found)
+    return [(s, str(found[s])) for s in steps] or [(0, base_weights(cfg))]
+
+
+@contextlib.contextmanager
+def bench_weights(cfg: configs.Config, path: str) -> Iterator[str]:
+    """An HF folder of bench_targets' `path`: itself, or for a LoRA adapter, model.model_path with it merged
+    (lora.merged_folder) in a temporary folder of the job directory, deleted once the engine has loaded it."""
+    if Path(path).name != lora.ADAPTER_DIR:
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=".bench-merged-", dir=cfg.checkpoint_job_dir) as tmp:
+        log.info("%s: an adapter-only LoRA checkpoint, merged into %s for the evaluation", path, cfg.model.model_path)
+        yield str(lora.merged_folder(load_model(cfg.model.model_path), path, config_tokenizer(cfg.model),
+                                     Path(tmp, "huggingface")))
+
+
+def bench(cfg: configs.Config) -> int:
+    """Evaluate the starting model, or every checkpoint (the newest only with bench_on_latest_checkpoint)."""
+    monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")  # first: it opens the log file set-up's records go to
+    targets = bench_targets(cfg)
     check_workflows(cfg)
     rm = cfg.explorer.rollout_model
-    engine = make_engine(rm, targets[0][1], rm.max_model_len, cfg.model.repetition_penalty)
+    with bench_weights(cfg, targets[0][1]) as first:
+        engine = make_engine(rm, first, rm.max_model_len, cfg.model.repetition_penalty)
     handles = [with_extras(cfg, rollout_handle(cfg, engine, config_tokenizer(cfg.model)))]
     pool = ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner")
     eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
-    monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")
     for s, path in targets:
         if s != targets[0][0]:
-            engine.load_weights(path, version=s)
+            with bench_weights(cfg, path) as folder:
+                engine.load_weights(folder, version=s)
         metrics = evaluate(pool, handles, cfg, eval_sets, prefix="bench")
         monitor.log(metrics, step=s)
         shown = {k: round(v, 4) for k, v in metrics.items() if "/mean@" in k or "tokens_per_s" in k}

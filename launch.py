@@ -43,8 +43,8 @@ from typing import Callable, Iterator, TextIO
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
-from monitor import (CONSOLE, Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline,
-                     log_to_file, numbers_of, read_history)
+from monitor import (CONSOLE, Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline, holds_secret,
+                     log_to_file, numbers_of, prepare_mlflow, read_history)
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
@@ -330,6 +330,9 @@ def run_stage(stage: configs.Config, side: str) -> int:
     job.mkdir(parents=True, exist_ok=True)
     file_log = log_to_file(str(job), f"launch_{side}" if side else "launch")  # log/launch.log
     config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
+    if holds_secret(stage):  # a password or key in it (the processes read it): for its owner's eyes only
+        config_file.touch(mode=0o600)
+        config_file.chmod(0o600)
     config_file.write_text(configs.to_yaml(stage))
     log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
     if others := other_nodes(stage, config_file):
@@ -410,6 +413,11 @@ def run(cfg: configs.Config) -> int:
         cfg = fresh_name(cfg)
         for stage in configs.resolve_stages(cfg):  # every stage valid, with the GPUs it needs, before anything starts
             commands(stage, Path())
+    except configs.ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    try:  # monitor_type mlflow: one store for the run, its experiment created once, before any process starts
+        prepare_mlflow(configs.resolve_stages(cfg), run_dir(cfg, configs.resolve_stages(cfg)))
     except configs.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,8 @@ linear layers, W + (alpha / r) B A, instead of W itself; everything outside the 
     save_adapter(actor, folder, state)    # peft's format: adapter_config.json + adapter_model.safetensors
     ref = WithoutAdapter(actor)           # the reference model: the actor with its adapter switched off
     merged_folder(model, saved, tokenizer, folder)   # the explorer's start when training starts from a saved adapter
+    rewind_pointer(actor, tokenizer, job, step)      # every rank, at a resume: the pointer at the checkpoint's
+                                                     # weights (merged and published first where missing)
 
 Trinity-RFT's keys (model.lora_configs, one adapter), and where nanorft departs from it:
 - The engines get merged weights (W + s B A under W's own name, in the engine's dtype), by checkpoint or over the
@@ -21,7 +23,9 @@ Trinity-RFT's keys (model.lora_configs, one adapter), and where nanorft departs 
   Starting from a saved adapter (lora_configs[0].path), the reference is still the base without it (veRL's too).
 - A checkpoint holds the adapter alone (global_step_N/actor/lora_adapter, peft's format) and its optimizer state; a
   resume rebuilds model.model_path + that adapter. The merged HF folder is there when the step was also published
-  (checkpoint sync, and always the last step), as the explorers, bench mode and the next stage need it.
+  (checkpoint sync, and always the last step), as the explorers, bench mode and the next stage need it; a resume
+  from a step without it publishes it first (`rewind_pointer`: a restarted explorer loads the pointer's folder),
+  bench mode merges an adapter-only step itself, and scripts/convert.py --base turns one into an HF folder.
 - A new adapter is peft's (A Kaiming-uniform, B = 0: the first step starts exactly at the base), drawn from a fixed
   seed so that every rank draws the same; no dropout (the first update's old and current log-probs must agree).
 - Only plain LoRA on linear layers is merged here: an adapter with DoRA, LoRA biases, fan-in-fan-out layers, embedding
@@ -165,6 +169,23 @@ def send_model(link: sync.WeightLink | None, scorer: Any, version: int, dtype: t
     return sync.send_weights(link, version, specs, (state[n] for n, _, _ in specs))
 
 
+def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int) -> None:
+    """A trainer resumed from checkpoint `step` points latest_state_dict_iteration.txt at that step's HF folder (rank
+    0), for an explorer (re)starting from the pointer. A LoRA checkpoint may lack the folder (the step was checkpointed,
+    not published: process-group sync, or checkpoint sync between sync points): the merged weights are published
+    first (sync.publish_hf: the folder complete before the pointer moves). Every rank calls it (the gather is a
+    collective)."""
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if getattr(scorer, "adapter", None) is None or sync.weights_path(job_dir, step).is_dir():
+        if rank0:
+            sync.set_latest(job_dir, step)
+        return
+    weights = full_state(scorer)
+    if rank0:
+        sync.publish_hf(scorer.model, tokenizer, job_dir, step, state_dict=weights)
+        log.info("checkpoint step %d holds the adapter alone: its merged weights published for the explorer", step)
+
+
 def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:
     """The adapter's A and B, full, on rank 0's CPU ({} elsewhere), named as in the HF model. Every rank calls it:
     gathering a sharded tensor is a collective."""
@@ -205,9 +226,20 @@ class WithoutAdapter(torch.nn.Module):
             return self.actor(mb, entropy, entropy_grad)
 
 
-def merged_folder(model: torch.nn.Module, saved: str, tokenizer: Any, folder: Path) -> Path:
-    """An HF folder of `model` with the saved adapter merged in by peft itself (merge_and_unload): the weights an
-    explorer starts from when training starts from a saved adapter (the trainer starts from base + adapter)."""
+def merged_model(model: torch.nn.Module, saved: str) -> torch.nn.Module:
+    """`model` (the base) with the adapter saved at `saved` merged in by peft itself (merge_and_unload): a plain
+    model again. DataError when `saved` is not an adapter peft can put on this model."""
     from peft import PeftModel  # NOTE: here, as in wrap
 
-    return sync.save_hf(PeftModel.from_pretrained(model, saved).merge_and_unload(), tokenizer, folder)
+    try:
+        return PeftModel.from_pretrained(model, saved).merge_and_unload()
+    except (ValueError, KeyError, RuntimeError) as e:  # peft: no adapter_config.json, modules or shapes that differ
+        raise DataError(f"the LoRA adapter at {saved} does not fit {getattr(model, 'name_or_path', 'the model')}: "
+                        f"{' '.join(str(e).split())[:500]}") from e
+
+
+def merged_folder(model: torch.nn.Module, saved: str, tokenizer: Any, folder: Path) -> Path:
+    """An HF folder of `model` with the saved adapter merged in (`merged_model`): the weights an explorer starts from
+    when training starts from a saved adapter (the trainer starts from base + adapter), or a bench of an
+    adapter-only checkpoint."""
+    return sync.save_hf(merged_model(model, saved), tokenizer, folder)

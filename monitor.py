@@ -15,7 +15,8 @@ Every metric goes to three places:
 - `monitor.monitor_type`: tensorboard (`<job dir>/monitor/tensorboard/<role>/`), wandb (project =
   `project`, run = `<name>_<role>`, as Trinity-RFT names them; offline in `<job dir>/monitor/` when no
   API key is set, so a run never blocks on a login), mlflow (experiment = `project`, run = `<name>_<role>`; a
-  local file store unless a tracking URI is given: `MlflowSink`), or none.
+  local file store unless a tracking URI is given: `MlflowSink`), or none. wandb and mlflow get the resolved
+  config with its passwords and keys hidden (`redacted`).
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
 perf/max_memory_allocated_gb).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -33,6 +35,7 @@ import re
 import resource
 import sys
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
@@ -40,6 +43,8 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from buffer import shown
+from configs.checks import ConfigError
 from configs.resolve import CONSOLE
 from configs.schema import Config
 
@@ -72,7 +77,7 @@ class Monitor:
             if args.get("base_url"):
                 os.environ["WANDB_BASE_URL"] = args["base_url"]
             self.wandb = wandb.init(project=cfg.project, name=f"{cfg.name}_{role}".replace("/", "_"), dir=str(self.dir),
-                                    mode=mode, config=dataclasses.asdict(cfg), reinit="create_new")
+                                    mode=mode, config=redacted(cfg), reinit="create_new")
             log.info("wandb run %s (%s) in %s", self.wandb.name, mode, self.dir)
         elif kind == "mlflow":
             self.mlflow = MlflowSink(cfg, role, self.dir)
@@ -122,29 +127,18 @@ class Monitor:
 
 
 class MlflowSink:
-    """monitor_type mlflow: experiment = `project`, run = `<name>_<role>`, the resolved config as the run's
-    config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a file store in <job dir>/monitor/
-    mlruns: a run never waits on a server), username / password (else MLFLOW_TRACKING_USERNAME / _PASSWORD).
+    """monitor_type mlflow: experiment = `project`, run = `<name>_<role>`, the resolved config (`redacted`) as the
+    run's config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a file store in <job dir>/monitor/
+    mlruns: a run never waits on a server; under the launcher, <run dir>/monitor/mlruns for every stage:
+    `prepare_mlflow`), username / password (else MLFLOW_TRACKING_USERNAME / _PASSWORD).
     mlflow refuses some characters in metric names (`@` of `mean@1`): they become `_` (`mlflow_key`)."""
 
     def __init__(self, cfg: Config, role: str, folder: Path) -> None:
-        try:
-            from mlflow.tracking import MlflowClient
-        except ImportError as e:
-            raise ImportError("monitor_type mlflow needs mlflow: pip install -e '.[mlflow]'") from e
-        args = cfg.monitor.monitor_args
-        for key, env in (("username", "MLFLOW_TRACKING_USERNAME"), ("password", "MLFLOW_TRACKING_PASSWORD")):
-            if args.get(key):
-                os.environ[env] = str(args[key])
-        uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or (folder / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a local file store
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(uri)
-        found = self.client.get_experiment_by_name(cfg.project)
-        experiment = found.experiment_id if found else self.client.create_experiment(cfg.project)
+        self.client, uri = mlflow_client(cfg, folder)
+        experiment = mlflow_experiment(self.client, uri, cfg.project)
         self.run = self.client.create_run(experiment, run_name=f"{cfg.name}_{role}".replace("/", "_")).info.run_id
-        self.client.log_dict(self.run, json.loads(json.dumps(dataclasses.asdict(cfg), default=str)), "config.json")
-        log.info("mlflow run %s (experiment %s) at %s", self.run, cfg.project, uri)
+        self.client.log_dict(self.run, json.loads(json.dumps(redacted(cfg), default=str)), "config.json")
+        log.info("mlflow run %s (experiment %s) at %s", self.run, cfg.project, shown(uri))
 
     def log(self, numbers: dict[str, float], step: int) -> None:
         from mlflow.entities import Metric
@@ -156,6 +150,92 @@ class MlflowSink:
 
     def close(self) -> None:
         self.client.set_terminated(self.run)
+
+
+def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:
+    """(MlflowClient, tracking URI) as MlflowSink's docstring says; monitor_args' username / password go to mlflow's
+    environment variables (its client reads them there)."""
+    try:
+        from mlflow.tracking import MlflowClient
+    except ImportError as e:
+        raise ImportError("monitor_type mlflow needs mlflow: pip install -e '.[mlflow]'") from e
+    args = cfg.monitor.monitor_args
+    for key, env in (("username", "MLFLOW_TRACKING_USERNAME"), ("password", "MLFLOW_TRACKING_PASSWORD")):
+        if args.get(key):
+            os.environ[env] = str(args[key])
+    uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or (folder / "mlruns").resolve().as_uri()
+    if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a local file store
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return MlflowClient(uri), uri
+
+
+def mlflow_experiment(client: Any, uri: str, name: str) -> str:
+    """The id of experiment `name`, created if missing. NOTE: get-then-create races when two processes start at
+    once: on a server the loser's create fails (RESOURCE_ALREADY_EXISTS) and it looks the experiment up again; a
+    local file store does not check names atomically (two experiments of one name), so there the two steps hold a
+    lock file beside the store. The launcher creates it before any process starts (`prepare_mlflow`) anyway."""
+    from mlflow.exceptions import MlflowException
+
+    with contextlib.ExitStack() as stack:
+        if uri.startswith("file:"):
+            store = Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+            store.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(store.parent / f".{store.name}.lock", "a"))
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        found = client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return client.create_experiment(name)
+        except MlflowException:  # another process created it a moment ago: take that one
+            found = client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+
+def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
+    """The launcher, once per run, before it starts any process: with monitor_type mlflow, the experiment of each
+    stage's project is created here (the processes then only find it), and without a tracking URI (monitor_args.uri,
+    MLFLOW_TRACKING_URI) every stage logs to one local file store, <run dir>/monitor/mlruns, which the processes are
+    given in MLFLOW_TRACKING_URI. ConfigError when mlflow is not installed or its tracking store cannot be used."""
+    for stage in stages:
+        if stage.monitor.monitor_type != "mlflow":
+            continue
+        try:
+            client, uri = mlflow_client(stage, Path(run_dir, "monitor"))
+        except ImportError as e:
+            raise ConfigError(f"monitor.monitor_type mlflow: {e}") from None
+        if not stage.monitor.monitor_args.get("uri"):
+            os.environ["MLFLOW_TRACKING_URI"] = uri
+        try:
+            mlflow_experiment(client, uri, stage.project)
+        except Exception as e:  # mlflow's own errors, or the network's: the message names the cause
+            raise ConfigError(f"monitor.monitor_args.uri (or MLFLOW_TRACKING_URI) {shown(uri)}: cannot create the "
+                              f"experiment {stage.project!r}: {' '.join(str(e).split())[:500]}") from None
+
+
+SECRET = re.compile(r"(password|passwd|secret|api_?key|access_?key|token)$", re.I)  # the keys whose values are hidden
+
+
+def redacted(value: Any) -> Any:
+    """A config (or any part of one) as plain data, with its secrets replaced by *** for the copies that leave the
+    process (the wandb and mlflow runs' config): the value of a key named like a secret (monitor_args' password /
+    api_key, an env_vars entry such as OPENAI_API_KEY or HF_TOKEN), and a password in a URL (a postgresql:// DB URL:
+    buffer.shown)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: "***" if isinstance(k, str) and SECRET.search(k) and v not in (None, "") else redacted(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v) for v in value) if type(value) in (list, tuple) else value
+    return shown(value) if isinstance(value, str) and "://" in value else value
+
+
+def holds_secret(cfg: Config) -> bool:
+    """Whether `redacted` hides anything of this config (its file is then for its owner's eyes only)."""
+    return redacted(cfg) != dataclasses.asdict(cfg)
 
 
 def mlflow_key(key: str) -> str:

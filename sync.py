@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -59,6 +60,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
+
+from tasksets import DataError
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
@@ -126,7 +129,7 @@ def prune_published(job_dir: str | Path, newest: int) -> list[int]:
     `newest` (a killed run's, before its resume rewound the pointer) are left to be replaced. Returns the steps
     deleted."""
     job = Path(job_dir)
-    published = sorted(s for s in (step_of(p) for p in job.glob("global_step_*/actor/huggingface")) if s < newest)
+    published = sorted(s for s in step_folders(job, "actor/huggingface") if s < newest)
     gone = [s for s in published[:-1] if not (job / f"global_step_{s}" / "actor" / "trainer_state.json").exists()]
     for s in gone:
         shutil.rmtree(job / f"global_step_{s}", ignore_errors=True)
@@ -139,7 +142,7 @@ def in_use(job_dir: str | Path) -> set[int]:
     newest = latest_version(job_dir)
     if not newest:
         return set()
-    before = [s for s in (step_of(p) for p in Path(job_dir).glob("global_step_*/actor/huggingface")) if s < newest]
+    before = [s for s in step_folders(job_dir, "actor/huggingface") if s < newest]
     return {newest, *([max(before)] if before else [])}
 
 
@@ -147,12 +150,41 @@ def step_of(hf_folder: Path) -> int:
     return int(hf_folder.parent.parent.name.removeprefix("global_step_"))
 
 
-def latest_version(job_dir: str | Path) -> int:
-    """The newest published step, 0 when nothing is published yet."""
+STEP_FOLDER = re.compile(r"global_step_(\d+)")
+
+
+def step_folders(job_dir: str | Path, inside: str) -> dict[int, Path]:
+    """step -> <job dir>/global_step_<step>/<inside>, for each such path that exists. A folder named otherwise
+    (global_step_3_damaged, global_step_2.bak: set aside by hand) holds no step of this run and is left out."""
+    out = {}
+    for path in Path(job_dir).glob(f"global_step_*/{inside}"):
+        match = STEP_FOLDER.fullmatch(path.relative_to(job_dir).parts[0])
+        if match:
+            out[int(match.group(1))] = path
+    return out
+
+
+def read_pointer(path: Path) -> int:
+    """The step a pointer file (latest_state_dict_iteration.txt, latest_checkpointed_iteration.txt) names; 0 when
+    there is none (or it is empty); a DataError naming the file when it holds anything but a step number."""
     try:
-        return int(Path(job_dir, POINTER).read_text().strip() or 0)
+        text = path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         return 0
+    except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable bytes, ...
+        raise DataError(f"{path}: cannot be read as a step number ({e}); move it away (the run starts afresh, or "
+                        "from the checkpoint its pointer names)") from None
+    if not text:
+        return 0
+    if not text.isdigit():
+        raise DataError(f"{path}: holds {text[:40]!r}, not a step number; write the step of a complete "
+                        "global_step_<N> folder into it, or move it away")
+    return int(text)
+
+
+def latest_version(job_dir: str | Path) -> int:
+    """The newest published step, 0 when nothing is published yet."""
+    return read_pointer(Path(job_dir, POINTER))
 
 
 def latest_weights(job_dir: str | Path) -> Path | None:

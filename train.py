@@ -148,11 +148,16 @@ def set_up(cfg: configs.Config) -> Parts | None:
     None (after a message) when the run directory has checkpoints and continue_from_checkpoint is false."""
     rank, world, device = setup_distributed()
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
+    # first: it opens log/<trainer.name>.log, where set-up's own records (a damaged checkpoint skipped, a bad
+    # taskset) go too; rank 0 only (the other ranks log to the console alone)
+    monitor = Monitor(cfg, role=t.name) if rank == 0 else None
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
     resume = checkpoint.latest_checkpoint(job)
     if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
         log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
                   "or choose another name (the explorer and trainer must share one)", job, resume)
+        if monitor is not None:
+            monitor.close()
         return None
     tokenizer = config_tokenizer(cfg.model)
     pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
@@ -174,7 +179,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
               critic, adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
               pieces, {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")}, source, source.total_steps(),
               resume, {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
-              None, Monitor(cfg, role=t.name) if rank == 0 else None)
+              None, monitor)
     resume_state(p)
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
         # NOTE: NCCL cannot join two ranks on one GPU: a colocated explorer gets the weights through host memory
@@ -204,8 +209,8 @@ def resume_state(p: Parts) -> None:
         saved = checkpoint.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
         adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
+        lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)  # LoRA: the merged weights first, where missing
         if p.rank == 0:
-            sync.set_latest(job, p.resume)
             log.info("resumed from checkpoint step %d of %s", p.resume, job)
     if p.rank == 0 and not p.source.units:
         # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
@@ -237,6 +242,12 @@ def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[l
     fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
     plan = [micro_batches(batch, mine[k::n_mini], t.max_token_len_per_gpu, fixed) for k in range(n_mini)]
     return batch, plan
+
+
+def recut(batch: dict, plan: list, fixed: int) -> list[list[list[list[int]]]]:
+    """The same mini-batches cut into micro-batches of `fixed` sequences each (the critic's
+    trainer.critic.micro_batch_size_per_gpu when use_dynamic_bsz is off). The update is exact whatever the cut."""
+    return [micro_batches(batch, [u for micro in mini for u in micro], 0, fixed) for mini in plan]
 
 
 def all_sum(x: torch.Tensor, p: Parts) -> torch.Tensor:
@@ -367,8 +378,9 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
         lr = lr_at(step, dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1,
                                              lr_scheduler_type="constant",
                                              lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio), p.total)
-        sums, critic_norms, _ = optimize(p, p.critic, p.critic_optim, batch, plan, critic_loss, a.loss_agg_mode,
-                                         lr, t.critic.grad_clip, "critic/", step)
+        critic_plan = plan if t.use_dynamic_bsz else recut(batch, plan, t.critic.micro_batch_size_per_gpu)
+        sums, critic_norms, _ = optimize(p, p.critic, p.critic_optim, batch, critic_plan, critic_loss,
+                                         a.loss_agg_mode, lr, t.critic.grad_clip, "critic/", step)
         sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / p.world, "critic/lr": lr / p.world}
     if p.critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
         mode = getattr(p.pieces["policy_loss_fn"][1], "AGG", a.loss_agg_mode)  # a loss with a fixed aggregation says so

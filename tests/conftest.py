@@ -30,13 +30,18 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(out / "tiny-qwen2")
 
 
+def in_ci() -> bool:
+    """Whether these tests run under CI (the CI variable set, as CI services set it; CI=false, 0, no or empty: not)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 @pytest.fixture(scope="session")
 def postgres():
     """A PostgreSQL server for the session (tests/pgserver.py). Where none can start, the PostgreSQL cases are
     skipped with the reason, except under CI, which installs the server: there they fail."""
     why = pgserver.missing()
     if why:
-        if os.environ.get("CI"):
+        if in_ci():
             pytest.fail(f"CI must run the experience DB tests on PostgreSQL too: {why}")
         pytest.skip(why)
     with pgserver.PostgresServer() as pg:

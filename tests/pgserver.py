@@ -5,6 +5,7 @@ deleted when the server stops.
     with PostgresServer() as pg:
         url = pg.database("t1")        # postgresql://nanorft@/t1?host=/tmp/nanorft-pg-xxxx: a new, empty database
         ...
+        pg.halt(); pg.resume()         # a server restart (the data kept): every connection is lost
 
 As root (CI containers), the server runs as the `postgres` user (created by Debian's package), else `nobody`:
 postgres refuses to run as root. `fast=True` turns fsync off (tests); benchmarks keep the defaults.
@@ -73,16 +74,31 @@ class PostgresServer:
         self.dir = tempfile.mkdtemp(prefix="nanorft-pg-")
         if self.user:
             shutil.chown(self.dir, self.user)
-        data = os.path.join(self.dir, "data")
-        self._run([find("initdb"), "-D", data, "-U", ADMIN, "-A", "trust", "-E", "UTF8", "--locale=C", "--no-sync"])
+        self._run([find("initdb"), "-D", os.path.join(self.dir, "data"), "-U", ADMIN, "-A", "trust", "-E", "UTF8",
+                   "--locale=C", "--no-sync"])
+        self._launch()
+        return self
+
+    def _launch(self) -> None:
+        """The server process on the data directory; returns once it accepts connections. NOTE: call it from a thread
+        that outlives the server: PR_SET_PDEATHSIG fires when the *thread* that started it ends."""
         settings = ["-c", "listen_addresses=", "-c", f"unix_socket_directories={self.dir}", "-c", "max_connections=200"]
         if self.fast:
             settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
-        log = open(os.path.join(self.dir, "server.log"), "w")
-        self.proc = subprocess.Popen([find("postgres"), "-D", data, *settings], stdout=log, stderr=subprocess.STDOUT,
-                                     user=self.user, start_new_session=True, preexec_fn=_stop_with_parent)
+        with open(os.path.join(self.dir, "server.log"), "a") as log:
+            self.proc = subprocess.Popen([find("postgres"), "-D", os.path.join(self.dir, "data"), *settings],
+                                         stdout=log, stderr=subprocess.STDOUT, user=self.user, start_new_session=True,
+                                         preexec_fn=_stop_with_parent)
         self._wait_ready()
-        return self
+
+    def halt(self) -> None:
+        """Stop the server process (a fast shutdown: every session is ended), keeping its data; `resume` starts it
+        again (tests of lost connections)."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=30)
+
+    def resume(self) -> None:
+        self._launch()
 
     def _run(self, cmd: list[str]) -> None:
         out = subprocess.run(cmd, user=self.user, capture_output=True, text=True, cwd=self.dir)

@@ -1,4 +1,6 @@
-"""scripts/convert.py: HF folders from nanorft checkpoints (any dtype) and from veRL / Trinity-RFT FSDP rank shards."""
+"""scripts/convert.py: HF folders from nanorft checkpoints (any dtype, and LoRA adapters alone merged into --base) and
+from veRL / Trinity-RFT FSDP rank shards (1-D meshes, and hybrid sharding's 2-D ones); weights that do not fit the
+model named, nothing written."""
 
 import os
 import shutil
@@ -39,16 +41,20 @@ def test_a_nanorft_checkpoint_in_bf16_loads_in_plain_transformers(tmp_path, tiny
     assert load_tokenizer(str(tmp_path / "hf")).encode("2 + 3") == load_tokenizer(tiny_model_dir).encode("2 + 3")
 
 
-def save_rank_shards(rank: int, world: int, port: int, model_dir: str, actor: str) -> None:
-    """What veRL / Trinity-RFT's FSDP checkpoint writes: each rank's state dict of DTensor shards."""
+def save_rank_shards(rank: int, world: int, port: int, model_dir: str, actor: str, replicas: int = 1) -> None:
+    """What veRL / Trinity-RFT's FSDP checkpoint writes: each rank's state dict of DTensor shards. replicas > 1:
+    hybrid sharding (fsdp_size = world / replicas), FSDP2 on a 2-D (ddp, fsdp) mesh: (Replicate, Shard(0))."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("ddp", "fsdp")) if replicas > 1 \
+        else None
     model = load_model(model_dir)
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     torch.save(model.state_dict(), Path(actor, f"model_world_size_{world}_rank_{rank}.pt"))
     dist.destroy_process_group()
 
@@ -73,3 +79,82 @@ def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, w
     (actor / f"model_world_size_{world}_rank_1.pt").unlink()
     with pytest.raises(ValueError, match=rf"world size {world}, but the files of rank\(s\) \[1\] are missing"):
         convert(actor, tmp_path / "hf2")
+
+
+def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model_dir):
+    """fsdp_size < world size (veRL / Trinity's hybrid sharding): a (ddp, fsdp) mesh of 2 x 2 ranks saved with
+    (Replicate, Shard(0)); the first 2 ranks' files make the exact model; the replica's files are not needed.
+    (Uneven shards: the 1-D test's world 3; the same concatenation.)"""
+    fsdp = 2
+    world = 2 * fsdp
+    actor = tmp_path / "global_step_5" / "actor"
+    actor.mkdir(parents=True)
+    mp.spawn(save_rank_shards, args=(world, free_port(), tiny_model_dir, str(actor), 2), nprocs=world, join=True)
+    shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    for r in range(fsdp, world):  # the second copy
+        (actor / f"model_world_size_{world}_rank_{r}.pt").unlink()
+    convert(actor, tmp_path / "hf")
+    got, want = weights(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), weights(load_model(tiny_model_dir))
+    assert set(got) == set(want)
+    for name, t in want.items():
+        assert torch.equal(got[name], t), name
+    (actor / f"model_world_size_{world}_rank_1.pt").unlink()
+    with pytest.raises(ValueError, match=rf"world size {world}, but the files of rank\(s\) \[1\] are missing"):
+        convert(actor, tmp_path / "hf2")
+
+
+def run_convert(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/convert.py", *map(str, args)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_a_lora_adapter_alone_is_merged_into_the_base(tmp_path, tiny_model_dir):
+    """A nanorft LoRA checkpoint without merged weights (global_step_N/actor/lora_adapter): without --base a named
+    error; with it, the weights lora.merge computes for the engines (W + s B A), loadable by plain transformers."""
+    import lora
+    from configs.schema import LoRAConfig
+
+    hf = load_model(tiny_model_dir)
+    adapter = lora.wrap(hf, LoRAConfig(lora_rank=4, lora_alpha=8), "")
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, q in hf.named_parameters():
+            if ".lora_B." in name:  # a new adapter has B = 0: the merge would change nothing
+                q.copy_(torch.randn(q.shape, generator=g) * 0.05)
+    want = lora.merge({k: v.detach().clone() for k, v in hf.state_dict().items()}, adapter.scaling)
+    actor = tmp_path / "global_step_3" / "actor"
+    adapter.peft.save_pretrained(str(actor / lora.ADAPTER_DIR))
+    out = run_convert(actor, "--out", tmp_path / "hf")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "holds a LoRA adapter alone (lora_adapter/): name the base model it was trained on " \
+           "(model.model_path) with --base MODEL" in out.stderr and not (tmp_path / "hf").exists()
+    out = run_convert(actor, "--out", tmp_path / "hf", "--base", tiny_model_dir)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = weights(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32))
+    assert set(got) == set(want)
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+    base = weights(load_model(tiny_model_dir))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert (got[q] - base[q]).abs().max() > 1e-3  # the adapter did move it
+    assert load_tokenizer(str(tmp_path / "hf")).encode("2 + 3") == load_tokenizer(tiny_model_dir).encode("2 + 3")
+
+
+def test_weights_that_do_not_fit_the_model_are_named_and_nothing_is_written(tmp_path, tiny_model_dir):
+    """An extra tensor, or a missing one, in the checkpoint: the command names it and exits 2 (load_state_dict with
+    strict=False would drop the one and leave the other uninitialised)."""
+    import safetensors.torch
+
+    model = load_model(tiny_model_dir)
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    for name, broken in (("extra", {**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+                         ("missing", {k: v for k, v in state.items() if k != "model.norm.weight"})):
+        actor = tmp_path / name / "global_step_1" / "actor"
+        sync.save_hf(model, load_tokenizer(tiny_model_dir), actor / "huggingface")
+        safetensors.torch.save_file(broken, actor / "huggingface" / "model.safetensors")
+        out = run_convert(actor, "--out", tmp_path / name / "hf")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert not (tmp_path / name / "hf").exists()
+        if name == "extra":
+            assert "1 weight(s) that a qwen2 model has no place for: ['model.layers.0.mlp.extra.weight']" in out.stderr
+        else:
+            assert "the checkpoint has no weights for 1 of the model's tensors: ['model.norm.weight']" in out.stderr

@@ -233,7 +233,8 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     assert trainer.wait(timeout=60) == 0, trainer.stdout.read()[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
     assert [v for _, _, v, _ in db_rows(tmp_path)] == [0] * 6 + [1] * 6 + [2] * 6
-    # a restart for 3 more steps: this trainer sends one version (at the sync point after step 4), then stop
+    # a restart for 3 more steps: this trainer (restarted without a checkpoint) sends one version, then stop; the
+    # explorer, restarted after step 3, waits for version 3 before its first rollout (explore.resume_weights)
     config = write_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 6})
     trainer = subprocess.Popen([sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -258,3 +259,75 @@ def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny
         "buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"}))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"{db} is not a SQLite database" in out.stderr and db.read_bytes() == b"some notes\n"
+
+
+# --- a restart in mode both: the weights of the interrupted sync point first (explore.resume_weights)
+
+
+class VersionEngine:
+    """The engine surface resume_weights uses: model_version, and load_weights recording what came."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.model_version, self.loaded = version, []
+
+    def load_weights(self, source, version: int) -> None:
+        self.loaded.append((version, "folder" if isinstance(source, str) else "group"))
+        self.model_version = version
+
+
+def restarted(tmp_path: Path, db_url: str, step: int, method: str, engine: VersionEngine):
+    """An Explorer as set_up leaves it after a restart after `step` (sync_interval 1: it needs the weights of
+    `step`); its job directory has a checkpoint pointer at step 1."""
+    from types import SimpleNamespace
+
+    from buffer import ExperienceDB
+
+    cfg = SimpleNamespace(checkpoint_job_dir=str(tmp_path), explorer=SimpleNamespace(name="explorer"),
+                          synchronizer=SimpleNamespace(sync_method=method, sync_interval=1, sync_offset=0,
+                                                       sync_timeout=60),
+                          buffer=SimpleNamespace(batch_size=2, train_batch_size=4),
+                          algorithm=SimpleNamespace(repeat_times=2))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1\n")
+    return SimpleNamespace(cfg=cfg, db=ExperienceDB(db_url), step=step, engine=engine, receiver=None)
+
+
+def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tiny_model_dir):
+    """Checkpoint sync, restarted after step 2, the trainer's checkpoint at 1: no rollout on the base model; it waits
+    for the folder the trainer publishes at its resume (1), then for the one it retrains (2)."""
+    import threading
+
+    import sync
+    from models import load_model
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", VersionEngine())
+    publish = [threading.Timer(0.3 * k, lambda k=k: sync.publish_hf(model, tok, tmp_path, step=k)) for k in (1, 2)]
+    for t in publish:
+        t.start()
+    assert explore.resume_weights(x) is None
+    for t in publish:
+        t.join()
+    assert x.engine.model_version == 2 and x.engine.loaded[-1] == (2, "folder")
+    x.engine = VersionEngine(2)  # already there: nothing to wait for or load
+    assert explore.resume_weights(x) is None and x.engine.loaded == []
+
+
+def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir):
+    """Process-group sync, restarted after step 3, the trainer's checkpoint at 1 (published at its resume): the
+    folder of 1, then versions 2 and 3 as the trainer sends them, in order, before the first rollout."""
+    import threading
+
+    import sync
+    from models import load_model
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    sync.publish_hf(model, tok, tmp_path, step=1)
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "nccl", VersionEngine())
+    sender = sync.open_sender(tmp_path, "cpu", 60)
+    sending = threading.Thread(target=lambda: [sync.send_model(sender, model, v) for v in (2, 3)])
+    sending.start()
+    assert explore.resume_weights(x) is None
+    sending.join(60)
+    sync.close_sender(sender, grace=0.1)
+    assert x.engine.loaded == [(1, "folder"), (2, "group"), (3, "group")]
+    assert explore.sync_weights(x) == (None, {})  # step 3's sync point: its weights are there, nothing to wait for

@@ -3,6 +3,11 @@
 one rank == two ranks, the reference model without the adapter, and an explorer starting from a saved adapter."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,7 @@ import train
 from configs import Config, ConfigError, cli, from_dict, normalize, resolve_stages
 from configs.schema import LoRAConfig, OptimizerConfig, TrainerConfig
 from conftest import plain_logprobs
-from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
+from test_launch import ROOT, both_config, launch, rollout_logprob_gap, versions_by_step
 from test_train import experiences, run_train, sft_config, straight_and_resumed
 
 LORA = {"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}]}
@@ -319,3 +324,61 @@ def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_mode
 
     kl = [r["actor/kl_loss"] for r in read_history(run / "monitor" / "trainer.jsonl")]
     assert abs(kl[0]) < 1e-7 and kl[2] > 1e-6, kl
+
+
+def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_model_dir):
+    """Process-group sync publishes no HF folder until the last step, so checkpoint step 2 holds the adapter alone.
+    The whole run (launcher, trainer, explorer) is SIGKILLed while the trainer waits right after saving step 2, then
+    relaunched: the trainer writes step 2's merged weights before pointing the explorer at them, the explorer
+    starts from them (no 'Repo id' error), and step 3 is sampled from exactly base + the step-2 adapter."""
+    config = both_config(tmp_path, tiny_model_dir, **LORA, **{
+        "synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "algorithm.optimizer.lr": 1e-2,
+        "buffer.total_steps": 4, "continue_from_checkpoint": True})
+    run, marker = tmp_path / "ck" / "p" / "run", tmp_path / "paused"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
+           "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    with open(tmp_path / "first.txt", "w") as err:  # a file, not a pipe: a full pipe would block the run
+        proc = subprocess.Popen([sys.executable, "launch.py", "--config", str(config)], cwd=ROOT, env=env,
+                                stdout=err, stderr=err, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), (tmp_path / "first.txt").read_text()[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both its processes
+    proc.wait()
+    assert (run / "global_step_2" / "actor" / "lora_adapter").is_dir()
+    assert not (run / "global_step_2" / "actor" / "huggingface").exists()  # adapter only: nothing was published
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "resumed from checkpoint step 2" in out.stderr and "Repo id" not in out.stderr
+    db = run / "buffer" / "exp.db"
+    assert versions_by_step(db) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    merged = lora.merged_folder(plain(tiny_model_dir), str(run / "global_step_2" / "actor" / "lora_adapter"),
+                                models.load_tokenizer(tiny_model_dir), tmp_path / "merged2")
+    assert rollout_logprob_gap(db, 2, merged) < 1e-4
+    assert rollout_logprob_gap(db, 2, Path(tiny_model_dir)) > 1e-3
+
+
+def test_bench_evaluates_adapter_only_checkpoints_merged(tmp_path, tiny_model_dir):
+    """Bench mode on a LoRA run: step 1's checkpoint holds the adapter alone, step 2's the merged folder too; both are
+    evaluated, step 1 as model.model_path + its adapter (merged in a temporary folder, gone afterwards)."""
+    from test_explore import run_explorer, write_config
+
+    out = run_train(sft_config(tmp_path, tiny_model_dir, **LORA, **{"trainer.save_interval": 1}))
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "t"
+    adapter = job / "global_step_1" / "actor" / "lora_adapter"
+    assert not (adapter.parent / "huggingface").exists()
+    config = write_config(tmp_path, tiny_model_dir, name="t")
+    (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
+    assert explore.bench_targets(cfg) == [(1, str(adapter)), (2, str(job / "global_step_2/actor/huggingface"))]
+    with explore.bench_weights(cfg, str(adapter)) as folder:
+        peft_model = PeftModel.from_pretrained(plain(tiny_model_dir), str(adapter)).eval()
+        ids = torch.arange(3, 60)
+        assert (logits(plain(folder), ids) - logits(peft_model, ids)).abs().max().item() < 1e-5
+        assert (logits(plain(folder), ids) - logits(plain(tiny_model_dir), ids)).abs().max().item() > 1e-3
+    assert not Path(folder).exists()
+    out = run_explorer(config, "--mode", "bench")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"bench step 1 ({adapter}): " in out.stdout and "bench step 2 (" in out.stdout
+    assert not list(job.glob(".bench-merged-*"))

@@ -1,9 +1,14 @@
-"""Monitor: the console line, the JSONL history, tensorboard events and an offline wandb run, read back."""
+"""Monitor: the console line, the JSONL history, tensorboard events, an offline wandb run and an mlflow file store,
+read back; secrets hidden from the copies of the config they get; one mlflow experiment however many processes
+create it at once."""
 
+import dataclasses
 import io
 import logging
+import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,3 +184,137 @@ def test_preview_puts_the_lowest_and_highest_reward_samples_in_the_history_and_l
     assert read_history(tmp_path / "job/monitor/trainer.jsonl")[0]["preview/highest"] == shown["preview/highest"]
     assert "[trainer] preview/lowest: reward -1 | 'q-1.0' -> 'a-1.0'" in (tmp_path / "job/log/trainer.log").read_text()
     assert "preview" not in capsys.readouterr().err  # the console keeps its short line
+
+
+SECRETS = {"monitor.monitor_args": {"password": "hunter2", "username": "me"},
+           "buffer.trainer_input.experience_buffer.path": "postgresql://rft:s3cret@db-host:5432/rft",
+           "explorer.env_vars": {"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk-xyz", "PLAIN": "kept"}}
+
+
+def with_secrets(tmp_path, kind: str) -> Config:
+    cfg = config(tmp_path, kind)
+    cfg.monitor.monitor_args = dict(SECRETS["monitor.monitor_args"])
+    cfg.buffer.trainer_input.experience_buffer.path = SECRETS["buffer.trainer_input.experience_buffer.path"]
+    cfg.explorer.env_vars = dict(SECRETS["explorer.env_vars"])
+    return cfg
+
+
+def test_redacted_hides_passwords_keys_and_url_passwords_only():
+    from monitor import holds_secret, redacted
+
+    cfg = Config()
+    assert redacted(cfg) == dataclasses.asdict(cfg) and not holds_secret(cfg)  # nothing secret: nothing changed
+    cfg.monitor.monitor_args = {"password": "hunter2", "api_key": "k", "uri": "https://u:pw@mlflow.example"}
+    cfg.buffer.trainer_input.experience_buffer.path = "postgresql://rft:s3cret@db/rft?sslmode=require"
+    cfg.explorer.env_vars = {"HF_TOKEN": "hf_abc", "AWS_SECRET_ACCESS_KEY": "a", "PLAIN": "kept"}
+    out = redacted(cfg)
+    assert out["monitor"]["monitor_args"] == {"password": "***", "api_key": "***",
+                                              "uri": "https://u:***@mlflow.example"}
+    assert out["buffer"]["trainer_input"]["experience_buffer"]["path"] == "postgresql://rft:***@db/rft?sslmode=require"
+    assert out["explorer"]["env_vars"] == {"HF_TOKEN": "***", "AWS_SECRET_ACCESS_KEY": "***", "PLAIN": "kept"}
+    assert out["buffer"]["trainer_input"]["experience_buffer"]["format"]["prompt_key"] == "prompt"  # a *_key: kept
+    assert holds_secret(cfg) and cfg.monitor.monitor_args["password"] == "hunter2"  # the config itself unchanged
+
+
+def test_the_config_that_mlflow_and_wandb_get_has_its_secrets_hidden(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for env in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):  # MlflowSink sets them from monitor_args
+        monkeypatch.delenv(env, raising=False)
+    mon = Monitor(with_secrets(tmp_path / "m", "mlflow"), role="trainer")
+    mon.close()
+    client = MlflowClient((tmp_path / "m/job/monitor/mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("nanorft").experiment_id])
+    saved = (Path(client.download_artifacts(run.info.run_id, "config.json", str(tmp_path)))).read_text()
+    assert '"password": "***"' in saved and "postgresql://rft:***@db-host:5432/rft" in saved
+    assert '"PLAIN": "kept"' in saved
+    for secret in ("hunter2", "s3cret", "hf_abc", "sk-xyz"):
+        assert secret not in saved
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    mon = Monitor(with_secrets(tmp_path / "w", "wandb"), role="trainer")
+    assert mon.wandb.config["monitor"]["monitor_args"]["password"] == "***"
+    mon.close()
+    written = [p for p in (tmp_path / "w/job/monitor/wandb").rglob("*") if p.is_file()]
+    assert written and not any(s.encode() in p.read_bytes() for p in written for s in ("hunter2", "s3cret", "hf_abc"))
+
+
+def _create(uri: str, name: str, barrier) -> str:
+    from mlflow.tracking import MlflowClient
+
+    from monitor import mlflow_experiment
+
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    barrier.wait()
+    return mlflow_experiment(MlflowClient(uri), uri, name)
+
+
+def test_processes_creating_the_experiment_at_once_make_one(tmp_path):
+    """A file store checks names without a lock: four processes that get-or-create one experiment at the same moment
+    must find one experiment, the same id in each."""
+    import multiprocessing
+
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        barrier = manager.Barrier(4)
+        with ctx.Pool(4) as pool:
+            ids = pool.starmap(_create, [(uri, "p", barrier)] * 4)
+    assert len(set(ids)) == 1
+    named = [e for e in MlflowClient(uri).search_experiments() if e.name == "p"]
+    assert [e.experiment_id for e in named] == ids[:1]
+
+
+def test_a_create_that_loses_the_race_takes_the_winners_experiment():
+    """On a server the second create fails with RESOURCE_ALREADY_EXISTS: the experiment is looked up again."""
+    from mlflow.exceptions import MlflowException
+
+    from monitor import mlflow_experiment
+
+    class Server:
+        def __init__(self):
+            self.made = None
+
+        def get_experiment_by_name(self, name):
+            return self.made
+
+        def create_experiment(self, name):
+            self.made = type("Experiment", (), {"experiment_id": "7"})()  # another process, a moment before
+            raise MlflowException("RESOURCE_ALREADY_EXISTS: experiment p already exists")
+
+    assert mlflow_experiment(Server(), "http://127.0.0.1:5000", "p") == "7"
+
+
+def test_launcher_run_with_mlflow_one_store_one_experiment_every_run_finished(tmp_path, tiny_model_dir, monkeypatch):
+    """Two stages (a bench, then GRPO in mode both) with monitor_type mlflow and no tracking URI: one file store for
+    the run (<run dir>/monitor/mlruns, none per stage), one experiment made by the launcher, a FINISHED run per
+    process with its metrics. A stage's config.yaml keeps the real secret (the processes need it) but only its owner
+    may read it; mlflow's copy hides it."""
+    from mlflow.tracking import MlflowClient
+    from test_launch import both_config, launch
+
+    config = both_config(tmp_path, tiny_model_dir, **{
+        "monitor.monitor_type": "mlflow", "buffer.total_steps": 2, "explorer.env_vars": {"HF_TOKEN": "hf_abc"},
+        "stages": [{"stage_name": "base", "mode": "bench"}, {"stage_name": "rl"}]})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    out = launch(config, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    assert not list(run.glob("*/monitor/mlruns"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store too
+    client = MlflowClient((run / "monitor" / "mlruns").as_uri())
+    assert [e.name for e in client.search_experiments() if e.name != "Default"] == ["p"]
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("p").experiment_id])}
+    assert set(runs) == {"run_base_explorer_bench", "run_rl_trainer", "run_rl_explorer"}
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+    assert "bench/arith_test/accuracy/mean_1" in runs["run_base_explorer_bench"].data.metrics
+    assert "rollout/reward/mean" in runs["run_rl_explorer"].data.metrics
+    assert [m.step for m in client.get_metric_history(runs["run_rl_trainer"].info.run_id, "actor/pg_loss")] == [1, 2]
+    saved = Path(client.download_artifacts(runs["run_rl_trainer"].info.run_id, "config.json", str(tmp_path)))
+    assert '"HF_TOKEN": "***"' in saved.read_text() and "hf_abc" not in saved.read_text()
+    stage_config = run / "rl" / "config.yaml"
+    assert "HF_TOKEN: hf_abc" in stage_config.read_text() and stage_config.stat().st_mode & 0o777 == 0o600

@@ -11,7 +11,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 # NOTE: configs/schema.py is not here: it is the schema's dataclasses with a docstring under every field (STYLE 6)
-BUDGETS = {"train.py": 600, "explore.py": 600, "launch.py": 600, "buffer.py": 600, "sync.py": 600, "models.py": 600,
+BUDGETS = {"train.py": 600, "explore.py": 600, "launch.py": 600, "buffer.py": 600, "dbconn.py": 600, "sync.py": 600, "models.py": 600,
            "engines.py": 600, "source.py": 600, "tasksets.py": 600, "lora.py": 600, "checkpoint.py": 600,
            "monitor.py": 600, "openai_api.py": 600, "vllm_engine.py": 600, "tiny.py": 600, "configs/loader.py": 600,
            "configs/resolve.py": 600, "configs/checks.py": 600, "algos/*.py": 150, "workflows/*.py": 250}

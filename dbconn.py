@@ -1,0 +1,260 @@
+"""dbconn.py: the experience DB's two back-ends below buffer.py's ExperienceDB: a SQLite file (WAL, BEGIN
+IMMEDIATE) or a PostgreSQL database through psycopg 3 (`PostgresLink`, which outlives a server restart where that is
+safe); the URL forms; the errors that name what is wrong with a DB.
+
+    conn = open_sqlite("runs/x/buffer.db", busy_timeout=60)      # with transaction(conn) as cur: ...
+    link = PostgresLink("postgresql://user@host/db", 60)         # link.run(lambda cur: ..., atomic=True)
+
+A PostgreSQL connection can be lost under a running process: a server restart, a failover, a network cut, an
+administrator's pg_terminate_backend. `PostgresLink.run` opens it again (waiting up to the busy timeout for the server
+to come back) and runs the work once more where that cannot do it twice: a read, or a transaction the server rolled
+back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown), lost
+again, or a lock waited for past the busy timeout (`lock_timeout`) raise DBUnavailable, a named error (no traceback):
+the process stops, and a restart continues from what the DB holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import sqlite3
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
+
+log = logging.getLogger("nanorft.buffer")
+T = TypeVar("T")
+
+
+class DBMismatch(RuntimeError):
+    """This experience DB cannot be shared with this process: another schema version or another model, another
+    program's data, or a database that cannot be reached."""
+
+
+class DBUnavailable(DBMismatch):
+    """The PostgreSQL server stopped serving this process: the connection was lost (a server restart, a network cut,
+    pg_terminate_backend) and could not be opened again within the busy timeout, or was lost while a transaction
+    committed (committed or not: unknown), or a lock was waited for past the busy timeout. Restart the process once the
+    server is back: what it committed is in the DB, and it continues from there."""
+
+
+def is_postgres(url: str) -> bool:
+    return url.startswith(("postgresql://", "postgres://"))
+
+
+def shown(url: str) -> str:
+    """The URL as messages show it: a password in it (user:password@ or ?password=) is replaced by ***."""
+    return re.sub(r"([?&]password=)[^&]*", r"\1***", re.sub(r"^(\w+://[^:/@]*):[^@]*@", r"\1:***@", url))
+
+
+def sqlite_path(url: str) -> str:
+    """'sqlite:///rel.db' -> 'rel.db', 'sqlite:////abs/x.db' -> '/abs/x.db', a plain path as is."""
+    return url.removeprefix("sqlite:///")
+
+
+_NEW = "point buffer.trainer_input.experience_buffer.path at a new file (nothing was changed)"
+
+
+def refuse_foreign(path: str) -> None:
+    """DBMismatch, before anything is written, when `path` cannot hold this experience DB: a directory, a path under
+    a file, a file that is not SQLite, a damaged one (garbage after the header, cut short), or another program's
+    SQLite database (tables but no meta table, or a meta table of other columns)."""
+    if os.path.isdir(path):
+        raise DBMismatch(f"{path} is a directory; {_NEW}")
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
+    if parent and not os.path.isdir(parent):
+        raise DBMismatch(f"{path}: {parent} is a file, not a folder; {_NEW}")
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb") as f:
+        head = f.read(100)
+    if head[:16] != b"SQLite format 3\x00":
+        raise DBMismatch(f"{path} is not a SQLite database; {_NEW}")
+    page = int.from_bytes(head[16:18], "big") or 65536  # the header's page size (1 means 65536) and page count
+    pages, valid = int.from_bytes(head[28:32], "big"), head[24:28] == head[92:96]
+    # NOTE: not while a -wal file is there: a checkpoint in progress may write page 1 (the new size) first
+    if len(head) < 100 or (valid and os.path.getsize(path) < page * pages and not os.path.exists(path + "-wal")):
+        raise DBMismatch(f"{path} is a damaged SQLite database: cut short ({os.path.getsize(path)} bytes, its header "
+                         f"says {page * pages}); {_NEW}")
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # read-only: a foreign file stays as it is
+        try:
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            meta = {r[1]: r[5] for r in conn.execute("PRAGMA table_info(meta)")}  # column -> part of the primary key
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed", ...
+        raise DBMismatch(f"{path} is a damaged SQLite database ({e}); {_NEW}") from None
+    if tables and "meta" not in tables:
+        raise DBMismatch(f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); "
+                         f"{_NEW}")
+    if "meta" in tables and (meta.get("key") != 1 or "value" not in meta):
+        raise DBMismatch(f"{path} is a SQLite database of another program (its meta table has the columns "
+                         f"{', '.join(meta)}, not key (primary) and value); {_NEW}")
+
+
+def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
+    """A connection to the SQLite file at `path` (created if missing), in WAL mode."""
+    refuse_foreign(path)
+    try:
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        # isolation_level=None: autocommit, so the module never opens transactions behind our
+        # back; every write goes through `transaction` (BEGIN IMMEDIATE).
+        conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
+        conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # NOTE: connect() alone opens no file yet
+    except (OSError, sqlite3.Error) as e:  # a read-only place (/proc), no permission, ...
+        raise DBMismatch(f"cannot open or create the experience DB {path} ({e}): point "
+                         "buffer.trainer_input.experience_buffer.path at a file in a folder this process may write"
+                         ) from None
+    # WAL: readers never block writers, nor vice versa. NOTE: switching a new file to WAL needs
+    # an exclusive lock, and when several processes open the same new file at once SQLite
+    # answers "database is locked" without waiting (deadlock avoidance), hence the retry.
+    deadline = time.monotonic() + busy_timeout
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            break
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+    # NORMAL: no fsync per commit; the WAL stays consistent, a power cut may lose the last commits.
+    conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def open_postgres(url: str, busy_timeout: float) -> Any:
+    """A psycopg 3 connection in autocommit mode (transactions are opened explicitly), or a DBMismatch that says
+    why there is none."""
+    try:
+        import psycopg
+    except ImportError:
+        raise DBMismatch(f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with "
+                         "pip install -e '.[postgres]'") from None
+    try:
+        conn = psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(busy_timeout)))
+        # NOTE: a statement waiting for a lock (another session's, or a dead one's the server has not noticed yet)
+        # fails after the busy timeout, as SQLite's does, instead of hanging the process
+        conn.execute(f"SET lock_timeout = {max(1, round(busy_timeout * 1000))}")
+        return conn
+    except psycopg.Error as e:
+        raise DBMismatch(f"cannot open the experience DB {shown(url)} "
+                         f"(buffer.trainer_input.experience_buffer.path): {_reason(e)}") from None
+
+
+def _reason(e: Exception) -> str:
+    """An error's message on one line (psycopg's span several)."""
+    return " ".join(str(e).split())
+
+
+@contextmanager
+def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
+    """BEGIN IMMEDIATE ... COMMIT, ROLLBACK on any exception.
+
+    IMMEDIATE takes the write lock up front (waiting up to the busy timeout). A plain BEGIN would
+    start as a reader and fail with SQLITE_BUSY at its first write if another process wrote in
+    between, without waiting."""
+    cur = conn.cursor()
+    cur.execute("BEGIN IMMEDIATE")
+    try:
+        yield cur
+        cur.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            cur.execute("ROLLBACK")
+        raise
+
+
+class Qmark:
+    """A psycopg cursor that takes sqlite3's `?` placeholders, in which every statement here is written (psycopg
+    wants %s; no statement here has a literal ? or %)."""
+
+    def __init__(self, cur: Any) -> None:
+        self.cur = cur
+
+    def execute(self, sql: str, args: Any = ()) -> "Qmark":
+        self.cur.execute(sql.replace("?", "%s"), args)
+        return self
+
+    def executemany(self, sql: str, rows: list, returning: bool = False) -> "Qmark":
+        self.cur.executemany(sql.replace("?", "%s"), rows, returning=returning)
+        return self
+
+    def returned(self) -> list:
+        """The first column of each statement's result after executemany(..., returning=True), in order."""
+        out = [self.cur.fetchone()[0]]
+        while self.cur.nextset():
+            out.append(self.cur.fetchone()[0])
+        return out
+
+    def fetchone(self) -> Any:
+        return self.cur.fetchone()
+
+    def fetchall(self) -> list:
+        return self.cur.fetchall()
+
+    def __iter__(self) -> Iterator:
+        return iter(self.cur)
+
+
+class PostgresLink:
+    """A psycopg 3 connection (autocommit; transactions opened explicitly) that is opened again when it is lost."""
+
+    def __init__(self, url: str, busy_timeout: float) -> None:
+        self.url, self.path, self.busy_timeout = url, shown(url), busy_timeout
+        self.conn = open_postgres(url, busy_timeout)
+
+    def run(self, body: Callable[[Any], T], atomic: bool) -> T:
+        """body(cursor) on the connection (in one transaction if `atomic`); its result. A connection lost
+        before COMMIT (the server rolled the transaction back), or during a read outside any transaction, is opened
+        again (`_reopen`) and body runs once more. DBUnavailable when it was lost at COMMIT (committed or not is
+        unknown: never run twice), lost again, or when a lock was waited for past the busy timeout."""
+        import psycopg
+
+        retried = False
+        while True:
+            if self.conn.closed:
+                self.conn = self._reopen()
+            committing = False
+            try:
+                with self.conn.cursor() as cur, self.conn.transaction() if atomic else contextlib.nullcontext():
+                    out = body(Qmark(cur))
+                    committing = atomic
+                return out
+            except psycopg.errors.LockNotAvailable as e:
+                raise DBUnavailable(f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
+                                    f"holds ({_reason(e)})") from None
+            except psycopg.OperationalError as e:
+                if not self.conn.broken:
+                    raise
+                if committing or retried:
+                    raise DBUnavailable(f"{self.path}: the connection to the PostgreSQL server was lost "
+                                        f"{'while a transaction committed' if committing else 'again'} ({_reason(e)})"
+                                        "; restart once the server is back") from None
+                log.warning("%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path,
+                            _reason(e))
+                retried = True
+
+    def _reopen(self) -> Any:
+        """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds)."""
+        deadline = time.monotonic() + self.busy_timeout
+        while True:
+            try:
+                conn = open_postgres(self.url, max(1.0, deadline - time.monotonic()))
+                log.info("%s: connected again", self.path)
+                return conn
+            except DBMismatch as e:
+                if time.monotonic() >= deadline:
+                    raise DBUnavailable(f"{self.path}: the connection to the PostgreSQL server was lost and could not "
+                                        f"be opened again in {self.busy_timeout:g} s: {e}") from None
+                time.sleep(0.5)
+
+    def close(self) -> None:
+        self.conn.close()
+
+
