@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 import lora
-from sync import full_state, in_use, save_hf, step_of, weights_path, write_atomic
+from sync import full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.checkpoint")
@@ -101,18 +101,20 @@ def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: 
 
 
 def checkpoint_steps(job: Path) -> list[int]:
-    return [step_of(p) for p in job.glob("global_step_*/actor/trainer_state.json")]
+    return list(step_folders(job, "actor/trainer_state.json"))
 
 
 def latest_checkpoint(job: str | Path) -> int:
     """The step of the newest complete, undamaged checkpoint, 0 when there is none. A checkpoint whose files do not
     match its manifest is skipped with a warning naming the file (and left in place); DataError when every
     checkpoint is damaged."""
-    try:
-        newest = int(Path(job, CKPT_POINTER).read_text().strip() or 0)
-    except FileNotFoundError:
+    newest = read_pointer(Path(job, CKPT_POINTER))
+    if not newest:
         return 0
     steps = sorted((s for s in checkpoint_steps(Path(job)) if s <= newest), reverse=True)
+    if not steps:
+        raise DataError(f"{Path(job, CKPT_POINTER)} names step {newest}, and {job} has no checkpoint up to it (no "
+                        "global_step_<N>/actor/trainer_state.json); move the pointer away to start afresh")
     for step in steps:
         damage = check_manifest(Path(job, f"global_step_{step}"))
         if not damage:
@@ -141,8 +143,12 @@ def check_manifest(folder: Path) -> str:
     except FileNotFoundError:
         log.warning("%s has no %s (written by an older nanorft): its files cannot be checked", folder, MANIFEST)
         return ""
-    except json.JSONDecodeError:
-        return f"{folder / MANIFEST} is not valid JSON"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:  # a directory, bytes, ...
+        return f"{folder / MANIFEST} cannot be read as JSON ({e})"
+    shape = isinstance(entries, dict) and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and
+                                              isinstance(v[1], str) for v in entries.values())
+    if not shape:
+        return f"{folder / MANIFEST} is not a manifest (a mapping of file -> [size, sha256])"
     for name, (size, digest) in entries.items():
         path = folder / name
         if not path.is_file():

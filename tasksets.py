@@ -88,8 +88,7 @@ def read_rows(path: str, subset_name: str | None = None, split: str = "train") -
                 ds = datasets.load_dataset(_BUILDERS.get(f.suffix, "json"), data_files=str(f), split="train")
                 rows += [(str(f), i, row) for i, row in enumerate(ds)]  # NOTE: bad bytes surface here, not above
             except Exception as e:  # datasets / pyarrow / pandas errors name neither the file nor the line
-                where = bad_line(f) if f.suffix == ".jsonl" else ""
-                raise DataError(f"{f}: {where or f'cannot be read ({type(e).__name__}: {str(e)[:300]})'}") from None
+                raise DataError(f"{f}: {unreadable(f, e)}") from None
         return rows
     try:
         ds = datasets.load_dataset(path, subset_name, split=split)
@@ -99,6 +98,40 @@ def read_rows(path: str, subset_name: str | None = None, split: str = "train") -
             f"(subset {subset_name!r}, split {split!r}) failed: {type(e).__name__}: {e}"
         ) from e
     return [(f"hub:{path}", i, row) for i, row in enumerate(ds)]
+
+
+def unreadable(f: Path, e: Exception) -> str:
+    """Why `datasets` could not read file `f` (its error `e`): no rows, the line that is not JSON, or the error
+    underneath its own (DatasetGenerationError says only that one occurred)."""
+    with open(f, "rb") as fh:
+        if not any(line.strip() for line in fh):
+            return "empty: no rows"
+    if f.suffix in (".jsonl", ".json"):
+        where = bad_line(f) if f.suffix == ".jsonl" else bad_json(f)
+        if where:
+            return where
+    seen = [e]
+    while (e.__cause__ or e.__context__) is not None and (e.__cause__ or e.__context__) not in seen:
+        e = e.__cause__ or e.__context__  # type: ignore[assignment]
+        seen.append(e)
+    return f"cannot be read ({type(e).__name__}: {' '.join(str(e).split())[:300]})"
+
+
+def bad_json(f: Path) -> str:
+    """'line N: why' for a .json file that is not one JSON document: JSON lines (`datasets` reads both) are checked
+    line by line (`bad_line`); '' when it is valid JSON."""
+    try:
+        json.loads(f.read_text(encoding="utf-8"))
+        return ""
+    except UnicodeDecodeError:
+        return bad_line(f)
+    except json.JSONDecodeError as e:
+        first = next((line for line in f.read_text(encoding="utf-8").splitlines() if line.strip()), "")
+        try:
+            lines = isinstance(json.loads(first), dict)  # a first line that is an object alone: JSON lines
+        except json.JSONDecodeError:
+            lines = False
+        return bad_line(f) if lines else f"line {e.lineno}: not valid JSON ({e.msg} at column {e.colno})"
 
 
 def bad_line(f: Path) -> str:
@@ -113,7 +146,7 @@ def bad_line(f: Path) -> str:
             if not text.strip():
                 continue
             try:
-                value = json.loads(text)
+                value = json.loads(text.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 return f"line {n}: not valid JSON ({e.msg} at column {e.colno})"
             if not isinstance(value, dict):

@@ -148,9 +148,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
     None (after a message) when the run directory has checkpoints and continue_from_checkpoint is false."""
     rank, world, device = setup_distributed()
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
-    # first: it opens log/<trainer.name>.log, where set-up's own records (a damaged checkpoint skipped, a bad
-    # taskset) go too; rank 0 only (the other ranks log to the console alone)
-    monitor = Monitor(cfg, role=t.name) if rank == 0 else None
+    monitor = Monitor(cfg, role=t.name) if rank == 0 else None  # first: log/<name>.log gets set-up's records too
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
     resume = checkpoint.latest_checkpoint(job)
     if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
@@ -242,12 +240,6 @@ def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[l
     fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
     plan = [micro_batches(batch, mine[k::n_mini], t.max_token_len_per_gpu, fixed) for k in range(n_mini)]
     return batch, plan
-
-
-def recut(batch: dict, plan: list, fixed: int) -> list[list[list[list[int]]]]:
-    """The same mini-batches cut into micro-batches of `fixed` sequences each (the critic's
-    trainer.critic.micro_batch_size_per_gpu when use_dynamic_bsz is off). The update is exact whatever the cut."""
-    return [micro_batches(batch, [u for micro in mini for u in micro], 0, fixed) for mini in plan]
 
 
 def all_sum(x: torch.Tensor, p: Parts) -> torch.Tensor:
@@ -378,7 +370,9 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
         lr = lr_at(step, dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1,
                                              lr_scheduler_type="constant",
                                              lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio), p.total)
-        critic_plan = plan if t.use_dynamic_bsz else recut(batch, plan, t.critic.micro_batch_size_per_gpu)
+        # the same mini-batches in micro-batches of the critic's own size (the update is exact whatever the cut)
+        critic_plan = plan if t.use_dynamic_bsz else [micro_batches(batch, [u for m in mini for u in m], 0,
+                                                                    t.critic.micro_batch_size_per_gpu) for mini in plan]
         sums, critic_norms, _ = optimize(p, p.critic, p.critic_optim, batch, critic_plan, critic_loss,
                                          a.loss_agg_mode, lr, t.critic.grad_clip, "critic/", step)
         sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / p.world, "critic/lr": lr / p.world}

@@ -5,8 +5,10 @@
 
 Every message names the key's path as the YAML spells it (`buffer.explorer_input.eval_tasksets[0].rollout_args.top_p`)
 and says why. The tables are keyed by (schema class, field), so a range written once holds for every place the class
-appears (each taskset, each auxiliary model). A key refused only for some values is refused only for those.
-tests/test_config.py walks the schema: every field is read by the code or named here.
+appears (each taskset, each auxiliary model); a rule may instead name one place (`explorer.auxiliary_models[]`), where
+the same class means something else elsewhere. A key refused only for some values is refused only for those.
+tests/test_config_keys.py walks the schema: every field, at every place, is read by the code there
+(tests/schema_reads.py) or named here.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from configs.schema import (
     InferenceModelConfig,
     LoRAConfig,
     ModelConfig,
+    MonitorConfig,
     OptimizerConfig,
     RolloutCorrectionConfig,
     SynchronizerConfig,
@@ -149,49 +152,74 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (sample.Config, "expert_data_ratio"): FRACTION, (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
 }
 
-Rule = tuple[type, str, Callable[[Any, Config], bool], str]  # (class, field, applies(value, cfg), why)
+# (where, field, applies(value, cfg, section), why): `where` is a schema class (the rule holds wherever the class
+# appears) or a section's path as `walk` spells it in its pattern (`explorer.auxiliary_models[]`: any auxiliary model,
+# `buffer.trainer_input.auxiliary_buffers.*`: any auxiliary buffer); `section` is the dataclass holding the field.
+Rule = tuple[type | str, str, Callable[[Any, Config, Any], bool], str]
 
 # Values this build cannot honour: a ConfigError naming the key and why.
 REFUSED: list[Rule] = [
-    (ModelConfig, "logprobs", lambda v, c: v > 0,
+    (ModelConfig, "logprobs", lambda v, c, s: v > 0,
      "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is), and no loss "
      "reads them; set 0"),
-    (GenerationConfig, "logprobs", lambda v, c: v > 0,
+    (GenerationConfig, "logprobs", lambda v, c, s: v > 0,
      "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is); set 0"),
-    (ModelConfig, "repetition_penalty", lambda v, c: v != 1.0 and c.explorer.rollout_model.engine_type == "hf",
+    (ModelConfig, "repetition_penalty", lambda v, c, s: v != 1.0 and c.explorer.rollout_model.engine_type == "hf",
      "not supported by the HF engine: a penalised sample's log-prob would not be the one the trainer computes "
      "(vLLM applies it); set 1.0"),
-    (InferenceModelConfig, "enable_history", lambda v, c: v and not c.explorer.rollout_model.enable_openai_api,
+    ("explorer.rollout_model", "enable_history", lambda v, c, s: v and not s.enable_openai_api,
      "it records the calls made through the explorer's OpenAI-compatible API: set enable_openai_api: true as well "
      "(multi-turn workflows on the model handle keep their own token-level history: workflows/episode.py)"),
-    (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c: v != 1,
+    ("explorer.rollout_model", "model_path", lambda v, c, s: v not in ("", c.model.model_path),
+     "the rollout model serves model.model_path (and after each sync the trainer's weights); this key names an "
+     "auxiliary model's own model: set model.model_path, or leave this unset"),
+    *[("explorer.auxiliary_models[]", key, applies, "only the rollout model is served as an OpenAI-compatible API "
+       "(explorer.rollout_model's enable_openai_api / enable_history / openai_api_host / openai_api_port); a workflow "
+       "calls an auxiliary model through its handle (self.auxiliary_models[name])")
+      for key, applies in (("enable_openai_api", lambda v, c, s: v), ("enable_history", lambda v, c, s: v),
+                           ("openai_api_host", lambda v, c, s: v != "127.0.0.1"),
+                           ("openai_api_port", lambda v, c, s: v != 0))],
+    *[(f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn", lambda v, c, s: v,
+       "an option of SFT data (buffer.trainer_input.experience_buffer.format); a taskset's rows are prompts that "
+       "workflows answer") for sets in ("tasksets", "eval_tasksets")],
+    *[(f"buffer.trainer_input.{buf}.format", key, lambda v, c, s: v is not None,
+       "an option of tasksets (buffer.explorer_input); the rows of a trainer's data file (SFT / DPO) run no workflow "
+       "or reward function and are trained on as written")
+      for buf in ("experience_buffer", "auxiliary_buffers.*")
+      for key in ("workflow_key", "reward_fn_key", "reply_prefix")],
+    ("buffer.trainer_input.auxiliary_buffers.*", "storage_type", lambda v, c, s: v != "file",
+     "an auxiliary buffer is read as a data file (e.g. the expert SFT rows of mix): set storage_type: file"),
+    (ExperienceBufferConfig, "reuse_cooldown_time",
+     lambda v, c, s: v is not None and not s.use_priority_queue and s.storage_type != "file",
+     "experiences are reused only by the priority queue (FIFO order claims each once): set use_priority_queue: true"),
+    (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c, s: v != 1,
      "nanorft has no sequence parallelism; set 1"),
-    (ModelConfig, "trust_remote_code", lambda v, c: v,
+    (ModelConfig, "trust_remote_code", lambda v, c, s: v,
      "nanorft loads only models whose modelling code ships with transformers (its FSDP wrapping and attention "
      "functions are written for those); no code from the model folder is run"),
-    (RolloutCorrectionConfig, "rollout_is", lambda v, c: v != "none" and filtered_vllm_rollouts(c),
+    (RolloutCorrectionConfig, "rollout_is", lambda v, c, s: v != "none" and filtered_vllm_rollouts(c),
      "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering, the EOS masking "
      "of min_tokens / ignore_eos and the repetition penalty, the trainer's over the full distribution: the "
      "importance weights would compare different things. Set top_p 1.0 and top_k -1 in the training tasksets' "
      "rollout_args (or model), model.min_response_tokens 0, ignore_eos false and repetition_penalty 1.0, use the "
      "HF engine, or set rollout_is: none"),
-    (SynchronizerConfig, "sync_host", lambda v, c: loopback(v) and c.synchronizer.sync_method == "nccl" and
+    (SynchronizerConfig, "sync_host", lambda v, c, s: loopback(v) and c.synchronizer.sync_method == "nccl" and
      explorer_apart(c),
      "the explorer (node 0) cannot reach a store on trainer rank 0's loopback (node 1, cluster.master_addr): set an "
      "address of that node the explorer reaches (e.g. the same as cluster.master_addr), or sync_method checkpoint"),
-    (ExperienceBufferConfig, "path", lambda v, c: explorer_apart(c) and sqlite_db(v, c),
+    (ExperienceBufferConfig, "path", lambda v, c, s: explorer_apart(c) and sqlite_db(v, c),
      "an SQLite DB serves the processes of one host only (its WAL needs shared memory, network filesystems break "
      "its locks), and here the explorer has node 0 while trainer rank 0, which reads the DB, runs on node 1: use a "
      "PostgreSQL URL (postgresql://user@host/db), or run mode train over the nodes with explorers on trainer rank "
      "0's host"),
-    (TrainerConfig, "optimizer_offload", lambda v, c: v and not c.trainer.param_offload,
+    (TrainerConfig, "optimizer_offload", lambda v, c, s: v and not c.trainer.param_offload,
      "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
      "set trainer.param_offload: true as well"),
-    (CriticConfig, "optimizer_offload", lambda v, c: v and not c.trainer.critic.param_offload,
+    (CriticConfig, "optimizer_offload", lambda v, c, s: v and not c.trainer.critic.param_offload,
      "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
      "set trainer.critic.param_offload: true as well"),
-    (ModelConfig, "lora_configs", lambda v, c: len(v) > 1, "one LoRA adapter at most (as in Trinity-RFT)"),
-    (LoRAConfig, "path", lambda v, c: v and not Path(v, "adapter_config.json").is_file(),
+    (ModelConfig, "lora_configs", lambda v, c, s: len(v) > 1, "one LoRA adapter at most (as in Trinity-RFT)"),
+    (LoRAConfig, "path", lambda v, c, s: v and not Path(v, "adapter_config.json").is_file(),
      "not a saved peft adapter (a folder with adapter_config.json and adapter_model.safetensors)"),
 ]
 
@@ -227,75 +255,125 @@ def filtered_vllm_rollouts(c: Config) -> bool:
 
 
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
+MONITOR_ARGS = {"wandb": {"api_key", "base_url"}, "mlflow": {"uri", "username", "password"}}  # what monitor.py reads
 _MERGED = "has no effect: it is vLLM's way of serving an adapter, and nanorft's engines get merged weights (lora.py)"
 # Values accepted with a warning at start that says what will not happen.
 WARNED: list[Rule] = [
-    (InferenceModelConfig, "engine_num", lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
-     "the HF engine runs as one engine (several are a vLLM option); the GPU split counts one"),
-    (InferenceModelConfig, "enforce_eager", lambda v, c: v and c.explorer.rollout_model.engine_type == "hf",
+    (InferenceModelConfig, "engine_num", lambda v, c, s: v > 1 and s.engine_type == "hf",
+     "the HF engine runs as one engine (several are a vLLM option); the GPU split counts one (none for an auxiliary "
+     "model, which shares the explorer's device)"),
+    (InferenceModelConfig, "enforce_eager", lambda v, c, s: v and s.engine_type == "hf",
      _VLLM_ONLY),
     (InferenceModelConfig, "enable_chunked_prefill",
-     lambda v, c: not v and c.explorer.rollout_model.engine_type == "hf", _VLLM_ONLY),
+     lambda v, c, s: not v and s.engine_type == "hf", _VLLM_ONLY),
     (InferenceModelConfig, "enable_prefix_caching",
-     lambda v, c: not v and c.explorer.rollout_model.engine_type == "hf",
+     lambda v, c, s: not v and s.engine_type == "hf",
      "has no effect on the HF engine, which always computes a group's prompt once"),
     (InferenceModelConfig, "gpu_memory_utilization",
-     lambda v, c: v != 0.9 and c.explorer.rollout_model.engine_type == "hf", _VLLM_ONLY),
+     lambda v, c, s: v != 0.9 and s.engine_type == "hf", _VLLM_ONLY),
     (InferenceModelConfig, "tensor_parallel_size",
-     lambda v, c: v > 1 and c.explorer.rollout_model.engine_type == "hf",
+     lambda v, c, s: v > 1 and s.engine_type == "hf",
      "the HF engine runs on one device (tensor parallelism is a vLLM option)"),
-    (ClusterConfig, "node_num", lambda v, c: v > 1 and c.mode in ("explore", "bench"),
+    (ClusterConfig, "node_num", lambda v, c, s: v > 1 and c.mode in ("explore", "bench"),
      "an explorer is one process on the node it starts on; the other nodes have nothing to run in this mode (start "
      "one explorer per node, each with its own explorer.name, against the same experience DB URL)"),
-    (ClusterConfig, "master_addr", lambda v, c: v != "127.0.0.1" and c.cluster.node_num == 1,
+    (ClusterConfig, "master_addr", lambda v, c, s: v != "127.0.0.1" and c.cluster.node_num == 1,
      "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
-    (ClusterConfig, "master_port", lambda v, c: v != 29500 and c.cluster.node_num == 1,
+    (ClusterConfig, "master_addr",
+     lambda v, c, s: loopback(v) and c.cluster.node_num > 1 and c.mode in ("train", "both"),
+     "with cluster.node_num > 1 the other nodes would dial this address, each its own loopback (and the explorer "
+     "would look for the trainer's weight store and DB on this machine): that works only when every node is this "
+     "machine; set the address of the trainer's first node, one the other nodes reach"),
+    (ClusterConfig, "master_port", lambda v, c, s: v != 29500 and c.cluster.node_num == 1,
      "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
-    (SynchronizerConfig, "sync_host", lambda v, c: v != "127.0.0.1" and c.synchronizer.sync_method != "nccl",
+    (SynchronizerConfig, "sync_host", lambda v, c, s: v != "127.0.0.1" and c.synchronizer.sync_method != "nccl",
      "has no effect with sync_method checkpoint (the explorer reads the published files)"),
-    (LoRAConfig, "name", lambda v, c: v != "", _MERGED),
-    (LoRAConfig, "base_model_name", lambda v, c: v != "", _MERGED),
-    (LoRAConfig, "lora_dtype", lambda v, c: v not in ("auto", "float32", "fp32"),
+    *[("buffer.explorer_input.eval_tasksets[].data_selector", key, applies,
+       "has no effect on an eval taskset: every evaluation runs each of its tasks once, in file order")
+      for key, applies in (("selector_type", lambda v, c, s: v != "sequential"), ("seed", lambda v, c, s: v != 42))],
+    (ExperienceBufferConfig, "priority_decay",
+     lambda v, c, s: v != 2.0 and not s.use_priority_queue and s.storage_type != "file",
+     "has no effect without use_priority_queue: true (experiences are claimed in FIFO order)"),
+    # NOTE: warned, not refused: a stage of SFT on a data file inherits the global experience buffer's queue options
+    *[(ExperienceBufferConfig, key, lambda v, c, s, changed=changed: s.storage_type == "file" and changed(v),
+       "has no effect: an option of the experience DB's queue, and this buffer is a data file (storage_type file), "
+       "read in a fixed order") for key, changed in (("use_priority_queue", bool),
+                                                     ("reuse_cooldown_time", lambda v: v is not None),
+                                                     ("priority_decay", lambda v: v != 2.0))],
+    ("buffer.trainer_input.auxiliary_buffers.*", "max_read_timeout", lambda v, c, s: v != 1800.0,
+     "has no effect: an auxiliary buffer is a data file, read in full at start (nothing to wait for)"),
+    (MonitorConfig, "monitor_args", lambda v, c, s: bool(set(v) - MONITOR_ARGS.get(s.monitor_type, set())),
+     "only wandb's api_key / base_url and mlflow's uri / username / password are read (for that monitor_type); "
+     "other keys have no effect"),
+    (LoRAConfig, "name", lambda v, c, s: v != "", _MERGED),
+    (LoRAConfig, "base_model_name", lambda v, c, s: v != "", _MERGED),
+    (LoRAConfig, "lora_dtype", lambda v, c, s: v not in ("auto", "float32", "fp32"),
      "the adapter trains in fp32 (as every trained weight) and reaches the engines merged into the base weights, in "
      "the engine's dtype (explorer.rollout_model.dtype)"),
-    (ModelConfig, "fully_sharded_loras", lambda v, c: v, _MERGED),
-    (ModelConfig, "max_cpu_loras", lambda v, c: True, _MERGED),
+    (ModelConfig, "fully_sharded_loras", lambda v, c, s: v, _MERGED),
+    (ModelConfig, "max_cpu_loras", lambda v, c, s: True, _MERGED),
 ]
 
 
-def walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any, str, Any]]:
-    """(path of the field, the dataclass holding it, field name, value) for every field, depth first."""
+def walk(obj: Any, path: str = "", section: str = "") -> Iterator[tuple[str, Any, str, Any, str]]:
+    """(path of the field, the dataclass holding it, field name, value, the holder's section pattern) for every field,
+    depth first. The pattern is the holder's path with list indices as [] and dict keys as * (`explorer.
+    auxiliary_models[]`, `buffer.trainer_input.auxiliary_buffers.*`): what REFUSED / WARNED rules name."""
     for f in dataclasses.fields(obj):
         value, where = getattr(obj, f.name), f"{path}.{f.name}" if path else f.name
-        yield where, obj, f.name, value
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else []
-        for key, item in ([(None, value)] if dataclasses.is_dataclass(value) else list(items)):
-            if dataclasses.is_dataclass(item):
-                yield from walk(item, where if key is None else f"{where}[{key}]" if isinstance(key, int)
-                                else f"{where}.{key}")
+        pattern = f"{section}.{f.name}" if section else f.name
+        yield where, obj, f.name, value, section
+        if dataclasses.is_dataclass(value):
+            yield from walk(value, where, pattern)
+        elif isinstance(value, (list, dict)):
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in list(items):
+                if dataclasses.is_dataclass(item):
+                    sub = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}"
+                    yield from walk(item, sub, f"{pattern}[]" if isinstance(key, int) else f"{pattern}.*")
 
 
 def check_ranges(cfg: Any, prefix: str = "") -> None:
     """Every number of RANGES inside its range (unset optionals pass), and no float infinite or NaN, in the config or
     piece config `cfg` (whose fields' paths start with `prefix`); or a ConfigError naming the key."""
-    for path, obj, name, value in walk(cfg, prefix):
+    for path, obj, name, value, _ in walk(cfg, prefix):
         rule = RANGES.get((type(obj), name))
         if rule is not None and value is not None and not rule[0](value):
             raise ConfigError(f"{path}: {value!r} is out of range; allowed: {rule[1]}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{path}: {value!r} is not a finite number")
+        if not dataclasses.is_dataclass(value):
+            _check_literal(value, path)
+
+
+def _check_literal(value: Any, path: str) -> None:
+    """No string that the resolved config, written out for the processes (configs.to_yaml) and read back, would read
+    as something else (OmegaConf takes `${...}` as an interpolation and `???` as a missing value), nor one with a NUL
+    (which no file path may hold)."""
+    if isinstance(value, str) and (value == "???" or "${" in value):
+        raise ConfigError(f"{path}: {value!r} holds an interpolation or ??? left unresolved (e.g. from the command "
+                          "line, which resolves none): write the value itself")
+    if isinstance(value, str) and "\x00" in value:
+        raise ConfigError(f"{path}: {value!r} holds a NUL character (no name, path or text of a config may)")
+    for k, v in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
+        if not dataclasses.is_dataclass(v):
+            _check_literal(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
+
+
+def _matches(where: type | str, obj: Any, section: str) -> bool:
+    return type(obj) is where if isinstance(where, type) else section == where
 
 
 def check_support(cfg: Config) -> None:
     """REFUSED values fail; WARNED values are logged (once per process that derives the config)."""
-    for path, obj, name, value in walk(cfg):
-        for cls, field, applies, why in REFUSED:
-            if type(obj) is cls and name == field and value is not None and applies(value, cfg):
+    for path, obj, name, value, section in walk(cfg):
+        for where, field, applies, why in REFUSED:
+            if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 shown = f"[{len(value)} sections]" if isinstance(value, list) and dataclasses.is_dataclass(
                     value[0]) else repr(value)
                 raise ConfigError(f"{path} = {shown} is refused: {why}")
-        for cls, field, applies, why in WARNED:
-            if type(obj) is cls and name == field and value is not None and applies(value, cfg):
+        for where, field, applies, why in WARNED:
+            if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 _warn_once(f"config: {path} = {value!r}: {why}")
 
 

@@ -4,12 +4,14 @@
     stages = configs.resolve_stages(cfg)      # [derived Config] (one per stage, or just one)
 
 Order of work (precedence: dataclass default < YAML < CLI):
-1. `read_yaml`: YAML text -> dict; `${oc.env:VAR,default}` and `${a.b.c}` resolved by OmegaConf.
+1. `read_yaml`: YAML text -> dict; `${oc.env:VAR,default}` and `${a.b.c}` resolved by OmegaConf. A key written
+   twice, a date, binary data, a set, a null key or `???` is a ConfigError naming the file and the key.
 2. `normalize`: deprecated aliases renamed, Ray-only keys dropped with a warning, veRL
-   `trainer.trainer_config` keys mapped onto nanorft fields (the rest warned about by path).
+   `trainer.trainer_config` keys mapped onto nanorft fields and removed from it (the rest warned about by path).
 3. `from_dict`: dict -> dataclasses; unknown keys fail with their path and the closest valid key,
    values are coerced to the field type (YAML reads `1e-6` as a string) or fail with path/value/type.
-4. tyro applies the command line on top (`--algorithm.optimizer.lr 1e-6`).
+4. tyro applies the command line on top (`--algorithm.optimizer.lr 1e-6`); a `--trainer.trainer_config` given there
+   is mapped as from the YAML (`cli_trainer_config`).
 Then configs/resolve.py: `derive`, every value computed from others (train_batch_size, max_model_len,
 per-taskset defaults, GPU split, ...), in one function, never in __post_init__; `resolve_stages`.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import tyro
 import yaml
 from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from algos import REGISTRIES
 from configs.checks import ConfigError, check_ranges
@@ -48,22 +51,83 @@ def find_config_file(name: str) -> Path:
     for p in tried:
         if p.is_file():
             return p
+    if Path(name).is_dir():
+        raise ConfigError(f"--config {name}: a directory, not a YAML file")
     raise ConfigError(f"config file not found: {name} (tried {', '.join(str(p) for p in tried)})")
 
 
+class _Duplicate(Exception):
+    """A key written twice in one YAML mapping (key, its line, the line of the first)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key written twice in one mapping (plain PyYAML keeps the last silently).
+    Keys brought in by a merge (`<<: *anchor`) may be overridden, as YAML allows."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=False)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: SafeLoader's own error names it
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise _Duplicate(key, key_node.start_mark.line + 1, first)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config and resolve its interpolations."""
-    text = Path(path).read_text()
+    """Read a YAML config and resolve its interpolations; a ConfigError naming the file (and the line or key) for
+    anything that is not a YAML mapping of plain values."""
     try:
-        raw = yaml.safe_load(text) or {}
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not a text (UTF-8) file: byte 0x{e.object[e.start]:02x} at byte {e.start + 1}; "
+                          "a config is a YAML file") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # NOTE: a SafeLoader: no Python objects built
+    except _Duplicate as e:
+        key, line, first = e.args
+        raise ConfigError(f"{path}: line {line}: key {key!r} is written twice in one mapping (first at line {first}); "
+                          "YAML would keep only the last: remove one") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    check_plain(raw, f"{path}: ")
     try:
-        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True)  # type: ignore[return-value]
+        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True,  # type: ignore[return-value]
+                                      throw_on_missing=True)
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{path}: {e.full_key} is ??? (a mandatory value left unset): set it") from None
     except Exception as e:  # omegaconf raises several error classes; all mean a bad interpolation
-        raise ConfigError(f"{path}: cannot resolve an interpolation: {e}".replace("\n", " ")) from e
+        raise ConfigError(f"{path}: cannot resolve an interpolation: {' '.join(str(e).split())}") from e
+
+
+def check_plain(value: Any, where: str, path: str = "") -> None:
+    """Every key a string or a number and every value a string, number, boolean, null, list or mapping: what a
+    config holds. YAML also reads dates (2024-01-01), binary data (!!binary) and sets (!!set); a ConfigError names the
+    key of any of them (`where` prefixes the message, e.g. the file)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if not isinstance(k, (str, int, float)):
+                shown = "null (an empty key, or ~)" if k is None else f"{k!r} ({type(k).__name__})"
+                raise ConfigError(f"{where}{path or 'the top level'}: a key that is {shown}; keys are names")
+            check_plain(v, where, sub)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_plain(v, where, f"{path}[{i}]")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        kind = {"date": "a date", "datetime": "a date and time", "bytes": "binary data (!!binary)",
+                "set": "a set (!!set)"}.get(type(value).__name__, f"a {type(value).__name__}")
+        shown = value.isoformat() if hasattr(value, "isoformat") else repr(value)
+        raise ConfigError(f"{where}{path}: {shown} is {kind}, not a config value; quote it if it is text")
 
 
 # --- 2. normalize: aliases, ignored keys, veRL trainer_config
@@ -161,12 +225,38 @@ def _pop(d: dict, dotted: str) -> Any:
     return d.pop(last, _MISSING)
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Equal once YAML's spelling is set aside ('1e-5' == 1e-05, 'true' == True)."""
+def _field_type(dotted: str) -> Any:
+    """The type of the schema field at `dotted` (e.g. trainer.critic.lr)."""
+    tp: Any = Config
+    for k in dotted.split("."):
+        tp = typing.get_type_hints(tp, include_extras=True)[k]
+    return tp
+
+
+def _same(a: Any, b: Any, tp: Any = None) -> bool:
+    """Equal once YAML's spelling is set aside ('1e-5' == 1e-05, 'yes' == 'true' == True): both coerced to the
+    field's type `tp` where given."""
+    if tp is not None:
+        try:
+            return _coerce(a, tp, "") == _coerce(b, tp, "")
+        except ConfigError:
+            pass
     try:
         return a == b or str(a).lower() == str(b).lower() or float(a) == float(b)
     except (TypeError, ValueError):
         return False
+
+
+def _drop(d: dict, dotted: str) -> None:
+    """Remove the leaf at `dotted` and the mappings it leaves empty."""
+    *parents, last = dotted.split(".")
+    chain = [d]
+    for k in parents:
+        chain.append(chain[-1][k])
+    del chain[-1][last]
+    for parent, k in zip(reversed(chain[:-1]), reversed(parents)):
+        if parent[k] == {}:
+            del parent[k]
 
 
 def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -186,7 +276,7 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
             log.warning("config: %s is an old name of %s; using it as such", old, new)
             _set(raw, "__alias__." + new, value)
     for new, value in _leaves(raw.pop("__alias__", {})):
-        if _get(raw, new) is not _MISSING and not _same(_get(raw, new), value):
+        if _get(raw, new) is not _MISSING and not _same(_get(raw, new), value, _field_type(new)):
             raise ConfigError(f"{new} is set twice with different values (once under an old name)")
         _set(raw, new, value)
     for key, why in IGNORED.items():
@@ -204,10 +294,14 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
     for path, value in _leaves(verl):
         full = f"trainer.trainer_config.{path}"
         if path in VERL_MAP:
-            existing = _get(raw, VERL_MAP[path])
-            if existing is not _MISSING and not _same(existing, value):
-                raise ConfigError(f"{full} = {value!r} conflicts with {VERL_MAP[path]} = {existing!r}; set only one")
-            _set(raw, VERL_MAP[path], value)
+            target, tp = VERL_MAP[path], _field_type(VERL_MAP[path])
+            value, existing = _coerce(value, tp, full), _get(raw, target)
+            if existing is not _MISSING and not _same(existing, value, tp):
+                raise ConfigError(f"{full} = {value!r} conflicts with {target} = {existing!r}; set only one")
+            _set(raw, target, value)
+            # NOTE: mapped keys leave trainer_config (their value is the field's now): a resolved config written
+            # out and loaded again (the launcher's children) must not map them again over a changed field
+            _drop(verl, path)
         else:
             log.warning("config: %s (veRL) has no meaning in nanorft and is not used", full)
     return raw
@@ -384,6 +478,32 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
         "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
     )
     with CLI_TYPES:
-        cfg = tyro.cli(Config, default=cfg, args=rest, description=text, use_underscores=True,
-                       config=(tyro.conf.FlagConversionOff,))
-    return cfg, known.dry_run
+        after = tyro.cli(Config, default=cfg, args=rest, description=text, use_underscores=True,
+                         config=(tyro.conf.FlagConversionOff,))
+    if after.trainer.trainer_config != cfg.trainer.trainer_config:
+        after = cli_trainer_config(cfg, after)
+    return after, known.dry_run
+
+
+def cli_trainer_config(before: Config, after: Config) -> Config:
+    """`--trainer.trainer_config '{...}'`: its veRL keys mapped onto the fields as from a YAML file (`normalize`),
+    over the YAML's values (the command line wins); refused where another option of the command line sets the same
+    field to something else."""
+    mapped = normalize({"trainer": {"trainer_config": copy.deepcopy(after.trainer.trainer_config)}})
+    raw = dataclasses.asdict(after)
+    for path, value in _leaves(mapped):
+        if path.startswith("trainer.trainer_config"):
+            continue
+        tp, mine, theirs = _field_type(path), _attr(after, path), _attr(before, path)
+        if mine != theirs and not _same(mine, value, tp):
+            raise ConfigError(f"--trainer.trainer_config maps a key onto {path} = {value!r}, and --{path} sets it to "
+                              f"{mine!r}; set only one")
+        _set(raw, path, value)
+    raw["trainer"]["trainer_config"] = mapped["trainer"].get("trainer_config", {})
+    return from_dict(Config, raw)
+
+
+def _attr(cfg: Any, dotted: str) -> Any:
+    for k in dotted.split("."):
+        cfg = getattr(cfg, k)
+    return cfg

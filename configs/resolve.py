@@ -162,6 +162,12 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
         ts.repeat_times = ts.repeat_times or 1
         ts.default_workflow_type = ts.default_workflow_type or b.default_eval_workflow_type or b.default_workflow_type
     ts.default_reward_fn_type = ts.default_reward_fn_type or b.default_reward_fn_type
+    runs = c.mode in ("both", "explore") or (c.mode == "bench" and kind == "eval_taskset")
+    if runs and not ts.default_workflow_type and not ts.format.workflow_key:
+        # NOTE: a warning here (Trinity's grpo / ppo examples name no workflow and must load); explore.py refuses
+        # to start with it (check_workflows)
+        _warn_once(f"config: {where}.default_workflow_type is empty, as are buffer.default_workflow_type and "
+                   f"{where}.format.workflow_key: no workflow runs these tasks, and an explorer refuses to start")
     r = ts.rollout_args
     r.temperature = m.temperature if r.temperature is None else r.temperature
     r.top_p = m.top_p if r.top_p is None else r.top_p
@@ -335,6 +341,29 @@ def _derive_dtypes(c: Config) -> None:
         m.dtype = ("bfloat16" if gpus else "float32") if m.dtype == "auto" else DTYPE_NAMES.get(m.dtype, m.dtype)
 
 
+# Fields only derive() sets -> what they are derived from. A value in the YAML or on the command line is refused
+# unless it is the derived one (a resolved config, e.g. a run directory's config.yaml, holds exactly those).
+DERIVED = {
+    "checkpoint_job_dir": "checkpoint_root_dir, project, group and name",
+    "cluster.explorer_gpu_num": "the rollout engines (engine_type, engine_num, tensor_parallel_size), mode and GPUs",
+    "cluster.trainer_gpu_num": "mode, cluster.gpu_per_node x node_num and the explorer's GPUs",
+    "cluster.trainer_node_num": "mode, cluster.node_num and the GPU split",
+    "cluster.trainer_gpu_num_per_node": "the trainer's GPUs and nodes",
+    "cluster.colocate": "mode both on one GPU",
+}
+
+
+def check_derived(given: Config, derived: Config) -> None:
+    """A ConfigError for a DERIVED field that `given` sets to something else than derive() makes of it."""
+    for path, source in DERIVED.items():
+        mine, theirs = given, derived
+        for k in path.split("."):
+            mine, theirs = getattr(mine, k), getattr(theirs, k)
+        same = Path(mine) == Path(theirs) if path == "checkpoint_job_dir" and mine else mine == theirs
+        if mine not in (None, "") and not same:
+            raise ConfigError(f"{path} = {mine!r} is derived from {source} (here {theirs!r}): leave it unset")
+
+
 def derive(cfg: Config) -> Config:
     """Return a copy of `cfg` with every derived value filled in. Idempotent: derive(derive(c)) == derive(c).
 
@@ -350,6 +379,7 @@ def derive(cfg: Config) -> Config:
     _derive_trainer_explorer(c)
     _derive_cluster(c)
     _derive_dtypes(c)
+    check_derived(cfg, c)
     check_ranges(c)  # the derived values too
     check_support(c)
     return c

@@ -5,7 +5,8 @@ docstring says otherwise, and a docstring that `--help` shows. YAML files only s
 loader (configs/loader.py) validates them against these classes, and `derive()` (configs/resolve.py) fills in the values
 that depend on others (train_batch_size, max_model_len, ...). Nothing here mutates itself.
 
-Fields marked "derived" are filled in by `configs.derive`; leave them unset in YAML.
+Fields marked "Derived" are filled in by `configs.derive`; leave them unset in YAML (a value other than the derived
+one is refused; a resolved config, which holds the derived values, loads back).
 """
 
 from __future__ import annotations
@@ -21,9 +22,21 @@ from algos.overlong import Config as OverlongRewardConfig
 
 
 def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
-    value = yaml.safe_load(args[0]) if args[0].strip() else {}
+    """One `*_args` mapping from the command line. NOTE: tyro turns a ValueError into a usage error naming the
+    option (exit 2), so every problem here is one."""
+    try:
+        value = yaml.safe_load(args[0]) if args[0].strip() else {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"not valid YAML ({' '.join(str(e).split())}); expected a mapping such as "
+                         "'{kl_coef: 0.01}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"expected a YAML/JSON mapping such as '{{kl_coef: 0.01}}', got {args[0]!r}")
+    from configs.loader import check_plain  # NOTE: here, not at the top: the loader imports this module
+
+    try:
+        check_plain(value, "")
+    except ValueError as e:  # a ConfigError
+        raise ValueError(str(e)) from None
     return value
 
 
@@ -207,16 +220,20 @@ class ClusterConfig:
     the explorer's and the trainer starts at node 1. 127.0.0.1: every "node" on this machine (a test)."""
     master_port: int = 29500
     """With node_num > 1: the TCP port of the rendezvous on master_addr (torchrun's --rdzv-endpoint addr:port)."""
-    explorer_gpu_num: int = 0
-    """Derived: GPUs given to rollout engines (engine_num x tensor_parallel_size for vLLM)."""
-    trainer_gpu_num: int = 0
-    """Derived: GPUs left for the trainer (its torchrun world size on GPU)."""
-    trainer_node_num: int = 0
-    """Derived: nodes the trainer spans, the last ones (torchrun --nnodes); 0 when the mode has no trainer."""
-    trainer_gpu_num_per_node: int = 0
-    """Derived: trainer GPUs (ranks) on each of its nodes (torchrun --nproc-per-node); 0 on the CPU: one rank."""
-    colocate: bool = False
-    """Derived: mode both on one GPU; explorer and trainer share it (vLLM sleeps while the trainer steps)."""
+    explorer_gpu_num: Optional[int] = None
+    """Derived (leave unset; another value is refused): GPUs given to rollout engines (engine_num x
+    tensor_parallel_size for vLLM)."""
+    trainer_gpu_num: Optional[int] = None
+    """Derived (leave unset; another value is refused): GPUs left for the trainer (its torchrun world size on GPU)."""
+    trainer_node_num: Optional[int] = None
+    """Derived (leave unset; another value is refused): nodes the trainer spans, the last ones (torchrun --nnodes);
+    0 when the mode has no trainer."""
+    trainer_gpu_num_per_node: Optional[int] = None
+    """Derived (leave unset; another value is refused): trainer GPUs (ranks) on each of its nodes (torchrun
+    --nproc-per-node); 0 on the CPU: one rank."""
+    colocate: Optional[bool] = None
+    """Derived (leave unset; another value is refused): mode both on one GPU; explorer and trainer share it (vLLM
+    sleeps while the trainer steps)."""
 
 
 # --- buffer
@@ -603,7 +620,7 @@ class Config:
     checkpoint_root_dir: str = "./checkpoints"
     """Root of all checkpoints, logs and DBs."""
     checkpoint_job_dir: str = ""
-    """Derived: <checkpoint_root_dir>/<project>[/<group>]/<name>."""
+    """Derived (leave unset; another value is refused): <checkpoint_root_dir>/<project>[/<group>]/<name>."""
     continue_from_checkpoint: bool = True
     """Resume from the job's latest checkpoint; false = start afresh as <name>_<timestamp>."""
     algorithm: AlgorithmConfig = _field(AlgorithmConfig)

@@ -15,6 +15,10 @@ The cycles of --schedule (what CI runs) kill at points the script chooses instea
 delay: cycle c (0, 1, ...) waits until its trigger, the trainer for victim trainer, else the explorer, is
 paused (NANORFT_TEST_PAUSE_AT, sync.pause_for_test) at `train.after_read:<c + 2>` (step c + 2's batch
 claimed, not trained) or `explore.before_write:<c + 2>` (generated, not written); --steps >= cycles + 2.
+NOTE: victim `both` is timed by the explorer's pause alone; the trainer dies wherever it is then (waiting for a
+batch, mid-step, mid-checkpoint: it cannot have finished, as the paused explorer has written too few steps). That
+is by design: the checks below are invariants of any kill point, and nothing the CI test asserts (moments, start
+counts, the final counts, the claims released at each restart) depends on where the trainer was.
 
 Checks (`check`, also usable on any finished async run):
 - every experience is pending, claimed by exactly one train step, or dropped (stale); no id is claimed

@@ -427,3 +427,101 @@ def test_dry_run(script, tmp_path):
     bad = subprocess.run([sys.executable, script, "--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr
+
+
+# --- bad input named (issue 13)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("model:\n  model_path: m\n  model_path: n\n", "line 3: key 'model_path' is written twice in one mapping (first at "
+                                                   "line 2)"),
+    ("project: 2024-01-01\n", "project: 2024-01-01 is a date, not a config value; quote it if it is text"),
+    ("monitor:\n  monitor_args: {k: !!binary AAE=}\n", "monitor.monitor_args.k: b'\\x00\\x01' is binary data"),
+    ("explorer:\n  env_vars: {~: 1}\n", "explorer.env_vars: a key that is null"),
+    ("model:\n  model_path: ???\n", "model.model_path is ??? (a mandatory value left unset): set it"),
+    ("model: {model_path: '${nope.x}'}\n", "cannot resolve an interpolation: Interpolation key 'nope.x' not found"),
+])
+def test_what_yaml_reads_beyond_plain_values_is_named_with_the_file(tmp_path, text, says):
+    """Duplicate keys (PyYAML keeps the last silently), dates, binary data, null keys, OmegaConf's ???: each a
+    ConfigError naming the file and the key, not "cannot resolve an interpolation" (what OmegaConf said of them)."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    assert str(e.value).startswith(f"{path}: ") and says in str(e.value)
+
+
+def test_a_merge_key_may_be_overridden_in_yaml(tmp_path):
+    """`<<: *anchor` then the same key: YAML's override, not a duplicate."""
+    cfg = read_yaml(write(tmp_path, "a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  x: 3\n"))
+    assert cfg["b"] == {"x": 3, "y": 2}
+
+
+@pytest.mark.parametrize("target, says", [("/bin/ls", "/bin/ls: not a text (UTF-8) file: byte 0x"),
+                                          ("/etc", "--config /etc: a directory, not a YAML file"),
+                                          ("/no/such.yaml", "config file not found: /no/such.yaml")])
+def test_a_config_that_is_not_a_yaml_file_is_named(target, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        cli(["--config", target])
+
+
+def test_a_bad_yaml_mapping_on_the_command_line_is_a_usage_error_naming_the_option(tmp_path, capsys):
+    for value, says in (("{", "not valid YAML"), ("[1]", "expected a YAML/JSON mapping"),
+                        ("{a: 2024-01-01}", "is a date")):
+        with pytest.raises(SystemExit) as e:
+            cli(["--config", write(tmp_path, MINIMAL), "--algorithm.kl_loss_fn_args", value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "--algorithm.kl_loss_fn_args" in err and says in " ".join(err.split())
+
+
+def test_derived_fields_set_to_something_else_are_refused_and_the_resolved_config_loads_back(tmp_path):
+    for key, value, says in (("--checkpoint_job_dir", "/tmp/elsewhere", "checkpoint_job_dir = '/tmp/elsewhere' is "
+                                                                         "derived from checkpoint_root_dir, project"),
+                             ("--cluster.colocate", "true", "cluster.colocate = True is derived from mode both on "
+                                                            "one GPU (here False): leave it unset"),
+                             ("--cluster.trainer_gpu_num", "7", "cluster.trainer_gpu_num = 7 is derived from")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n"), key, value])[0])
+    (stage,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")])[0])
+    again = cli(["--config", write(tmp_path, to_yaml(stage), "resolved.yaml")])[0]  # the derived values, set
+    assert again.cluster.colocate is False and resolve_stages(again) == [stage]
+
+
+def test_verl_trainer_config_on_the_command_line_is_mapped_too(tmp_path, caplog):
+    base = write(tmp_path, MINIMAL)
+    flag = "--trainer.trainer_config"
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        cfg, _ = cli(["--config", base, flag, "{actor_rollout_ref: {actor: {grad_clip: 0.3, optim: {lr: 2e-6}}}, "
+                                              "trainer: {balance_batch: true}}"])
+    assert cfg.trainer.grad_clip == 0.3 and cfg.algorithm.optimizer.lr == 2e-6
+    assert cfg.trainer.trainer_config == {"trainer": {"balance_batch": True}}  # mapped keys leave it
+    assert "trainer.trainer_config.trainer.balance_batch (veRL) has no meaning" in caplog.text
+    with pytest.raises(ConfigError, match="out of range"):
+        derive(cli(["--config", base, flag, "{actor_rollout_ref: {actor: {optim: {lr: -1}}}}"])[0])
+    with pytest.raises(ConfigError, match="maps a key onto trainer.grad_clip = 0.3, and --trainer.grad_clip sets it"):
+        cli(["--config", base, "--trainer.grad_clip", "0.5", flag, "{actor_rollout_ref: {actor: {grad_clip: 0.3}}}"])
+
+
+def test_what_the_launcher_accepts_its_children_accept(tmp_path):
+    """A veRL key mapped from the YAML, then the same field on the command line: the stage YAML the launcher
+    writes holds the field (the mapped key has left trainer_config), and the child reads it without a conflict;
+    'yes' in trainer_config is the same as true."""
+    text = MINIMAL + ("trainer:\n  gradient_checkpointing: true\n  trainer_config:\n    actor_rollout_ref:\n"
+                      "      actor: {grad_clip: 1.0}\n      model: {enable_gradient_checkpointing: 'yes'}\n")
+    (stage,) = resolve_stages(cli(["--config", write(tmp_path, text), "--trainer.grad_clip", "0.5"])[0])
+    assert stage.trainer.grad_clip == 0.5 and stage.trainer.trainer_config == {}
+    (child,) = resolve_stages(cli(["--config", write(tmp_path, to_yaml(stage), "stage.yaml")])[0])
+    assert child == stage
+
+
+def test_a_taskset_without_a_workflow_is_warned_at_load_and_refused_when_an_explorer_starts(tmp_path, caplog):
+    from explore import check_workflows
+
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL)])[0])
+    assert ("buffer.explorer_input.tasksets[0].default_workflow_type is empty, as are buffer.default_workflow_type "
+            "and buffer.explorer_input.tasksets[0].format.workflow_key") in caplog.text
+    with pytest.raises(ConfigError, match=r"tasksets\[0\] \(taskset_0\): no workflow runs these tasks"):
+        check_workflows(cfg)
+    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), "--buffer.default_workflow_type",
+                                 "math_workflow"])[0])
+    check_workflows(cfg)

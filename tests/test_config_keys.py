@@ -4,19 +4,22 @@ mutating any key of the reference YAMLs gives a named refusal, a named warning, 
 import ast
 import copy
 import dataclasses
+import datetime
 import logging
 import subprocess
 import typing
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 import yaml
 
 from algos import REGISTRIES
-from configs import ConfigError, cli, from_dict, normalize, resolve_stages
+from configs import ConfigError, cli, from_dict, normalize, read_yaml, resolve_stages, to_yaml
 from configs.checks import RANGES, REFUSED, WARNED
 from configs.loader import ALIASES, IGNORED, VERL_MAP
-from configs.schema import Config, StageConfig
+from configs.schema import Config
+from schema_reads import FIELD_PATHS, read_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
@@ -48,35 +51,91 @@ def piece_fields() -> list[tuple[type, str, str]]:
     return [(cls, name, path) for (cls, name), path in seen.items()]
 
 
-def reads() -> tuple[set[str], set[str]]:
-    """Attribute names the runtime code loads (`x.name`, not only assigns), and its string constants (`getattr(a,
-    "name")`, keys of dict lookups, the piece names of `getattr(a, piece + "_args")`)."""
-    attrs, strings = set(), set()
-    for p in RUNTIME:
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                attrs.add(node.attr)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                strings.add(node.value)
-    return attrs, strings
+def strings() -> set[str]:
+    """The runtime code's string constants (an algos/ piece's arguments are read by name too: `getattr(a, piece +
+    "_args")`, and in the piece's own module)."""
+    return {node.value for p in RUNTIME for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+
+
+def attributes() -> set[str]:
+    return {node.attr for p in RUNTIME for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
+
+
+def ruled_paths() -> set[str]:
+    """The field paths a rule of configs/checks.py names: a class's rule holds at every path of the class."""
+    out = set()
+    for where, name, *_ in REFUSED + WARNED:
+        out |= {p for p, (cls, n) in FIELD_PATHS.items() if n == name and cls is where} if isinstance(where, type) \
+            else {f"{where}.{name}"}
+    return out
+
+
+# Fields the code reads under another path: derive() moves the single `taskset` into `tasksets` (tests/test_config.py
+# test_derived_values), so each field of it is read where the tasksets' are.
+MOVED = {"buffer.explorer_input.taskset.": "buffer.explorer_input.tasksets[]."}
+# Read by configs/loader.py's normalize() on the YAML's mapping, not as an attribute: mapped onto fields, or warned
+# about (tests/test_config.py test_verl_trainer_config_mapped_or_warned).
+READ_AS_DICT = {"trainer.trainer_config"}
+
+
+def nothing_to_read(path: str) -> bool:
+    """A Literal field with one allowed value (a taskset's storage_type: file): nothing to honour or to ignore; or a
+    section (format, rollout_args, ...): its own fields are checked."""
+    cls, name = FIELD_PATHS[path]
+    tp = typing.get_type_hints(cls)[name]
+    return typing.get_origin(tp) is typing.Literal and len(typing.get_args(tp)) == 1 or dataclasses.is_dataclass(tp)
 
 
 def test_every_schema_field_is_read_or_refused_by_name():
-    attrs, strings = reads()
-    ruled = {(cls, name) for cls, name, *_ in REFUSED + WARNED}
+    """Each field at each place of the schema (explorer.rollout_model.model_path and explorer.auxiliary_models[]
+    .model_path are two) is read by the runtime code through a section of that place (tests/schema_reads.py types
+    every attribute load), or named by a refusal / warning of configs/checks.py."""
+    read, ruled = read_paths(ROOT, RUNTIME), ruled_paths()
     silent = []
-    for cls, name, path in schema_fields() + piece_fields():
-        read = name in attrs or name in strings or (name.endswith("_args") and name[:-5] in strings)
-        if not read and (cls, name) not in ruled:
+    for path in FIELD_PATHS:
+        moved = next((path.replace(a, b, 1) for a, b in MOVED.items() if path.startswith(a)), path)
+        if not ({path, moved} & (read | ruled) or path in READ_AS_DICT or nothing_to_read(path)):
             silent.append(path)
     assert not silent, f"accepted, shown in --help, and never read nor refused: {silent}"
-    # the stages' sections are merged from the YAML, so they are read by name from StageConfig
-    assert {f.name for f in dataclasses.fields(StageConfig)} <= strings | attrs
+    words, ruled_pieces = strings() | attributes(), {(c, n) for c, n, *_ in REFUSED + WARNED}
+    silent = [path for cls, name, path in piece_fields() if name not in words and (cls, name) not in ruled_pieces]
+    assert not silent, f"algos/ piece arguments never read: {silent}"
+
+
+def analyse(tmp_path: Path, code: str) -> set[str]:
+    (tmp_path / "mod.py").write_text(code)
+    return read_paths(tmp_path, [tmp_path / "mod.py"])
+
+
+def test_the_schema_walk_tells_apart_fields_shared_by_name(tmp_path):
+    """The walk is strict where a search for bare names is not: the actor's micro-batch size is not the critic's,
+    the rollout model's API switch is not an auxiliary model's; a call site types an unannotated parameter."""
+    read = analyse(tmp_path, "from configs import Config\n"
+                             "def f(cfg: Config):\n    t = cfg.trainer\n    return t.micro_batch_size_per_gpu\n"
+                             "def g(cfg):\n    rm = cfg.explorer.rollout_model\n    return rm.enable_openai_api\n"
+                             "def h(m):\n    return m.seed, m.model_path\n"
+                             "def k(c: Config):\n    for aux in c.explorer.auxiliary_models:\n        h(aux)\n")
+    assert {"trainer.micro_batch_size_per_gpu", "explorer.rollout_model.enable_openai_api",
+            "explorer.auxiliary_models[].seed", "explorer.auxiliary_models[].model_path"} <= read
+    assert not {"trainer.critic.micro_batch_size_per_gpu", "explorer.auxiliary_models[].enable_openai_api",
+                "explorer.rollout_model.seed", "explorer.rollout_model.model_path"} & read
+    # a base of unknown type reads only names that exist at one path (`x.name` is not trainer.name)
+    assert analyse(tmp_path, "def f(x):\n    return x.name, x.sync_timeout\n") == {"synchronizer.sync_timeout"}
+    # getattr over a tuple of names, `self.x` of a tuple assignment
+    read = analyse(tmp_path, "from configs.schema import Config\nclass S:\n"
+                             "    def __init__(self, cfg: Config):\n        self.a, self.n = cfg.algorithm, 1\n"
+                             "    def f(self):\n"
+                             "        return [getattr(self.a, k + '_args') for k in ('kl_loss_fn',)]\n")
+    assert read == {"algorithm", "algorithm.kl_loss_fn_args"}
 
 
 def test_the_tables_name_real_fields_and_known_trinity_keys():
     fields = {(cls, name) for cls, name, _ in schema_fields() + piece_fields()}
-    assert not [k for k in list(RANGES) + [(c, n) for c, n, *_ in REFUSED + WARNED] if k not in fields]
+    assert not [k for k in RANGES if k not in fields]
+    assert not [(w, n) for w, n, *_ in REFUSED + WARNED
+                if ((w, n) not in fields if isinstance(w, type) else f"{w}.{n}" not in FIELD_PATHS)]
     paths = {path for *_, path in schema_fields()}
     # aliases and the veRL map land on real fields; ignored keys are not fields (else they would be silent)
     assert set(ALIASES.values()) | set(VERL_MAP.values()) <= paths
@@ -88,6 +147,10 @@ MINIMAL = {"model": {"model_path": "m", "max_model_len": 256}, "buffer": {"batch
 # mode both on GPUs over two hosts: the explorer has node 0 (4 vLLM engines), trainer rank 0 is on node 1
 APART = {"mode": "both", "cluster": {"node_num": 2, "gpu_per_node": 4, "master_addr": "10.0.0.2"},
          "explorer": {"rollout_model": {"engine_type": "vllm", "engine_num": 4}}}
+# a trainer on SFT data files (a buffer of storage_type file)
+SFT = {"mode": "train", "algorithm": {"algorithm_type": "sft"}}
+FILE = {"storage_type": "file", "path": "sft.jsonl"}
+SFT_INPUT = {"experience_buffer": FILE}
 # One case per rule of configs/checks.py: (overrides, expected refusal) and (overrides, expected warning).
 REFUSAL_CASES = {
     ("ModelConfig", "logprobs"): ({"model": {"logprobs": 5}}, "model.logprobs = 5 is refused: top-k log-probs"),
@@ -95,9 +158,34 @@ REFUSAL_CASES = {
                                        "tasksets[0].rollout_args.logprobs = 2 is refused"),
     ("ModelConfig", "repetition_penalty"): ({"model": {"repetition_penalty": 1.1}, "explorer": {"rollout_model": {
         "engine_type": "hf"}}}, "model.repetition_penalty = 1.1 is refused: not supported by the HF engine"),
-    ("InferenceModelConfig", "enable_history"): (
+    ("explorer.rollout_model", "enable_history"): (
         {"explorer": {"rollout_model": {"enable_history": True}}},
         "explorer.rollout_model.enable_history = True is refused: it records the calls"),
+    ("explorer.rollout_model", "model_path"): ({"explorer": {"rollout_model": {"model_path": "/other/model"}}},
+                                               "explorer.rollout_model.model_path = '/other/model' is refused: the "
+                                               "rollout model serves model.model_path"),
+    **{("explorer.auxiliary_models[]", key): (
+        {"explorer": {"auxiliary_models": [{"model_path": "judge", "engine_type": "hf", key: value}]}},
+        f"explorer.auxiliary_models[0].{key} = {value!r} is refused: only the rollout model is served")
+       for key, value in (("enable_openai_api", True), ("enable_history", True), ("openai_api_host", "0.0.0.0"),
+                          ("openai_api_port", 8000))},
+    **{(f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn"): (
+        {"buffer": {"explorer_input": {sets: [{"path": "y", "format": {"enable_concatenated_multi_turn": True}}]}}},
+        f"{sets}[{0 if sets == 'eval_tasksets' else 1}].format.enable_concatenated_multi_turn = True is refused: an "
+        "option of SFT data") for sets in ("tasksets", "eval_tasksets")},
+    **{(f"buffer.trainer_input.{buf}.format", key): (
+        {**SFT, "buffer": {"trainer_input": {"experience_buffer": {**FILE, "format": {key: "x"}}} if buf ==
+                           "experience_buffer" else {**SFT_INPUT, "auxiliary_buffers": {"expert": {
+                               **FILE, "format": {key: "x"}}}}}},
+        f"{buf.replace('*', 'expert')}.format.{key} = 'x' is refused: an option of tasksets")
+       for buf in ("experience_buffer", "auxiliary_buffers.*") for key in ("workflow_key", "reward_fn_key",
+                                                                            "reply_prefix")},
+    ("buffer.trainer_input.auxiliary_buffers.*", "storage_type"): (
+        {"buffer": {"trainer_input": {"auxiliary_buffers": {"expert": {"path": "sft.jsonl"}}}}},
+        "auxiliary_buffers.expert.storage_type = 'queue' is refused: an auxiliary buffer is read as a data file"),
+    ("ExperienceBufferConfig", "reuse_cooldown_time"): (
+        {"buffer": {"trainer_input": {"experience_buffer": {"reuse_cooldown_time": 5.0}}}},
+        "experience_buffer.reuse_cooldown_time = 5.0 is refused: experiences are reused only by the priority queue"),
     ("TrainerConfig", "ulysses_sequence_parallel_size"): ({"trainer": {"ulysses_sequence_parallel_size": 2}},
                                                           "ulysses_sequence_parallel_size = 2 is refused"),
     ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},
@@ -119,8 +207,10 @@ REFUSAL_CASES = {
                              "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter"),
 }
 WARNING_CASES = {
-    ("InferenceModelConfig", "engine_num"): ({"explorer": {"rollout_model": {"engine_type": "hf", "engine_num": 4}}},
-                                             "explorer.rollout_model.engine_num = 4: the HF engine runs as one"),
+    ("InferenceModelConfig", "engine_num"): (
+        {"explorer": {"rollout_model": {"engine_type": "vllm"}, "auxiliary_models": [
+            {"model_path": "judge", "engine_type": "hf", "engine_num": 4}]}},
+        "explorer.auxiliary_models[0].engine_num = 4: the HF engine runs as one"),  # each model's own engine
     ("InferenceModelConfig", "enforce_eager"): ({"explorer": {"rollout_model": {"engine_type": "hf",
                                                  "enforce_eager": True}}}, "enforce_eager = True: has no effect"),
     ("InferenceModelConfig", "enable_chunked_prefill"): ({"explorer": {"rollout_model": {
@@ -135,10 +225,30 @@ WARNING_CASES = {
                                     "cluster.node_num = 2: an explorer is one process on the node it starts on"),
     ("ClusterConfig", "master_addr"): ({"cluster": {"master_addr": "10.0.0.2"}},
                                        "cluster.master_addr = '10.0.0.2': has no effect on one node"),
+    ("ClusterConfig", "master_addr", 2): ({"cluster": {"node_num": 2, "gpu_per_node": 0}},
+                                          "cluster.master_addr = '127.0.0.1': with cluster.node_num > 1 the other "
+                                          "nodes would dial this address"),
     ("ClusterConfig", "master_port"): ({"cluster": {"master_port": 29600}},
                                        "cluster.master_port = 29600: has no effect on one node"),
     ("SynchronizerConfig", "sync_host"): ({"synchronizer": {"sync_method": "checkpoint", "sync_host": "10.0.0.2"}},
                                           "sync_host = '10.0.0.2': has no effect with sync_method checkpoint"),
+    **{("buffer.explorer_input.eval_tasksets[].data_selector", key): (
+        {"buffer": {"explorer_input": {"eval_tasksets": [{"path": "data/y", "data_selector": {key: value}}]}}},
+        f"eval_tasksets[0].data_selector.{key} = {value!r}: has no effect on an eval taskset")
+       for key, value in (("selector_type", "shuffle"), ("seed", 7))},
+    ("ExperienceBufferConfig", "priority_decay"): ({"buffer": {"trainer_input": {"experience_buffer": {
+        "priority_decay": 1.0}}}}, "priority_decay = 1.0: has no effect without use_priority_queue"),
+    **{("ExperienceBufferConfig", key, *n): (
+        {**SFT, "buffer": {"trainer_input": {"experience_buffer": {**FILE, key: value}}}},
+        f"experience_buffer.{key} = {value!r}: has no effect: an option of the experience DB's queue")
+       for key, value, n in (("use_priority_queue", True, ()), ("reuse_cooldown_time", 5.0, ()),
+                             ("priority_decay", 1.0, (2,)))},
+    ("buffer.trainer_input.auxiliary_buffers.*", "max_read_timeout"): (
+        {**SFT, "buffer": {"trainer_input": {**SFT_INPUT, "auxiliary_buffers": {"expert": {
+            **FILE, "max_read_timeout": 5}}}}},
+        "auxiliary_buffers.expert.max_read_timeout = 5.0: has no effect: an auxiliary buffer is a data file"),
+    ("MonitorConfig", "monitor_args"): ({"monitor": {"monitor_type": "wandb", "monitor_args": {"uri": "x"}}},
+                                        "monitor.monitor_args = {'uri': 'x'}: only wandb's api_key / base_url"),
     ("LoRAConfig", "name"): ({"model": {"lora_configs": [{"name": "a"}]}},
                              "model.lora_configs[0].name = 'a': has no effect: it is vLLM's way of serving"),
     ("LoRAConfig", "base_model_name"): ({"model": {"lora_configs": [{"base_model_name": "b"}]}},
@@ -160,12 +270,22 @@ def merged(overrides: dict) -> dict:
     return merge(copy.deepcopy(MINIMAL), overrides)
 
 
+def rule_keys(rules: list) -> list[tuple]:
+    """(class name or section pattern, field[, n]) of each rule: the n-th rule on the same field gets n."""
+    keys: list[tuple] = []
+    for where, name, *_ in rules:
+        key = (where.__name__ if isinstance(where, type) else where, name)
+        n = sum(k[:2] == key for k in keys) + 1
+        keys.append(key if n == 1 else (*key, n))
+    return keys
+
+
 def test_every_rule_has_a_case():
-    assert {(c.__name__, n) for c, n, *_ in REFUSED} == set(REFUSAL_CASES)
-    assert {(c.__name__, n) for c, n, *_ in WARNED} == set(WARNING_CASES)
+    assert sorted(rule_keys(REFUSED)) == sorted(REFUSAL_CASES)
+    assert sorted(rule_keys(WARNED)) == sorted(WARNING_CASES)
 
 
-@pytest.mark.parametrize("rule", sorted(REFUSAL_CASES), ids="/".join)
+@pytest.mark.parametrize("rule", sorted(REFUSAL_CASES), ids=lambda k: "/".join(map(str, k)))
 def test_refused_values_name_the_key_and_why(rule):
     overrides, message = REFUSAL_CASES[rule]
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -192,7 +312,7 @@ def test_the_off_policy_correction_is_refused_only_where_vllm_logprobs_differ(ch
         resolve_stages(from_dict(Config, normalize(config(engine, rollout_is))))
 
 
-@pytest.mark.parametrize("rule", sorted(WARNING_CASES), ids="/".join)
+@pytest.mark.parametrize("rule", sorted(WARNING_CASES), ids=lambda k: "/".join(map(str, k)))
 def test_warned_values_say_what_will_not_happen(rule, caplog):
     overrides, message = WARNING_CASES[rule]
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
@@ -257,23 +377,120 @@ def mutate(raw: dict, path: str, value) -> dict:
 
 
 @pytest.mark.parametrize("path", REFERENCE + OURS, ids=lambda p: p.name)
-def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, monkeypatch):
+def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, tmp_path, monkeypatch):
     """Every leaf of the YAML, set to each of MUTATIONS or deleted: either a ConfigError that names the key (its
-    last part at least, or a key it conflicts with) or a config that resolves. Never another exception."""
+    last part at least, or a key it conflicts with) or a config that resolves and that the launcher's children load
+    back identically. Never another exception."""
     monkeypatch.setenv("HOME", "/home/user")
-    raw = yaml.safe_load(path.read_text())
-    crashes, unnamed = [], []
+    raw = read_yaml(path)  # interpolations resolved, as the loader gives them
+    crashes, unnamed, refused, valid = [], [], [], 0
     for leaf, _ in leaves(raw):
         for value in MUTATIONS + [KeyError]:
             try:
-                resolve_stages(from_dict(Config, normalize(mutate(raw, leaf, value))))
+                stages = resolve_stages(from_dict(Config, normalize(mutate(raw, leaf, value))))
             except ConfigError as e:
                 if leaf.split(".")[-1] not in str(e) and not _names_a_related_key(str(e)):
                     unnamed.append(f"{leaf}={value!r}: {e}")
+                continue
             except Exception as e:  # noqa: BLE001 - this is what the test looks for
                 crashes.append(f"{leaf}={value!r}: {type(e).__name__}: {e}")
+                continue
+            valid += 1
+            # what the launcher writes for its processes, as they read it (NOTE: every tenth config, for time;
+            # test_mutating_a_config_file_... reloads every one of its own)
+            for stage in stages if valid % 10 == 0 else []:
+                try:
+                    assert child_load(to_yaml(stage), tmp_path) == stage, "reloads differently"
+                except (AssertionError, ConfigError) as e:
+                    refused.append(f"{leaf}={value!r}: the launcher accepts it, its child: {e}")
     assert not crashes, crashes[:10]
     assert not unnamed, unnamed[:10]
+    assert not refused, refused[:10]
+
+
+def child_load(text: str, tmp_path: Path, real_cli: bool = False) -> Config:
+    """A stage's resolved YAML as a launched process loads it (train.py / explore.py: configs.entry): the file
+    through cli() and resolve_stages, or, for speed, the same steps but tyro's (an empty command line)."""
+    f = tmp_path / "stage.yaml"
+    f.write_text(text)
+    cfg = cli(["--config", str(f)])[0] if real_cli else from_dict(Config, normalize(read_yaml(f)))
+    (stage,) = resolve_stages(cfg)
+    return stage
+
+
+# What a YAML file can hold beyond the values above: dates, binary data, sets, null and number keys, a list where
+# a mapping goes, a mapping where a scalar goes, OmegaConf's ??? and interpolations that do not resolve.
+FILE_MUTATIONS = [datetime.date(2024, 1, 1), b"\x00\x01", {1, 2}, {None: 1}, {1: 2}, [{}], {"x": 1}, "???",
+                  "${nope.x}", "${oc.env:NANORFT_FUZZ_UNSET}", "yes", "a\x00b"]
+UNKNOWN = "zz_unknown_key"
+# Mappings whose keys are free by design: environment variables, and what a workflow reads from workflow_args
+FREE_FORM = ("env_vars", "workflow_args")
+
+
+def nodes(d: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:
+    """Every key path of a YAML document: sections and leaves, mapping keys and list indices."""
+    items = d.items() if isinstance(d, dict) else enumerate(d) if isinstance(d, list) else []
+    for k, v in items:
+        yield prefix + (k,), v
+        yield from nodes(v, prefix + (k,))
+
+
+def set_at(raw: dict, path: tuple, value: Any) -> dict:
+    out = node = copy.deepcopy(raw)
+    for k in path[:-1]:
+        node = node[k]
+    if value is UNKNOWN:
+        node[path[-1]][UNKNOWN] = 1
+    else:
+        node[path[-1]] = copy.deepcopy(value)
+    return out
+
+
+@pytest.mark.parametrize("path", REFERENCE + [ROOT / "configs/tiny.yaml"], ids=lambda p: p.name)
+def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children(path, tmp_path, monkeypatch,
+                                                                                  caplog):
+    """Each key path of the file (sections, leaves, list items) set to each of FILE_MUTATIONS, and an unknown key
+    added to each mapping, written as YAML (yaml.dump: dates, binary, sets as YAML writes them) and loaded as a
+    user's --config is: a ConfigError naming the key, or a config that every process the launcher starts loads back
+    identically from the YAML the launcher writes (every tenth through the real cli(): tyro included). An unknown
+    key that loads is named by a warning (trainer_config, monitor_args) or sits in a free-form mapping."""
+    from explore import check_workflows  # an explorer's own refusals at start (reward_fn_args)
+
+    monkeypatch.setenv("HOME", "/home/user")
+    raw, f = yaml.safe_load(path.read_text()), tmp_path / "mutated.yaml"
+    crashes, unnamed, silent, refused, checked = [], [], [], [], 0
+    for where, old in list(nodes(raw)):
+        values = FILE_MUTATIONS + ([UNKNOWN] if isinstance(old, dict) else [])
+        for value in values:
+            name, shown = ".".join(map(str, where)), "an unknown key" if value is UNKNOWN else repr(value)
+            f.write_text(yaml.dump(set_at(raw, where, value)))
+            caplog.clear()
+            try:
+                with caplog.at_level(logging.WARNING):
+                    stages = resolve_stages(from_dict(Config, normalize(read_yaml(f))))
+                    for stage in stages:
+                        if stage.mode != "train":
+                            check_workflows(stage)
+                if value is UNKNOWN and UNKNOWN not in caplog.text and where[-1] not in FREE_FORM:
+                    silent.append(f"{name}: {UNKNOWN} accepted without a word")
+            except ConfigError as e:
+                named = UNKNOWN if value is UNKNOWN else str(where[-1])
+                if named not in str(e) and not _names_a_related_key(str(e)):
+                    unnamed.append(f"{name} = {shown}: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - this is what the test looks for
+                crashes.append(f"{name} = {shown}: {type(e).__name__}: {e}")
+                continue
+            for stage in stages:  # accepted: every process the launcher starts must accept it and read the same
+                checked += 1
+                try:
+                    assert child_load(to_yaml(stage), tmp_path, real_cli=checked % 10 == 0) == stage, "differs"
+                except (AssertionError, ConfigError) as e:
+                    refused.append(f"{name} = {shown}: the launcher accepts it, its child: {e}")
+    assert not crashes, crashes[:10]
+    assert not unnamed, unnamed[:10]
+    assert not silent, silent[:10]
+    assert not refused, refused[:10]
 
 
 def _names_a_related_key(message: str) -> bool:
@@ -281,3 +498,40 @@ def _names_a_related_key(message: str) -> bool:
     is required'); it still names a key path."""
     return any(part in message for part in ("model.", "buffer.", "algorithm.", "trainer.", "explorer.", "cluster.",
                                             "synchronizer.", "stages[", "mode "))
+
+
+def test_every_override_the_launcher_accepts_its_children_accept(tmp_path, monkeypatch, capsys):
+    """The command line on top of a file with veRL trainer_config keys (ppo_example.yaml): `--key value` for every
+    leaf of the file outside lists and every field the veRL keys and Trinity's old names map onto, with a number and
+    a word. Each is a usage error naming the option (tyro, exit 2), a ConfigError naming the key, or a config whose
+    stages the launcher's processes load back identically through the real cli() (a mapped key must not be mapped
+    again over the command line's value)."""
+    monkeypatch.setenv("HOME", "/home/user")
+    path = ROOT / "tests/data/reference_configs/ppo_example.yaml"
+    raw = yaml.safe_load(path.read_text())
+    keys = sorted({k for k, _ in leaves(raw) if "trainer_config" not in k} | set(VERL_MAP.values()) |
+                  set(ALIASES.values()))
+    crashes, unnamed, refused = [], [], []
+    for key in keys:
+        for value in ("0.5", "x"):
+            try:
+                stages = resolve_stages(cli(["--config", str(path), f"--{key}", value])[0])
+            except SystemExit:
+                if f"--{key}" not in capsys.readouterr().err:
+                    unnamed.append(f"--{key} {value}: a usage error that does not name the option")
+                continue
+            except ConfigError as e:
+                if key.split(".")[-1] not in str(e) and not _names_a_related_key(str(e)):
+                    unnamed.append(f"--{key} {value}: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - this is what the test looks for
+                crashes.append(f"--{key} {value}: {type(e).__name__}: {e}")
+                continue
+            for stage in stages:  # accepted: every child must accept it too, and read the same config
+                try:
+                    assert child_load(to_yaml(stage), tmp_path, real_cli=True) == stage, "reloads differently"
+                except (AssertionError, ConfigError) as e:
+                    refused.append(f"--{key} {value}: the launcher accepts it, its child: {e}")
+    assert not crashes, crashes[:10]
+    assert not unnamed, unnamed[:10]
+    assert not refused, refused[:10]

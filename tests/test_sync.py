@@ -124,16 +124,18 @@ def test_stop_reports_finished(tmp_path):
 
 
 def test_no_trainer_is_a_clear_error(tmp_path):
+    """The timeout bounds the wait (NOTE: the bounds below are slack for a loaded machine, not speed claims: what
+    is tested is that the explorer gives up with a named error instead of waiting on)."""
     start = time.monotonic()
     with pytest.raises(sync.SyncError, match="no trainer"):
         sync.open_receiver(tmp_path, timeout=2)
-    assert time.monotonic() - start < 10
+    assert 2 <= time.monotonic() - start < 30
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / sync.GROUP_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": int(dead.stdout),
                                                         "backend": "gloo"}))  # left by a dead trainer
     with pytest.raises(sync.SyncError, match="which is gone"):
         sync.open_receiver(tmp_path, timeout=2)
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 60
 
 
 def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
@@ -157,13 +159,22 @@ def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
 @pytest.mark.parametrize("when", ["before_header", "mid_transfer"])
 def test_trainer_death_is_a_clear_error(tmp_path, when):
     """The trainer dies while the explorer waits for a header, or halfway through the tensors: the explorer
-    gets SyncError at once (the timeout here is far longer), not a hang."""
+    gets SyncError at once (the timeout here is far longer), not a hang. NOTE: the trainer dies at a point the
+    test chooses, told through the store: once the explorer asks for the header, or once it has the header (then
+    the broadcast of the tensors fails). Whether the explorer's wait has begun a moment before or after the death
+    does not matter: the store or the group is gone either way."""
     trainer = peer("die", str(tmp_path), when)
-    link = sync.open_receiver(tmp_path, timeout=20)
+    link = sync.open_receiver(tmp_path, timeout=120)
     start = time.monotonic()
     with pytest.raises(sync.SyncError):
-        sync.receive_weights(link)
-    assert time.monotonic() - start < 15
+        if when == "before_header":
+            link.store.set("test/waiting", "1")
+            sync.receive_weights(link)
+        else:
+            header = sync.receive_header(link)
+            link.store.set("test/got_header", "1")
+            list(sync.receive_buckets(link, header))
+    assert time.monotonic() - start < 60  # not the 120 s timeout: the death was noticed (slack for a loaded machine)
     trainer.communicate(timeout=30)
 
 
@@ -326,13 +337,13 @@ def run_stop(job_dir: str) -> None:
 def run_die(job_dir: str, when: str) -> None:
     link = sync.open_sender(job_dir, "cpu", timeout=30)
     if when == "before_header":
-        time.sleep(1.0)  # the explorer is waiting for the header by now
+        link.store.wait(["test/waiting"], link.timeout)  # the explorer asks for the header
         os._exit(3)
 
     def tensors():
         yield torch.ones(1000)
-        time.sleep(0.5)
-        os._exit(3)  # killed after the first of two tensors
+        link.store.wait(["test/got_header"], link.timeout)  # the explorer has the header
+        os._exit(3)  # killed after the first of two tensors, before the bucket is broadcast
 
     sync.send_weights(link, 1, [("a", (1000,), torch.float32), ("b", (1000,), torch.float32)], tensors())
 

@@ -158,7 +158,7 @@ def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
 
 
 @pytest.mark.parametrize("bad, named", [
-    (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 1)"),
+    (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 29)"),  # its end
     (b'{"question": "x\xff", "answer": "2"}\n', "line 3: not UTF-8 (byte 0xff at byte 16)"),
     (b"[1, 2]\n", "line 3: a JSON list, not an object (one row per line)"),
 ])
@@ -168,3 +168,21 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
     with pytest.raises(DataError) as e:
         read_rows(str(tmp_path))
     assert str(e.value) == f"{tmp_path / 'train.jsonl'}: {named}"
+
+
+@pytest.mark.parametrize("name, data, named", [
+    ("train.json", b'{"question": "a", "answer": "1"}\n{"question": "b", "answer": 2\n',  # JSON lines in a .json
+     "line 2: not valid JSON (Expecting ',' delimiter at column 30)"),
+    ("train.json", b'[{"question": "a", "answer": "1"},\n {"question": "b"\n', "line 3: not valid JSON"),
+    ("train.json", b'{"question": "a", "answer": "1"}\n[1, 2]\n', "line 2: a JSON list, not an object"),
+    ("train.jsonl", b"", "empty: no rows"), ("train.jsonl", b"\n\n", "empty: no rows"),
+    ("train.csv", b"", "empty: no rows"),
+    ("train.csv", b'question,answer\na,1\n"b,2\n', "cannot be read (ParserError: Error tokenizing data"),
+])
+def test_a_file_that_cannot_be_read_says_why(tmp_path, name, data, named):
+    """No StopIteration or bare DatasetGenerationError: the line that is wrong, that the file is empty, or the
+    parser's own error underneath."""
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(DataError) as e:
+        read_rows(str(tmp_path))
+    assert str(e.value).startswith(f"{tmp_path / name}: {named}")

@@ -5,6 +5,8 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from transformers import AutoModelForCausalLM
 import checkpoint
 import configs
 import models
+import sync
 import train
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
@@ -410,6 +413,76 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path
         checkpoint.latest_checkpoint(job)
 
 
+def fake_checkpoint(job: Path, step: int) -> Path:
+    """A checkpoint folder with the files latest_checkpoint looks at, and its manifest."""
+    actor = job / f"global_step_{step}" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    (actor / "huggingface" / "model.safetensors").write_bytes(b"w" * 10)
+    (actor / "trainer_state.json").write_text("{}")
+    checkpoint.write_manifest(actor.parent)
+    return actor.parent
+
+
+@pytest.mark.parametrize("case", ["pointer abc", "pointer -1", "pointer a directory", "pointer to nothing",
+                                  "manifest a list", "manifest a directory", "manifest entry a number",
+                                  "renamed folders"])
+def test_damaged_pointers_manifests_and_renamed_folders_are_named(tmp_path, case, caplog):
+    """No ValueError / IsADirectoryError: a DataError naming the file, or the damaged checkpoint skipped with a
+    warning naming its manifest; folders renamed by hand (global_step_3_damaged, global_step_2.bak) are not steps."""
+    job, pointer = tmp_path, tmp_path / checkpoint.CKPT_POINTER
+    fake_checkpoint(job, 1)
+    pointer.write_text("1\n")
+    if case.startswith("pointer"):
+        if case == "pointer a directory":
+            pointer.unlink()
+            pointer.mkdir()
+        else:
+            pointer.write_text({"pointer abc": "abc", "pointer -1": "-1", "pointer to nothing": "5"}[case])
+            shutil.rmtree(job / "global_step_1") if case == "pointer to nothing" else None
+        says = {"pointer abc": "holds 'abc', not a step number", "pointer -1": "holds '-1', not a step number",
+                "pointer a directory": "cannot be read as a step number",
+                "pointer to nothing": f"names step 5, and {job} has no checkpoint up to it"}[case]
+        with pytest.raises(DataError, match=re.escape(f"{pointer}") + ".*" + re.escape(says)) as e:
+            checkpoint.latest_checkpoint(job)
+        assert "see the warnings above" not in str(e.value)
+        return
+    if case == "renamed folders":
+        fake_checkpoint(job, 2).rename(job / "global_step_2.bak")
+        fake_checkpoint(job, 3).rename(job / "global_step_3_damaged")
+        pointer.write_text("3\n")
+        sync.set_latest(job, 3)
+        assert checkpoint.checkpoint_steps(job) == [1] and sync.step_folders(job, "actor/huggingface") == {
+            1: job / "global_step_1" / "actor" / "huggingface"}
+        assert sync.prune_published(job, 3) == [] and (job / "global_step_2.bak").is_dir()
+        with caplog.at_level(logging.WARNING):
+            assert checkpoint.latest_checkpoint(job) == 1
+        return
+    manifest = job / "global_step_1" / "manifest.json"
+    fake_checkpoint(job, 2)
+    pointer.write_text("2\n")
+    manifest2 = job / "global_step_2" / "manifest.json"
+    if case == "manifest a directory":
+        manifest2.unlink()
+        manifest2.mkdir()
+    else:
+        manifest2.write_text("[1, 2]" if case == "manifest a list" else '{"actor/trainer_state.json": 2}')
+    with caplog.at_level(logging.WARNING):
+        assert checkpoint.latest_checkpoint(job) == 1  # the older, whole one
+    assert f"checkpoint step 2 is damaged and skipped (left as it is): {manifest2}" in caplog.text
+    assert manifest.is_file() and manifest2.exists()
+
+
+def test_a_trainer_with_a_garbage_pointer_stops_with_a_named_error_in_its_log(tmp_path, tiny_model_dir):
+    """The role log opens first: the error of set-up (here: resuming) is in log/trainer.log too."""
+    job = tmp_path / "ck" / "p" / "t"
+    job.mkdir(parents=True)
+    (job / checkpoint.CKPT_POINTER).write_text("abc\n")
+    out = run_train(sft_config(tmp_path, tiny_model_dir))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    says = f"{job / checkpoint.CKPT_POINTER}: holds 'abc', not a step number"
+    assert says in out.stderr and says in (job / "log" / "trainer.log").read_text()
+
+
 def test_max_checkpoints_to_keep_prunes_the_oldest(tmp_path, tiny_model_dir):
     over = {"buffer.total_steps": 3, "trainer.save_interval": 1, "trainer.max_checkpoints_to_keep": 2}
     out = run_train(sft_config(tmp_path, tiny_model_dir, **over))
@@ -453,3 +526,29 @@ def test_only_rank_0_reads_the_db_and_every_rank_gets_its_batch(tmp_path, tiny_m
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero == one and [len(batch) for batch in zero] == [4, 4]
     assert sorted(x[0] for batch in zero for x in batch) == list(range(1, 9))  # each experience once
+
+
+def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
+    """use_dynamic_bsz off: the critic's update runs micro-batches of trainer.critic.micro_batch_size_per_gpu
+    sequences, the actor's of trainer.micro_batch_size_per_gpu (veRL's critic.ppo_micro_batch_size_per_gpu)."""
+    batch = models.step_batch(experiences([(4, [3, 3, 3, 3, 3, 3])]), width=8)
+    units = models.pack_units(batch, list(range(6)), False, 1000)
+    plan = [models.micro_batches(batch, units, 0, 1)]  # the actor's: 1 sequence each
+    cfg = configs.Config()
+    cfg.trainer.use_dynamic_bsz, cfg.trainer.micro_batch_size_per_gpu = False, 1
+    cfg.trainer.critic.micro_batch_size_per_gpu = 4
+    seen = {}
+
+    def optimize(p, model, optim, batch, plan, loss_fn, mode, lr, clip, prefix, step):
+        seen[prefix] = [[len(u) for micro in mini for u in micro] for mini in plan], [len(m) for m in plan[0]]
+        return {}, [], 0
+
+    monkeypatch.setattr(train, "optimize", optimize)
+    monkeypatch.setattr(train, "reduce_sum", lambda values, device: values)
+    off = types.SimpleNamespace(adaptive=False)
+    p = types.SimpleNamespace(cfg=cfg, critic=object(), critic_optim=None, actor=None, optim=None, total=1, world=1,
+                              device="cpu", pieces={"policy_loss_fn": (None, off), "kl_loss_fn": (None, off),
+                                                    "kl_penalty_fn": (None, off)}, kl_coef={})
+    train.update(p, batch, plan, 1)
+    assert seen["actor/"][1] == [1] * 6 and seen["critic/"][1] == [4, 2]  # sequences per micro-batch
+    assert seen["critic/"][0] == seen["actor/"][0]  # the same sequences in each mini-batch
