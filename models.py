@@ -321,9 +321,10 @@ def group_advantages(exps: list[Experience], algorithm: AlgorithmConfig) -> None
     keys = ("rewards", "group_index", "episode_index", "response_mask")
     out, _ = fn({k: batch[k] for k in keys}, piece_config("advantage_fn", algorithm.advantage_fn,
                                                          algorithm.advantage_fn_args))
+    keep = out.get("keep", torch.ones(len(exps), dtype=torch.bool))  # [B]
     for b, x in enumerate(exps):
         x.advantages = out["advantages"][b, : x.response_length].float()  # [R]
-        if not out["keep"][b]:
+        if not keep[b]:
             x.action_mask = torch.zeros(x.response_length, dtype=torch.bool)  # [R]
 
 

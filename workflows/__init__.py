@@ -62,6 +62,11 @@ class ModelHandle(Protocol):
         """Sample n responses per raw text prompt (no template): one list per prompt."""
         ...
 
+    def render(self, messages: list[dict], tools: list | None = None, chat_template: str | None = None,
+               generation: bool = True) -> str:
+        """`messages` through the chat template, as chat() would send them (e.g. to batch them into generate())."""
+        ...
+
 
 class Workflow:
     """Base class of all workflows (the only class hierarchy here). Subclasses implement run()."""

@@ -41,6 +41,7 @@ class Tool:
     fn: Callable[..., Any] | str
     description: str
     parameters: dict
+    ref: dict = dataclasses.field(init=False, repr=False)  # where a worker finds fn (reference())
 
     def __post_init__(self) -> None:
         self.ref = reference(self.fn, self.name)  # checked here: a lambda fails when the tool is made, not called
