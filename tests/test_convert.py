@@ -65,12 +65,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("world", [2, 3])  # 3: uneven shards (the hidden size is not a multiple of 3)
-def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, world):
-    actor = tmp_path / "global_step_5" / "actor"
-    actor.mkdir(parents=True)
-    mp.spawn(save_rank_shards, args=(world, free_port(), tiny_model_dir, str(actor)), nprocs=world, join=True)
-    shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+def merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world: int) -> None:
+    """The shards in `actor` convert to the tiny model's exact weights; without rank 1's file, a named error."""
     convert(actor, tmp_path / "hf")
     got, want = weights(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), weights(load_model(tiny_model_dir))
     assert set(got) == set(want)
@@ -79,6 +75,15 @@ def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, w
     (actor / f"model_world_size_{world}_rank_1.pt").unlink()
     with pytest.raises(ValueError, match=rf"world size {world}, but the files of rank\(s\) \[1\] are missing"):
         convert(actor, tmp_path / "hf2")
+
+
+@pytest.mark.parametrize("world", [2, 3])  # 3: uneven shards (the hidden size is not a multiple of 3)
+def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, world):
+    actor = tmp_path / "global_step_5" / "actor"
+    actor.mkdir(parents=True)
+    mp.spawn(save_rank_shards, args=(world, free_port(), tiny_model_dir, str(actor)), nprocs=world, join=True)
+    shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world)
 
 
 def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model_dir):
@@ -93,14 +98,7 @@ def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model
     shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
     for r in range(fsdp, world):  # the second copy
         (actor / f"model_world_size_{world}_rank_{r}.pt").unlink()
-    convert(actor, tmp_path / "hf")
-    got, want = weights(AutoModelForCausalLM.from_pretrained(tmp_path / "hf")), weights(load_model(tiny_model_dir))
-    assert set(got) == set(want)
-    for name, t in want.items():
-        assert torch.equal(got[name], t), name
-    (actor / f"model_world_size_{world}_rank_1.pt").unlink()
-    with pytest.raises(ValueError, match=rf"world size {world}, but the files of rank\(s\) \[1\] are missing"):
-        convert(actor, tmp_path / "hf2")
+    merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world)
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
