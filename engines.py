@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, DynamicCache, GenerationConfig
 
 from buffer import Experience
 from configs.resolve import explorer_gpu_plan
@@ -240,6 +240,26 @@ class Sampler:
         return picked, logp.gather(-1, picked[:, None])[:, 0]  # [b], [b]
 
 
+def eos_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the generation config's eos_token_id (an id or a list;
+    Qwen2.5-Instruct's are <|im_end|> and <|endoftext|>), on any of which transformers' generate and vLLM stop."""
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+    return sorted({tokenizer.eos_token_id, *gen_eos} - {None})
+
+
+def generation_config(path: str) -> GenerationConfig | None:
+    """The generation config a model folder loads with, in transformers as in vLLM (generation_config "auto"): its
+    generation_config.json, else one made from its config.json; None when neither reads."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        try:
+            return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+        except (OSError, ValueError):
+            return None
+
+
 class HFEngine:
     """The embedded engine: a transformers model and a hand-written batched decode loop."""
 
@@ -252,9 +272,7 @@ class HFEngine:
         self.batcher = Batcher(self.run_batch, max_model_len)
         self.model = self.batcher.call(lambda: load_model(model_path, dtype=dtype, device=device))  # see Batcher
         self.tokenizer = load_tokenizer(model_path)
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
-        self.eos_ids = sorted({self.tokenizer.eos_token_id, *gen_eos} - {None})
+        self.eos_ids = eos_ids(self.tokenizer, self.model.generation_config)
         self.is_eos = torch.zeros(self.model.config.vocab_size, dtype=torch.bool, device=device)  # [V]
         self.is_eos[self.eos_ids] = True
         self.model_version = 0

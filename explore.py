@@ -48,7 +48,7 @@ from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks
-from workflows import build_workflow, get_reward_fn, get_workflow
+from workflows import build_workflow, check_args
 
 log = logging.getLogger("nanorft.explore")
 
@@ -282,23 +282,18 @@ class Explorer:
 
 
 def check_workflows(cfg: configs.Config) -> None:
-    """Each taskset's workflow and reward function (with its reward_fn_args) exist, before any work is done:
-    a ConfigError naming the key otherwise (a name in a task row, format.workflow_key, is checked per task)."""
+    """Each taskset's workflow and reward function exist, and take its workflow_args and reward_fn_args, before any
+    work is done: a ConfigError naming the key otherwise (a name in a task row, format.workflow_key, is checked per
+    task). The user's own code (`module:attr`) is imported and checked here; the config loader checked the rest."""
     for key in ("tasksets", "eval_tasksets"):
         for i, ts in enumerate(getattr(cfg.buffer.explorer_input, key)):
-            where = f"buffer.explorer_input.{key}[{i}] ({ts.name})"
+            where = f"buffer.explorer_input.{key}[{i}]"
             runs = cfg.mode != "bench" or key == "eval_tasksets"
             if runs and not ts.default_workflow_type and not ts.format.workflow_key:
-                raise configs.ConfigError(f"{where}: no workflow runs these tasks: set buffer.default_workflow_type, "
-                                          "the taskset's default_workflow_type (e.g. math_workflow), or a "
-                                          "format.workflow_key column")
-            try:
-                if ts.default_workflow_type:
-                    get_workflow(ts.default_workflow_type)
-                if ts.default_reward_fn_type:
-                    get_reward_fn(ts.default_reward_fn_type, **ts.reward_fn_args)
-            except (KeyError, TypeError) as err:
-                raise configs.ConfigError(f"{where}: {err.args[0]}") from err
+                raise configs.ConfigError(f"{where} ({ts.name}): no workflow runs these tasks: set "
+                                          "buffer.default_workflow_type, the taskset's default_workflow_type (e.g. "
+                                          "math_workflow), or a format.workflow_key column")
+            check_args(ts, where)
 
 
 def set_up(cfg: configs.Config) -> Explorer:

@@ -25,7 +25,6 @@ perf/max_memory_allocated_gb).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import logging
@@ -45,7 +44,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from buffer import shown
 from configs.checks import ConfigError
-from configs.resolve import CONSOLE
+from configs.resolve import CONSOLE, holds_secret, redacted  # noqa: F401 (holds_secret re-exported)
 from configs.schema import Config
 
 log = logging.getLogger("nanorft.monitor")
@@ -213,29 +212,6 @@ def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
         except Exception as e:  # mlflow's own errors, or the network's: the message names the cause
             raise ConfigError(f"monitor.monitor_args.uri (or MLFLOW_TRACKING_URI) {shown(uri)}: cannot create the "
                               f"experiment {stage.project!r}: {' '.join(str(e).split())[:500]}") from None
-
-
-SECRET = re.compile(r"(password|passwd|secret|api_?key|access_?key|token)$", re.I)  # the keys whose values are hidden
-
-
-def redacted(value: Any) -> Any:
-    """A config (or any part of one) as plain data, with its secrets replaced by *** for the copies that leave the
-    process (the wandb and mlflow runs' config): the value of a key named like a secret (monitor_args' password /
-    api_key, an env_vars entry such as OPENAI_API_KEY or HF_TOKEN), and a password in a URL (a postgresql:// DB URL:
-    buffer.shown)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, dict):
-        return {k: "***" if isinstance(k, str) and SECRET.search(k) and v not in (None, "") else redacted(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redacted(v) for v in value) if type(value) in (list, tuple) else value
-    return shown(value) if isinstance(value, str) and "://" in value else value
-
-
-def holds_secret(cfg: Config) -> bool:
-    """Whether `redacted` hides anything of this config (its file is then for its owner's eyes only)."""
-    return redacted(cfg) != dataclasses.asdict(cfg)
 
 
 def mlflow_key(key: str) -> str:

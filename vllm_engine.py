@@ -38,7 +38,7 @@ import safetensors.torch
 import torch
 
 import sync
-from engines import Batcher, Completion, SamplingParams, check_request
+from engines import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
 from models import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,8 @@ class VLLMEngine:
         self.vllm, self.penalty, self.max_model_len = vllm, repetition_penalty, llm_args["max_model_len"]
         self.llm = vllm.LLM(**llm_args)
         self.tokenizer = load_tokenizer(llm_args["model"])
+        # the ids vLLM stops on: the tokenizer's EOS and the generation config's (as the HF engine's; Episode reads it)
+        self.eos_ids = eos_ids(self.tokenizer, generation_config(llm_args["model"]))
         self.model_version = 0
         self.batcher = Batcher(self.run_batch, self.max_model_len)
 
@@ -141,6 +143,7 @@ class AsyncVLLMEngine:
         self.thread.start()
         self.llm = self.call(self._start(vllm.AsyncEngineArgs(**llm_args)))
         self.tokenizer = load_tokenizer(llm_args["model"])
+        self.eos_ids = eos_ids(self.tokenizer, generation_config(llm_args["model"]))  # as VLLMEngine's
         self.model_version, self.ids = 0, itertools.count()
 
     async def _start(self, args: Any) -> Any:
@@ -192,6 +195,7 @@ class EnginePool:
     def __init__(self, engines: list[VLLMEngine | AsyncVLLMEngine], ranks_per_engine: int) -> None:
         self.engines, self.per_engine = engines, ranks_per_engine
         self.engine_type, self.tokenizer = engines[0].engine_type, engines[0].tokenizer
+        self.eos_ids = engines[0].eos_ids  # the ids a sample ends on (workflows/episode.py ends a turn on any)
         self.in_flight = [0] * len(engines)
         self.mutex, self.asleep, self.joined = threading.Lock(), False, False
 

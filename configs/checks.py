@@ -59,6 +59,12 @@ POSITIVE, NON_NEGATIVE, AT_LEAST_1 = _num(lambda v: v > 0, "> 0"), _num(lambda v
 FRACTION, PROBABILITY = _num(lambda v: 0 <= v <= 1, "in [0, 1]"), _num(lambda v: 0 < v <= 1, "in (0, 1]")
 TOP_K = _num(lambda v: v >= -1, ">= -1 (-1 or 0 = off)")
 HOST = (lambda v: isinstance(v, str) and v != "" and not any(ch.isspace() for ch in v), "a host name or IP address")
+# Every int of a config (a count, size, token length, step, seed) is below 2**31 in magnitude, whatever its own range:
+# no machine holds 2**31 of anything a config counts, and the engines, torch and the DB take it as int32 / int64
+# (check_ranges). Waits end within MAX_SECONDS (~32 years: longer is "forever"; Python's thread waits and timedelta
+# fail past ~9.2e9 s).
+INT_LIMIT, MAX_SECONDS = 2**31, 1e9
+SECONDS = _num(lambda v: 0 < v <= MAX_SECONDS, f"> 0 and <= {MAX_SECONDS:g} (seconds)")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
 
 # (class, field) -> (predicate, allowed range). None (an unset optional) is always allowed.
@@ -95,8 +101,9 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (GenerationConfig, "logprobs"): NON_NEGATIVE,
     (GenerationConfig, "max_tokens"): AT_LEAST_1,
     (TasksetConfig, "repeat_times"): AT_LEAST_1,
-    (ExperienceBufferConfig, "max_read_timeout"): POSITIVE,
-    (ExperienceBufferConfig, "reuse_cooldown_time"): NON_NEGATIVE,
+    (ExperienceBufferConfig, "max_read_timeout"): SECONDS,
+    (ExperienceBufferConfig, "reuse_cooldown_time"): _num(lambda v: 0 <= v <= MAX_SECONDS,
+                                                          f">= 0 and <= {MAX_SECONDS:g} (seconds)"),
     (ExperienceBufferConfig, "priority_decay"): NON_NEGATIVE,
     (BufferConfig, "batch_size"): AT_LEAST_1,
     (BufferConfig, "train_batch_size"): NON_NEGATIVE,
@@ -109,12 +116,12 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (InferenceModelConfig, "openai_api_port"): _num(lambda v: 0 <= v <= 65535, "0..65535 (0: a free port)"),
     (InferenceModelConfig, "dtype"): (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
     (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
-    (ExplorerConfig, "max_timeout"): POSITIVE,
+    (ExplorerConfig, "max_timeout"): SECONDS,
     (ExplorerConfig, "max_retry_times"): NON_NEGATIVE,
     (ExplorerConfig, "eval_interval"): AT_LEAST_1,
     (SynchronizerConfig, "sync_interval"): AT_LEAST_1,
     (SynchronizerConfig, "sync_offset"): NON_NEGATIVE,
-    (SynchronizerConfig, "sync_timeout"): POSITIVE,
+    (SynchronizerConfig, "sync_timeout"): SECONDS,
     (SynchronizerConfig, "sync_host"): HOST,
     (CriticConfig, "lr"): POSITIVE,
     (CriticConfig, "lr_warmup_steps_ratio"): FRACTION,
@@ -334,12 +341,17 @@ def walk(obj: Any, path: str = "", section: str = "") -> Iterator[tuple[str, Any
 
 
 def check_ranges(cfg: Any, prefix: str = "") -> None:
-    """Every number of RANGES inside its range (unset optionals pass), and no float infinite or NaN, in the config or
-    piece config `cfg` (whose fields' paths start with `prefix`); or a ConfigError naming the key."""
+    """Every number of RANGES inside its range (unset optionals pass), no int of 2**31 or more in magnitude, and no
+    float infinite or NaN, in the config, piece config or workflow args `cfg` (whose fields' paths start with
+    `prefix`); or a ConfigError naming the key and the range. A workflow's Args give their ranges in their own
+    `RANGES` (field -> range; configs/ imports nothing of workflows/)."""
     for path, obj, name, value, _ in walk(cfg, prefix):
-        rule = RANGES.get((type(obj), name))
-        if rule is not None and value is not None and not rule[0](value):
-            raise ConfigError(f"{path}: {value!r} is out of range; allowed: {rule[1]}")
+        rule = RANGES.get((type(obj), name)) or getattr(obj, "RANGES", {}).get(name)
+        huge = isinstance(value, int) and not isinstance(value, bool) and abs(value) >= INT_LIMIT
+        if value is not None and (huge or (rule is not None and not rule[0](value))):
+            allowed = rule[1] if rule else "an integer below 2**31 in magnitude"
+            allowed += ", below 2**31" if rule and huge else ""
+            raise ConfigError(f"{path}: {value!r} is out of range; allowed: {allowed}")
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{path}: {value!r} is not a finite number")
         if not dataclasses.is_dataclass(value):

@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from configs.checks import ConfigError, _warn_once, check_ranges, check_support
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
                             TasksetConfig)
+from dbconn import shown
 
 log = logging.getLogger("nanorft.config")
 
@@ -127,12 +129,15 @@ def _derive_tasksets(c: Config) -> None:
     batch sizes and total_steps follow."""
     a, b, t = c.algorithm, c.buffer, c.trainer
     inp = b.explorer_input
-    if inp.taskset.path:
+    moved = bool(inp.taskset.path)  # its messages name it as the YAML does
+    if moved:
         inp.tasksets = [inp.taskset] + inp.tasksets
         inp.taskset = TasksetConfig()
     for kind, sets in (("taskset", inp.tasksets), ("eval_taskset", inp.eval_tasksets)):
         for i, ts in enumerate(sets):
-            _derive_taskset(c, ts, kind, f"buffer.explorer_input.{kind}s[{i}]", f"{kind}_{i}")
+            where = "buffer.explorer_input.taskset" if moved and kind == "taskset" and i == 0 else \
+                f"buffer.explorer_input.{kind}s[{i}]"
+            _derive_taskset(c, ts, kind, where, f"{kind}_{i}")
     names = [ts.name for ts in inp.tasksets + inp.eval_tasksets]
     if len(set(names)) != len(names):
         raise ConfigError(f"buffer.explorer_input: taskset names must be unique, got {names}")
@@ -168,6 +173,11 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
         # to start with it (check_workflows)
         _warn_once(f"config: {where}.default_workflow_type is empty, as are buffer.default_workflow_type and "
                    f"{where}.format.workflow_key: no workflow runs these tasks, and an explorer refuses to start")
+    if runs:
+        # NOTE: imported here: workflows/ imports the engines (transformers, ~1.5 s) and configs/ itself
+        from workflows.args import check_args
+
+        ts.workflow_args, ts.reward_fn_args = check_args(ts, where, user_code=False)
     r = ts.rollout_args
     r.temperature = m.temperature if r.temperature is None else r.temperature
     r.top_p = m.top_p if r.top_p is None else r.top_p
@@ -433,13 +443,41 @@ def to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
 
 
+SECRET = re.compile(r"(password|passwd|secret|api_?key|access_?key|token)$", re.I)  # the keys whose values are hidden
+
+
+def redacted(value: Any) -> Any:
+    """A config (or any part of one) as plain data, with its secrets replaced by *** for the copies that leave the
+    process (--dry-run's output, the wandb and mlflow runs' config): the value of a key named like a secret
+    (monitor_args' password / api_key, an env_vars entry such as OPENAI_API_KEY or HF_TOKEN), and a password in a
+    URL (a postgresql:// DB URL: buffer.shown)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: "***" if isinstance(k, str) and SECRET.search(k) and v not in (None, "") else redacted(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v) for v in value) if type(value) in (list, tuple) else value
+    return shown(value) if isinstance(value, str) and "://" in value else value
+
+
+def holds_secret(cfg: Config) -> bool:
+    """Whether `redacted` hides anything of this config (its file is then for its owner's eyes only)."""
+    return redacted(cfg) != dataclasses.asdict(cfg)
+
+
 def dry_run(cfg: Config, out: Any = None) -> None:
-    """Print every stage's resolved config as YAML documents (one per stage)."""
+    """Print every stage's resolved config as YAML documents (one per stage), with its secrets as *** (`redacted`:
+    a terminal, a CI log or a pasted issue is no place for a password). NOTE: such a document then loads back with
+    *** where the secrets were; a comment at its top says so. The run directory's config.yaml, which the processes
+    read, keeps the real values (launch.run_stage)."""
     out = out or sys.stdout
     for i, stage in enumerate(resolve_stages(cfg)):
         if i:
             out.write("---\n")
-        out.write(to_yaml(stage))
+        if holds_secret(stage):
+            out.write("# secrets (passwords, API keys, tokens, passwords in URLs) are shown as ***\n")
+        out.write(yaml.safe_dump(redacted(stage), sort_keys=False, allow_unicode=True))
     out.flush()
 
 

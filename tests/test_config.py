@@ -235,9 +235,10 @@ def test_gpu_split(tmp_path, caplog):
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 0)
 
 
-def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_path):
+def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_path, monkeypatch):
     """cluster.node_num > 1: the trainer spans whole nodes, the last ones (torchrun with a static rendezvous at
     master_addr); the launcher on node 0 starts what runs there and names the line for each other node."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the children's GPUs index the launcher's own
     def layout(text: str, *args: str) -> tuple[configs.Config, dict, list[str]]:
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, text), *args])[0])
         return cfg, launch.commands(cfg, Path("/j/config.yaml")), launch.other_nodes(cfg, Path("/j/config.yaml"))
@@ -285,8 +286,9 @@ def test_the_gsm8k_configs_resolve_to_the_gpu_layout_they_describe(name, layout)
     assert (cl.explorer_gpu_num, cl.trainer_gpu_num, cl.colocate) == layout
 
 
-def test_mode_both_on_one_gpu_colocates(tmp_path, caplog):
+def test_mode_both_on_one_gpu_colocates(tmp_path, caplog, monkeypatch):
     """Trinity's colocate: one GPU shared by explorer and trainer, vLLM capped to a quarter of it."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the children's GPUs index the launcher's own
     one = MINIMAL + "cluster: {gpu_per_node: 1}\nexplorer:\n  rollout_model: {engine_type: vllm}\n"
     with caplog.at_level(logging.INFO, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, one)])[0])
@@ -429,6 +431,27 @@ def test_dry_run(script, tmp_path):
     assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr
 
 
+def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path):
+    """--dry-run's YAML (a terminal, a CI log, an issue) shows *** for monitor_args' password, an env_vars token and a
+    password in a DB URL, and says so in a comment; what the launcher writes for the processes (configs.to_yaml, the
+    job directory's config.yaml: tests/test_monitor.py runs the launcher) keeps the real values."""
+    text = MINIMAL + ("monitor: {monitor_type: mlflow, monitor_args: {uri: 'http://127.0.0.1:5000', username: me, "
+                      "password: hunter2}}\nexplorer: {env_vars: {HF_TOKEN: hf_abc, PLAIN: kept}}\n")
+    text = text.replace("batch_size: 4\n", "batch_size: 4\n  trainer_input: {experience_buffer: {path: "
+                                            "'postgresql://rft:s3cret@db/rft'}}\n")
+    out = subprocess.run([sys.executable, "train.py", "--config", write(tmp_path, text), "--dry-run"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# secrets (passwords, API keys, tokens, passwords in URLs) are shown as ***\n")
+    assert not [s for s in ("hunter2", "hf_abc", "s3cret") if s in out.stdout + out.stderr]
+    (doc,) = yaml.safe_load_all(out.stdout)
+    assert doc["monitor"]["monitor_args"] == {"uri": "http://127.0.0.1:5000", "username": "me", "password": "***"}
+    assert doc["explorer"]["env_vars"] == {"HF_TOKEN": "***", "PLAIN": "kept"}
+    assert doc["buffer"]["trainer_input"]["experience_buffer"]["path"] == "postgresql://rft:***@db/rft"
+    (stage,) = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
+    assert all(s in to_yaml(stage) for s in ("hunter2", "hf_abc", "postgresql://rft:s3cret@db/rft"))
+
+
 # --- bad input named (issue 13)
 
 
@@ -518,8 +541,8 @@ def test_a_taskset_without_a_workflow_is_warned_at_load_and_refused_when_an_expl
 
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL)])[0])
-    assert ("buffer.explorer_input.tasksets[0].default_workflow_type is empty, as are buffer.default_workflow_type "
-            "and buffer.explorer_input.tasksets[0].format.workflow_key") in caplog.text
+    assert ("buffer.explorer_input.taskset.default_workflow_type is empty, as are buffer.default_workflow_type "
+            "and buffer.explorer_input.taskset.format.workflow_key") in caplog.text
     with pytest.raises(ConfigError, match=r"tasksets\[0\] \(taskset_0\): no workflow runs these tasks"):
         check_workflows(cfg)
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), "--buffer.default_workflow_type",

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import datetime
 import logging
+import re
 import subprocess
 import typing
 from pathlib import Path
@@ -20,6 +21,7 @@ from configs.checks import RANGES, REFUSED, WARNED
 from configs.loader import ALIASES, IGNORED, VERL_MAP
 from configs.schema import Config
 from schema_reads import FIELD_PATHS, read_paths
+from workflows import WORKFLOWS
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
@@ -48,6 +50,13 @@ def piece_fields() -> list[tuple[type, str, str]]:
     """(class, field, path) of every field of every algos/ piece's Config (the YAML's algorithm.<kind>_args)."""
     seen = {(cfg, f.name): f"algorithm.{kind}_args.{f.name} ({name})" for kind, registry in REGISTRIES.items()
             for name, (_, cfg) in registry.items() for f in dataclasses.fields(cfg)}
+    return [(cls, name, path) for (cls, name), path in seen.items()]
+
+
+def workflow_fields() -> list[tuple[type, str, str]]:
+    """(class, field, path) of every field of every registered workflow's Args (a taskset's workflow_args)."""
+    seen = {(wf.Args, f.name): f"buffer.explorer_input.tasksets[].workflow_args.{f.name} ({name})"
+            for name, wf in WORKFLOWS.items() if wf.Args is not None for f in dataclasses.fields(wf.Args)}
     return [(cls, name, path) for (cls, name), path in seen.items()]
 
 
@@ -100,8 +109,9 @@ def test_every_schema_field_is_read_or_refused_by_name():
             silent.append(path)
     assert not silent, f"accepted, shown in --help, and never read nor refused: {silent}"
     words, ruled_pieces = strings() | attributes(), {(c, n) for c, n, *_ in REFUSED + WARNED}
-    silent = [path for cls, name, path in piece_fields() if name not in words and (cls, name) not in ruled_pieces]
-    assert not silent, f"algos/ piece arguments never read: {silent}"
+    silent = [path for cls, name, path in piece_fields() + workflow_fields()
+              if name not in words and (cls, name) not in ruled_pieces]
+    assert not silent, f"algos/ piece and workflow arguments never read: {silent}"
 
 
 def analyse(tmp_path: Path, code: str) -> set[str]:
@@ -132,8 +142,10 @@ def test_the_schema_walk_tells_apart_fields_shared_by_name(tmp_path):
 
 
 def test_the_tables_name_real_fields_and_known_trinity_keys():
-    fields = {(cls, name) for cls, name, _ in schema_fields() + piece_fields()}
+    fields = {(cls, name) for cls, name, _ in schema_fields() + piece_fields() + workflow_fields()}
     assert not [k for k in RANGES if k not in fields]
+    args = [wf.Args for wf in WORKFLOWS.values() if wf.Args is not None]
+    assert not [(cls, k) for cls in args for k in cls.RANGES if (cls, k) not in fields]
     assert not [(w, n) for w, n, *_ in REFUSED + WARNED
                 if ((w, n) not in fields if isinstance(w, type) else f"{w}.{n}" not in FIELD_PATHS)]
     paths = {path for *_, path in schema_fields()}
@@ -344,6 +356,11 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
     ("algorithm.optimizer.betas", [0.9], "two numbers in [0, 1)"), ("trainer.ppo_epochs", 0, ">= 1"),
     ("explorer.rollout_model.dtype", "fp8", "one of auto"), ("cluster.master_port", 0, "1..65535"),
     ("synchronizer.sync_host", "", "a host name or IP address"),
+    # no count or size of 2**31 or more, no wait past 1e9 s (issue 13: numbers that pass a lower bound)
+    ("buffer.batch_size", "1e30", ">= 1, below 2**31"), ("algorithm.repeat_times", 10**12, ">= 1, below 2**31"),
+    ("model.max_model_len", 10**15, ">= 2, below 2**31"), ("explorer.rollout_model.seed", 2**40, "below 2**31"),
+    ("explorer.max_timeout", 1e12, "<= 1e+09 (seconds)"), ("synchronizer.sync_timeout", 1e30, "<= 1e+09"),
+    ("buffer.trainer_input.experience_buffer.max_read_timeout", 1e10, "<= 1e+09"),
 ])
 def test_values_out_of_range_name_the_key_and_the_range(path, value, allowed):
     node = raw = copy.deepcopy(MINIMAL)
@@ -356,7 +373,78 @@ def test_values_out_of_range_name_the_key_and_the_range(path, value, allowed):
     assert path in str(e.value) and allowed in str(e.value)
 
 
-MUTATIONS = [None, -1, 0, 0.5, 7, 10**9, -1e-3, "x", "", True, [], {}, [1], {"x": 1}, float("inf")]
+def test_large_values_a_real_run_uses_are_accepted():
+    (stage,) = resolve_stages(from_dict(Config, normalize(merged({
+        "model": {"max_model_len": 131072, "max_response_tokens": 65536}, "buffer": {"total_steps": 10**6},
+        "explorer": {"max_timeout": 86400.0 * 365}, "synchronizer": {"sync_timeout": 1e9}}))))
+    assert (stage.model.max_model_len, stage.trainer.total_steps) == (131072, 10**6)
+
+
+def load_workflow(name: str, **taskset: Any) -> Config:
+    overrides = {"buffer": {"default_workflow_type": name, "explorer_input": {"taskset": taskset}}}
+    (stage,) = resolve_stages(from_dict(Config, normalize(merged(overrides))))
+    return stage
+
+
+# A value out of range for each range a workflow's Args declare (a new range needs its case here)
+BAD_WORKFLOW_ARGS = {"tools": ["search"], "max_turns": 0, "tool_timeout": 0.0, "max_score": -1.0, "judge_retries": -1,
+                     "judge_max_tokens": 0}
+
+
+@pytest.mark.parametrize("name", sorted(WORKFLOWS))
+def test_each_workflows_args_are_checked_by_name_when_the_config_loads(name):
+    """A taskset's workflow_args against its workflow's Args (workflows/args.py), as algos/ pieces' *_args are: an
+    unknown key with the closest valid one, a value of another type, out of range or of 2**31 and more; the defaults
+    load, and values are coerced to the field's type (the processes read them typed)."""
+    cls = WORKFLOWS[name].Args
+    where = r"^buffer\.explorer_input\.taskset\.workflow_args\."
+    fields = dataclasses.fields(cls)
+    last = fields[-1].name
+    with pytest.raises(ConfigError, match=where + rf"{last}s: unknown key; did you mean {last}\?"):
+        load_workflow(name, workflow_args={last + "s": 1})
+    for f in fields:
+        with pytest.raises(ConfigError, match=where + rf"{f.name}: (expected a list, got )?{{'a': 1}}"):
+            load_workflow(name, workflow_args={f.name: {"a": 1}})  # a mapping fits no field's type
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        assert load_workflow(name, workflow_args={f.name: default}).buffer.explorer_input.tasksets[0].workflow_args \
+            == {f.name: default}
+        if typing.get_type_hints(cls)[f.name] is int:
+            with pytest.raises(ConfigError, match=where + rf"{f.name}: {2**40} is out of range; allowed: .*, below 2"):
+                load_workflow(name, workflow_args={f.name: 2**40})
+    for key, rule in cls.RANGES.items():
+        with pytest.raises(ConfigError, match=where + rf"{key}: .* is out of range; allowed: {re.escape(rule[1])}"):
+            load_workflow(name, workflow_args={key: BAD_WORKFLOW_ARGS[key]})
+    if "max_turns" in {f.name for f in fields}:
+        assert load_workflow(name, workflow_args={"max_turns": "3"}).buffer.explorer_input.tasksets[0].workflow_args \
+            == {"max_turns": 3}
+
+
+def test_reward_fn_args_are_checked_by_name_when_the_config_loads(caplog):
+    """A taskset's reward_fn_args against its reward function's keyword arguments and their annotations (the named one,
+    or its workflow's default): unknown keys, types, non-finite numbers; a judge's taskset is told that a reward
+    function has no effect there."""
+    where = r"^buffer\.explorer_input\.taskset\."
+    for reward in ("math_reward", ""):  # "": math_workflow's default, math_reward
+        with pytest.raises(ConfigError, match=where + "reward_fn_args.format_scor: unknown key; did you mean format_s"):
+            load_workflow("math_workflow", default_reward_fn_type=reward, reward_fn_args={"format_scor": 0.2})
+    with pytest.raises(ConfigError, match=where + "reward_fn_args.format_score: 'x' is not a valid float"):
+        load_workflow("math_workflow", reward_fn_args={"format_score": "x"})
+    with pytest.raises(ConfigError, match=where + "reward_fn_args.format_score: inf is not a finite number"):
+        load_workflow("math_workflow", reward_fn_args={"format_score": float("inf")})
+    with pytest.raises(ConfigError, match=where + "reward_fn_args.draw_key: unknown key; valid keys: p, seed"):
+        load_workflow("math_workflow", default_reward_fn_type="random_reward", reward_fn_args={"draw_key": "x"})
+    with pytest.raises(ConfigError, match=where + "default_reward_fn_type: unknown reward function 'math_rewrd'"):
+        load_workflow("math_workflow", default_reward_fn_type="math_rewrd")
+    stage = load_workflow("math_workflow", reward_fn_args={"format_score": "0.2", "last_number_fallback": "false"})
+    want = {"format_score": 0.2, "last_number_fallback": False}
+    assert stage.buffer.explorer_input.tasksets[0].reward_fn_args == want
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        load_workflow("llm_judge_workflow", default_reward_fn_type="math_reward")
+    assert ("taskset.default_reward_fn_type = 'math_reward': has no effect: llm_judge_workflow grades the responses "
+            "itself") in caplog.text
+
+
+MUTATIONS = [None, -1, 0, 0.5, 7, 10**9, 2**40, -1e-3, "x", "", True, [], {}, [1], {"x": 1}, float("inf")]
 
 
 def leaves(d, prefix=""):
@@ -423,8 +511,8 @@ def child_load(text: str, tmp_path: Path, real_cli: bool = False) -> Config:
 FILE_MUTATIONS = [datetime.date(2024, 1, 1), b"\x00\x01", {1, 2}, {None: 1}, {1: 2}, [{}], {"x": 1}, "???",
                   "${nope.x}", "${oc.env:NANORFT_FUZZ_UNSET}", "yes", "a\x00b"]
 UNKNOWN = "zz_unknown_key"
-# Mappings whose keys are free by design: environment variables, and what a workflow reads from workflow_args
-FREE_FORM = ("env_vars", "workflow_args")
+# Mappings whose keys are free by design: environment variables (a workflow's workflow_args are its Args' fields)
+FREE_FORM = ("env_vars",)
 
 
 def nodes(d: Any, prefix: tuple = ()) -> Iterator[tuple[tuple, Any]]:

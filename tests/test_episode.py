@@ -342,7 +342,8 @@ def test_step_wise_advantages_are_the_whole_groups_though_a_train_step_gets_part
 
 
 def test_tool_workflow_names_an_unknown_tool(tokenizer):
-    with pytest.raises(ValueError, match=r"unknown tool\(s\) \['search'\]; known: \['calculator'\]"):
+    with pytest.raises(ValueError, match=r"workflow_args.tools: \['search'\] is out of range; allowed: names of "
+                                         r"known tools \(TOOLS: calculator\)"):
         build_workflow(tool_task(workflow_args={"tools": ["search"]}), scripted(tokenizer, [])).run()
 
 

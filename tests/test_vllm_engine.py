@@ -5,7 +5,9 @@ gloo group, real trainer side), sleep / wake-up, log-prob semantics. The same co
 tests/test_engines.py's vLLM tests, on a machine with vLLM and a GPU."""
 
 import dataclasses
+import json
 import os
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -17,7 +19,7 @@ import sync
 import vllm_engine
 from configs.schema import InferenceModelConfig
 from conftest import plain_logprobs
-from engines import SamplingParams, make_engine
+from engines import HFEngine, ModelHandle, SamplingParams, make_engine
 from models import load_model, load_tokenizer
 
 FAKE = Path(__file__).resolve().parent / "fake_vllm"
@@ -105,6 +107,36 @@ def test_rollout_logprobs_are_the_temperature_scaled_distribution(vllm, tiny_mod
     gaps = [(torch.tensor(c.logprobs) - plain_logprobs(ref, ids[0] + c.token_ids, len(ids[0]), 0.6)).abs().max()
             for c in nucleus]
     assert max(gaps) > 1e-2  # renormalised over the nucleus: not the full distribution
+
+
+@pytest.mark.parametrize("kind", ["vllm", "vllm_async"])
+def test_vllm_engines_end_a_response_on_the_ids_the_hf_engine_does(vllm, tiny_model_dir, tmp_path, kind):
+    """eos_ids, what workflows/episode.py ends a turn on: the tokenizer's EOS and every eos_token_id of the model's
+    generation config (the tiny model's: <|im_end|> and <|endoftext|>), as the HF engine's; a sample that stops on
+    any of them is "stop" and ends with it."""
+    tok = load_tokenizer(tiny_model_dir)
+    both = sorted(tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
+    hf = HFEngine(tiny_model_dir)
+    pool = make_engine(rollout_model(engine_type=kind), tiny_model_dir, 256)
+    try:
+        greedy = pool.generate(prompts(tiny_model_dir)[:1], [SamplingParams(temperature=0.0, max_tokens=8)])[0][0]
+        assert pool.eos_ids == hf.eos_ids == both and ModelHandle(pool, tok).eos_ids == both
+    finally:
+        pool.close()
+        hf.close()
+    # a model whose generation config ends on the third token the model writes greedily (where it first writes it)
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "generation_config.json").read_text())
+    (other / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": greedy.token_ids[2]}))
+    pool = make_engine(rollout_model(engine_type=kind), str(other), 256)
+    try:
+        again = pool.generate(prompts(tiny_model_dir)[:1], [SamplingParams(temperature=0.0, max_tokens=8)])[0][0]
+        assert pool.eos_ids == sorted({tok.eos_token_id, greedy.token_ids[2]})
+    finally:
+        pool.close()
+    stop = greedy.token_ids[2]
+    assert again.token_ids == greedy.token_ids[:greedy.token_ids.index(stop) + 1] and again.finish_reason == "stop"
 
 
 def perturbed(model_dir: str, scale: float = 0.05) -> torch.nn.Module:

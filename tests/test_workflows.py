@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from buffer import Experience
+from configs import ConfigError
 from configs.schema import GenerationConfig
 from tasksets import Task
 from workflows import (
@@ -211,7 +212,8 @@ def test_unknown_names_fail_listing_the_known_ones():
     assert "Did you mean 'math_workflow'" in str(err.value) and "countdown_workflow" in str(err.value)
     with pytest.raises(KeyError, match="countdown_reward"):
         get_reward_fn("no_such_reward")
-    with pytest.raises(TypeError, match="last_number_fallback"):
+    with pytest.raises(ConfigError, match="reward_fn_args.last_number_fallbak: unknown key; did you mean "
+                                          "last_number_fallback"):
         get_reward_fn("math_reward", last_number_fallbak=False)
 
 
@@ -300,7 +302,7 @@ def test_random_reward_repeats_exactly_per_seed_task_and_run():
     first = rewards(1)
     assert rewards(1) == first and 0 < sum(first) < 16  # the same responses, yet not one draw for the group
     assert rewards(2) != first and rewards(1, index=5) != first
-    with pytest.raises(TypeError, match=r"takes no argument\(s\) \['draw_key'\]"):
+    with pytest.raises(ConfigError, match=r"reward_fn_args.draw_key: unknown key; valid keys: p, seed"):
         get_reward_fn("random_reward", draw_key="x")  # the workflow gives it, not the config
 
 
@@ -332,8 +334,65 @@ def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
         get_workflow(f"{path}:Missing")
     with pytest.raises(KeyError, match="is not a subclass of workflows.Workflow"):
         get_workflow(f"{path}:shout_reward")
-    with pytest.raises(TypeError, match=r"takes no argument\(s\) \['loudness'\]"):
+    with pytest.raises(ConfigError, match=r"reward_fn_args.loudness: unknown key; valid keys: bonus"):
         get_reward_fn(f"{path}:shout_reward", loudness=2)
+
+
+ARGS_FILE = '''
+import dataclasses
+
+from configs.checks import AT_LEAST_1
+from workflows import Workflow, WorkflowArgs
+
+
+@dataclasses.dataclass
+class EchoArgs(WorkflowArgs):
+    RANGES = {"times": AT_LEAST_1}
+    times: int = 1
+    """How many times to say it."""
+
+
+class Declared(Workflow):
+    Args = EchoArgs
+
+    def run(self):
+        return []
+
+
+class Free(Workflow):
+    def run(self):
+        return []
+'''
+
+
+def test_a_users_workflow_is_checked_against_the_args_it_declares_when_an_explorer_starts(tmp_path):
+    """A user's workflow (`file.py:attr`) with an Args dataclass gets its workflow_args checked as a built-in one's,
+    when an explorer starts (the config loader imports no user code) and as each task's workflow is built; one that
+    declares none gets task.workflow_args as they are."""
+    import configs
+    from explore import check_workflows
+
+    path = tmp_path / "declared.py"
+    path.write_text(ARGS_FILE)
+    raw = {"model": {"model_path": "m", "max_model_len": 256}, "buffer": {"batch_size": 2, "explorer_input": {
+        "taskset": {"path": "x", "default_workflow_type": f"{path}:Declared", "workflow_args": {"tims": 2}}}}}
+    (cfg,) = configs.resolve_stages(configs.from_dict(configs.Config, configs.normalize(raw)))  # not imported here
+    with pytest.raises(ConfigError, match=r"^buffer\.explorer_input\.tasksets\[0\]\.workflow_args\.tims: unknown key; "
+                                          "did you mean times"):
+        check_workflows(cfg)
+    cfg.buffer.explorer_input.tasksets[0].workflow_args = {"times": 0}
+    with pytest.raises(ConfigError, match=r"workflow_args\.times: 0 is out of range; allowed: >= 1"):
+        check_workflows(cfg)
+    cfg.buffer.explorer_input.tasksets[0].workflow_args = {"times": "3"}
+    check_workflows(cfg)
+    assert build_workflow(make_task(f"{path}:Declared", workflow_args={"times": "3"}), FakeModel([])).args.times == 3
+    with pytest.raises(ConfigError, match=r"^taskset t: workflow_args\.tims: unknown key"):  # a task row's workflow
+        build_workflow(make_task(f"{path}:Declared", workflow_args={"tims": 3}), FakeModel([]))
+    cfg.buffer.explorer_input.tasksets[0].default_workflow_type = f"{path}:Free"
+    cfg.buffer.explorer_input.tasksets[0].workflow_args = {"anything": [1, 2]}
+    check_workflows(cfg)
+    assert build_workflow(make_task(f"{path}:Free", workflow_args={"anything": [1]}), FakeModel([])).args == \
+        {"anything": [1]}
 
 
 EXT_WORKFLOW = '''
@@ -390,11 +449,12 @@ def test_the_explorer_names_a_workflow_or_reward_fn_that_does_not_exist_before_a
     cfg.buffer.explorer_input.tasksets = [ts]
     check_workflows(cfg)
     ts.default_workflow_type = "math_workflw"
-    with pytest.raises(configs.ConfigError, match=r"tasksets\[0\] \(arith\): unknown workflow 'math_workflw'\. "
-                                                  r"Did you mean 'math_workflow'\?"):
+    with pytest.raises(configs.ConfigError, match=r"tasksets\[0\].default_workflow_type: unknown workflow "
+                                                  r"'math_workflw'\. Did you mean 'math_workflow'\?"):
         check_workflows(cfg)
     ts.default_workflow_type, ts.reward_fn_args = "math_workflow", {"last_number_fallbak": False}
-    with pytest.raises(configs.ConfigError, match=r"math_reward' takes no argument\(s\) \['last_number_fallbak'\]"):
+    with pytest.raises(configs.ConfigError, match=r"tasksets\[0\].reward_fn_args.last_number_fallbak: unknown key; "
+                                                  "did you mean last_number_fallback"):
         check_workflows(cfg)
 
 

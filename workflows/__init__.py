@@ -11,7 +11,12 @@ The contract (Trinity-RFT's `Workflow`, ../shared/reference/trinity-inventory.md
   - A reward function is `(response: str, reference: Any, **reward_fn_args) -> dict[str, float]`:
     named components (e.g. {"accuracy": 1.0, "format_score": 0.1}); the reward is their sum and each
     component is also stored in `exp.metrics` so it gets logged. `reward_fn_args` from the config
-    are bound once (`get_reward_fn`); `workflow_args` are read by the workflow from the task.
+    are bound once (`get_reward_fn`), checked against the function's keyword arguments and their annotations.
+  - A workflow declares the `workflow_args` it reads as a dataclass, `Args` (fields with docstrings, ranges in its
+    RANGES), as algos/ pieces declare their `*_args`: an unknown key, a wrong type or a value out of range is a
+    ConfigError naming the key when the config is derived, and the workflow reads `self.args`. A user's workflow
+    (`module:attr`) is checked against its Args when an explorer starts; one that declares none gets
+    `task.workflow_args` unchecked.
   - Registries are plain dicts, one line per entry; adding a task = one new file + one line here, or no
     line at all: a workflow or reward function named `module:attr` / `path/file.py:attr` in the YAML is
     imported from there (`load_object`).
@@ -33,11 +38,12 @@ import importlib
 import importlib.util
 import inspect
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, ClassVar, Protocol
 
 from buffer import Experience
 from configs.schema import GenerationConfig
 from tasksets import Task
+from workflows.args import WorkflowArgs, check_args, reward_args, workflow_args  # noqa: F401 (re-exported)
 
 RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args) -> components
 
@@ -72,10 +78,15 @@ class Workflow:
     """Base class of all workflows (the only class hierarchy here). Subclasses implement run()."""
 
     default_reward_fn: str | None = None  # used when the config names no reward function
+    # The dataclass of its workflow_args (checked by `check_args`: unknown keys, types, ranges). None: the args are
+    # handed over unchecked in task.workflow_args (a user's workflow that declares none reads them itself).
+    Args: ClassVar[type | None] = None
+    uses_reward_fn: ClassVar[bool] = True  # False: graded otherwise (a judge); a reward fn set for it is warned about
 
     def __init__(self, task: Task, model: ModelHandle, reward_fn: RewardFn | None) -> None:
         self.task = task
         self.model = model
+        self.args: Any = workflow_args(type(self), task.workflow_args, f"taskset {task.taskset}: workflow_args")
         self.auxiliary_models: dict[str, ModelHandle] = getattr(model, "auxiliary", {})  # e.g. a judge, by name
         if reward_fn is None and self.default_reward_fn is not None:
             reward_fn = get_reward_fn(self.default_reward_fn, **task.reward_fn_args)
@@ -198,24 +209,24 @@ def get_workflow(name: str) -> type[Workflow]:
     return WORKFLOWS[name]
 
 
-def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
-    """The reward function `name` (registered, or `module:attr`) with `reward_fn_args` bound; unknown names or
-    args fail here, at construction, not at the first response."""
+def find_reward_fn(name: str) -> RewardFn:
+    """The reward function registered under `name`, or named `module:attr`; KeyError listing the known names."""
     if ":" in name:
         fn = load_object(name, "reward function")
         if not callable(fn):
             raise KeyError(f"reward function {name!r} is not callable")
-    elif name not in REWARD_FNS:
+        return fn
+    if name not in REWARD_FNS:
         raise _unknown("reward function", name, REWARD_FNS)
-    else:
-        fn = REWARD_FNS[name]
-    params = inspect.signature(fn).parameters
-    given = ("response", "reference", "draw_key")  # by the workflow (Workflow.reward), never by the config
-    bad = [k for k in reward_fn_args if k not in params or k in given]
-    if bad:
-        accepted = [p for p in params if p not in given]
-        raise TypeError(f"reward function {name!r} takes no argument(s) {bad}; it accepts {accepted}")
-    return functools.partial(fn, **reward_fn_args)
+    return REWARD_FNS[name]
+
+
+def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
+    """The reward function `name` (registered, or `module:attr`) with `reward_fn_args` bound (checked and coerced:
+    reward_args); unknown names (KeyError) or args (ConfigError) fail here, at construction, not at the first
+    response."""
+    fn = find_reward_fn(name)
+    return functools.partial(fn, **reward_args(fn, name, reward_fn_args, "reward_fn_args"))
 
 
 def build_workflow(task: Task, model: ModelHandle) -> Workflow:

@@ -33,7 +33,7 @@ from typing import Any
 
 from buffer import Experience
 from tasksets import Task
-from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
+from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
           "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
@@ -120,10 +120,10 @@ def countdown_messages(task: Task) -> list[dict]:
 
 class CountdownWorkflow(Workflow):
     """countdown_workflow: one chat call for the group; reference = nums/target of the row.
-
-    workflow_args: system_prompt (str)."""
+    workflow_args: system_prompt."""
 
     default_reward_fn = "countdown_reward"
+    Args = WorkflowArgs
 
     def run(self) -> list[Experience]:
         task = self.task

@@ -13,17 +13,19 @@ Worked example (max_score 10):
     judge: "The response states 42, which matches. Score: 10"  -> {"judge": 1.0}, reward 1.0
     judge: "Looks fine."                                        -> asked again; ungraded every time -> JudgeError
 
-workflow_args: judge (auxiliary model name), max_score (10), judge_retries (2), judge_max_tokens (64),
-system_prompt (the policy's).
+workflow_args: JudgeArgs below (judge, max_score, judge_retries, judge_max_tokens, system_prompt: the policy's).
+The judge's grade is the reward: a reward function set for the taskset has no effect (a warning says so).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from buffer import Experience
-from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
+from configs.checks import AT_LEAST_1, NON_NEGATIVE, POSITIVE
+from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 PROMPT = ("Grade the response to the question against the reference answer.\n"
           "Question: {question}\nReference answer: {reference}\nResponse: {response}\n"
@@ -47,14 +49,32 @@ def parse_grade(text: str, max_score: float = 10.0) -> float:
     return score / max_score
 
 
+@dataclasses.dataclass
+class JudgeArgs(WorkflowArgs):
+    """llm_judge_workflow's workflow_args."""
+
+    RANGES: ClassVar = {"max_score": POSITIVE, "judge_retries": NON_NEGATIVE, "judge_max_tokens": AT_LEAST_1}
+    judge: str | None = None
+    """The auxiliary model that grades (explorer.auxiliary_models[].name); None: the first one."""
+    max_score: float = 10.0
+    """The top of the judge's scale: its `Score: N` is divided by it (reward in [0, 1])."""
+    judge_retries: int = 2
+    """How many more times a response whose judge's reply has no grade is asked about (sampled at 0.7)."""
+    judge_max_tokens: int = 64
+    """Tokens of each judge's reply at most."""
+
+
 class JudgeWorkflow(Workflow):
     """llm_judge_workflow: responses graded by an auxiliary model."""
 
+    Args = JudgeArgs
+    uses_reward_fn = False
+
     def run(self) -> list[Experience]:
-        task, args = self.task, self.task.workflow_args
+        task, args = self.task, self.args
         if not self.auxiliary_models:
             raise ValueError(f"{task.task_id}: llm_judge_workflow needs a judge in explorer.auxiliary_models")
-        name = args.get("judge", next(iter(self.auxiliary_models)))
+        name = args.judge or next(iter(self.auxiliary_models))
         if name not in self.auxiliary_models:
             raise ValueError(f"{task.task_id}: no auxiliary model {name!r}; there are {list(self.auxiliary_models)}")
         messages = chat_messages(task)
@@ -68,19 +88,19 @@ class JudgeWorkflow(Workflow):
     def grade(self, judge: Any, question: str, responses: list[str]) -> list[float]:
         """The judge's grade of each response: one generate() call for all, then again (sampled) for those whose
         reply had none."""
-        args, max_score = self.task.workflow_args, float(self.task.workflow_args.get("max_score", 10))
+        args, max_score = self.args, self.args.max_score
         prompts = [judge.render([{"role": "user", "content": PROMPT.format(
             question=question, reference=self.task.reference, response=r, max_score=f"{max_score:g}")}])
             for r in responses]
         grades: list[float | None] = [None] * len(responses)
         errors: dict[int, JudgeError] = {}
-        tries = int(args.get("judge_retries", 2)) + 1
+        tries = args.judge_retries + 1
         for attempt in range(tries):
             todo = [i for i, g in enumerate(grades) if g is None]
             if not todo:
                 break
             replies = judge.generate([prompts[i] for i in todo], n=1, temperature=0.0 if attempt == 0 else 0.7,
-                                     max_tokens=int(args.get("judge_max_tokens", 64)))
+                                     max_tokens=args.judge_max_tokens)
             for i, (reply,) in zip(todo, replies):
                 try:
                     grades[i] = parse_grade(reply.response_text, max_score)

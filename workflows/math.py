@@ -34,12 +34,13 @@ import functools
 import logging
 import random
 import re
+import dataclasses
 import threading
 from fractions import Fraction
 from typing import Any
 
 from buffer import Experience
-from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
+from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 MAX_ANSWER_CHARS = 200  # longer final answers are judged wrong without parsing (no model writes them)
 MAX_NUMBER_CHARS = 40  # longer numerals are not read as numbers (Fraction would be slow / refuse them)
@@ -195,19 +196,27 @@ def random_reward(response: str, reference: Any, *, p: float = 0.5, seed: int = 
 # --- workflow
 
 
-class MathWorkflow(Workflow):
-    """math_workflow: one chat call for the whole group, each response scored against task.reference.
+@dataclasses.dataclass
+class MathArgs(WorkflowArgs):
+    """math_workflow's workflow_args."""
 
-    workflow_args: system_prompt (str, replaces the taskset's), last_number_fallback (bool, passed to
-    the reward function at call time, so it must be one that accepts it: math_reward, accuracy_reward)."""
+    last_number_fallback: bool | None = None
+    """Passed to the reward function at each call (so it must be one that takes it: math_reward, accuracy_reward):
+    whether the last number of a response without a stated answer counts as its answer. None: the reward
+    function's own default (or its reward_fn_args)."""
+
+
+class MathWorkflow(Workflow):
+    """math_workflow: one chat call for the whole group, each response scored against task.reference."""
 
     default_reward_fn = "math_reward"
+    Args = MathArgs
 
     def run(self) -> list[Experience]:
-        task = self.task
+        task, args = self.task, self.args
         exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
                               **sampling_kwargs(task.rollout_args))
-        extra = {k: task.workflow_args[k] for k in ("last_number_fallback",) if k in task.workflow_args}
+        extra = {} if args.last_number_fallback is None else {"last_number_fallback": args.last_number_fallback}
         for run, exp in enumerate(exps):
             apply_reward(exp, self.reward(exp.response_text, run, **extra))
         return exps

@@ -10,13 +10,13 @@ Worked example (reward_fn = "math_reward", reference "#### 42"):
 from __future__ import annotations
 
 from buffer import Experience
-from workflows import Workflow, apply_reward, chat_messages, chat_options, sampling_kwargs
+from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, chat_options, sampling_kwargs
 
 
 class SimpleWorkflow(Workflow):
-    """simple_workflow (Trinity's SimpleWorkflow without reply_prefix).
+    """simple_workflow (Trinity's SimpleWorkflow without reply_prefix). workflow_args: system_prompt."""
 
-    workflow_args: system_prompt (str, replaces the taskset's system message)."""
+    Args = WorkflowArgs
 
     def run(self) -> list[Experience]:
         task = self.task

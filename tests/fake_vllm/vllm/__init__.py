@@ -12,6 +12,8 @@ What it models, so that the adapter's use of it is checked:
   (`worker_extension_cls`) mixed in, as vLLM does; collective_rpc runs a method on every worker at once (threads,
   as vLLM's worker processes) and returns their results in rank order;
 - "processed_logprobs": log-probs after temperature, top-k and top-p (the filtered distribution renormalised);
+- stopping (generation_config "auto", vLLM's default): a sample ends on the tokenizer's EOS or any eos_token_id of
+  the model's generation config (min_tokens masks them all);
 - the async engine streams as vLLM's does: without output_kind FINAL_ONLY, every output holds ONE sample (the one
   that just produced a token: its tokens so far, or only the new ones with DELTA); with it, one output of all n;
 - sleep mode: sleep() without enable_sleep_mode is an error; generate() while any part sleeps is an error; level 1
@@ -159,6 +161,10 @@ class LLM:
         cls = _worker_class(self.args.worker_extension_cls)
         self.workers = [cls(self.args, r) for r in range(self.args.tensor_parallel_size)]
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
+        # vLLM's generation_config "auto": a sample also stops on the model's generation config's eos_token_id(s)
+        gen_eos = self.workers[0].model_runner.model.hf.generation_config.eos_token_id
+        gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+        self.stop_ids = {self.tokenizer.eos_token_id, *gen_eos} - {None}
         self.requests: list[list[int]] = []  # prompt ids of every request run
         self.prefix_cache_resets, self.running = 0, 0
         self.lock = threading.Lock()
@@ -195,17 +201,17 @@ class LLM:
 
     def _sample(self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator,
                 index: int) -> CompletionOutput:
-        ids, lps, eos, reason = list(prompt), [], self.tokenizer.eos_token_id, "length"
+        ids, lps, reason = list(prompt), [], "length"
         for step in range(sp.max_tokens):
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1].float()
-            if step < sp.min_tokens and eos is not None:
-                logits[eos] = -float("inf")
+            if step < sp.min_tokens:
+                logits[sorted(self.stop_ids)] = -float("inf")
             logp = processed(logits, sp)
             tok = int(logp.argmax()) if sp.temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
             ids.append(tok)
             lps.append({tok: Logprob(float(logp[tok]))})
-            if tok == eos:
+            if tok in self.stop_ids:
                 reason = "stop"
                 break
         out = ids[len(prompt):]

@@ -1,0 +1,121 @@
+"""The args a config hands a workflow (a taskset's `workflow_args`) and a reward function (`reward_fn_args`), checked
+as algos/ pieces' `*_args` are (configs.loader.from_dict: unknown keys with the closest valid one, values coerced to the
+field's type; configs.checks.check_ranges: ranges, no int of 2**31 or more, no infinite float), each a ConfigError
+naming the key:
+
+    @dataclasses.dataclass
+    class ToolArgs(WorkflowArgs):        # workflows/tool_use.py; class ToolWorkflow(Workflow): Args = ToolArgs
+        RANGES: ClassVar = {"max_turns": AT_LEAST_1}
+        max_turns: int = 4               # (with an attribute docstring under it, as every field)
+
+    buffer.explorer_input.taskset.workflow_args.max_turn: unknown key; did you mean max_turns?
+
+A reward function declares its args by its keyword arguments and their annotations (reward_args_class).
+Checked once when the config is derived (configs/resolve.py: the registered workflows and reward functions; the config
+loader imports none of the user's code), again when an explorer starts (explore.check_workflows: the user's own
+`module:attr` too), and for each task as its workflow is built (a task row may name its workflow: format.workflow_key).
+A user's workflow that declares no Args, or a reward function that takes **kwargs, gets its args unchecked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import typing
+from typing import Any, Callable, ClassVar
+
+import workflows  # NOTE: the package, still being initialised when it imports this module: used at call time only
+from configs.checks import ConfigError, _warn_once, check_ranges
+from configs.loader import from_dict
+from configs.schema import TasksetConfig
+
+RewardFn = Callable[..., dict[str, float]]
+
+
+@dataclasses.dataclass
+class WorkflowArgs:
+    """The workflow_args every built-in workflow reads; a workflow's own `Args` adds its fields (with attribute
+    docstrings, as algos/ pieces' Config) and may give their ranges in `RANGES` (field -> configs.checks range)."""
+
+    RANGES: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
+    system_prompt: str | None = None
+    """Replaces (or adds) the task's system message (chat_messages)."""
+
+
+_GIVEN = ("response", "reference", "draw_key")  # passed by the workflow (Workflow.reward), never by the config
+
+
+def workflow_args(cls: type[workflows.Workflow], args: dict[str, Any], path: str) -> Any:
+    """`args` as an instance of cls.Args: an unknown key (with the closest valid one), a value not of the field's
+    type or out of its range (configs/checks.py's RANGES, the Args' own RANGES) is a ConfigError naming the key.
+    A workflow that declares no Args gets `args` as they are."""
+    if cls.Args is None:
+        return args
+    checked = from_dict(cls.Args, args, path)
+    check_ranges(checked, path)
+    return checked
+
+
+@functools.lru_cache(maxsize=None)
+def reward_args_class(fn: RewardFn) -> type | None:
+    """A dataclass of the arguments of `fn` that a config may set (all but response, reference and draw_key), typed
+    by its annotations, to check reward_fn_args with as a workflow's Args; None when `fn` takes **kwargs."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve: the arguments are taken as they come
+        hints = {}
+    fields = [(k, hints.get(k, Any), dataclasses.field(default=None)) for k, p in params.items()
+              if k not in _GIVEN and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return dataclasses.make_dataclass(f"{getattr(fn, '__name__', 'reward_fn')}_args", fields)
+
+
+def reward_args(fn: RewardFn, name: str, args: dict[str, Any], path: str) -> dict[str, Any]:
+    """`args` checked against reward function `name`'s arguments (reward_args_class) and coerced to their types; a
+    ConfigError naming the key, or an argument without a default that `args` leaves out. A function that takes
+    **kwargs gets `args` as they are."""
+    cls = reward_args_class(fn)
+    if cls is None:
+        return dict(args)
+    if args and not dataclasses.fields(cls):
+        raise ConfigError(f"{path}.{next(iter(args))}: unknown key; reward function {name!r} takes no arguments")
+    checked = from_dict(cls, args, path)
+    check_ranges(checked, path)
+    params = inspect.signature(fn).parameters
+    for f in dataclasses.fields(cls):
+        if params[f.name].default is inspect.Parameter.empty and f.name not in args:
+            raise ConfigError(f"{path}.{f.name}: reward function {name!r} needs it (it has no default)")
+    return {k: getattr(checked, k) for k in args}
+
+
+def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A taskset's (workflow_args, reward_fn_args) checked against what its workflow and reward function declare,
+    values coerced to their types; a ConfigError naming the key (`<where>.workflow_args.max_turn: unknown key; did
+    you mean max_turns?`) or the workflow or reward function that does not exist. Not checked here: a name a task
+    row gives (format.workflow_key / reward_fn_key: checked per task, as its workflow is built), and with
+    `user_code` False a name of the user's own code (`module:attr`: the config loader imports none)."""
+    wf, rf = ts.default_workflow_type, ts.default_reward_fn_type
+    wf = "" if ts.format.workflow_key or (":" in wf and not user_code) else wf
+    try:
+        cls = workflows.get_workflow(wf) if wf else None
+    except KeyError as e:
+        raise ConfigError(f"{where}.default_workflow_type: {e.args[0]}") from None
+    wargs, rargs = dict(ts.workflow_args), dict(ts.reward_fn_args)
+    if cls is not None and cls.Args is not None:
+        checked = workflow_args(cls, wargs, f"{where}.workflow_args")
+        wargs = {k: getattr(checked, k) for k in wargs}
+    if cls is not None and not cls.uses_reward_fn and (rf or rargs):
+        key = "default_reward_fn_type" if rf else "reward_fn_args"
+        _warn_once(f"config: {where}.{key} = {rf or rargs!r}: has no effect: {wf} grades the responses itself (no "
+                   "reward function)")
+    rf = rf or ((cls.default_reward_fn or "") if cls is not None else "")
+    if rf and not ts.format.reward_fn_key and (user_code or ":" not in rf):
+        try:
+            fn = workflows.find_reward_fn(rf)
+        except KeyError as e:
+            raise ConfigError(f"{where}.default_reward_fn_type: {e.args[0]}") from None
+        rargs = reward_args(fn, rf, rargs, f"{where}.reward_fn_args")
+    return wargs, rargs
