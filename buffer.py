@@ -227,6 +227,12 @@ class ExperienceDB:
         if row is not None and row[0] != str(SCHEMA_VERSION):
             raise DBMismatch(f"{self.path}: experience DB has schema version {row[0]}, this "
                              f"buffer.py expects {SCHEMA_VERSION}; use a new DB path")
+        if row is not None:
+            # NOTE: the version row is written last, in the transaction that made every table and index: they exist.
+            # Not running the DDL again matters in PostgreSQL, where CREATE INDEX IF NOT EXISTS takes a SHARE lock on
+            # its table even when the index exists: an explorer opening the DB beside a trainer's release_after
+            # (claims, then experiences) deadlocked on the two tables in the other order.
+            return
         for statement in SCHEMA.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
             cur.execute(statement)
         cur.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)"

@@ -213,10 +213,11 @@ class PostgresLink:
         """body(cursor) on the connection (in one transaction if `atomic`); its result. A connection lost
         before COMMIT (the server rolled the transaction back), or during a read outside any transaction, is opened
         again (`_reopen`) and body runs once more. DBUnavailable when it was lost at COMMIT (committed or not is
-        unknown: never run twice), lost again, or when a lock was waited for past the busy timeout."""
+        unknown: never run twice), lost again, or when a lock was waited for past the busy timeout. A transaction
+        the server rolled back to break a deadlock runs again (3 times at most)."""
         import psycopg
 
-        retried = False
+        retried, deadlocks = False, 0
         while True:
             if self.conn.closed:
                 self.conn = self._reopen()
@@ -226,6 +227,13 @@ class PostgresLink:
                     out = body(Qmark(cur))
                     committing = atomic
                 return out
+            except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure) as e:
+                # The server rolled this transaction back to break a lock cycle: nothing of it was committed.
+                if not atomic or deadlocks >= 3:
+                    raise DBUnavailable(f"{self.path}: a transaction was rolled back {deadlocks + 1} times to break a "
+                                        f"lock cycle ({_reason(e)})") from None
+                log.warning("%s: %s; running the transaction again", self.path, _reason(e))
+                deadlocks += 1
             except psycopg.errors.LockNotAvailable as e:
                 raise DBUnavailable(f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
                                     f"holds ({_reason(e)})") from None

@@ -592,6 +592,56 @@ def test_a_lock_held_past_the_busy_timeout_is_named(restartable) -> None:
     db.close()
 
 
+def test_opening_a_set_up_postgresql_db_takes_no_table_lock(postgres) -> None:
+    """A second process opening a DB that is set up runs no DDL: CREATE INDEX IF NOT EXISTS takes a SHARE lock on its
+    table even when the index exists, and an explorer opening the DB beside a trainer's release_after (claims, then
+    experiences) deadlocked (found by tests/test_launch.py's mode-both PostgreSQL run). Here a session holds a write
+    lock on claims, as release_after does between its two tables: the open does not wait for it."""
+    import psycopg
+
+    url = postgres.database()
+    ExperienceDB(url).close()  # set up
+    with psycopg.connect(url) as other:  # not autocommit: the lock is held until this transaction ends
+        other.execute("DELETE FROM claims WHERE step > 0")
+        start = time.monotonic()
+        ExperienceDB(url, busy_timeout=2).close()  # before the fix: DBUnavailable after 2 s (lock_timeout)
+        assert time.monotonic() - start < 2
+        other.rollback()
+
+
+def test_a_transaction_rolled_back_for_a_deadlock_runs_again(postgres, caplog) -> None:
+    """Two writers take two rows in opposite orders: the server breaks the cycle by rolling one transaction back,
+    and PostgresLink runs that one again; both writes land, each once."""
+    url = postgres.database()
+    dbs = [ExperienceDB(url), ExperienceDB(url)]
+    dbs[0].set_meta("a", "0")
+    dbs[0].set_meta("b", "0")
+    both_hold_one = threading.Barrier(2, timeout=30)
+    runs = [0, 0]
+
+    def writer(i: int, first: str, second: str) -> None:
+        def body(cur) -> None:
+            runs[i] += 1
+            cur.execute("UPDATE meta SET value = value || ? WHERE key = ?", (str(i), first))
+            if runs[i] == 1:
+                both_hold_one.wait()  # NOTE: only on the first run: the one run again must not wait for the other
+            cur.execute("UPDATE meta SET value = value || ? WHERE key = ?", (str(i), second))
+
+        dbs[i]._atomic(body)
+
+    threads = [threading.Thread(target=writer, args=(0, "a", "b")), threading.Thread(target=writer, args=(1, "b", "a"))]
+    with caplog.at_level(logging.WARNING, logger="nanorft.buffer"):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert sorted(runs) == [1, 2]  # one was rolled back and ran again
+    assert sorted(dbs[0].get_meta("a")[1:]) == ["0", "1"] and sorted(dbs[0].get_meta("b")[1:]) == ["0", "1"]
+    assert "running the transaction again" in caplog.text
+    for db in dbs:
+        db.close()
+
+
 @pytest.mark.parametrize("value, ci", [(None, False), ("", False), ("false", False), ("0", False), ("No", False),
                                        ("true", True), ("1", True), ("yes", True)])
 def test_ci_means_a_ci_variable_that_says_so(monkeypatch, value, ci) -> None:
