@@ -484,11 +484,12 @@ class ModelHandle:
             raise RuntimeError("calls are recorded only with explorer.rollout_model.enable_history: true")
         return self.api.history(client)
 
-    def episode(self, client: Any) -> Experience:
-        """`client`'s calls of one conversation as one experience (see history())."""
+    def episode(self, client: Any, mask_truncated: bool = True) -> Experience:
+        """`client`'s calls of one conversation as one experience (see history()); a last reply cut at its
+        max_tokens leaves it no action tokens unless not `mask_truncated`, as an Episode's."""
         if self.api is None or not self.api.record:
             raise RuntimeError("calls are recorded only with explorer.rollout_model.enable_history: true")
-        return self.api.episode(client)
+        return self.api.episode(client, mask_truncated)
 
     @property
     def model_version(self) -> int:

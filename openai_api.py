@@ -39,10 +39,9 @@ from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
-import torch
-
 from buffer import Experience
 from engines import experience, scored_temperature
+from workflows.episode import conversation_experience
 
 
 class Request(BaseModel):
@@ -133,19 +132,19 @@ class OpenAIServer:
         model version), in call order. It ends the session: the client's later calls get a 404."""
         return [experience(c.prompt_ids, x, c.temperature) for c in self.take(client) for x in c.completions]
 
-    def episode(self, client: Any) -> Experience:
+    def episode(self, client: Any, mask_truncated: bool = True) -> Experience:
         """The session's calls as ONE experience, when each call (n = 1) continued the conversation exactly: its
-        prompt ids start with the previous call's prompt and reply ids. prompt = the first call's prompt; response
-        = every later token; action_mask on the replies only (what came between them, the template's closing and
-        the new messages, is never trained on). ValueError saying which call broke the chain otherwise, e.g. a
-        chat template that re-renders history differently: continue with /v1/completions and token ids then, or
-        use history() (one experience per call). Ends the session, as history() does."""
+        prompt ids start with the previous call's prompt and reply ids. Built as an Episode's is
+        (workflows.episode.conversation_experience): prompt = the first call's prompt; response = every later
+        token; action_mask on the replies only (what came between them, the template's closing and the new
+        messages, is never trained on), and none at all when the last reply was cut at its max_tokens or the
+        context limit and `mask_truncated` (DAPO's overlong filtering; metrics truncated / truncated_masked).
+        MixedTemperatures if the calls' temperatures differ. ValueError saying which call broke the chain
+        otherwise, e.g. a chat template that re-renders history differently: continue with /v1/completions and
+        token ids then, or use history() (one experience per call). Ends the session, as history() does."""
         calls = self.take(client)
         if not calls or any(len(c.completions) != 1 for c in calls):
             raise ValueError("an episode is one conversation: a session of calls with n = 1 each")
-        if len({c.temperature for c in calls}) > 1:
-            raise ValueError(f"the calls were sampled at temperatures {[c.temperature for c in calls]}; an "
-                             "experience is scored at one")
         ids, logprobs, mask = list(calls[0].prompt_ids), [], []
         for k, c in enumerate(calls):
             if c.prompt_ids[: len(ids)] != ids:
@@ -156,14 +155,10 @@ class OpenAIServer:
             ids += gap + reply.token_ids
             logprobs += [0.0] * len(gap) + list(reply.logprobs)
             mask += [False] * len(gap) + [True] * len(reply.token_ids)
-        P = len(calls[0].prompt_ids)
-        tokenizer = self.handle.tokenizer
-        return Experience(tokens=torch.tensor(ids), prompt_length=P, logprobs=torch.tensor(logprobs),
-                          action_mask=torch.tensor(mask), model_version=min(c.completions[0].model_version
-                                                                            for c in calls),
-                          truncate_status="response_truncated" if calls[-1].completions[0].truncated else None,
-                          prompt_text=tokenizer.decode(ids[:P]), response_text=tokenizer.decode(ids[P:]),
-                          info={"temperature": calls[0].temperature, "turns": len(calls)})
+        replies = [c.completions[0] for c in calls]
+        return conversation_experience(self.handle.tokenizer, ids, len(calls[0].prompt_ids), logprobs, mask,
+                                       [c.temperature for c in calls], [r.model_version for r in replies],
+                                       truncated=replies[-1].truncated, mask_truncated=mask_truncated)
 
     def take(self, client: Any) -> list[Call]:
         """The calls of `client`'s session, which ends (its key is removed: no record is kept of it)."""

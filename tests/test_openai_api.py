@@ -10,6 +10,7 @@ from conftest import plain_logprobs
 from engines import HFEngine, ModelHandle
 from models import load_model
 from openai_api import OpenAIServer
+from workflows.episode import MixedTemperatures
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 
@@ -115,12 +116,14 @@ def test_completions_continue_from_token_ids_and_a_session_becomes_one_episode(s
     gap = tok.encode("\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     second = client.completions.create(model="tiny", prompt=first_prompt + reply + gap, max_tokens=6, temperature=1.0,
                                        extra_body={"return_token_ids": True})
-    exp = server.episode(client)
+    cut = second.choices[0].finish_reason == "length"
+    exp = server.episode(client, mask_truncated=False)
     want = first_prompt + reply + gap + second.choices[0].token_ids
     assert exp.tokens.tolist() == want and exp.prompt_length == len(first_prompt)
     replies = [True] * len(reply) + [False] * len(gap) + [True] * len(second.choices[0].token_ids)
-    assert exp.action_mask.tolist() == replies
+    assert exp.action_mask.tolist() == replies and exp.info == {"temperature": 1.0, "turns": 2}
     assert exp.logprobs[~exp.action_mask].abs().sum() == 0 and len(exp.logprobs) == exp.response_length
+    assert exp.truncate_status == ("response_truncated" if cut else None) and exp.metrics["truncated"] == cut
     with pytest.raises(openai.BadRequestError, match=r"a list of token ids in \[0, 259\)"):
         server.client().completions.create(model="tiny", prompt=[1, 2, 10**6], max_tokens=2)
     # a conversation whose history changed is not one episode: said plainly, with what to do instead
@@ -129,6 +132,30 @@ def test_completions_continue_from_token_ids_and_a_session_becomes_one_episode(s
     client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 4?"}], max_tokens=3)
     with pytest.raises(ValueError, match="call 2's prompt does not continue call 1's prompt and reply"):
         server.episode(client)
+
+
+def test_a_sessions_episode_is_built_as_an_episodes(server):
+    """episode() and workflows.episode.Episode share one builder: a last reply cut at its max_tokens leaves the
+    experience no action tokens by default (mask_truncated, DAPO's overlong filtering) and counts in the metrics;
+    calls at two temperatures are MixedTemperatures, as an Episode's turns are."""
+    def session(temperatures):
+        client, tok = server.client(), server.handle.tokenizer
+        prompt = tok.encode(server.handle.render(MESSAGES), add_special_tokens=False)
+        for t in temperatures:  # min_tokens = max_tokens: every reply is cut at its max_tokens
+            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=t,
+                                            extra_body={"return_token_ids": True, "min_tokens": 3})
+            assert out.choices[0].finish_reason == "length"
+            prompt = prompt + out.choices[0].token_ids + tok.encode("?", add_special_tokens=False)
+        return client
+
+    gap = len(server.handle.tokenizer.encode("?", add_special_tokens=False))
+    exp = server.episode(session([1.0, 1.0]))
+    assert exp.truncate_status == "response_truncated" and exp.response_length == 6 + gap and not exp.action_mask.any()
+    assert exp.metrics == {"truncated": 1.0, "truncated_masked": 1.0}
+    kept = server.episode(session([1.0, 1.0]), mask_truncated=False)
+    assert kept.action_mask.tolist() == [True] * 3 + [False] * gap + [True] * 3 and kept.metrics["truncated_masked"] == 0
+    with pytest.raises(MixedTemperatures, match=r"temperatures \[0.7, 1.0\]"):
+        server.episode(session([0.7, 1.0]))
 
 
 def test_history_ends_the_session_and_bad_messages_get_a_400(server):

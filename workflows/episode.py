@@ -159,22 +159,12 @@ class Episode:
         self.done = True
 
     def experience(self, mask_truncated: bool = True) -> Experience:
-        """The whole episode as one experience: prompt = the first prompt, response = every later token,
-        action_mask = the assistant's sampled tokens, none of them if the episode was truncated and
-        `mask_truncated` (DAPO's overlong filtering: no loss, the reward still counts in its group).
-        model_version: the oldest weights that sampled a turn. MixedTemperatures if its turns' differ."""
-        if len(set(self.temperatures)) > 1:
-            raise MixedTemperatures(f"an episode sampled at temperatures {self.temperatures} cannot be one "
-                                    "experience: the trainer scores an experience at one temperature; sample every "
-                                    "turn at one, or use turn_experiences()")
-        P, masked = self.prompt_length, self.truncated and mask_truncated
-        return Experience(tokens=torch.tensor(self.ids, dtype=torch.long), prompt_length=P,
-                          logprobs=torch.tensor(self.logprobs, dtype=torch.float32),
-                          action_mask=torch.tensor(self.mask, dtype=torch.bool) & (not masked),
-                          model_version=min(self.versions, default=0), truncate_status=self._status(),
-                          prompt_text=self.model.tokenizer.decode(self.ids[:P]),
-                          response_text=self.model.tokenizer.decode(self.ids[P:]), metrics=self._metrics(masked),
-                          info={"temperature": (self.temperatures or [1.0])[0], "turns": len(self.turns)})
+        """The whole episode as one experience (conversation_experience): prompt = the first prompt, response =
+        every later token, action_mask = the assistant's sampled tokens, none of them if the episode was truncated
+        and `mask_truncated`. MixedTemperatures if its turns' temperatures differ (or use turn_experiences())."""
+        return conversation_experience(self.model.tokenizer, self.ids, self.prompt_length, self.logprobs, self.mask,
+                                       self.temperatures, self.versions, self.truncated, self.prompt_truncated,
+                                       mask_truncated)
 
     def turn_experiences(self, mask_truncated: bool = True) -> list[Experience]:
         """One experience per assistant turn: prompt = everything before the turn, response = the turn's tokens,
@@ -184,9 +174,9 @@ class Episode:
             out.append(Experience(tokens=torch.tensor(self.ids[:b], dtype=torch.long), prompt_length=a,
                                   logprobs=torch.tensor(self.logprobs[a - P:b - P]), model_version=self.versions[k],
                                   action_mask=torch.zeros(b - a, dtype=torch.bool) if masked else None,
-                                  response_text=self.texts[k], metrics=self._metrics(masked),
-                                  truncate_status=self._status() if k == len(self.turns) - 1 else
-                                  "prompt_truncated" if self.prompt_truncated else None,
+                                  response_text=self.texts[k], metrics=_truncation_metrics(self.truncated, masked),
+                                  truncate_status=_status(self.prompt_truncated,
+                                                          self.truncated and k == len(self.turns) - 1),
                                   info={"temperature": self.temperatures[k], "turn": k, "turns": len(self.turns)}))
         return out
 
@@ -194,12 +184,38 @@ class Episode:
         """The text of assistant turn k (as sampled; an initial few-shot assistant message is not a turn)."""
         return self.texts[k]
 
-    def _metrics(self, masked: bool) -> dict[str, float]:
-        return {"truncated": float(self.truncated), "truncated_masked": float(masked)}
 
-    def _status(self) -> str | None:
-        """prompt_truncated (the trainer gives it no loss) before response_truncated."""
-        return "prompt_truncated" if self.prompt_truncated else "response_truncated" if self.truncated else None
+
+def conversation_experience(tokenizer: Any, ids: list[int], prompt_length: int, logprobs: list[float],
+                            mask: list[bool], temperatures: list[float], versions: list[int], truncated: bool,
+                            prompt_truncated: bool = False, mask_truncated: bool = True) -> Experience:
+    """A conversation kept as token ids as ONE experience: Episode.experience and the OpenAI API's
+    OpenAIServer.episode both build theirs here. prompt = ids[:prompt_length], response = the rest (one log-prob
+    per token, 0 where the model did not sample); action_mask = `mask` (the model's sampled tokens), none of them
+    when the conversation ended truncated and `mask_truncated` (DAPO's overlong filtering: no loss, the reward still
+    counts in its group); metrics truncated / truncated_masked. model_version: the oldest weights that sampled a
+    turn. MixedTemperatures if the turns' scoring temperatures differ: the trainer scores one experience at one."""
+    if len(set(temperatures)) > 1:
+        raise MixedTemperatures(f"a conversation sampled at temperatures {temperatures} cannot be one experience: "
+                                "the trainer scores an experience at one temperature; sample every turn at one, or "
+                                "make one experience per turn (Episode.turn_experiences, ModelHandle.history)")
+    P, masked = prompt_length, truncated and mask_truncated
+    return Experience(tokens=torch.tensor(ids, dtype=torch.long), prompt_length=P,
+                      logprobs=torch.tensor(logprobs, dtype=torch.float32),
+                      action_mask=torch.tensor(mask, dtype=torch.bool) & (not masked),
+                      model_version=min(versions, default=0), truncate_status=_status(prompt_truncated, truncated),
+                      prompt_text=tokenizer.decode(ids[:P]), response_text=tokenizer.decode(ids[P:]),
+                      metrics=_truncation_metrics(truncated, masked),
+                      info={"temperature": (temperatures or [1.0])[0], "turns": len(versions)})
+
+
+def _truncation_metrics(truncated: bool, masked: bool) -> dict[str, float]:
+    return {"truncated": float(truncated), "truncated_masked": float(masked)}
+
+
+def _status(prompt_truncated: bool, truncated: bool) -> str | None:
+    """prompt_truncated (the trainer gives it no loss) before response_truncated."""
+    return "prompt_truncated" if prompt_truncated else "response_truncated" if truncated else None
 
 
 def reply_all(episodes: list[Episode], **sampling: Any) -> list[str | None]:
