@@ -153,7 +153,8 @@ def test_a_sessions_episode_is_built_as_an_episodes(server):
     assert exp.truncate_status == "response_truncated" and exp.response_length == 6 + gap and not exp.action_mask.any()
     assert exp.metrics == {"truncated": 1.0, "truncated_masked": 1.0}
     kept = server.episode(session([1.0, 1.0]), mask_truncated=False)
-    assert kept.action_mask.tolist() == [True] * 3 + [False] * gap + [True] * 3 and kept.metrics["truncated_masked"] == 0
+    assert kept.action_mask.tolist() == [True] * 3 + [False] * gap + [True] * 3
+    assert kept.metrics["truncated_masked"] == 0
     with pytest.raises(MixedTemperatures, match=r"temperatures \[0.7, 1.0\]"):
         server.episode(session([0.7, 1.0]))
 
