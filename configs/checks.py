@@ -17,6 +17,7 @@ import dataclasses
 import ipaddress
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -42,12 +43,38 @@ from configs.schema import (
     TasksetConfig,
     TrainerConfig,
 )
+from dbconn import shown
 
 log = logging.getLogger("nanorft.config")
 
 
 class ConfigError(ValueError):
     """A config problem, with the path of the offending key in the message."""
+
+
+SECRET = re.compile(r"(password|passwd|secret|api_?key|access_?key|token)$", re.I)  # the keys whose values are hidden
+
+
+def redacted(value: Any) -> Any:
+    """A config (or any part of one) as plain data, with its secrets replaced by *** for the copies that leave the
+    process (--dry-run's output, the wandb and mlflow runs' config, the messages of ConfigError and of warnings):
+    the value of a key named like a secret (monitor_args' password / api_key, an env_vars entry such as
+    OPENAI_API_KEY or HF_TOKEN), and a password in a URL (a postgresql:// DB URL: dbconn.shown)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: "***" if isinstance(k, str) and SECRET.search(k) and v not in (None, "") else redacted(v)
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redacted(v) for v in value) if type(value) in (list, tuple) else value
+    return shown(value) if isinstance(value, str) and "://" in value else value
+
+
+def shown_value(path: str, value: Any) -> str:
+    """The value at config path `path` as a message shows it (repr), secrets hidden (`redacted`): *** for the whole
+    value when the key itself is named like a secret (`monitor.monitor_args.password`)."""
+    key = re.split(r"[.\[]", path)[-1]
+    return repr("***" if SECRET.search(key) and value not in (None, "") else redacted(value))
 
 
 def _num(ok: Callable[[float], bool], text: str) -> tuple[Callable[[Any], bool], str]:
@@ -351,9 +378,9 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
         if value is not None and (huge or (rule is not None and not rule[0](value))):
             allowed = rule[1] if rule else "an integer below 2**31 in magnitude"
             allowed += ", below 2**31" if rule and huge else ""
-            raise ConfigError(f"{path}: {value!r} is out of range; allowed: {allowed}")
+            raise ConfigError(f"{path}: {shown_value(path, value)} is out of range; allowed: {allowed}")
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{path}: {value!r} is not a finite number")
+            raise ConfigError(f"{path}: {shown_value(path, value)} is not a finite number")
         if not dataclasses.is_dataclass(value):
             _check_literal(value, path)
 
@@ -366,7 +393,8 @@ def _check_literal(value: Any, path: str) -> None:
         raise ConfigError(f"{path}: {value!r} holds an interpolation or ??? left unresolved (e.g. from the command "
                           "line, which resolves none): write the value itself")
     if isinstance(value, str) and "\x00" in value:
-        raise ConfigError(f"{path}: {value!r} holds a NUL character (no name, path or text of a config may)")
+        raise ConfigError(f"{path}: {shown_value(path, value)} holds a NUL character (no name, path or text of a "
+                          "config may)")
     for k, v in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
         if not dataclasses.is_dataclass(v):
             _check_literal(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
@@ -381,12 +409,12 @@ def check_support(cfg: Config) -> None:
     for path, obj, name, value, section in walk(cfg):
         for where, field, applies, why in REFUSED:
             if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
-                shown = f"[{len(value)} sections]" if isinstance(value, list) and dataclasses.is_dataclass(
-                    value[0]) else repr(value)
-                raise ConfigError(f"{path} = {shown} is refused: {why}")
+                text = f"[{len(value)} sections]" if isinstance(value, list) and dataclasses.is_dataclass(
+                    value[0]) else shown_value(path, value)
+                raise ConfigError(f"{path} = {text} is refused: {why}")
         for where, field, applies, why in WARNED:
             if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
-                _warn_once(f"config: {path} = {value!r}: {why}")
+                _warn_once(f"config: {path} = {shown_value(path, value)}: {why}")
 
 
 _WARNED_ALREADY: set[str] = set()

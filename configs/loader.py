@@ -35,7 +35,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from algos import REGISTRIES
-from configs.checks import ConfigError, check_ranges
+from configs.checks import ConfigError, check_ranges, shown_value
 from configs.schema import Config
 
 log = logging.getLogger("nanorft.config")
@@ -329,14 +329,14 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return value
         close = difflib.get_close_matches(str(value), [str(x) for x in args], n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        raise ConfigError(f"{path}: {value!r} is not one of {list(args)}{hint}")
+        raise ConfigError(f"{path}: {shown_value(path, value)} is not one of {list(args)}{hint}")
     if origin is list:
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path}: expected a list, got {value!r}")
+            raise ConfigError(f"{path}: expected a list, got {shown_value(path, value)}")
         return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{path}: expected a mapping, got {shown_value(path, value)}")
         return {str(k): _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()}
     return _coerce_scalar(value, tp, path)
 
@@ -353,7 +353,7 @@ def _coerce_union(value: Any, args: tuple, path: str) -> Any:
             return _coerce(value, option, path)
         except ConfigError:
             pass
-    raise ConfigError(f"{path}: {value!r} is not a valid {' or '.join(map(_type_name, inner))}")
+    raise ConfigError(f"{path}: {shown_value(path, value)} is not a valid {' or '.join(map(_type_name, inner))}")
 
 
 def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
@@ -384,7 +384,7 @@ def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
-    raise ConfigError(f"{path}: {value!r} is not a valid {_type_name(tp)}")
+    raise ConfigError(f"{path}: {shown_value(path, value)} is not a valid {_type_name(tp)}")
 
 
 def from_dict(cls: type, data: Any, path: str = "") -> Any:

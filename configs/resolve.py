@@ -16,7 +16,6 @@ import importlib.util
 import logging
 import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,10 @@ from typing import Any
 import yaml
 
 from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
-from configs.checks import ConfigError, _warn_once, check_ranges, check_support
+from configs.checks import ConfigError, _warn_once, check_ranges, check_support, redacted
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
                             TasksetConfig)
-from dbconn import shown
 
 log = logging.getLogger("nanorft.config")
 
@@ -441,24 +439,6 @@ def resolve_stages(cfg: Config) -> list[Config]:
 def to_yaml(cfg: Config) -> str:
     """The config as YAML that `read_yaml` + `from_dict` load back to an equal Config."""
     return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
-
-
-SECRET = re.compile(r"(password|passwd|secret|api_?key|access_?key|token)$", re.I)  # the keys whose values are hidden
-
-
-def redacted(value: Any) -> Any:
-    """A config (or any part of one) as plain data, with its secrets replaced by *** for the copies that leave the
-    process (--dry-run's output, the wandb and mlflow runs' config): the value of a key named like a secret
-    (monitor_args' password / api_key, an env_vars entry such as OPENAI_API_KEY or HF_TOKEN), and a password in a
-    URL (a postgresql:// DB URL: buffer.shown)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, dict):
-        return {k: "***" if isinstance(k, str) and SECRET.search(k) and v not in (None, "") else redacted(v)
-                for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redacted(v) for v in value) if type(value) in (list, tuple) else value
-    return shown(value) if isinstance(value, str) and "://" in value else value
 
 
 def holds_secret(cfg: Config) -> bool:

@@ -452,6 +452,28 @@ def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path
     assert all(s in to_yaml(stage) for s in ("hunter2", "hf_abc", "postgresql://rft:s3cret@db/rft"))
 
 
+@pytest.mark.parametrize("extra, refused", [
+    # warned (monitor_args' unknown key): the warning shows the mapping with its password hidden
+    ("monitor: {monitor_type: mlflow, monitor_args: {password: hunter2, uri: 'http://me:hunter2@h', x: e}}\n", ""),
+    # refused: by a check (a NUL in a password, in a URL with a password), by the loader (a token of the wrong type)
+    ("monitor: {monitor_args: {password: \"hunter2\\0\"}}\n", "holds a NUL"),
+    ("explorer: {env_vars: {HF_TOKEN: [hunter2]}}\n", "explorer.env_vars.HF_TOKEN: '***' is not a valid str"),
+    ("explorer: {env_vars: {X: \"postgresql://u:hunter2@h/db\\0\"}}\n", "postgresql://u:***@h/db"),
+])
+def test_no_warning_or_error_shows_a_secret(tmp_path, caplog, extra, refused):
+    """Warnings go to the console and every log/<role>.log, errors to the console and CI logs: a value shown in one
+    has its secrets hidden as --dry-run hides them (a key named like a password, key or token; a URL's password)."""
+    configs.checks._WARNED_ALREADY.clear()
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        try:
+            resolve_stages(cli(["--config", write(tmp_path, MINIMAL + extra)])[0])
+            said = caplog.text
+        except ConfigError as e:
+            said = caplog.text + str(e)
+    assert refused in said if refused else "monitor.monitor_args = {'password': '***'" in said
+    assert "hunter2" not in said
+
+
 # --- bad input named (issue 13)
 
 
