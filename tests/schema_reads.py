@@ -17,6 +17,8 @@ Here every attribute load is typed instead: after `rm = cfg.explorer.rollout_mod
 Paths: `explorer.auxiliary_models[].model_path` (any element of a list), `buffer.trainer_input.auxiliary_buffers.*.path`
 (any value of a dict). A load whose base has no type counts only for a field name that exists at one path of the
 schema (so `x.name` on some object never reads `trainer.name`): a shared name must be read through a typed base.
+The args of algos/ pieces (their Config) and of workflows (their Args) are sections too, at `<module.Class>`, read
+only through a typed base (`cfg: Config` in a piece; a workflow's `self.args`, typed by its `Args = ...`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ from typing import Any, Iterator
 
 import configs
 import configs.schema as schema
+import workflows
+from algos import REGISTRIES
 from configs.schema import Config
+from workflows import WORKFLOWS
 
 # --- the schema: section path -> class, the paths of every field
 
@@ -78,7 +83,33 @@ CLASS_QN: dict[str, frozenset[str]] = {}
 for _path, _cls in SECTIONS.items():
     _qn = f"{_cls.__module__}.{_cls.__qualname__}"
     CLASS_QN[_qn] = CLASS_QN.get(_qn, frozenset()) | {_path}
-for _mod in (configs, schema):
+
+
+# --- the args of algos/ pieces (their Config: algorithm.<kind>_args) and of workflows (their Args: workflow_args):
+# sections of their own at "<module.Class>" (a class may serve several registry names), so that `cfg.clip_range` in
+# algos/ppo_loss.py reads ppo_loss.Config's clip_range and a workflow's `self.args.tools` its Args' tools, and
+# nothing else does (`task.tools` is not ToolArgs.tools). A field is named by the class that declares it (ToolArgs'
+# system_prompt is WorkflowArgs'); a workflow's `self.args` has the type of its class's `Args = ...`.
+
+
+def args_path(cls: type) -> str:
+    return f"<{cls.__module__}.{cls.__qualname__}>"
+
+
+def _declaring(cls: type, name: str) -> type:
+    return next(c for c in reversed(cls.__mro__) if name in getattr(c, "__annotations__", {})
+                and dataclasses.is_dataclass(c))
+
+
+ARG_CLASSES = {c for registry in REGISTRIES.values() for _, c in registry.values()} | {
+    wf.Args for wf in WORKFLOWS.values() if wf.Args is not None}
+ARG_FIELD_PATHS: dict[str, str] = {}  # "<workflows.tool_use.ToolArgs>.system_prompt" -> "<workflows.args.Work...
+for _cls in ARG_CLASSES:
+    SECTIONS[args_path(_cls)] = _cls
+    CLASS_QN[f"{_cls.__module__}.{_cls.__qualname__}"] = frozenset({args_path(_cls)})
+    for _f in dataclasses.fields(_cls):
+        ARG_FIELD_PATHS[_join(args_path(_cls), _f.name)] = _join(args_path(_declaring(_cls, _f.name)), _f.name)
+for _mod in (configs, schema, workflows):
     for _name, _obj in vars(_mod).items():
         if isinstance(_obj, type) and f"{_obj.__module__}.{_obj.__qualname__}" in CLASS_QN:
             CLASS_QN[f"{_mod.__name__}.{_name}"] = CLASS_QN[f"{_obj.__module__}.{_obj.__qualname__}"]
@@ -212,6 +243,9 @@ class Reads:
                 self.fields[f"{mod.name}.{cname}"] = {
                     n.target.id: annotation_type(n.annotation, mod) for n in cls.body
                     if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                for n in cls.body:  # a workflow's `Args = ToolArgs`: its self.args is a ToolArgs
+                    if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["Args"]:
+                        self.fields[f"{mod.name}.{cname}"]["args"] = annotation_type(n.value, mod)
 
     def run(self, passes: int = 4) -> "Reads":
         for _ in range(passes):
@@ -421,6 +455,7 @@ class Reads:
     def record(self, t: Type, attr: str) -> None:
         if t is not None and t[0] == "sec":
             self.paths.update(_join(p, attr) for p in t[1] if _join(p, attr) in FIELD_PATHS)
+            self.paths.update(ARG_FIELD_PATHS[_join(p, attr)] for p in t[1] if _join(p, attr) in ARG_FIELD_PATHS)
         elif t is None:
             self.names.add(attr)
 
@@ -437,7 +472,8 @@ def own_nodes(node: ast.AST) -> Iterator[ast.AST]:
 
 
 def read_paths(root: Path, files: list[Path]) -> set[str]:
-    """The field paths the code in `files` reads: typed reads, and untyped loads of names that exist at one path
+    """The field paths the code in `files` reads: typed reads (an algos/ piece's or a workflow's args field by its
+    declaring class's path, `<algos.ppo_loss.Config>.clip_range`), and untyped loads of names that exist at one path
     of the schema only."""
     r = Reads(load_modules(root, files)).run()
     untyped = {next(iter(PATHS_OF_NAME[n])) for n in r.names if len(PATHS_OF_NAME.get(n, ())) == 1}

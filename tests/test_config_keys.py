@@ -20,7 +20,7 @@ from configs import ConfigError, cli, from_dict, normalize, read_yaml, resolve_s
 from configs.checks import RANGES, REFUSED, WARNED
 from configs.loader import ALIASES, IGNORED, VERL_MAP
 from configs.schema import Config
-from schema_reads import FIELD_PATHS, read_paths
+from schema_reads import ARG_FIELD_PATHS, FIELD_PATHS, args_path, read_paths
 from workflows import WORKFLOWS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,15 +61,9 @@ def workflow_fields() -> list[tuple[type, str, str]]:
 
 
 def strings() -> set[str]:
-    """The runtime code's string constants (an algos/ piece's arguments are read by name too: `getattr(a, piece +
-    "_args")`, and in the piece's own module)."""
+    """The runtime code's string constants (a key read from a mapping: ARGS_READ_AS_DICT)."""
     return {node.value for p in RUNTIME for node in ast.walk(ast.parse(p.read_text()))
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-
-
-def attributes() -> set[str]:
-    return {node.attr for p in RUNTIME for node in ast.walk(ast.parse(p.read_text()))
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load)}
 
 
 def ruled_paths() -> set[str]:
@@ -87,6 +81,11 @@ MOVED = {"buffer.explorer_input.taskset.": "buffer.explorer_input.tasksets[]."}
 # Read by configs/loader.py's normalize() on the YAML's mapping, not as an attribute: mapped onto fields, or warned
 # about (tests/test_config.py test_verl_trainer_config_mapped_or_warned).
 READ_AS_DICT = {"trainer.trainer_config"}
+# algos/ piece and workflow args read from the YAML's mapping by key, not from their class: a policy loss's
+# loss_agg_mode (configs/resolve.py warns that algorithm.loss_agg_mode overrides it, as Trinity's validator does), a
+# workflow's system_prompt (chat_messages reads task.workflow_args["system_prompt"]: a user's workflow that declares
+# no Args has one too)
+ARGS_READ_AS_DICT = {"loss_agg_mode", "system_prompt"}
 
 
 def nothing_to_read(path: str) -> bool:
@@ -108,9 +107,13 @@ def test_every_schema_field_is_read_or_refused_by_name():
         if not ({path, moved} & (read | ruled) or path in READ_AS_DICT or nothing_to_read(path)):
             silent.append(path)
     assert not silent, f"accepted, shown in --help, and never read nor refused: {silent}"
-    words, ruled_pieces = strings() | attributes(), {(c, n) for c, n, *_ in REFUSED + WARNED}
+    # an algos/ piece's or a workflow's arg by place too: through a base of its class (`cfg: Config` in the piece, a
+    # workflow's self.args typed by its `Args = ...`), under the path of the class that declares the field
+    ruled_pieces, words = {(c, n) for c, n, *_ in REFUSED + WARNED}, strings()
+    assert ARGS_READ_AS_DICT <= words
     silent = [path for cls, name, path in piece_fields() + workflow_fields()
-              if name not in words and (cls, name) not in ruled_pieces]
+              if ARG_FIELD_PATHS[f"{args_path(cls)}.{name}"] not in read and (cls, name) not in ruled_pieces
+              and name not in ARGS_READ_AS_DICT]
     assert not silent, f"algos/ piece and workflow arguments never read: {silent}"
 
 
@@ -139,6 +142,16 @@ def test_the_schema_walk_tells_apart_fields_shared_by_name(tmp_path):
                              "    def f(self):\n"
                              "        return [getattr(self.a, k + '_args') for k in ('kl_loss_fn',)]\n")
     assert read == {"algorithm", "algorithm.kl_loss_fn_args"}
+    # a workflow's args through its self.args (typed by its Args), a piece's through its Config: not a task's tools
+    read = analyse(tmp_path, "from workflows import Workflow\nfrom workflows.tool_use import ToolArgs\n"
+                             "from algos.kl import Config\nclass W(Workflow):\n    Args = ToolArgs\n"
+                             "    def run(self):\n        return self.task.tools, self.args.max_turns\n"
+                             "def adapt(cfg: Config, c):\n    return cfg.horizon, c.target_kl\n")
+    assert read == {"<workflows.tool_use.ToolArgs>.max_turns", "<algos.kl.Config>.horizon"}
+    read = analyse(tmp_path, "from workflows import Workflow\nfrom workflows.tool_use import ToolArgs\n"
+                             "class W(Workflow):\n    Args = ToolArgs\n"
+                             "    def run(self):\n        args = self.args\n        return args.system_prompt\n")
+    assert read == {"<workflows.args.WorkflowArgs>.system_prompt"}  # by the class that declares it
 
 
 def test_the_tables_name_real_fields_and_known_trinity_keys():
