@@ -266,7 +266,8 @@ def step_batch(
     it, from `temperatures`; else 1). A response to a truncated prompt gets an empty response_mask. Prompts [B,P]
     right-padded. Per response token [B,T]: responses (the token ids), response_mask (action tokens; the first
     token of a response without a prompt has no logit to score it), rollout_logprobs (0 where the engine gave
-    none), expert_mask (1.0 on expert rows).
+    none), expert_mask (1.0 on expert rows). has_stored_advantages [B], and only when some row carries them,
+    stored_advantages [B,T] (an explorer-side advantage fn's, step_wise_grpo: no other algorithm pays for them).
     NOTE: T = max(width, the longest response): the trainer passes model.max_response_tokens, so that
     seq-mean-token-sum-norm divides by Dr.GRPO's constant whatever the batch holds."""
     B, P = len(exps), max(max(x.prompt_length for x in exps), 1)
@@ -302,11 +303,12 @@ def step_batch(
                                      for x in exps]),  # [B]
     }
     batch["expert_mask"] = batch["expert"][:, None].float().expand(B, T).contiguous()  # [B,T]
-    batch["stored_advantages"] = torch.zeros(B, T)  # [B,T] an explorer-side advantage fn's (group_advantages)
     batch["has_stored_advantages"] = torch.tensor([x.advantages is not None for x in exps])  # [B]
-    for b, x in enumerate(exps):
-        if x.advantages is not None:
-            batch["stored_advantages"][b, : x.response_length] = x.advantages
+    if batch["has_stored_advantages"].any():  # only an explorer-side advantage fn's rows carry them (step_wise_grpo)
+        batch["stored_advantages"] = torch.zeros(B, T)  # [B,T] (group_advantages)
+        for b, x in enumerate(exps):
+            if x.advantages is not None:
+                batch["stored_advantages"][b, : x.response_length] = x.advantages
     return batch
 
 

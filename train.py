@@ -305,7 +305,7 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     sub = {"token_level_rewards": batch["token_level_rewards"][rl], "response_mask": batch["response_mask"][rl],
            "group_index": batch["group_index"][rl].unique(return_inverse=True)[1],  # groups numbered 0..G-1
            "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
-           **{k: batch[k][rl] for k in ("stored_advantages", "has_stored_advantages")}}  # explorer-side (step_wise)
+           **{k: batch[k][rl] for k in ("stored_advantages", "has_stored_advantages") if k in batch}}  # step_wise
     sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]

@@ -24,6 +24,7 @@ import configs
 import models
 import sync
 import train
+from algos import ADVANTAGE_FNS
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from conftest import plain_logprobs, write_yaml
@@ -97,6 +98,29 @@ def test_units_and_micro_batches_respect_the_token_budget():
     assert models.micro_batches(batch, units, 30, None) == [[[3]], [[0, 1, 2]], [[4, 5]]]
     assert models.micro_batches(batch, units, 10**6, None) == [[[3], [0, 1, 2], [4, 5]]]
     assert models.micro_batches(batch, units, 0, 3) == [[[3]], [[0, 1, 2]], [[4, 5]]]  # fixed: 3 sequences at most
+
+
+def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
+    """step_batch builds the [B,T] stored_advantages (an explorer-side advantage fn's: step_wise_grpo) only when
+    some experience carries advantages: every other algorithm's step allocates and fills nothing for them."""
+    exps = experiences([(4, [3, 2])])
+    batch = models.step_batch(exps, width=4)
+    assert "stored_advantages" not in batch and batch["has_stored_advantages"].tolist() == [False, False]
+    exps[1].advantages = torch.tensor([0.5, -0.5])
+    batch = models.step_batch(exps, width=4)
+    assert batch["has_stored_advantages"].tolist() == [False, True]
+    assert batch["stored_advantages"].tolist() == [[0.0] * 4, [0.5, -0.5, 0.0, 0.0]]
+    # the trainer's advantage phase with either batch: grpo without them, step_wise_grpo reading them back
+    for name, rows in (("grpo", experiences([(4, [3, 2])])), ("step_wise_grpo", exps)):
+        for x in rows:
+            x.advantages = None if name == "grpo" else torch.full((x.response_length,), 0.25)
+        batch = models.step_batch(rows, width=4)
+        batch["token_level_rewards"] = torch.zeros(2, 4)
+        fn, cfg = ADVANTAGE_FNS[name]
+        p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
+        train.compute_advantages(p, batch)
+        assert batch["advantages"].tolist() == ([[0.0] * 4] * 2 if name == "grpo" else
+                                                [[0.25] * 3 + [0.0], [0.25] * 2 + [0.0] * 2])
 
 
 def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
