@@ -386,12 +386,12 @@ def check_ranges(cfg: Any, prefix: str = "") -> None:
 
 
 def _check_literal(value: Any, path: str) -> None:
-    """No string that the resolved config, written out for the processes (configs.to_yaml) and read back, would read
-    as something else (OmegaConf takes `${...}` as an interpolation and `???` as a missing value), nor one with a NUL
-    (which no file path may hold)."""
-    if isinstance(value, str) and (value == "???" or "${" in value):
-        raise ConfigError(f"{path}: {value!r} holds an interpolation or ??? left unresolved (e.g. from the command "
-                          "line, which resolves none): write the value itself")
+    """No value `???` (OmegaConf's mark of a mandatory value left unset: a YAML file's is refused as it is read, one
+    from the command line here), nor a string with a NUL (which no file path may hold). NOTE: text with `${` is
+    fine: a YAML's escaped `\\${x}` and a command line's `${x}` (taken as written) are kept as they are, and
+    configs.to_yaml escapes them for the processes that read the written config back."""
+    if isinstance(value, str) and value == "???":
+        raise ConfigError(f"{path} is ??? (a mandatory value left unset): set it")
     if isinstance(value, str) and "\x00" in value:
         raise ConfigError(f"{path}: {shown_value(path, value)} holds a NUL character (no name, path or text of a "
                           "config may)")

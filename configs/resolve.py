@@ -16,6 +16,7 @@ import importlib.util
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -438,7 +439,28 @@ def resolve_stages(cfg: Config) -> list[Config]:
 
 def to_yaml(cfg: Config) -> str:
     """The config as YAML that `read_yaml` + `from_dict` load back to an equal Config."""
-    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False, allow_unicode=True)
+    return yaml.safe_dump(escaped(dataclasses.asdict(cfg)), sort_keys=False, allow_unicode=True)
+
+
+_INTERPOLATION = re.compile(r"(\\*)\$\{")  # `${` and the backslashes right before it
+_MISSING = re.compile(r"\\*\?\?\?")  # OmegaConf's missing value `???`, or an escaped one
+
+
+def escaped(value: Any) -> Any:
+    r"""Plain config data whose strings `read_yaml` (OmegaConf) reads back as they are. A resolved config may hold
+    text with `${` (`${x}^2$`, written `\${x}^2$` in a YAML file; a command line's value, taken as written), which
+    OmegaConf would take as an interpolation when a child process reads the written file. NOTE: OmegaConf's escapes
+    act only right before `${`: `\${` is a literal `${`, and each `\\` before it one backslash; a backslash
+    anywhere else is literal. So k backslashes and `${` are written as 2k backslashes and `\${`. Likewise OmegaConf
+    reads a whole value `???` as missing and `\???` as `???` (one backslash fewer): such a value gets one more."""
+    if isinstance(value, str):
+        value = "\\" + value if _MISSING.fullmatch(value) else value
+        return _INTERPOLATION.sub(lambda m: m[1] * 2 + "\\${", value)
+    if isinstance(value, dict):
+        return {k: escaped(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [escaped(v) for v in value]
+    return value
 
 
 def holds_secret(cfg: Config) -> bool:
@@ -457,7 +479,7 @@ def dry_run(cfg: Config, out: Any = None) -> None:
             out.write("---\n")
         if holds_secret(stage):
             out.write("# secrets (passwords, API keys, tokens, passwords in URLs) are shown as ***\n")
-        out.write(yaml.safe_dump(redacted(stage), sort_keys=False, allow_unicode=True))
+        out.write(yaml.safe_dump(escaped(redacted(stage)), sort_keys=False, allow_unicode=True))
     out.flush()
 
 

@@ -124,6 +124,25 @@ mode: train
         cli(["--config", write(tmp_path, "model:\n  model_path: ${oc.env:NANORFT_UNSET_VAR}\n")])
 
 
+def test_text_with_dollar_brace_round_trips_through_the_written_config(tmp_path):
+    """OmegaConf's documented escape `\\${...}` in a YAML, and a command line's `${...}` (taken as written), are text
+    the config keeps; the YAML written for the processes (to_yaml) and --dry-run's load back to the same text
+    (escaped there), backslashes and `???`-like text included."""
+    text = MINIMAL.replace("path: data/x\n", "path: data/x\n      format: {system_prompt: 'Answer in LaTeX like "
+                                             "\\${x}^2$'}\n")
+    tricky = ["${model.model_path}", "\\${a}", "\\\\${b} \\", "${", "\\???", "a ??? b"]
+    cfg, _ = cli(["--config", write(tmp_path, text), "--explorer.env_vars",
+                  *[x for i, v in enumerate(tricky) for x in (f"K{i}", v)]])
+    (stage,) = resolve_stages(cfg)
+    assert stage.buffer.explorer_input.tasksets[0].format.system_prompt == "Answer in LaTeX like ${x}^2$"
+    assert list(stage.explorer.env_vars.values()) == tricky
+    assert from_dict(Config, normalize(read_yaml(write(tmp_path, to_yaml(stage), "w.yaml")))) == stage
+    out = subprocess.run([sys.executable, "launch.py", "--config", write(tmp_path, to_yaml(stage), "w.yaml"),
+                          "--dry-run"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert from_dict(Config, normalize(read_yaml(write(tmp_path, out.stdout, "d.yaml")))) == stage
+
+
 def test_precedence_default_yaml_cli(tmp_path):
     path = write(tmp_path, MINIMAL + "algorithm:\n  optimizer:\n    lr: 1e-5\n")
     assert Config().algorithm.optimizer.lr == 1e-6
