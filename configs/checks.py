@@ -92,7 +92,9 @@ HOST = (lambda v: isinstance(v, str) and v != "" and not any(ch.isspace() for ch
 # fail past ~9.2e9 s).
 INT_LIMIT, MAX_SECONDS = 2**31, 1e9
 SECONDS = _num(lambda v: 0 < v <= MAX_SECONDS, f"> 0 and <= {MAX_SECONDS:g} (seconds)")
-DTYPES = ("auto", "bfloat16", "bf16", "float16", "fp16", "half", "float32", "fp32", "float")
+# A dtype's other spellings -> its torch name (configs.resolve writes the torch name for the processes and vLLM).
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
+DTYPES = ("auto", *dict.fromkeys(name for alias, torch_name in DTYPE_NAMES.items() for name in (torch_name, alias)))
 
 # (class, field) -> (predicate, allowed range). None (an unset optional) is always allowed.
 RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {

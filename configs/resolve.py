@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 
 from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
-from configs.checks import ConfigError, _warn_once, check_ranges, check_support, redacted
+from configs.checks import DTYPE_NAMES, ConfigError, _warn_once, check_ranges, check_support, redacted
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
                             TasksetConfig)
@@ -335,9 +335,6 @@ def _derive_colocation(c: Config) -> None:
         log.info("explorer.rollout_model.gpu_memory_utilization %g capped to %g: the trainer shares the GPU",
                  rm.gpu_memory_utilization, COLOCATED_VLLM_MEMORY)
         rm.gpu_memory_utilization = COLOCATED_VLLM_MEMORY
-
-
-DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 
 
 def _derive_dtypes(c: Config) -> None:

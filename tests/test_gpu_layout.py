@@ -12,6 +12,7 @@ import engines
 import launch
 import train
 from configs import ConfigError, cli, resolve_stages
+from configs.checks import DTYPE_NAMES, DTYPES
 from models import torch_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,10 +47,20 @@ def test_the_embedded_default_on_one_gpu_colocates_the_hf_engine_in_bf16(monkeyp
     assert {s.cluster.gpu_per_node for s in stages()} == {0}
 
 
-@pytest.mark.parametrize("spelling, on_gpu, on_cpu", [
+DTYPE_CASES = [
     ("auto", "bfloat16", "float32"), ("bf16", "bfloat16", "bfloat16"), ("bfloat16", "bfloat16", "bfloat16"),
     ("fp16", "float16", "float16"), ("half", "float16", "float16"), ("float16", "float16", "float16"),
-    ("fp32", "float32", "float32"), ("float", "float32", "float32"), ("float32", "float32", "float32")])
+    ("fp32", "float32", "float32"), ("float", "float32", "float32"), ("float32", "float32", "float32")]
+
+
+def test_the_dtype_spellings_accepted_are_the_ones_derived_and_tested():
+    """configs/checks.py's DTYPES (the range) is built from DTYPE_NAMES (what derive maps): every spelling it
+    accepts but auto maps to a torch floating-point dtype, and the test below covers each."""
+    assert {s for s, *_ in DTYPE_CASES} == set(DTYPES)
+    assert all(isinstance(getattr(torch, DTYPE_NAMES.get(s, s)), torch.dtype) for s in DTYPES if s != "auto")
+
+
+@pytest.mark.parametrize("spelling, on_gpu, on_cpu", DTYPE_CASES)
 def test_every_dtype_spelling_reaches_every_consumer_as_a_torch_name(spelling, on_gpu, on_cpu, monkeypatch):
     """configs/checks.py accepts nine spellings; configs.derive turns each into the torch name that the trainer
     (train.engine_dtype), models.load_model and vLLM's engine arguments (tests/fake_vllm checks vLLM's names) read."""
