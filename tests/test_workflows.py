@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from buffer import Experience
-from configs import ConfigError
+from configs import ConfigError, from_dict
 from configs.schema import GenerationConfig
 from tasksets import Task
 from workflows import (
@@ -304,6 +304,34 @@ def test_random_reward_repeats_exactly_per_seed_task_and_run():
     assert rewards(2) != first and rewards(1, index=5) != first
     with pytest.raises(ConfigError, match=r"reward_fn_args.draw_key: unknown key; valid keys: p, seed"):
         get_reward_fn("random_reward", draw_key="x")  # the workflow gives it, not the config
+
+
+def test_a_tasksets_args_are_checked_once_and_draw_key_looked_up_once(monkeypatch):
+    """Every task of a taskset builds its workflow with the same workflow_args and reward_fn_args: they are checked
+    once per process (the config's derivation did it already in a real explorer), each workflow gets its own copy;
+    whether the reward function takes a draw_key is looked up once, not for every response."""
+    import inspect
+
+    import workflows.args
+
+    checks, signatures, signature = [], [], inspect.signature
+    monkeypatch.setattr(workflows.args, "from_dict", lambda *a: checks.append(a[0]) or from_dict(*a))
+    monkeypatch.setattr(inspect, "signature", lambda fn: signatures.append(fn) or signature(fn))
+    workflows.args._takes_draw_key.cache_clear()
+    args = {"system_prompt": f"be brief {os.getpid()} {time.time()}"}  # args this process has not checked yet
+    built = [build_workflow(make_task("math_workflow", "random_reward", workflow_args=args, index=i,
+                                      reward_fn_args={"seed": 7, "p": 0.5 + 1e-9 * os.getpid()}),
+                            FakeModel(["#### 42"] * 3)) for i in range(4)]
+    signatures.clear()
+    assert [len(w.run()) for w in built] == [3] * 4  # 12 responses
+    assert sorted(c.__name__ for c in checks) == ["MathArgs", "random_reward_args"]  # once each, not per task
+    assert [getattr(f, "__name__", "") for f in signatures] == ["random_reward"]  # once, not per response
+    built[0].args.system_prompt = "changed"
+    assert built[1].args.system_prompt == args["system_prompt"]  # a copy each
+    with pytest.raises(ConfigError, match="workflow_args.max_turn: unknown key"):  # errors are not kept
+        build_workflow(make_task("tool_workflow", workflow_args={"max_turn": 2}), FakeModel([]))
+    with pytest.raises(ConfigError, match="workflow_args.max_turn: unknown key"):
+        build_workflow(make_task("tool_workflow", workflow_args={"max_turn": 2}), FakeModel([]))
 
 
 # --- a user's own workflow and reward function, named in the YAML (no edit of the project)

@@ -36,14 +36,13 @@ import difflib
 import functools
 import importlib
 import importlib.util
-import inspect
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
 from buffer import Experience
 from configs.schema import GenerationConfig
 from tasksets import Task
-from workflows.args import WorkflowArgs, check_args, reward_args, workflow_args  # noqa: F401 (re-exported)
+from workflows.args import WorkflowArgs, check_args, reward_args, takes_draw_key, workflow_args  # noqa: F401
 
 RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args) -> components
 
@@ -103,7 +102,7 @@ class Workflow:
 
     def draw_args(self, run: int) -> dict[str, str]:
         """{"draw_key": ...} for a reward function that takes one (see reward()), else {}."""
-        if self.reward_fn is None or "draw_key" not in inspect.signature(self.reward_fn).parameters:
+        if self.reward_fn is None or not takes_draw_key(self.reward_fn):
             return {}
         return {"draw_key": f"{self.task.taskset}/{self.task.epoch}/{self.task.index}/{run}"}
 

@@ -13,12 +13,14 @@ naming the key:
 A reward function declares its args by its keyword arguments and their annotations (reward_args_class).
 Checked once when the config is derived (configs/resolve.py: the registered workflows and reward functions; the config
 loader imports none of the user's code), again when an explorer starts (explore.check_workflows: the user's own
-`module:attr` too), and for each task as its workflow is built (a task row may name its workflow: format.workflow_key).
+`module:attr` too), and as each task's workflow is built (a task row may name its workflow: format.workflow_key); the
+same args are checked once per process (`memo`), so the tasks of a taskset pay nothing for it.
 A user's workflow that declares no Args, or a reward function that takes **kwargs, gets its args unchecked.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -46,15 +48,40 @@ class WorkflowArgs:
 _GIVEN = ("response", "reference", "draw_key")  # passed by the workflow (Workflow.reward), never by the config
 
 
+_MEMO: dict[tuple, Any] = {}  # checked args by what was checked: a taskset's are checked once, not for every task
+
+
+def memo(key: tuple, make: Callable[[], Any]) -> Any:
+    """make()'s value for `key`, made once per process; a failure is not kept (the next call raises it again), nor
+    is a key that cannot be hashed (a user's unhashable callable: made each time)."""
+    try:
+        hash(key)
+    except TypeError:
+        return make()
+    if key not in _MEMO:
+        if len(_MEMO) >= 1024:  # bounded; a config has a handful of tasksets
+            _MEMO.clear()
+        _MEMO[key] = make()
+    return _MEMO[key]
+
+
 def workflow_args(cls: type[workflows.Workflow], args: dict[str, Any], path: str) -> Any:
     """`args` as an instance of cls.Args: an unknown key (with the closest valid one), a value not of the field's
     type or out of its range (configs/checks.py's RANGES, the Args' own RANGES) is a ConfigError naming the key.
-    A workflow that declares no Args gets `args` as they are."""
+    Checked once per process for the same args (the config's derivation, then each task of the taskset as its
+    workflow is built); each call gets its own copy. A workflow that declares no Args gets `args` as they are."""
     if cls.Args is None:
         return args
-    checked = from_dict(cls.Args, args, path)
-    check_ranges(checked, path)
-    return checked
+
+    def check() -> Any:
+        checked = from_dict(cls.Args, args, path)
+        check_ranges(checked, path)
+        return checked
+
+    # NOTE: repr tells apart the values a YAML gives (1, 1.0, True, "1"); not keyed by `path` (only an error names
+    # it, and errors are not kept): the check when the config was derived serves every task; a copy, so that a
+    # workflow that changes its self.args changes no other task's
+    return copy.deepcopy(memo(("workflow_args", cls.Args, repr(args)), check))
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,20 +102,39 @@ def reward_args_class(fn: RewardFn) -> type | None:
 
 def reward_args(fn: RewardFn, name: str, args: dict[str, Any], path: str) -> dict[str, Any]:
     """`args` checked against reward function `name`'s arguments (reward_args_class) and coerced to their types; a
-    ConfigError naming the key, or an argument without a default that `args` leaves out. A function that takes
-    **kwargs gets `args` as they are."""
+    ConfigError naming the key, or an argument without a default that `args` leaves out. Checked once per process
+    for the same function and args (as workflow_args). A function that takes **kwargs gets `args` as they are."""
     cls = reward_args_class(fn)
     if cls is None:
         return dict(args)
-    if args and not dataclasses.fields(cls):
-        raise ConfigError(f"{path}.{next(iter(args))}: unknown key; reward function {name!r} takes no arguments")
-    checked = from_dict(cls, args, path)
-    check_ranges(checked, path)
-    params = inspect.signature(fn).parameters
-    for f in dataclasses.fields(cls):
-        if params[f.name].default is inspect.Parameter.empty and f.name not in args:
-            raise ConfigError(f"{path}.{f.name}: reward function {name!r} needs it (it has no default)")
-    return {k: getattr(checked, k) for k in args}
+
+    def check() -> dict[str, Any]:
+        if args and not dataclasses.fields(cls):
+            raise ConfigError(f"{path}.{next(iter(args))}: unknown key; reward function {name!r} takes no arguments")
+        checked = from_dict(cls, args, path)
+        check_ranges(checked, path)
+        params = inspect.signature(fn).parameters
+        for f in dataclasses.fields(cls):
+            if params[f.name].default is inspect.Parameter.empty and f.name not in args:
+                raise ConfigError(f"{path}.{f.name}: reward function {name!r} needs it (it has no default)")
+        return {k: getattr(checked, k) for k in args}
+
+    return copy.deepcopy(memo(("reward_args", fn, repr(args)), check))
+
+
+@functools.lru_cache(maxsize=256)
+def _takes_draw_key(fn: RewardFn) -> bool:
+    return "draw_key" in inspect.signature(fn).parameters
+
+
+def takes_draw_key(fn: RewardFn) -> bool:
+    """Whether reward function `fn` (bound by get_reward_fn or not) takes a draw_key (random_reward's seeded draw);
+    looked up once per function, not for every response."""
+    base = fn.func if isinstance(fn, functools.partial) else fn  # NOTE: a partial's signature keeps every name
+    try:
+        return _takes_draw_key(base)
+    except TypeError:  # an unhashable callable: looked up each time
+        return "draw_key" in inspect.signature(fn).parameters
 
 
 def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[dict[str, Any], dict[str, Any]]:
