@@ -260,11 +260,12 @@ def plot(summary: dict, path: Path) -> bool:
 # --- main
 
 
-def stages_in_order(cfg: configs.Config) -> Iterator[configs.Config]:
-    """Each stage's resolved config, lazily: a stage starts from the weights the previous stage (or the one its
-    `start_from` names) published last, read when the caller asks for the next stage (after running the previous)."""
+def stages_in_order(cfg: configs.Config, resolved: list[configs.Config] | None = None) -> Iterator[configs.Config]:
+    """Each stage's resolved config (`resolved`: configs.resolve_stages(cfg) when the caller has it), lazily: a stage
+    starts from the weights the previous stage (or the one its `start_from` names) published last, read when the
+    caller asks for the next stage (after running the previous)."""
     previous, done = None, {}
-    for spec, stage in zip(cfg.stages or [None], configs.resolve_stages(cfg)):
+    for spec, stage in zip(cfg.stages or [None], resolved or configs.resolve_stages(cfg)):
         source = done[spec.start_from] if spec and spec.start_from else previous
         if source is not None and (weights := sync.latest_weights(source.checkpoint_job_dir)):
             stage.model.model_path = str(weights)
@@ -411,20 +412,18 @@ def run(cfg: configs.Config) -> int:
     start = time.monotonic()
     try:
         cfg = fresh_name(cfg)
-        for stage in configs.resolve_stages(cfg):  # every stage valid, with the GPUs it needs, before anything starts
+        resolved = configs.resolve_stages(cfg)
+        for stage in resolved:  # every stage valid, with the GPUs it needs, before anything starts
             commands(stage, Path())
-    except configs.ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    try:  # monitor_type mlflow: one store for the run, its experiment created once, before any process starts
-        prepare_mlflow(configs.resolve_stages(cfg), run_dir(cfg, configs.resolve_stages(cfg)))
+        # monitor_type mlflow: one store for the run, its experiment created once, before any process starts
+        prepare_mlflow(resolved, run_dir(cfg, resolved))
     except configs.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     # NOTE: SIGTERM to the launcher (e.g. `kill`) must stop the children too: turn it into an exception.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     code, stages = 0, []
-    for stage in stages_in_order(cfg):
+    for stage in stages_in_order(cfg, resolved):
         stages.append(stage)
         code = run_stage(stage, async_role(cfg))
         if code:

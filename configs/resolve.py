@@ -234,6 +234,9 @@ def _derive_trainer_explorer(c: Config) -> None:
     t.trainer_strategy = {"fsdp": "fsdp2"}.get(t.trainer_strategy, t.trainer_strategy)  # both mean fully_shard
     rm = c.explorer.rollout_model
     rm.max_model_len = rm.max_model_len or c.model.max_model_len
+    # NOTE: the rollout model always serves model.model_path (configs/checks.py refuses another): naming it here too
+    # says nothing, and a later stage's model.model_path becomes the earlier stage's weights (launch.stages_in_order)
+    rm.model_path = "" if rm.model_path == c.model.model_path else rm.model_path
     for i, aux in enumerate(c.explorer.auxiliary_models):
         aux.max_model_len = aux.max_model_len or c.model.max_model_len
         if not aux.model_path:

@@ -404,7 +404,8 @@ class BufferConfig:
 @dataclasses.dataclass
 class InferenceModelConfig:
     model_path: str = ""
-    """Auxiliary models only: the model to serve (the rollout model serves model.model_path)."""
+    """Auxiliary models only: the model to serve (the rollout model serves model.model_path; this key set to it is
+    dropped when the config is derived, any other value refused)."""
     engine_type: Literal["auto", "vllm", "vllm_async", "hf"] = "auto"
     """auto = vLLM when importable and a GPU is present, else the HF engine (Trinity's default: vllm)."""
     engine_num: int = 1

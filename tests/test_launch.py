@@ -139,6 +139,45 @@ def test_a_stage_starts_from_the_weights_of_the_stage_its_start_from_names(tmp_p
         list(launch.stages_in_order(cli(["--config", str(both_config(tmp_path, tiny_model_dir, stages=stages))])[0]))
 
 
+def test_a_later_stage_whose_rollout_model_names_the_model_runs(tmp_path, tiny_model_dir):
+    """explorer.rollout_model.model_path set to model.model_path (allowed: the same model): a later stage starts from
+    the earlier stage's weights, and its processes, reading the config.yaml the launcher writes, accept it and serve
+    those weights (they refused it: the rollout model named the old model.model_path)."""
+    import configs
+    import launch
+    import sync
+    from configs import cli, from_dict, normalize, read_yaml, to_yaml
+
+    stages = [{"stage_name": "sft", "mode": "train"}, {"stage_name": "rft"}]
+    config = both_config(tmp_path, tiny_model_dir, stages=stages, **{"explorer.rollout_model.model_path":
+                                                                       tiny_model_dir})
+    seen = []
+    for stage in launch.stages_in_order(cli(["--config", str(config)])[0]):
+        sync.weights_path(stage.checkpoint_job_dir, 3).mkdir(parents=True)
+        sync.set_latest(stage.checkpoint_job_dir, 3)
+        (tmp_path / "child.yaml").write_text(to_yaml(stage))  # what run_stage writes and each child loads
+        child = configs.derive(from_dict(configs.Config, normalize(read_yaml(tmp_path / "child.yaml"))))
+        assert child == stage
+        seen.append(child.model.model_path)
+    assert seen == [tiny_model_dir, str(sync.weights_path(tmp_path / "ck" / "p" / "run" / "sft", 3))]
+
+
+def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeypatch):
+    """launch.run checks every stage, prepares mlflow and runs the stages in order from one resolve_stages (it
+    resolved every stage four times)."""
+    import configs
+    import launch
+
+    calls, ran, real = [], [], configs.resolve_stages
+    monkeypatch.setattr(configs, "resolve_stages", lambda cfg: calls.append(1) or real(cfg))
+    monkeypatch.setattr(launch, "run_stage", lambda stage, side: Path(stage.checkpoint_job_dir).mkdir(parents=True)
+                        or ran.append(stage.name) or 0)
+    monkeypatch.setattr(launch.signal, "signal", lambda *a: None)  # run() turns SIGTERM into KeyboardInterrupt
+    stages = [{"stage_name": "sft", "mode": "train"}, {"stage_name": "rft"}]
+    assert launch.run(configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir, stages=stages))])[0]) == 0
+    assert ran == ["run/sft", "run/rft"] and len(calls) == 1
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, request):
     run = tmp_path / "ck" / "p" / "run"
