@@ -8,7 +8,8 @@ Sources (the kind is read from the folder):
 - nanorft: `<actor>/huggingface/`, the checkpoint's full weights (fp32 master weights; a LoRA run's merged ones
   where the step was published): cast to --dtype.
 - nanorft LoRA, a step that was not published: `<actor>/lora_adapter/` (peft's format) alone; --base names the
-  model it was trained on (model.model_path), which the adapter is merged into (lora.merged_model: peft's own merge).
+  model it was trained on (model.model_path: a folder or a hub name, loaded by models.load_model), which the adapter
+  is merged into (lora.merged_model: peft's own merge); its config and tokenizer go with the output.
 - veRL / Trinity-RFT FSDP: `<actor>/model_world_size_<W>_rank_<r>.pt`, one file per rank, each a state dict of
   that rank's DTensor shards (or whole tensors). Loaded with `torch.load(weights_only=True)`: only tensors and
   the DTensor classes are allowed, nothing else is unpickled. Each DTensor is put back together along its
@@ -37,7 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lora  # noqa: E402
-from models import load_tokenizer  # noqa: E402
+from models import load_model, load_tokenizer  # noqa: E402
 from sync import save_hf  # noqa: E402
 
 log = logging.getLogger("nanorft.convert")
@@ -107,25 +108,24 @@ def merge_shards(actor: Path) -> dict[str, torch.Tensor]:
     return full
 
 
-def read_weights(actor: Path, base: str | None) -> tuple[dict[str, torch.Tensor], Path]:
-    """(full state dict, the HF folder whose config and tokenizer go with it) of a checkpoint's actor folder."""
+def read_weights(actor: Path, base: str | None) -> tuple[dict[str, torch.Tensor], str]:
+    """(full state dict, the HF folder or hub name whose config and tokenizer go with it) of a checkpoint's actor
+    folder."""
     hf, adapter = actor / "huggingface", actor / lora.ADAPTER_DIR
     if any(SHARD.fullmatch(p.name) for p in actor.iterdir()):
         if not (hf / "config.json").is_file():
             raise ValueError(f"{actor}: no huggingface/config.json (the model's config) beside the rank shards")
-        return merge_shards(actor), hf
+        return merge_shards(actor), str(hf)
     if (hf / "config.json").is_file():
         if base:
             log.warning("%s has merged weights (huggingface/): --base %s is not used", actor, base)
-        return {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in safetensors.torch.load_file(f).items()}, hf
+        state = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in safetensors.torch.load_file(f).items()}
+        return state, str(hf)
     if adapter.is_dir():
         if not base:
             raise ValueError(f"{actor} holds a LoRA adapter alone ({lora.ADAPTER_DIR}/): name the base model it was "
                              "trained on (model.model_path) with --base MODEL")
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        return lora.merged_model(model, str(adapter)).state_dict(), Path(base)
+        return lora.merged_model(load_model(base), str(adapter)).state_dict(), base  # a folder or a hub name
     raise ValueError(f"{actor}: no weights found (huggingface/, {lora.ADAPTER_DIR}/ or model_world_size_*_rank_*.pt)")
 
 
@@ -152,7 +152,8 @@ def convert(actor: str | Path, out: str | Path, dtype: str = "float32", base: st
     if missing:
         raise ValueError(f"{actor}: the checkpoint has no weights for {len(missing)} of the model's tensors: "
                          f"{missing[:5]}; nothing was written")
-    tokenizer = load_tokenizer(str(hf)) if (hf / "tokenizer_config.json").is_file() else None
+    # a checkpoint's huggingface/ may lack the tokenizer (veRL's without one); a hub name's comes from the hub
+    tokenizer = load_tokenizer(hf) if not Path(hf).is_dir() or (Path(hf) / "tokenizer_config.json").is_file() else None
     folder = save_hf(model, tokenizer, out)
     shutil.rmtree(folder / ".cache", ignore_errors=True)
     return folder
