@@ -58,16 +58,12 @@ _NEW = "point buffer.trainer_input.experience_buffer.path at a new file (nothing
 
 
 def refuse_foreign(path: str) -> None:
-    """DBMismatch, before anything is written, when `path` cannot hold this experience DB: a directory, a path under
-    a file, a file that is not SQLite, a damaged one (garbage after the header, cut short), or another program's
-    SQLite database (tables but no meta table, or a meta table of other columns)."""
+    """DBMismatch, before anything is written, when `path` cannot hold this experience DB: a directory, a file that
+    is not SQLite, a damaged one (garbage after the header, cut short), or another program's SQLite database (tables
+    but no meta table, or a meta table of other columns). A path under a file is open_sqlite's to name (its folders
+    cannot be made)."""
     if os.path.isdir(path):
         raise DBMismatch(f"{path} is a directory; {_NEW}")
-    parent = os.path.dirname(os.path.abspath(path))
-    while parent and not os.path.exists(parent):
-        parent = os.path.dirname(parent) if os.path.dirname(parent) != parent else ""
-    if parent and not os.path.isdir(parent):
-        raise DBMismatch(f"{path}: {parent} is a file, not a folder; {_NEW}")
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return
     with open(path, "rb") as f:
@@ -107,7 +103,7 @@ def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
         # back; every write goes through `transaction` (BEGIN IMMEDIATE).
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # NOTE: connect() alone opens no file yet
-    except (OSError, sqlite3.Error) as e:  # a read-only place (/proc), no permission, ...
+    except (OSError, sqlite3.Error) as e:  # a read-only place (/proc), no permission, a file where a folder goes
         raise DBMismatch(f"cannot open or create the experience DB {path} ({e}): point "
                          "buffer.trainer_input.experience_buffer.path at a file in a folder this process may write"
                          ) from None

@@ -373,9 +373,10 @@ def _bad_db(tmp_path: Path, kind: str) -> tuple[str, str]:
     if kind == "directory":
         (tmp_path / "d.db").mkdir()
         return str(tmp_path / "d.db"), "is a directory"
-    if kind == "under a file":
+    if kind in ("under a file", "in a file"):  # the folder to make is a file, or a folder above it
         (tmp_path / "f").write_text("x")
-        return str(tmp_path / "f" / "sub" / "x.db"), f"{tmp_path / 'f'} is a file, not a folder"
+        path, error = ("f/sub/x.db", "Not a directory") if kind == "under a file" else ("f/x.db", "File exists")
+        return str(tmp_path / path), rf" \(\[Errno \d+\] {error}: '{re.escape(str(tmp_path))}/f"  # after the path
     if kind == "read-only place":
         return "/proc/nanorft_x.db", "cannot open or create the experience DB /proc/nanorft_x.db"
     path = tmp_path / "x.db"
@@ -393,7 +394,7 @@ def _bad_db(tmp_path: Path, kind: str) -> tuple[str, str]:
     return str(path), "is a damaged SQLite database: cut short"
 
 
-@pytest.mark.parametrize("kind", ["directory", "under a file", "read-only place", "header then garbage",
+@pytest.mark.parametrize("kind", ["directory", "under a file", "in a file", "read-only place", "header then garbage",
                                   "meta of other columns", "truncated"])
 def test_an_experience_db_path_that_cannot_be_one_is_named_and_nothing_changes(tmp_path, kind):
     path, says = _bad_db(tmp_path, kind)
