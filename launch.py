@@ -43,8 +43,9 @@ from typing import Callable, Iterator, TextIO
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
-from monitor import (CONSOLE, Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline, holds_secret,
-                     log_to_file, numbers_of, prepare_mlflow, read_history)
+from configs.resolve import CONSOLE, holds_secret
+from monitor import (Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline, log_to_file, numbers_of,
+                     prepare_mlflow, read_history)
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")

@@ -42,10 +42,10 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from buffer import shown
 from configs.checks import ConfigError
-from configs.resolve import CONSOLE, holds_secret, redacted  # noqa: F401 (holds_secret re-exported)
+from configs.resolve import CONSOLE, redacted
 from configs.schema import Config
+from dbconn import shown
 
 log = logging.getLogger("nanorft.monitor")
 

@@ -200,7 +200,7 @@ def with_secrets(tmp_path, kind: str) -> Config:
 
 
 def test_redacted_hides_passwords_keys_and_url_passwords_only():
-    from monitor import holds_secret, redacted
+    from configs.resolve import holds_secret, redacted
 
     cfg = Config()
     assert redacted(cfg) == dataclasses.asdict(cfg) and not holds_secret(cfg)  # nothing secret: nothing changed
