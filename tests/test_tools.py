@@ -15,7 +15,7 @@ import pytest
 
 from workflows.calculator import calculate
 from workflows.tool_use import CALCULATOR
-from workflows.tool_workers import WORKERS, Workers
+from workflows.tool_workers import WORKERS, Worker, Workers
 from workflows.tools import Tool, ToolCall, ToolError, parse_tool_calls, run_tool, strip_thinking
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -106,6 +106,15 @@ def test_a_hung_tool_is_killed_at_its_timeout_and_later_calls_still_work(tool_fi
     worker = int(run_tool(tools, ToolCall("pid", {})))
     assert worker != os.getpid() and alive(worker)
     assert len(WORKERS.live) <= WORKERS.size
+
+
+def test_a_killed_worker_leaves_no_pipe_open():
+    """Worker.kill (a hung call's worker, at its timeout) closes our ends of the worker's pipes at once, also with a
+    request written that it never read: no descriptor is left to the garbage collector."""
+    worker = Worker()
+    worker.proc.stdin.write(b'{"ref": ')  # buffered, unflushed: close() flushes it into a dead pipe
+    worker.kill()
+    assert worker.proc.stdin.closed and worker.proc.stdout.closed and worker.proc.returncode is not None
 
 
 def test_concurrent_calls_share_a_bounded_pool(tool_file):

@@ -18,6 +18,7 @@ kills its workers at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -125,8 +126,13 @@ class Worker:
         self.proc.stdin.flush()
 
     def kill(self) -> None:
+        """Kill the worker, then close our ends of its pipes (else every worker killed at a timeout would hold two
+        file descriptors until garbage collection)."""
         self.proc.kill()
         self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):  # NOTE: stdin's close flushes into a dead pipe: BrokenPipeError
+                pipe.close()
 
 
 class Workers:
