@@ -221,3 +221,12 @@ def test_the_calculator_tool_answers_from_many_threads_at_once():
     for t in threads:
         t.join()
     assert results == [str(k + 1) for k in range(50)]
+
+
+def test_the_tool_call_benchmark_runs():
+    """scripts/bench_tools.py (the README's and docs/LOG.md's figures) in a tiny shape: each figure a median."""
+    out = subprocess.run([sys.executable, "scripts/bench_tools.py", "--runs", "2", "--calls", "5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for what in ("first call (starts a worker)", "a pooled call", "the calculator in-process"):
+        assert f"{what}: median " in out.stdout and " ms over 2 runs" in out.stdout
