@@ -67,7 +67,7 @@ import lora
 import sync
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
-from algos.kl import Config as KLConfig, adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, place_scores
+from algos.kl import adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, place_scores
 from algos.utils import masked_mean
 from buffer import Experience
 from configs.schema import OptimizerConfig
@@ -112,7 +112,7 @@ class Parts:
     ref: TokenScorer | None  # the reference model, when a piece needs reference log-probs
     critic: TokenScorer | None  # the value model (GAE)
     critic_optim: torch.optim.Optimizer | None
-    pieces: dict[str, tuple[Callable, Any]]  # algos/ kind -> (function, Config)
+    pieces: algos.Pieces  # algos/ kind -> (function, Config)
     kl_coef: dict[str, float]  # kl_loss_fn / kl_penalty_fn coefficients (adaptive ones change; checkpointed)
     source: Source
     total: int  # the last step
@@ -205,8 +205,7 @@ def resume_state(p: Parts) -> None:
     if p.resume:
         critic = (p.critic, p.critic_optim) if p.critic else None
         saved = checkpoint.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
-        kl_cfgs: dict[str, KLConfig] = {k: p.pieces[k][1] for k in p.kl_coef}
-        adaptive = {k for k, c in kl_cfgs.items() if c.adaptive}  # the config's coefficient otherwise
+        adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
         lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)  # LoRA: the merged weights first, where missing
         if p.rank == 0:
@@ -386,9 +385,8 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     metrics = dict(zip(keys, reduce_sum([sums[k] for k in keys], p.device)))
     for k in ("kl_loss_fn", "kl_penalty_fn"):  # the adaptive KL controller (Ziegler et al.)
         measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
-        kl_cfg: KLConfig = p.pieces[k][1]
-        if kl_cfg.adaptive and measured is not None:
-            p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, len(batch["rewards"]), kl_cfg)
+        if p.pieces[k][1].adaptive and measured is not None:
+            p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, len(batch["rewards"]), p.pieces[k][1])
             metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = p.kl_coef[k]
     return metrics | {"actor/lr": lr_at(step, a.optimizer, p.total), "actor/skipped_steps": skipped,
                       "actor/grad_norm": sum(norms) / max(len(norms), 1)}

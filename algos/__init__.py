@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 from algos import (asymre, cispo, dpo, entropy, gae, grpo, gspo, importance_sampling, kl, mix, opmd, ppo_loss, rec,
                    reinforce, reinforceplusplus, rloo, sample, sapo, sft_loss, sppo, step_wise_grpo, topr)
@@ -139,4 +139,6 @@ REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
     "entropy_loss_fn": ENTROPY_LOSS_FNS,
     "sample_strategy": SAMPLE_STRATEGIES,
 }
+# the pieces a trainer builds from its config: kind (a REGISTRIES key) -> (function, the named piece's Config)
+Pieces = dict[str, tuple[Callable, Any]]
 

@@ -18,7 +18,8 @@ Paths: `explorer.auxiliary_models[].model_path` (any element of a list), `buffer
 (any value of a dict). A load whose base has no type counts only for a field name that exists at one path of the
 schema (so `x.name` on some object never reads `trainer.name`): a shared name must be read through a typed base.
 The args of algos/ pieces (their Config) and of workflows (their Args) are sections too, at `<module.Class>`, read
-only through a typed base (`cfg: Config` in a piece; a workflow's `self.args`, typed by its `Args = ...`).
+only through a typed base (`cfg: Config` in a piece; `pieces[kind][1]` of an `algos.Pieces`, the Configs of that
+kind's registry; a workflow's `self.args`, typed by its `Args = ...`).
 """
 
 from __future__ import annotations
@@ -221,7 +222,18 @@ def annotation_type(node: ast.expr | None, mod: Module | None) -> Type:
             return "tuple", tuple(annotation_type(a, mod) for a in args)
         return annotation_type(args[0], mod) if outer in ("Optional", "Annotated") else None
     q = qualified(node, mod)
+    if q == "algos.Pieces":  # a trainer's pieces by kind: pieces["kl_loss_fn"][1] is a KL piece's Config
+        return "pieces", None
     return ("sec", CLASS_QN[q]) if q in CLASS_QN else ("struct", q) if q else None
+
+
+def piece_type(kinds: Type) -> Type:
+    """(function, Config) of algos.Pieces[kind] for a key among `kinds` (strings): the Config of any piece of the
+    kinds' registries."""
+    if kinds is None or kinds[0] != "strs":
+        return None
+    paths = frozenset(args_path(c) for k in kinds[1] for _, c in REGISTRIES.get(k, {}).values())
+    return ("tuple", (None, ("sec", paths))) if paths else None
 
 
 # --- the walk
@@ -285,6 +297,8 @@ class Reads:
             return self.attr(self.typeof(node.value, env, mod), node.attr)
         if isinstance(node, ast.Subscript):
             t = self.typeof(node.value, env, mod)
+            if t and t[0] == "pieces":
+                return piece_type(self.typeof(node.slice, env, mod))
             if t and t[0] == "tuple" and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, int):
                 return t[1][node.slice.value] if -len(t[1]) <= node.slice.value < len(t[1]) else None
             return t[1] if t and t[0] in ("list", "dict") else None

@@ -152,6 +152,10 @@ def test_the_schema_walk_tells_apart_fields_shared_by_name(tmp_path):
                              "class W(Workflow):\n    Args = ToolArgs\n"
                              "    def run(self):\n        args = self.args\n        return args.system_prompt\n")
     assert read == {"<workflows.args.WorkflowArgs>.system_prompt"}  # by the class that declares it
+    # a trainer's pieces by kind (algos.Pieces): the Config of that kind's pieces; a kind the walk cannot tell, none
+    read = analyse(tmp_path, "import algos\nclass P:\n    pieces: algos.Pieces\n"
+                             "def f(p: P, k):\n    return p.pieces['kl_loss_fn'][1].adaptive, p.pieces[k][1].tau\n")
+    assert read == {"<algos.kl.Config>.adaptive"}
 
 
 def test_the_tables_name_real_fields_and_known_trinity_keys():
