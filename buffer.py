@@ -465,6 +465,20 @@ class ExperienceDB:
                              f"({'; '.join(diff)}). Point buffer.trainer_input.experience_buffer.path at "
                              "another DB, or use the same model.model_path on both sides.")
 
+    def check_advantages(self, origin: str, who: str) -> None:
+        """Refuse to share this DB between processes that disagree on where the experiences' advantages come from
+        (configs.resolve.advantage_origin: the trainer, or an explorer-side advantage fn and its args): a trainer
+        of step_wise_grpo cannot train on an explorer's rows without stored advantages, and a trainer of another
+        advantage fn would ignore them. The first process stores `origin` (and `who` it is), later ones must match."""
+        mine = json.dumps({"origin": origin, "by": who})
+        stored = json.loads(self.set_meta("advantages", mine, overwrite=False))
+        if stored["origin"] != origin:
+            raise DBMismatch(f"{self.path}: the advantages of this DB's experiences come from {stored['origin']} "
+                             f"(stored by {stored['by']}), and {who} has them from {origin}: the explorers and the "
+                             "trainer sharing a DB need the same explorer-side algorithm.advantage_fn "
+                             "(step_wise_grpo, with the same advantage_fn_args) or none. Point "
+                             "buffer.trainer_input.experience_buffer.path at another DB, or align the configs.")
+
     def close(self) -> None:
         self.conn.close()
 

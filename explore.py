@@ -43,6 +43,7 @@ import launch
 import lora
 import sync
 from buffer import Experience, ExperienceDB
+from configs.resolve import advantage_origin
 from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor
@@ -305,6 +306,7 @@ def set_up(cfg: configs.Config) -> Explorer:
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
     tokenizer = config_tokenizer(cfg.model)
     db.check_identity(fingerprint(cfg.model.model_path, tokenizer), f"explorer {name}")
+    db.check_advantages(advantage_origin(cfg.algorithm), f"explorer {name}")
     reader = TaskReader(b.explorer_input.tasksets, total_epochs=10**9 if b.total_steps else b.total_epochs)
     saved, step = db.explorer_states().get(name), 0
     if saved:

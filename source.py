@@ -26,6 +26,7 @@ import algos
 import configs
 from algos.sample import tied_groups
 from buffer import Experience, ExperienceDB, pack, unpack
+from configs.resolve import advantage_origin
 from models import file_units, fingerprint, pick
 from tasksets import DataError, read_rows
 
@@ -53,6 +54,8 @@ class Source:
         if rank == 0:
             self.db = ExperienceDB(eb.path)
             self.db.check_identity(fingerprint(cfg.model.model_path, tokenizer), "the trainer")
+            if cfg.algorithm.advantage_fn != "none":  # an RL trainer (sft / dpo from a DB read no advantages)
+                self.db.check_advantages(advantage_origin(cfg.algorithm), "the trainer")
         a = cfg.algorithm
         self.strategy = (algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
                          configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args))
@@ -87,7 +90,20 @@ class Source:
         expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
         got = self.claim(step, n) if self.rank == 0 else []
         got = self.share(got)
+        self.check_advantages(got)
         return got + expert if got else []
+
+    def check_advantages(self, got: list[Experience]) -> None:
+        """With an advantage fn computed in the explorer (step_wise_grpo), every experience must carry its advantages:
+        a DataError naming the explorers of those without (their configs have another advantage_fn), on every rank.
+        NOTE: the DB's record (ExperienceDB.check_advantages) refuses such an explorer at start; this catches what
+        came before it (a DB of an earlier nanorft, rows written without an explorer)."""
+        a = self.cfg.algorithm
+        if a.advantage_fn in algos.EXPLORER_ADVANTAGE_FNS and (bad := [x for x in got if x.advantages is None]):
+            who = ", ".join(sorted({x.explorer or "(unnamed)" for x in bad}))
+            raise DataError(f"{len(bad)} of {len(got)} experiences carry no advantages, which algorithm.advantage_fn "
+                            f"{a.advantage_fn} computes in the explorer (models.group_advantages): explorer(s) {who} "
+                            f"wrote them with another advantage_fn; give them {a.advantage_fn} too")
 
     def share(self, got: list[Experience]) -> list[Experience]:
         """Rank 0's batch on every rank, sent over the process group as bytes (buffer.pack: no pickle), with

@@ -27,7 +27,7 @@ import dataclasses
 import torch
 
 from algos import grpo
-from algos.utils import group_mean
+from algos.utils import BatchError, group_mean
 
 
 @dataclasses.dataclass
@@ -56,11 +56,13 @@ def compute(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torc
 
 def from_explorer(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The trainer's side: the advantages compute() gave each experience in the explorer, batch["stored_advantages"]
-    [B,T] where batch["has_stored_advantages"] [B]; ValueError if a row has none."""
+    [B,T] where batch["has_stored_advantages"] [B]; BatchError if a row has none (an explorer whose config has
+    another advantage_fn wrote it: the trainer's source.Source.read refuses such a batch first, naming the explorer)."""
     has = batch["has_stored_advantages"]  # [B]
     if not has.all():
-        raise ValueError(f"step_wise_grpo: {int((~has).sum())} of {len(has)} experiences carry no advantages; they are "
-                         "computed in the explorer (models.group_advantages), by an explorer of this algorithm")
+        raise BatchError(f"step_wise_grpo: {int((~has).sum())} of {len(has)} experiences carry no advantages; they are "
+                         "computed in the explorer (models.group_advantages), by an explorer whose "
+                         "algorithm.advantage_fn is step_wise_grpo too")
     adv = batch["stored_advantages"] * batch["response_mask"].to(torch.float32)  # [B,T]
     metrics = {"experience_count": float(len(has)), "episode_count": float(len(batch["episode_index"].unique()))}
     return {"advantages": adv, "returns": adv.clone()}, metrics

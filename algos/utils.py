@@ -20,6 +20,11 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
+class BatchError(ValueError):
+    """A batch a piece cannot use: a fault of the data (e.g. rows that an explorer of another algorithm wrote), not of
+    the code. The trainer's data source checks what it can before (source.Source.read names the explorers)."""
+
+
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of x where mask is set. NOTE: uses where(), not x*mask, so inf/NaN in padding cannot leak."""
     m = mask.to(torch.bool)  # [B,T]

@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import difflib
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -207,6 +208,17 @@ def _check_step_wise(c: Config) -> None:
         _warn_once(f"config: algorithm.advantage_fn {a.advantage_fn} with no taskset setting workflow_args.step_wise: "
                    "unless the workflow writes one experience per turn itself (info['episode']), this is GRPO over "
                    "whole episodes")
+
+
+def advantage_origin(a: AlgorithmConfig) -> str:
+    """Where the advantages of the experiences in a DB come from, for a process of algorithm `a`: "the trainer"
+    (from the rewards, when a batch is trained), or an explorer-side advantage fn with all its args (stored with
+    each experience by the explorer, read back by the trainer: step_wise_grpo). The explorers and the trainer
+    sharing a DB must agree (buffer.ExperienceDB.check_advantages)."""
+    if a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
+        return "the trainer"
+    args = dataclasses.asdict(piece_config("advantage_fn", a.advantage_fn, a.advantage_fn_args))
+    return f"the explorer: {a.advantage_fn} {json.dumps(args, sort_keys=True)}"
 
 
 def _derive_paths(c: Config, preset: Preset) -> None:

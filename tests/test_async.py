@@ -204,6 +204,21 @@ def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url)
     assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 2" in out.stderr
 
 
+def test_an_explorer_whose_advantages_the_trainer_would_not_read_is_refused(tmp_path, tiny_model_dir):
+    """A trainer of step_wise_grpo (advantages computed in the explorer) stored that in the DB; an explorer whose
+    config has grpo (its experiences would carry none) is refused at start with both sides named, no traceback."""
+    files = pair(tmp_path, tiny_model_dir)
+    url = f"sqlite:///{tmp_path}/ck/nanorft/tiny_async/buffer/tiny_async_buffer.db"
+    Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True)
+    with ExperienceDB(url) as d:
+        d.check_advantages('the explorer: step_wise_grpo {"epsilon": 1e-06}', "the trainer")
+    out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "NANORFT_LAUNCHED": "1"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert ("the advantages of this DB's experiences come from the explorer: step_wise_grpo {\"epsilon\": 1e-06} "
+            "(stored by the trainer), and explorer explorer has them from the trainer") in out.stderr
+
+
 def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_model_dir, db_url):
     """The explorer's wait at a checkpoint sync point: the newest published version once it is >= want;
     exit code 0 when the trainer has finished first; 1 with the trainer's last state after the timeout."""

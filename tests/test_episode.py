@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from algos import ADVANTAGE_FNS, step_wise_grpo
+from algos.utils import BatchError
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
 from conftest import plain_logprobs
@@ -337,7 +338,7 @@ def test_step_wise_advantages_are_the_whole_groups_though_a_train_step_gets_part
                                                                         abs=1e-4)
         alone, _ = step_wise_grpo.compute(batch, cfg())  # what the trainer computing it per part would get
         assert not torch.allclose(alone["advantages"], out["advantages"], atol=1e-3)
-    with pytest.raises(ValueError, match="1 of 1 experiences carry no advantages"):
+    with pytest.raises(BatchError, match="1 of 1 experiences carry no advantages"):
         fn(step_batch(build_workflow(tool_task(repeat_times=1), scripted(tokenizer, ["#### 83"])).run(), 0), cfg())
 
 

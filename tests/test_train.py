@@ -347,15 +347,17 @@ def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def grpo_db(path: Path, tokenizer) -> None:
-    """One task, four responses: "5" twice with reward 1, "7" twice with reward 0 (one group)."""
+def grpo_db(path: Path, tokenizer, explorer: str = "") -> None:
+    """One task, four responses: "5" twice with reward 1, "7" twice with reward 0 (one group), written by
+    `explorer`."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
                                            tokenize=True, return_dict=False)
     exps = []
     for run_id, (answer, reward) in enumerate([("5", 1.0), ("7", 0.0), ("5", 1.0), ("7", 0.0)]):
         resp = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
         exps.append(Experience(tokens=torch.tensor(prompt + resp), prompt_length=len(prompt), reward=reward,
-                               logprobs=torch.zeros(len(resp)), group_id="g0", run_id=run_id, task_id="t0"))
+                               logprobs=torch.zeros(len(resp)), group_id="g0", run_id=run_id, task_id="t0",
+                               explorer=explorer))
     with ExperienceDB(f"sqlite:///{path}") as db:
         db.write(exps)
 
@@ -395,6 +397,36 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, ti
     assert response_logprob(after, tok, "5") > response_logprob(before, tok, "5")
     with ExperienceDB(f"sqlite:///{db}") as d:
         assert d.counts()["pending"] == 0
+
+
+def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(tmp_path, tiny_model_dir):
+    """A trainer of multi_step_grpo (step_wise_grpo: advantages computed in the explorer) on experiences without
+    stored advantages (an explorer whose config has grpo wrote them; the DB recorded nothing of it, as a DB of an
+    earlier nanorft): a named error with the explorer's name at the first step, no traceback (it raised a bare
+    ValueError). With the DB's record (every explorer stores where its advantages come from), the trainer is
+    refused at start, before any model is loaded."""
+    tok = load_tokenizer(tiny_model_dir)
+    for case in ("rows", "record"):
+        db = tmp_path / f"{case}.db"
+        grpo_db(db, tok, explorer="grpo_explorer")
+        if case == "record":
+            with ExperienceDB(f"sqlite:///{db}") as d:
+                d.check_advantages("the trainer", "explorer grpo_explorer")  # what explore.set_up stores
+        config = sft_config(tmp_path, tiny_model_dir, **{
+            "algorithm": {"algorithm_type": "multi_step_grpo", "repeat_times": 4},
+            "buffer.train_batch_size": 4, "buffer.total_steps": 1, "name": case,
+            "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue",
+                                                       "path": f"sqlite:///{db}", "max_read_timeout": 5}})
+        out = run_train(config)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        if case == "rows":
+            assert ("4 of 4 experiences carry no advantages, which algorithm.advantage_fn step_wise_grpo computes in "
+                    "the explorer (models.group_advantages): explorer(s) grpo_explorer wrote them with another "
+                    "advantage_fn") in out.stderr
+        else:
+            assert ("the advantages of this DB's experiences come from the trainer (stored by explorer "
+                    "grpo_explorer), and the trainer has them from the explorer: step_wise_grpo {") in out.stderr
+            assert not (tmp_path / "ck" / "p" / case / "global_step_1").exists()
 
 
 def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_model_dir):
