@@ -42,8 +42,8 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from configs.checks import ConfigError
-from configs.resolve import CONSOLE, redacted
+from configs.checks import ConfigError, redacted
+from configs.resolve import CONSOLE
 from configs.schema import Config
 from dbconn import shown
 

@@ -200,7 +200,8 @@ def with_secrets(tmp_path, kind: str) -> Config:
 
 
 def test_redacted_hides_passwords_keys_and_url_passwords_only():
-    from configs.resolve import holds_secret, redacted
+    from configs.checks import redacted
+    from configs.resolve import holds_secret
 
     cfg = Config()
     assert redacted(cfg) == dataclasses.asdict(cfg) and not holds_secret(cfg)  # nothing secret: nothing changed
