@@ -48,6 +48,7 @@ class WorkflowArgs:
 _GIVEN = ("response", "reference", "draw_key")  # passed by the workflow (Workflow.reward), never by the config
 
 
+_MISSING = object()
 _MEMO: dict[tuple, Any] = {}  # checked args by what was checked: a taskset's are checked once, not for every task
 
 
@@ -58,11 +59,12 @@ def memo(key: tuple, make: Callable[[], Any]) -> Any:
         hash(key)
     except TypeError:
         return make()
-    if key not in _MEMO:
+    value = _MEMO.get(key, _MISSING)
+    if value is _MISSING:  # NOTE: runner threads may race here: at worst the same args are checked twice
         if len(_MEMO) >= 1024:  # bounded; a config has a handful of tasksets
             _MEMO.clear()
-        _MEMO[key] = make()
-    return _MEMO[key]
+        value = _MEMO[key] = make()
+    return value
 
 
 def workflow_args(cls: type[workflows.Workflow], args: dict[str, Any], path: str) -> Any:
