@@ -480,7 +480,7 @@ def finish(x: Explorer, code: int) -> int:
                                        "finished": True})
     if x.receiver is not None:
         sync.close_receiver(x.receiver)
-    x.monitor.close()
+    x.monitor.close(failed=code != 0)
     x.pool.shutdown(wait=False, cancel_futures=True)
     for handle in x.handles:
         if handle.api is not None:

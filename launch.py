@@ -44,8 +44,8 @@ import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from configs.resolve import CONSOLE, holds_secret
-from monitor import (Console, HistoryTail, bars_wanted, close_log_file, eval_line, headline, log_to_file, numbers_of,
-                     prepare_mlflow, read_history)
+from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, headline,
+                     log_to_file, numbers_of, prepare_mlflow, read_history)
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
@@ -281,11 +281,14 @@ def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Con
         if stage.mode not in runners:
             log.info("stage %s is mode %s: nothing for the %s to do", stage.name, stage.mode, role)
             continue
+        code = 1  # what an exception leaves
         try:
             code = runners[stage.mode](stage)
         except (DataError, DBMismatch, configs.ConfigError) as e:  # bad input: the message says it all, no traceback
             log.error("%s of stage %s stops: %s", role, stage.name, e)
             return 2
+        finally:  # NOTE: a stage an error ended left its monitor open (its mlflow run RUNNING): closed, as failed
+            close_monitors(failed=code != 0)
         if code:
             return code
     return 0

@@ -48,6 +48,7 @@ from configs.schema import Config
 from dbconn import shown
 
 log = logging.getLogger("nanorft.monitor")
+_OPEN: list[Monitor] = []  # this process's monitors not closed yet (close_monitors)
 
 
 class Monitor:
@@ -61,6 +62,7 @@ class Monitor:
         self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
         self.console: Console | None = None
         self.tb = self.wandb = self.mlflow = None
+        _OPEN.append(self)
         kind, args = cfg.monitor.monitor_type, cfg.monitor.monitor_args
         if kind == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
@@ -111,7 +113,12 @@ class Monitor:
         if self.console is not None:
             self.console.step(self.role, step, numbers, self.total)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close every output (a second call does nothing); `failed`: the process stops on an error, and its wandb
+        / mlflow run ends as failed."""
+        if self not in _OPEN:
+            return
+        _OPEN.remove(self)
         self.history.close()
         if self.console is not None:
             self.console.close()
@@ -120,9 +127,17 @@ class Monitor:
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            self.wandb.finish(exit_code=int(failed))
         if self.mlflow is not None:
-            self.mlflow.close()
+            self.mlflow.close(failed)
+
+
+def close_monitors(failed: bool) -> None:
+    """Close the monitors this process left open: a stage that an error ended (a set-up refusal, a named error, a
+    traceback) never reached its own close, and its mlflow run would stay RUNNING, its wandb run unfinished
+    (launch.run_in_process calls this after every stage)."""
+    for monitor in list(_OPEN):
+        monitor.close(failed)
 
 
 class MlflowSink:
@@ -147,8 +162,8 @@ class MlflowSink:
         for i in range(0, len(metrics), 1000):  # mlflow's limit per batch
             self.client.log_batch(self.run, metrics=metrics[i:i + 1000])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run, status="FAILED" if failed else "FINISHED")
 
 
 def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:

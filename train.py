@@ -155,7 +155,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
         log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
                   "or choose another name (the explorer and trainer must share one)", job, resume)
         if monitor is not None:
-            monitor.close()
+            monitor.close(failed=True)
         return None
     tokenizer = config_tokenizer(cfg.model)
     pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
@@ -534,7 +534,7 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
     if p.sender is not None:
         sync.close_sender(p.sender, finished=code == 0)
     if p.monitor is not None:
-        p.monitor.close()
+        p.monitor.close(failed=code != 0)
     dist.destroy_process_group()
     return code
 

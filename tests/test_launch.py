@@ -162,6 +162,36 @@ def test_a_later_stage_whose_rollout_model_names_the_model_runs(tmp_path, tiny_m
     assert seen == [tiny_model_dir, str(sync.weights_path(tmp_path / "ck" / "p" / "run" / "sft", 3))]
 
 
+def test_a_stage_an_error_ends_leaves_no_mlflow_run_running(tmp_path, tiny_model_dir, monkeypatch):
+    """run_in_process (how train.py and explore.py run their stages): a stage that raises after opening its monitor
+    (a traceback, or a named error) ends its mlflow run FAILED; one that closes its monitor itself keeps its status
+    (FINISHED)."""
+    import configs
+    import launch
+    from monitor import Monitor
+    from test_train import mlflow_runs
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+    def runner(error: BaseException | None):
+        def run(stage: configs.Config) -> int:
+            monitor = Monitor(stage, role=f"{type(error).__name__}")
+            if error is not None:
+                raise error
+            monitor.close()
+            return 0
+        return run
+
+    cfg = configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir, **{"monitor.monitor_type": "mlflow"}))])[0]
+    with pytest.raises(RuntimeError, match="boom"):
+        launch.run_in_process(cfg, {"both": runner(RuntimeError("boom"))}, "trainer")
+    assert launch.run_in_process(cfg, {"both": runner(launch.DataError("bad row"))}, "trainer") == 2
+    assert launch.run_in_process(cfg, {"both": runner(None)}, "trainer") == 0
+    assert mlflow_runs(uri) == {"run_RuntimeError": "FAILED", "run_DataError": "FAILED", "run_NoneType": "FINISHED"}
+
+
 def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeypatch):
     """launch.run checks every stage, prepares mlflow and runs the stages in order from one resolve_stages (it
     resolved every stage four times)."""

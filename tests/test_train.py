@@ -429,6 +429,33 @@ def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(
             assert not (tmp_path / "ck" / "p" / case / "global_step_1").exists()
 
 
+def mlflow_runs(uri: str) -> dict[str, str]:
+    """run name -> status of every run in the mlflow store at `uri`."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return {r.info.run_name: r.info.status for e in client.search_experiments()
+            for r in client.search_runs([e.experiment_id])}
+
+
+def test_a_set_up_failure_ends_the_mlflow_run_as_failed(tmp_path, tiny_model_dir):
+    """The trainer opens its monitor first (its log file gets set-up's records), and with monitor_type mlflow that
+    creates the run; a set-up refusal (a DB of another model) then ended the process with the run still RUNNING.
+    It ends FAILED (launch.run_in_process closes what a stage left open)."""
+    db = tmp_path / "exp.db"
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        d.check_identity({"model_type": "llama"}, "another explorer")
+    config = sft_config(tmp_path, tiny_model_dir, **{
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2}, "monitor.monitor_type": "mlflow",
+        "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "path": f"sqlite:///{db}"}})
+    uri = (tmp_path / "mlruns").as_uri()
+    out = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "NANORFT_LAUNCHED": "1", "MLFLOW_TRACKING_URI": uri})
+    assert out.returncode == 2 and "written for another model or tokenizer" in out.stderr, out.stderr[-2000:]
+    assert mlflow_runs(uri) == {"t_trainer": "FAILED"}
+
+
 def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_model_dir):
     config = sft_config(tmp_path, tiny_model_dir, **{
         "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
