@@ -28,7 +28,6 @@ import json
 import logging
 import math
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -37,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
-import checkpoint
 import configs
 import launch
 import lora
@@ -46,7 +44,7 @@ from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
 from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint, group_advantages, load_model
-from monitor import Monitor
+from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks
 from workflows import build_workflow, check_args
@@ -107,60 +105,7 @@ def run_tasks(pool: ThreadPoolExecutor, tasks: list[Task], handles: list[ModelHa
     return [(t, *f.result()) for t, f in zip(tasks, futures)]
 
 
-# --- metrics
-
-
-def mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
-def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
-    """Trinity/veRL-named metrics of one explore step."""
-    exps = [x for _, got, _ in results if got for x in got]
-    rewards = [x.reward for x in exps]
-    lengths = [x.response_length for x in exps]
-    out = {
-        "rollout/reward/mean": mean(rewards),
-        "rollout/reward/std": statistics.pstdev(rewards) if rewards else 0.0,
-        "rollout/failed_count": sum(got is None for _, got, _ in results),
-        "rollout/finished_task_count": sum(got is not None for _, got, _ in results),
-        "rollout/experience_count": len(exps),
-        "rollout/model_version": max((x.model_version for x in exps), default=0),
-        "response_length/mean": mean(lengths),
-        "response_length/max": max(lengths, default=0),
-        "response_length/clip_ratio": mean([x.truncate_status == "response_truncated" for x in exps]),
-        "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
-        "time/rollout": seconds,
-    }
-    per_task = [{k: mean([x.metrics[k] for x in got]) for k in got[0].metrics} for _, got, _ in results if got]
-    for k in sorted({k for m in per_task for k in m}):  # task value = mean over its runs (Trinity)
-        values = [m[k] for m in per_task if k in m]
-        out.update(
-            {f"rollout/{k}/mean": mean(values), f"rollout/{k}/max": max(values), f"rollout/{k}/min": min(values)}
-        )
-    return out
-
-
-def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detailed: bool = False) -> dict[str, float]:
-    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component;
-    `detailed` (monitor.detailed_stats) adds the max, min and std across tasks of the per-task means."""
-    done = [got for _, got, _ in results if got]
-    out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
-    runs = [
-        {"reward": [x.reward for x in got], **{m: [x.metrics[m] for x in got] for m in got[0].metrics}} for got in done
-    ]
-    for m in sorted({m for r in runs for m in r}):
-        per_task = [r[m] for r in runs if m in r]
-        means = [mean(v) for v in per_task]
-        out[f"{prefix}/{name}/{m}/mean@{k}"] = mean(means)
-        out[f"{prefix}/{name}/{m}/std@{k}"] = mean([statistics.pstdev(v) for v in per_task])
-        out[f"{prefix}/{name}/{m}/best@{k}"] = mean([max(v) for v in per_task])
-        out[f"{prefix}/{name}/{m}/worst@{k}"] = mean([min(v) for v in per_task])
-        if detailed:
-            out |= {f"{prefix}/{name}/{m}/max_over_tasks@{k}": max(means),
-                    f"{prefix}/{name}/{m}/min_over_tasks@{k}": min(means),
-                    f"{prefix}/{name}/{m}/std_over_tasks@{k}": statistics.pstdev(means)}
-    return out
+# --- evaluation (the metrics of a step or an evaluation: monitor.rollout_metrics, monitor.eval_metrics)
 
 
 def evaluate(pool: ThreadPoolExecutor, handles: list[ModelHandle], cfg: configs.Config,
@@ -385,13 +330,8 @@ def take_weights(x: Explorer) -> tuple[int, int] | None:
     """The next weights over the trainer's group, into the engine: (version, bytes), or None after its stop.
     The HF engine receives them in this process; vLLM engines' workers join the group and take them onto their
     GPUs (vllm_engine.EnginePool.receive), this process reading only the header."""
-    job, timeout = x.cfg.checkpoint_job_dir, x.cfg.synchronizer.sync_timeout
     workers = x.engine.join_ranks() if hasattr(x.engine, "join_ranks") else 0
-    if x.receiver is None:
-        x.receiver = sync.open_receiver(job, timeout, receivers=workers or 1)
-        if workers:
-            x.engine.join_group(job, timeout)
-    header = sync.receive_header(x.receiver)
+    header = sync.receive_header(receiver(x))
     if header is None:
         return None
     if workers:
@@ -401,6 +341,32 @@ def take_weights(x: Explorer) -> tuple[int, int] | None:
         x.engine.load_weights(state, version=header["version"])
     sync.ack(x.receiver)
     return header["version"], sync.header_bytes(header)
+
+
+def receiver(x: Explorer) -> sync.WeightLink:
+    """The process-group link to the trainer, opened at its first use (up to sync_timeout); vLLM workers join it."""
+    job, timeout = x.cfg.checkpoint_job_dir, x.cfg.synchronizer.sync_timeout
+    if x.receiver is None:
+        workers = x.engine.join_ranks() if hasattr(x.engine, "join_ranks") else 0
+        x.receiver = sync.open_receiver(job, timeout, receivers=workers or 1)
+        if workers:
+            x.engine.join_group(job, timeout)
+    return x.receiver
+
+
+@contextlib.contextmanager
+def trainer_turn(x: Explorer, waits: bool) -> Iterator[None]:
+    """While this explorer waits for weights the trainer is still to train (`waits`) on one GPU shared with it
+    (cluster.colocate): the engine sleeps, its memory free for the trainer, and wakes up after."""
+    sleeps = waits and x.cfg.cluster.colocate
+    if sleeps:
+        x.engine.sleep()
+        log.info("step %d: the engine sleeps while the trainer uses the shared GPU", x.step)
+    try:
+        yield
+    finally:
+        if sleeps:
+            x.engine.wake_up()
 
 
 def load_newer(x: Explorer) -> tuple[int | None, dict[str, float]]:
@@ -439,37 +405,48 @@ def sync_weights(x: Explorer) -> tuple[int | None, dict[str, float]]:
 
 def resume_weights(x: Explorer) -> int | None:
     """Mode both, an explorer restarted after step s: before its first rollout, the weights of the last sync point
-    up to s (version w), which it may not have received before it stopped. The trainer restarts at its checkpoint R:
-    up to min(w, R) from the files it publishes at its resume (waited for: the pointer may be a killed run's, or not
-    there yet); past R the versions it sends (process group, one by one up to w) or publishes as it retrains.
-    None to go on, or the exit code to stop with."""
-    job, s = x.cfg.checkpoint_job_dir, x.cfg.synchronizer
+    up to s (version w), which it may not have received before it stopped; on a GPU shared with the trainer, which
+    retrains up to w, the engine sleeps meanwhile. Checkpoint sync: the files published at w (waited for); process
+    group: `over_group`. None to go on, or the exit code to stop with."""
     want = next((w for k in range(x.step, 0, -1) if (w := sync.weights_needed(k, x.cfg))), 0)
-    resumed = sync.read_pointer(Path(job, checkpoint.CKPT_POINTER))
-    for target in (min(want, resumed), want):
-        if x.engine.model_version >= target:
-            continue
-        if s.sync_method == "nccl" and target > resumed:
-            try:
-                while x.engine.model_version < target:  # the retrained versions, in the order the trainer sends them
-                    if take_weights(x) is None:
-                        why, code = "the trainer finished and sent stop", 1
-                        break
-            except sync.SyncError as err:
-                why, code = str(err), 1
-            if x.engine.model_version >= target:
-                continue
-        else:
-            version, why, code = wait_for_trainer(job, x.db, target, x.step, s.sync_timeout)
-            if version:
-                load_published(x.engine, job, version)
-                continue
+    if x.engine.model_version >= want:
+        return None
+    with trainer_turn(x, True):
+        why, code = (over_group if x.cfg.synchronizer.sync_method == "nccl" else from_files)(x, want)
+    if x.engine.model_version < want:
         (log.error if code else log.info)("explorer %s restarted after step %d: no weights of step %d: %s; "
-                                          "stopping.", x.cfg.explorer.name, x.step, target, why)
+                                          "stopping.", x.cfg.explorer.name, x.step, want, why)
         return code
     log.info("explorer %s restarted after step %d with the weights of step %d", x.cfg.explorer.name, x.step,
              x.engine.model_version)
     return None
+
+
+def from_files(x: Explorer, want: int) -> tuple[str, int]:
+    """The published weights of version `want` or newer, into the engine (waited for): ("", 0), or (why not, exit
+    code: 0 when the trainer finished first)."""
+    job, s = x.cfg.checkpoint_job_dir, x.cfg.synchronizer
+    version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
+    if version:
+        load_published(x.engine, job, version)
+    return why, code
+
+
+def over_group(x: Explorer, want: int) -> tuple[str, int]:
+    """Process-group sync at a restart: R, the step the trainer resumed from (its sync_group.json), decides: R >=
+    `want`, the files it published at its resume; R < want, the versions it sends as it retrains, in order, up to
+    want. NOTE: R as the trainer says it, not the checkpoint pointer's step, which the trainer skips when that
+    checkpoint is damaged (it resumes from an older one and sends versions the explorer would not wait for).
+    ("", 0), or (why not, 1)."""
+    try:
+        if receiver(x).resumed >= want:
+            return from_files(x, want)
+        while x.engine.model_version < want:
+            if take_weights(x) is None:
+                return "the trainer finished and sent stop", 1
+    except sync.SyncError as err:
+        return str(err), 1
+    return "", 0
 
 
 def finish(x: Explorer, code: int) -> int:
@@ -514,12 +491,8 @@ def explore(cfg: configs.Config) -> int:
         write(x, exps)
         # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files
         if x.step < x.steps:
-            if x.cfg.cluster.colocate and sync.weights_needed(x.step, cfg):  # the trainer needs the GPU now
-                x.engine.sleep()
-                log.info("step %d: the engine sleeps while the trainer uses the shared GPU", x.step)
-            stop, more = sync_weights(x)
-            if x.cfg.cluster.colocate:
-                x.engine.wake_up()
+            with trainer_turn(x, bool(sync.weights_needed(x.step, cfg))):  # colocated: the trainer's turn on the GPU
+                stop, more = sync_weights(x)
             metrics |= more
             if stop is not None:
                 code = stop

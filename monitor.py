@@ -19,7 +19,8 @@ Every metric goes to three places:
   config with its passwords and keys hidden (`redacted`).
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
-perf/max_memory_allocated_gb).
+perf/max_memory_allocated_gb). An explore step's rollout/ and an evaluation's eval/ metrics are computed here from
+the workflows' results (`rollout_metrics`, `eval_metrics`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import math
 import os
 import re
 import resource
+import statistics
 import sys
 import time
 import urllib.parse
@@ -389,6 +391,59 @@ def preview(exps: list, width: int = 300) -> dict[str, str]:
     out = {}
     for key, x in (("lowest", min(scored, key=lambda e: e.reward)), ("highest", max(scored, key=lambda e: e.reward))):
         out[f"preview/{key}"] = f"reward {x.reward:.4g} | {x.prompt_text[-width:]!r} -> {x.response_text[:width]!r}"
+    return out
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
+    """Trinity/veRL-named metrics of one explore step."""
+    exps = [x for _, got, _ in results if got for x in got]
+    rewards = [x.reward for x in exps]
+    lengths = [x.response_length for x in exps]
+    out = {
+        "rollout/reward/mean": mean(rewards),
+        "rollout/reward/std": statistics.pstdev(rewards) if rewards else 0.0,
+        "rollout/failed_count": sum(got is None for _, got, _ in results),
+        "rollout/finished_task_count": sum(got is not None for _, got, _ in results),
+        "rollout/experience_count": len(exps),
+        "rollout/model_version": max((x.model_version for x in exps), default=0),
+        "response_length/mean": mean(lengths),
+        "response_length/max": max(lengths, default=0),
+        "response_length/clip_ratio": mean([x.truncate_status == "response_truncated" for x in exps]),
+        "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
+        "time/rollout": seconds,
+    }
+    per_task = [{k: mean([x.metrics[k] for x in got]) for k in got[0].metrics} for _, got, _ in results if got]
+    for k in sorted({k for m in per_task for k in m}):  # task value = mean over its runs (Trinity)
+        values = [m[k] for m in per_task if k in m]
+        out.update(
+            {f"rollout/{k}/mean": mean(values), f"rollout/{k}/max": max(values), f"rollout/{k}/min": min(values)}
+        )
+    return out
+
+
+def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detailed: bool = False) -> dict[str, float]:
+    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component;
+    `detailed` (monitor.detailed_stats) adds the max, min and std across tasks of the per-task means."""
+    done = [got for _, got, _ in results if got]
+    out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
+    runs = [
+        {"reward": [x.reward for x in got], **{m: [x.metrics[m] for x in got] for m in got[0].metrics}} for got in done
+    ]
+    for m in sorted({m for r in runs for m in r}):
+        per_task = [r[m] for r in runs if m in r]
+        means = [mean(v) for v in per_task]
+        out[f"{prefix}/{name}/{m}/mean@{k}"] = mean(means)
+        out[f"{prefix}/{name}/{m}/std@{k}"] = mean([statistics.pstdev(v) for v in per_task])
+        out[f"{prefix}/{name}/{m}/best@{k}"] = mean([max(v) for v in per_task])
+        out[f"{prefix}/{name}/{m}/worst@{k}"] = mean([min(v) for v in per_task])
+        if detailed:
+            out |= {f"{prefix}/{name}/{m}/max_over_tasks@{k}": max(means),
+                    f"{prefix}/{name}/{m}/min_over_tasks@{k}": min(means),
+                    f"{prefix}/{name}/{m}/std_over_tasks@{k}": statistics.pstdev(means)}
     return out
 
 

@@ -242,6 +242,7 @@ class WeightLink:
     job_dir: Path
     group: Any = None  # ProcessGroupGloo / ProcessGroupNCCL, made at the first transfer
     count: int = 0  # headers sent / received so far (the next header key)
+    resumed: int = 0  # the checkpoint step the trainer resumed from (0: none); its first version sent is later
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -281,10 +282,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float,
-                host: str = "127.0.0.1") -> WeightLink:
+                host: str = "127.0.0.1", resumed: int = 0) -> WeightLink:
     """Trainer rank 0: serve a store on `host` (a free port) and write <job dir>/sync_group.json, which names it
-    (a wildcard host, 0.0.0.0 or ::, by this machine's name). device "cpu" -> gloo; "cuda[:i]" -> NCCL (NOTE: NCCL
-    needs the explorer on another GPU; on one shared GPU use "cpu", gloo)."""
+    (a wildcard host, 0.0.0.0 or ::, by this machine's name) and the checkpoint step this trainer resumed from,
+    `resumed` (a restarted explorer learns from it which versions will come: explore.over_group). device "cpu" ->
+    gloo; "cuda[:i]" -> NCCL (NOTE: NCCL needs the explorer on another GPU; on one shared GPU use "cpu", gloo)."""
     device = torch.device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -294,10 +296,11 @@ def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float,
                           master_listen_fd=sock.detach())  # the store owns the socket from now on
     Path(job_dir).mkdir(parents=True, exist_ok=True)
     shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
-    info = {"host": shown, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(), "backend": backend}
+    info = {"host": shown, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(), "backend": backend,
+            "resumed": resumed}
     _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
     log.info("weight sync: %s group served on %s:%d (%s)", backend, host, port, Path(job_dir, GROUP_FILE))
-    return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir))
+    return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir), resumed=resumed)
 
 
 BUCKET_BYTES = 256 * 2**20  # tensors travel packed into buffers of up to this size (a larger tensor: its own)
@@ -440,7 +443,8 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
                 dev = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
                 if receivers is not None:
                     store.set(WORLD_KEY, str(1 + receivers))
-                return WeightLink(store, rank, backend, dev, _timeout(timeout), Path(job_dir))
+                return WeightLink(store, rank, backend, dev, _timeout(timeout), Path(job_dir),
+                                  resumed=int(info.get("resumed", 0)))
             except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
                 why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]
         if time.monotonic() >= deadline:

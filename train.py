@@ -182,7 +182,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
         # NOTE: NCCL cannot join two ranks on one GPU: a colocated explorer gets the weights through host memory
         p.sender = sync.open_sender(job, "cpu" if cfg.cluster.colocate else device, cfg.synchronizer.sync_timeout,
-                                    cfg.synchronizer.sync_host)
+                                    cfg.synchronizer.sync_host, p.resume)  # a restarted explorer reads `resume`
     if rank == 0:
         log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
                  "%d step(s), packing: %s", world, device.type, resume + 1, p.total, a.advantage_fn, a.policy_loss_fn,

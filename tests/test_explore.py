@@ -265,7 +265,8 @@ def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny
 
 
 class VersionEngine:
-    """The engine surface resume_weights uses: model_version, and load_weights recording what came."""
+    """The engine surface resume_weights uses: model_version, load_weights recording what came, and sleep / wake_up
+    (a GPU shared with the trainer) recorded in the same list."""
 
     def __init__(self, version: int = 0) -> None:
         self.model_version, self.loaded = version, []
@@ -274,60 +275,99 @@ class VersionEngine:
         self.loaded.append((version, "folder" if isinstance(source, str) else "group"))
         self.model_version = version
 
+    def sleep(self) -> None:
+        self.loaded.append("sleep")
 
-def restarted(tmp_path: Path, db_url: str, step: int, method: str, engine: VersionEngine):
+    def wake_up(self) -> None:
+        self.loaded.append("wake_up")
+
+
+def restarted(tmp_path: Path, db_url: str, step: int, method: str, engine: VersionEngine, colocate: bool = False,
+              timeout: float = 60):
     """An Explorer as set_up leaves it after a restart after `step` (sync_interval 1: it needs the weights of
-    `step`); its job directory has a checkpoint pointer at step 1."""
+    `step`); `colocate`: on one GPU with the trainer."""
     from types import SimpleNamespace
 
     from buffer import ExperienceDB
 
     cfg = SimpleNamespace(checkpoint_job_dir=str(tmp_path), explorer=SimpleNamespace(name="explorer"),
                           synchronizer=SimpleNamespace(sync_method=method, sync_interval=1, sync_offset=0,
-                                                       sync_timeout=60),
+                                                       sync_timeout=timeout),
                           buffer=SimpleNamespace(batch_size=2, train_batch_size=4),
-                          algorithm=SimpleNamespace(repeat_times=2))
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("1\n")
+                          algorithm=SimpleNamespace(repeat_times=2), cluster=SimpleNamespace(colocate=colocate))
     return SimpleNamespace(cfg=cfg, db=ExperienceDB(db_url), step=step, engine=engine, receiver=None)
 
 
-def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("colocate", [False, True])
+def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tiny_model_dir, colocate):
     """Checkpoint sync, restarted after step 2, the trainer's checkpoint at 1: no rollout on the base model; it waits
-    for the folder the trainer publishes at its resume (1), then for the one it retrains (2)."""
+    for the folder of 2, which the trainer publishes as it retrains (after the one of its resume, 1). On a GPU shared
+    with the trainer, the engine sleeps while it waits (the trainer retrains on that GPU), and wakes up after."""
     import threading
 
     import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", VersionEngine())
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", VersionEngine(), colocate)
     publish = [threading.Timer(0.3 * k, lambda k=k: sync.publish_hf(model, tok, tmp_path, step=k)) for k in (1, 2)]
     for t in publish:
         t.start()
     assert explore.resume_weights(x) is None
     for t in publish:
         t.join()
-    assert x.engine.model_version == 2 and x.engine.loaded[-1] == (2, "folder")
+    assert x.engine.model_version == 2
+    assert x.engine.loaded == (["sleep", (2, "folder"), "wake_up"] if colocate else [(2, "folder")])
     x.engine = VersionEngine(2)  # already there: nothing to wait for or load
     assert explore.resume_weights(x) is None and x.engine.loaded == []
 
 
-def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir):
-    """Process-group sync, restarted after step 3, the trainer's checkpoint at 1 (published at its resume): the
-    folder of 1, then versions 2 and 3 as the trainer sends them, in order, before the first rollout."""
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir, damaged):
+    """Process-group sync, restarted after step 3: the trainer resumes from its checkpoint at 1 (published at its
+    resume) and sends versions 2 and 3 as it retrains; the explorer takes them in order before its first rollout.
+    `damaged`: the checkpoint pointer says 2, whose checkpoint is damaged, so the trainer resumes from 1 all the
+    same (checkpoint.latest_checkpoint skips it): the explorer goes by the step the trainer announces, not the
+    pointer (it waited for the folder of 2, which never came, and stopped after sync_timeout)."""
     import threading
 
+    import checkpoint
     import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    sync.publish_hf(model, tok, tmp_path, step=1)
-    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "nccl", VersionEngine())
-    sender = sync.open_sender(tmp_path, "cpu", 60)
+    for step in (1, 2) if damaged else (1,):  # the killed run's checkpoints (the trainer state alone will do)
+        state = tmp_path / f"global_step_{step}" / "actor" / "trainer_state.json"
+        state.parent.mkdir(parents=True)
+        state.write_text("{}")
+        checkpoint.write_manifest(state.parent.parent)
+        (tmp_path / checkpoint.CKPT_POINTER).write_text(f"{step}\n")
+    if damaged:
+        (tmp_path / "global_step_2" / "actor" / "trainer_state.json").write_text('{"x": 1}')
+    resumed = checkpoint.latest_checkpoint(tmp_path)  # what train.py resumes from
+    assert resumed == 1
+    sync.publish_hf(model, tok, tmp_path, step=resumed)  # the trainer's resume: the pointer rewound to its step
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "nccl", VersionEngine(), timeout=10)
+    sender = sync.open_sender(tmp_path, "cpu", 60, resumed=resumed)
     sending = threading.Thread(target=lambda: [sync.send_model(sender, model, v) for v in (2, 3)])
     sending.start()
     assert explore.resume_weights(x) is None
     sending.join(60)
     sync.close_sender(sender, grace=0.1)
-    assert x.engine.loaded == [(1, "folder"), (2, "group"), (3, "group")]
+    assert x.engine.loaded == [(2, "group"), (3, "group")]
     assert explore.sync_weights(x) == (None, {})  # step 3's sync point: its weights are there, nothing to wait for
+
+
+def test_a_restarted_explorer_behind_the_trainers_resume_loads_its_files(tmp_path, tiny_model_dir):
+    """Process-group sync, restarted after step 2, the trainer resumed from its checkpoint at 3 (past 2): no version
+    of 2 or 3 will come over the group; the explorer loads the folder the trainer published at its resume."""
+    import sync
+    from models import load_model
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    sync.publish_hf(model, tok, tmp_path, step=3)
+    sender = sync.open_sender(tmp_path, "cpu", 60, resumed=3)
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "nccl", VersionEngine())
+    assert explore.resume_weights(x) is None
+    sync.close_sender(sender, grace=0.1)
+    assert x.engine.loaded == [(3, "folder")]
