@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import OmegaConf
 
 from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
 from configs.checks import DTYPE_NAMES, ConfigError, _warn_once, check_ranges, check_support, redacted
@@ -455,7 +456,9 @@ def to_yaml(cfg: Config) -> str:
 
 
 _INTERPOLATION = re.compile(r"(\\*)\$\{")  # `${` and the backslashes right before it
-_MISSING = re.compile(r"\\*\?\?\?")  # OmegaConf's missing value `???`, or an escaped one
+_MISSING = re.compile(r"\\+\?\?\?")  # OmegaConf's missing value `???`, escaped
+# NOTE: OmegaConf 2.4 reads `\???` as `???` (one backslash fewer); 2.3 (our floor) as it is written
+_UNESCAPES_MISSING = OmegaConf.create({"k": "\\???"}).k == "???"
 
 
 def escaped(value: Any) -> Any:
@@ -464,9 +467,10 @@ def escaped(value: Any) -> Any:
     OmegaConf would take as an interpolation when a child process reads the written file. NOTE: OmegaConf's escapes
     act only right before `${`: `\${` is a literal `${`, and each `\\` before it one backslash; a backslash
     anywhere else is literal. So k backslashes and `${` are written as 2k backslashes and `\${`. Likewise OmegaConf
-    reads a whole value `???` as missing and `\???` as `???` (one backslash fewer): such a value gets one more."""
+    reads a whole value `???` as missing (a config refuses it: checks._check_literal) and, from 2.4 on, `\???` as `???`
+    (one backslash fewer): such a value then gets one more."""
     if isinstance(value, str):
-        value = "\\" + value if _MISSING.fullmatch(value) else value
+        value = "\\" + value if _UNESCAPES_MISSING and _MISSING.fullmatch(value) else value
         return _INTERPOLATION.sub(lambda m: m[1] * 2 + "\\${", value)
     if isinstance(value, dict):
         return {k: escaped(v) for k, v in value.items()}
