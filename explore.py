@@ -411,8 +411,11 @@ def resume_weights(x: Explorer) -> int | None:
     want = next((w for k in range(x.step, 0, -1) if (w := sync.weights_needed(k, x.cfg))), 0)
     if x.engine.model_version >= want:
         return None
-    with trainer_turn(x, True):
-        why, code = (over_group if x.cfg.synchronizer.sync_method == "nccl" else from_files)(x, want)
+    if x.cfg.synchronizer.sync_method == "nccl":
+        why, code = over_group(x, want)
+    else:
+        with trainer_turn(x, True):
+            why, code = from_files(x, want)
     if x.engine.model_version < want:
         (log.error if code else log.info)("explorer %s restarted after step %d: no weights of step %d: %s; "
                                           "stopping.", x.cfg.explorer.name, x.step, want, why)
@@ -439,11 +442,12 @@ def over_group(x: Explorer, want: int) -> tuple[str, int]:
     checkpoint is damaged (it resumes from an older one and sends versions the explorer would not wait for).
     ("", 0), or (why not, 1)."""
     try:
-        if receiver(x).resumed >= want:
-            return from_files(x, want)
-        while x.engine.model_version < want:
-            if take_weights(x) is None:
-                return "the trainer finished and sent stop", 1
+        while x.engine.model_version < want:  # the retrained versions, in the order the trainer sends them
+            with trainer_turn(x, True):  # NOTE: for each: a woken engine (a vLLM one wakes to load) sleeps again
+                if receiver(x).resumed >= want:
+                    return from_files(x, want)
+                if take_weights(x) is None:
+                    return "the trainer finished and sent stop", 1
     except sync.SyncError as err:
         return str(err), 1
     return "", 0

@@ -322,13 +322,15 @@ def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tin
     assert explore.resume_weights(x) is None and x.engine.loaded == []
 
 
-@pytest.mark.parametrize("damaged", [False, True])
-def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir, damaged):
+@pytest.mark.parametrize("damaged, colocate", [(False, False), (True, False), (False, True)])
+def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir, damaged,
+                                                                           colocate):
     """Process-group sync, restarted after step 3: the trainer resumes from its checkpoint at 1 (published at its
     resume) and sends versions 2 and 3 as it retrains; the explorer takes them in order before its first rollout.
     `damaged`: the checkpoint pointer says 2, whose checkpoint is damaged, so the trainer resumes from 1 all the
     same (checkpoint.latest_checkpoint skips it): the explorer goes by the step the trainer announces, not the
-    pointer (it waited for the folder of 2, which never came, and stopped after sync_timeout)."""
+    pointer (it waited for the folder of 2, which never came, and stopped after sync_timeout). `colocate`: on a GPU
+    shared with the trainer, the engine sleeps while the trainer retrains each version."""
     import threading
 
     import checkpoint
@@ -347,14 +349,15 @@ def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_pa
     resumed = checkpoint.latest_checkpoint(tmp_path)  # what train.py resumes from
     assert resumed == 1
     sync.publish_hf(model, tok, tmp_path, step=resumed)  # the trainer's resume: the pointer rewound to its step
-    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "nccl", VersionEngine(), timeout=10)
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "nccl", VersionEngine(), colocate, timeout=10)
     sender = sync.open_sender(tmp_path, "cpu", 60, resumed=resumed)
     sending = threading.Thread(target=lambda: [sync.send_model(sender, model, v) for v in (2, 3)])
     sending.start()
     assert explore.resume_weights(x) is None
     sending.join(60)
     sync.close_sender(sender, grace=0.1)
-    assert x.engine.loaded == [(2, "group"), (3, "group")]
+    each = ["sleep", "wake_up"] if colocate else []
+    assert x.engine.loaded == [*each[:1], (2, "group"), *each[1:], *each[:1], (3, "group"), *each[1:]]
     assert explore.sync_weights(x) == (None, {})  # step 3's sync point: its weights are there, nothing to wait for
 
 
