@@ -10,7 +10,7 @@ import re
 import subprocess
 import typing
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 import yaml
@@ -491,14 +491,9 @@ def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, tmp_p
     crashes, unnamed, refused, valid = [], [], [], 0
     for leaf, _ in leaves(raw):
         for value in MUTATIONS + [KeyError]:
-            try:
-                stages = resolve_stages(from_dict(Config, normalize(mutate(raw, leaf, value))))
-            except ConfigError as e:
-                if leaf.split(".")[-1] not in str(e) and not _names_a_related_key(str(e)):
-                    unnamed.append(f"{leaf}={value!r}: {e}")
-                continue
-            except Exception as e:  # noqa: BLE001 - this is what the test looks for
-                crashes.append(f"{leaf}={value!r}: {type(e).__name__}: {e}")
+            stages = resolved(lambda: from_dict(Config, normalize(mutate(raw, leaf, value))), leaf,
+                              f"{leaf}={value!r}", unnamed, crashes)
+            if stages is None:
                 continue
             valid += 1
             # what the launcher writes for its processes, as they read it (NOTE: every tenth config, for time;
@@ -511,6 +506,20 @@ def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, tmp_p
     assert not crashes, crashes[:10]
     assert not unnamed, unnamed[:10]
     assert not refused, refused[:10]
+
+
+def resolved(build: Callable[[], Config], key: str, label: str, unnamed: list[str],
+             crashes: list[str]) -> list[Config] | None:
+    """The stages of the config `build` makes; None when refused (a ConfigError that does not name `key`, its last
+    part at least, or a related key, goes to `unnamed`) or when another exception is raised (to `crashes`)."""
+    try:
+        return resolve_stages(build())
+    except ConfigError as e:
+        if key.split(".")[-1] not in str(e) and not _names_a_related_key(str(e)):
+            unnamed.append(f"{label}: {e}")
+    except Exception as e:  # noqa: BLE001 - this is what the tests look for
+        crashes.append(f"{label}: {type(e).__name__}: {e}")
+    return None
 
 
 def child_load(text: str, tmp_path: Path, real_cli: bool = False) -> Config:
@@ -620,17 +629,13 @@ def test_every_override_the_launcher_accepts_its_children_accept(tmp_path, monke
     for key in keys:
         for value in ("0.5", "x"):
             try:
-                stages = resolve_stages(cli(["--config", str(path), f"--{key}", value])[0])
+                stages = resolved(lambda: cli(["--config", str(path), f"--{key}", value])[0], key, f"--{key} {value}",
+                                  unnamed, crashes)
             except SystemExit:
                 if f"--{key}" not in capsys.readouterr().err:
                     unnamed.append(f"--{key} {value}: a usage error that does not name the option")
                 continue
-            except ConfigError as e:
-                if key.split(".")[-1] not in str(e) and not _names_a_related_key(str(e)):
-                    unnamed.append(f"--{key} {value}: {e}")
-                continue
-            except Exception as e:  # noqa: BLE001 - this is what the test looks for
-                crashes.append(f"--{key} {value}: {type(e).__name__}: {e}")
+            if stages is None:
                 continue
             for stage in stages:  # accepted: every child must accept it too, and read the same config
                 try:
