@@ -430,8 +430,8 @@ def from_files(x: Explorer, want: int) -> tuple[str, int]:
     code: 0 when the trainer finished first)."""
     job, s = x.cfg.checkpoint_job_dir, x.cfg.synchronizer
     version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
-    if version:
-        load_published(x.engine, job, version)
+    if version and (loaded := load_published(x.engine, job, version)) < want:  # its retry took an older folder
+        return f"the newest weights published, of step {loaded}, are older", 1
     return why, code
 
 

@@ -322,6 +322,30 @@ def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tin
     assert explore.resume_weights(x) is None and x.engine.loaded == []
 
 
+def test_a_restarted_explorer_stops_when_only_older_weights_load(tmp_path, tiny_model_dir, monkeypatch):
+    """Checkpoint sync, restarted after step 2: the folder of 2 fails to load and the pointer meanwhile says 1 (a
+    trainer rewinding), so load_published's retry loads 1: the explorer stops with exit code 1 naming it, not
+    exit 0 as if the trainer had finished."""
+    import sync
+    from models import load_model
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    for k in (1, 2):
+        sync.publish_hf(model, tok, tmp_path, step=k)
+    monkeypatch.setattr(explore.time, "sleep", lambda _: None)
+
+    class Failing(VersionEngine):
+        def load_weights(self, source, version: int) -> None:
+            if version == 2:
+                sync.set_latest(tmp_path, 1)
+                raise OSError("being replaced")
+            super().load_weights(source, version)
+
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", Failing())
+    assert explore.resume_weights(x) == 1
+    assert x.engine.loaded == [(1, "folder")]
+
+
 @pytest.mark.parametrize("damaged, colocate", [(False, False), (True, False), (False, True)])
 def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir, damaged,
                                                                            colocate):
