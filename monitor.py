@@ -139,7 +139,10 @@ def close_monitors(failed: bool) -> None:
     traceback) never reached its own close, and its mlflow run would stay RUNNING, its wandb run unfinished
     (launch.run_in_process calls this after every stage)."""
     for monitor in list(_OPEN):
-        monitor.close(failed)
+        try:
+            monitor.close(failed)
+        except Exception as e:  # noqa: BLE001 - e.g. the tracking server gone: the stage's own result stands
+            log.warning("could not close the %s monitor: %s", monitor.role, " ".join(str(e).split())[:300])
 
 
 class MlflowSink:
@@ -153,7 +156,11 @@ class MlflowSink:
         self.client, uri = mlflow_client(cfg, folder)
         experiment = mlflow_experiment(self.client, uri, cfg.project)
         self.run = self.client.create_run(experiment, run_name=f"{cfg.name}_{role}".replace("/", "_")).info.run_id
-        self.client.log_dict(self.run, json.loads(json.dumps(redacted(cfg), default=str)), "config.json")
+        try:
+            self.client.log_dict(self.run, json.loads(json.dumps(redacted(cfg), default=str)), "config.json")
+        except BaseException:  # no Monitor holds this sink yet: nothing else would end its run
+            self.close(failed=True)
+            raise
         log.info("mlflow run %s (experiment %s) at %s", self.run, cfg.project, shown(uri))
 
     def log(self, numbers: dict[str, float], step: int) -> None:

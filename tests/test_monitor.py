@@ -118,6 +118,20 @@ def test_mlflow_logs_every_number_under_a_name_it_accepts(tmp_path, monkeypatch)
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.json"]
 
 
+def test_an_mlflow_run_whose_config_cannot_be_logged_ends_failed(tmp_path, monkeypatch):
+    """MlflowSink made its run, then logging the config failed: the run ends FAILED (no Monitor holds the sink
+    yet, so nothing else could end it: it stayed RUNNING), and the error reaches the caller."""
+    from mlflow.tracking import MlflowClient
+
+    from test_train import mlflow_runs
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(MlflowClient, "log_dict", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    with pytest.raises(OSError, match="disk full"):
+        Monitor(config(tmp_path, "mlflow"), role="trainer")
+    assert mlflow_runs((tmp_path / "job/monitor/mlruns").as_uri()) == {"t_trainer": "FAILED"}
+
+
 class Terminal(io.StringIO):
     """A stream that says it is a terminal, as stderr does in a person's shell."""
 
