@@ -44,8 +44,8 @@ import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from configs.resolve import CONSOLE, holds_secret
-from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, headline,
-                     log_to_file, numbers_of, prepare_mlflow, read_history)
+from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, fail_left_runs,
+                     headline, log_to_file, numbers_of, prepare_mlflow, read_history)
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
@@ -331,7 +331,7 @@ def reopen_explorer(stage: configs.Config) -> None:
 def run_stage(stage: configs.Config, side: str) -> int:
     """Start the stage's processes and wait for them; returns the exit code. On a terminal, the launcher draws a
     progress bar per process from their histories (the processes then leave the console to it)."""
-    start, job = time.monotonic(), Path(stage.checkpoint_job_dir)
+    start, started, job = time.monotonic(), time.time(), Path(stage.checkpoint_job_dir)
     job.mkdir(parents=True, exist_ok=True)
     file_log = log_to_file(str(job), f"launch_{side}" if side else "launch")  # log/launch.log
     config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
@@ -364,6 +364,9 @@ def run_stage(stage: configs.Config, side: str) -> int:
         stop(procs, grace=30.0)
         if watch:
             watch.close()
+    if code:  # the Monitor roles of the processes stopped here, whose mlflow runs never ended
+        ran = {"trainer": [stage.trainer.name], "explorer": [stage.explorer.name, f"{stage.explorer.name}_bench"]}
+        fail_left_runs(stage, [name for role in procs for name in ran[role]], started)
     log.info("%s", stage_line(stage, list(procs), code, time.monotonic() - start))
     close_log_file(file_log)
     return code

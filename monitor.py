@@ -145,6 +145,33 @@ def close_monitors(failed: bool) -> None:
             log.warning("could not close the %s monitor: %s", monitor.role, " ".join(str(e).split())[:300])
 
 
+def run_name(cfg: Config, role: str) -> str:
+    """A process's mlflow run: <name>_<role> (a `/` of a stage's name made `_`)."""
+    return f"{cfg.name}_{role}".replace("/", "_")
+
+
+def fail_left_runs(stage: Config, roles: list[str], since: float) -> None:
+    """After a failed stage, the launcher: the processes it stopped (SIGTERM, then SIGKILL) never closed their
+    monitors, and their mlflow runs (MlflowSink's <stage name>_<role> for these Monitor `roles`, started since
+    `since`, a time.time()) would stay RUNNING: they end FAILED here (an error of the tracking store is a warning).
+    NOTE: wandb runs of killed processes are left as wandb finds them."""
+    if stage.monitor.monitor_type != "mlflow":
+        return
+    try:
+        client, _ = mlflow_client(stage, Path(stage.checkpoint_job_dir, "monitor"))
+        experiment = client.get_experiment_by_name(stage.project)
+        names = {run_name(stage, role) for role in roles}
+        left = [r for r in client.search_runs([experiment.experiment_id], "attributes.status = 'RUNNING'")
+                if r.info.run_name in names and r.info.start_time >= since * 1000] if experiment else []
+        for run in left:
+            client.set_terminated(run.info.run_id, status="FAILED")
+    except Exception as e:  # noqa: BLE001 - mlflow's own errors, or the network's: the stage's exit code stands
+        log.warning("stage %s: could not end its mlflow runs: %s", stage.name, " ".join(str(e).split())[:300])
+        return
+    if left:
+        log.info("stage %s: %d mlflow run(s) of its stopped processes ended FAILED", stage.name, len(left))
+
+
 class MlflowSink:
     """monitor_type mlflow: experiment = `project`, run = `<name>_<role>`, the resolved config (`redacted`) as the
     run's config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a file store in <job dir>/monitor/
@@ -155,7 +182,7 @@ class MlflowSink:
     def __init__(self, cfg: Config, role: str, folder: Path) -> None:
         self.client, uri = mlflow_client(cfg, folder)
         experiment = mlflow_experiment(self.client, uri, cfg.project)
-        self.run = self.client.create_run(experiment, run_name=f"{cfg.name}_{role}".replace("/", "_")).info.run_id
+        self.run = self.client.create_run(experiment, run_name=run_name(cfg, role)).info.run_id
         try:
             self.client.log_dict(self.run, json.loads(json.dumps(redacted(cfg), default=str)), "config.json")
         except BaseException:  # no Monitor holds this sink yet: nothing else would end its run

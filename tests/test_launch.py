@@ -224,6 +224,37 @@ def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_mon
     assert "could not close the broken monitor: server gone" in caplog.text
 
 
+def test_a_failed_stage_ends_the_mlflow_runs_of_the_processes_the_launcher_stopped(tmp_path, tiny_model_dir,
+                                                                                    monkeypatch):
+    """Mode both, the trainer fails while the explorer runs: the launcher stops the explorer (SIGTERM), which dies
+    without closing its monitor; its mlflow run ends FAILED all the same (launch.run_stage: monitor.fail_left_runs;
+    it stayed RUNNING). A run of an earlier stage still RUNNING (another launcher's) is left alone."""
+    import configs
+    import launch
+    from mlflow.tracking import MlflowClient
+
+    uri, flag = (tmp_path / "mlruns").as_uri(), tmp_path / "explorer_up"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    (stage,) = configs.resolve_stages(configs.cli(["--config", str(both_config(
+        tmp_path, tiny_model_dir, **{"monitor.monitor_type": "mlflow"}))])[0])
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("p")
+    old = client.create_run(experiment, run_name="run_explorer").info.run_id  # another launcher's: not the stage's
+    explorer = ("import sys, time; sys.path.insert(0, sys.argv[1]); import configs; from monitor import Monitor; "
+                "(s,) = configs.resolve_stages(configs.cli(['--config', sys.argv[2]])[0]); "
+                "Monitor(s, role=s.explorer.name); open(sys.argv[3], 'w').close(); time.sleep(600)")
+    trainer = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.1)\nsys.exit(1)"
+    monkeypatch.setattr(launch, "commands", lambda stage, config_file: {
+        "explorer": ([sys.executable, "-c", explorer, str(ROOT), str(config_file), str(flag)], {}),
+        "trainer": ([sys.executable, "-c", trainer, str(flag)], {})})
+    time.sleep(0.01)  # NOTE: mlflow's start times are in ms: the stage starts after that run
+    assert launch.run_stage(stage, "") == 1
+    runs = {r.info.run_id: (r.info.run_name, r.info.status) for r in client.search_runs([experiment])}
+    assert runs.pop(old) == ("run_explorer", "RUNNING")
+    assert list(runs.values()) == [("run_explorer", "FAILED")]
+
+
 def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeypatch):
     """launch.run checks every stage, prepares mlflow and runs the stages in order from one resolve_stages (it
     resolved every stage four times)."""
