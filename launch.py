@@ -43,14 +43,13 @@ from typing import Callable, Iterator, TextIO
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
-from configs.resolve import CONSOLE, holds_secret
+from configs.resolve import CONSOLE, LAUNCHED, holds_secret
 from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, fail_left_runs,
                      headline, log_to_file, numbers_of, prepare_mlflow, read_history)
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.launch")
 HERE = Path(__file__).resolve().parent
-LAUNCHED = "NANORFT_LAUNCHED"  # marks the processes started here (train.py then never re-launches)
 
 
 # --- processes

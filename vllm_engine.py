@@ -1,24 +1,29 @@
-"""vllm_engine.py: the GPU rollout engines, vLLM behind engines.py's interface (submit / generate / load_weights /
-model_version / close), written against vLLM 0.33's documented API and kept thin.
+"""vllm_engine.py: the vLLM rollout engines behind engines.py's interface (submit / generate / load_weights /
+model_version / close), written against vLLM's public API (0.32 runs in CI through its CPU build; 0.33 makes the
+same calls) and kept thin.
 
     pool = make_pool(cfg.explorer.rollout_model, model_path, max_model_len)   # engine_num engines (EnginePool)
     pool.submit(prompt_ids, engines.SamplingParams(n=8)).result()             # to the least busy engine
     pool.load_weights("<job>/global_step_10/actor/huggingface", version=10)   # every worker reads the files
-    pool.join_group(job_dir, timeout); pool.receive(header)                   # or straight from the trainer's GPU
+    pool.join_group(job_dir, timeout); pool.receive(header)                   # or straight from the trainer
     pool.sleep(); pool.wake_up()                                              # on a GPU shared with the trainer
 
 - VLLMEngine (engine_type vllm): one `vllm.LLM`, its requests gathered into batches by engines.Batcher.
 - AsyncVLLMEngine (engine_type vllm_async): one `vllm.AsyncLLMEngine` driven by an asyncio loop in a thread:
   each request goes in as it comes and vLLM batches continuously (no batch-by-batch waiting).
 - EnginePool: engine_num engines of tensor_parallel_size GPUs each, engine i on the explorer's GPUs
-  [i * tp, (i + 1) * tp); a request goes to the engine with the fewest requests in flight.
+  [i * tp, (i + 1) * tp) (without CUDA: vLLM's CPU backend, every engine on the host's cores); a request goes to
+  the engine with the fewest requests in flight.
 Weights never pass through the explorer's memory: each vLLM worker runs `WeightReceiver` (vLLM's
 `worker_extension_cls`, called through `collective_rpc`) and either reads a published HF folder itself or joins
-the trainer's weight group (sync.py) as its own rank and takes each bucket onto its GPU, loading it with the
-model's own `load_weights` (which maps HF names onto vLLM's fused layers).
+the trainer's weight group (sync.py: gloo on the CPU, NCCL on GPUs; the same code) as its own rank. Either way the
+tensors go through the worker's `reload_weights(weights_iterator=...)`, vLLM's in-place reload: it maps HF names
+onto vLLM's fused layers and re-runs each layer's post-load processing (the CPU backend repacks its weights, as
+quantized layers do on GPUs: a bare `model.load_weights` into a running engine fails there). The prefix cache is
+reset after every update.
 Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
-but also after top-k / top-p, EOS masking and the repetition penalty: configs/checks.py refuses the off-policy
-correction with those on vLLM.
+but also after top-k / top-p, EOS masking (min_tokens) and the repetition penalty: configs/checks.py refuses the
+off-policy correction with those on vLLM.
 """
 
 from __future__ import annotations
@@ -34,8 +39,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import safetensors.torch
 import torch
+from safetensors import safe_open
 
 import sync
 from engines import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
@@ -122,6 +127,8 @@ class VLLMEngine:
 
     def close(self) -> None:
         self.batcher.close()
+        # NOTE: vLLM 0.32's LLM has no shutdown(): its engine core process is stopped when the engine is collected
+        self.llm = None
 
 
 class AsyncVLLMEngine:
@@ -180,6 +187,7 @@ class AsyncVLLMEngine:
 
     async def _shutdown(self) -> None:
         self.llm.shutdown()  # on the loop that runs the engine's output handler, which it cancels
+        self.llm = None  # NOTE: else its __del__ shuts it down again at interpreter exit, when vLLM's modules are gone
 
     def close(self) -> None:
         if self.loop.is_running():
@@ -230,16 +238,16 @@ class EnginePool:
             return list(pool.map(fn, self.engines))
 
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
-        """New weights from a published HF folder, which every worker reads onto its GPU itself. OSError when a
-        worker could not (explore.load_published then retries with the newest folder)."""
+        """New weights from a published HF folder, which every worker reads itself. OSError when a worker could
+        not (explore.load_published then retries with the newest folder)."""
         if not isinstance(source, str):
             raise TypeError("vLLM engines load weights from a folder or over the weight group, not a state dict")
         self.wake_up()  # vLLM loads weights into awake engines
-        try:
-            counts = [n for c in self.all(lambda e: e.rpc("nanorft_load_folder", source)) for n in c]
-        except Exception as e:  # NOTE: vLLM re-raises a worker's exception as its own error type
-            raise OSError(f"vLLM workers could not load {source}: {e}") from e
-        if min(counts) < 1 or len(set(counts)) > 1:
+        done = self.all(lambda e: e.rpc("nanorft_load_folder", source))
+        counts, errors = [n for worker in done for n, _ in worker], [err for w in done for _, err in w if err]
+        if errors:
+            raise OSError(f"vLLM workers could not load {source}: {errors[0]}")
+        if len(set(counts)) > 1:
             raise OSError(f"vLLM workers loaded {counts} tensors from {source}: every worker must load them all")
         self.all(lambda e: e.updated(version))
 
@@ -250,16 +258,20 @@ class EnginePool:
     def join_group(self, job_dir: str, timeout: float) -> None:
         """Every worker joins the trainer's weight group (sync.open_receiver) as rank 1 + its index, after the
         explorer announced join_ranks() receivers."""
-        self.all(lambda e: e.rpc("nanorft_join", job_dir, 1 + self.engines.index(e) * self.per_engine, timeout))
+        done = self.all(lambda e: e.rpc("nanorft_join", job_dir, 1 + self.engines.index(e) * self.per_engine, timeout))
+        if errors := [err for worker in done for err in worker if err]:
+            raise sync.SyncError(f"vLLM workers could not join the weight group: {errors[0]}")
         self.joined = True
 
     def receive(self, header: dict) -> int:
         """One transfer over the weight group (after sync.receive_header): every worker takes the buckets; returns
-        the tensors loaded per worker."""
+        the tensors loaded per worker. SyncError (the explorer's restart message) when the transfer broke."""
         self.wake_up()
-        counts = self.all(lambda e: e.rpc("nanorft_receive", header))
+        done = self.all(lambda e: e.rpc("nanorft_receive", header))
+        if errors := [err for worker in done for _, err in worker if err]:
+            raise sync.SyncError(errors[0])
         self.all(lambda e: e.updated(header["version"]))
-        return min(min(c) for c in counts)
+        return min(n for worker in done for n, _ in worker)
 
     def sleep(self) -> None:
         """Free the GPU for the trainer (level 1: weights to host memory, KV cache dropped)."""
@@ -280,9 +292,12 @@ class EnginePool:
 
 
 @contextlib.contextmanager
-def visible_gpus(gpus: list[str]) -> Iterator[None]:
-    """CUDA_VISIBLE_DEVICES = `gpus` while an engine starts. NOTE: vLLM starts its engine core and workers as
-    processes at construction; they inherit the environment then, so each engine sees its own GPUs only."""
+def visible_gpus(gpus: list[str] | None) -> Iterator[None]:
+    """CUDA_VISIBLE_DEVICES = `gpus` while an engine starts (None: as it is). NOTE: vLLM starts its engine core and
+    workers as processes at construction; they inherit the environment then, so each engine sees its own GPUs only."""
+    if gpus is None:
+        yield
+        return
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     try:
@@ -301,6 +316,18 @@ def explorer_gpus(count: int) -> list[str]:
     return names
 
 
+def placements(rm: Any, first_gpu: int) -> list[list[str] | None]:
+    """Each engine's GPUs: tensor_parallel_size of them, from the explorer's GPU `first_gpu` on; without CUDA, None
+    for every engine (vLLM's CPU backend: each engine's worker on the host's cores)."""
+    if not torch.cuda.is_available():
+        return [None] * rm.engine_num
+    tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())[first_gpu:]
+    if len(gpus) < rm.engine_num * tp:
+        raise RuntimeError(f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
+                           f"this explorer sees {len(gpus)} ({gpus})")
+    return [gpus[i * tp : (i + 1) * tp] for i in range(rm.engine_num)]
+
+
 def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
               colocate: bool = False, first_gpu: int = 0) -> EnginePool:
     """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated),
@@ -308,50 +335,90 @@ def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: 
     cls = AsyncVLLMEngine if rm.engine_type == "vllm_async" else VLLMEngine
     # NOTE: vLLM forks its workers by default; spawned, each reads the CUDA_VISIBLE_DEVICES its engine was built with
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())[first_gpu:]
-    if len(gpus) < rm.engine_num * tp:
-        raise RuntimeError(f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
-                           f"this explorer sees {len(gpus)} ({gpus})")
-    args = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate)
-    engines = []
-    for i in range(rm.engine_num):
-        with visible_gpus(gpus[i * tp : (i + 1) * tp]):
+    # NOTE: before vLLM is first imported: its own log handler prints ~60 INFO lines per engine start on the console;
+    # without it, vLLM's records go to this process's handlers (the explorer's log file; its console at the level
+    # the launcher sets), and its engine and worker processes print only warnings and errors
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
+    for i, gpus in enumerate(placements(rm, first_gpu)):
+        with visible_gpus(gpus):
             engines.append(cls({**args, "seed": rm.seed + i}, repetition_penalty))  # engines sample differently
-        log.info("rollout engine %d/%d: %s on GPU(s) %s", i + 1, rm.engine_num, cls.engine_type,
-                 ",".join(gpus[i * tp : (i + 1) * tp]))
-    return EnginePool(engines, tp)
+        log.info("rollout engine %d/%d: %s on %s", i + 1, rm.engine_num, cls.engine_type,
+                 "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}")
+    return EnginePool(engines, rm.tensor_parallel_size)
 
 
 class WeightReceiver:
     """vLLM worker extension (`worker_extension_cls`): its methods run in every worker process through
-    collective_rpc, with `self` the worker (self.device: its GPU; self.rank: its rank in the engine)."""
+    collective_rpc, with `self` the worker (self.device: its GPU or the CPU; self.rank: its rank in the engine;
+    self.reload_weights: vLLM's in-place reload). NOTE: vLLM re-raises a worker's exception in the explorer as a
+    bare Exception whatever its type, so the failures the explorer must tell apart (a folder it cannot load, a
+    transfer that broke) come back as values: (tensors loaded, "" or what went wrong)."""
 
-    def nanorft_load_folder(self, folder: str) -> int:
-        """Load an HF folder's safetensors files straight onto this worker's device; returns the tensors loaded.
-        FileNotFoundError when the folder has none (a missing folder, say, a pruned one)."""
-        model, n, files = self.model_runner.get_model(), 0, sorted(Path(folder).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {folder}" + ("" if Path(folder).is_dir() else " (no folder)"))
-        for path in files:
-            weights = safetensors.torch.load_file(path, device=str(self.device))
-            model.load_weights(weights=weights.items())
-            n += len(weights)
-        return n
+    def nanorft_load_folder(self, folder: str) -> tuple[int, str]:
+        """Reload the weights from an HF folder's safetensors files, read straight onto this worker's device."""
+        files = sorted(Path(folder).glob("*.safetensors"))
+        # NOTE: every file's header first (a missing, empty or cut file is refused here): a reload that fails
+        # half-way leaves the engine's weights half-updated
+        try:
+            names = [list(safe_open(f, "pt").keys()) for f in files]
+        except Exception as e:
+            return 0, f"{type(e).__name__}: {e}"
+        if not any(names):
+            return 0, f"no weights in {folder}" + ("" if Path(folder).is_dir() else " (no folder)")
+        self.reload_weights(weights_iterator=tensors_of(files, names, str(self.device)))
+        retie_lm_head(self.model_runner.get_model())
+        return sum(map(len, names)), ""
 
-    def nanorft_join(self, job_dir: str, first_rank: int, timeout: float) -> None:
-        """Join the trainer's weight group as rank first_rank + this worker's rank."""
-        self.nanorft_link = sync.open_receiver(job_dir, timeout, self.device, first_rank + self.rank, None)
+    def nanorft_join(self, job_dir: str, first_rank: int, timeout: float) -> str:
+        """Join the trainer's weight group as rank first_rank + this worker's rank (leaving any earlier one); "" or
+        what went wrong."""
+        self.nanorft_close()
+        try:
+            self.nanorft_link = sync.open_receiver(job_dir, timeout, self.device, first_rank + self.rank, None)
+        except sync.SyncError as e:
+            return str(e)
+        return ""
 
-    def nanorft_receive(self, header: dict) -> int:
-        """Take one transfer's buckets onto this worker's device, loading each as it comes."""
-        model, n = self.model_runner.get_model(), 0
-        for bucket in sync.receive_buckets(self.nanorft_link, header):
-            model.load_weights(weights=bucket)
-            n += len(bucket)
-        return n
+    def nanorft_receive(self, header: dict) -> tuple[int, str]:
+        """Reload the weights from one transfer's buckets, each loaded as it arrives. A transfer that broke leaves
+        the engine's weights half-updated: the explorer stops (and a restart starts a fresh engine)."""
+        n = 0
+
+        def arriving() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal n
+            for bucket in sync.receive_buckets(self.nanorft_link, header):
+                yield from bucket
+                n += len(bucket)
+
+        try:
+            self.reload_weights(weights_iterator=arriving())
+        except sync.SyncError as e:
+            return n, str(e)
+        retie_lm_head(self.model_runner.get_model())
+        return n, ""
 
     def nanorft_close(self) -> None:
         """Leave the weight group (the engine closes)."""
         if getattr(self, "nanorft_link", None) is not None:
             sync.drop_group(self.nanorft_link)
             self.nanorft_link = None
+
+
+def retie_lm_head(model: Any) -> None:
+    """After an in-place reload of a model whose lm_head is tied to its input embedding: re-run the lm_head's
+    post-load processing. NOTE: vLLM 0.32's reload skips the tied lm_head (the checkpoint has no weights of its
+    own for it: "ParallelLMHead: Failed to load weights"), and on the CPU backend it keeps the GEMM it packed from
+    the OLD embedding, so the logits came from the old weights (docs/LOG.md, 2026-11-25). The one place nanorft
+    reaches past vLLM's worker API into its model."""
+    lm_head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
+        lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def tensors_of(files: list[Path], names: list[list[str]], device: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor in safetensors `files` (`names`: each file's), one at a time onto `device`."""
+    for path, keys in zip(files, names):
+        with safe_open(path, "pt", device=device) as f:
+            for name in keys:
+                yield name, f.get_tensor(name)

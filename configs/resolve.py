@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
 from configs.checks import DTYPE_NAMES, ConfigError, _warn_once, check_ranges, check_support, redacted
 from configs.loader import cli, from_dict, normalize, piece_config
+from configs.preflight import preflight
 from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
                             TasksetConfig)
 
@@ -264,6 +265,12 @@ def _derive_trainer_explorer(c: Config) -> None:
         e.eval_interval = rounded
 
 
+VLLM_MEMORY = 0.9  # unset gpu_memory_utilization of a vLLM engine on GPUs (Trinity's default)
+# ... and without GPUs, where vLLM's CPU backend takes this share of the host's memory for its worker (weights + KV
+# cache: ~0.6 GiB of it for the worker itself; 0.9 would not fit beside the trainer)
+CPU_VLLM_MEMORY = 0.1
+
+
 def _derive_cluster(c: Config) -> None:
     """Which GPUs go to the explorer's engines (engine_num x tensor_parallel_size for vLLM, one for the HF engine),
     which to the trainer, and on which nodes (_derive_nodes). Mode both on one GPU colocates them (Trinity's
@@ -275,6 +282,11 @@ def _derive_cluster(c: Config) -> None:
     rm.engine_type = _engine_type(rm.engine_type, gpus)
     for aux in e.auxiliary_models:  # vLLM: GPUs of its own after the rollout model's; HF: the explorer's device
         aux.engine_type = _engine_type(aux.engine_type, gpus)
+    for m in (rm, *e.auxiliary_models):  # the unset vLLM options whose default depends on GPUs
+        if m.engine_type != "hf" and m.gpu_memory_utilization is None:
+            m.gpu_memory_utilization = VLLM_MEMORY if gpus else CPU_VLLM_MEMORY
+        if m.engine_type != "hf" and m.enable_chunked_prefill is None:
+            m.enable_chunked_prefill = bool(gpus)  # off on vLLM's CPU backend (schema.py says why)
     vllm_gpus = [m.engine_num * m.tensor_parallel_size if m.engine_type != "hf" else 0 for m in e.auxiliary_models]
     explorer_gpus, _ = explorer_gpu_plan(e)
     if gpus == 0 or c.mode == "train":
@@ -500,6 +512,9 @@ def dry_run(cfg: Config, out: Any = None) -> None:
 
 
 CONSOLE = "NANORFT_CONSOLE"  # "launcher": the launcher draws this process's console (monitor.Console)
+# marks the processes the launcher started: train.py then never re-launches, and entry skips the pre-flight (the
+# launcher ran it for the whole machine; a child sees only its share of the GPUs)
+LAUNCHED = "NANORFT_LAUNCHED"
 
 
 def entry(argv: list[str], description: str) -> Config:
@@ -519,7 +534,9 @@ def entry(argv: list[str], description: str) -> Config:
         if dry:
             dry_run(cfg)
             raise SystemExit(0)
-        resolve_stages(cfg)  # every refusal here, before any process starts
+        stages = resolve_stages(cfg)  # every refusal here, before any process starts
+        if not os.environ.get(LAUNCHED):
+            preflight(stages)  # and what this machine lacks for them
         return cfg
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -412,18 +412,21 @@ class InferenceModelConfig:
     """Number of rollout engines."""
     tensor_parallel_size: int = 1
     """GPUs per vLLM engine."""
-    gpu_memory_utilization: float = 0.9
-    """Fraction of each GPU vLLM may use (0 to 1)."""
+    gpu_memory_utilization: Optional[float] = None
+    """Fraction of each GPU vLLM may use (0 to 1); unset = 0.9 (Trinity's default). Without GPUs, vLLM's CPU
+    backend reads it as the share of the host's memory an engine's worker may take, weights and KV cache together;
+    unset there = 0.1 (configs/resolve.py)."""
     enable_prefix_caching: bool = True
     """vLLM prefix caching (the group's shared prompt is computed once)."""
-    enable_chunked_prefill: bool = True
-    """vLLM chunked prefill."""
+    enable_chunked_prefill: Optional[bool] = None
+    """vLLM chunked prefill; unset = on with GPUs (vLLM's default), off without: vLLM 0.32's CPU backend fails a
+    seeded request that a chunked prefill splits ("CPU Generator does not use offset"), and its engine with it."""
     enforce_eager: bool = False
     """vLLM: no CUDA graphs (slower, starts faster)."""
-    dtype: str = "bfloat16"
-    """Engine dtype on GPU (the HF engine uses float32 on CPU); bf16 / fp16 / half / fp32 / float are resolved to
-    torch's names, auto to bfloat16 with GPUs and float32 without (configs/resolve.py). Weights are sent and
-    published in it."""
+    dtype: str = "auto"
+    """Engine dtype: auto = bfloat16 with GPUs, float32 without (as the trainer on the CPU); bf16 / fp16 / half /
+    fp32 / float are resolved to torch's names (configs/resolve.py). The HF engine uses float32 on the CPU whatever
+    the name; vLLM's CPU backend honours it. Weights are sent and published in it."""
     seed: int = 42
     """Sampling seed of the engine (vLLM engine i gets seed + i)."""
     max_model_len: Optional[int] = None

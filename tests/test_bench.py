@@ -1,13 +1,14 @@
 """scripts/bench_vs_trl.py end to end on a few steps: both contenders (nanorft in mode both, on-policy and with
 sync_offset 1; TRL's GRPOTrainer, from the bench extra that `bash run.sh test` installs) on the same workload,
-so that the benchmark cannot rot. The figures themselves are in docs/LOG.md (the full run is ~20 minutes)."""
+so that the benchmark cannot rot; scripts/bench_vllm.py on a small workload, likewise. The figures themselves are
+in docs/LOG.md (the full runs take ~20 and ~8 minutes)."""
 
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, real_vllm
 
 
 def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
@@ -24,3 +25,15 @@ def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
         assert 0 <= r["before"] <= 1 and 0 <= r["after"] <= 1
         assert (Path(r["weights"]) / "config.json").is_file()
     assert "| TRL | 0 |" in out.stdout and "TRL / this, seed by seed" in out.stdout
+
+
+def test_bench_vllm_reports_every_figure(tmp_path):
+    real_vllm()
+    out = subprocess.run([sys.executable, "scripts/bench_vllm.py", "--models", "1m", "--prompts", "2", "--n", "2",
+                          "--tokens", "4", "--repeats", "1", "--no-compiled", "--json", str(tmp_path / "rows.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "rows.json").read_text())
+    assert row["model"] == "1m" and row["params"] == 1019008 and row["vllm_tok_s"] > 0 and row["hf_tok_s"] > 0
+    assert 0 < row["start_s"] < 300 and all(0 < row[k] < 60 for k in ("vllm_folder_s", "vllm_group_s", "hf_folder_s"))
+    assert "vLLM/HF" in out.stdout

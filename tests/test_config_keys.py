@@ -244,6 +244,10 @@ WARNING_CASES = {
                                                  "enforce_eager": True}}}, "enforce_eager = True: has no effect"),
     ("InferenceModelConfig", "enable_chunked_prefill"): ({"explorer": {"rollout_model": {
         "engine_type": "hf", "enable_chunked_prefill": False}}}, "enable_chunked_prefill = False: has no effect"),
+    ("InferenceModelConfig", "enable_chunked_prefill", 2): (
+        {"cluster": {"gpu_per_node": 0}, "explorer": {"rollout_model": {"engine_type": "vllm",
+                                                                         "enable_chunked_prefill": True}}},
+        "enable_chunked_prefill = True: vLLM 0.32's CPU backend fails a seeded request"),
     ("InferenceModelConfig", "enable_prefix_caching"): ({"explorer": {"rollout_model": {
         "engine_type": "hf", "enable_prefix_caching": False}}}, "enable_prefix_caching = False: has no effect"),
     ("InferenceModelConfig", "gpu_memory_utilization"): ({"explorer": {"rollout_model": {

@@ -360,7 +360,7 @@ def test_mode_both_on_one_gpu_colocates_the_hf_engine(tmp_path, tiny_model_dir):
     the engine sleeps before every sync point and the weights come over the group through host memory."""
     config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2,
                                                       "cluster": {"gpu_per_node": 1}})
-    out = launch(config)
+    out = launch(config, env={"NANORFT_LAUNCHED": "1"})  # a pretend GPU: the pre-flight would (rightly) refuse it
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
     assert "colocate: true" in (run / "config.yaml").read_text()

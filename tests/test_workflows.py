@@ -15,6 +15,7 @@ import torch
 from buffer import Experience
 from configs import ConfigError, from_dict
 from configs.schema import GenerationConfig
+from conftest import constant_judge
 from tasksets import Task
 from workflows import (
     REWARD_FNS,
@@ -529,40 +530,6 @@ def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
     model.auxiliary = {}
     with pytest.raises(ValueError, match="needs a judge in explorer.auxiliary_models"):
         build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
-
-
-def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
-    """A copy of the tiny model trained (a few dozen steps, high lr) to answer every judge prompt with `reply`: an
-    honest real model whose output parses as a grade."""
-    import shutil
-
-    from models import load_model, load_tokenizer
-    from workflows.judge import PROMPT as JUDGE_PROMPT
-
-    shutil.copytree(tiny_model_dir, out)
-    tok, model = load_tokenizer(str(out)), load_model(str(out))
-    rows = []
-    for k in range(8):
-        text = JUDGE_PROMPT.format(question=f"What is {k} + {k + 3}?", reference=f"#### {2 * k + 3}",
-                                   response="x" * (k * 7 % 23) + f" #### {k}", max_score="10")
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True), add_special_tokens=False)
-        rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
-    width = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    for b, (p, r) in enumerate(rows):
-        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        labels[b, len(p): len(p) + len(r)] = torch.tensor(r)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    return str(out)
 
 
 def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_path):

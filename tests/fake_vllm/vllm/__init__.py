@@ -1,21 +1,31 @@
-"""A fake of the part of vLLM's public API that vllm_engine.py uses, for contract tests on machines without vLLM or a
-GPU (every test machine of this project). Written from vLLM's documentation (0.33): `LLM(**engine args)` with
-`generate`, `collective_rpc`, `reset_prefix_cache`, `sleep(level)`, `wake_up(tags)`; `AsyncEngineArgs`,
-`AsyncLLMEngine.from_engine_args` with async `generate(prompt, sampling_params, request_id)` (an async generator whose
-last output is the finished request), async `collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`, and
-`shutdown`; `SamplingParams` and `sampling_params.RequestOutputKind`; outputs with `.outputs[i].index / .token_ids /
-.logprobs ({token: Logprob}) / .text / .finish_reason`.
+"""A fake of the part of vLLM's public API that vllm_engine.py uses, for what a CPU cannot show: GPUs (each engine's
+CUDA_VISIBLE_DEVICES, tensor-parallel workers), the GPU memory that sleep mode frees, and the one-GPU colocated run.
+Everything else it imitates is checked against real vLLM (0.32, its CPU build) by tests/test_vllm_contract.py, where
+each behaviour below runs on both: `LLM(**engine args)` with `generate`, `collective_rpc`, `reset_prefix_cache`,
+`sleep(level)`, `wake_up(tags)`; `AsyncEngineArgs`, `AsyncLLMEngine.from_engine_args` with async
+`generate(prompt, sampling_params, request_id)` (an async generator whose last output is the finished request), async
+`collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`, and `shutdown`; `SamplingParams` and
+`sampling_params.RequestOutputKind`; outputs with `.outputs[i].index / .token_ids / .logprobs ({token: Logprob}) /
+.text / .finish_reason`; the worker's `reload_weights(weights_iterator=...)`.
 
 What it models, so that the adapter's use of it is checked:
 - engine arguments: only vLLM's names are accepted (a TypeError otherwise); logprobs_mode must be one of vLLM's;
 - tensor_parallel_size workers per engine, each a full copy of the model on the CPU with the worker extension
   (`worker_extension_cls`) mixed in, as vLLM does; collective_rpc runs a method on every worker at once (threads,
-  as vLLM's worker processes) and returns their results in rank order;
-- "processed_logprobs": log-probs after temperature, top-k and top-p (the filtered distribution renormalised);
+  as vLLM's worker processes) and returns their results in rank order; a worker's exception comes back as a bare
+  Exception naming it (vLLM's "Call to collective_rpc method failed: Worker failed with error ...");
+- weights go in through the worker's reload_weights (vLLM's in-place reload); the model's own load_weights outside
+  a reload fails, as on vLLM's CPU build (its weights are repacked after loading);
+- "processed_logprobs": log-probs after the repetition penalty (on the prompt's and the response's tokens), the
+  EOS masking of min_tokens, temperature, top-k and top-p (the filtered distribution renormalised);
 - stopping (generation_config "auto", vLLM's default): a sample ends on the tokenizer's EOS or any eos_token_id of
-  the model's generation config (min_tokens masks them all);
-- the async engine streams as vLLM's does: without output_kind FINAL_ONLY, every output holds ONE sample (the one
-  that just produced a token: its tokens so far, or only the new ones with DELTA); with it, one output of all n;
+  the model's generation config (min_tokens masks them all), or once a stop string appears in its text (the text
+  cut before it, the token that completed it kept);
+- seeds: a request's seed decides its samples (on any engine); without one, an engine's own generator, seeded
+  once with its seed, goes on from request to request;
+- the async engine streams as vLLM's does: without output_kind FINAL_ONLY, an output per engine step holding the
+  samples that produced a token in it (not always all n: the first holds sample 0 alone, as vLLM's did in some runs),
+  each with its tokens so far (or only the new ones with DELTA); with FINAL_ONLY, one output of all n;
 - sleep mode: sleep() without enable_sleep_mode is an error; generate() while any part sleeps is an error; level 1
   keeps the weights (in host memory), level 2 discards them: after wake_up, generating before every weight was
   loaded again is an error (real vLLM would generate from garbage); wake_up(tags=["weights"] / ["kv_cache"]) wakes a
@@ -40,7 +50,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-__version__ = "0.33.0+fake"
+__version__ = "0.32.0+fake"
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType: no bf16 / fp16 / fp32
 ENGINES: list["LLM"] = []  # every engine built, for the tests to look into
@@ -113,6 +123,7 @@ class FakeModel(torch.nn.Module):
         self.hf, self.sleeping = hf, sleeping  # the engine's parts asleep (SLEEP_TAGS)
         self.loaded: list[str] = []
         self.discarded: set[str] = set()  # weights a level-2 sleep threw away, not loaded since
+        self.reloading = False  # inside the worker's reload_weights
 
     def discard(self) -> None:
         with torch.no_grad():
@@ -121,6 +132,9 @@ class FakeModel(torch.nn.Module):
                 self.discarded.add(name)
 
     def load_weights(self, weights: Any) -> set[str]:
+        if not self.reloading:  # vLLM's CPU build repacks its weights after loading (as quantized layers on GPUs)
+            name, tensor = next(iter(weights))
+            raise RuntimeError(f"Attempted to load weight ({tensor.shape}) into parameter (torch.Size([0]))")
         if "weights" in self.sleeping:
             raise RuntimeError("load_weights while the weights sleep: wake_up first")
         params = dict(self.hf.named_parameters())
@@ -145,6 +159,16 @@ class Worker:
         self.sleeping: set[str] = set()
         self.model_runner = ModelRunner(FakeModel(hf, self.sleeping))
 
+    def reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None,
+                       is_checkpoint_format: bool = True) -> None:
+        """vLLM's in-place reload from (HF name, tensor) pairs (the only form the adapter uses)."""
+        model = self.model_runner.model
+        model.reloading = True
+        try:
+            model.load_weights(weights_iterator)
+        finally:
+            model.reloading = False
+
 
 def _worker_class(extension: str) -> type:
     if not extension:
@@ -168,6 +192,7 @@ class LLM:
         self.requests: list[list[int]] = []  # prompt ids of every request run
         self.prefix_cache_resets, self.running = 0, 0
         self.lock = threading.Lock()
+        self.rng = torch.Generator().manual_seed(self.args.seed)  # requests without a seed go on drawing from it
         ENGINES.append(self)
 
     # --- generation
@@ -192,7 +217,7 @@ class LLM:
             self.running += 1
         try:
             model = self.workers[0].model_runner.model.hf
-            gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else self.args.seed)
+            gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self.rng
             outs = [self._sample(model, prompt, sp, gen, i) for i in range(sp.n)]
         finally:
             with self.lock:
@@ -201,27 +226,34 @@ class LLM:
 
     def _sample(self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator,
                 index: int) -> CompletionOutput:
-        ids, lps, reason = list(prompt), [], "length"
+        ids, lps, reason, text = list(prompt), [], "length", None
         for step in range(sp.max_tokens):
             with torch.no_grad():
                 logits = model(torch.tensor([ids])).logits[0, -1].float()
-            if step < sp.min_tokens:
-                logits[sorted(self.stop_ids)] = -float("inf")
-            logp = processed(logits, sp)
+            logp = processed(logits, sp, ids, self.stop_ids if step < sp.min_tokens else ())
             tok = int(logp.argmax()) if sp.temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
             ids.append(tok)
             lps.append({tok: Logprob(float(logp[tok]))})
             if tok in self.stop_ids:
                 reason = "stop"
                 break
+            decoded = self.tokenizer.decode(ids[len(prompt):], skip_special_tokens=True)
+            if cut := [decoded.find(s) for s in sp.stop or () if s in decoded]:
+                reason, text = "stop", decoded[: min(cut)]
+                break
         out = ids[len(prompt):]
-        return CompletionOutput(index, self.tokenizer.decode(out, skip_special_tokens=True), out, lps, reason)
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if text is None else text
+        return CompletionOutput(index, text, out, lps, reason)
 
     # --- the engine's control surface
     def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
         with ThreadPoolExecutor(len(self.workers)) as pool:  # as vLLM's worker processes: all at once
             futures = [pool.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
-            return [f.result() for f in futures]
+            try:
+                return [f.result() for f in futures]
+            except Exception as e:  # vLLM re-raises a worker's exception as a bare Exception, whatever its type
+                raise Exception(f"Call to collective_rpc method failed: Worker failed with error '{e}', please "
+                                "check the stack trace above for the root cause") from None
 
     def reset_prefix_cache(self) -> bool:
         """False (nothing reset) while requests run, as vLLM."""
@@ -230,7 +262,7 @@ class LLM:
         self.prefix_cache_resets += 1
         return True
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
         if not self.args.enable_sleep_mode:
             raise ValueError("Sleep mode is not enabled (enable_sleep_mode=True)")
         if level not in (1, 2):
@@ -247,8 +279,16 @@ class LLM:
             w.sleeping.difference_update(tags or SLEEP_TAGS)
 
 
-def processed(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """vLLM's processed log-probs: logits / temperature, then top-k and top-p, renormalised."""
+def processed(logits: torch.Tensor, sp: SamplingParams, seen: list[int], masked: Any = ()) -> torch.Tensor:
+    """vLLM's processed log-probs: the repetition penalty on the tokens `seen` (prompt and response so far: positive
+    logits divided by it, negative ones multiplied), the `masked` ids (EOS under min_tokens) at -inf, / temperature,
+    then top-k and top-p, renormalised."""
+    logits = logits.clone()
+    if sp.repetition_penalty != 1.0:
+        ids = torch.tensor(sorted(set(seen)))
+        logits[ids] = torch.where(logits[ids] > 0, logits[ids] / sp.repetition_penalty,
+                                  logits[ids] * sp.repetition_penalty)
+    logits[list(masked)] = -float("inf")
     logits = logits / (sp.temperature if sp.temperature > 0 else 1.0)
     if sp.top_k and sp.top_k > 0:
         kth = logits.topk(min(sp.top_k, logits.numel())).values[-1]
@@ -256,7 +296,6 @@ def processed(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     if sp.top_p < 1.0:
         probs, order = logits.softmax(-1).sort(descending=True)
         drop = probs.cumsum(-1) - probs > sp.top_p  # keep the smallest head whose mass reaches top_p
-        logits = logits.clone()
         logits[order[drop]] = -float("inf")
     return logits.log_softmax(-1)
 
@@ -297,7 +336,7 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         return not self.in_flight and self.engine.reset_prefix_cache()
 
-    async def sleep(self, level: int = 1) -> None:
+    async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.engine.sleep(level)
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
@@ -312,19 +351,21 @@ class AsyncLLMEngine:
 
 
 def stream(final: RequestOutput, delta: bool, tokenizer: Any) -> list[RequestOutput]:
-    """A finished request as vLLM's async engine streams it with n samples: one output per new token of ONE sample
-    (the samples interleaved, a token each in turn), holding that sample's tokens so far (or with `delta` the new
-    one only); finish_reason on a sample's last; `finished` on the very last output."""
-    outs, longest = [], max(len(o.token_ids) for o in final.outputs)
-    for t in range(longest):
+    """A finished request as vLLM's async engine streams it with n samples: one output per engine step, holding the
+    samples that produced a token in that step (sample 0 starts a step before the others, as it did in some runs of
+    vLLM 0.32, so the first output holds it alone; a sample that ended is in no later output), each with its tokens so far (or with
+    `delta` the new one only); finish_reason on a sample's last; `finished` on the very last output."""
+    outs, start = [], {o.index: 0 if o.index == 0 else 1 for o in final.outputs}
+    for step in range(max(start[o.index] + len(o.token_ids) for o in final.outputs)):
+        children = []
         for o in final.outputs:
-            if t >= len(o.token_ids):
+            t = step - start[o.index]  # this sample's token index at this step
+            if not 0 <= t < len(o.token_ids):
                 continue
             lo = t if delta else 0
             ids, lps = o.token_ids[lo : t + 1], o.logprobs[lo : t + 1]
-            done = t == len(o.token_ids) - 1
-            child = CompletionOutput(o.index, tokenizer.decode(ids, skip_special_tokens=True), ids, lps,
-                                     o.finish_reason if done else None)
-            outs.append(RequestOutput(final.request_id, final.prompt_token_ids, [child], finished=False))
+            children.append(CompletionOutput(o.index, tokenizer.decode(ids, skip_special_tokens=True), ids, lps,
+                                             o.finish_reason if t == len(o.token_ids) - 1 else None))
+        outs.append(RequestOutput(final.request_id, final.prompt_token_ids, children, finished=False))
     outs[-1].finished = True
     return outs

@@ -1,5 +1,5 @@
 """vllm.sampling_params (fake): `SamplingParams` and `RequestOutputKind`, the fields vllm_engine.py uses, with vLLM
-0.33's names and defaults (top_k 0 or -1: off)."""
+0.32's names and defaults (top_k 0 or -1: off)."""
 
 from __future__ import annotations
 
