@@ -366,6 +366,7 @@ class WeightReceiver:
             return 0, f"{type(e).__name__}: {e}"
         if not any(names):
             return 0, f"no weights in {folder}" + ("" if Path(folder).is_dir() else " (no folder)")
+        expected_reload_warnings_off()
         self.reload_weights(weights_iterator=tensors_of(files, names, str(self.device)))
         retie_lm_head(self.model_runner.get_model())
         return sum(map(len, names)), ""
@@ -391,6 +392,7 @@ class WeightReceiver:
                 yield from bucket
                 n += len(bucket)
 
+        expected_reload_warnings_off()
         try:
             self.reload_weights(weights_iterator=arriving())
         except sync.SyncError as e:
@@ -414,6 +416,24 @@ def retie_lm_head(model: Any) -> None:
     lm_head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
     if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
         lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+class ExpectedReloadWarnings(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for the two layers no checkpoint holds weights of by design:
+    the rotary embedding (a computed cache) and an lm_head tied to the input embedding (retie_lm_head processes it
+    again). Printed by every worker at every reload, they read as if the sync had failed; any other layer's still
+    shows."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and record.args[0] in ("RotaryEmbedding", "ParallelLMHead"))
+
+
+def expected_reload_warnings_off() -> None:
+    """Put ExpectedReloadWarnings on vLLM's layer-wise reload logger (once per worker process)."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters):
+        logger.addFilter(ExpectedReloadWarnings())
 
 
 def tensors_of(files: list[Path], names: list[list[str]], device: str) -> Iterator[tuple[str, torch.Tensor]]:
