@@ -203,6 +203,23 @@ def format_row(row: dict, fmt: FormatConfig, where: str, kind: str = "task") -> 
     return out
 
 
+def named(row: dict, key: str | None, listed: str | None, where: str, kind: str) -> str | None:
+    """The workflow or reward function a task runs: the taskset's (`listed`: the YAML's), or the one its row names in
+    column `key` (format.workflow_key / reward_fn_key). NOTE: a row is data, not config: it may name a registered
+    workflow or reward function (an unknown name fails the task as its workflow is built) or the one the YAML gives
+    this taskset, never code to import (`module:attr`, `path/file.py:attr`), which only the YAML may name."""
+    if not key:
+        return listed
+    value = row.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or (value != listed and (":" in value or "/" in value or "\\" in value)):
+        raise DataError(f"{where}: column {key!r} names the {kind} {str(value)[:80]!r}: a row may name a registered "
+                        f"{kind} or this taskset's own ({listed!r}), never code to import (module:attr or a file "
+                        "path), which only the YAML may name")
+    return value
+
+
 def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
     """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row."""
     tasks = []
@@ -215,8 +232,8 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
         tasks.append(Task(
             taskset=ts.name, index=index, epoch=0, raw=row, prompt=f["prompt"], messages=f["messages"],
             reference=f.get("reference"), tools=f["tools"],
-            workflow=row.get(fmt.workflow_key) if fmt.workflow_key else ts.default_workflow_type,
-            reward_fn=row.get(fmt.reward_fn_key) if fmt.reward_fn_key else ts.default_reward_fn_type,
+            workflow=named(row, fmt.workflow_key, ts.default_workflow_type, where, "workflow"),
+            reward_fn=named(row, fmt.reward_fn_key, ts.default_reward_fn_type, where, "reward function"),
             workflow_args=ts.workflow_args, reward_fn_args=ts.reward_fn_args, rollout_args=ts.rollout_args,
             repeat_times=ts.repeat_times or 1, is_eval=is_eval, chat_template=fmt.chat_template,
             reply_prefix=fmt.reply_prefix,

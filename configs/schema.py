@@ -263,9 +263,10 @@ class FormatConfig:
     """Text the assistant turn starts with (added after the generation prompt: part of the prompt tokens; the
     response text the reward sees does not include it)."""
     workflow_key: Optional[str] = None
-    """Column naming a per-row workflow (overrides the taskset's)."""
+    """Column naming a per-row workflow (overrides the taskset's): a registered one or the taskset's own, never code
+    to import (`module:attr` / a file path: only the YAML names code)."""
     reward_fn_key: Optional[str] = None
-    """Column naming a per-row reward function (overrides the taskset's)."""
+    """Column naming a per-row reward function (overrides the taskset's), as workflow_key."""
     enable_concatenated_multi_turn: bool = False
     """SFT on messages: train on every assistant turn of a conversation, not only the last."""
     chat_template: str = ""

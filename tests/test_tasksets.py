@@ -186,3 +186,24 @@ def test_a_file_that_cannot_be_read_says_why(tmp_path, name, data, named):
     with pytest.raises(DataError) as e:
         read_rows(str(tmp_path))
     assert str(e.value).startswith(f"{tmp_path / name}: {named}")
+
+
+def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import(tmp_path):
+    """format.workflow_key / reward_fn_key: a row may name a registered workflow or reward function, or the one the
+    YAML gives the taskset; a row naming code (a file or module:attr) is refused by name, and that code never runs."""
+    ran = tmp_path / "ran"
+    (tmp_path / "evil.py").write_text(f"import pathlib\npathlib.Path({str(ran)!r}).write_text('x')\nW = object\n")
+    fmt = {"prompt_key": "question", "response_key": "answer", "workflow_key": "wf", "reward_fn_key": "rf"}
+    good = [{**r, "wf": "countdown", "rf": "format_reward"} for r in rows(2)] + [rows(1)[0]]
+    tasks = load_tasks(taskset(write_jsonl(tmp_path / "ok" / "train.jsonl", good), format=fmt))
+    assert [(t.workflow, t.reward_fn) for t in tasks] == [("countdown", "format_reward")] * 2 + [(None, None)]
+    own = write_jsonl(tmp_path / "own" / "train.jsonl", [{**rows(1)[0], "wf": f"{tmp_path}/evil.py:W"}])
+    (task,) = load_tasks(taskset(own, format=fmt, default_workflow_type=f"{tmp_path}/evil.py:W"))
+    assert task.workflow == f"{tmp_path}/evil.py:W"  # the YAML names it: trusted (loaded when the workflow is built)
+    for column, value in (("wf", f"{tmp_path}/evil.py:W"), ("wf", "os:system"), ("rf", "builtins:exec"),
+                          ("rf", "x\\evil.py"), ("wf", {"module": "os"})):
+        bad = write_jsonl(tmp_path / "bad" / "train.jsonl", [rows(1)[0], {**rows(1)[0], column: value}])  # rows 0, 1
+        with pytest.raises(DataError, match=rf"row 1: column '{column}' names the (workflow|reward function) .*: a "
+                                            "row may name a registered .* never code to import"):
+            load_tasks(taskset(bad, format=fmt))
+    assert not ran.exists()

@@ -367,6 +367,33 @@ def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
         get_reward_fn(f"{path}:shout_reward", loudness=2)
 
 
+
+@pytest.mark.parametrize("name,why", [
+    ("builtins:exec", "is not a Python function"), ("builtins:eval", "is not a Python function"),
+    ("os:system", "is not a Python function"), ("subprocess:Popen", "is not a Python function"),
+    ("math:pi", "is not a Python function"), ("json:loads", r"cannot be called as fn\(response, reference\)")])
+def test_a_reward_function_is_python_code_taking_response_and_reference(name, why):
+    """A reward named `module:attr` (the YAML's; a task row cannot name one: tests/test_tasksets.py) must be Python
+    code taking (response, reference): builtins and classes are refused by name, so that a "reward" never runs the
+    model's response (exec, eval) or passes it to a shell (os.system, subprocess.Popen)."""
+    with pytest.raises(KeyError, match=f"reward function '{name}' {why}"):
+        get_reward_fn(name)
+    import functools
+
+    from workflows import python_reward_fn
+
+    assert python_reward_fn(functools.partial(lambda response, reference, k: {"r": k}, k=1), "p")("a", "b") == {"r": 1}
+    with pytest.raises(KeyError, match="is not a Python function"):
+        python_reward_fn(functools.partial(exec), "partial-of-exec")
+
+    def scaled(response, reference, *, scale):  # its own args come from reward_fn_args
+        return {"r": scale}
+
+    assert python_reward_fn(scaled, "scaled") is scaled
+    with pytest.raises(KeyError, match=r"'one' cannot be called as fn\(response, reference\)"):
+        python_reward_fn(lambda response: {}, "one")
+
+
 ARGS_FILE = '''
 import dataclasses
 

@@ -36,6 +36,7 @@ import difflib
 import functools
 import importlib
 import importlib.util
+import inspect
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
 
@@ -209,15 +210,32 @@ def get_workflow(name: str) -> type[Workflow]:
 
 
 def find_reward_fn(name: str) -> RewardFn:
-    """The reward function registered under `name`, or named `module:attr`; KeyError listing the known names."""
+    """The reward function registered under `name`, or named `module:attr` (python_reward_fn); KeyError listing the
+    known names."""
     if ":" in name:
-        fn = load_object(name, "reward function")
-        if not callable(fn):
-            raise KeyError(f"reward function {name!r} is not callable")
-        return fn
+        return python_reward_fn(load_object(name, "reward function"), name)
     if name not in REWARD_FNS:
         raise _unknown("reward function", name, REWARD_FNS)
     return REWARD_FNS[name]
+
+
+def python_reward_fn(fn: Any, name: str) -> RewardFn:
+    """`fn` if it is Python code that takes (response, reference) by position, as Workflow.reward calls it; else a
+    KeyError naming it. NOTE: builtins and classes are refused: a "reward" named `builtins:exec` would run the
+    model's response, `subprocess:Popen` would run it as a command."""
+    base = fn
+    while isinstance(base, functools.partial):
+        base = base.func
+    python = inspect.isfunction(base) or inspect.ismethod(base) or (
+        not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))
+    if not python:
+        raise KeyError(f"reward function {name!r} is not a Python function (builtins and classes are refused): a reward "
+                       "function takes (response, reference) and returns {component: value}")
+    try:
+        inspect.signature(fn).bind_partial("response", "reference")  # its own args come from reward_fn_args
+    except (TypeError, ValueError) as e:
+        raise KeyError(f"reward function {name!r} cannot be called as fn(response, reference): {e}") from None
+    return fn
 
 
 def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
