@@ -44,9 +44,19 @@ def is_postgres(url: str) -> bool:
     return url.startswith(("postgresql://", "postgres://"))
 
 
+_HOST = r"(?=[^@/?#\s]*(?:[/?#\s]|$))"  # what follows the password's @: a host, then the path, query or the end
+# NOTE: the password runs to the last @ before the query (`u:pa@ss@host`, `u:pa/ss@host`), else to the last @ of the
+# URL (`u:pa?ss@host`): a URL whose query holds an @ may then show less than its host, never part of its password
+_URL_PASSWORD = re.compile(rf"(\b[A-Za-z][\w+.-]*://[^:/?#@\s]*):(?:[^?#\s]*@{_HOST}|\S*@{_HOST})")
+_QUERY_SECRET = re.compile(r"([?&;](?:password|passwd|pwd|pass|secret|token|access_token|api_?key|sig|signature|"
+                           r"credentials?)=)[^&#\s]*", re.IGNORECASE)
+
+
 def shown(url: str) -> str:
-    """The URL as messages show it: a password in it (user:password@ or ?password=) is replaced by ***."""
-    return re.sub(r"([?&]password=)[^&]*", r"\1***", re.sub(r"^(\w+://[^:/@]*):[^@]*@", r"\1:***@", url))
+    """The URL (or a text holding URLs) as messages show it: a password in it (scheme://user:password@host, however
+    spelt: with @, / or %-escapes in it, no user) and a query's password / token / key (?password=...) replaced by
+    ***; the host stays visible."""
+    return _QUERY_SECRET.sub(r"\1***", _URL_PASSWORD.sub(r"\1:***@", url))
 
 
 def sqlite_path(url: str) -> str:

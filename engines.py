@@ -41,6 +41,7 @@ import torch
 from transformers import AutoConfig, DynamicCache, GenerationConfig
 
 from buffer import Experience
+from configs.checks import MIN_TEMPERATURE  # below it (but 0, greedy) logits / T overflow: NaN log-probs
 from configs.resolve import explorer_gpu_plan
 from models import load_model, load_tokenizer, with_template
 
@@ -121,7 +122,7 @@ class Batcher:
         while (item := pending or self.queue.get()) is not CLOSE:
             pending = None
             if item[0] == "call":
-                self.finish([item], lambda: [item[1]()])
+                self.finish([item], lambda its: [its[0][1]()])
                 continue
             batch, last = [item], time.monotonic() + self.max_wait_s
             # NOTE: the workflows of a step submit within a few ms of each other (each renders and encodes its
@@ -135,22 +136,26 @@ class Batcher:
                     pending = nxt  # requests queued before close() still run
                 else:
                     batch.append(nxt)
-            self.finish(batch, lambda: self.run_batch([it[1] for it in batch], [it[2] for it in batch]))
+            self.finish(batch, lambda its: self.run_batch([it[1] for it in its], [it[2] for it in its]))
 
     @staticmethod
-    def finish(items: list[tuple], work: Callable[[], list]) -> None:
-        """Run work() and hand each item's future its result; a failure goes to every one of them (the
-        callers see it; the worker lives on)."""
+    def finish(items: list[tuple], work: Callable[[list[tuple]], list]) -> None:
+        """Run work(items) and hand each item's future its result. When a batch of several fails, each of its items
+        runs again alone, so that a request that breaks a shared batch fails alone (check_request should have
+        refused it; an engine fault fails each of them the same way); the worker lives on."""
         items = [it for it in items if it[-1].set_running_or_notify_cancel()]
-        if not items:
-            return
-        try:
-            for it, out in zip(items, work()):
-                it[-1].set_result(out)
-        except BaseException as e:
-            for it in items:
-                if not it[-1].done():
-                    it[-1].set_exception(e)
+        for group in [items] if len(items) < 2 else [items, *[[it] for it in items]]:
+            if all(it[-1].done() for it in group):
+                continue
+            try:
+                for it, out in zip(group, work(group)):
+                    it[-1].set_result(out)
+            except BaseException as e:
+                if len(group) == 1:
+                    group[0][-1].set_exception(e)
+                else:
+                    log.warning("a shared batch of %d requests failed (%s: %s): running each alone", len(group),
+                                type(e).__name__, e)
 
     def close(self) -> None:
         """Run what is queued, then stop the worker."""
@@ -162,15 +167,28 @@ class Batcher:
         self.worker.join()
 
 
+INT_LIMIT = 2**31  # n, max_tokens, min_tokens, top_k below it; seeds in [-2**63, 2**63)
+
+
 def check_request(prompt: list[int], p: SamplingParams, max_model_len: int) -> None:
-    """Raise ValueError for a request no engine can serve."""
+    """Raise ValueError, naming the field, for a request no engine can serve. NOTE: every value is checked here, at
+    submit, because a value that fails inside a decode (an int tensor overflowing, a NaN temperature) would fail
+    every request of the shared batch (Batcher.finish then retries them one by one)."""
     if not prompt:
         raise ValueError("empty prompt")
     if len(prompt) >= max_model_len:
         raise ValueError(f"prompt of {len(prompt)} tokens leaves no room for a response within "
                          f"max_model_len={max_model_len}; shorten it or raise max_model_len")
-    if p.n < 1 or p.max_tokens < 1 or p.temperature < 0 or not 0 < p.top_p <= 1 or p.min_tokens < 0:
-        raise ValueError(f"invalid sampling params {p}")
+    for name, low in (("n", 1), ("max_tokens", 1), ("min_tokens", 0), ("top_k", -1)):
+        value = getattr(p, name)
+        if type(value) is not int or not low <= value < INT_LIMIT:
+            raise ValueError(f"{name} = {value!r}: an integer in [{low}, {INT_LIMIT})")
+    if not (p.temperature == 0 or MIN_TEMPERATURE <= p.temperature < float("inf")):
+        raise ValueError(f"temperature = {p.temperature!r}: 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
+    if not 0 < p.top_p <= 1:  # NaN fails too
+        raise ValueError(f"top_p = {p.top_p!r}: in (0, 1]")
+    if p.seed is not None and (type(p.seed) is not int or not -2**63 <= p.seed < 2**63):
+        raise ValueError(f"seed = {p.seed!r}: an integer in [-2**63, 2**63)")
     if any(not s for s in p.stop):
         raise ValueError("empty stop string")
     if p.logprobs != 0:
@@ -515,11 +533,12 @@ class ModelHandle:
         return self.generate([prompt + (reply_prefix or "")], n=n, **sampling)[0]
 
     def render(self, messages: list[dict], tools: list | None = None, chat_template: str | None = None,
-               generation: bool = True) -> str:
-        """`messages` through the chat template (or `chat_template`), with the assistant's generation prompt."""
+               generation: bool = True, template_kwargs: dict | None = None) -> str:
+        """`messages` through the chat template (or `chat_template`), with the assistant's generation prompt;
+        `template_kwargs` (a request's chat_template_kwargs) over the handle's."""
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False,
                                                   tools=tools, chat_template=chat_template or None,
-                                                  **self.template_kwargs)
+                                                  **{**self.template_kwargs, **(template_kwargs or {})})
 
     def params(self, n: int = 1, **sampling) -> SamplingParams:
         """A request's SamplingParams: the handle's defaults, then `sampling` (ignore_eos: min_tokens = max_tokens)."""

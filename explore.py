@@ -46,7 +46,7 @@ from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, 
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
-from tasksets import Task, TaskReader, load_tasks
+from tasksets import DataError, Task, TaskReader, load_tasks
 from workflows import build_workflow, check_args
 
 log = logging.getLogger("nanorft.explore")
@@ -88,6 +88,8 @@ def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> t
         worker = threading.Thread(target=target, daemon=True, name=f"workflow-{task.task_id}")
         worker.start()
         worker.join(timeout)
+        if getattr(handle, "api", None) is not None:  # the attempt's API sessions end with it, however it ended
+            handle.api.drop(worker.ident)
         error = f"timed out after {timeout:g} s" if worker.is_alive() else box.get("error", "")
         if not error:
             return box["exps"], ""
@@ -165,23 +167,44 @@ def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: 
 
 
 def load_published(engine: Any, job: str, version: int) -> int:
-    """Load published weights into the engine; the newest version if `version`'s folder is being
-    replaced (a resumed trainer re-publishing a step). Returns the version loaded."""
-    for _ in range(5):
-        try:
-            engine.load_weights(str(sync.weights_path(job, version)), version=version)
-            return version
-        except OSError as e:
-            log.warning("could not load the weights of step %d (%s); retrying with the newest", version, e)
-            time.sleep(1.0)
-            version = sync.latest_version(job)
+    """Load published weights into the engine: `version`'s, or if its folder is missing or damaged the newest
+    undamaged one newer than the engine's (sync.usable_weights), or none (the engine keeps its weights; a warning
+    says so; the next sync point tries again); the newest if the folder is being replaced as it is read (a
+    resumed trainer re-publishing a step). Returns the version the engine has."""
+    for attempt in range(5):
+        found = sync.usable_weights(job, version, above=engine.model_version)
+        if found is not None and (found[1] == version or attempt > 0):
+            try:
+                engine.load_weights(str(found[0]), version=found[1])
+                return found[1]
+            except OSError as e:
+                log.warning("could not load the weights of step %d (%s); retrying with the newest", found[1], e)
+        elif found is None and attempt > 0:
+            log.warning("no undamaged published weights newer than the engine's (step %d) up to step %d: the explorer "
+                        "goes on with its weights", engine.model_version, version)
+            return engine.model_version
+        time.sleep(1.0)  # NOTE: first a second for a folder being replaced, then the fallback
+        version = sync.latest_version(job)
     raise RuntimeError(f"could not load published weights from {job}")
 
 
 def start_weights(cfg: configs.Config) -> tuple[str, int]:
-    """Newest published weights of this job (a restart resumes with them), else the starting model."""
-    weights = sync.latest_weights(cfg.checkpoint_job_dir)
-    return (str(weights), sync.latest_version(cfg.checkpoint_job_dir)) if weights else (base_weights(cfg), 0)
+    """Newest undamaged published weights of this job (a restart resumes with them: sync.usable_weights), else the
+    starting model. A DataError when the pointer names a step and no folder up to it can be loaded."""
+    job = cfg.checkpoint_job_dir
+    newest = sync.latest_version(job)
+    if not newest:
+        return base_weights(cfg), 0
+    found = sync.usable_weights(job, newest)
+    if found is None:
+        raise DataError(f"{Path(job, sync.POINTER)} names step {newest}, and no published weights folder up to it "
+                        "is there undamaged (see the warnings above): restart the trainer (it resumes from its "
+                        "newest checkpoint and publishes again), or move the pointer away to start from "
+                        "model.model_path")
+    if found[1] != newest:
+        log.warning("the explorer starts from the published weights of step %d, the newest undamaged (not %d)",
+                    found[1], newest)
+    return str(found[0]), found[1]
 
 
 def base_weights(cfg: configs.Config) -> str:
@@ -276,7 +299,7 @@ def with_extras(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
     rm = cfg.explorer.rollout_model
     if rm.enable_openai_api:
         handle.api = OpenAIServer(handle, cfg.model.model_path, rm.enable_history, rm.openai_api_host,
-                                  rm.openai_api_port)
+                                  rm.openai_api_port, rm.openai_api_key)
         log.info("explorer %s: OpenAI-compatible API at %s/v1 (model %r, history %s)", cfg.explorer.name,
                  handle.api.start(), cfg.model.model_path, "on" if rm.enable_history else "off")
     return handle

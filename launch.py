@@ -43,7 +43,7 @@ from typing import Callable, Iterator, TextIO
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
-from configs.resolve import CONSOLE, LAUNCHED, holds_secret
+from configs.resolve import CONSOLE, LAUNCHED
 from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, fail_left_runs,
                      headline, log_to_file, numbers_of, prepare_mlflow, read_history)
 from tasksets import DataError
@@ -327,17 +327,26 @@ def reopen_explorer(stage: configs.Config) -> None:
         return
 
 
+def write_stage_config(stage: configs.Config, path: Path) -> Path:
+    """Write the stage's resolved config, which its processes read, to `path`, readable by its owner only (0600) from
+    the moment the file exists: it holds the real secrets (env_vars, monitor_args, a DB URL's password), and which
+    values are secret is not for a name pattern to guess. NOTE: a file left by an earlier run keeps its mode through
+    open(): it is made 0600 before it is emptied and the new text goes in."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    with open(fd, "w", encoding="utf-8") as f:
+        os.fchmod(fd, 0o600)
+        f.truncate()
+        f.write(configs.to_yaml(stage))
+    return path
+
+
 def run_stage(stage: configs.Config, side: str) -> int:
     """Start the stage's processes and wait for them; returns the exit code. On a terminal, the launcher draws a
     progress bar per process from their histories (the processes then leave the console to it)."""
     start, started, job = time.monotonic(), time.time(), Path(stage.checkpoint_job_dir)
     job.mkdir(parents=True, exist_ok=True)
     file_log = log_to_file(str(job), f"launch_{side}" if side else "launch")  # log/launch.log
-    config_file = job / (f"config_{side}.yaml" if side else "config.yaml")
-    if holds_secret(stage):  # a password or key in it (the processes read it): for its owner's eyes only
-        config_file.touch(mode=0o600)
-        config_file.chmod(0o600)
-    config_file.write_text(configs.to_yaml(stage))
+    config_file = write_stage_config(stage, job / (f"config_{side}.yaml" if side else "config.yaml"))
     log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
     if others := other_nodes(stage, config_file):
         log.info("stage %s spans %d nodes: run on each other node (the same paths there: a shared filesystem); the "

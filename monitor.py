@@ -16,7 +16,8 @@ Every metric goes to three places:
   `project`, run = `<name>_<role>`, as Trinity-RFT names them; offline in `<job dir>/monitor/` when no
   API key is set, so a run never blocks on a login), mlflow (experiment = `project`, run = `<name>_<role>`; a
   local file store unless a tracking URI is given: `MlflowSink`), or none. wandb and mlflow get the resolved
-  config with its passwords and keys hidden (`redacted`).
+  config with its secrets hidden (`redacted`: every env_vars value, every monitor_args value but the harmless ones,
+  passwords, keys and tokens, URL passwords); tensorboard gets no config.
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
 perf/max_memory_allocated_gb). An explore step's rollout/ and an evaluation's eval/ metrics are computed here from

@@ -18,15 +18,30 @@ choice's `token_ids`. /v1/completions takes the prompt as a string or, as OpenAI
 token ids: a multi-turn client continues from the exact ids it was given (prompt_token_ids + token_ids + the next
 messages' ids), and `episode()` turns such a session into one experience. Sampling keys: n, temperature, top_p,
 top_k, max_tokens / max_completion_tokens (unset: whatever max_model_len leaves, as vLLM does), min_tokens, stop,
-seed; only max_model_len limits the rest (as in Trinity). Not served: streaming (400), top_logprobs > 0 (400: the
-engines return the sampled token's log-prob only), tool-call parsing (tool calls stay in the text), several
-prompts in one request (400). Messages the chat template cannot render (e.g. an assistant message with content
-null) get a 400 that says why.
+seed; only max_model_len limits the rest (as in Trinity). `tools` are rendered by the chat template and the reply's
+`<tool_call>` blocks (workflows/tools.py's parser) come back as OpenAI `tool_calls` (finish_reason "tool_calls";
+tool_choice "auto" or "none", parallel_tool_calls honoured); `chat_template_kwargs` (vLLM's) reach the template.
+
+Its callers are untrusted (a workflow's code, or anyone who can reach the port): the handlers are async (a
+request waiting for the engine holds no thread), a body over MAX_BODY_BYTES (or without a Content-Length) is
+refused before it is read, a prompt longer than max_model_len tokens could hold (in characters) before it is
+tokenised, n over MAX_N, and every sampling value outside its range, naming the field (400); a field this server
+does not honour is a 400 naming it, unless it has its default value (`user` / `metadata` / `store` are accepted
+and ignored). Every request is checked before it reaches the engine's shared batch, so one bad request fails alone
+(engines.Batcher also re-runs a failed batch one request at a time). Off loopback the server needs an API key
+(explorer.rollout_model.openai_api_key), sent as `Authorization: Bearer <key>` (the `openai` client's api_key);
+with one set, every request must carry it. Not served: streaming (400), top_logprobs > 0 (400: the engines return
+the sampled token's log-prob only), several prompts in one request (400), guided decoding (response_format other
+than text, tool_choice "required" or a named function: 400). Messages the chat template cannot render (e.g. an
+assistant message with content null) get a 400 that says why.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import hmac
+import json
 import logging
 import socket
 import threading
@@ -40,12 +55,32 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from buffer import Experience
+from configs.checks import MIN_TEMPERATURE, loopback
 from engines import experience, scored_temperature
 from workflows.episode import conversation_experience
+from workflows.tools import parse_tool_calls
+
+MAX_BODY_BYTES = 8 * 2**20  # a request body's size at most (a prompt of 8 MiB is ~2M tokens)
+MAX_N = 128  # choices of one request at most (OpenAI's limit): they hold the engine that the workflows share
+MAX_STOP = 16  # stop strings of one request at most, each of 1..MAX_STOP_CHARS characters
+MAX_STOP_CHARS = 1024
+IGNORED = ("user", "metadata", "store")  # identifiers and OpenAI-side options: nothing here to honour
+DEFAULTS = {  # fields served only at their default value (OpenAI's or vLLM's); another value is a 400
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},), "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",),
+    "best_of": (1,), "stream_options": (), "ignore_eos": (False,), "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
+    "add_special_tokens": (False,), "spaces_between_special_tokens": (True,)}
+WHY = {"frequency_penalty": "penalties change the sampled distribution away from the one the trainer scores",
+       "presence_penalty": "penalties change the sampled distribution away from the one the trainer scores",
+       "repetition_penalty": "set model.repetition_penalty (the engine's, vLLM only) instead",
+       "logit_bias": "a bias changes the sampled distribution away from the one the trainer scores",
+       "response_format": "no guided decoding here"}
 
 
 class Request(BaseModel):
-    """The fields of a chat or text completion request that nanorft reads; the rest of OpenAI's are accepted."""
+    """The fields of a chat or text completion request that nanorft reads; the others OpenAI or vLLM define are
+    checked by name (DEFAULTS, IGNORED) and anything else is refused (OpenAIServer.check_fields)."""
 
     model_config = ConfigDict(extra="allow")
     model: str
@@ -63,6 +98,9 @@ class Request(BaseModel):
     logprobs: bool | int | None = None  # chat: bool; completions: an int (top-k), 0 = the sampled token's
     top_logprobs: int | None = None
     tools: list[dict] | None = None
+    tool_choice: str | dict | None = None  # "auto" (or unset) | "none"
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: variables of the chat template (e.g. enable_thinking)
     stream: bool = False
     return_token_ids: bool = False
 
@@ -76,28 +114,71 @@ class Call:
     temperature: float
 
 
+def error_body(message: str, kind: str, code: int) -> dict:
+    return {"error": {"message": message, "type": kind, "code": code}}  # OpenAI's shape, which its client reads
+
+
+class Guard:
+    """ASGI middleware in front of the app: the API key (when set) and the body cap, checked on the headers before
+    any of the body is read. NOTE: a body without a Content-Length (chunked) is refused: its size is known only
+    after reading it (the `openai` client always sends one)."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+        self.app, self.key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        refusal = None
+        if self.key and not hmac.compare_digest(headers.get("authorization", "").encode(),
+                                                f"Bearer {self.key}".encode()):
+            refusal = (401, "invalid_api_key", "a valid API key is required: send Authorization: Bearer <key>")
+        elif scope["method"] == "POST":
+            size = headers.get("content-length", "")
+            if not size.isdigit():
+                refusal = (411, "invalid_request_error", "send the body with a Content-Length (chunked bodies are "
+                                                         "not accepted)")
+            elif int(size) > self.max_body:
+                refusal = (413, "invalid_request_error", f"the request body is {int(size)} bytes; at most "
+                                                         f"{self.max_body} are accepted")
+        if refusal is None:
+            return await self.app(scope, receive, send)
+        code, kind, message = refusal
+        await JSONResponse(error_body(message, kind, code), code)(scope, receive, send)
+
+
 class OpenAIServer:
     """The API over `handle` (engines.ModelHandle) under the name `model_name`; `record`: keep each session's
-    calls (enable_history)."""
+    calls (enable_history); `api_key`: the bearer token every request must carry (required off loopback)."""
 
     def __init__(self, handle: Any, model_name: str, record: bool = False, host: str = "127.0.0.1",
-                 port: int = 0) -> None:
+                 port: int = 0, api_key: str | None = None) -> None:
         self.handle, self.name, self.record, self.host, self.port = handle, model_name, record, host, port
+        self.api_key = api_key or None
         self.sessions: dict[str, list[Call]] = {}
+        self.owners: dict[str, int] = {}  # session -> the thread that made its client (drop())
         self.lock = threading.Lock()
         self.server: uvicorn.Server | None = None
         self.thread: threading.Thread | None = None
         self.url = ""
+        # a text of more characters than this cannot fit max_model_len tokens: refused before it is tokenised
+        longest = max(map(len, handle.tokenizer.get_vocab()), default=1)  # >= the characters any token decodes to
+        self.max_chars = handle.max_model_len * longest if handle.max_model_len else MAX_BODY_BYTES
 
     # --- life cycle
 
     def start(self, timeout: float = 30.0) -> str:
         """Serve in a daemon thread; returns the base URL once the server accepts connections."""
+        if not loopback(self.host) and not self.api_key:
+            raise ValueError(f"the OpenAI-compatible API on {self.host!r} (not loopback) needs an API key: set "
+                             "explorer.rollout_model.openai_api_key")
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))  # port 0: a free one, known before the server starts
         self.port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app(), log_level="warning", lifespan="off"))
+        app = Guard(self.app(), self.api_key, MAX_BODY_BYTES)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
                                        name="openai-api")
         self.thread.start()
@@ -124,8 +205,18 @@ class OpenAIServer:
             logging.getLogger(name).setLevel(logging.WARNING)
         session = uuid.uuid4().hex
         with self.lock:
-            self.sessions[session] = []
-        return openai.OpenAI(base_url=f"{self.url}/s/{session}/v1", api_key="EMPTY", max_retries=0)
+            self.sessions[session], self.owners[session] = [], threading.get_ident()
+        return openai.OpenAI(base_url=f"{self.url}/s/{session}/v1", api_key=self.api_key or "EMPTY", max_retries=0)
+
+    def drop(self, owner: int) -> int:
+        """End every session whose client thread `owner` made (a workflow's attempt, ended however: explore.run_task
+        calls it, so that a failed or timed-out workflow's sessions and their recorded calls are not kept); their
+        clients' later calls get a 404. Returns how many were ended."""
+        with self.lock:
+            ended = [k for k, o in self.owners.items() if o == owner]
+            for k in ended:
+                self.sessions.pop(k, None), self.owners.pop(k, None)
+        return len(ended)
 
     def history(self, client: Any) -> list[Experience]:
         """Every choice of every call `client` made, as an Experience (prompt ids, response ids, log-probs,
@@ -164,6 +255,7 @@ class OpenAIServer:
         """The calls of `client`'s session, which ends (its key is removed: no record is kept of it)."""
         session = str(client.base_url).rstrip("/").split("/")[-2]
         with self.lock:
+            self.owners.pop(session, None)
             return self.sessions.pop(session, [])
 
     # --- the app
@@ -172,9 +264,9 @@ class OpenAIServer:
         app = FastAPI(title="nanorft explorer", docs_url=None, redoc_url=None)
 
         @app.exception_handler(HTTPException)
-        def error(request: Any, e: HTTPException) -> JSONResponse:  # OpenAI's error shape, which its client reads
+        async def error(request: Any, e: HTTPException) -> JSONResponse:
             kind = "invalid_request_error" if e.status_code == 400 else "not_found_error"
-            return JSONResponse({"error": {"message": e.detail, "type": kind, "code": e.status_code}}, e.status_code)
+            return JSONResponse(error_body(e.detail, kind, e.status_code), e.status_code)
 
         for prefix in ("", "/s/{session}"):
             app.get(prefix + "/v1/models")(self.models)
@@ -182,38 +274,111 @@ class OpenAIServer:
             app.post(prefix + "/v1/completions")(self.completions)
         return app
 
-    def models(self, session: str = "") -> dict:
+    async def models(self, session: str = "") -> dict:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "nanorft",
                                             "max_model_len": self.handle.max_model_len}]}
 
-    def chat(self, body: Request, session: str = "") -> dict:
+    async def chat(self, body: Request, session: str = "") -> dict:
         if body.messages is None:
             raise HTTPException(400, "messages is required")
+        self.check_text(chars(body.messages) + (len(json.dumps(body.tools)) if body.tools else 0), "messages")
+        tool_choice = self.tool_choice(body)
+        kwargs = body.chat_template_kwargs or {}
+        clash = sorted(set(kwargs) & {"messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
+                                      "conversation", "documents", "continue_final_message", "return_dict"})
+        if clash:
+            raise HTTPException(400, f"chat_template_kwargs: {clash} are not template variables")
         try:
-            prompt = self.handle.render(body.messages, body.tools)
+            prompt = self.handle.render(with_dict_arguments(body.messages), body.tools, template_kwargs=kwargs)
         except Exception as e:  # the client's messages, which the template cannot render: its error, not ours
             raise HTTPException(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}")
-        call = self.run(body, self.handle.tokenizer.encode(prompt, add_special_tokens=False), session)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "finish_reason": c.finish_reason} | self.extras(body, c, chat=True)
-                   for i, c in enumerate(call.completions)]
+        call = await self.run(body, self.handle.tokenizer.encode(prompt, add_special_tokens=False), session)
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+                   | self.extras(body, c, chat=True) for i, c in enumerate(call.completions)]
+        if body.tools and tool_choice == "auto":
+            for choice in choices:
+                with_tool_calls(choice, body.parallel_tool_calls is not False)
         return self.reply(body, call, "chat.completion", choices)
 
-    def completions(self, body: Request, session: str = "") -> dict:
+    async def completions(self, body: Request, session: str = "") -> dict:
         prompt, vocab = body.prompt, len(self.handle.tokenizer)
         if isinstance(prompt, list) and not all(type(t) is int and 0 <= t < vocab for t in prompt):
             raise HTTPException(400, f"prompt: one prompt per request, a string or a list of token ids in [0, {vocab})")
         if prompt is None:
             raise HTTPException(400, "prompt is required (a string, or a list of token ids)")
+        if isinstance(prompt, str):
+            self.check_text(len(prompt), "prompt")
         ids = prompt if isinstance(prompt, list) else self.handle.tokenizer.encode(prompt, add_special_tokens=False)
-        call = self.run(body, ids, session)
+        call = await self.run(body, ids, session)
         choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason} | self.extras(body, c, chat=False)
                    for i, c in enumerate(call.completions)]
         return self.reply(body, call, "text_completion", choices)
 
-    def run(self, body: Request, ids: list[int], session: str) -> Call:
-        """Sample the request's choices for the prompt `ids` from the engine (this runs in FastAPI's thread pool:
-        it may block). Without max_tokens, a reply may fill what max_model_len leaves (vLLM's default)."""
+    # --- checks (every one before the request reaches the engine's shared batch)
+
+    def check_text(self, n_chars: int, field: str) -> None:
+        """400 for a text that cannot fit max_model_len tokens, before tokenising it (a 50 MiB message took minutes
+        of CPU and ~10 GB to tokenise, only to be refused)."""
+        if n_chars > self.max_chars:
+            raise HTTPException(400, f"{field}: {n_chars} characters cannot fit max_model_len="
+                                     f"{self.handle.max_model_len} tokens (at most {self.max_chars} characters)")
+
+    @staticmethod
+    def tool_choice(body: Request) -> str:
+        choice = body.tool_choice or "auto"
+        if choice not in ("auto", "none"):
+            raise HTTPException(400, f"tool_choice = {choice!r} is not supported (it needs guided decoding): send "
+                                     "'auto' or 'none'")
+        return choice
+
+    @staticmethod
+    def check_fields(body: Request) -> None:
+        """400 naming a field this server does not honour, unless it has its default value."""
+        for key, value in (body.model_extra or {}).items():
+            if key in IGNORED or value is None or (key in DEFAULTS and value in DEFAULTS[key]):
+                continue
+            if key in DEFAULTS:
+                raise HTTPException(400, f"{key} = {json.dumps(value)[:80]} is not supported"
+                                         f"{': ' + WHY[key] if key in WHY else ''}; leave it unset")
+            raise HTTPException(400, f"unsupported field {key!r}: this server does not honour it; leave it unset")
+
+    def sampling(self, body: Request, n_prompt: int) -> dict:
+        """The request's sampling arguments, each range-checked by name (engines.check_request checks them again,
+        with the handle's defaults)."""
+        if not 1 <= body.n <= MAX_N:
+            raise HTTPException(400, f"n = {body.n}: between 1 and {MAX_N}")
+        t = body.temperature
+        if t is not None and not (t == 0 or MIN_TEMPERATURE <= t <= 100):
+            raise HTTPException(400, f"temperature = {t}: 0 (greedy) or between {MIN_TEMPERATURE} and 100")
+        if body.top_p is not None and not 0 < body.top_p <= 1:
+            raise HTTPException(400, f"top_p = {body.top_p}: in (0, 1]")
+        if body.top_k is not None and not -1 <= body.top_k < 2**31:
+            raise HTTPException(400, f"top_k = {body.top_k}: -1 or 0 (off), or a positive number below 2**31")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        for key, low, value in (("max_tokens", 1, max_tokens), ("min_tokens", 0, body.min_tokens)):
+            if value is not None and not low <= value < 2**31:
+                raise HTTPException(400, f"{key} = {value}: an integer in [{low}, 2**31)")
+        room = (self.handle.max_model_len - n_prompt) if self.handle.max_model_len else None
+        most = min((x for x in (max_tokens, room) if x is not None and x > 0), default=2**31)
+        if body.min_tokens is not None and body.min_tokens > most:
+            raise HTTPException(400, f"min_tokens = {body.min_tokens} is more than max_tokens or than the room the "
+                                     f"prompt leaves within max_model_len ({most} tokens)")
+        if body.seed is not None and not -2**63 <= body.seed < 2**63:
+            raise HTTPException(400, f"seed = {body.seed}: an integer in [-2**63, 2**63)")
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop
+        if stop is not None and (len(stop) > MAX_STOP or not all(1 <= len(x) <= MAX_STOP_CHARS for x in stop)):
+            raise HTTPException(400, f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
+        sampling = {"temperature": t, "top_p": body.top_p, "top_k": body.top_k, "max_tokens": max_tokens,
+                    "min_tokens": body.min_tokens, "seed": body.seed, "stop": stop}
+        sampling = {k: v for k, v in sampling.items() if v is not None}
+        if room and "max_tokens" not in sampling:
+            sampling["max_tokens"] = max(room, 1)
+        return sampling
+
+    async def run(self, body: Request, ids: list[int], session: str) -> Call:
+        """Sample the request's choices for the prompt `ids` from the engine; the handler awaits the engine's
+        future (no thread is held meanwhile). Without max_tokens, a reply may fill what max_model_len leaves
+        (vLLM's default)."""
         if body.model != self.name:
             raise HTTPException(404, f"model {body.model!r} is not served here; this explorer serves {self.name!r}")
         if body.stream:
@@ -223,27 +388,23 @@ class OpenAIServer:
                                      "are not supported")
         if session and session not in self.sessions:
             raise HTTPException(404, f"no session {session!r}")
-        sampling = {k: v for k, v in {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-                                      "max_tokens": body.max_completion_tokens or body.max_tokens,
-                                      "min_tokens": body.min_tokens, "seed": body.seed,
-                                      "stop": [body.stop] if isinstance(body.stop, str) else body.stop}.items()
-                    if v is not None}
+        self.check_fields(body)
         limit = self.handle.max_model_len
-        if limit and "max_tokens" not in sampling:
-            sampling["max_tokens"] = max(limit - len(ids), 1)
+        sampling = self.sampling(body, len(ids))
         try:
             if limit and len(ids) >= limit:
                 raise ValueError(f"a prompt of {len(ids)} tokens leaves no room for a response within "
                                  f"max_model_len={limit}")
             params = self.handle.params(body.n, **sampling)
             params.max_tokens = min(params.max_tokens, limit - len(ids)) if limit else params.max_tokens
-            completions = self.handle.submit(ids, params).result()
+            future = self.handle.submit(ids, params)  # check_request: a bad request raises here, not in the batch
         except ValueError as e:  # a request no engine can serve (too long, bad sampling values)
             raise HTTPException(400, str(e)) from e
-        call = Call(ids, completions, scored_temperature(params))
+        call = Call(ids, await asyncio.wrap_future(future), scored_temperature(params))
         if session and self.record:
             with self.lock:
-                self.sessions[session].append(call)
+                if session in self.sessions:  # not ended (drop / history) while this call ran
+                    self.sessions[session].append(call)
         return call
 
     def extras(self, body: Request, c: Any, chat: bool) -> dict:
@@ -266,3 +427,58 @@ class OpenAIServer:
                                              "completion_tokens": completion_tokens,
                                              "total_tokens": len(call.prompt_ids) + completion_tokens}}
         return out | ({"prompt_token_ids": call.prompt_ids} if body.return_token_ids else {})
+
+
+# --- messages in, tool calls out
+
+
+def chars(messages: list[dict]) -> int:
+    """The characters of the messages' texts (a content string, or its parts' texts)."""
+    n = 0
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        n += sum(len(p if isinstance(p, str) else p.get("text") or "" if isinstance(p, dict) else "") for p in parts)
+    return n
+
+
+def with_dict_arguments(messages: list[dict]) -> list[dict]:
+    """The messages with each assistant tool call's `arguments` as an object: OpenAI's clients send it as a JSON
+    string, chat templates (Qwen's, Llama's) write it with `tojson` and expect an object, as vLLM passes them."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            m = {**m, "tool_calls": [with_dict_argument(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def with_dict_argument(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call
+
+
+def with_tool_calls(choice: dict, parallel: bool) -> None:
+    """An assistant reply's `<tool_call>` blocks as OpenAI tool_calls (the text before the first one stays the
+    content; finish_reason "tool_calls"), as vLLM's Hermes parser returns them. A reply whose calls do not all
+    parse stays text, so the client sees what the model wrote."""
+    message = choice["message"]
+    text = message["content"]
+    try:
+        calls = parse_tool_calls(text)
+    except Exception:  # model output: whatever the parser makes of it, this request must still be answered
+        return
+    if not calls or any(c.error for c in calls):
+        return
+    message["content"] = text[: text.find("<tool_call>")].strip() or None
+    message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                             for c in calls[: None if parallel else 1]]
+    choice["finish_reason"] = "tool_calls"

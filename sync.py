@@ -193,6 +193,51 @@ def latest_weights(job_dir: str | Path) -> Path | None:
     return weights_path(job_dir, version) if version else None
 
 
+def damage(folder: Path) -> str:
+    """'' when a published HF folder is whole as far as its headers tell: config.json is JSON, and every safetensors
+    file (the index's shards, or model.safetensors) has a header that parses and the size that header gives; else
+    what is wrong, naming the file. NOTE: the tensors are not hashed (a publish would read every byte again): a
+    flipped bit inside a tensor is not seen; a truncated, overwritten or missing file is."""
+    try:
+        json.loads((folder / "config.json").read_text())
+        index = folder / "model.safetensors.index.json"
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+            [p.name for p in folder.glob("*.safetensors")]
+        if not files:
+            return f"{folder} has no *.safetensors file"
+        for name in files:
+            with open(folder / name, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size)) if 0 < size <= 100 * 2**20 else None
+                if not isinstance(header, dict):
+                    return f"{folder / name} has no safetensors header"
+                end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+                got = os.fstat(f.fileno()).st_size
+            if got != 8 + size + end:
+                return f"{folder / name} has {got} bytes; its header says {8 + size + end}"
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as e:
+        return f"{folder}: {type(e).__name__}: {e}"
+    return ""
+
+
+def usable_weights(job_dir: str | Path, newest: int, above: int = 0) -> tuple[Path, int] | None:
+    """The newest published folder of a step in (above, newest] that is not damaged (`damage`): (folder, step), or
+    None. A missing or damaged one is named in a warning and skipped (left as it is), as the trainer skips a
+    damaged checkpoint (checkpoint.latest_checkpoint)."""
+    folders = step_folders(job_dir, "actor/huggingface")
+    for step in range(newest, above, -1):
+        if step not in folders:
+            if step == newest:
+                log.warning("%s names step %d, whose weights folder %s is missing", Path(job_dir, POINTER), step,
+                            weights_path(job_dir, step))
+            continue
+        why = damage(folders[step])
+        if not why:
+            return folders[step], step
+        log.warning("the published weights of step %d are damaged and skipped (left as they are): %s", step, why)
+    return None
+
+
 # --- when weights move: the one rule both sides follow
 
 

@@ -5,14 +5,16 @@
     tasks = reader.read(cfg.buffer.batch_size)    # Task objects; reader.state() is the saved position
 
 Local files (.jsonl/.json/.parquet/.csv, one file or a Hugging Face-style folder of splits) are read with
-`datasets`; a path that is not local is tried on the hub. Every problem (missing file, split or column, a
-malformed row) is a DataError naming the file, row and key.
+`datasets`; a path that is not local is tried on the hub. A format key names a column, or a dotted path into
+struct columns (veRL's parquet: `reward_model.ground_truth`). Every problem (missing file, split or column, a
+malformed row, a null or a non-text prompt or reference) is a DataError naming the file, row and key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,52 +156,152 @@ def bad_line(f: Path) -> str:
     return ""
 
 
-def _column(row: dict, key: str, where: str, what: str) -> Any:
-    if row.get(key) is None:
-        raise DataError(f"{where}: missing column {key!r} ({what}); the row has {sorted(row)}")
-    return row[key]
+_ABSENT = object()  # what `lookup` gives for a column a row does not have (None is a null value)
+_NULL_NOTE = " (a JSON row that lacks a key other rows have reads as null too): give it a value or drop the row"
 
 
-def _messages(value: Any, where: str) -> list[dict]:
+def lookup(row: dict, key: str) -> Any:
+    """Column `key` of a row: the top-level column of that name if there is one, else a dotted path into nested dicts
+    ("reward_model.ground_truth": a parquet struct column arrives as a dict); _ABSENT when neither exists."""
+    if key in row:  # NOTE: first, so that a column whose name holds a literal dot keeps working
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _ABSENT
+        value = value[part]
+    return value
+
+
+def _is_null(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))  # a CSV's empty number cell: NaN
+
+
+def _no_value(row: dict, key: str, where: str, what: str) -> str:
+    """Why column `key` of a row gives no value: it is null, a struct on its dotted path is null or not a struct,
+    or it is missing (with the keys that are there)."""
+    label = f"column {key!r} ({what})"
+    if key in row:
+        return f"{where}: {label} is null{_NULL_NOTE}"
+    value: Any = row
+    walked: list[str] = []
+    for part in key.split("."):
+        path = ".".join(walked)
+        if walked and _is_null(value):
+            return f"{where}: {label}: {path!r} is null{_NULL_NOTE}"
+        if not isinstance(value, dict):
+            return f"{where}: {label}: {path!r} holds {_kind(value)}, not a struct to look into"
+        if part not in value:
+            has = f"the row has {sorted(row)}" if not walked else f"{path!r} has {sorted(value)}"
+            return f"{where}: missing {label}; {has}"
+        value = value[part]
+        walked.append(part)
+    return f"{where}: {label} is null{_NULL_NOTE}"
+
+
+def _column(row: dict, key: str, where: str, what: str, required: bool = True) -> Any:
+    """Column `key` (dotted: into nested dicts) of a row; a DataError when it is missing or null, or None when the
+    column is optional (`required` False)."""
+    value = lookup(row, key)
+    if value is _ABSENT or _is_null(value):
+        if not required:
+            return None
+        raise DataError(_no_value(row, key, where, what))
+    return value
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a struct (dict)", list: "a list", bool: "a boolean"}.get(type(value), f"a {type(value).__name__}")
+
+
+def _text(value: Any, key: str, where: str, what: str) -> str:
+    """The value of a text column: a string, or a number as its string (a GSM8K-style integer answer, 42 -> "42";
+    a whole float as an integer, 42.0 -> "42").
+    A struct, a list or a boolean is refused: a reward compares text, and str() of a dict never matches an answer."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float) and value.is_integer():  # a CSV column of 42 and 2.5 reads 42.0; the file says 42
+        return str(int(value))
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    hint = "text is needed"
+    if isinstance(value, dict):
+        inner = [f"{key}.{k}" for k, v in value.items() if isinstance(v, str)] or [f"{key}.{k}" for k in value]
+        hint = f"name the text inside it with a dotted key: {' or '.join(inner[:5]) or '(it is empty)'}"
+    elif isinstance(value, list):
+        hint = "a list of {role, content} messages is read from format.prompt_key or format.messages_key only"
+    raise DataError(f"{where}: column {key!r} ({what}) holds {_kind(value)}, not text: {str(value)[:80]!r}; {hint}")
+
+
+def _messages(value: Any, where: str, key: str = "") -> list[dict]:
+    """A chat: a non-empty list of {role, content} messages with text content (extra keys are dropped)."""
+    column = f"column {key!r}: " if key else ""
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in value):
-        raise DataError(f"{where}: expected a list of {{role, content}} messages, got {str(value)[:80]!r}")
+        raise DataError(f"{where}: {column}expected a list of {{role, content}} messages, got {str(value)[:80]!r}")
+    if not value:
+        raise DataError(f"{where}: {column}an empty list of messages")
+    for i, m in enumerate(value):
+        if not isinstance(m["role"], str) or not isinstance(m["content"], str):
+            raise DataError(f"{where}: {column}message {i} has role {m['role']!r} and content "
+                            f"{str(m['content'])[:80]!r}: both must be text")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+def _prompt(row: dict, fmt: FormatConfig, where: str, head: list[dict]) -> tuple[str | None, list[dict]]:
+    """(prompt, messages) of a plaintext-format row: the prompt column's text after `head` (the system prompt), or,
+    when the column holds a chat (veRL's `prompt`: a list of {role, content}), that chat (prompt None)."""
+    value = _column(row, fmt.prompt_key, where, "format.prompt_key")
+    if isinstance(value, list):
+        msgs = _messages(value, where, fmt.prompt_key)
+        return None, msgs if msgs[0]["role"] == "system" else head + msgs
+    prompt = _text(value, fmt.prompt_key, where, "format.prompt_key")
+    return prompt, head + [{"role": "user", "content": prompt}]
+
+
+def _answer(row: dict, key: str, where: str, what: str) -> str | list[dict]:
+    """A DPO answer (chosen / rejected): text, or a list of assistant messages."""
+    value = _column(row, key, where, what)
+    return _messages(value, where, key) if isinstance(value, list) else _text(value, key, where, what)
+
+
 def format_row(row: dict, fmt: FormatConfig, where: str, kind: str = "task") -> dict:
-    """Pick the columns `fmt` names out of a row.
+    """Pick the columns `fmt` names out of a row (a key may be a dotted path into nested dicts: `lookup`).
 
     kind "task": {prompt, messages, reference, tools}; "sft": {messages} ending with the assistant turn;
-    "dpo": {messages (the prompt), chosen, rejected} (strings, or message lists for prompt_type messages).
+    "dpo": {messages (the prompt), chosen, rejected} (strings, or message lists). Prompts, references and answers
+    must be text (a number is taken as its string): anything else is a DataError naming the row and the column.
     """
     system = fmt.system_prompt
     if fmt.system_prompt_key:
-        system = _column(row, fmt.system_prompt_key, where, "format.system_prompt_key")
+        key = fmt.system_prompt_key
+        system = _text(_column(row, key, where, "format.system_prompt_key"), key, where, "format.system_prompt_key")
     head = [{"role": "system", "content": system}] if system else []
-    out: dict[str, Any] = {"tools": row.get(fmt.tools_key)}
+    out: dict[str, Any] = {"tools": _column(row, fmt.tools_key, where, "format.tools_key", required=False)}
     if fmt.prompt_type == "messages":
-        msgs = _messages(_column(row, fmt.messages_key, where, "format.messages_key"), where)
-        if msgs and msgs[0]["role"] != "system":
+        msgs = _messages(_column(row, fmt.messages_key, where, "format.messages_key"), where, fmt.messages_key)
+        if msgs[0]["role"] != "system":
             msgs = head + msgs
-        if kind == "sft" and (not msgs or msgs[-1]["role"] != "assistant"):
+        if kind == "sft" and msgs[-1]["role"] != "assistant":
             raise DataError(f"{where}: an SFT conversation must end with an assistant message")
-        if kind == "task" and msgs and msgs[-1]["role"] == "assistant":  # the answer is the reference
+        if kind == "task" and msgs[-1]["role"] == "assistant":  # the answer is the reference
             out["reference"] = msgs[-1]["content"]
             msgs = msgs[:-1]
         out.update(prompt=None, messages=msgs)
-        out.setdefault("reference", row.get(fmt.response_key))
+        if kind == "task" and "reference" not in out:  # optional here: a conversation task may have none
+            ref = _column(row, fmt.response_key, where, "format.response_key", required=False)
+            out["reference"] = None if ref is None else _text(ref, fmt.response_key, where, "format.response_key")
     else:
-        prompt = _column(row, fmt.prompt_key, where, "format.prompt_key")
-        msgs = head + [{"role": "user", "content": str(prompt)}]
-        out.update(prompt=str(prompt), messages=msgs)
-        if kind == "task":
-            out["reference"] = _column(row, fmt.response_key, where, "format.response_key")
-        elif kind == "sft":
-            answer = _column(row, fmt.response_key, where, "format.response_key")
-            out["messages"] = msgs + [{"role": "assistant", "content": str(answer)}]
+        out["prompt"], out["messages"] = _prompt(row, fmt, where, head)
+        if kind in ("task", "sft"):  # the reference answer, or the SFT response
+            key = fmt.response_key
+            answer = _text(_column(row, key, where, "format.response_key"), key, where, "format.response_key")
+            if kind == "task":
+                out["reference"] = answer
+            else:
+                out["messages"] = out["messages"] + [{"role": "assistant", "content": answer}]
     if kind == "dpo":
-        out["chosen"] = _column(row, fmt.chosen_key, where, "format.chosen_key")
-        out["rejected"] = _column(row, fmt.rejected_key, where, "format.rejected_key")
+        out["chosen"] = _answer(row, fmt.chosen_key, where, "format.chosen_key")
+        out["rejected"] = _answer(row, fmt.rejected_key, where, "format.rejected_key")
     return out
 
 
@@ -210,8 +312,8 @@ def named(row: dict, key: str | None, listed: str | None, where: str, kind: str)
     this taskset, never code to import (`module:attr`, `path/file.py:attr`), which only the YAML may name."""
     if not key:
         return listed
-    value = row.get(key)
-    if value is None:
+    value = lookup(row, key)
+    if value is _ABSENT or value is None:
         return None
     if not isinstance(value, str) or (value != listed and (":" in value or "/" in value or "\\" in value)):
         raise DataError(f"{where}: column {key!r} names the {kind} {str(value)[:80]!r}: a row may name a registered "

@@ -64,8 +64,9 @@ def vllm_params(vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: 
                 **extra: Any) -> Any:
     """vllm.SamplingParams of one request: logprobs=0 returns the sampled token's log-prob only. `extra`: more
     SamplingParams fields (the async engine's output_kind)."""
+    max_tokens = min(p.max_tokens, max_model_len - len(prompt))  # NOTE: vLLM refuses min_tokens > max_tokens
     return vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
-                               max_tokens=min(p.max_tokens, max_model_len - len(prompt)), min_tokens=p.min_tokens,
+                               max_tokens=max_tokens, min_tokens=min(p.min_tokens, max_tokens),
                                stop=list(p.stop), seed=p.seed, logprobs=0, repetition_penalty=penalty, **extra)
 
 

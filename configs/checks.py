@@ -52,19 +52,41 @@ class ConfigError(ValueError):
     """A config problem, with the path of the offending key in the message."""
 
 
-SECRET = re.compile(r"(password|passwd|secret|api_?key|access_?key|token)$", re.I)  # the keys whose values are hidden
+# The keys whose values are hidden wherever they are (a workflow's args, monitor_args, a stage's overrides): names of
+# passwords, keys, tokens, credentials and cookies. NOTE: not `*_key` (format.prompt_key names a column);
+# `max_tokens` ends in tokens, not token.
+SECRET = re.compile(r"(password|passwd|passphrase|pwd|(^|_)pass|secret|api_?keys?|access_?keys?|private_?key|token|"
+                    r"credentials?|cookies?|(^|_)pat|(^|_)auth)$", re.IGNORECASE)
+# Mappings whose every value is hidden, whatever its key: a process's environment (explorer.env_vars, also in a
+# stage's overrides) is as likely to hold a secret as not, under names no pattern foresees (AZURE_OPENAI_KEY,
+# DB_PASS, GITHUB_PAT, ..._COOKIE).
+ALL_HIDDEN = frozenset({"env_vars"})
+# The monitor_args keys whose values are shown (a URL with its password hidden); every other value of monitor_args is
+# hidden. What monitor.py reads (base_url, uri, username; api_key and password are hidden) and the harmless names of
+# wandb's / mlflow's own options a Trinity-RFT config may carry (warned about as unread: MONITOR_ARGS).
+SHOWN_MONITOR_ARGS = frozenset({"base_url", "uri", "tracking_uri", "username", "entity", "project", "group", "name",
+                                "tags", "mode", "dir", "job_type", "notes"})
 
 
-def redacted(value: Any) -> Any:
-    """A config (or any part of one) as plain data, with its secrets replaced by *** for the copies that leave the
-    process (--dry-run's output, the wandb and mlflow runs' config, the messages of ConfigError and of warnings):
-    the value of a key named like a secret (monitor_args' password / api_key, an env_vars entry such as
-    OPENAI_API_KEY or HF_TOKEN), and a password in a URL (a postgresql:// DB URL: dbconn.shown)."""
+def _hidden(parts: list[str]) -> bool:
+    """Whether the value at config path `parts` (keys from the top) is a secret: under env_vars, under monitor_args
+    but for SHOWN_MONITOR_ARGS, or at a key named like a secret (SECRET)."""
+    for i, part in enumerate(parts[:-1]):
+        if part in ALL_HIDDEN or (part == "monitor_args" and parts[i + 1] not in SHOWN_MONITOR_ARGS):
+            return True
+    return bool(parts) and isinstance(parts[-1], str) and bool(SECRET.search(parts[-1]))
+
+
+def redacted(value: Any, parent: str = "") -> Any:
+    """A config (or any part of one: `parent` is the key holding it) as plain data, with its secrets replaced by ***
+    for the copies that leave the process (--dry-run's output, the wandb and mlflow runs' config, the messages of
+    ConfigError and of warnings): every value of explorer.env_vars, every value of monitor_args but its
+    SHOWN_MONITOR_ARGS, the value of a key named like a secret elsewhere (SECRET: a workflow's api_key), and a
+    password in a URL, however spelt (dbconn.shown: the host stays)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if isinstance(value, dict):
-        return {k: "***" if isinstance(k, str) and SECRET.search(k) and v not in (None, "") else redacted(v)
-                for k, v in value.items()}
+        return {k: "***" if _hidden([parent, k]) and v not in (None, "") else redacted(v, k) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(redacted(v) for v in value) if type(value) in (list, tuple) else value
     return shown(value) if isinstance(value, str) and "://" in value else value
@@ -72,9 +94,10 @@ def redacted(value: Any) -> Any:
 
 def shown_value(path: str, value: Any) -> str:
     """The value at config path `path` as a message shows it (repr), secrets hidden (`redacted`): *** for the whole
-    value when the key itself is named like a secret (`monitor.monitor_args.password`)."""
-    key = re.split(r"[.\[]", path)[-1]
-    return repr("***" if SECRET.search(key) and value not in (None, "") else redacted(value))
+    value when it is a secret itself (`monitor.monitor_args.password`, `explorer.env_vars.DB_PASS`)."""
+    parts = [p.rstrip("]") for p in re.split(r"[.\[]", path)]
+    whole = parts[-1] in ALL_HIDDEN | {"monitor_args"} and not isinstance(value, dict)  # `env_vars: "TOKEN=x"`
+    return repr("***" if (whole or _hidden(parts)) and value not in (None, "") else redacted(value, parts[-1]))
 
 
 def _num(ok: Callable[[float], bool], text: str) -> tuple[Callable[[Any], bool], str]:
@@ -92,6 +115,12 @@ HOST = (lambda v: isinstance(v, str) and v != "" and not any(ch.isspace() for ch
 # fail past ~9.2e9 s).
 INT_LIMIT, MAX_SECONDS = 2**31, 1e9
 SECONDS = _num(lambda v: 0 < v <= MAX_SECONDS, f"> 0 and <= {MAX_SECONDS:g} (seconds)")
+# NOTE: 0 samples greedily (both engines; the trainer then scores at 1.0: engines.scored_temperature). Below
+# MIN_TEMPERATURE, vLLM samples at 0.01 whatever is asked (its _MAX_TEMP: logits / temperature overflow below it)
+# while the trainer would score at the asked temperature, and the HF engine's and the trainer's logits / 1e-40 are
+# inf and NaN: every step warned about, nothing trained.
+MIN_TEMPERATURE = 0.01
+TEMPERATURE = _num(lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or >= {MIN_TEMPERATURE:g}")
 # A dtype's other spellings -> its torch name (configs.resolve writes the torch name for the processes and vLLM).
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPES = ("auto", *dict.fromkeys(name for alias, torch_name in DTYPE_NAMES.items() for name in (torch_name, alias)))
@@ -112,7 +141,7 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (ModelConfig, "max_prompt_tokens"): AT_LEAST_1,
     (ModelConfig, "max_response_tokens"): AT_LEAST_1,
     (ModelConfig, "min_response_tokens"): NON_NEGATIVE,
-    (ModelConfig, "temperature"): NON_NEGATIVE,
+    (ModelConfig, "temperature"): TEMPERATURE,
     (ModelConfig, "top_p"): PROBABILITY,
     (ModelConfig, "top_k"): TOP_K,
     (ModelConfig, "logprobs"): NON_NEGATIVE,
@@ -124,7 +153,7 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (ClusterConfig, "gpu_per_node"): NON_NEGATIVE,
     (ClusterConfig, "master_addr"): HOST,
     (ClusterConfig, "master_port"): _num(lambda v: 1 <= v <= 65535, "1..65535"),
-    (GenerationConfig, "temperature"): NON_NEGATIVE,
+    (GenerationConfig, "temperature"): TEMPERATURE,
     (GenerationConfig, "top_p"): PROBABILITY,
     (GenerationConfig, "top_k"): TOP_K,
     (GenerationConfig, "logprobs"): NON_NEGATIVE,
@@ -206,15 +235,20 @@ REFUSED: list[Rule] = [
     ("explorer.rollout_model", "enable_history", lambda v, c, s: v and not s.enable_openai_api,
      "it records the calls made through the explorer's OpenAI-compatible API: set enable_openai_api: true as well "
      "(multi-turn workflows on the model handle keep their own token-level history: workflows/episode.py)"),
+    ("explorer.rollout_model", "openai_api_host", lambda v, c, s: s.enable_openai_api and not s.openai_api_key
+     and not loopback(v),
+     "the API would answer anyone who can reach this address: set explorer.rollout_model.openai_api_key (its callers "
+     "then send it as a bearer token), or bind to 127.0.0.1"),
     ("explorer.rollout_model", "model_path", lambda v, c, s: v not in ("", c.model.model_path),
      "the rollout model serves model.model_path (and after each sync the trainer's weights); this key names an "
      "auxiliary model's own model: set model.model_path, or leave this unset"),
     *[("explorer.auxiliary_models[]", key, applies, "only the rollout model is served as an OpenAI-compatible API "
-       "(explorer.rollout_model's enable_openai_api / enable_history / openai_api_host / openai_api_port); a workflow "
+       "(explorer.rollout_model's enable_openai_api / enable_history / openai_api_host / _port / _key); a workflow "
        "calls an auxiliary model through its handle (self.auxiliary_models[name])")
       for key, applies in (("enable_openai_api", lambda v, c, s: v), ("enable_history", lambda v, c, s: v),
                            ("openai_api_host", lambda v, c, s: v != "127.0.0.1"),
-                           ("openai_api_port", lambda v, c, s: v != 0))],
+                           ("openai_api_port", lambda v, c, s: v != 0),
+                           ("openai_api_key", lambda v, c, s: v is not None))],
     *[(f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn", lambda v, c, s: v,
        "an option of SFT data (buffer.trainer_input.experience_buffer.format); a taskset's rows are prompts that "
        "workflows answer") for sets in ("tasksets", "eval_tasksets")],
@@ -404,6 +438,22 @@ def _check_literal(value: Any, path: str) -> None:
     for k, v in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
         if not dataclasses.is_dataclass(v):
             _check_literal(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
+
+
+def check_folder_name(path: str, value: str, parts: int = 1) -> None:
+    """A ConfigError unless `value` (the key at `path`) names `parts` folders at most, one inside the other, below
+    the folder that holds it: the job's folder is <checkpoint_root_dir>/<project>[/<group>]/<name> and a process's
+    files are named after explorer.name / trainer.name, so `..`, an absolute path or a separator would put them
+    elsewhere. Anything else is a name (Trinity-RFT's `qwen2.5-1.5b_grpo`, `<experiment_name>`). A stage runs as
+    `<name>/<stage_name>` (configs.resolve_stages): the config written for its processes holds two."""
+    pieces = value.split("/")
+    if len(pieces) <= parts and not any(p in ("", ".", "..") or "\\" in p for p in pieces):
+        return
+    what = "one folder name" if parts == 1 else "a folder name, or <name>/<stage_name> as a stage's config holds"
+    raise ConfigError(f"{path} = {value!r} is refused: it names a folder or file of the job's directory "
+                      "(<checkpoint_root_dir>/<project>[/<group>]/<name>), and .., an absolute path or a separator "
+                      f"would put that elsewhere; allowed: {what}: not empty, not . or .., no / or \\ (e.g. "
+                      "qwen2.5-1.5b_grpo)")
 
 
 def _matches(where: type | str, obj: Any, section: str) -> bool:

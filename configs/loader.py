@@ -394,7 +394,8 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping for {cls.__name__}, got {data!r}")
+        raise ConfigError(f"{path or 'config'}: expected a mapping for {cls.__name__}, got "
+                          f"{shown_value(path or 'config', data)}")
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}

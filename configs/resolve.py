@@ -26,7 +26,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
-from configs.checks import DTYPE_NAMES, ConfigError, _warn_once, check_ranges, check_support, redacted
+from configs.checks import (DTYPE_NAMES, ConfigError, _warn_once, check_folder_name, check_ranges, check_support,
+                            redacted)
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.preflight import preflight
 from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
@@ -224,15 +225,23 @@ def advantage_origin(a: AlgorithmConfig) -> str:
 
 
 def _derive_paths(c: Config, preset: Preset) -> None:
-    """The job directory, and the experience DB's default location inside it."""
+    """The job directory, and the experience DB's default location inside it: below checkpoint_root_dir, whatever
+    the names (check_folder_name: a stage's name is <name>/<stage_name>)."""
+    names = [("project", c.project, 1), ("group", c.group, 1), ("name", c.name, 2),
+             ("explorer.name", c.explorer.name, 1), ("trainer.name", c.trainer.name, 1)]
+    for path, value, parts in names:
+        if value or path != "group":  # no group: no folder
+            check_folder_name(path, value, parts)
     parts = [c.checkpoint_root_dir, c.project] + ([c.group] if c.group else []) + [c.name]
     c.checkpoint_job_dir = str(Path(*parts))
     inputs = c.buffer.trainer_input
     bufs: list[ExperienceBufferConfig] = [inputs.experience_buffer, *inputs.auxiliary_buffers.values()]
-    for eb in bufs:
+    wheres = ["experience_buffer", *(f"auxiliary_buffers.{k}" for k in inputs.auxiliary_buffers)]
+    for eb, where in zip(bufs, wheres):
         if not eb.schema_type:  # the trainer's input follows the algorithm; auxiliary files hold expert SFT data
             eb.schema_type = "experience" if eb.storage_type != "file" else preset.schema if eb is bufs[0] else "sft"
         if not eb.path and eb.storage_type != "file":
+            check_folder_name(f"buffer.trainer_input.{where}.name", eb.name)  # the DB's file: <name>.db
             eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
         scheme = eb.path.split("://")[0] if "://" in eb.path else ""
         if eb.storage_type != "file" and scheme not in ("", "sqlite", "postgresql", "postgres"):
@@ -435,6 +444,7 @@ def resolve_stages(cfg: Config) -> list[Config]:
     gets a fresh algorithm section."""
     if not cfg.stages:
         return [derive(cfg)]
+    check_folder_name("name", cfg.name)  # one folder: each stage's is <name>/<stage_name>
     base = dataclasses.asdict(cfg)
     base["stages"] = []
     out = []
@@ -445,6 +455,7 @@ def resolve_stages(cfg: Config) -> list[Config]:
         if st.start_from and st.start_from not in seen:
             raise ConfigError(f"stages[{i}].start_from {st.start_from!r} is not an earlier stage's name (earlier: "
                               f"{', '.join(sorted(seen)) or 'none'})")
+        check_folder_name(f"stages[{i}].stage_name", st.stage_name)  # the stage runs as <name>/<stage_name>
         seen.add(st.stage_name)
         sections = ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")
         override: dict[str, Any] = {k: getattr(st, k) for k in sections}
@@ -492,21 +503,25 @@ def escaped(value: Any) -> Any:
 
 
 def holds_secret(cfg: Config) -> bool:
-    """Whether `redacted` hides anything of this config (its file is then for its owner's eyes only)."""
+    """Whether `redacted` hides anything of this config (--dry-run then says so at the top of its document)."""
     return redacted(cfg) != dataclasses.asdict(cfg)
+
+
+SECRETS_NOTE = ("# secrets are shown as ***: every env_vars value, monitor_args' values (but its URLs, names, tags "
+                "and modes), passwords, API keys and tokens (in URLs too)")
 
 
 def dry_run(cfg: Config, out: Any = None) -> None:
     """Print every stage's resolved config as YAML documents (one per stage), with its secrets as *** (`redacted`:
     a terminal, a CI log or a pasted issue is no place for a password). NOTE: such a document then loads back with
     *** where the secrets were; a comment at its top says so. The run directory's config.yaml, which the processes
-    read, keeps the real values (launch.run_stage)."""
+    read, keeps the real values, and only its owner may read it (launch.write_stage_config)."""
     out = out or sys.stdout
     for i, stage in enumerate(resolve_stages(cfg)):
         if i:
             out.write("---\n")
         if holds_secret(stage):
-            out.write("# secrets (passwords, API keys, tokens, passwords in URLs) are shown as ***\n")
+            out.write(f"{SECRETS_NOTE}\n")
         out.write(yaml.safe_dump(escaped(redacted(stage)), sort_keys=False, allow_unicode=True))
     out.flush()
 

@@ -186,7 +186,8 @@ class ModelConfig:
     """A prompt over max_prompt_tokens keeps its last max_prompt_tokens tokens and its experience gets no loss
     (truncate_status prompt_truncated); false: the task fails at once (not retried), naming the lengths."""
     temperature: float = 1.0
-    """Default sampling temperature (tasksets' rollout_args override it)."""
+    """Default sampling temperature (tasksets' rollout_args override it): 0 = greedy, else >= 0.01 (below, vLLM
+    samples at 0.01 and logits / temperature overflow: configs/checks.py MIN_TEMPERATURE)."""
     top_p: float = 1.0
     """Default nucleus-sampling threshold (1.0 = off)."""
     top_k: int = -1
@@ -241,10 +242,14 @@ class ClusterConfig:
 
 @dataclasses.dataclass
 class FormatConfig:
+    """How a row's columns become a task / an SFT or DPO example. Every *_key names a column, or a dotted path into
+    struct columns (veRL's parquet: `response_key: reward_model.ground_truth`); a top-level column of that name
+    wins."""
+
     prompt_type: Literal["plaintext", "messages"] = "plaintext"
     """Rows hold a prompt string (plaintext) or a chat message list (messages). Trinity defaults to messages."""
     prompt_key: str = "prompt"
-    """Column with the user prompt (plaintext)."""
+    """Column with the user prompt (plaintext): text, or a chat (a list of {role, content}, as veRL's)."""
     response_key: str = "response"
     """Column with the reference answer / SFT response (plaintext)."""
     system_prompt_key: Optional[str] = None
@@ -277,7 +282,7 @@ class FormatConfig:
 @dataclasses.dataclass
 class GenerationConfig:
     temperature: Optional[float] = None
-    """Sampling temperature; unset = model.temperature (derived)."""
+    """Sampling temperature: 0 = greedy, else >= 0.01; unset = model.temperature (derived)."""
     top_p: Optional[float] = None
     """Nucleus threshold; unset = model.top_p (derived)."""
     top_k: Optional[int] = None
@@ -439,7 +444,11 @@ class InferenceModelConfig:
     """Serve the rollout engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)
     from the explorer, for workflows written against the `openai` client (openai_api.py)."""
     openai_api_host: str = "127.0.0.1"
-    """Address the API binds to (loopback: only this machine can call it)."""
+    """Address the API binds to (loopback: only this machine can call it; any other needs openai_api_key)."""
+    openai_api_key: Optional[str] = None
+    """Bearer token every request to the API must carry (`Authorization: Bearer <key>`, the `openai` client's
+    api_key; the handle's own clients send it); required when openai_api_host is not loopback. A secret: hidden in
+    what the config prints; e.g. `${oc.env:NANORFT_API_KEY}` to take it from the environment."""
     openai_api_port: int = 0
     """Port of the API; 0 = a free one (logged at start)."""
     chat_template: str = ""
@@ -461,7 +470,8 @@ class ExplorerConfig:
     max_retry_times: int = 2
     """Retries of a failed or timed-out workflow run."""
     env_vars: dict[str, str] = _field(dict)
-    """Environment variables set for the workflow runners."""
+    """Environment variables set for the workflow runners. Every value is taken for a secret: *** in --dry-run,
+    messages and the monitors' copy of the config (the run directory's config.yaml, 0600, keeps them)."""
     rollout_model: InferenceModelConfig = _field(InferenceModelConfig)
     """The rollout engines."""
     auxiliary_models: list[InferenceModelConfig] = _field(list)
@@ -578,7 +588,9 @@ class MonitorConfig:
     monitor_type: Literal["tensorboard", "wandb", "mlflow", "none"] = "tensorboard"
     """Where metrics go besides the console (wandb runs offline when no API key is set)."""
     monitor_args: ArgsDict = _field(dict)
-    """Monitor options: wandb base_url / api_key; mlflow uri / username / password."""
+    """Monitor options: wandb base_url / api_key; mlflow uri / username / password. Values are *** in --dry-run,
+    messages and the monitors' copy of the config, but those of configs/checks.py SHOWN_MONITOR_ARGS (uri, base_url,
+    username, entity, tags, ...; a URL's password hidden)."""
     detailed_stats: bool = False
     """Eval metrics also get max/min/std across tasks."""
 
@@ -615,11 +627,12 @@ class StageConfig:
 @dataclasses.dataclass
 class Config:
     project: str = "nanorft"
-    """Project name: checkpoints go to <checkpoint_root_dir>/<project>/<name>/ (Trinity's default: Trinity-RFT)."""
+    """Project name: checkpoints go to <checkpoint_root_dir>/<project>/<name>/ (Trinity's default: Trinity-RFT). One
+    folder name (as group and name): no /, \\, . or .. (configs/checks.py check_folder_name)."""
     group: str = ""
     """Optional group level between project and name."""
     name: str = "rft"
-    """Experiment name."""
+    """Experiment name (a stage runs as <name>/<stage_name>)."""
     mode: Literal["both", "train", "explore", "bench"] = "both"
     """both: explorer + trainer in turns; train / explore: one of them (async RFT); bench: evaluate checkpoints."""
     checkpoint_root_dir: str = "./checkpoints"

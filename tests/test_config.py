@@ -136,11 +136,14 @@ def test_text_with_dollar_brace_round_trips_through_the_written_config(tmp_path)
     (stage,) = resolve_stages(cfg)
     assert stage.buffer.explorer_input.tasksets[0].format.system_prompt == "Answer in LaTeX like ${x}^2$"
     assert list(stage.explorer.env_vars.values()) == tricky
+    stage.monitor.monitor_args = {"tags": tricky}  # --dry-run shows these (every env_vars value as ***)
     assert from_dict(Config, normalize(read_yaml(write(tmp_path, to_yaml(stage), "w.yaml")))) == stage
     out = subprocess.run([sys.executable, "launch.py", "--config", write(tmp_path, to_yaml(stage), "w.yaml"),
                           "--dry-run"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert from_dict(Config, normalize(read_yaml(write(tmp_path, out.stdout, "d.yaml")))) == stage
+    hidden = dataclasses.replace(stage.explorer, env_vars=dict.fromkeys(stage.explorer.env_vars, "***"))
+    assert from_dict(Config, normalize(read_yaml(write(tmp_path, out.stdout, "d.yaml")))) == \
+        dataclasses.replace(stage, explorer=hidden)
 
 
 def test_precedence_default_yaml_cli(tmp_path):
@@ -450,25 +453,35 @@ def test_dry_run(script, tmp_path):
     assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr
 
 
+# explorer.env_vars whose names no pattern of secret names knew (issue 25): every env_vars value is hidden
+ODD_SECRETS = {"AZURE_OPENAI_KEY": "az-1", "DB_PASS": "dbp-2", "GCP_CREDENTIALS": "gcp-3", "GITHUB_PAT": "ghp-4",
+               "API_KEYS": "ak-5", "SESSION_COOKIE": "ck-6", "PLAIN": "plain-7"}
+
+
 def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path):
-    """--dry-run's YAML (a terminal, a CI log, an issue) shows *** for monitor_args' password, an env_vars token and a
-    password in a DB URL, and says so in a comment; what the launcher writes for the processes (configs.to_yaml, the
-    job directory's config.yaml: tests/test_monitor.py runs the launcher) keeps the real values."""
+    """--dry-run's YAML (a terminal, a CI log, an issue) shows *** for monitor_args' password and unknown keys, every
+    env_vars value (whatever its name) and a password in a DB URL (one with an @ in it too), and says so in a comment;
+    what the launcher writes for the processes (configs.to_yaml, the job directory's config.yaml:
+    tests/test_monitor.py runs the launcher) keeps the real values."""
+    env = ", ".join(f"{k}: {v}" for k, v in ODD_SECRETS.items())
     text = MINIMAL + ("monitor: {monitor_type: mlflow, monitor_args: {uri: 'http://127.0.0.1:5000', username: me, "
-                      "password: hunter2}}\nexplorer: {env_vars: {HF_TOKEN: hf_abc, PLAIN: kept}}\n")
+                      f"password: hunter2, session: sess-8}}}}\nexplorer: {{env_vars: {{HF_TOKEN: hf_abc, {env}}}}}\n")
     text = text.replace("batch_size: 4\n", "batch_size: 4\n  trainer_input: {experience_buffer: {path: "
-                                            "'postgresql://rft:s3cret@db/rft'}}\n")
+                                            "'postgresql://rft:s3@cret@db/rft'}}\n")
     out = subprocess.run([sys.executable, "train.py", "--config", write(tmp_path, text), "--dry-run"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("# secrets (passwords, API keys, tokens, passwords in URLs) are shown as ***\n")
-    assert not [s for s in ("hunter2", "hf_abc", "s3cret") if s in out.stdout + out.stderr]
+    assert out.stdout.startswith("# secrets are shown as ***: every env_vars value, monitor_args' values (but its ")
+    secrets = ("hunter2", "hf_abc", "s3@cret", "cret@", "sess-8", *ODD_SECRETS.values())
+    assert not [s for s in secrets if s in out.stdout + out.stderr]
     (doc,) = yaml.safe_load_all(out.stdout)
-    assert doc["monitor"]["monitor_args"] == {"uri": "http://127.0.0.1:5000", "username": "me", "password": "***"}
-    assert doc["explorer"]["env_vars"] == {"HF_TOKEN": "***", "PLAIN": "kept"}
+    assert doc["monitor"]["monitor_args"] == {"uri": "http://127.0.0.1:5000", "username": "me", "password": "***",
+                                              "session": "***"}
+    assert doc["explorer"]["env_vars"] == {"HF_TOKEN": "***", **dict.fromkeys(ODD_SECRETS, "***")}
     assert doc["buffer"]["trainer_input"]["experience_buffer"]["path"] == "postgresql://rft:***@db/rft"
     (stage,) = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
-    assert all(s in to_yaml(stage) for s in ("hunter2", "hf_abc", "postgresql://rft:s3cret@db/rft"))
+    assert all(s in to_yaml(stage) for s in ("hunter2", "hf_abc", "postgresql://rft:s3@cret@db/rft",
+                                             *ODD_SECRETS.values()))
 
 
 @pytest.mark.parametrize("extra, refused", [
@@ -477,7 +490,13 @@ def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path
     # refused: by a check (a NUL in a password, in a URL with a password), by the loader (a token of the wrong type)
     ("monitor: {monitor_args: {password: \"hunter2\\0\"}}\n", "holds a NUL"),
     ("explorer: {env_vars: {HF_TOKEN: [hunter2]}}\n", "explorer.env_vars.HF_TOKEN: '***' is not a valid str"),
-    ("explorer: {env_vars: {X: \"postgresql://u:hunter2@h/db\\0\"}}\n", "postgresql://u:***@h/db"),
+    ("explorer: {env_vars: {X: \"postgresql://u:hunter2@h/db\\0\"}}\n", "explorer.env_vars.X: '***' holds a NUL"),
+    # every env_vars value, whatever its name; monitor_args' values but the harmless keys; a URL's password with an @
+    ("explorer: {env_vars: {DB_PASS: [hunter2]}}\n", "explorer.env_vars.DB_PASS: '***' is not a valid str"),
+    ("explorer: {env_vars: \"DB_PASS=hunter2\"}\n", "explorer.env_vars: expected a mapping, got '***'"),
+    ("monitor: {monitor_type: wandb, monitor_args: {entity: team, session: hunter2}}\n", ""),
+    ("monitor: {monitor_args: {uri: \"postgresql://u:hun@ter2@h/db\\0\"}}\n",
+     "monitor.monitor_args.uri: 'postgresql://u:***@h/db\\x00' holds a NUL"),
 ])
 def test_no_warning_or_error_shows_a_secret(tmp_path, caplog, extra, refused):
     """Warnings go to the console and every log/<role>.log, errors to the console and CI logs: a value shown in one
@@ -489,8 +508,95 @@ def test_no_warning_or_error_shows_a_secret(tmp_path, caplog, extra, refused):
             said = caplog.text
         except ConfigError as e:
             said = caplog.text + str(e)
-    assert refused in said if refused else "monitor.monitor_args = {'password': '***'" in said
-    assert "hunter2" not in said
+    assert refused in said if refused else "monitor.monitor_args = {" in said
+    assert not [s for s in ("hunter2", "hun@", "ter2") if s in said]
+    if "entity" in extra:
+        assert "monitor.monitor_args = {'entity': 'team', 'session': '***'}" in said
+
+
+@pytest.mark.parametrize("url, show", [
+    ("postgresql://u:p@ss@host/db", "postgresql://u:***@host/db"),  # an @ in the password
+    ("redis://:p@ss@w0rd@redis-host:6379/0", "redis://:***@redis-host:6379/0"),  # no user, two @
+    ("postgresql://rft:s3cret@db-host:5432/rft", "postgresql://rft:***@db-host:5432/rft"),
+    ("postgresql://:s3cret@host", "postgresql://:***@host"),
+    ("postgresql://user:pa%40ss%2Fw@host:5432/db?sslmode=require",  # %-escaped
+     "postgresql://user:***@host:5432/db?sslmode=require"),
+    ("postgresql://u:pa/ss@host/db", "postgresql://u:***@host/db"),  # a / in the password
+    ("postgresql://u:pa?ss@host/db", "postgresql://u:***@host/db"),  # a ? in the password
+    ("postgresql://u:p@[::1]:5432/db", "postgresql://u:***@[::1]:5432/db"),
+    ("postgresql://u:s3cret@h/db?x=a@b", "postgresql://u:***@h/db?x=a@b"),  # an @ in the query, not the password
+    ("http://u:s3cret@h?token=tk&x=1", "http://u:***@h?token=***&x=1"),
+    ("see postgresql://u:s3cret@h/db and https://v:p@ss@k/x", "see postgresql://u:***@h/db and https://v:***@k/x"),
+    ("postgresql://u@h:5432/db", "postgresql://u@h:5432/db"), ("sqlite:///x.db", "sqlite:///x.db"),
+])
+def test_a_urls_password_is_hidden_however_spelt_and_its_host_shown(url, show):
+    """dbconn.shown, which every message naming a DB or tracking URL and every config copy (`redacted`) uses: the
+    password runs to the @ before the host, whatever it holds; nothing else of the URL is hidden."""
+    from configs.checks import redacted, shown_value
+    from dbconn import shown
+
+    assert shown(url) == show
+    assert redacted({"path": url}) == {"path": show}
+    assert shown_value("buffer.trainer_input.experience_buffer.path", url) == repr(show)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("name", "../../etc"), ("name", "/tmp/x"), ("name", ".."), ("name", "a/../../b"), ("name", ""),
+    ("name", "a\\b"), ("name", "a/b/c"), ("project", "../x"), ("project", "/abs"), ("project", "a/b"),
+    ("project", "."), ("group", "../g"), ("group", "g/h"), ("explorer.name", "../e"), ("trainer.name", "t/u"),
+    ("buffer.trainer_input.experience_buffer.name", "../../db"),
+])
+def test_names_that_would_put_the_job_outside_its_root_are_refused_by_name(tmp_path, key, value):
+    """project, group and name are folders of <checkpoint_root_dir>/<project>[/<group>]/<name>, and explorer / trainer
+    / experience buffer names name its files: `..`, an absolute path or a separator would write elsewhere. Refused
+    when the config loads (YAML or command line), naming the key, the value and what is allowed."""
+    flag = f"--{key}" if "buffer" not in key else "--buffer.trainer_input.experience_buffer.name"
+    with pytest.raises(ConfigError) as e:
+        resolve_stages(cli(["--config", write(tmp_path, MINIMAL), flag, value])[0])
+    assert f"{key} = {value!r} is refused" in str(e.value) and "allowed: " in str(e.value)
+    assert "not . or .., no / or \\" in str(e.value)
+
+
+def test_names_trinity_uses_are_kept_and_the_job_stays_under_its_root(tmp_path):
+    """Names with dots, dashes, spaces and brackets (Trinity-RFT's examples: qwen2.5-1.5b_grpo, <experiment_name>) are
+    names; a stage's name is <name>/<stage_name> (what the config written for its processes holds), but a stage's
+    name and the name of a run with stages are one folder each."""
+    job = tmp_path / "ck" / "<project_name>" / "v1.2 (ablation)" / "qwen2.5-1.5b_grpo"
+    args = ["--checkpoint_root_dir", str(tmp_path / "ck"), "--project", "<project_name>", "--group", "v1.2 (ablation)",
+            "--name", "qwen2.5-1.5b_grpo"]
+    (stage,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), *args])[0])
+    assert Path(stage.checkpoint_job_dir) == job
+    staged = MINIMAL + "stages:\n  - stage_name: sft\n  - stage_name: rl-v2.1\n"
+    stages = resolve_stages(cli(["--config", write(tmp_path, staged), *args])[0])
+    assert [Path(st.checkpoint_job_dir) for st in stages] == [job / "sft", job / "rl-v2.1"]
+    (child,) = resolve_stages(cli(["--config", write(tmp_path, to_yaml(stages[1]), "child.yaml")])[0])
+    assert child == stages[1]  # what the stage's processes load: name qwen2.5-1.5b_grpo/rl-v2.1
+    staged = staged.replace("rl-v2.1", "../../rl")
+    with pytest.raises(ConfigError, match=re.escape("stages[1].stage_name = '../../rl' is refused")):
+        resolve_stages(cli(["--config", write(tmp_path, staged)])[0])
+    with pytest.raises(ConfigError, match=r"^name = 'a/b' is refused: .* allowed: one folder name:"):
+        resolve_stages(cli(["--config", write(tmp_path, staged.replace("../../rl", "rl")), "--name", "a/b"])[0])
+
+
+@pytest.mark.parametrize("key, value", [
+    ("model.temperature", 1e-40), ("model.temperature", 0.005), ("model.temperature", 1e-3),
+    ("buffer.explorer_input.taskset.rollout_args.temperature", 1e-40),
+    ("buffer.explorer_input.eval_tasksets[0].rollout_args.temperature", 0.009),
+])
+def test_temperatures_below_the_floor_are_refused_when_the_config_loads(tmp_path, key, value):
+    """Between 0 (greedy) and 0.01: vLLM samples at 0.01 whatever is asked, the HF engine's logits / 1e-40 overflow
+    (every step warned about, nothing trained, exit 0): refused by name, the model's, a taskset's and an eval
+    taskset's alike; 0 and 0.01 load."""
+    text = MINIMAL + "    eval_tasksets: [{path: data/y}]\n"
+    flag, bad = [f"--{key}", str(value)], text
+    if "[0]" in key:  # a list's item: set in the YAML
+        flag, bad = [], text.replace("[{path: data/y}]", f"[{{path: data/y, rollout_args: {{temperature: {value}}}}}]")
+    with pytest.raises(ConfigError) as e:
+        resolve_stages(cli(["--config", write(tmp_path, bad), *flag])[0])
+    assert str(e.value) == f"{key}: {value!r} is out of range; allowed: 0 (greedy) or >= 0.01"
+    for fine in ("0", "0.01"):
+        (stage,) = resolve_stages(cli(["--config", write(tmp_path, text), "--model.temperature", fine])[0])
+        assert stage.buffer.explorer_input.tasksets[0].rollout_args.temperature == float(fine)
 
 
 # --- bad input named (issue 13)

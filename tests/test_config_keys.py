@@ -180,6 +180,7 @@ APART = {"mode": "both", "cluster": {"node_num": 2, "gpu_per_node": 4, "master_a
 SFT = {"mode": "train", "algorithm": {"algorithm_type": "sft"}}
 FILE = {"storage_type": "file", "path": "sft.jsonl"}
 SFT_INPUT = {"experience_buffer": FILE}
+HIDDEN = r"'\*\*\*'"  # a secret's value as a message shows it, as a pattern
 # One case per rule of configs/checks.py: (overrides, expected refusal) and (overrides, expected warning).
 REFUSAL_CASES = {
     ("ModelConfig", "logprobs"): ({"model": {"logprobs": 5}}, "model.logprobs = 5 is refused: top-k log-probs"),
@@ -195,9 +196,13 @@ REFUSAL_CASES = {
                                                "rollout model serves model.model_path"),
     **{("explorer.auxiliary_models[]", key): (
         {"explorer": {"auxiliary_models": [{"model_path": "judge", "engine_type": "hf", key: value}]}},
-        f"explorer.auxiliary_models[0].{key} = {value!r} is refused: only the rollout model is served")
+        f"explorer.auxiliary_models[0].{key} = {HIDDEN if key.endswith('_key') else repr(value)} is refused: only "
+        "the rollout model is served")
        for key, value in (("enable_openai_api", True), ("enable_history", True), ("openai_api_host", "0.0.0.0"),
-                          ("openai_api_port", 8000))},
+                          ("openai_api_port", 8000), ("openai_api_key", "k"))},
+    ("explorer.rollout_model", "openai_api_host"): (
+        {"explorer": {"rollout_model": {"enable_openai_api": True, "openai_api_host": "0.0.0.0"}}},
+        "explorer.rollout_model.openai_api_host = '0.0.0.0' is refused: the API would answer anyone"),
     **{(f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn"): (
         {"buffer": {"explorer_input": {sets: [{"path": "y", "format": {"enable_concatenated_multi_turn": True}}]}}},
         f"{sets}[{0 if sets == 'eval_tasksets' else 1}].format.enable_concatenated_multi_turn = True is refused: an "

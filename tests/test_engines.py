@@ -358,3 +358,32 @@ def test_a_groups_prompt_is_prefilled_once(tiny_path, ref, prompts):
     assert calls[0] == (3, max(len(p) for p in prompts[:3]))  # [requests, longest prompt]
     assert calls[1:] and all(shape == (12, 1) for shape in calls[1:])
     assert max_logprob_diff(ref, prompts[:3], outs, 1.0) < 1e-4
+
+
+def test_a_request_that_breaks_a_shared_batch_fails_alone_and_bad_values_are_refused_at_submit():
+    """engines.Batcher: a batch that fails is run again one request at a time, so only the request that breaks it
+    fails (here run_batch raises for any batch holding a "poisoned" max_tokens); check_request refuses, naming the
+    field, the values that broke a decode before (min_tokens 2**63, NaN temperature) before they are queued."""
+    from engines import Batcher, check_request
+
+    def run_batch(prompts, params):
+        if any(p.max_tokens == 13 for p in params):
+            raise RuntimeError("poisoned batch")
+        return [[Completion([p[0]], [0.0], "x", "stop")] for p in prompts]
+
+    batcher = Batcher(run_batch, max_model_len=64, wait_s=0.2, max_wait_s=1.0)
+    try:
+        futures = [batcher.submit([i + 1], SamplingParams(max_tokens=13 if i == 2 else 4)) for i in range(5)]
+        with pytest.raises(RuntimeError, match="poisoned batch"):
+            futures[2].result(timeout=30)
+        assert [f.result(timeout=30)[0].token_ids for k, f in enumerate(futures) if k != 2] == [[1], [2], [4], [5]]
+    finally:
+        batcher.close()
+    for field, value, message in [("min_tokens", 2**63, r"min_tokens = 9223372036854775808: an integer in \[0, "),
+                                  ("n", 0, r"n = 0: an integer in \[1, "), ("top_k", -5, "top_k = -5"),
+                                  ("temperature", float("nan"), "temperature = nan"),
+                                  ("temperature", 1e-300, "temperature = 1e-300: 0 .greedy. or a finite number"),
+                                  ("top_p", float("nan"), "top_p = nan"), ("seed", 2**64, "seed = ")]:
+        with pytest.raises(ValueError, match=message):
+            check_request([1, 2], SamplingParams(**{field: value}), 64)
+    check_request([1, 2], SamplingParams(temperature=0, seed=-1, top_k=0, min_tokens=100), 64)  # all valid

@@ -398,3 +398,64 @@ def test_a_restarted_explorer_behind_the_trainers_resume_loads_its_files(tmp_pat
     assert explore.resume_weights(x) is None
     sync.close_sender(sender, grace=0.1)
     assert x.engine.loaded == [(3, "folder")]
+
+
+def damage_weights(folder: Path, how: str) -> None:
+    """Damage a published HF folder as a disk or a person would: cut its weights file, overwrite its header, delete
+    its config."""
+    weights = folder / "model.safetensors"
+    if how == "cut":
+        os.truncate(weights, weights.stat().st_size // 2)
+    elif how == "header":
+        with open(weights, "r+b") as f:
+            f.seek(8)
+            f.write(b"\x00garbage" * 4)
+    else:
+        (folder / "config.json").unlink()
+
+
+@pytest.mark.parametrize("how", ["cut", "header", "config"])
+def test_the_explorer_falls_back_to_the_newest_undamaged_published_weights(tmp_path, tiny_model_dir, how, caplog,
+                                                                           monkeypatch):
+    """As the trainer skips a damaged checkpoint: a restarted explorer starts from the newest undamaged published
+    folder up to the pointer, naming the damaged one; at a sync point a damaged folder is skipped for the newest
+    undamaged newer than the engine's, or the engine keeps its weights. Before, the explorer loaded the pointer's
+    folder blindly and died with a raw SafetensorError (or HFValidationError for a missing step)."""
+    import types
+
+    import sync
+    from models import load_model
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    for k in (2, 3):  # (publishing prunes all but the step before the newest)
+        sync.publish_hf(model, tok, tmp_path, step=k)
+    assert all(not sync.damage(sync.weights_path(tmp_path, k)) for k in (2, 3))
+    damage_weights(sync.weights_path(tmp_path, 3), how)
+    assert str(sync.weights_path(tmp_path, 3)) in sync.damage(sync.weights_path(tmp_path, 3))
+    cfg = types.SimpleNamespace(checkpoint_job_dir=str(tmp_path))
+    with caplog.at_level("WARNING"):
+        assert explore.start_weights(cfg) == (str(sync.weights_path(tmp_path, 2)), 2)
+    assert "the published weights of step 3 are damaged and skipped" in caplog.text
+    monkeypatch.setattr(explore.time, "sleep", lambda _: None)
+    engine = VersionEngine(1)
+    assert explore.load_published(engine, str(tmp_path), 3) == 2 and engine.loaded == [(2, "folder")]
+    engine = VersionEngine(2)
+    assert explore.load_published(engine, str(tmp_path), 3) == 2 and engine.loaded == []
+    assert "goes on with its weights" in caplog.text
+
+
+def test_a_pointer_naming_a_step_without_usable_weights_is_a_named_error(tmp_path, tiny_model_dir):
+    import types
+
+    import sync
+    from models import load_model
+    from tasksets import DataError
+
+    cfg = types.SimpleNamespace(checkpoint_job_dir=str(tmp_path))
+    sync.set_latest(tmp_path, 7)  # a step whose folder was never written (or was deleted)
+    with pytest.raises(DataError, match=r"latest_state_dict_iteration.txt names step 7, and no published weights"):
+        explore.start_weights(cfg)
+    sync.publish_hf(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), tmp_path, step=7)
+    damage_weights(sync.weights_path(tmp_path, 7), "cut")
+    with pytest.raises(DataError, match="restart the trainer"):
+        explore.start_weights(cfg)

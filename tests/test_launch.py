@@ -488,3 +488,30 @@ def test_two_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir
     trainer = (run / "log" / "trainer.log").read_text()
     assert "trainer: 2 rank(s) on cpu" in trainer and "weight sync: gloo group served on 127.0.0.1:" in trainer
     assert json.loads((run / "summary.json").read_text())["exit_code"] == 0
+
+
+def test_a_stage_config_is_written_for_its_owner_only_whatever_it_holds(tmp_path):
+    """The config the processes read holds the real secrets, and which values are secret no name pattern knows
+    (an env var DB_PASS, a monitor_args key of wandb's own): launch.write_stage_config makes it 0600 always, a new
+    file (under a permissive umask) and one an earlier run left world-readable, with the stage's config in it."""
+    from configs import cli, resolve_stages
+    from launch import write_stage_config
+
+    config = write_yaml(tmp_path / "c.yaml", {
+        "model": {"model_path": "some/model", "max_model_len": 256}, "buffer": {
+            "batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}},
+        "explorer": {"env_vars": {"DB_PASS": "dbp-2"}}, "monitor": {"monitor_args": {"session": "sess-9"}}}, {})
+    (stage,) = resolve_stages(cli(["--config", str(config)])[0])
+    old = tmp_path / "old.yaml"
+    old.write_text("explorer: {env_vars: {DB_PASS: earlier}}\n" * 100)
+    old.chmod(0o644)
+    umask = os.umask(0)
+    try:
+        written = [write_stage_config(stage, tmp_path / "new.yaml"), write_stage_config(stage, old)]
+    finally:
+        os.umask(umask)
+    for path in written:
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert "DB_PASS: dbp-2" in path.read_text() and "earlier" not in path.read_text()
+        (again,) = resolve_stages(cli(["--config", str(path)])[0])
+        assert again == stage

@@ -200,9 +200,14 @@ def test_preview_puts_the_lowest_and_highest_reward_samples_in_the_history_and_l
     assert "preview" not in capsys.readouterr().err  # the console keeps its short line
 
 
-SECRETS = {"monitor.monitor_args": {"password": "hunter2", "username": "me"},
-           "buffer.trainer_input.experience_buffer.path": "postgresql://rft:s3cret@db-host:5432/rft",
-           "explorer.env_vars": {"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk-xyz", "PLAIN": "kept"}}
+# env_vars of names no pattern of secret names knew (issue 25): AZURE_OPENAI_KEY, DB_PASS, ..._CREDENTIALS, ...
+SECRETS = {"monitor.monitor_args": {"password": "hunter2", "username": "me", "session": "sess-9"},
+           "buffer.trainer_input.experience_buffer.path": "postgresql://rft:s3@cret@db-host:5432/rft",
+           "explorer.env_vars": {"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk-xyz", "AZURE_OPENAI_KEY": "az-1",
+                                 "DB_PASS": "dbp-2", "GCP_CREDENTIALS": "gcp-3", "GITHUB_PAT": "ghp-4",
+                                 "API_KEYS": "ak-5", "SESSION_COOKIE": "ck-6", "PLAIN": "plain-7"}}
+HIDDEN = ("hunter2", "sess-9", "s3@cret", "cret@", "hf_abc", "sk-xyz", "az-1", "dbp-2", "gcp-3", "ghp-4", "ak-5",
+          "ck-6", "plain-7")
 
 
 def with_secrets(tmp_path, kind: str) -> Config:
@@ -213,20 +218,30 @@ def with_secrets(tmp_path, kind: str) -> Config:
     return cfg
 
 
-def test_redacted_hides_passwords_keys_and_url_passwords_only():
+def test_redacted_hides_every_env_var_monitor_args_but_harmless_keys_passwords_keys_and_url_passwords():
+    """Every env_vars value (in a stage's overrides too), every monitor_args value but SHOWN_MONITOR_ARGS (URLs
+    there with their passwords hidden), a key named like a secret elsewhere; nothing else."""
     from configs.checks import redacted
     from configs.resolve import holds_secret
+    from configs.schema import StageConfig
 
     cfg = Config()
     assert redacted(cfg) == dataclasses.asdict(cfg) and not holds_secret(cfg)  # nothing secret: nothing changed
-    cfg.monitor.monitor_args = {"password": "hunter2", "api_key": "k", "uri": "https://u:pw@mlflow.example"}
-    cfg.buffer.trainer_input.experience_buffer.path = "postgresql://rft:s3cret@db/rft?sslmode=require"
-    cfg.explorer.env_vars = {"HF_TOKEN": "hf_abc", "AWS_SECRET_ACCESS_KEY": "a", "PLAIN": "kept"}
+    cfg.monitor.monitor_args = {"password": "hunter2", "api_key": "k", "uri": "https://u:pw@mlflow.example",
+                                "entity": "team", "tags": ["a", "b"], "mode": "offline", "session": "s", "extra": 1}
+    cfg.buffer.trainer_input.experience_buffer.path = "postgresql://rft:s3@cret@db/rft?sslmode=require"
+    cfg.explorer.env_vars = {**SECRETS["explorer.env_vars"], "EMPTY": ""}
+    cfg.buffer.explorer_input.taskset.workflow_args = {"github_pat": "g", "db_pass": "d", "auth": "a", "turns": 3}
+    cfg.stages = [StageConfig(stage_name="s", explorer={"env_vars": {"DB_PASS": "dbp-2"}})]
     out = redacted(cfg)
-    assert out["monitor"]["monitor_args"] == {"password": "***", "api_key": "***",
-                                              "uri": "https://u:***@mlflow.example"}
+    assert out["monitor"]["monitor_args"] == {"password": "***", "api_key": "***", "entity": "team",
+                                              "uri": "https://u:***@mlflow.example", "tags": ["a", "b"],
+                                              "mode": "offline", "session": "***", "extra": "***"}
     assert out["buffer"]["trainer_input"]["experience_buffer"]["path"] == "postgresql://rft:***@db/rft?sslmode=require"
-    assert out["explorer"]["env_vars"] == {"HF_TOKEN": "***", "AWS_SECRET_ACCESS_KEY": "***", "PLAIN": "kept"}
+    assert out["explorer"]["env_vars"] == {**dict.fromkeys(SECRETS["explorer.env_vars"], "***"), "EMPTY": ""}
+    assert out["buffer"]["explorer_input"]["taskset"]["workflow_args"] == {"github_pat": "***", "db_pass": "***",
+                                                                           "auth": "***", "turns": 3}
+    assert out["stages"][0]["explorer"] == {"env_vars": {"DB_PASS": "***"}}
     assert out["buffer"]["trainer_input"]["experience_buffer"]["format"]["prompt_key"] == "prompt"  # a *_key: kept
     assert holds_secret(cfg) and cfg.monitor.monitor_args["password"] == "hunter2"  # the config itself unchanged
 
@@ -243,17 +258,17 @@ def test_the_config_that_mlflow_and_wandb_get_has_its_secrets_hidden(tmp_path, m
     (run,) = client.search_runs([client.get_experiment_by_name("nanorft").experiment_id])
     saved = (Path(client.download_artifacts(run.info.run_id, "config.json", str(tmp_path)))).read_text()
     assert '"password": "***"' in saved and "postgresql://rft:***@db-host:5432/rft" in saved
-    assert '"PLAIN": "kept"' in saved
-    for secret in ("hunter2", "s3cret", "hf_abc", "sk-xyz"):
-        assert secret not in saved
+    assert '"PLAIN": "***"' in saved and '"username": "me"' in saved
+    assert not [secret for secret in HIDDEN if secret in saved]
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
     mon = Monitor(with_secrets(tmp_path / "w", "wandb"), role="trainer")
     assert mon.wandb.config["monitor"]["monitor_args"]["password"] == "***"
+    assert mon.wandb.config["explorer"]["env_vars"]["DB_PASS"] == "***"
     mon.close()
-    written = [p for p in (tmp_path / "w/job/monitor/wandb").rglob("*") if p.is_file()]
-    assert written and not any(s.encode() in p.read_bytes() for p in written for s in ("hunter2", "s3cret", "hf_abc"))
+    written = [p for p in (tmp_path / "w/job/monitor/wandb").rglob("*") if p.is_file()]  # debug.log among them
+    assert written and not [(p.name, s) for p in written for s in HIDDEN if s.encode() in p.read_bytes()]
 
 
 def _create(uri: str, name: str, barrier) -> str:

@@ -222,3 +222,245 @@ def test_a_workflow_on_the_openai_client_trains_through_the_explorer(tmp_path, t
     assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
     # the experiences carry the log-probs of exactly the weights that served the calls
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
+
+
+# --- hostile callers (issue 25): every request checked before the engine's shared batch, one bad request fails alone
+
+
+def openai_client(server, **kw):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=kw.pop("api_key", "EMPTY"), max_retries=0, **kw)
+
+
+def test_a_hundred_concurrent_requests_are_all_in_flight_at_once(server, monkeypatch):
+    """The handlers are async: a request waiting for the engine holds no thread, so 100 concurrent calls of the
+    `openai` client all reach the engine before any is answered (plain `def` handlers ran 40 at a time: FastAPI's
+    thread pool). The engine's futures are held until the 100th request arrives (or 60 s)."""
+    import concurrent.futures
+    import threading
+
+    arrived, gate, submit = [], threading.Event(), server.handle.submit
+
+    def held(ids, params):
+        future = submit(ids, params)
+        arrived.append(1)
+        if len(arrived) == 100:
+            gate.set()
+        out = concurrent.futures.Future()
+        threading.Thread(target=lambda: (gate.wait(60), out.set_result(future.result())), daemon=True).start()
+        return out
+
+    monkeypatch.setattr(server.handle, "submit", held)
+    client = openai_client(server, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(100) as pool:
+        replies = list(pool.map(lambda i: client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
+                                                                        seed=i), range(100)))
+    assert gate.is_set() and len(arrived) == 100 and all(r.choices[0].message.content is not None for r in replies)
+
+
+def test_a_body_or_prompt_too_big_is_refused_before_it_is_read_or_tokenised(server, monkeypatch):
+    import time
+
+    from openai_api import MAX_BODY_BYTES
+
+    client = openai_client(server)
+    start = time.monotonic()
+    with pytest.raises(openai.APIStatusError, match=f"at most {MAX_BODY_BYTES} are accepted") as e:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * (MAX_BODY_BYTES + 1)}])
+    assert e.value.status_code == 413
+    encode = server.handle.tokenizer.encode
+    monkeypatch.setattr(server.handle.tokenizer, "encode", lambda *a, **k: pytest.fail("tokenised") or encode(*a, **k))
+    with pytest.raises(openai.BadRequestError, match=r"messages: 200000 characters cannot fit max_model_len=256"):
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 200_000}])
+    with pytest.raises(openai.BadRequestError, match=r"prompt: 200000 characters cannot fit"):
+        client.completions.create(model="tiny", prompt="y" * 200_000)
+    assert time.monotonic() - start < 30
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"n": 200000}, "n = 200000: between 1 and 128"),
+    ({"temperature": 1e-300}, "temperature = 1e-300"), ({"temperature": 0.001}, "temperature = 0.001"),
+    ({"top_p": 0}, r"top_p = 0.0: in \(0, 1\]"), ({"extra_body": {"top_k": 2**40}}, "top_k = 1099511627776"),
+    ({"max_tokens": 0}, r"max_tokens = 0: an integer in \[1, 2\*\*31\)"),
+    ({"extra_body": {"min_tokens": 2**63}}, "min_tokens = 9223372036854775808"),
+    ({"extra_body": {"min_tokens": -1}}, "min_tokens = -1"),
+    ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens = 5 is more than max_tokens"),
+    ({"seed": 2**70}, "seed = 1180591620717411303424"), ({"stop": [""]}, "stop: at most 16 strings of 1 to"),
+    ({"stop": ["a"] * 17}, "stop: at most 16 strings"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty = 0.5 is not supported: penalties"),
+    ({"presence_penalty": -1}, "presence_penalty = -1 is not supported"),
+    ({"logit_bias": {"5": 100}}, "logit_bias = .* is not supported"),
+    ({"response_format": {"type": "json_object"}}, "response_format = .* is not supported: no guided decoding"),
+    ({"tool_choice": "required"}, "tool_choice = 'required' is not supported"),
+    ({"extra_body": {"repetition_penalty": 1.3}}, "repetition_penalty = 1.3 is not supported"),
+    ({"extra_body": {"guided_json": {}}}, "unsupported field 'guided_json'"),
+    ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, r"chat_template_kwargs: \['tokenize'\]")])
+def test_every_sampling_field_is_range_checked_and_unsupported_fields_are_named(server, fields, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        openai_client(server).chat.completions.create(model="tiny", messages=MESSAGES, **fields)
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "NaN"), ("temperature", "Infinity"), ("top_p", "NaN")])
+def test_non_finite_numbers_are_refused(server, field, value):
+    """The `openai` client cannot send NaN (its JSON encoder refuses it), a raw caller can (NaN gave null
+    log-probs)."""
+    import httpx
+
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field, value)
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field} = "), r.text
+
+
+def test_defaults_of_unsupported_fields_and_identifiers_are_accepted(server):
+    out = openai_client(server).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, frequency_penalty=0, presence_penalty=0.0, user="u1",
+        metadata={"k": "v"}, response_format={"type": "text"}, extra_body={"repetition_penalty": 1.0})
+    assert len(out.choices) == 1
+
+
+def test_a_request_that_would_break_a_shared_batch_fails_alone(server):
+    """Eight ordinary requests and a poisoned one (min_tokens 2**63 failed the whole decode batch before) in flight
+    together: the eight are answered."""
+    import concurrent.futures
+
+    client = openai_client(server)
+
+    def ask(i):
+        extra = {"min_tokens": 2**63} if i == 4 else {}
+        try:
+            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, seed=i,
+                                                  extra_body=extra).choices[0].finish_reason
+        except openai.BadRequestError as e:
+            return f"400: {e.message}"
+
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        out = list(pool.map(ask, range(9)))
+    assert out[4].startswith("400: ") and "min_tokens" in out[4]
+    assert all(x in ("stop", "length") for i, x in enumerate(out) if i != 4), out
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
+    import copy
+
+    with HFEngine(tiny_model_dir) as engine:
+        tok = copy.deepcopy(engine.tokenizer)
+        tok.chat_template = "{% if greet %}hello {% endif %}" + tok.chat_template
+        s = OpenAIServer(ModelHandle(engine, tok, {"max_tokens": 2}, max_model_len=256), "tiny")
+        s.start()
+        try:
+            client = openai_client(s)
+            plain, greeted = [client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={
+                "return_token_ids": True, **extra}) for extra in ({}, {"chat_template_kwargs": {"greet": True}})]
+            assert greeted.prompt_token_ids == tok.encode("hello ", add_special_tokens=False) + plain.prompt_token_ids
+        finally:
+            s.stop()
+
+
+class ScriptedEngine:
+    """An engine that answers every request with `text` (what a model that calls tools writes)."""
+
+    model_version, eos_ids = 0, [0]
+
+    def __init__(self, text):
+        self.text = text
+
+    def submit(self, ids, params):
+        import concurrent.futures
+
+        from engines import Completion
+
+        future = concurrent.futures.Future()
+        future.set_result([Completion([5] * 3, [-0.5] * 3, self.text, "stop") for _ in range(params.n)])
+        return future
+
+
+CALC = {"type": "function", "function": {"name": "calculate", "description": "Evaluates + - * /",
+                                         "parameters": {"type": "object", "properties": {"expression": {
+                                             "type": "string"}}, "required": ["expression"]}}}
+
+
+@pytest.mark.parametrize("text,calls,content", [
+    ('Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+     [("calculate", {"expression": "2 + 3"})], "Let me compute."),
+    ('<tool_call>{"name": "calculate", "arguments": {"expression": "1"}}</tool_call>'
+     '<tool_call>{"name": "calculate", "arguments": {"expression": "2"}}</tool_call>',
+     [("calculate", {"expression": "1"}), ("calculate", {"expression": "2"})], None),
+    ("<tool_call>" + "[" * 100_000 + "</tool_call>", [], None),  # malformed: the reply stays text
+    ("The answer is 5.", [], None)])
+def test_tools_give_openai_tool_calls_from_the_projects_parser(tiny_model_dir, text, calls, content):
+    import json
+
+    from models import load_tokenizer
+
+    tok = load_tokenizer(tiny_model_dir)
+    s = OpenAIServer(ModelHandle(ScriptedEngine(text), tok, max_model_len=256), "tiny")
+    s.start()
+    try:
+        client = openai_client(s)
+        out = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[CALC], max_tokens=8)
+        (choice,) = out.choices
+        if not calls:
+            assert choice.message.tool_calls is None and choice.message.content == text
+            assert choice.finish_reason == "stop"
+            return
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert got == calls and choice.finish_reason == "tool_calls" and choice.message.content == content
+        assert all(c.type == "function" and c.id.startswith("call_") for c in choice.message.tool_calls)
+        one = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[CALC], parallel_tool_calls=False)
+        assert len(one.choices[0].message.tool_calls) == 1
+        plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[CALC], tool_choice="none")
+        assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == text
+        # the call goes back as the client sends it (arguments a JSON string) and renders (the template gets a dict)
+        back = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
+            c.model_dump() for c in choice.message.tool_calls]}, {"role": "tool", "content": "5"}]
+        assert client.chat.completions.create(model="tiny", messages=back, tools=[CALC]).choices
+    finally:
+        s.stop()
+
+
+def test_off_loopback_the_api_needs_a_key_and_every_request_carries_it(tiny_model_dir):
+    with HFEngine(tiny_model_dir) as engine:
+        handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64)
+        with pytest.raises(ValueError, match="needs an API key: set explorer.rollout_model.openai_api_key"):
+            OpenAIServer(handle, "tiny", host="0.0.0.0").start()
+        s = OpenAIServer(handle, "tiny", record=True, host="0.0.0.0", api_key="s3cret")
+        s.start()
+        try:
+            url = f"http://127.0.0.1:{s.port}/v1"
+            for key in ("EMPTY", "s3cret0", "s3cre"):
+                with pytest.raises(openai.AuthenticationError, match="a valid API key is required"):
+                    openai.OpenAI(base_url=url, api_key=key, max_retries=0).models.list()
+            import httpx
+
+            assert httpx.get(url + "/models").status_code == 401  # no Authorization header at all
+            assert openai.OpenAI(base_url=url, api_key="s3cret", max_retries=0).models.list().data[0].id == "tiny"
+            client = s.client()  # the handle's own clients carry the key
+            client.chat.completions.create(model="tiny", messages=MESSAGES)
+            assert len(s.history(client)) == 1
+        finally:
+            s.stop()
+
+
+def test_a_failed_workflows_sessions_are_freed(server, monkeypatch):
+    """explore.run_task ends the API sessions an attempt made, whether it failed, timed out or never took its
+    history: the server keeps nothing of them."""
+    import explore
+    import workflows
+    from configs.schema import GenerationConfig
+    from tasksets import Task
+
+    class Crashes(workflows.Workflow):
+        def run(self):
+            client = self.model.openai_client()
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+            raise RuntimeError("the workflow's own bug")
+
+    monkeypatch.setitem(workflows.WORKFLOWS, "crashes", Crashes)
+    handle = ModelHandle(server.handle.engine, server.handle.tokenizer, max_model_len=256)
+    handle.api = server
+    before = set(server.sessions)
+    task = Task(taskset="t", index=0, epoch=0, raw={}, prompt="x", messages=None, reference=None, tools=None,
+                workflow="crashes", reward_fn="", workflow_args={}, reward_fn_args={}, rollout_args=GenerationConfig(),
+                repeat_times=1)
+    exps, error = explore.run_task(task, handle, timeout=60, retries=1)
+    assert exps is None and "the workflow's own bug" in error
+    assert set(server.sessions) == before and set(server.owners) <= before

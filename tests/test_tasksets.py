@@ -79,7 +79,8 @@ def test_missing_column_names_file_row_and_key(tmp_path):
     data = rows(5)
     del data[3]["answer"]
     f = write_jsonl(tmp_path / "train.jsonl", data)
-    with pytest.raises(DataError, match=rf"{f}: row 3: missing column 'answer' \(format.response_key\)"):
+    # a JSON row without a key that other rows have reads as null: named as null, not as a missing column
+    with pytest.raises(DataError, match=rf"{f}: row 3: column 'answer' \(format.response_key\) is null"):
         load_tasks(taskset(tmp_path))
     with pytest.raises(DataError, match=r"row 0: missing column 'prompt' \(format.prompt_key\)"):
         load_tasks(taskset(tmp_path, format={"response_key": "answer"}))
@@ -207,3 +208,81 @@ def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import
                                             "row may name a registered .* never code to import"):
             load_tasks(taskset(bad, format=fmt))
     assert not ran.exists()
+
+
+def verl_rows() -> list[dict]:
+    """Two rows in veRL's parquet shape (verl/examples/data_preprocess/gsm8k.py): the prompt a chat, the answer in
+    reward_model.ground_truth, a struct of extras."""
+    return [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "user", "content": f"What is {a} x 7? Answer after ####."}],
+             "reward_model": {"style": "rule", "ground_truth": str(a * 7)},
+             "extra_info": {"split": "train", "index": i, "system": "Be brief.", "reward": "math_reward"}}
+            for i, a in enumerate((6, 9))]
+
+
+def test_a_verl_parquet_reads_through_dotted_keys_and_scores(tmp_path):
+    """format keys walk into struct columns: the reference is the ground-truth string (not None, not the dict), the
+    chat prompt comes out as the messages, and math_reward scores a right answer 1.0 (it scored 0.0 on the dict)."""
+    from workflows.math import math_reward
+
+    path = tmp_path / "train.parquet"
+    datasets.Dataset.from_list(verl_rows()).to_parquet(str(path))
+    fmt = {"prompt_key": "prompt", "response_key": "reward_model.ground_truth",
+           "system_prompt_key": "extra_info.system", "reward_fn_key": "extra_info.reward"}
+    tasks = load_tasks(taskset(path, format=fmt))
+    assert [t.reference for t in tasks] == ["42", "63"] and tasks[0].prompt is None
+    assert tasks[1].messages == [{"role": "system", "content": "Be brief."},
+                                 {"role": "user", "content": "What is 9 x 7? Answer after ####."}]
+    assert tasks[0].reward_fn == "math_reward" and tasks[0].raw["extra_info"]["index"] == 0
+    assert math_reward("6 x 7 = 42\n#### 42", tasks[0].reference)["accuracy"] == 1.0
+    assert math_reward("#### 41", tasks[0].reference)["accuracy"] == 0.0
+    chat = load_tasks(taskset(path, format={"prompt_type": "messages", "messages_key": "prompt",
+                                            "response_key": "reward_model.ground_truth"}))
+    assert [(t.messages, t.reference) for t in chat] == [(t.messages[1:], t.reference) for t in tasks]
+    # naming the struct itself is refused, with the dotted key that would work
+    with pytest.raises(DataError, match=rf"{path}: row 0: column 'reward_model' \(format.response_key\) holds a "
+                                        r"struct \(dict\), not text: .*dotted key: reward_model.style or "
+                                        r"reward_model.ground_truth$"):
+        load_tasks(taskset(path, format={"prompt_key": "prompt", "response_key": "reward_model"}))
+
+
+def test_a_top_level_column_with_a_dot_wins_over_the_nested_path(tmp_path):
+    f = write_jsonl(tmp_path / "train.jsonl", [{"q.text": "hi", "a": {"b": "nested"}, "a.b": "top"}])
+    (t,) = load_tasks(taskset(f, format={"prompt_key": "q.text", "response_key": "a.b"}))
+    assert (t.prompt, t.reference) == ("hi", "top")
+    dpo = format_row({"p": {"q": "p"}, "pair": {"good": "g", "bad": 2}},
+                     FormatConfig(prompt_key="p.q", chosen_key="pair.good", rejected_key="pair.bad"), "w", kind="dpo")
+    assert (dpo["chosen"], dpo["rejected"]) == ("g", "2")
+
+
+@pytest.mark.parametrize("data, fmt, named", [
+    ([{"question": "q", "answer": "1"}, {"question": "q", "answer": None}], {},
+     r"row 1: column 'answer' \(format.response_key\) is null"),
+    ([{"question": "q", "answer": {"value": "1", "n": 2}}], {},  # only its text fields are offered
+     r"row 0: column 'answer' \(format.response_key\) holds a struct \(dict\), not text: .*key: answer.value$"),
+    ([{"question": "q", "answer": ["1", "2"]}], {}, r"row 0: column 'answer' \(format.response_key\) holds a list"),
+    ([{"question": "q", "answer": True}], {}, r"row 0: column 'answer' \(format.response_key\) holds a boolean"),
+    ([{"question": {"text": "q"}, "answer": "1"}], {},
+     r"row 0: column 'question' \(format.prompt_key\) holds a struct \(dict\), not text: .*key: question.text$"),
+    ([{"question": ["a", "b"], "answer": "1"}], {},
+     r"row 0: column 'question': expected a list of \{role, content\} messages"),
+    ([{"question": [{"role": "user", "content": None}], "answer": "1"}], {}, r"row 0: column 'question': message 0"),
+    ([{"question": "q", "rm": {"truth": "1"}}, {"question": "q", "rm": None}], {"response_key": "rm.truth"},
+     r"row 1: column 'rm.truth' \(format.response_key\): 'rm' is null"),
+    ([{"question": "q", "rm": {"truth": "1"}}], {"response_key": "rm.ground_truth"},
+     r"row 0: missing column 'rm.ground_truth' \(format.response_key\); 'rm' has \['truth'\]"),
+    ([{"question": "q", "rm": "1"}], {"response_key": "rm.truth"},
+     r"row 0: column 'rm.truth' \(format.response_key\): 'rm' holds a str, not a struct to look into"),
+], ids=["null", "dict-reference", "list-reference", "bool-reference", "dict-prompt", "list-prompt", "null-content",
+        "null-struct", "missing-nested", "not-a-struct"])
+def test_a_null_or_non_text_prompt_or_reference_is_refused_by_row_and_column(tmp_path, data, fmt, named):
+    f = write_jsonl(tmp_path / "train.jsonl", data)
+    with pytest.raises(DataError, match=rf"^taskset taskset_0: {f}: {named}"):
+        load_tasks(taskset(f, format={"prompt_key": "question", "response_key": "answer", **fmt}))
+
+
+def test_a_number_is_text_where_text_is_needed(tmp_path):
+    """GSM8K-style integer answers (and a CSV's number column) are taken as their strings."""
+    (tmp_path / "train.csv").write_text("question,answer\n7,42\n8,2.5\n")
+    tasks = load_tasks(taskset(tmp_path))
+    assert [(t.prompt, t.reference) for t in tasks] == [("7", "42"), ("8", "2.5")]

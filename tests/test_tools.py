@@ -1,7 +1,10 @@
 """workflows/tools.py, tool_workers.py, calculator.py: tool calls parsed as JSON outside the model's thinking, run in
 worker processes that are killed at their timeout (a hung tool holds nothing, and the process still exits), the
-calculator."""
+calculator. Containment: a tool's children die with it, any parser failure is an observation, big results are cut,
+workers do not inherit the explorer's secrets."""
 
+import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -13,16 +16,21 @@ from pathlib import Path
 
 import pytest
 
+from configs.schema import GenerationConfig
+from engines import Completion, ModelHandle
+from models import load_tokenizer
+from tasksets import Task
+from workflows import build_workflow
 from workflows.calculator import calculate
 from workflows.tool_use import CALCULATOR
-from workflows.tool_workers import WORKERS, Worker, Workers
+from workflows.tool_workers import MAX_REPLY_BYTES, MAX_RESULT_BYTES, WORKERS, Worker, Workers, cut
 from workflows.tools import Tool, ToolCall, ToolError, parse_tool_calls, run_tool, strip_thinking
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Tool functions for the tests, in a file of their own (a worker loads it by path: standard library only)
 TOOL_FILE = '''
-import os, time
+import json, os, subprocess, time
 
 
 def add(a, b):
@@ -46,6 +54,26 @@ def sleep_forever(pid_file):
         f.write(str(os.getpid()))
     while True:
         time.sleep(1)
+
+
+def spawn_and_hang(pid_file):
+    child = subprocess.Popen(["sleep", "60"])
+    with open(pid_file, "w") as f:
+        f.write(str(child.pid))
+    while True:
+        time.sleep(1)
+
+
+def huge(n):
+    return "x" * n
+
+
+def huge_error(n):
+    raise ValueError("y" * n)
+
+
+def environ():
+    return json.dumps(dict(os.environ))
 '''
 
 
@@ -61,11 +89,20 @@ def tool(path: Path, name: str) -> Tool:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` runs; a zombie (killed, its new parent has not reaped it yet) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    stat = Path(f"/proc/{pid}/stat")
+    return not stat.exists() or stat.read_text().rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not alive(pid)
 
 
 def test_a_failing_tool_is_an_observation_not_a_crash(tool_file):
@@ -230,3 +267,127 @@ def test_the_tool_call_benchmark_runs():
     assert out.returncode == 0, out.stderr[-2000:]
     for what in ("first call (starts a worker)", "a pooled call", "the calculator in-process"):
         assert f"{what}: median " in out.stdout and " ms over 2 runs" in out.stdout
+
+
+# --- containment: process groups, parser failures, result size, environment
+
+
+def test_a_process_a_timed_out_tool_started_is_killed_with_it(tool_file, tmp_path):
+    """The worker leads a process group of its own and the whole group is killed at the timeout: the `sleep 60`
+    the tool started dies too (killing the worker alone left it running); a later call still answers."""
+    pid_file = tmp_path / "child.pid"
+    tools = [tool(tool_file, "spawn_and_hang"), tool(tool_file, "add")]
+    out = run_tool(tools, ToolCall("spawn_and_hang", {"pid_file": str(pid_file)}), timeout=1.0)
+    assert out == "error: spawn_and_hang gave no result within 1 s"
+    child = int(pid_file.read_text())
+    assert gone_within(child, 5.0), f"the tool's child {child} outlived its worker"
+    assert run_tool(tools, ToolCall("add", {"a": 1, "b": 2})) == "3"
+
+
+@pytest.mark.parametrize("body,error", [
+    ("[" * 100000, "error: the tool call's JSON is nested too deeply"),
+    ('{"name": "add", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + "}}", "error: the tool call's JSON is nested"),
+    ('{"name": "add", "arguments": {"a": ' + "7" * 5000 + ', "b": 1}}',
+     "error: the tool call's JSON cannot be read (ValueError: Exceeds the limit (4300 digits)")])
+def test_a_tool_call_that_breaks_the_json_parser_is_an_error_for_the_model(tool_file, body, error):
+    """RecursionError and ValueError from json.loads (not JSONDecodeError) escaped parse_tool_calls and lost the
+    whole group; now each is the call's error, and the next call in the same reply still runs."""
+    calls = parse_tool_calls(f'<tool_call>{body}</tool_call><tool_call>{{"name": "add", "arguments": '
+                             '{"a": 2, "b": 3}}</tool_call>')
+    tools = [tool(tool_file, "add")]
+    assert run_tool(tools, calls[0]).startswith(error) and run_tool(tools, calls[1]) == "5"
+
+
+def test_arguments_that_cannot_be_sent_to_a_worker_are_an_error_not_an_exception(tool_file):
+    out = run_tool([tool(tool_file, "add")], ToolCall("add", {"a": {1}, "b": 2}))
+    assert out.startswith("error: the tool call's arguments cannot be sent to the tool (TypeError:")
+
+
+class Scripted:
+    """Plays the model: each request gets the next scripted text's ids and EOS, whatever its length."""
+
+    model_version = 0
+
+    def __init__(self, tokenizer, texts: list[str]) -> None:
+        self.tokenizer, self.texts = tokenizer, list(texts)
+
+    def submit(self, ids, params) -> concurrent.futures.Future:
+        text = self.texts.pop(0)
+        out = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+        f = concurrent.futures.Future()
+        f.set_result([Completion(out, [-0.5] * len(out), text, "stop")])
+        return f
+
+
+def test_a_group_whose_model_sends_deeply_nested_json_is_scored_not_lost(tiny_model_dir):
+    """tool_workflow, 2 episodes: one sends `[` * 100000 in a tool call, reads the error and answers; the other
+    answers at once. Both are scored (the RecursionError used to end the task's whole group)."""
+    tok = load_tokenizer(tiny_model_dir)
+    model = ModelHandle(Scripted(tok, ["<tool_call>" + "[" * 100000 + "</tool_call>", "#### 83", "#### 83"]), tok,
+                        {"max_tokens": 200000})
+    task = Task(taskset="t", index=0, epoch=0, raw={}, prompt="What is 37 + 58 - 12?",
+                messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}], reference="#### 83", tools=None,
+                workflow="tool_workflow", reward_fn="math_reward", workflow_args={"max_turns": 3}, reward_fn_args={},
+                rollout_args=GenerationConfig(temperature=1.0), repeat_times=2)
+    exps = build_workflow(task, model).run()
+    assert [e.reward for e in exps] == pytest.approx([1.1, 1.1])
+    assert [(e.metrics["turns"], e.metrics["tool_calls"]) for e in exps] == [(2, 1), (1, 0)]
+    assert "<|im_start|>tool\nerror: the tool call's JSON is nested too deeply<|im_end|>" in tok.decode(exps[0].tokens)
+
+
+def test_a_huge_result_is_cut_quickly_and_says_so(tool_file):
+    """50 MiB back from a tool: cut in the worker to MAX_RESULT_BYTES, with a notice, in well under the timeout (the
+    reply used to be read into a growing buffer, quadratically, and the call was reported as a timeout)."""
+    tools = [tool(tool_file, "huge"), tool(tool_file, "huge_error")]
+    t0 = time.monotonic()
+    out = run_tool(tools, ToolCall("huge", {"n": 50 << 20}), timeout=10.0)
+    assert time.monotonic() - t0 < 5.0
+    assert out == "x" * MAX_RESULT_BYTES + f"... [cut: result was {50 << 20} bytes, cap {MAX_RESULT_BYTES}]"
+    out = run_tool(tools, ToolCall("huge_error", {"n": 10 << 20}), timeout=10.0)
+    assert out.startswith("error: ValueError: yyy") and out.endswith(f"bytes, cap {MAX_RESULT_BYTES}]")
+    assert len(out) < MAX_RESULT_BYTES + 100
+    assert run_tool(tools, ToolCall("huge", {"n": MAX_RESULT_BYTES})) == "x" * MAX_RESULT_BYTES  # at the cap: whole
+
+
+def test_a_cut_counts_utf8_bytes_and_splits_no_character():
+    text = "a" + "\N{GRINNING FACE}" * MAX_RESULT_BYTES  # 4 bytes each: the cap falls inside a character
+    out = cut(text)
+    kept, notice = out.split("... [cut: ")
+    assert kept == "a" + "\N{GRINNING FACE}" * ((MAX_RESULT_BYTES - 1) // 4)
+    assert notice == f"result was {1 + 4 * MAX_RESULT_BYTES} bytes, cap {MAX_RESULT_BYTES}]"
+    assert cut("\N{GRINNING FACE}" * (MAX_RESULT_BYTES // 4)) == "\N{GRINNING FACE}" * (MAX_RESULT_BYTES // 4)
+
+
+def test_a_reply_over_the_reply_cap_is_refused_in_one_pass():
+    """Worker.read on a pipe that never sends a newline (only a tool writing to the reply pipe itself could): it
+    stops at MAX_REPLY_BYTES, it does not wait for the timeout."""
+    worker = Worker()
+    try:
+        r, w = os.pipe()
+        worker.proc.stdout.close()
+        worker.proc.stdout = os.fdopen(r, "rb")
+        writer = threading.Thread(target=lambda: os.write(w, b"z" * (MAX_REPLY_BYTES + 1)) and os.close(w))
+        writer.start()
+        t0 = time.monotonic()
+        assert worker.read(30.0) == {"lost": f"the tool broke its worker: its reply is over {MAX_REPLY_BYTES} bytes"}
+        assert time.monotonic() - t0 < 10.0
+    finally:
+        worker.kill()
+        writer.join()
+
+
+def test_a_worker_does_not_inherit_the_explorers_secrets(tool_file, monkeypatch):
+    """Only ENV_ALLOWED, LC_* and the names in NANORFT_TOOL_ENV reach a worker (a fresh pool: the environment is
+    read when a worker starts)."""
+    for name, value in {"HF_TOKEN": "hf_secret", "PGPASSWORD": "pg_secret", "AWS_SECRET_ACCESS_KEY": "aws",
+                        "LC_TIME": "C", "NANORFT_TOOL_ENV": "MY_TOOL_KEY, OTHER", "MY_TOOL_KEY": "k1"}.items():
+        monkeypatch.setenv(name, value)
+    pool = Workers(size=1)
+    try:
+        out = pool.call(tool(tool_file, "environ").ref, {}, 30.0)
+    finally:
+        pool.close()
+    env = json.loads(out["result"])
+    assert not {"HF_TOKEN", "PGPASSWORD", "AWS_SECRET_ACCESS_KEY"} & set(env)
+    assert "hf_secret" not in out["result"] and "pg_secret" not in out["result"]
+    assert env["PATH"] == os.environ["PATH"] and env["LC_TIME"] == "C" and env["MY_TOOL_KEY"] == "k1"

@@ -229,8 +229,8 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     python = inspect.isfunction(base) or inspect.ismethod(base) or (
         not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))
     if not python:
-        raise KeyError(f"reward function {name!r} is not a Python function (builtins and classes are refused): a reward "
-                       "function takes (response, reference) and returns {component: value}")
+        raise KeyError(f"reward function {name!r} is not a Python function (builtins and classes are refused): a "
+                       "reward function takes (response, reference) and returns {component: value}")
     try:
         inspect.signature(fn).bind_partial("response", "reference")  # its own args come from reward_fn_args
     except (TypeError, ValueError) as e:

@@ -13,6 +13,13 @@ from its file on the worker's first call to it (the calculator: standard library
 torch: seconds, once per worker). Workers are kept in a small pool and reused (per-call overhead in docs/LOG.md);
 a killed one is replaced at the next call; a worker whose parent is gone exits (a watchdog thread), and the pool
 kills its workers at exit.
+
+Containment (tests/test_tools.py): a worker leads a process group of its own (start_new_session) and is killed
+with os.killpg, so what a tool started dies with it (a child that calls setsid escapes: this is no sandbox); a
+result over MAX_RESULT_BYTES is cut in the worker, saying so, and the parent reads a reply in one linear pass; a
+worker inherits ENV_ALLOWED, LC_* and the names listed in NANORFT_TOOL_ENV (comma-separated, e.g. a search tool's
+SERPER_API_KEY), not the explorer's secrets (HF_TOKEN, PGPASSWORD). NOTE: that keeps them out of os.environ (a
+tool or a library that logs it), but a tool runs as the same user and could read /proc/<explorer pid>/environ.
 """
 
 from __future__ import annotations
@@ -24,12 +31,24 @@ import importlib.util
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+MAX_RESULT_BYTES = 16384
+"""Results and error texts are cut to this many UTF-8 bytes (about 4,000 tokens: plenty for one observation)."""
+MAX_REPLY_BYTES = 8 * MAX_RESULT_BYTES + 4096
+"""A longer reply line is refused: json.dumps writes a byte of a cut result as 6 bytes at most (\\u00XX), so only a
+tool that writes to the reply pipe itself gets there."""
+ENV_ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "PYTHONPATH",
+               "PYTHONHOME", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV",
+               "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
+"""The variables a worker inherits (and LC_*): what Python and a tool's subprocesses need to start and to find
+files, temporary space and locale; none holds a secret. More with NANORFT_TOOL_ENV (the module docstring)."""
 
 
 def get_attr(obj: Any, dotted: str) -> Any:
@@ -58,13 +77,24 @@ def resolve(ref: dict) -> Callable[..., Any]:
     return get_attr(sys.modules[name], ref["attr"])
 
 
+def cut(text: str) -> str:
+    """`text` cut to MAX_RESULT_BYTES bytes of UTF-8, saying so."""
+    if len(text) * 4 <= MAX_RESULT_BYTES:  # fast path: a character is at most 4 bytes
+        return text
+    data = text.encode("utf-8", "replace")  # "replace": a lone surrogate
+    if len(data) <= MAX_RESULT_BYTES:
+        return text
+    kept = data[:MAX_RESULT_BYTES].decode("utf-8", "ignore")  # "ignore": a character split at the cut
+    return f"{kept}... [cut: result was {len(data)} bytes, cap {MAX_RESULT_BYTES}]"
+
+
 # --- the worker processes
 
 
 def serve() -> None:
     """A worker's loop (`python -c`): one JSON request a line on stdin, one JSON reply a line on the original
     stdout; the tool's own prints go to stderr. Exits at EOF, or when its parent is gone (a watchdog thread: a
-    tool that hangs must not outlive the explorer)."""
+    tool that hangs must not outlive the explorer; it kills the worker's process group, the tool's children too)."""
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
@@ -73,17 +103,17 @@ def serve() -> None:
     def watchdog() -> None:
         while os.getppid() == parent:
             time.sleep(0.5)
-        os._exit(0)
+        os.killpg(0, signal.SIGKILL)  # the worker leads its group (start_new_session): itself included
 
     threading.Thread(target=watchdog, daemon=True).start()
     reply.write('{"ready": true}\n')
     reply.flush()
     for line in sys.stdin:
-        req = json.loads(line)
-        try:
-            out = {"result": str(resolve(req["ref"])(**req["arguments"]))}
+        try:  # NOTE: decoding the request in the try: arguments nested too deeply for this process are an error
+            req = json.loads(line)
+            out = {"result": cut(str(resolve(req["ref"])(**req["arguments"])))}
         except BaseException as e:  # the tool's own failure (bad arguments included) is the model's observation
-            out = {"error": f"{type(e).__name__}: {e}"}
+            out = {"error": cut(f"{type(e).__name__}: {e}")}
         reply.write(json.dumps(out) + "\n")
         reply.flush()
 
@@ -94,40 +124,60 @@ _SERVE = ("import importlib.util, json, os, sys; sys.path[:0] = json.loads(os.en
           "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); m.serve()")
 
 
+def worker_env() -> dict[str, str]:
+    """A worker's environment: ENV_ALLOWED, LC_* and the names in NANORFT_TOOL_ENV from ours, and where it finds
+    its code."""
+    extra = {name.strip() for name in os.environ.get("NANORFT_TOOL_ENV", "").split(",")}
+    env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWED or k.startswith("LC_") or k in extra}
+    env.update(NANORFT_TOOL_PATH=json.dumps([p or os.getcwd() for p in sys.path]),
+               NANORFT_TOOL_WORKERS=os.path.abspath(__file__))
+    return env
+
+
 class Worker:
-    """One worker process and the pipes to it."""
+    """One worker process, leading a process group of its own, and the pipes to it."""
 
     def __init__(self) -> None:
-        env = {**os.environ, "NANORFT_TOOL_PATH": json.dumps([p or os.getcwd() for p in sys.path]),
-               "NANORFT_TOOL_WORKERS": os.path.abspath(__file__)}
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env)
-        self.buf = b""
+                                     env=worker_env(), start_new_session=True)
+        self.rest = b""  # what came after the last reply line (nothing, unless a tool wrote to the reply pipe)
         if self.read(120.0) != {"ready": True}:
             self.kill()
             raise RuntimeError("a tool worker process did not start")
 
     def read(self, timeout: float) -> dict | None:
-        """The next reply line; None after `timeout` s; {"died": True} if the worker's end of the pipe closed."""
+        """The next reply line; None after `timeout` s; {"lost": why} if the worker's end of the pipe closed, or
+        for a line over MAX_REPLY_BYTES or not JSON. One linear pass: chunks are joined once."""
         deadline, fd = time.monotonic() + timeout, self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
+        chunks, size = [self.rest], len(self.rest)
+        while b"\n" not in chunks[-1]:  # NOTE: only the new chunk is searched (a growing buffer was quadratic)
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.rest = b"".join(chunks)
                 return None
-            chunk = os.read(fd, 65536)
+            chunk = os.read(fd, 1 << 20)
             if not chunk:  # EOF: the worker died
-                return {"died": True}
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
-        return json.loads(line)
+                return {"lost": "the tool's process died"}
+            size += len(chunk)
+            if size > MAX_REPLY_BYTES:
+                return {"lost": f"the tool broke its worker: its reply is over {MAX_REPLY_BYTES} bytes"}
+            chunks.append(chunk)
+        line, _, self.rest = b"".join(chunks).partition(b"\n")
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"lost": "the tool broke its worker: its reply is not JSON"}
 
-    def send(self, request: dict) -> None:
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+    def send(self, request: bytes) -> None:
+        """Write one request line (JSON and a newline, encoded by the caller)."""
+        self.proc.stdin.write(request)
         self.proc.stdin.flush()
 
     def kill(self) -> None:
-        """Kill the worker, then close our ends of its pipes (else every worker killed at a timeout would hold two
-        file descriptors until garbage collection)."""
+        """Kill the worker's process group (the worker and whatever its tools started), then close our ends of its
+        pipes (else every worker killed at a timeout would hold two file descriptors until garbage collection)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
+            os.killpg(self.proc.pid, signal.SIGKILL)  # NOTE: before wait(): the unreaped leader holds the group id
         self.proc.kill()
         self.proc.wait()
         for pipe in (self.proc.stdin, self.proc.stdout):
@@ -146,19 +196,23 @@ class Workers:
         atexit.register(self.close)
 
     def call(self, ref: dict, arguments: dict, timeout: float) -> dict:
-        """{"result": text} | {"error": text} | {"timeout": True}."""
+        """{"result": text} | {"error": text} | {"timeout": True}; the result cut to MAX_RESULT_BYTES."""
+        try:  # encoded before a worker is taken: arguments that cannot be sent cost no worker
+            request = json.dumps({"ref": ref, "arguments": arguments}).encode() + b"\n"
+        except (ValueError, TypeError, RecursionError) as e:
+            return {"error": f"the tool call's arguments cannot be sent to the tool ({type(e).__name__}: {e})"}
         worker = self.take()
         try:
-            worker.send({"ref": ref, "arguments": arguments})
+            worker.send(request)
             out = worker.read(timeout)
         except OSError:  # BrokenPipeError: it died before it read the request
-            out = {"died": True}
-        if out is None or "died" in out:
+            out = {"lost": "the tool's process died"}
+        if out is None or "lost" in out:
             worker.kill()  # NOTE: the real cut-off; the next call starts a fresh worker
             with self.cond:
                 self.live.discard(worker)
             self.give_back(None)
-            return {"timeout": True} if out is None else {"error": "the tool's process died"}
+            return {"timeout": True} if out is None else {"error": out["lost"]}
         self.give_back(worker)
         return out
 

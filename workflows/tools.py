@@ -6,8 +6,10 @@ worker process with a real timeout.
         observation = run_tool([calc], call, timeout=10.0)   # "83", or "error: ..." (never an exception)
 
 Model text is parsed as JSON, never evaluated; `<think>...</think>` blocks are dropped first (a call the model only
-thought about is not made). A malformed call, an unknown tool, wrong arguments, the tool's exception or no result
-within `timeout` seconds all become an "error: ..." observation for the model.
+thought about is not made). A malformed call (JSON that does not parse, however it fails: nested too deeply, a
+number too long), an unknown tool, wrong arguments, the tool's exception or no result within `timeout` seconds all
+become an "error: ..." observation for the model. A result over tool_workers.MAX_RESULT_BYTES (16 KiB) is cut and
+ends with "... [cut: result was N bytes, cap M]".
 
 Each call runs in a worker process that is killed at the timeout (workflows/tool_workers.py: a thread cannot be
 stopped). So a tool function must be importable by a worker: a module-level function (also one of a file named
@@ -76,10 +78,14 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     `<tool_call>` is one too."""
     text, calls = strip_thinking(text), []
     for body in _CALL.findall(text):
+        # NOTE: json.loads fails in more ways than JSONDecodeError ("[" * 1000: RecursionError; a 5000-digit number:
+        # ValueError); each is the model's error, never an exception that would lose the task's whole group.
         try:
             obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall("", {}, f"the tool call is not valid JSON ({e.msg})"))
+        except MemoryError:  # the process's trouble, not the model's
+            raise
+        except Exception as e:
+            calls.append(ToolCall("", {}, unreadable(e)))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             calls.append(ToolCall("", {}, 'a tool call needs {"name": ..., "arguments": {...}}'))
@@ -92,14 +98,23 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def unreadable(e: Exception) -> str:
+    """Why json.loads could not read a tool call, as the model is told."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"the tool call is not valid JSON ({e.msg})"
+    if isinstance(e, RecursionError):
+        return "the tool call's JSON is nested too deeply"
+    return f"the tool call's JSON cannot be read ({type(e).__name__}: {str(e)[:200]})"
+
+
 def tool_message(content: str) -> dict:
     return {"role": "tool", "content": content}
 
 
 def run_tool(tools: list[Tool], call: ToolCall, timeout: float = 10.0) -> str:
-    """The result of one call as the text the model reads next; every failure (a malformed call, an unknown tool,
-    wrong arguments, an exception, no answer within `timeout` s, after which its worker is killed) is an
-    "error: ..." text."""
+    """The result of one call as the text the model reads next, cut to MAX_RESULT_BYTES; every failure (a malformed
+    call, an unknown tool, wrong arguments, an exception, no answer within `timeout` s, after which its worker's
+    process group is killed) is an "error: ..." text."""
     if call.error:
         return f"error: {call.error}"
     known = {t.name: t for t in tools}
