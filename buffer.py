@@ -21,6 +21,8 @@ under a running process: dbconn.py). Schema (version SCHEMA_VERSION, stored in `
   - meta(key, value): schema_version plus free key/values: the model fingerprint (`check_identity`),
     each explorer's position and state (`explorer/<name>`), the trainer's state (`trainer`).
 Every experience is written once and is then pending, claimed (used by >= 1 train step) or dropped.
+A full, read-only or failing disk, or a damaged DB file, ends a call in DBFault (a DBMismatch: named, no traceback),
+the failed transaction rolled back (dbconn.py).
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ import safetensors.torch
 import torch
 
 # NOTE: the back-ends live in dbconn.py; these names are buffer's too (its users import them from here)
-from dbconn import (DBMismatch, DBUnavailable, PostgresLink, is_postgres, open_sqlite, shown,  # noqa: F401
-                    sqlite_path, transaction)
+from dbconn import (DBFault, DBMismatch, DBUnavailable, PostgresLink, is_postgres, open_sqlite, shown,  # noqa: F401
+                    sqlite_faults, sqlite_path, transaction)
 
 log = logging.getLogger("nanorft.buffer")
 T = TypeVar("T")
@@ -254,16 +256,18 @@ class ExperienceDB:
     def _atomic(self, body: Callable[[Any], T]) -> T:
         """body(cursor) in one transaction: COMMIT at the end, ROLLBACK on any exception; its result. SQLite: BEGIN
         IMMEDIATE (the write lock up front); PostgreSQL: BEGIN, row locks taken by the statements (claims: FOR UPDATE
-        SKIP LOCKED), a lost connection handled as dbconn.PostgresLink.run says."""
+        SKIP LOCKED), a lost connection handled as dbconn.PostgresLink.run says. A full or failing disk, or a damaged
+        file: DBFault (dbconn.sqlite_faults), after the ROLLBACK."""
         if not self.postgres:
-            with transaction(self.conn) as cur:
+            with sqlite_faults(self.path), transaction(self.conn) as cur:
                 return body(cur)
         return self.conn.run(body, atomic=True)
 
     def query(self, sql: str, args: Any = ()) -> list:
         """The rows of one read-only statement (written with `?` placeholders), outside any transaction."""
         if not self.postgres:
-            return self.conn.execute(sql, args).fetchall()
+            with sqlite_faults(self.path):
+                return self.conn.execute(sql, args).fetchall()
         return self.conn.run(lambda cur: cur.execute(sql, args).fetchall(), atomic=False)
 
     def get_meta(self, key: str) -> str | None:

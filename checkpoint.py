@@ -13,16 +13,26 @@ publishes for explorers):
     state = load_checkpoint(model, optim, job_dir, step, rank)   # optimizer states and RNG; the weights come
                                                                  # from the HF folder (LoRA: lora_adapter/) when
                                                                  # the model is built
+    publish_hf(model, tokenizer, job_dir, step)   # sync.publish_hf, a full disk named (the trainer publishes here)
 No pickle: safetensors for tensors, JSON for the rest.
+
+A full, read-only or failing disk (ENOSPC, EDQUOT, EROFS, EIO) while saving or publishing ends in a StorageError that
+names the step, the job directory, the checkpoint a restart resumes from and what to do; this process's temporary
+files are deleted, and no pointer has moved: the previous checkpoint and published weights stay whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import logging
+import os
+import re
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +43,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
                                                      set_optimizer_state_dict)
 
 import lora
-from sync import full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
+import sync
+from sync import POINTER, full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
 from tasksets import DataError
 
 log = logging.getLogger("nanorft.checkpoint")
@@ -51,22 +62,116 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
     `weights`: the full state when the sync phase just published this step's HF folder (else None);
     `keep`: delete older checkpoints beyond this many (prune_checkpoints: never one an explorer may be loading);
     `state`: small JSON trainer state (e.g. the adaptive KL coefficient) kept in actor/trainer_state.json. Every rank
-    must call it.
+    must call it. A full or failing disk ends it in a StorageError, the previous checkpoint and its pointer as they
+    were.
     NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
-    if critic is not None:
-        _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
-    _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
-    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
-    write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
-    dist.barrier()
-    if rank == 0:
-        write_manifest(actor.parent)
-        write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
-            {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
-        write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
-        if keep:
-            prune_checkpoints(job, keep)
+    with storage(f"cannot save checkpoint step {step} in {job}", job, lambda: _checkpoint_kept(job)):
+        if critic is not None:
+            _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
+        _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
+        rng = {"cpu": torch.get_rng_state()} | (
+            {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+        write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
+        dist.barrier()
+        if rank == 0:
+            write_manifest(actor.parent)
+            write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
+                {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
+            write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
+    if keep and rank == 0:
+        prune_checkpoints(job, keep)
+
+
+def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int,
+               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """sync.publish_hf (the step's HF folder for the explorers, then their pointer), a full or failing disk ending
+    it in a StorageError: the pointer still names the weights published before, which explorers keep using."""
+    job = Path(job_dir)
+    with storage(f"cannot publish the weights of step {step} in {job}", job, lambda: _published_kept(job)):
+        return sync.publish_hf(model, tokenizer, job, step, state_dict)
+
+
+# --- a full or failing disk: a named error that says what is kept and what to do
+
+
+class StorageError(DataError):
+    """A checkpoint or the published weights could not be written: the disk is full (ENOSPC, EDQUOT), read-only
+    (EROFS) or failing (EIO). Nothing written before is lost: the pointers move only after a whole folder."""
+
+
+DISK_FAULTS = {  # errno -> (what it says about the disk, what to do first)
+    errno.ENOSPC: ("the disk is full", "free space on that disk (or lower trainer.max_checkpoints_to_keep)"),
+    errno.EDQUOT: ("the disk quota is used up", "free space under your quota (or lower max_checkpoints_to_keep)"),
+    errno.EIO: ("the disk reported an I/O error", "check the disk (dmesg) or move checkpoint_root_dir to a sound one"),
+    errno.EROFS: ("the file system is read-only", "remount it writable or move checkpoint_root_dir to a writable one"),
+}
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports one: "I/O error: ... (os error 28)"
+
+
+def disk_fault(e: BaseException) -> tuple[str, str] | None:
+    """(what the disk did, what to do) when `e`, or an exception it was raised from, is a DISK_FAULTS error: an
+    OSError by errno, safetensors' SafetensorError by its text; else None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        code = e.errno if isinstance(e, OSError) else None
+        if code is None and (m := _OS_ERROR.search(str(e))):
+            code = int(m.group(1))
+        if code in DISK_FAULTS:
+            what, todo = DISK_FAULTS[code]
+            return f"{what} ({os.strerror(code)})", todo
+        e = e.__cause__ or e.__context__
+    return None
+
+
+@contextlib.contextmanager
+def storage(what: str, job: Path, kept: Callable[[], str]) -> Iterator[None]:
+    """Turn a full or failing disk under the job directory into a StorageError: `what` failed, why, `kept()` (what
+    is still there, and how to go on after the fix). This process's temporary files under `job` (write_atomic's and
+    save_hf's, named .<name>.tmp-<pid>) are deleted first: a half-written file holds the space a retry needs."""
+    try:
+        yield
+    except Exception as e:
+        fault = disk_fault(e)
+        if fault is None:
+            raise
+        _drop_temporaries(job)
+        raise StorageError(f"{what}: {fault[0]}. {kept()} {fault[1][0].upper()}{fault[1][1:]}, then run again "
+                           "with continue_from_checkpoint: true.") from None
+
+
+def _drop_temporaries(job: Path) -> None:
+    """Delete this process's temporary files and folders under `job` (.<name>.tmp-<pid>: write_atomic, save_hf)."""
+    with contextlib.suppress(OSError):  # NOTE: a failing disk may refuse this too: the error that called it matters
+        for tmp in list(job.rglob(f".*.tmp-{os.getpid()}")):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+
+
+def _checkpoint_kept(job: Path) -> str:
+    """What a failed save left: the last complete checkpoint (latest_checkpointed_iteration.txt)."""
+    try:
+        last = read_pointer(job / CKPT_POINTER)
+    except (DataError, OSError) as e:
+        return f"{job / CKPT_POINTER} was not moved (and cannot be read now: {e})."
+    if not last:
+        return f"No checkpoint of this run is complete yet ({job / CKPT_POINTER} is absent): the next run starts " \
+               "from model.model_path."
+    return f"The last complete checkpoint, step {last} ({job / CKPT_POINTER}), is untouched: the next run resumes " \
+           "from it."
+
+
+def _published_kept(job: Path) -> str:
+    """What a failed publish left: the weights explorers load (latest_state_dict_iteration.txt) and the checkpoint."""
+    try:
+        last = read_pointer(job / POINTER)
+    except (DataError, OSError):  # the checkpoint's line below says more
+        last = None
+    held = f"explorers keep the weights of step {last}" if last else "explorers keep their starting weights"
+    return f"{job / POINTER} was not moved ({held}). {_checkpoint_kept(job)}"
 
 
 def prune_checkpoints(job: Path, keep: int) -> list[int]:

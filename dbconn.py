@@ -10,7 +10,9 @@ administrator's pg_terminate_backend. `PostgresLink.run` opens it again (waiting
 to come back) and runs the work once more where that cannot do it twice: a read, or a transaction the server rolled
 back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown), lost
 again, or a lock waited for past the busy timeout (`lock_timeout`) raise DBUnavailable, a named error (no traceback):
-the process stops, and a restart continues from what the DB holds.
+the process stops, and a restart continues from what the DB holds. A full, read-only or failing disk, or a damaged
+file (SQLite: "database or disk is full", "disk I/O error", "database disk image is malformed"; PostgreSQL: its
+disk-full, I/O and corruption errors) raise DBFault, which says what to do; the failed transaction is rolled back.
 """
 
 from __future__ import annotations
@@ -38,6 +40,55 @@ class DBUnavailable(DBMismatch):
     pg_terminate_backend) and could not be opened again within the busy timeout, or was lost while a transaction
     committed (committed or not: unknown), or a lock was waited for past the busy timeout. Restart the process once the
     server is back: what it committed is in the DB, and it continues from there."""
+
+
+class DBFault(DBMismatch):
+    """The experience DB's storage failed under a running process: its disk is full, read-only or failing (an I/O
+    error), or its file is damaged (corrupt pages). The transaction in progress was rolled back: what was committed
+    before is in the DB."""
+
+
+_FULL = ("free space on that disk, or point buffer.trainer_input.experience_buffer.path at a new file on another "
+         "disk, then run again: the run continues from what the DB holds, the trainer from its last checkpoint")
+_DAMAGED = ("restore it from a backup, or point buffer.trainer_input.experience_buffer.path at a new file (the run "
+            "then starts from no experiences; the trainer still resumes from its last checkpoint)")
+# SQLite's primary result code (sqlite3.Error.sqlite_errorname, Python >= 3.11, extended codes cut at their second _;
+# its message text before) -> what the DB's disk or file did, what to do
+SQLITE_FAULTS = {
+    "SQLITE_FULL": ("the disk holding it is full", _FULL),
+    "SQLITE_IOERR": ("its disk reported an I/O error", "check the disk (dmesg), then run again"),
+    "SQLITE_READONLY": ("it cannot be written (read-only)", "make the file and its folder writable, then run again"),
+    "SQLITE_CORRUPT": ("its file is damaged", _DAMAGED),
+    "SQLITE_NOTADB": ("its file is damaged (not a database)", _DAMAGED),
+}
+_SQLITE_TEXTS = {"database or disk is full": "SQLITE_FULL", "disk i/o error": "SQLITE_IOERR",
+                 "readonly database": "SQLITE_READONLY", "malformed": "SQLITE_CORRUPT",
+                 "file is not a database": "SQLITE_NOTADB"}
+
+
+def sqlite_fault(e: sqlite3.Error, path: str) -> DBFault | None:
+    """The DBFault for a SQLite error of a full, read-only or failing disk or a damaged file; None for others (a
+    lock waited for past the busy timeout, an SQL error: the caller's to raise)."""
+    code = "_".join(getattr(e, "sqlite_errorname", "").split("_")[:2])
+    if code not in SQLITE_FAULTS:
+        code = next((c for text, c in _SQLITE_TEXTS.items() if text in str(e).lower()), "")
+    if code not in SQLITE_FAULTS:
+        return None
+    what, todo = SQLITE_FAULTS[code]
+    kept = "" if todo is _DAMAGED else "; what was committed before is kept, the failed transaction was rolled back"
+    return DBFault(f"experience DB {path}: {what} ({e}){kept}. {todo[0].upper()}{todo[1:]}.")
+
+
+@contextmanager
+def sqlite_faults(path: str) -> Iterator[None]:
+    """Raise a SQLite error of a full or failing disk or a damaged file as the DBFault naming it (sqlite_fault)."""
+    try:
+        yield
+    except sqlite3.Error as e:
+        fault = sqlite_fault(e, path)
+        if fault is None:
+            raise
+        raise fault from None
 
 
 def is_postgres(url: str) -> bool:
@@ -123,9 +174,10 @@ def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
     deadline = time.monotonic() + busy_timeout
     while True:
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
+            with sqlite_faults(path):
+                conn.execute("PRAGMA journal_mode=WAL")
             break
-        except sqlite3.OperationalError:
+        except sqlite3.OperationalError:  # locked (a full disk or a damaged file left as DBFault above)
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
@@ -172,7 +224,10 @@ def transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Cursor]:
         cur.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
-            cur.execute("ROLLBACK")
+            # NOTE: a damaged file or a failing disk may refuse the ROLLBACK too (SQLite then rolls back at the next
+            # open, from the journal): the first error is the one that says why
+            with contextlib.suppress(sqlite3.Error):
+                cur.execute("ROLLBACK")
         raise
 
 
@@ -240,6 +295,12 @@ class PostgresLink:
                                         f"lock cycle ({_reason(e)})") from None
                 log.warning("%s: %s; running the transaction again", self.path, _reason(e))
                 deadlocks += 1
+            except (psycopg.errors.DiskFull, psycopg.errors.IoError, psycopg.errors.DataCorrupted,
+                    psycopg.errors.IndexCorrupted) as e:  # the server's disk or files: running again cannot help
+                raise DBFault(f"experience DB {self.path}: the PostgreSQL server cannot store or read it "
+                              f"({_reason(e)}); what was committed before is kept, the failed transaction was rolled "
+                              "back. Free space (or repair the disk) on the server, or restore the database from a "
+                              "backup, then run again: the run continues from what the DB holds") from None
             except psycopg.errors.LockNotAvailable as e:
                 raise DBUnavailable(f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
                                     f"holds ({_reason(e)})") from None

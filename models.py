@@ -22,12 +22,14 @@ outright. PreTrainedTokenizerFast loads tokenizer.json exactly as saved.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import json
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,11 +47,29 @@ import lora
 from buffer import Experience
 from tasksets import DataError, format_row, read_rows
 from configs import piece_config
+from configs.checks import ConfigError
+from configs.preflight import model_problem
 from configs.schema import AlgorithmConfig, ExperienceBufferConfig, LoRAConfig, ModelConfig, TrainerConfig
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+@contextlib.contextmanager
+def loading(path: str) -> Iterator[None]:
+    """Around the first load of a configured model (config_tokenizer, build_model): where it fails because `path` is
+    no loadable model (a missing folder, one without config.json or weights: configs.preflight.model_problem), the
+    ConfigError saying so instead of transformers' traceback (which takes a missing folder for a malformed hub id).
+    Other failures pass as they are. NOTE: not in load_model itself: an engine reloading published weights falls
+    back on the OSError of a folder being replaced (explore.load_published)."""
+    try:
+        yield
+    except (OSError, ValueError):
+        if (why := model_problem(path)) is None:
+            raise
+        raise ConfigError(f"cannot load a model from {path}: {why}; fix the key that names it (model.model_path, "
+                          "model.critic_model_path, explorer.auxiliary_models[].model_path)") from None
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -74,7 +94,8 @@ def config_tokenizer(m: ModelConfig) -> PreTrainedTokenizerBase:
     model.custom_chat_template, else its own; model.enable_thinking, when set, reaches the template (Qwen3's reads
     it) in every rendering, SFT and rollout alike. Trainer and explorer both load it here (the DB identity check
     hashes the template)."""
-    tokenizer = load_tokenizer(m.model_path)
+    with loading(m.model_path):
+        tokenizer = load_tokenizer(m.model_path)
     template = Path(m.chat_template_path).read_text() if m.chat_template_path else m.custom_chat_template
     tokenizer = with_template(tokenizer, template)
     if m.enable_thinking is not None:
@@ -518,7 +539,8 @@ def build_model(path: str, t: TrainerConfig, device: torch.device, trainable: bo
     """An HF causal LM (or, `critic`, the value model) in a models.TokenScorer, sharded with FSDP2: each decoder
     layer, then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA adapter is put
     into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and its A and B."""
-    hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+    with loading(path):
+        hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
     lora_adapter = lora.wrap(hf, *adapter) if adapter else None
     if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -467,7 +467,7 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
         weights = lora.full_state(p.actor)
         if p.rank == 0:
             folder = weights if p.saves(step) else sync.cast(weights, p.engine_dtype)
-            sync.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=folder)
+            checkpoint.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=folder)
         return weights
     return None
 
@@ -527,7 +527,7 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
     if saved < done:
         weights = lora.full_state(p.actor)
         if p.rank == 0:
-            sync.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
+            checkpoint.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
         save(p, done, weights)
     if p.rank == 0 and not p.source.units:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")

@@ -3,7 +3,9 @@
     preflight(stages)     # configs.entry: the launcher (and a script run on its own), after resolve_stages
 
 The config can be right and the machine wrong for it: vLLM missing or of a version the adapter was not tested on,
-more GPUs named than are present, an option that needs CUDA on a machine without it. Each is found here, all at
+more GPUs named than are present, an option that needs CUDA on a machine without it, a model.model_path that is no
+model folder here (missing, without config.json or without weights; a hub id `org/name` passes where it is in the
+local HF cache, or where downloads are allowed: transformers fetches it). Each is found here, all at
 once, and refused by name in one ConfigError, before any explorer or trainer starts (not after a minute of start-up,
 in one of two processes). The launcher's children skip it (configs.entry: it ran in the launcher, for the whole
 machine; a child sees only its share of the GPUs).
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +103,78 @@ def stage_problems(stage: Config, present: int) -> list[str]:
     return problems
 
 
+# The weights files transformers' from_pretrained looks for in a folder, single or sharded (the index names the shards)
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def model_problem(path: str) -> str | None:
+    """Why `path` cannot be loaded as a model here (a missing folder, one without config.json or weights, a shard
+    its index names missing), or None. An `org/name` that is no local path is a hub id: fine where it is in the local
+    HF cache, or where downloads are on (HF_HUB_OFFLINE unset)."""
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_ID.fullmatch(path) and not Path(path.split("/")[0]).exists():
+            return _hub_problem(path)
+        return f"{folder.absolute()} does not exist"
+    if not folder.is_dir():
+        return f"{folder} is a file, not a model folder"
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        return f"{folder} has no config.json: not a Hugging Face model folder (an incomplete copy?)"
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return f"{folder / 'config.json'} cannot be read as JSON ({e}): the folder is damaged"
+    if not isinstance(config, dict):
+        return f"{folder / 'config.json'} is not a model config (a JSON object)"
+    present = [name for name in WEIGHTS if (folder / name).is_file()]
+    if not present:
+        return (f"{folder} holds no weights ({', '.join(WEIGHTS[::2])} or their sharded form with an index): "
+                "the folder is incomplete")
+    if present[0].endswith(".index.json") and (missing := _missing_shards(folder / present[0])):
+        return f"{folder}: {missing}"
+    return None
+
+
+def _missing_shards(index: Path) -> str | None:
+    """What is wrong with a sharded folder's index (unreadable, or naming shard files that are not there), or None."""
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{index.name} cannot be read as a shard index ({e!r}): the folder is damaged"
+    gone = sorted(s for s in shards if not (index.parent / s).is_file())
+    return f"shard files named in {index.name} are missing: {', '.join(gone[:3])}" if gone else None
+
+
+def _hub_problem(repo: str) -> str | None:
+    """None when the hub id `repo` is in the local HF cache or downloads are on; else why it cannot be loaded."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    try:
+        cached = isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except ValueError:  # a name the hub refuses (HFValidationError: "--", "..", a trailing "."): in no cache
+        cached = False
+    if cached or not constants.HF_HUB_OFFLINE:
+        return None
+    return (f"{repo!r} is neither a folder here (from {Path.cwd()}) nor a model in the local HF cache "
+            f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE forbids downloading it")
+
+
+def model_problems(stages: list[Config]) -> list[tuple[str, str]]:
+    """(line, stage name) for each stage whose model.model_path cannot be loaded. A stage after one that trains
+    starts from that stage's published weights (launch.stages_in_order): its own model_path is not checked."""
+    out, trained = [], False
+    for stage in stages:
+        path = stage.model.model_path
+        if not trained and (why := model_problem(path)):
+            hint = (" (`python tiny.py` builds the embedded default's)" if "tiny-qwen2" in path else
+                    " (a checkpoint's weights: run the config that writes them first)" if "global_step_" in path
+                    else "")
+            out.append((f"model.model_path = {path!r}: {why}; fix model.model_path{hint}", stage.name))
+        trained = trained or stage.mode in ("train", "both")
+    return out
+
+
 def _get(cfg: Any, path: str) -> Any:
     for k in path.split("."):
         cfg = getattr(cfg, k)
@@ -112,6 +188,8 @@ def preflight(stages: list[Config]) -> None:
     for stage in stages:
         for line in stage_problems(stage, present):
             first.setdefault(line, stage.name)
+    for line, name in model_problems(stages):
+        first.setdefault(line, name)
     if first:
         lines = [line if len(stages) == 1 else f"stage {name}: {line}" for line, name in first.items()]
         raise ConfigError("this machine cannot run the config:\n  " + "\n  ".join(lines))

@@ -657,3 +657,76 @@ def test_ci_means_a_ci_variable_that_says_so(monkeypatch, value, ci) -> None:
     assert in_ci() is ci
     script = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert script.index("export CI=${CI:-true}\n") < script.index("bash run.sh test\n")
+
+
+# --- a full or failing disk, a damaged file: DBFault, named, with the failed transaction rolled back
+
+
+def test_a_full_disk_under_the_sqlite_db_is_named_and_the_write_rolled_back(tmp_path) -> None:
+    """SQLite's "database or disk is full" (here: PRAGMA max_page_count caps the file at the pages it has) ends a
+    write in a DBFault that says what to do; its transaction, experiences and the explorer's position both, is rolled
+    back, the rows before it stay, and once there is room (a new connection: no cap) the same write goes in."""
+    url, path = f"sqlite:///{tmp_path}/buffer.db", f"{tmp_path}/buffer.db"
+    big = [Experience(tokens=torch.arange(40_000) % 250, prompt_length=3, reward=1.0) for _ in range(3)]
+    with ExperienceDB(url) as db:
+        first = db.write([make(i) for i in range(3)], explorer=("e", {"step": 1}))
+        pages = db.conn.execute("PRAGMA page_count").fetchone()[0]
+        db.conn.execute(f"PRAGMA max_page_count = {pages}")
+        with pytest.raises(buffer.DBFault) as info:
+            db.write(big, explorer=("e", {"step": 2}))
+        assert str(info.value) == (
+            f"experience DB {path}: the disk holding it is full (database or disk is full); what was committed before "
+            "is kept, the failed transaction was rolled back. Free space on that disk, or point "
+            "buffer.trainer_input.experience_buffer.path at a new file on another disk, then run again: the run "
+            "continues from what the DB holds, the trainer from its last checkpoint.")
+        assert not db.conn.in_transaction
+        assert db.counts()["total"] == 3 and db.explorer_states() == {"e": {"step": 1}}
+    with ExperienceDB(url) as db:
+        assert ids(db.claim(3, step=1)) == first
+        db.write(big, explorer=("e", {"step": 2}))
+        assert db.counts()["total"] == 6 and db.explorer_states() == {"e": {"step": 2}}
+
+
+@pytest.mark.parametrize("pages", ["all but the first", "the last"])
+def test_a_sqlite_db_with_damaged_pages_is_named_with_what_to_do(tmp_path, pages) -> None:
+    """Bytes overwritten past a valid header (a bad sector, a copy cut mid-write): "database disk image is malformed"
+    is a DBFault pointing at a backup or a new file, whether it shows at opening (the meta table damaged) or only
+    when a claim reads the damaged rows."""
+    path = tmp_path / "buffer.db"
+    with ExperienceDB(f"sqlite:///{path}") as db:
+        db.write([Experience(tokens=torch.arange(3000) % 250, prompt_length=3, reward=1.0) for _ in range(20)])
+    data = bytearray(path.read_bytes())
+    size = int.from_bytes(data[16:18], "big")
+    assert not Path(f"{path}-wal").exists() and len(data) >= 8 * size  # all in the file, many pages
+    for at in range(size, len(data), size) if pages == "all but the first" else [len(data) - size]:
+        data[at:at + 64] = b"\xa5" * 64  # the page's header and first cells
+    path.write_bytes(bytes(data))
+    says = re.escape(f"experience DB {path}: its file is damaged (database disk image is malformed). Restore it from "
+                     "a backup, or point buffer.trainer_input.experience_buffer.path at a new file (the run then "
+                     "starts from no experiences; the trainer still resumes from its last checkpoint).")
+    with pytest.raises(buffer.DBFault, match=f"^{says}$"), ExperienceDB(f"sqlite:///{path}") as db:
+        db.claim(20, step=1)
+
+
+def test_a_full_disk_on_the_postgresql_server_is_named_and_rolled_back(postgres, monkeypatch) -> None:
+    """The server's "could not extend file ...: No space left on device" (DiskFull) in the middle of a write: a
+    DBFault saying what to do; the transaction (rows and the explorer's position) is rolled back, the rows before
+    it stay."""
+    import psycopg
+
+    with ExperienceDB(postgres.database()) as db:
+        db.write([make(0)], explorer=("e", {"step": 1}))
+        insert = db._insert_experiences
+
+        def full(cur, rows):
+            insert(cur, rows)  # in, not committed
+            raise psycopg.errors.DiskFull('could not extend file "base/16384/16390": No space left on device')
+
+        monkeypatch.setattr(db, "_insert_experiences", full)
+        with pytest.raises(buffer.DBFault, match=re.escape(
+                "the PostgreSQL server cannot store or read it (could not extend file \"base/16384/16390\": No space "
+                "left on device); what was committed before is kept, the failed transaction was rolled back. Free "
+                "space (or repair the disk) on the server")):
+            db.write([make(1), make(2)], explorer=("e", {"step": 2}))
+        monkeypatch.undo()
+        assert db.counts()["total"] == 1 and db.explorer_states() == {"e": {"step": 1}}

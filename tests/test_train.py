@@ -635,3 +635,91 @@ def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
     train.update(p, batch, plan, 1)
     assert seen["actor/"][1] == [1] * 6 and seen["critic/"][1] == [4, 2]  # sequences per micro-batch
     assert seen["critic/"][0] == seen["actor/"][0]  # the same sequences in each mini-batch
+
+
+# --- a full or failing disk, a missing model folder: named errors, nothing lost
+
+# train.py as a process whose disk fills up while it writes step 2's optimizer state: part of the file written, then
+# safetensors' own error (its text as a full tmpfs gave it: no errno attribute, the OS error in the message)
+FULL_AT_STEP_2 = """import runpy, sys
+import safetensors, safetensors.torch
+save = safetensors.torch.save_file
+def full(tensors, path, *args, **kwargs):
+    if "global_step_2" in str(path) and "optimizer" in str(path):
+        open(path, "wb").write(b"x" * 4096)
+        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    return save(tensors, path, *args, **kwargs)
+safetensors.torch.save_file = full
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_a_full_disk_while_saving_a_checkpoint_is_named_and_the_last_one_resumes(tmp_path, tiny_model_dir):
+    """The disk fills up in step 2's checkpoint: the trainer stops with one named line (exit 2, no traceback) that
+    says which checkpoint is whole and what to do; the pointer still names step 1, whose files match their manifest,
+    and the half-written file is gone. Run again once there is room: it resumes from step 1 and saves step 2."""
+    config = sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 2, "trainer.save_interval": 1})
+    out = subprocess.run([sys.executable, "-c", FULL_AT_STEP_2, "--config", str(config)], cwd=ROOT, check=False,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"})
+    job = tmp_path / "ck" / "p" / "t"
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert (f"trainer of stage t stops: cannot save checkpoint step 2 in {job}: the disk is full (No space left on "
+            f"device). The last complete checkpoint, step 1 ({job / checkpoint.CKPT_POINTER}), is untouched: the next "
+            "run resumes from it. Free space on that disk (or lower trainer.max_checkpoints_to_keep), then run again "
+            "with continue_from_checkpoint: true.") in out.stderr
+    assert (job / checkpoint.CKPT_POINTER).read_text() == "1\n" and checkpoint.latest_checkpoint(job) == 1
+    assert not list(job.rglob(".*tmp*"))  # the partial optimizer file, deleted
+    resumed = run_train(config)
+    assert resumed.returncode == 0 and "resumed from checkpoint step 1" in resumed.stderr, resumed.stderr[-3000:]
+    assert checkpoint.latest_checkpoint(job) == 2
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
+def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weights_stay(tmp_path, tiny_model_dir,
+                                                                                         monkeypatch, error):
+    """Publishing step 2's weights fails part-way (a full disk, an I/O error): a StorageError (a DataError: the
+    process names it and stops) says what happened and what to do; the explorers' pointer still names step 1, whose
+    folder loads, and the half-written folder is gone."""
+    import errno
+
+    code = getattr(errno, error)
+    cfg = configs.Config()
+    cfg.checkpoint_job_dir, cfg.trainer.save_interval, cfg.synchronizer.sync_method = str(tmp_path), 0, "checkpoint"
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, 128  # publishes 1..3
+    model = load_model(tiny_model_dir)
+    monkeypatch.setattr(train.sync, "full_state", lambda m: dict(m.state_dict()))  # no process group here
+    p = train.Parts(cfg, 0, 1, torch.device("cpu"), load_tokenizer(tiny_model_dir), types.SimpleNamespace(model=model),
+                    None, None, None, None, {"advantage_fn": None}, {}, None, 4, 0, {}, None, None)
+    assert train.publish(p, 1) is not None and sync.latest_version(tmp_path) == 1
+
+    def failing(folder, **kwargs):
+        Path(folder).mkdir()
+        (Path(folder) / "model.safetensors").write_bytes(b"x" * 4096)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(model, "save_pretrained", failing)
+    with pytest.raises(checkpoint.StorageError) as info:
+        train.publish(p, 2)
+    what, todo = {"ENOSPC": ("the disk is full", "Free space on that disk (or lower trainer.max_checkpoints_to_keep)"),
+                  "EIO": ("the disk reported an I/O error",
+                          "Check the disk (dmesg) or move checkpoint_root_dir to a sound one")}[error]
+    assert isinstance(info.value, DataError) and str(info.value) == (
+        f"cannot publish the weights of step 2 in {tmp_path}: {what} ({os.strerror(code)}). "
+        f"{tmp_path / sync.POINTER} was not moved (explorers keep the weights of step 1). No checkpoint of this run is "
+        f"complete yet ({tmp_path / checkpoint.CKPT_POINTER} is absent): the next run starts from model.model_path. "
+        f"{todo}, then run again with continue_from_checkpoint: true.")
+    assert sync.latest_version(tmp_path) == 1 and not list(tmp_path.rglob(".*tmp*"))
+    assert load_model(str(tmp_path / "global_step_1" / "actor" / "huggingface")) is not None
+
+
+def test_a_launched_trainer_whose_model_folder_is_gone_stops_with_a_named_error(tmp_path, tiny_model_dir):
+    """The launcher's pre-flight found the folder; a launched trainer (which skips it) finds it gone: one named line
+    and exit 2, not transformers' traceback (which takes a missing folder for a malformed hub id)."""
+    gone = tmp_path / "moved_away"
+    out = run_train(sft_config(tmp_path, tiny_model_dir, **{"model.model_path": str(gone)}))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert (f"trainer of stage t stops: cannot load a model from {gone}: {gone} does not exist; fix the key that "
+            "names it (model.model_path, model.critic_model_path, explorer.auxiliary_models[].model_path)"
+            ) in out.stderr
