@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 import lora
 import sync
 from sync import POINTER, full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
-from tasksets import DataError
+from errors import DataError
 
 log = logging.getLogger("nanorft.checkpoint")
 CKPT_POINTER = "latest_checkpointed_iteration.txt"  # the newest complete checkpoint
@@ -87,9 +87,15 @@ def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int,
                state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """sync.publish_hf (the step's HF folder for the explorers, then their pointer), a full or failing disk ending
     it in a StorageError: the pointer still names the weights published before, which explorers keep using."""
+    with publishing(job_dir, step):
+        return sync.publish_hf(model, tokenizer, job_dir, step, state_dict)
+
+
+def publishing(job_dir: str | Path, step: int) -> contextlib.AbstractContextManager:
+    """A full or failing disk while publishing step `step`'s weights (publish_hf, lora.rewind_pointer at resume) as
+    a StorageError: `storage`."""
     job = Path(job_dir)
-    with storage(f"cannot publish the weights of step {step} in {job}", job, lambda: _published_kept(job)):
-        return sync.publish_hf(model, tokenizer, job, step, state_dict)
+    return storage(f"cannot publish the weights of step {step} in {job}", job, lambda: _published_kept(job))
 
 
 # --- a full or failing disk: a named error that says what is kept and what to do

@@ -43,10 +43,11 @@ import sync
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
 from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
+from errors import DataError
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
-from tasksets import DataError, Task, TaskReader, load_tasks
+from tasksets import Task, TaskReader, load_tasks
 from workflows import build_workflow, check_args
 
 log = logging.getLogger("nanorft.explore")
@@ -326,8 +327,11 @@ def write(x: Explorer, exps: list[Experience]) -> None:
     state = {"step": x.step, "reader": x.reader.state(), "model_version": x.engine.model_version, "time": time.time(),
              "finished": False}
     x.db.write(exps, explorer=(name, state))
-    sync.write_atomic(Path(x.cfg.checkpoint_job_dir, f"{name}_meta.json"),
-                      lambda p: Path(p).write_text(json.dumps({"latest_iteration": x.step, **state})))
+    meta = Path(x.cfg.checkpoint_job_dir, f"{name}_meta.json")
+    try:  # for people and tools: the DB holds the position a restart reads
+        sync.write_atomic(meta, lambda p: Path(p).write_text(json.dumps({"latest_iteration": x.step, **state})))
+    except OSError as e:  # e.g. a full disk under the job folder: the step is in the DB, nothing is lost
+        log.warning("could not write %s (%s); the explorer's position is in the DB", meta, e)
 
 
 def receive(x: Explorer, want: int) -> tuple[int, dict[str, float]]:

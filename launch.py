@@ -46,7 +46,7 @@ from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from configs.resolve import CONSOLE, LAUNCHED
 from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, fail_left_runs,
                      headline, log_to_file, numbers_of, prepare_mlflow, read_history)
-from tasksets import DataError
+from errors import DataError
 
 log = logging.getLogger("nanorft.launch")
 HERE = Path(__file__).resolve().parent

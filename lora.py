@@ -46,9 +46,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import sync
-from configs.checks import ConfigError
 from configs.schema import LoRAConfig
-from tasksets import DataError
+from errors import ConfigError, DataError
 
 log = logging.getLogger("nanorft.lora")
 ADAPTER = "default"  # peft's name of the one adapter (lora_configs[0].name names nothing here)

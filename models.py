@@ -45,11 +45,11 @@ from transformers.utils import logging as transformers_logging
 import algos
 import lora
 from buffer import Experience
-from tasksets import DataError, format_row, read_rows
+from tasksets import format_row, read_rows
 from configs import piece_config
-from configs.checks import ConfigError
 from configs.preflight import model_problem
 from configs.schema import AlgorithmConfig, ExperienceBufferConfig, LoRAConfig, ModelConfig, TrainerConfig
+from errors import ConfigError, DataError
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).

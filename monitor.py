@@ -45,10 +45,11 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from configs.checks import ConfigError, redacted
+from configs.checks import redacted
 from configs.resolve import CONSOLE
 from configs.schema import Config
 from dbconn import shown
+from errors import ConfigError
 
 log = logging.getLogger("nanorft.monitor")
 _OPEN: list[Monitor] = []  # this process's monitors not closed yet (close_monitors)

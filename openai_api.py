@@ -28,7 +28,7 @@ refused before it is read, a prompt longer than max_model_len tokens could hold 
 tokenised, n over MAX_N, and every sampling value outside its range, naming the field (400); a field this server
 does not honour is a 400 naming it, unless it has its default value (`user` / `metadata` / `store` are accepted
 and ignored). Every request is checked before it reaches the engine's shared batch, so one bad request fails alone
-(engines.Batcher also re-runs a failed batch one request at a time). Off loopback the server needs an API key
+(sampling.Batcher also re-runs a failed batch one request at a time). Off loopback the server needs an API key
 (explorer.rollout_model.openai_api_key), sent as `Authorization: Bearer <key>` (the `openai` client's api_key);
 with one set, every request must carry it. Not served: streaming (400), top_logprobs > 0 (400: the engines return
 the sampled token's log-prob only), several prompts in one request (400), guided decoding (response_format other
@@ -107,7 +107,7 @@ class Request(BaseModel):
 
 @dataclasses.dataclass
 class Call:
-    """One recorded request: its prompt ids and every choice's (engines.Completion)."""
+    """One recorded request: its prompt ids and every choice's (sampling.Completion)."""
 
     prompt_ids: list[int]
     completions: list
@@ -343,7 +343,7 @@ class OpenAIServer:
             raise HTTPException(400, f"unsupported field {key!r}: this server does not honour it; leave it unset")
 
     def sampling(self, body: Request, n_prompt: int) -> dict:
-        """The request's sampling arguments, each range-checked by name (engines.check_request checks them again,
+        """The request's sampling arguments, each range-checked by name (sampling.check_request checks them again,
         with the handle's defaults)."""
         if not 1 <= body.n <= MAX_N:
             raise HTTPException(400, f"n = {body.n}: between 1 and {MAX_N}")

@@ -27,8 +27,9 @@ import configs
 from algos.sample import tied_groups
 from buffer import Experience, ExperienceDB, pack, unpack
 from configs.resolve import advantage_origin
+from errors import DataError
 from models import file_units, fingerprint, pick
-from tasksets import DataError, read_rows
+from tasksets import read_rows
 
 log = logging.getLogger("nanorft.train")
 

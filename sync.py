@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from tasksets import DataError
+from errors import DataError
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
@@ -79,8 +79,12 @@ def write_atomic(path: str | Path, write: Callable[[str], Any]) -> None:
     file or the whole new one, never a part (os.replace is atomic on POSIX)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write(str(tmp))
-    os.replace(tmp, path)
+    try:
+        write(str(tmp))
+        os.replace(tmp, path)
+    except BaseException:  # e.g. a full disk: a half-written temporary would hold the space a retry needs
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _write_text_atomic(path: Path, text: str) -> None:

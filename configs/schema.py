@@ -19,6 +19,28 @@ import tyro
 import yaml
 
 from algos.overlong import Config as OverlongRewardConfig
+from errors import ConfigError
+
+
+def check_plain(value: Any, where: str, path: str = "") -> None:
+    """Every key a string or a number and every value a string, number, boolean, null, list or mapping: what a
+    config holds. YAML also reads dates (2024-01-01), binary data (!!binary) and sets (!!set); a ConfigError names the
+    key of any of them (`where` prefixes the message, e.g. the file)."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}" if path else str(k)
+            if not isinstance(k, (str, int, float)):
+                shown = "null (an empty key, or ~)" if k is None else f"{k!r} ({type(k).__name__})"
+                raise ConfigError(f"{where}{path or 'the top level'}: a key that is {shown}; keys are names")
+            check_plain(v, where, sub)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_plain(v, where, f"{path}[{i}]")
+    elif not isinstance(value, (str, int, float, bool, type(None))):
+        kind = {"date": "a date", "datetime": "a date and time", "bytes": "binary data (!!binary)",
+                "set": "a set (!!set)"}.get(type(value).__name__, f"a {type(value).__name__}")
+        shown = value.isoformat() if hasattr(value, "isoformat") else repr(value)
+        raise ConfigError(f"{where}{path}: {shown} is {kind}, not a config value; quote it if it is text")
 
 
 def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
@@ -31,8 +53,6 @@ def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
                          "'{kl_coef: 0.01}'") from None
     if not isinstance(value, dict):
         raise ValueError(f"expected a YAML/JSON mapping such as '{{kl_coef: 0.01}}', got {args[0]!r}")
-    from configs.loader import check_plain  # NOTE: here, not at the top: the loader imports this module
-
     try:
         check_plain(value, "")
     except ValueError as e:  # a ConfigError

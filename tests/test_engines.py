@@ -361,10 +361,10 @@ def test_a_groups_prompt_is_prefilled_once(tiny_path, ref, prompts):
 
 
 def test_a_request_that_breaks_a_shared_batch_fails_alone_and_bad_values_are_refused_at_submit():
-    """engines.Batcher: a batch that fails is run again one request at a time, so only the request that breaks it
+    """sampling.Batcher: a batch that fails is run again one request at a time, so only the request that breaks it
     fails (here run_batch raises for any batch holding a "poisoned" max_tokens); check_request refuses, naming the
     field, the values that broke a decode before (min_tokens 2**63, NaN temperature) before they are queued."""
-    from engines import Batcher, check_request
+    from sampling import Batcher, check_request
 
     def run_batch(prompts, params):
         if any(p.max_tokens == 13 for p in params):

@@ -459,3 +459,26 @@ def test_a_pointer_naming_a_step_without_usable_weights_is_a_named_error(tmp_pat
     damage_weights(sync.weights_path(tmp_path, 7), "cut")
     with pytest.raises(DataError, match="restart the trainer"):
         explore.start_weights(cfg)
+
+
+def test_a_full_disk_under_the_explorers_meta_file_warns_and_the_step_is_in_the_db(tmp_path, monkeypatch, caplog):
+    """<name>_meta.json is for people and tools; the position a restart reads is in the DB, written first. A full
+    disk there (the DB elsewhere) is a warning, not a traceback, and leaves no temporary file behind."""
+    import errno
+
+    import sync
+
+    x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "checkpoint", VersionEngine(0))
+    x.reader = TaskReader([], total_epochs=1)
+
+    def full(path):
+        Path(path).write_text("half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real = sync.write_atomic
+    monkeypatch.setattr(sync, "write_atomic", lambda path, write: real(path, lambda p: full(p)))
+    with caplog.at_level("WARNING"):
+        explore.write(x, [])
+    assert "could not write" in caplog.text and "the explorer's position is in the DB" in caplog.text
+    assert x.db.explorer_states()["explorer"]["step"] == 3
+    assert not list(tmp_path.glob(".*tmp-*")) and not (tmp_path / "explorer_meta.json").exists()

@@ -77,6 +77,54 @@ def test_algos_imports_nothing_from_the_project():
             assert not [n for n in names if n.split(".")[0] in ours], (f.name, names)
 
 
+def import_graph() -> dict[str, set[str]]:
+    """module -> the project's modules it imports, anywhere in the file (at the top, inside a function, under
+    TYPE_CHECKING). `from configs.schema import X` is an edge to configs.schema and to the package configs. Not
+    edges: a package's __init__ importing its own submodules, and they it (the registry pattern: workflows/__init__.py
+    registers workflows/math.py, which subclasses its Workflow); the package is one unit for the modules outside."""
+    import ast
+
+    files = [*ROOT.glob("*.py"), *ROOT.glob("algos/*.py"), *ROOT.glob("configs/*.py"), *ROOT.glob("workflows/*.py")]
+    modules = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f for f in files}
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for m, f in modules.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for x in (x for x in names if x in modules and x != m):
+                package, own = x.split(".")[0], m.split(".")[0]
+                if package != own:
+                    graph[m] |= {x, package}
+                elif "." in x and "." in m:  # between two submodules of one package
+                    graph[m].add(x)
+    return graph
+
+
+def test_no_import_circles():
+    """Read order = run order needs a module graph without circles, lazy imports included (issue 26: schema ->
+    loader -> checks -> schema, engines <-> vllm_engine): errors live in errors.py, a request's parts in sampling.py."""
+    graph, state, circles = import_graph(), {}, []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for x in sorted(graph[m]):
+            if state.get(x) == "open":
+                circles.append(" -> ".join(path[path.index(x):] + [x]))
+            elif x not in state:
+                visit(x, path + [x])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, circles
+    assert graph["errors"] == set() and "engines" not in graph["vllm_engine"]
+
+
 @pytest.mark.parametrize("module", ["buffer", "tasksets"])
 def test_importing_buffer_or_tasksets_pulls_in_no_config_loader_nor_algorithms(module):
     code = (f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
@@ -99,3 +147,30 @@ def test_every_dependency_floor_is_the_version_the_floor_check_installs():
 
     assert floors and {k: Version(pinned.get(k, "0")) for k in floors} == {k: Version(v) for k, v in floors.items()}
     assert "bash scripts/check_floors.sh" in (ROOT / ".ci/run").read_text()
+
+
+def test_docs_links_resolve_inside_the_repository():
+    """Issue 26: the README is a map (at most ~250 lines) and the details live in docs/; neither points outside a
+    clone. Every relative markdown link `](path)` / `](path#anchor)` of README.md and docs/*.md names a file or folder
+    of the repository that git does not ignore (not assets/, checkpoints/, .venv: a clone has none of them), and no
+    text names ../shared or a /work path (the reference docs and the sessions' folders are not in a clone).
+    docs/LOG.md is the dated record of commands as they were run (`git clone /work/main ...`): its links are
+    checked, its text is not."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 260, "the README is a map; details go to docs/"
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    links, outside = {}, []
+    for page in pages:
+        text = page.read_text()
+        for target in re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text):
+            path = target.split("#")[0]
+            if re.match(r"(https?://|mailto:)", target, re.I) or not path:  # the web, or an anchor on this page
+                continue
+            links[f"{page.relative_to(ROOT)}: {target}"] = (page.parent / path).resolve()
+        if page.name != "LOG.md":
+            outside += [f"{page.relative_to(ROOT)}:{k}: {line.strip()[:100]}" for k, line in
+                        enumerate(text.splitlines(), 1) if re.search(r"\.\./shared|(?<![\w.])/work\b", line)]
+    broken = [name for name, p in links.items() if not p.is_relative_to(ROOT) or not p.exists()]
+    inside = sorted({str(p.relative_to(ROOT)) for p in links.values() if p.is_relative_to(ROOT) and p != ROOT})
+    ignored = subprocess.run(["git", "check-ignore", *inside], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    broken += [name for name, p in links.items() if p.is_relative_to(ROOT) and str(p.relative_to(ROOT)) in ignored]
+    assert links and not broken and not outside, broken + outside

@@ -28,9 +28,10 @@ import typing
 from typing import Any, Callable, ClassVar
 
 import workflows  # NOTE: the package, still being initialised when it imports this module: used at call time only
-from configs.checks import ConfigError, _warn_once, check_ranges
+from configs.checks import _warn_once, check_ranges
 from configs.loader import from_dict
 from configs.schema import TasksetConfig
+from errors import ConfigError
 
 RewardFn = Callable[..., dict[str, float]]
 

@@ -103,7 +103,7 @@ class Episode:
         return self.model.submit(self.ids, params)
 
     def record(self, completions: list) -> str:
-        """Append a sampled turn (engines.Completion): its ids and log-probs, then the template's closing."""
+        """Append a sampled turn (sampling.Completion): its ids and log-probs, then the template's closing."""
         c = completions[0]
         start = len(self.ids)
         self.ids += c.token_ids
