@@ -1,7 +1,7 @@
 """Algorithm registry: presets (`algorithm_type`) and, per piece, name -> function.
 
-A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do
-(../shared/reference/trinity-inventory.md §4.1). `configs.derive` fills every piece the YAML leaves
+A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do.
+`configs.derive` fills every piece the YAML leaves
 empty from the preset. The trainer only ever looks pieces up by the names in the resolved config.
 
 Piece registries: name -> (function, Config class for its `*_args`), validated by `configs.piece_config`.

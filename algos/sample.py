@@ -1,5 +1,5 @@
-"""Sample strategies: what a train step takes from the experience DB (Trinity-RFT's SAMPLE_STRATEGY,
-../shared/reference/trinity-inventory.md §4.6).
+"""Sample strategies: what a train step takes from the experience DB (Trinity-RFT's
+SAMPLE_STRATEGY).
 
 A strategy is fn(step, cfg) -> a dict the trainer's reader (train.Source) follows; keys it may hold:
     min_version     claim only experiences of this weights version or newer (staler ones are dropped)

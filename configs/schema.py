@@ -1,6 +1,6 @@
 """The config schema: nested dataclasses that mirror Trinity-RFT's YAML sections.
 
-Every field carries Trinity-RFT's default (see ../shared/reference/config-guide.txt) unless its
+Every field carries Trinity-RFT's default (its configuration guide) unless its
 docstring says otherwise, and a docstring that `--help` shows. YAML files only set values; the
 loader (configs/loader.py) validates them against these classes, and `derive()` (configs/resolve.py) fills in the values
 that depend on others (train_batch_size, max_model_len, ...). Nothing here mutates itself.

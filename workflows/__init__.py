@@ -3,7 +3,7 @@
     from workflows import build_workflow
     exps = build_workflow(task, model).run()   # task.repeat_times Experiences, reward and metrics set
 
-The contract (Trinity-RFT's `Workflow`, ../shared/reference/trinity-inventory.md §5, cut down):
+The contract (Trinity-RFT's `Workflow`, cut down):
   - A workflow gets a `Task` (buffer.py), a model handle (`ModelHandle` below, implemented by the
     rollout engine) and a reward function, and returns Experiences with `reward` and `metrics` set.
     It never touches the DB, the trainer or the weights. The runner stamps group_id, run_id,
