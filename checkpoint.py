@@ -39,22 +39,29 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 import lora
 import sync
-from sync import POINTER, full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
 from errors import DataError
+from sync import POINTER, full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
 
 log = logging.getLogger("nanorft.checkpoint")
 CKPT_POINTER = "latest_checkpointed_iteration.txt"  # the newest complete checkpoint
 
 
-def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, job_dir: str | Path,
-                    step: int, rank: int, weights: dict[str, torch.Tensor] | None, keep: int | None = None,
-                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
-                    state: dict | None = None) -> None:
+def save_checkpoint(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    tokenizer: Any,
+    job_dir: str | Path,
+    step: int,
+    rank: int,
+    weights: dict[str, torch.Tensor] | None,
+    keep: int | None = None,
+    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+    state: dict | None = None,
+) -> None:
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
     trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
     then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
@@ -71,20 +78,26 @@ def save_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, tokeni
             _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
         _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
         rng = {"cpu": torch.get_rng_state()} | (
-            {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+            {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
+        )
         write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
         dist.barrier()
         if rank == 0:
             write_manifest(actor.parent)
-            write_atomic(job / "trainer_meta.json", lambda p: Path(p).write_text(json.dumps(
-                {"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})))
+            write_atomic(
+                job / "trainer_meta.json",
+                lambda p: Path(p).write_text(
+                    json.dumps({"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})
+                ),
+            )
             write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
     if keep and rank == 0:
         prune_checkpoints(job, keep)
 
 
-def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int,
-               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def publish_hf(
+    model: Any, tokenizer: Any, job_dir: str | Path, step: int, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
     """sync.publish_hf (the step's HF folder for the explorers, then their pointer), a full or failing disk ending
     it in a StorageError: the pointer still names the weights published before, which explorers keep using."""
     with publishing(job_dir, step):
@@ -143,8 +156,10 @@ def storage(what: str, job: Path, kept: Callable[[], str]) -> Iterator[None]:
         if fault is None:
             raise
         _drop_temporaries(job)
-        raise StorageError(f"{what}: {fault[0]}. {kept()} {fault[1][0].upper()}{fault[1][1:]}, then run again "
-                           "with continue_from_checkpoint: true.") from None
+        raise StorageError(
+            f"{what}: {fault[0]}. {kept()} {fault[1][0].upper()}{fault[1][1:]}, then run again "
+            "with continue_from_checkpoint: true."
+        ) from None
 
 
 def _drop_temporaries(job: Path) -> None:
@@ -164,10 +179,13 @@ def _checkpoint_kept(job: Path) -> str:
     except (DataError, OSError) as e:
         return f"{job / CKPT_POINTER} was not moved (and cannot be read now: {e})."
     if not last:
-        return f"No checkpoint of this run is complete yet ({job / CKPT_POINTER} is absent): the next run starts " \
-               "from model.model_path."
-    return f"The last complete checkpoint, step {last} ({job / CKPT_POINTER}), is untouched: the next run resumes " \
-           "from it."
+        return (
+            f"No checkpoint of this run is complete yet ({job / CKPT_POINTER} is absent): the next run starts "
+            "from model.model_path."
+        )
+    return (
+        f"The last complete checkpoint, step {last} ({job / CKPT_POINTER}), is untouched: the next run resumes from it."
+    )
 
 
 def _published_kept(job: Path) -> str:
@@ -191,8 +209,15 @@ def prune_checkpoints(job: Path, keep: int) -> list[int]:
     return gone
 
 
-def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: Any, folder: Path, rank: int,
-               weights: dict[str, torch.Tensor] | None, meta: dict) -> None:
+def _save_role(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    tokenizer: Any,
+    folder: Path,
+    rank: int,
+    weights: dict[str, torch.Tensor] | None,
+    meta: dict,
+) -> None:
     """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic); a LoRA
     actor's lora_adapter/ instead of huggingface/ (which the sync phase may have written)."""
     osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -206,8 +231,10 @@ def _save_role(model: torch.nn.Module, optim: torch.optim.Optimizer, tokenizer: 
             save_hf(model.model, tokenizer, folder / "huggingface", weights)
         tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
         write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
-        write_atomic(folder / "trainer_state.json", lambda p: Path(p).write_text(json.dumps(
-            meta | {"param_groups": osd["param_groups"]}, indent=1)))
+        write_atomic(
+            folder / "trainer_state.json",
+            lambda p: Path(p).write_text(json.dumps(meta | {"param_groups": osd["param_groups"]}, indent=1)),
+        )
     dist.barrier()
 
 
@@ -224,8 +251,10 @@ def latest_checkpoint(job: str | Path) -> int:
         return 0
     steps = sorted((s for s in checkpoint_steps(Path(job)) if s <= newest), reverse=True)
     if not steps:
-        raise DataError(f"{Path(job, CKPT_POINTER)} names step {newest}, and {job} has no checkpoint up to it (no "
-                        "global_step_<N>/actor/trainer_state.json); move the pointer away to start afresh")
+        raise DataError(
+            f"{Path(job, CKPT_POINTER)} names step {newest}, and {job} has no checkpoint up to it (no "
+            "global_step_<N>/actor/trainer_state.json); move the pointer away to start afresh"
+        )
     for step in steps:
         damage = check_manifest(Path(job, f"global_step_{step}"))
         if not damage:
@@ -256,8 +285,10 @@ def check_manifest(folder: Path) -> str:
         return ""
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:  # a directory, bytes, ...
         return f"{folder / MANIFEST} cannot be read as JSON ({e})"
-    shape = isinstance(entries, dict) and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and
-                                              isinstance(v[1], str) for v in entries.values())
+    shape = isinstance(entries, dict) and all(
+        isinstance(v, list) and len(v) == 2 and isinstance(v[0], int) and isinstance(v[1], str)
+        for v in entries.values()
+    )
     if not shape:
         return f"{folder / MANIFEST} is not a manifest (a mapping of file -> [size, sha256])"
     for name, (size, digest) in entries.items():
@@ -279,8 +310,14 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_checkpoint(model: torch.nn.Module, optim: torch.optim.Optimizer, job_dir: str | Path, step: int, rank: int,
-                    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None) -> dict:
+def load_checkpoint(
+    model: torch.nn.Module,
+    optim: torch.optim.Optimizer,
+    job_dir: str | Path,
+    step: int,
+    rank: int,
+    critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
+) -> dict:
     """Optimizer states (actor, and critic when given) and RNG of checkpoint `step` (the weights were loaded
     from its HF folders); returns the trainer state saved with it."""
     actor = weights_path(job_dir, step).parent
@@ -304,6 +341,10 @@ def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder
     for key, v in tensors.items():
         fqn, name = key.rsplit("/", 1)
         state.setdefault(fqn, {})[name] = v
-    set_optimizer_state_dict(model, optim, {"state": state, "param_groups": meta["param_groups"]},
-                             options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(
+        model,
+        optim,
+        {"state": state, "param_groups": meta["param_groups"]},
+        options=StateDictOptions(full_state_dict=True),
+    )
     return meta

@@ -23,8 +23,9 @@ import os
 import re
 import sqlite3
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, TypeVar
 
 log = logging.getLogger("nanorft.buffer")
 T = TypeVar("T")
@@ -48,10 +49,14 @@ class DBFault(DBMismatch):
     before is in the DB."""
 
 
-_FULL = ("free space on that disk, or point buffer.trainer_input.experience_buffer.path at a new file on another "
-         "disk, then run again: the run continues from what the DB holds, the trainer from its last checkpoint")
-_DAMAGED = ("restore it from a backup, or point buffer.trainer_input.experience_buffer.path at a new file (the run "
-            "then starts from no experiences; the trainer still resumes from its last checkpoint)")
+_FULL = (
+    "free space on that disk, or point buffer.trainer_input.experience_buffer.path at a new file on another "
+    "disk, then run again: the run continues from what the DB holds, the trainer from its last checkpoint"
+)
+_DAMAGED = (
+    "restore it from a backup, or point buffer.trainer_input.experience_buffer.path at a new file (the run "
+    "then starts from no experiences; the trainer still resumes from its last checkpoint)"
+)
 # SQLite's primary result code (sqlite3.Error.sqlite_errorname, Python >= 3.11, extended codes cut at their second _;
 # its message text before) -> what the DB's disk or file did, what to do
 SQLITE_FAULTS = {
@@ -61,9 +66,13 @@ SQLITE_FAULTS = {
     "SQLITE_CORRUPT": ("its file is damaged", _DAMAGED),
     "SQLITE_NOTADB": ("its file is damaged (not a database)", _DAMAGED),
 }
-_SQLITE_TEXTS = {"database or disk is full": "SQLITE_FULL", "disk i/o error": "SQLITE_IOERR",
-                 "readonly database": "SQLITE_READONLY", "malformed": "SQLITE_CORRUPT",
-                 "file is not a database": "SQLITE_NOTADB"}
+_SQLITE_TEXTS = {
+    "database or disk is full": "SQLITE_FULL",
+    "disk i/o error": "SQLITE_IOERR",
+    "readonly database": "SQLITE_READONLY",
+    "malformed": "SQLITE_CORRUPT",
+    "file is not a database": "SQLITE_NOTADB",
+}
 
 
 def sqlite_fault(e: sqlite3.Error, path: str) -> DBFault | None:
@@ -99,8 +108,11 @@ _HOST = r"(?=[^@/?#\s]*(?:[/?#\s]|$))"  # what follows the password's @: a host,
 # NOTE: the password runs to the last @ before the query (`u:pa@ss@host`, `u:pa/ss@host`), else to the last @ of the
 # URL (`u:pa?ss@host`): a URL whose query holds an @ may then show less than its host, never part of its password
 _URL_PASSWORD = re.compile(rf"(\b[A-Za-z][\w+.-]*://[^:/?#@\s]*):(?:[^?#\s]*@{_HOST}|\S*@{_HOST})")
-_QUERY_SECRET = re.compile(r"([?&;](?:password|passwd|pwd|pass|secret|token|access_token|api_?key|sig|signature|"
-                           r"credentials?)=)[^&#\s]*", re.IGNORECASE)
+_QUERY_SECRET = re.compile(
+    r"([?&;](?:password|passwd|pwd|pass|secret|token|access_token|api_?key|sig|signature|"
+    r"credentials?)=)[^&#\s]*",
+    re.IGNORECASE,
+)
 
 
 def shown(url: str) -> str:
@@ -135,8 +147,10 @@ def refuse_foreign(path: str) -> None:
     pages, valid = int.from_bytes(head[28:32], "big"), head[24:28] == head[92:96]
     # NOTE: not while a -wal file is there: a checkpoint in progress may write page 1 (the new size) first
     if len(head) < 100 or (valid and os.path.getsize(path) < page * pages and not os.path.exists(path + "-wal")):
-        raise DBMismatch(f"{path} is a damaged SQLite database: cut short ({os.path.getsize(path)} bytes, its header "
-                         f"says {page * pages}); {_NEW}")
+        raise DBMismatch(
+            f"{path} is a damaged SQLite database: cut short ({os.path.getsize(path)} bytes, its header "
+            f"says {page * pages}); {_NEW}"
+        )
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # read-only: a foreign file stays as it is
         try:
@@ -147,11 +161,14 @@ def refuse_foreign(path: str) -> None:
     except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed", ...
         raise DBMismatch(f"{path} is a damaged SQLite database ({e}); {_NEW}") from None
     if tables and "meta" not in tables:
-        raise DBMismatch(f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); "
-                         f"{_NEW}")
+        raise DBMismatch(
+            f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); {_NEW}"
+        )
     if "meta" in tables and (meta.get("key") != 1 or "value" not in meta):
-        raise DBMismatch(f"{path} is a SQLite database of another program (its meta table has the columns "
-                         f"{', '.join(meta)}, not key (primary) and value); {_NEW}")
+        raise DBMismatch(
+            f"{path} is a SQLite database of another program (its meta table has the columns "
+            f"{', '.join(meta)}, not key (primary) and value); {_NEW}"
+        )
 
 
 def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
@@ -165,9 +182,10 @@ def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # NOTE: connect() alone opens no file yet
     except (OSError, sqlite3.Error) as e:  # a read-only place (/proc), no permission, a file where a folder goes
-        raise DBMismatch(f"cannot open or create the experience DB {path} ({e}): point "
-                         "buffer.trainer_input.experience_buffer.path at a file in a folder this process may write"
-                         ) from None
+        raise DBMismatch(
+            f"cannot open or create the experience DB {path} ({e}): point "
+            "buffer.trainer_input.experience_buffer.path at a file in a folder this process may write"
+        ) from None
     # WAL: readers never block writers, nor vice versa. NOTE: switching a new file to WAL needs
     # an exclusive lock, and when several processes open the same new file at once SQLite
     # answers "database is locked" without waiting (deadlock avoidance), hence the retry.
@@ -192,8 +210,9 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
     try:
         import psycopg
     except ImportError:
-        raise DBMismatch(f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with "
-                         "pip install -e '.[postgres]'") from None
+        raise DBMismatch(
+            f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with pip install -e '.[postgres]'"
+        ) from None
     try:
         conn = psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(busy_timeout)))
         # NOTE: a statement waiting for a lock (another session's, or a dead one's the server has not noticed yet)
@@ -201,8 +220,9 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
         conn.execute(f"SET lock_timeout = {max(1, round(busy_timeout * 1000))}")
         return conn
     except psycopg.Error as e:
-        raise DBMismatch(f"cannot open the experience DB {shown(url)} "
-                         f"(buffer.trainer_input.experience_buffer.path): {_reason(e)}") from None
+        raise DBMismatch(
+            f"cannot open the experience DB {shown(url)} (buffer.trainer_input.experience_buffer.path): {_reason(e)}"
+        ) from None
 
 
 def _reason(e: Exception) -> str:
@@ -238,11 +258,11 @@ class Qmark:
     def __init__(self, cur: Any) -> None:
         self.cur = cur
 
-    def execute(self, sql: str, args: Any = ()) -> "Qmark":
+    def execute(self, sql: str, args: Any = ()) -> Qmark:
         self.cur.execute(sql.replace("?", "%s"), args)
         return self
 
-    def executemany(self, sql: str, rows: list, returning: bool = False) -> "Qmark":
+    def executemany(self, sql: str, rows: list, returning: bool = False) -> Qmark:
         self.cur.executemany(sql.replace("?", "%s"), rows, returning=returning)
         return self
 
@@ -291,28 +311,41 @@ class PostgresLink:
             except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure) as e:
                 # The server rolled this transaction back to break a lock cycle: nothing of it was committed.
                 if not atomic or deadlocks >= 3:
-                    raise DBUnavailable(f"{self.path}: a transaction was rolled back {deadlocks + 1} times to break a "
-                                        f"lock cycle ({_reason(e)})") from None
+                    raise DBUnavailable(
+                        f"{self.path}: a transaction was rolled back {deadlocks + 1} times to break a "
+                        f"lock cycle ({_reason(e)})"
+                    ) from None
                 log.warning("%s: %s; running the transaction again", self.path, _reason(e))
                 deadlocks += 1
-            except (psycopg.errors.DiskFull, psycopg.errors.IoError, psycopg.errors.DataCorrupted,
-                    psycopg.errors.IndexCorrupted) as e:  # the server's disk or files: running again cannot help
-                raise DBFault(f"experience DB {self.path}: the PostgreSQL server cannot store or read it "
-                              f"({_reason(e)}); what was committed before is kept, the failed transaction was rolled "
-                              "back. Free space (or repair the disk) on the server, or restore the database from a "
-                              "backup, then run again: the run continues from what the DB holds") from None
+            except (
+                psycopg.errors.DiskFull,
+                psycopg.errors.IoError,
+                psycopg.errors.DataCorrupted,
+                psycopg.errors.IndexCorrupted,
+            ) as e:  # the server's disk or files: running again cannot help
+                raise DBFault(
+                    f"experience DB {self.path}: the PostgreSQL server cannot store or read it "
+                    f"({_reason(e)}); what was committed before is kept, the failed transaction was rolled "
+                    "back. Free space (or repair the disk) on the server, or restore the database from a "
+                    "backup, then run again: the run continues from what the DB holds"
+                ) from None
             except psycopg.errors.LockNotAvailable as e:
-                raise DBUnavailable(f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
-                                    f"holds ({_reason(e)})") from None
+                raise DBUnavailable(
+                    f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
+                    f"holds ({_reason(e)})"
+                ) from None
             except psycopg.OperationalError as e:
                 if not self.conn.broken:
                     raise
                 if committing or retried:
-                    raise DBUnavailable(f"{self.path}: the connection to the PostgreSQL server was lost "
-                                        f"{'while a transaction committed' if committing else 'again'} ({_reason(e)})"
-                                        "; restart once the server is back") from None
-                log.warning("%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path,
-                            _reason(e))
+                    raise DBUnavailable(
+                        f"{self.path}: the connection to the PostgreSQL server was lost "
+                        f"{'while a transaction committed' if committing else 'again'} ({_reason(e)})"
+                        "; restart once the server is back"
+                    ) from None
+                log.warning(
+                    "%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path, _reason(e)
+                )
                 retried = True
 
     def _reopen(self) -> Any:
@@ -325,11 +358,11 @@ class PostgresLink:
                 return conn
             except DBMismatch as e:
                 if time.monotonic() >= deadline:
-                    raise DBUnavailable(f"{self.path}: the connection to the PostgreSQL server was lost and could not "
-                                        f"be opened again in {self.busy_timeout:g} s: {e}") from None
+                    raise DBUnavailable(
+                        f"{self.path}: the connection to the PostgreSQL server was lost and could not "
+                        f"be opened again in {self.busy_timeout:g} s: {e}"
+                    ) from None
                 time.sleep(0.5)
 
     def close(self) -> None:
         self.conn.close()
-
-

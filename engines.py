@@ -27,10 +27,10 @@ The sampled token ids include the EOS token that ended a response (the trainer m
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import importlib.util
 import logging
 import random
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +62,16 @@ class Sampler:
     the token budget, and each row's uniform draws, made up front from its own seeded generator (so a row's
     samples depend on its seed and sample index only, not on what else is in the batch)."""
 
-    def __init__(self, ps: list[SamplingParams], sample_idx: list[int], seeds: list[int], prompt_lens: list[int],
-                 max_model_len: int, V: int, dev: str | torch.device) -> None:
+    def __init__(
+        self,
+        ps: list[SamplingParams],
+        sample_idx: list[int],
+        seeds: list[int],
+        prompt_lens: list[int],
+        max_model_len: int,
+        V: int,
+        dev: str | torch.device,
+    ) -> None:
         self.V = V
         self.temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=dev)  # [B]
         self.greedy = torch.tensor([p.temperature == 0 for p in ps], device=dev)  # [B]
@@ -105,8 +113,15 @@ class HFEngine:
 
     engine_type = "hf"
 
-    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "float32",
-                 max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 42) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        max_batch_size: int = 256,
+        seed: int = 42,
+    ) -> None:
         self.device, self.dtype = device, dtype
         self.max_model_len, self.max_batch_size = max_model_len, max_batch_size  # batch size in rows
         self.batcher = Batcher(self.run_batch, max_model_len)
@@ -167,8 +182,18 @@ class HFEngine:
         mask = torch.tensor([[0] * (L - len(x)) + [1] * (capacity - L + len(x)) for x in unique], device=dev)  # [U, C]
         pos = (mask[:, :L].cumsum(-1) - 1).clamp(min=0)  # [U, L], pads get position 0 (masked anyway)
         cache = DynamicCache(config=self.model.config)
-        logits = self.model(input_ids=ids, attention_mask=mask[:, :L], position_ids=pos, past_key_values=cache,
-                            use_cache=True, logits_to_keep=1).logits[:, -1].float()  # [U, V]
+        logits = (
+            self.model(
+                input_ids=ids,
+                attention_mask=mask[:, :L],
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            .logits[:, -1]
+            .float()
+        )  # [U, V]
         slot = {request: j for j, request in enumerate(firsts)}
         expand = torch.tensor([slot[row[0]] for row in rows], device=dev)  # [B] row -> its prompt
         if len(rows) > len(unique):
@@ -214,14 +239,31 @@ class HFEngine:
                 cache.batch_select_indices(keep_idx)
                 live, mask, pos, picked = live[keep_idx], mask[keep_idx], pos[keep_idx], picked[keep_idx]
             pos = pos + 1  # [b, 1]
-            logits = self.model(input_ids=picked[:, None], attention_mask=mask[:, : cache.get_seq_length() + 1],
-                                position_ids=pos, past_key_values=cache, use_cache=True).logits[:, -1].float()  # [b, V]
+            logits = (
+                self.model(
+                    input_ids=picked[:, None],
+                    attention_mask=mask[:, : cache.get_seq_length() + 1],
+                    position_ids=pos,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                .logits[:, -1]
+                .float()
+            )  # [b, V]
         lengths = length.tolist()
         ids = [tokens[r, :n].tolist() for r, n in enumerate(lengths)]
         lps = [logps[r, :n].tolist() for r, n in enumerate(lengths)]
         decoded = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return [Completion(ids[r], lps[r], texts[r] if texts[r] is not None else decoded[r], reason[r] or "length",
-                           self.model_version) for r in range(B)]
+        return [
+            Completion(
+                ids[r],
+                lps[r],
+                texts[r] if texts[r] is not None else decoded[r],
+                reason[r] or "length",
+                self.model_version,
+            )
+            for r in range(B)
+        ]
 
     def stop_cut(self, tokens: list[int], p: SamplingParams) -> str | None:
         """The text cut before the first stop string, once one appears (None until then).
@@ -255,8 +297,14 @@ class HFEngine:
         self.batcher.call(load)
 
 
-def make_engine(cfg_rollout_model, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
-                colocate: bool = False, first_gpu: int = 0) -> Any:
+def make_engine(
+    cfg_rollout_model,
+    model_path: str,
+    max_model_len: int,
+    repetition_penalty: float = 1.0,
+    colocate: bool = False,
+    first_gpu: int = 0,
+) -> Any:
     """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present. vLLM:
     vllm_engine.make_pool (engine_num engines from the explorer's GPU `first_gpu` on; `repetition_penalty` =
     model.repetition_penalty, which the config refuses for the HF engine; `colocate`: sleep mode, the GPU is
@@ -265,15 +313,21 @@ def make_engine(cfg_rollout_model, model_path: str, max_model_len: int, repetiti
     have_vllm, have_gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
     if kind == "auto":
         kind = "vllm" if have_vllm and have_gpu else "hf"
-        why = f"engine_type=auto, vllm {'importable' if have_vllm else 'not installed'}, " \
-              f"CUDA GPU {'present' if have_gpu else 'absent'}"
+        why = (
+            f"engine_type=auto, vllm {'importable' if have_vllm else 'not installed'}, "
+            f"CUDA GPU {'present' if have_gpu else 'absent'}"
+        )
     else:
         why = f"engine_type={kind} in the config"
     if kind in ("vllm", "vllm_async"):
         import vllm_engine
 
-        log.info("rollout engines: vLLM (%s), %d x tp %d", why, cfg_rollout_model.engine_num,
-                 cfg_rollout_model.tensor_parallel_size)
+        log.info(
+            "rollout engines: vLLM (%s), %d x tp %d",
+            why,
+            cfg_rollout_model.engine_num,
+            cfg_rollout_model.tensor_parallel_size,
+        )
         rm = dataclasses.replace(cfg_rollout_model, engine_type=kind)
         return vllm_engine.make_pool(rm, model_path, max_model_len, repetition_penalty, colocate, first_gpu)
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
@@ -298,9 +352,17 @@ class ModelHandle:
     max_tokens (EOS suppressed, as min_tokens = max_tokens); `template_kwargs`: variables of the chat template
     (e.g. enable_thinking)."""
 
-    def __init__(self, engine: Any, tokenizer, defaults: dict | None = None,
-                 max_prompt_tokens: int | None = None, truncate: bool = True, ignore_eos: bool = False,
-                 template_kwargs: dict | None = None, max_model_len: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer,
+        defaults: dict | None = None,
+        max_prompt_tokens: int | None = None,
+        truncate: bool = True,
+        ignore_eos: bool = False,
+        template_kwargs: dict | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.defaults = self.sampling(**(defaults or {}))
         self.max_prompt, self.truncate, self.ignore_eos = max_prompt_tokens, truncate, ignore_eos
@@ -347,20 +409,38 @@ class ModelHandle:
             raise TypeError(f"unknown sampling argument(s) {unknown}; accepted: {list(SAMPLING_KEYS)}")
         return sampling
 
-    def chat(self, messages: list[dict], n: int = 1, tools: list | None = None, chat_template: str | None = None,
-             reply_prefix: str | None = None, **sampling) -> list[Experience]:
+    def chat(
+        self,
+        messages: list[dict],
+        n: int = 1,
+        tools: list | None = None,
+        chat_template: str | None = None,
+        reply_prefix: str | None = None,
+        **sampling,
+    ) -> list[Experience]:
         """Sample n responses to `messages`, rendered by the tokenizer's chat template (or `chat_template`) with
         `tools`; the assistant turn starts with `reply_prefix` (part of the prompt, not of the response text)."""
         prompt = self.render(messages, tools, chat_template)
         return self.generate([prompt + (reply_prefix or "")], n=n, **sampling)[0]
 
-    def render(self, messages: list[dict], tools: list | None = None, chat_template: str | None = None,
-               generation: bool = True, template_kwargs: dict | None = None) -> str:
+    def render(
+        self,
+        messages: list[dict],
+        tools: list | None = None,
+        chat_template: str | None = None,
+        generation: bool = True,
+        template_kwargs: dict | None = None,
+    ) -> str:
         """`messages` through the chat template (or `chat_template`), with the assistant's generation prompt;
         `template_kwargs` (a request's chat_template_kwargs) over the handle's."""
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False,
-                                                  tools=tools, chat_template=chat_template or None,
-                                                  **{**self.template_kwargs, **(template_kwargs or {})})
+        return self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=generation,
+            tokenize=False,
+            tools=tools,
+            chat_template=chat_template or None,
+            **{**self.template_kwargs, **(template_kwargs or {})},
+        )
 
     def params(self, n: int = 1, **sampling) -> SamplingParams:
         """A request's SamplingParams: the handle's defaults, then `sampling` (ignore_eos: min_tokens = max_tokens)."""
@@ -379,17 +459,21 @@ class ModelHandle:
         if self.max_prompt is None or len(ids) <= self.max_prompt:
             return ids, False
         if not self.truncate:
-            raise PromptTooLong(f"a prompt of {len(ids)} tokens exceeds model.max_prompt_tokens ({self.max_prompt}) "
-                                "and model.enable_prompt_truncation is off")
-        return ids[-self.max_prompt:], True
+            raise PromptTooLong(
+                f"a prompt of {len(ids)} tokens exceeds model.max_prompt_tokens ({self.max_prompt}) "
+                "and model.enable_prompt_truncation is off"
+            )
+        return ids[-self.max_prompt :], True
 
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
         """n experiences per prompt text (already templated; encoded without special tokens)."""
         params = self.params(n, **sampling)
         encoded = [self.encode(p) for p in prompts]
         futures = [self.engine.submit(x, params) for x, _ in encoded]  # submitted together: one batch
-        return [[experience(x, c, scored_temperature(params), p, cut) for c in f.result()]
-                for p, (x, cut), f in zip(prompts, encoded, futures)]
+        return [
+            [experience(x, c, scored_temperature(params), p, cut) for c in f.result()]
+            for p, (x, cut), f in zip(prompts, encoded, futures)
+        ]
 
 
 def scored_temperature(params: SamplingParams) -> float:
@@ -398,13 +482,20 @@ def scored_temperature(params: SamplingParams) -> float:
     return params.temperature if params.temperature > 0 else 1.0
 
 
-def experience(prompt: list[int], c: Completion, temperature: float, prompt_text: str = "",
-               prompt_cut: bool = False) -> Experience:
+def experience(
+    prompt: list[int], c: Completion, temperature: float, prompt_text: str = "", prompt_cut: bool = False
+) -> Experience:
     """A sampled response (sampling.Completion) to the prompt ids `prompt` as an Experience."""
-    return Experience(tokens=torch.tensor(prompt + c.token_ids, dtype=torch.long), prompt_length=len(prompt),
-                      logprobs=torch.tensor(c.logprobs, dtype=torch.float32), model_version=c.model_version,
-                      truncate_status="prompt_truncated" if prompt_cut else "response_truncated" if c.truncated
-                      else None, prompt_text=prompt_text, response_text=c.text, info={"temperature": temperature})
+    return Experience(
+        tokens=torch.tensor(prompt + c.token_ids, dtype=torch.long),
+        prompt_length=len(prompt),
+        logprobs=torch.tensor(c.logprobs, dtype=torch.float32),
+        model_version=c.model_version,
+        truncate_status="prompt_truncated" if prompt_cut else "response_truncated" if c.truncated else None,
+        prompt_text=prompt_text,
+        response_text=c.text,
+        info={"temperature": temperature},
+    )
 
 
 def auxiliary_handles(cfg) -> dict[str, ModelHandle]:
@@ -428,5 +519,13 @@ def rollout_handle(cfg, engine: Any, tokenizer) -> ModelHandle:
     kwargs = {} if m.enable_thinking is None else {"enable_thinking": m.enable_thinking}
     if rm.chat_template:
         tokenizer = with_template(tokenizer, rm.chat_template)
-    return ModelHandle(engine, tokenizer, {"min_tokens": m.min_response_tokens}, m.max_prompt_tokens,
-                       m.enable_prompt_truncation, rm.ignore_eos, kwargs, rm.max_model_len)
+    return ModelHandle(
+        engine,
+        tokenizer,
+        {"min_tokens": m.min_response_tokens},
+        m.max_prompt_tokens,
+        m.enable_prompt_truncation,
+        rm.ignore_eos,
+        kwargs,
+        rm.max_model_len,
+    )

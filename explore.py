@@ -32,9 +32,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import configs
 import launch
@@ -79,7 +80,7 @@ def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> t
     for attempt in range(retries + 1):
         box: dict[str, Any] = {}
 
-        def target() -> None:
+        def target(box: dict[str, Any] = box) -> None:  # NOTE: this attempt's box, not a later attempt's
             try:
                 box["exps"] = check_experiences(build_workflow(task, handle).run(), task)
             except Exception as e:  # any failure of user code is reported, never raised into the explorer
@@ -103,16 +104,23 @@ def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> t
 def run_tasks(pool: ThreadPoolExecutor, tasks: list[Task], handles: list[ModelHandle], cfg: configs.Config) -> list:
     """Run tasks concurrently on the runner pool; [(task, experiences or None, error)] in task order."""
     e = cfg.explorer
-    futures = [pool.submit(run_task, t, handles[i % len(handles)], e.max_timeout, e.max_retry_times)
-               for i, t in enumerate(tasks)]
+    futures = [
+        pool.submit(run_task, t, handles[i % len(handles)], e.max_timeout, e.max_retry_times)
+        for i, t in enumerate(tasks)
+    ]
     return [(t, *f.result()) for t, f in zip(tasks, futures)]
 
 
 # --- evaluation (the metrics of a step or an evaluation: monitor.rollout_metrics, monitor.eval_metrics)
 
 
-def evaluate(pool: ThreadPoolExecutor, handles: list[ModelHandle], cfg: configs.Config,
-             eval_sets: list[tuple[Any, list[Task]]], prefix: str = "eval") -> dict[str, float]:
+def evaluate(
+    pool: ThreadPoolExecutor,
+    handles: list[ModelHandle],
+    cfg: configs.Config,
+    eval_sets: list[tuple[Any, list[Task]]],
+    prefix: str = "eval",
+) -> dict[str, float]:
     """Run every eval taskset (each task repeat_times times) and return its metrics."""
     start, out, tokens = time.monotonic(), {}, 0
     for ts, tasks in eval_sets:
@@ -131,7 +139,10 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
     """What the runner, not the workflow, owns: ids and provenance."""
     for run_id, x in enumerate(exps):
         x.group_id, x.run_id, x.task_id, x.explorer = (
-            f"{explorer}/{task.epoch}/{task.task_id}", run_id, task.task_id, explorer
+            f"{explorer}/{task.epoch}/{task.task_id}",
+            run_id,
+            task.task_id,
+            explorer,
         )
         x.info.update(epoch=task.epoch, taskset=task.taskset, index=task.index)
 
@@ -157,12 +168,20 @@ def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: 
             return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})", 0
         if waited >= timeout:
             return (
-                0, f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}", 1
+                0,
+                f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}",
+                1,
             )
         if waited >= next_note:
             next_note = waited + 30
-            log.info("sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
-                     step, want, have, job, trainer_state(db))
+            log.info(
+                "sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
+                step,
+                want,
+                have,
+                job,
+                trainer_state(db),
+            )
         time.sleep(0.01)
     return have, "", 0
 
@@ -181,8 +200,12 @@ def load_published(engine: Any, job: str, version: int) -> int:
             except OSError as e:
                 log.warning("could not load the weights of step %d (%s); retrying with the newest", found[1], e)
         elif found is None and attempt > 0:
-            log.warning("no undamaged published weights newer than the engine's (step %d) up to step %d: the explorer "
-                        "goes on with its weights", engine.model_version, version)
+            log.warning(
+                "no undamaged published weights newer than the engine's (step %d) up to step %d: the explorer "
+                "goes on with its weights",
+                engine.model_version,
+                version,
+            )
             return engine.model_version
         time.sleep(1.0)  # NOTE: first a second for a folder being replaced, then the fallback
         version = sync.latest_version(job)
@@ -198,13 +221,16 @@ def start_weights(cfg: configs.Config) -> tuple[str, int]:
         return base_weights(cfg), 0
     found = sync.usable_weights(job, newest)
     if found is None:
-        raise DataError(f"{Path(job, sync.POINTER)} names step {newest}, and no published weights folder up to it "
-                        "is there undamaged (see the warnings above): restart the trainer (it resumes from its "
-                        "newest checkpoint and publishes again), or move the pointer away to start from "
-                        "model.model_path")
+        raise DataError(
+            f"{Path(job, sync.POINTER)} names step {newest}, and no published weights folder up to it "
+            "is there undamaged (see the warnings above): restart the trainer (it resumes from its "
+            "newest checkpoint and publishes again), or move the pointer away to start from "
+            "model.model_path"
+        )
     if found[1] != newest:
-        log.warning("the explorer starts from the published weights of step %d, the newest undamaged (not %d)",
-                    found[1], newest)
+        log.warning(
+            "the explorer starts from the published weights of step %d, the newest undamaged (not %d)", found[1], newest
+        )
     return str(found[0]), found[1]
 
 
@@ -215,8 +241,12 @@ def base_weights(cfg: configs.Config) -> str:
     if not saved:
         return cfg.model.model_path
     folder = Path(cfg.checkpoint_job_dir, "lora_start", cfg.explorer.name)
-    log.info("LoRA from the saved adapter %s: the engine starts from it merged into %s (%s)", saved,
-             cfg.model.model_path, folder)
+    log.info(
+        "LoRA from the saved adapter %s: the engine starts from it merged into %s (%s)",
+        saved,
+        cfg.model.model_path,
+        folder,
+    )
     return str(lora.merged_folder(load_model(cfg.model.model_path), saved, config_tokenizer(cfg.model), folder))
 
 
@@ -260,9 +290,11 @@ def check_workflows(cfg: configs.Config) -> None:
             where = f"buffer.explorer_input.{key}[{i}]"
             runs = cfg.mode != "bench" or key == "eval_tasksets"
             if runs and not ts.default_workflow_type and not ts.format.workflow_key:
-                raise configs.ConfigError(f"{where} ({ts.name}): no workflow runs these tasks: set "
-                                          "buffer.default_workflow_type, the taskset's default_workflow_type (e.g. "
-                                          "math_workflow), or a format.workflow_key column")
+                raise configs.ConfigError(
+                    f"{where} ({ts.name}): no workflow runs these tasks: set "
+                    "buffer.default_workflow_type, the taskset's default_workflow_type (e.g. "
+                    "math_workflow), or a format.workflow_key column"
+                )
             check_args(ts, where)
 
 
@@ -283,13 +315,22 @@ def set_up(cfg: configs.Config) -> Explorer:
         step = saved["step"]
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
     path, version = start_weights(cfg)
-    engine = make_engine(e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty,
-                         cfg.cluster.colocate)
+    engine = make_engine(
+        e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty, cfg.cluster.colocate
+    )
     engine.model_version = version
-    return Explorer(cfg, db, reader, step, engine, [with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
-                    ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"), monitor,
-                    [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
-                    total_steps(cfg, reader))
+    return Explorer(
+        cfg,
+        db,
+        reader,
+        step,
+        engine,
+        [with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
+        ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
+        monitor,
+        [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
+        total_steps(cfg, reader),
+    )
 
 
 def with_extras(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
@@ -299,10 +340,16 @@ def with_extras(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
     handle.auxiliary = auxiliary_handles(cfg)
     rm = cfg.explorer.rollout_model
     if rm.enable_openai_api:
-        handle.api = OpenAIServer(handle, cfg.model.model_path, rm.enable_history, rm.openai_api_host,
-                                  rm.openai_api_port, rm.openai_api_key)
-        log.info("explorer %s: OpenAI-compatible API at %s/v1 (model %r, history %s)", cfg.explorer.name,
-                 handle.api.start(), cfg.model.model_path, "on" if rm.enable_history else "off")
+        handle.api = OpenAIServer(
+            handle, cfg.model.model_path, rm.enable_history, rm.openai_api_host, rm.openai_api_port, rm.openai_api_key
+        )
+        log.info(
+            "explorer %s: OpenAI-compatible API at %s/v1 (model %r, history %s)",
+            cfg.explorer.name,
+            handle.api.start(),
+            cfg.model.model_path,
+            "on" if rm.enable_history else "off",
+        )
     return handle
 
 
@@ -324,8 +371,13 @@ def write(x: Explorer, exps: list[Experience]) -> None:
     """The step's experiences and the explorer's position, in one DB transaction (and <name>_meta.json)."""
     sync.pause_for_test("explore.before_write", x.step)
     name = x.cfg.explorer.name
-    state = {"step": x.step, "reader": x.reader.state(), "model_version": x.engine.model_version, "time": time.time(),
-             "finished": False}
+    state = {
+        "step": x.step,
+        "reader": x.reader.state(),
+        "model_version": x.engine.model_version,
+        "time": time.time(),
+        "finished": False,
+    }
     x.db.write(exps, explorer=(name, state))
     meta = Path(x.cfg.checkpoint_job_dir, f"{name}_meta.json")
     try:  # for people and tools: the DB holds the position a restart reads
@@ -344,8 +396,12 @@ def receive(x: Explorer, want: int) -> tuple[int, dict[str, float]]:
     else:
         why = "the trainer finished and sent stop"
     if got is None:
-        log.error("no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
-                  want, why, x.step)
+        log.error(
+            "no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
+            want,
+            why,
+            x.step,
+        )
         return 1, {}
     version, size = got
     if version != want:
@@ -409,8 +465,13 @@ def load_newer(x: Explorer) -> tuple[int | None, dict[str, float]]:
     if version < want:
         version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
         if not version:
-            (log.error if code else log.info)("explorer %s stops after step %d: %s.%s", x.cfg.explorer.name, x.step,
-                                              why, f" Restart to continue after step {x.step}." if code else "")
+            (log.error if code else log.info)(
+                "explorer %s stops after step %d: %s.%s",
+                x.cfg.explorer.name,
+                x.step,
+                why,
+                f" Restart to continue after step {x.step}." if code else "",
+            )
             return code, {}
     if version > x.engine.model_version:
         load_published(x.engine, job, version)
@@ -444,11 +505,20 @@ def resume_weights(x: Explorer) -> int | None:
         with trainer_turn(x, True):
             why, code = from_files(x, want)
     if x.engine.model_version < want:
-        (log.error if code else log.info)("explorer %s restarted after step %d: no weights of step %d: %s; "
-                                          "stopping.", x.cfg.explorer.name, x.step, want, why)
+        (log.error if code else log.info)(
+            "explorer %s restarted after step %d: no weights of step %d: %s; stopping.",
+            x.cfg.explorer.name,
+            x.step,
+            want,
+            why,
+        )
         return code
-    log.info("explorer %s restarted after step %d with the weights of step %d", x.cfg.explorer.name, x.step,
-             x.engine.model_version)
+    log.info(
+        "explorer %s restarted after step %d with the weights of step %d",
+        x.cfg.explorer.name,
+        x.step,
+        x.engine.model_version,
+    )
     return None
 
 
@@ -484,8 +554,9 @@ def finish(x: Explorer, code: int) -> int:
     """Mark the explorer finished (the trainer stops waiting for more once every explorer has), close up."""
     name = x.cfg.explorer.name
     if code == 0:
-        x.db.set_explorer_state(name, {**x.db.explorer_states().get(name, {}), "step": x.step, "time": time.time(),
-                                       "finished": True})
+        x.db.set_explorer_state(
+            name, {**x.db.explorer_states().get(name, {}), "step": x.step, "time": time.time(), "finished": True}
+        )
     if x.receiver is not None:
         sync.close_receiver(x.receiver)
     x.monitor.close(failed=code != 0)
@@ -555,8 +626,11 @@ def bench_weights(cfg: configs.Config, path: str) -> Iterator[str]:
         return
     with tempfile.TemporaryDirectory(prefix=".bench-merged-", dir=cfg.checkpoint_job_dir) as tmp:
         log.info("%s: an adapter-only LoRA checkpoint, merged into %s for the evaluation", path, cfg.model.model_path)
-        yield str(lora.merged_folder(load_model(cfg.model.model_path), path, config_tokenizer(cfg.model),
-                                     Path(tmp, "huggingface")))
+        yield str(
+            lora.merged_folder(
+                load_model(cfg.model.model_path), path, config_tokenizer(cfg.model), Path(tmp, "huggingface")
+            )
+        )
 
 
 def bench(cfg: configs.Config) -> int:

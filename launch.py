@@ -37,16 +37,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, TextIO
+from typing import TextIO
 
 import configs
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from configs.resolve import CONSOLE, LAUNCHED
-from monitor import (Console, HistoryTail, bars_wanted, close_log_file, close_monitors, eval_line, fail_left_runs,
-                     headline, log_to_file, numbers_of, prepare_mlflow, read_history)
 from errors import DataError
+from monitor import (
+    Console,
+    HistoryTail,
+    bars_wanted,
+    close_log_file,
+    close_monitors,
+    eval_line,
+    fail_left_runs,
+    headline,
+    log_to_file,
+    numbers_of,
+    prepare_mlflow,
+    read_history,
+)
 
 log = logging.getLogger("nanorft.launch")
 HERE = Path(__file__).resolve().parent
@@ -66,12 +79,17 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
     elif cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
         explorer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(range(cl.explorer_gpu_num))
         trainer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(
-            range(cl.explorer_gpu_num, cl.explorer_gpu_num + cl.trainer_gpu_num_per_node))
+            range(cl.explorer_gpu_num, cl.explorer_gpu_num + cl.trainer_gpu_num_per_node)
+        )
     elif stage.mode == "both" and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
         explorer[1]["OMP_NUM_THREADS"], trainer[1]["OMP_NUM_THREADS"] = map(str, cpu_split())
     here = {"trainer": trainer} if cl.trainer_node_num == cl.node_num else {}  # else node 0 is the explorer's
-    return {"train": here, "explore": {"explorer": explorer}, "bench": {"explorer": explorer},
-            "both": {**here, "explorer": explorer}}[stage.mode]
+    return {
+        "train": here,
+        "explore": {"explorer": explorer},
+        "bench": {"explorer": explorer},
+        "both": {**here, "explorer": explorer},
+    }[stage.mode]
 
 
 def visible_gpus(indices: range) -> str:
@@ -83,8 +101,10 @@ def visible_gpus(indices: range) -> str:
         return ",".join(map(str, indices))
     names = [g.strip() for g in mine.split(",") if g.strip()]
     if indices and indices[-1] >= len(names):
-        raise configs.ConfigError(f"cluster: the layout needs GPUs {list(indices)} of this node's, but "
-                                  f"CUDA_VISIBLE_DEVICES={mine!r} shows {len(names)}: set cluster.gpu_per_node")
+        raise configs.ConfigError(
+            f"cluster: the layout needs GPUs {list(indices)} of this node's, but "
+            f"CUDA_VISIBLE_DEVICES={mine!r} shows {len(names)}: set cluster.gpu_per_node"
+        )
     return ",".join(names[i] for i in indices)
 
 
@@ -97,9 +117,17 @@ def trainer_command(stage: configs.Config, config_file: Path, node_rank: int = 0
     cl = stage.cluster
     cmd, ranks = [str(HERE / "train.py"), "--config", str(config_file)], max(cl.trainer_gpu_num_per_node, 1)
     if cl.node_num > 1:
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={cl.trainer_node_num}",
-                f"--node-rank={node_rank}", f"--nproc-per-node={ranks}", "--rdzv-backend=static",
-                f"--rdzv-endpoint={cl.master_addr}:{cl.master_port}", *cmd]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={cl.trainer_node_num}",
+            f"--node-rank={node_rank}",
+            f"--nproc-per-node={ranks}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={cl.master_addr}:{cl.master_port}",
+            *cmd,
+        ]
     if ranks > 1:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd]
     return [sys.executable, *cmd]
@@ -110,8 +138,11 @@ def other_nodes(stage: configs.Config, config_file: Path) -> list[str]:
     command from this directory (the same paths on every node: a shared filesystem)."""
     cl, cwd = stage.cluster, shlex.quote(os.getcwd())
     first = cl.node_num - cl.trainer_node_num  # the trainer's first node: 0, or 1 when node 0 is the explorer's
-    return [f"node {first + r}: cd {cwd} && {shlex.join(trainer_command(stage, config_file, r))}"
-            for r in range(cl.trainer_node_num) if first + r > 0]
+    return [
+        f"node {first + r}: cd {cwd} && {shlex.join(trainer_command(stage, config_file, r))}"
+        for r in range(cl.trainer_node_num)
+        if first + r > 0
+    ]
 
 
 def overlaps(stage: configs.Config) -> bool:
@@ -193,9 +224,17 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
             for rec in read_history(file):
                 stage_steps = max(stage_steps, rec["step"])
                 if (key := eval_key(rec)) is not None:
-                    evals.append({"stage": st.name, "stage_index": i, "step": rec["step"],
-                                  "global_step": offset + rec["step"], "accuracy": rec[key], "metric": key,
-                                  "metrics": {k: v for k, v in rec.items() if k.startswith(("eval/", "bench/"))}})
+                    evals.append(
+                        {
+                            "stage": st.name,
+                            "stage_index": i,
+                            "step": rec["step"],
+                            "global_step": offset + rec["step"],
+                            "accuracy": rec[key],
+                            "metric": key,
+                            "metrics": {k: v for k, v in rec.items() if k.startswith(("eval/", "bench/"))},
+                        }
+                    )
                 if "rollout/reward/mean" in rec:
                     rewards.append(
                         {"stage": st.name, "global_step": offset + rec["step"], "reward": rec["rollout/reward/mean"]}
@@ -214,22 +253,29 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
     trained = [e for e in evals if stages[e["stage_index"]].mode in ("both", "explore")]
     weights = next((w for st in reversed(stages) if (w := sync.latest_weights(st.checkpoint_job_dir))), None)
     return {
-        "config": cfg.name, "run_dir": str(run_dir(cfg, stages)),
+        "config": cfg.name,
+        "run_dir": str(run_dir(cfg, stages)),
         "accuracy_before_sft": before[-1]["accuracy"] if before else None,
         "accuracy_after_sft": after[0]["accuracy"] if after else None,
         "accuracy_after_rft": trained[-1]["accuracy"] if trained else (evals[-1]["accuracy"] if evals else None),
         "accuracy_metric": evals[-1]["metric"] if evals else None,
-        "wall_seconds": round(seconds, 1), "steps": steps, "checkpoint": str(weights) if weights else None,
+        "wall_seconds": round(seconds, 1),
+        "steps": steps,
+        "checkpoint": str(weights) if weights else None,
         "stages": [{"name": st.name, "mode": st.mode, "algorithm": st.algorithm.algorithm_type} for st in stages],
-        "eval_history": evals, "reward_history": rewards,
+        "eval_history": evals,
+        "reward_history": rewards,
     }
 
 
 def plot(summary: dict, path: Path) -> bool:
     """SFT loss, train reward and held-out accuracy over the run's steps (all stages on one axis); False (and no
     file) when the run recorded none of them, e.g. a stage that failed at start."""
-    panels = [("SFT loss", "sft_loss", summary["reward_history"]), ("train reward (rollout mean)", "reward",
-              summary["reward_history"]), ("held-out accuracy (greedy)", "accuracy", summary["eval_history"])]
+    panels = [
+        ("SFT loss", "sft_loss", summary["reward_history"]),
+        ("train reward (rollout mean)", "reward", summary["reward_history"]),
+        ("held-out accuracy (greedy)", "accuracy", summary["eval_history"]),
+    ]
     panels = [(title, key, [x for x in rows if key in x]) for title, key, rows in panels]
     panels = [p for p in panels if p[2]]
     if not panels:
@@ -247,10 +293,19 @@ def plot(summary: dict, path: Path) -> bool:
         if key == "accuracy":
             ax.set_ylim(0, 1)
             for x in rows:
-                ax.annotate(f"{x['accuracy']:.2f}", (x["global_step"], x["accuracy"]), textcoords="offset points",
-                            xytext=(0, 6), ha="center", fontsize=7)
-    fig.suptitle(f"{summary['config']}: accuracy {summary['accuracy_before_sft']} before SFT, "
-                 f"{summary['accuracy_after_sft']} after SFT, {summary['accuracy_after_rft']} after RFT", fontsize=9)
+                ax.annotate(
+                    f"{x['accuracy']:.2f}",
+                    (x["global_step"], x["accuracy"]),
+                    textcoords="offset points",
+                    xytext=(0, 6),
+                    ha="center",
+                    fontsize=7,
+                )
+    fig.suptitle(
+        f"{summary['config']}: accuracy {summary['accuracy_before_sft']} before SFT, "
+        f"{summary['accuracy_after_sft']} after SFT, {summary['accuracy_after_rft']} after RFT",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -349,10 +404,15 @@ def run_stage(stage: configs.Config, side: str) -> int:
     config_file = write_stage_config(stage, job / (f"config_{side}.yaml" if side else "config.yaml"))
     log.info("stage %s: mode %s, %s, config %s", stage.name, stage.mode, stage.algorithm.algorithm_type, config_file)
     if others := other_nodes(stage, config_file):
-        log.info("stage %s spans %d nodes: run on each other node (the same paths there: a shared filesystem); the "
-                 "trainer waits at its rendezvous %s:%d until every node has joined (10 min at most):\n  %s",
-                 stage.name, stage.cluster.node_num, stage.cluster.master_addr, stage.cluster.master_port,
-                 "\n  ".join(others))
+        log.info(
+            "stage %s spans %d nodes: run on each other node (the same paths there: a shared filesystem); the "
+            "trainer waits at its rendezvous %s:%d until every node has joined (10 min at most):\n  %s",
+            stage.name,
+            stage.cluster.node_num,
+            stage.cluster.master_addr,
+            stage.cluster.master_port,
+            "\n  ".join(others),
+        )
     procs: dict[str, subprocess.Popen] = {}
     bars = bars_wanted()
     watch = Watch(stage, bars) if bars else None

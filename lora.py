@@ -70,9 +70,11 @@ def start(cfg: Any, resume: int) -> tuple[LoRAConfig, str] | None:
     saved = sync.weights_path(cfg.checkpoint_job_dir, resume).parent / ADAPTER_DIR
     # NOTE: a LoRA checkpoint has no full weights to resume full fine-tuning from, and a full one no adapter
     if resume and saved.is_dir() != bool(cfg.model.lora_configs):
-        raise DataError(f"checkpoint step {resume} of {cfg.checkpoint_job_dir} was written "
-                        f"{'with' if saved.is_dir() else 'without'} LoRA and model.lora_configs is "
-                        f"{'empty' if saved.is_dir() else 'set'}: resume with the config it was written with")
+        raise DataError(
+            f"checkpoint step {resume} of {cfg.checkpoint_job_dir} was written "
+            f"{'with' if saved.is_dir() else 'without'} LoRA and model.lora_configs is "
+            f"{'empty' if saved.is_dir() else 'set'}: resume with the config it was written with"
+        )
     if not cfg.model.lora_configs:
         return None
     c = cfg.model.lora_configs[0]
@@ -89,41 +91,71 @@ def wrap(hf: torch.nn.Module, c: LoRAConfig, saved: str) -> Adapter:
     # NOTE: peft is imported here, not at the top: the import costs about a second per process (accelerate and the
     # rest), and only a LoRA trainer needs it
     from peft import LoraConfig, PeftModel, get_peft_model
-    from peft.tuners.lora import Linear as LoraLinear, LoraLayer
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
 
     base = getattr(hf, "name_or_path", "")
     with torch.random.fork_rng():
         torch.manual_seed(0)  # NOTE: a new A is drawn alike on every rank (FSDP2 keeps each rank's own shard)
         try:
-            peft = PeftModel.from_pretrained(hf, saved, is_trainable=True) if saved else get_peft_model(hf, LoraConfig(
-                r=c.lora_rank, lora_alpha=c.lora_alpha, target_modules=c.target_modules,
-                exclude_modules=c.exclude_modules, lora_dropout=0.0, bias="none"))
+            peft = (
+                PeftModel.from_pretrained(hf, saved, is_trainable=True)
+                if saved
+                else get_peft_model(
+                    hf,
+                    LoraConfig(
+                        r=c.lora_rank,
+                        lora_alpha=c.lora_alpha,
+                        target_modules=c.target_modules,
+                        exclude_modules=c.exclude_modules,
+                        lora_dropout=0.0,
+                        bias="none",
+                    ),
+                )
+            )
         except ValueError as e:  # peft: no module matches target_modules, or a layer type it cannot adapt
-            raise (DataError(f"{WHERE}: the adapter at {saved}: {e}") if saved else
-                   ConfigError(f"{WHERE}.target_modules / exclude_modules: {e}")) from e
+            raise (
+                DataError(f"{WHERE}: the adapter at {saved}: {e}")
+                if saved
+                else ConfigError(f"{WHERE}.target_modules / exclude_modules: {e}")
+            ) from e
     what = f"the adapter at {saved}" if saved else f"{WHERE}.target_modules"
     head = hf.get_output_embeddings()
     scaling = {}
     for name, m in hf.named_modules():
         if not isinstance(m, LoraLayer):
             continue
-        if not isinstance(m, LoraLinear) or m.fan_in_fan_out or m is head or m.use_dora.get(ADAPTER) or \
-                m.lora_bias.get(ADAPTER):
+        if (
+            not isinstance(m, LoraLinear)
+            or m.fan_in_fan_out
+            or m is head
+            or m.use_dora.get(ADAPTER)
+            or m.lora_bias.get(ADAPTER)
+        ):
             raise (DataError if saved else ConfigError)(
                 f"{what}: {name} is not a plain LoRA on a linear layer (DoRA, LoRA bias, fan-in-fan-out, an embedding "
-                "or the LM head), which nanorft cannot merge for the engines")
+                "or the LM head), which nanorft cannot merge for the engines"
+            )
         scaling[name] = float(m.scaling[ADAPTER])
     extra = [n for n, q in hf.named_parameters() if q.requires_grad and not is_adapter(n)]
     if extra:
         raise (DataError if saved else ConfigError)(f"{what}: it trains more than LoRA matrices ({extra[:3]}...)")
     adapted = peft.peft_config[ADAPTER]
     if saved and adapted.base_model_name_or_path not in (None, base):
-        log.warning("%s was trained on %s; it is put on model.model_path = %s", saved, adapted.base_model_name_or_path,
-                    base)
+        log.warning(
+            "%s was trained on %s; it is put on model.model_path = %s", saved, adapted.base_model_name_or_path, base
+        )
     trained = sum(q.numel() for n, q in hf.named_parameters() if is_adapter(n))
     if not dist.is_initialized() or dist.get_rank() == 0:
-        log.info("LoRA (%s): r %s, alpha %s on %d layers; %d of %d weights trained", saved or "a new adapter",
-                 adapted.r, adapted.lora_alpha, len(scaling), trained, sum(q.numel() for q in hf.parameters()))
+        log.info(
+            "LoRA (%s): r %s, alpha %s on %d layers; %d of %d weights trained",
+            saved or "a new adapter",
+            adapted.r,
+            adapted.lora_alpha,
+            len(scaling),
+            trained,
+            sum(q.numel() for q in hf.parameters()),
+        )
     return Adapter(peft, scaling)
 
 
@@ -233,8 +265,10 @@ def merged_model(model: torch.nn.Module, saved: str) -> torch.nn.Module:
     try:
         return PeftModel.from_pretrained(model, saved).merge_and_unload()
     except (ValueError, KeyError, RuntimeError) as e:  # peft: no adapter_config.json, modules or shapes that differ
-        raise DataError(f"the LoRA adapter at {saved} does not fit {getattr(model, 'name_or_path', 'the model')}: "
-                        f"{' '.join(str(e).split())[:500]}") from e
+        raise DataError(
+            f"the LoRA adapter at {saved} does not fit {getattr(model, 'name_or_path', 'the model')}: "
+            f"{' '.join(str(e).split())[:500]}"
+        ) from e
 
 
 def merged_folder(model: torch.nn.Module, saved: str, tokenizer: Any, folder: Path) -> Path:

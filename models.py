@@ -36,8 +36,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
-from transformers import (AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification,
-                          AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast)
+from transformers import (
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as transformers_logging
@@ -45,11 +53,11 @@ from transformers.utils import logging as transformers_logging
 import algos
 import lora
 from buffer import Experience
-from tasksets import format_row, read_rows
 from configs import piece_config
 from configs.preflight import model_problem
 from configs.schema import AlgorithmConfig, ExperienceBufferConfig, LoRAConfig, ModelConfig, TrainerConfig
 from errors import ConfigError, DataError
+from tasksets import format_row, read_rows
 
 # What tokenizer_config.json may say for "load tokenizer.json as is"; transformers 5 writes the
 # second name for the first class (PreTrainedTokenizerFast is now an alias of TokenizersBackend).
@@ -68,8 +76,10 @@ def loading(path: str) -> Iterator[None]:
     except (OSError, ValueError):
         if (why := model_problem(path)) is None:
             raise
-        raise ConfigError(f"cannot load a model from {path}: {why}; fix the key that names it (model.model_path, "
-                          "model.critic_model_path, explorer.auxiliary_models[].model_path)") from None
+        raise ConfigError(
+            f"cannot load a model from {path}: {why}; fix the key that names it (model.model_path, "
+            "model.critic_model_path, explorer.auxiliary_models[].model_path)"
+        ) from None
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
@@ -101,8 +111,9 @@ def config_tokenizer(m: ModelConfig) -> PreTrainedTokenizerBase:
     if m.enable_thinking is not None:
         # NOTE: an instance-level partial, so that every apply_chat_template call (models.render, the rollout
         # handle) passes the variable; the class and other tokenizers are untouched
-        tokenizer.apply_chat_template = functools.partial(tokenizer.apply_chat_template,
-                                                          enable_thinking=m.enable_thinking)
+        tokenizer.apply_chat_template = functools.partial(
+            tokenizer.apply_chat_template, enable_thinking=m.enable_thinking
+        )
     return tokenizer
 
 
@@ -116,9 +127,17 @@ def with_template(tokenizer: PreTrainedTokenizerBase, template: str | None) -> P
     return tokenizer
 
 
-def gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def gqa_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """The attention of every model the project loads. With `segments` (the trainer's packed micro-batches,
     pack()): segment_attention. Else transformers' "sdpa", except that on CPU grouped K/V heads (GQA) go to
     torch's SDPA as they are (enable_gqa). NOTE: transformers repeats K/V for every query head whenever a mask is
@@ -128,17 +147,26 @@ def gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if kwargs.get("segments") is not None:
         return segment_attention(query, key, value, kwargs["segments"], scaling), None
     if query.device.type != "cpu" or kwargs.get("position_bias") is not None:
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout, scaling, is_causal,
-                                               **kwargs)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = torch.nn.functional.scaled_dot_product_attention(  # [B, heads, L, d]
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
-        is_causal=query.shape[2] > 1 and attention_mask is None and causal, enable_gqa=key.shape[1] != query.shape[1])
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=query.shape[2] > 1 and attention_mask is None and causal,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
-def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: dict,
-                      scaling: float | None) -> torch.Tensor:
+def segment_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, segments: dict, scaling: float | None
+) -> torch.Tensor:
     """Attention of packed rows [R, heads, W, d] computed per segment instead of over whole rows: each unit's
     prompt attends causally to itself; each response attends to its unit's prompt and causally to itself.
     `segments` (from pack()): per part, the flat positions of its queries [S,Q] and keys [S,K] and a mask
@@ -154,7 +182,8 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if gqa and q.device.type != "cpu":  # CUDA: SDPA with a mask and enable_gqa falls back to its math kernel
             kk, vv = (x.repeat_interleave(H // kk.shape[1], dim=1) for x in (kk, vv))  # [S, H, K, d]
         o = torch.nn.functional.scaled_dot_product_attention(  # [S, H, Q, d]
-            q[qi].transpose(1, 2), kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa and q.device.type == "cpu")
+            q[qi].transpose(1, 2), kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa and q.device.type == "cpu"
+        )
         out = o.new_zeros(R * W, H, d) if out is None else out  # [RW, H, d] in SDPA's dtype (autocast)
         out = out.index_put((qi[valid],), o.transpose(1, 2)[valid])  # [RW, H, d]
     return out.view(R, W, H, d)
@@ -194,20 +223,23 @@ def load_critic(path: str) -> PreTrainedModel:
     config.classifier_dropout = 0.0
     with torch.random.fork_rng():  # NOTE: a new head is drawn alike on every rank (FSDP2 keeps each rank's shard)
         torch.manual_seed(0)
-        return AutoModelForTokenClassification.from_pretrained(path, config=config, dtype=torch.float32,
-                                                               attn_implementation=register_attention()).eval()
+        return AutoModelForTokenClassification.from_pretrained(
+            path, config=config, dtype=torch.float32, attn_implementation=register_attention()
+        ).eval()
 
 
 # --- offline data (SFT / DPO files) as experiences
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                         return_dict=False)
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+    )
 
 
-def sft_experience(messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_len: int,
-                   multi_turn: bool = False) -> Experience:
+def sft_experience(
+    messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_len: int, multi_turn: bool = False
+) -> Experience:
     """One conversation as an Experience for SFT (or one side of a DPO pair): the chat-templated tokens,
     with the loss on the last assistant turn up to and including its end-of-turn token, or on every
     assistant turn (`multi_turn`, Trinity's enable_concatenated_multi_turn). The prompt is everything
@@ -254,8 +286,11 @@ def file_units(eb: ExperienceBufferConfig, tokenizer, max_len: int) -> list[list
     units, tokenizer = [], with_template(tokenizer, eb.format.chat_template)
     for _, n, row in read_rows(eb.path, eb.subset_name, eb.split):
         f = format_row(row, eb.format, f"{eb.path}: row {n}", kind=eb.schema_type)
-        units.append(dpo_experiences(f, tokenizer, max_len, f"pair/{n}") if eb.schema_type == "dpo" else
-                     [sft_experience(f["messages"], tokenizer, max_len, eb.format.enable_concatenated_multi_turn)])
+        units.append(
+            dpo_experiences(f, tokenizer, max_len, f"pair/{n}")
+            if eb.schema_type == "dpo"
+            else [sft_experience(f["messages"], tokenizer, max_len, eb.format.enable_concatenated_multi_turn)]
+        )
     if not units:
         raise DataError(f"buffer {eb.name}: {eb.path} has no rows")
     return units
@@ -293,8 +328,12 @@ def step_batch(
     seq-mean-token-sum-norm divides by Dr.GRPO's constant whatever the batch holds."""
     B, P = len(exps), max(max(x.prompt_length for x in exps), 1)
     T = max(width, max(x.response_length for x in exps), 1)
-    batch = {"prompts": torch.zeros(B, P, dtype=torch.long), "responses": torch.zeros(B, T, dtype=torch.long),
-             "response_mask": torch.zeros(B, T, dtype=torch.bool), "rollout_logprobs": torch.zeros(B, T)}
+    batch = {
+        "prompts": torch.zeros(B, P, dtype=torch.long),
+        "responses": torch.zeros(B, T, dtype=torch.long),
+        "response_mask": torch.zeros(B, T, dtype=torch.bool),
+        "rollout_logprobs": torch.zeros(B, T),
+    }
     groups: dict[str, int] = {}
     episodes: dict[tuple, int] = {}
     prompts: dict[tuple[int, ...], int] = {}
@@ -320,8 +359,9 @@ def step_batch(
         "prompt_index": torch.tensor([prompts[tuple(x.tokens[: x.prompt_length].tolist())] for x in exps]),  # [B]
         "expert": torch.tensor([bool(x.info.get("expert")) for x in exps]),  # [B]
         "has_rollout_logprobs": torch.tensor([x.logprobs is not None for x in exps]),  # [B]
-        "temperature": torch.tensor([x.info.get("temperature") or (temperatures or {}).get(x.info.get("taskset"), 1.0)
-                                     for x in exps]),  # [B]
+        "temperature": torch.tensor(
+            [x.info.get("temperature") or (temperatures or {}).get(x.info.get("taskset"), 1.0) for x in exps]
+        ),  # [B]
     }
     batch["expert_mask"] = batch["expert"][:, None].float().expand(B, T).contiguous()  # [B,T]
     batch["has_stored_advantages"] = torch.tensor([x.advantages is not None for x in exps])  # [B]
@@ -342,8 +382,9 @@ def group_advantages(exps: list[Experience], algorithm: AlgorithmConfig) -> None
         return
     batch = step_batch(exps, 0)
     keys = ("rewards", "group_index", "episode_index", "response_mask")
-    out, _ = fn({k: batch[k] for k in keys}, piece_config("advantage_fn", algorithm.advantage_fn,
-                                                         algorithm.advantage_fn_args))
+    out, _ = fn(
+        {k: batch[k] for k in keys}, piece_config("advantage_fn", algorithm.advantage_fn, algorithm.advantage_fn_args)
+    )
     keep = out.get("keep", torch.ones(len(exps), dtype=torch.bool))  # [B]
     for b, x in enumerate(exps):
         x.advantages = out["advantages"][b, : x.response_length].float()  # [R]
@@ -351,8 +392,9 @@ def group_advantages(exps: list[Experience], algorithm: AlgorithmConfig) -> None
             x.action_mask = torch.zeros(x.response_length, dtype=torch.bool)  # [R]
 
 
-def pack_units(batch: dict[str, torch.Tensor], idx: list[int], share: bool, budget: int,
-               paired: bool = False) -> list[list[int]]:
+def pack_units(
+    batch: dict[str, torch.Tensor], idx: list[int], share: bool, budget: int, paired: bool = False
+) -> list[list[int]]:
     """The sequences idx cut into the units pack() lays out together: with `share`, those with the same
     prompt (a GRPO group, a DPO pair), split where one unit would pass `budget` tokens; else one each, or
     (`paired`: DPO rows, chosen then rejected) one pair each. Units keep idx's order inside."""
@@ -380,8 +422,9 @@ def unit_length(batch: dict[str, torch.Tensor], unit: list[int]) -> int:
     return int(batch["prompt_lengths"][unit[0]]) + int(batch["response_lengths"][unit].sum())
 
 
-def micro_batches(batch: dict[str, torch.Tensor], units: list[list[int]], budget: int,
-                  fixed: int | None) -> list[list[list[int]]]:
+def micro_batches(
+    batch: dict[str, torch.Tensor], units: list[list[int]], budget: int, fixed: int | None
+) -> list[list[list[int]]]:
     """Units cut into micro-batches, largest first: at most `budget` packed tokens each (use_dynamic_bsz), or
     `fixed` sequences each. A unit larger than the budget goes alone."""
     out: list[list[list[int]]] = []
@@ -435,8 +478,10 @@ def pack(batch: dict[str, torch.Tensor], units: list[list[int]], share: bool, de
     valid = batch["response_mask"][order]  # [n,T]
     mb = {"input_ids": ids, "position_ids": pos, "index": source[valid], "dest": valid.flatten().nonzero()[:, 0]}
     if share:  # the prompt part (causal in itself), then each response after its prompt
-        parts = [segment_part([q for q in prompts if q], [0 for q in prompts if q]),
-                 segment_part([[*p, *q] for p, q in responses if q], [len(p) for p, q in responses if q])]
+        parts = [
+            segment_part([q for q in prompts if q], [0 for q in prompts if q]),
+            segment_part([[*p, *q] for p, q in responses if q], [len(p) for p, q in responses if q]),
+        ]
         mb["segments"] = {"parts": [tuple(x.to(device) for x in part) for part in parts if part[0].numel()]}
     else:
         lengths = torch.tensor([unit_length(batch, u) for u in units])  # [R]
@@ -496,25 +541,38 @@ class TokenScorer(torch.nn.Module):
             k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)
         ]
         if extras and not critic:
-            raise ValueError(f"{model.config.model_type}: the trainer's scorer supports a plain linear LM head; "
-                             f"this model also applies {extras}")
+            raise ValueError(
+                f"{model.config.model_type}: the trainer's scorer supports a plain linear LM head; "
+                f"this model also applies {extras}"
+            )
 
     def forward(
         self, mb: dict, entropy: bool = False, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n, T = len(mb["rows"]), mb["width"]
-        inputs = {"input_ids": mb["input_ids"], "attention_mask": mb.get("attention_mask"),
-                  "position_ids": mb["position_ids"], "use_cache": False, "segments": mb.get("segments")}
+        inputs = {
+            "input_ids": mb["input_ids"],
+            "attention_mask": mb.get("attention_mask"),
+            "position_ids": mb["position_ids"],
+            "use_cache": False,
+            "segments": mb.get("segments"),
+        }
         if self.critic:
             values = self.model(**inputs).logits.flatten(0, 1)[mb["index"], 0].float()  # [N]
             return scatter(values, mb["dest"], n, T), None
         hidden = self.model.base_model(**inputs).last_hidden_state.flatten(0, 1)[mb["index"]]  # [N,H]
         targets, temperature = mb["targets"], mb["temperature"]  # [N], [N]
         head, step = self.model.get_output_embeddings(), max(1, CHUNK_ELEMENTS // self.model.config.vocab_size)
-        chunks = [(hidden[i : i + step], targets[i : i + step], temperature[i : i + step])
-                  for i in range(0, max(len(targets), 1), step)]
-        parts = [checkpoint(head_logprobs, *c, head, entropy, entropy_grad, use_reentrant=False) if len(chunks) > 1
-                 else head_logprobs(*c, head, entropy, entropy_grad) for c in chunks]
+        chunks = [
+            (hidden[i : i + step], targets[i : i + step], temperature[i : i + step])
+            for i in range(0, max(len(targets), 1), step)
+        ]
+        parts = [
+            checkpoint(head_logprobs, *c, head, entropy, entropy_grad, use_reentrant=False)
+            if len(chunks) > 1
+            else head_logprobs(*c, head, entropy, entropy_grad)
+            for c in chunks
+        ]
         logp = scatter(torch.cat([p[0] for p in parts]), mb["dest"], n, T)  # [n,T]
         ent = scatter(torch.cat([p[1] for p in parts]), mb["dest"], n, T) if entropy else None  # [n,T]
         return logp, ent
@@ -534,8 +592,14 @@ def setup_distributed() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def build_model(path: str, t: TrainerConfig, device: torch.device, trainable: bool, critic: bool = False,
-                adapter: tuple[LoRAConfig, str] | None = None) -> TokenScorer:
+def build_model(
+    path: str,
+    t: TrainerConfig,
+    device: torch.device,
+    trainable: bool,
+    critic: bool = False,
+    adapter: tuple[LoRAConfig, str] | None = None,
+) -> TokenScorer:
     """An HF causal LM (or, `critic`, the value model) in a models.TokenScorer, sharded with FSDP2: each decoder
     layer, then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA adapter is put
     into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and its A and B."""
@@ -559,8 +623,14 @@ def build_model(path: str, t: TrainerConfig, device: torch.device, trainable: bo
     return model
 
 
-def head_logprobs(hidden: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, head: torch.nn.Module,
-                  entropy: bool, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def head_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    head: torch.nn.Module,
+    entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log_softmax(head(hidden [N,H]) / temperature [N]) at the targets [N], and the entropy [N] (no gradient
     unless entropy_grad: an entropy term with coefficient 0 is a metric only)."""
     logits = head(hidden).float() / temperature[:, None]  # [N,V]
@@ -579,8 +649,13 @@ def scatter(values: torch.Tensor, dest: torch.Tensor, n: int, T: int) -> torch.T
     return values.new_zeros(n, T).index_put((dest // T, dest % T), values)
 
 
-def micro_batch(batch: dict[str, torch.Tensor], units: list[list[int]], share: bool, device: torch.device,
-                keys: tuple[str, ...] = ()) -> dict:
+def micro_batch(
+    batch: dict[str, torch.Tensor],
+    units: list[list[int]],
+    share: bool,
+    device: torch.device,
+    keys: tuple[str, ...] = (),
+) -> dict:
     """pack() plus what the loss reads: targets [N], width T, and the step batch's [B,T] / [B] tensors `keys`
     (and response_mask) at the micro-batch's rows, in layout order."""
     mb = pack(batch, units, share, device)
@@ -595,8 +670,9 @@ def micro_batch(batch: dict[str, torch.Tensor], units: list[list[int]], share: b
 
 
 @torch.no_grad()
-def score(scorer: TokenScorer, batch: dict[str, torch.Tensor], mine: list[list[list[int]]], share: bool,
-          device: torch.device) -> torch.Tensor:
+def score(
+    scorer: TokenScorer, batch: dict[str, torch.Tensor], mine: list[list[list[int]]], share: bool, device: torch.device
+) -> torch.Tensor:
     """log-probs (or values) [B,T] of this rank's micro-batches `mine`, zero on the other ranks' rows."""
     out = torch.zeros(batch["responses"].shape)  # [B,T]
     was_training = scorer.training
@@ -609,14 +685,24 @@ def score(scorer: TokenScorer, batch: dict[str, torch.Tensor], mine: list[list[l
 
 
 # config.json keys that decide whether token ids and weights mean the same thing on both sides
-ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "intermediate_size", "tie_word_embeddings")
+ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "tie_word_embeddings",
+)
 
 
 def fingerprint(path: str, tokenizer: PreTrainedTokenizerBase) -> dict:
     """The architecture (config.json's ARCH_KEYS) and a hash of the tokenizer (vocabulary, special
     tokens, chat template) of a model: equal for a model and its fine-tuned checkpoints."""
     config = AutoConfig.from_pretrained(path).to_dict()
-    text = json.dumps([sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, tokenizer.pad_token,
-                       tokenizer.chat_template], ensure_ascii=False)
+    text = json.dumps(
+        [sorted(tokenizer.get_vocab().items()), tokenizer.eos_token, tokenizer.pad_token, tokenizer.chat_template],
+        ensure_ascii=False,
+    )
     return {**{k: config.get(k) for k in ARCH_KEYS}, "tokenizer_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}

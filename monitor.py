@@ -38,8 +38,9 @@ import statistics
 import sys
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, TextIO
+from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
@@ -81,8 +82,14 @@ class Monitor:
                 os.environ["WANDB_API_KEY"] = key
             if args.get("base_url"):
                 os.environ["WANDB_BASE_URL"] = args["base_url"]
-            self.wandb = wandb.init(project=cfg.project, name=f"{cfg.name}_{role}".replace("/", "_"), dir=str(self.dir),
-                                    mode=mode, config=redacted(cfg), reinit="create_new")
+            self.wandb = wandb.init(
+                project=cfg.project,
+                name=f"{cfg.name}_{role}".replace("/", "_"),
+                dir=str(self.dir),
+                mode=mode,
+                config=redacted(cfg),
+                reinit="create_new",
+            )
             log.info("wandb run %s (%s) in %s", self.wandb.name, mode, self.dir)
         elif kind == "mlflow":
             self.mlflow = MlflowSink(cfg, role, self.dir)
@@ -90,7 +97,8 @@ class Monitor:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
         metrics = {
-            **metrics, "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+            **metrics,
+            "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -105,8 +113,9 @@ class Monitor:
             self.wandb.log(numbers, step=step)
         if self.mlflow is not None:
             self.mlflow.log(numbers, step)
-        self.file_log.info("[%s] step %d %s", self.role, step,
-                           " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items())))
+        self.file_log.info(
+            "[%s] step %d %s", self.role, step, " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items()))
+        )
         for line in console_lines(self.role, step, self.total, numbers):
             self.file_log.info("%s", line)
         for k, v in metrics.items():  # text entries (preview/...): the history and the log file, not the console
@@ -163,8 +172,15 @@ def fail_left_runs(stage: Config, roles: list[str], since: float) -> None:
         client, _ = mlflow_client(stage, Path(stage.checkpoint_job_dir, "monitor"))
         experiment = client.get_experiment_by_name(stage.project)
         names = {run_name(stage, role) for role in roles}
-        left = [r for r in client.search_runs([experiment.experiment_id], "attributes.status = 'RUNNING'")
-                if r.info.run_name in names and r.info.start_time >= since * 1000] if experiment else []
+        left = (
+            [
+                r
+                for r in client.search_runs([experiment.experiment_id], "attributes.status = 'RUNNING'")
+                if r.info.run_name in names and r.info.start_time >= since * 1000
+            ]
+            if experiment
+            else []
+        )
         for run in left:
             client.set_terminated(run.info.run_id, status="FAILED")
     except Exception as e:  # noqa: BLE001 - mlflow's own errors, or the network's: the stage's exit code stands
@@ -198,7 +214,7 @@ class MlflowSink:
         now = int(time.time() * 1000)
         metrics = [Metric(mlflow_key(k), v, now, step) for k, v in numbers.items()]
         for i in range(0, len(metrics), 1000):  # mlflow's limit per batch
-            self.client.log_batch(self.run, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run, metrics=metrics[i : i + 1000])
 
     def close(self, failed: bool = False) -> None:
         self.client.set_terminated(self.run, status="FAILED" if failed else "FINISHED")
@@ -263,8 +279,10 @@ def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
         try:
             mlflow_experiment(client, uri, stage.project)
         except Exception as e:  # mlflow's own errors, or the network's: the message names the cause
-            raise ConfigError(f"monitor.monitor_args.uri (or MLFLOW_TRACKING_URI) {shown(uri)}: cannot create the "
-                              f"experiment {stage.project!r}: {' '.join(str(e).split())[:500]}") from None
+            raise ConfigError(
+                f"monitor.monitor_args.uri (or MLFLOW_TRACKING_URI) {shown(uri)}: cannot create the "
+                f"experiment {stage.project!r}: {' '.join(str(e).split())[:500]}"
+            ) from None
 
 
 def mlflow_key(key: str) -> str:
@@ -274,9 +292,13 @@ def mlflow_key(key: str) -> str:
 
 # What a person watches, in this order: the first key matching each pattern is shown (the rest are in the history,
 # tensorboard / wandb and the role's log file).
-HEADLINE = (("reward", r"^(rollout/reward/mean|critic/reward_mean)$"), ("loss", r"^actor/\w*_loss$"),
-            ("acc", r"^(eval|bench)/[^/]+/accuracy/mean@\d+$"), ("tok/s", r"^(rollout/tokens_per_s|perf/throughput)$"),
-            ("s/step", r"^time/(step|rollout)$"))
+HEADLINE = (
+    ("reward", r"^(rollout/reward/mean|critic/reward_mean)$"),
+    ("loss", r"^actor/\w*_loss$"),
+    ("acc", r"^(eval|bench)/[^/]+/accuracy/mean@\d+$"),
+    ("tok/s", r"^(rollout/tokens_per_s|perf/throughput)$"),
+    ("s/step", r"^time/(step|rollout)$"),
+)
 
 
 def headline(numbers: dict[str, float]) -> str:
@@ -291,8 +313,11 @@ def headline(numbers: dict[str, float]) -> str:
 
 def numbers_of(metrics: dict[str, Any]) -> dict[str, float]:
     """The finite numbers of a metrics record (what the console and the sinks show)."""
-    return {k: float(v) for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return {
+        k: float(v)
+        for k, v in metrics.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
 
 
 def console_lines(role: str, step: int, total: int | None, numbers: dict[str, float]) -> list[str]:
@@ -307,13 +332,15 @@ def console_lines(role: str, step: int, total: int | None, numbers: dict[str, fl
 def eval_line(numbers: dict[str, float]) -> tuple[str, str] | None:
     """("eval" or "bench", "arith_test accuracy 0.785, ...") for a step with evaluation metrics (accuracy, else
     reward, mean over the k runs), or None."""
-    found = [m.groups() + (v,) for k, v in sorted(numbers.items())
-             if (m := re.match(r"^(eval|bench)/([^/]+)/(accuracy|reward)/mean@\d+$", k))]
+    found = [
+        m.groups() + (v,)
+        for k, v in sorted(numbers.items())
+        if (m := re.match(r"^(eval|bench)/([^/]+)/(accuracy|reward)/mean@\d+$", k))
+    ]
     if not found:
         return None
     accuracy = {name for _, name, metric, _ in found if metric == "accuracy"}
-    shown = [f"{name} {metric} {v:.3f}" for _, name, metric, v in found
-             if metric == "accuracy" or name not in accuracy]
+    shown = [f"{name} {metric} {v:.3f}" for _, name, metric, v in found if metric == "accuracy" or name not in accuracy]
     return found[0][0], ", ".join(shown)
 
 
@@ -339,8 +366,12 @@ class Console:
         self.redirect = logging_redirect_tqdm() if bars else None  # log records above the bars, not through them
         if self.redirect is not None:
             self.redirect.__enter__()
-            self.bars = {role: tqdm(total=total, desc=role, position=i, file=self.file, unit="step",
-                                    dynamic_ncols=True, leave=True) for i, (role, total) in enumerate(totals.items())}
+            self.bars = {
+                role: tqdm(
+                    total=total, desc=role, position=i, file=self.file, unit="step", dynamic_ncols=True, leave=True
+                )
+                for i, (role, total) in enumerate(totals.items())
+            }
 
     def step(self, role: str, step: int, numbers: dict[str, float], total: int | None = None) -> None:
         lines = console_lines(role, step, total, numbers)
@@ -477,9 +508,11 @@ def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detaile
         out[f"{prefix}/{name}/{m}/best@{k}"] = mean([max(v) for v in per_task])
         out[f"{prefix}/{name}/{m}/worst@{k}"] = mean([min(v) for v in per_task])
         if detailed:
-            out |= {f"{prefix}/{name}/{m}/max_over_tasks@{k}": max(means),
-                    f"{prefix}/{name}/{m}/min_over_tasks@{k}": min(means),
-                    f"{prefix}/{name}/{m}/std_over_tasks@{k}": statistics.pstdev(means)}
+            out |= {
+                f"{prefix}/{name}/{m}/max_over_tasks@{k}": max(means),
+                f"{prefix}/{name}/{m}/min_over_tasks@{k}": min(means),
+                f"{prefix}/{name}/{m}/std_over_tasks@{k}": statistics.pstdev(means),
+            }
     return out
 
 

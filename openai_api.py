@@ -66,16 +66,30 @@ MAX_STOP = 16  # stop strings of one request at most, each of 1..MAX_STOP_CHARS 
 MAX_STOP_CHARS = 1024
 IGNORED = ("user", "metadata", "store")  # identifiers and OpenAI-side options: nothing here to honour
 DEFAULTS = {  # fields served only at their default value (OpenAI's or vLLM's); another value is a 400
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-    "logit_bias": ({},), "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",),
-    "best_of": (1,), "stream_options": (), "ignore_eos": (False,), "skip_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "add_generation_prompt": (True,), "continue_final_message": (False,),
-    "add_special_tokens": (False,), "spaces_between_special_tokens": (True,)}
-WHY = {"frequency_penalty": "penalties change the sampled distribution away from the one the trainer scores",
-       "presence_penalty": "penalties change the sampled distribution away from the one the trainer scores",
-       "repetition_penalty": "set model.repetition_penalty (the engine's, vLLM only) instead",
-       "logit_bias": "a bias changes the sampled distribution away from the one the trainer scores",
-       "response_format": "no guided decoding here"}
+    "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "stream_options": (),
+    "ignore_eos": (False,),
+    "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "add_special_tokens": (False,),
+    "spaces_between_special_tokens": (True,),
+}
+WHY = {
+    "frequency_penalty": "penalties change the sampled distribution away from the one the trainer scores",
+    "presence_penalty": "penalties change the sampled distribution away from the one the trainer scores",
+    "repetition_penalty": "set model.repetition_penalty (the engine's, vLLM only) instead",
+    "logit_bias": "a bias changes the sampled distribution away from the one the trainer scores",
+    "response_format": "no guided decoding here",
+}
 
 
 class Request(BaseModel):
@@ -131,17 +145,24 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         refusal = None
-        if self.key and not hmac.compare_digest(headers.get("authorization", "").encode(),
-                                                f"Bearer {self.key}".encode()):
+        if self.key and not hmac.compare_digest(
+            headers.get("authorization", "").encode(), f"Bearer {self.key}".encode()
+        ):
             refusal = (401, "invalid_api_key", "a valid API key is required: send Authorization: Bearer <key>")
         elif scope["method"] == "POST":
             size = headers.get("content-length", "")
             if not size.isdigit():
-                refusal = (411, "invalid_request_error", "send the body with a Content-Length (chunked bodies are "
-                                                         "not accepted)")
+                refusal = (
+                    411,
+                    "invalid_request_error",
+                    "send the body with a Content-Length (chunked bodies are not accepted)",
+                )
             elif int(size) > self.max_body:
-                refusal = (413, "invalid_request_error", f"the request body is {int(size)} bytes; at most "
-                                                         f"{self.max_body} are accepted")
+                refusal = (
+                    413,
+                    "invalid_request_error",
+                    f"the request body is {int(size)} bytes; at most {self.max_body} are accepted",
+                )
         if refusal is None:
             return await self.app(scope, receive, send)
         code, kind, message = refusal
@@ -152,8 +173,15 @@ class OpenAIServer:
     """The API over `handle` (engines.ModelHandle) under the name `model_name`; `record`: keep each session's
     calls (enable_history); `api_key`: the bearer token every request must carry (required off loopback)."""
 
-    def __init__(self, handle: Any, model_name: str, record: bool = False, host: str = "127.0.0.1",
-                 port: int = 0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        model_name: str,
+        record: bool = False,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+    ) -> None:
         self.handle, self.name, self.record, self.host, self.port = handle, model_name, record, host, port
         self.api_key = api_key or None
         self.sessions: dict[str, list[Call]] = {}
@@ -171,16 +199,19 @@ class OpenAIServer:
     def start(self, timeout: float = 30.0) -> str:
         """Serve in a daemon thread; returns the base URL once the server accepts connections."""
         if not loopback(self.host) and not self.api_key:
-            raise ValueError(f"the OpenAI-compatible API on {self.host!r} (not loopback) needs an API key: set "
-                             "explorer.rollout_model.openai_api_key")
+            raise ValueError(
+                f"the OpenAI-compatible API on {self.host!r} (not loopback) needs an API key: set "
+                "explorer.rollout_model.openai_api_key"
+            )
         sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))  # port 0: a free one, known before the server starts
         self.port = sock.getsockname()[1]
         app = Guard(self.app(), self.api_key, MAX_BODY_BYTES)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True,
-                                       name="openai-api")
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="openai-api"
+        )
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -239,17 +270,27 @@ class OpenAIServer:
         ids, logprobs, mask = list(calls[0].prompt_ids), [], []
         for k, c in enumerate(calls):
             if c.prompt_ids[: len(ids)] != ids:
-                raise ValueError(f"call {k + 1}'s prompt does not continue call {k}'s prompt and reply token for "
-                                 "token (its history was rendered or tokenised again); send /v1/completions with "
-                                 "the prompt as token ids to continue exactly, or use history()")
-            gap, (reply,) = c.prompt_ids[len(ids):], c.completions
+                raise ValueError(
+                    f"call {k + 1}'s prompt does not continue call {k}'s prompt and reply token for "
+                    "token (its history was rendered or tokenised again); send /v1/completions with "
+                    "the prompt as token ids to continue exactly, or use history()"
+                )
+            gap, (reply,) = c.prompt_ids[len(ids) :], c.completions
             ids += gap + reply.token_ids
             logprobs += [0.0] * len(gap) + list(reply.logprobs)
             mask += [False] * len(gap) + [True] * len(reply.token_ids)
         replies = [c.completions[0] for c in calls]
-        return conversation_experience(self.handle.tokenizer, ids, len(calls[0].prompt_ids), logprobs, mask,
-                                       [c.temperature for c in calls], [r.model_version for r in replies],
-                                       truncated=replies[-1].truncated, mask_truncated=mask_truncated)
+        return conversation_experience(
+            self.handle.tokenizer,
+            ids,
+            len(calls[0].prompt_ids),
+            logprobs,
+            mask,
+            [c.temperature for c in calls],
+            [r.model_version for r in replies],
+            truncated=replies[-1].truncated,
+            mask_truncated=mask_truncated,
+        )
 
     def take(self, client: Any) -> list[Call]:
         """The calls of `client`'s session, which ends (its key is removed: no record is kept of it)."""
@@ -275,8 +316,18 @@ class OpenAIServer:
         return app
 
     async def models(self, session: str = "") -> dict:
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "nanorft",
-                                            "max_model_len": self.handle.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "nanorft",
+                    "max_model_len": self.handle.max_model_len,
+                }
+            ],
+        }
 
     async def chat(self, body: Request, session: str = "") -> dict:
         if body.messages is None:
@@ -284,17 +335,32 @@ class OpenAIServer:
         self.check_text(chars(body.messages) + (len(json.dumps(body.tools)) if body.tools else 0), "messages")
         tool_choice = self.tool_choice(body)
         kwargs = body.chat_template_kwargs or {}
-        clash = sorted(set(kwargs) & {"messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
-                                      "conversation", "documents", "continue_final_message", "return_dict"})
+        clash = sorted(
+            set(kwargs)
+            & {
+                "messages",
+                "tools",
+                "tokenize",
+                "add_generation_prompt",
+                "chat_template",
+                "conversation",
+                "documents",
+                "continue_final_message",
+                "return_dict",
+            }
+        )
         if clash:
             raise HTTPException(400, f"chat_template_kwargs: {clash} are not template variables")
         try:
             prompt = self.handle.render(with_dict_arguments(body.messages), body.tools, template_kwargs=kwargs)
         except Exception as e:  # the client's messages, which the template cannot render: its error, not ours
-            raise HTTPException(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}")
+            raise HTTPException(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
         call = await self.run(body, self.handle.tokenizer.encode(prompt, add_special_tokens=False), session)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
-                   | self.extras(body, c, chat=True) for i, c in enumerate(call.completions)]
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
+            | self.extras(body, c, chat=True)
+            for i, c in enumerate(call.completions)
+        ]
         if body.tools and tool_choice == "auto":
             for choice in choices:
                 with_tool_calls(choice, body.parallel_tool_calls is not False)
@@ -310,8 +376,10 @@ class OpenAIServer:
             self.check_text(len(prompt), "prompt")
         ids = prompt if isinstance(prompt, list) else self.handle.tokenizer.encode(prompt, add_special_tokens=False)
         call = await self.run(body, ids, session)
-        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason} | self.extras(body, c, chat=False)
-                   for i, c in enumerate(call.completions)]
+        choices = [
+            {"index": i, "text": c.text, "finish_reason": c.finish_reason} | self.extras(body, c, chat=False)
+            for i, c in enumerate(call.completions)
+        ]
         return self.reply(body, call, "text_completion", choices)
 
     # --- checks (every one before the request reaches the engine's shared batch)
@@ -320,15 +388,19 @@ class OpenAIServer:
         """400 for a text that cannot fit max_model_len tokens, before tokenising it (a 50 MiB message took minutes
         of CPU and ~10 GB to tokenise, only to be refused)."""
         if n_chars > self.max_chars:
-            raise HTTPException(400, f"{field}: {n_chars} characters cannot fit max_model_len="
-                                     f"{self.handle.max_model_len} tokens (at most {self.max_chars} characters)")
+            raise HTTPException(
+                400,
+                f"{field}: {n_chars} characters cannot fit max_model_len="
+                f"{self.handle.max_model_len} tokens (at most {self.max_chars} characters)",
+            )
 
     @staticmethod
     def tool_choice(body: Request) -> str:
         choice = body.tool_choice or "auto"
         if choice not in ("auto", "none"):
-            raise HTTPException(400, f"tool_choice = {choice!r} is not supported (it needs guided decoding): send "
-                                     "'auto' or 'none'")
+            raise HTTPException(
+                400, f"tool_choice = {choice!r} is not supported (it needs guided decoding): send 'auto' or 'none'"
+            )
         return choice
 
     @staticmethod
@@ -338,8 +410,11 @@ class OpenAIServer:
             if key in IGNORED or value is None or (key in DEFAULTS and value in DEFAULTS[key]):
                 continue
             if key in DEFAULTS:
-                raise HTTPException(400, f"{key} = {json.dumps(value)[:80]} is not supported"
-                                         f"{': ' + WHY[key] if key in WHY else ''}; leave it unset")
+                raise HTTPException(
+                    400,
+                    f"{key} = {json.dumps(value)[:80]} is not supported"
+                    f"{': ' + WHY[key] if key in WHY else ''}; leave it unset",
+                )
             raise HTTPException(400, f"unsupported field {key!r}: this server does not honour it; leave it unset")
 
     def sampling(self, body: Request, n_prompt: int) -> dict:
@@ -361,15 +436,25 @@ class OpenAIServer:
         room = (self.handle.max_model_len - n_prompt) if self.handle.max_model_len else None
         most = min((x for x in (max_tokens, room) if x is not None and x > 0), default=2**31)
         if body.min_tokens is not None and body.min_tokens > most:
-            raise HTTPException(400, f"min_tokens = {body.min_tokens} is more than max_tokens or than the room the "
-                                     f"prompt leaves within max_model_len ({most} tokens)")
-        if body.seed is not None and not -2**63 <= body.seed < 2**63:
+            raise HTTPException(
+                400,
+                f"min_tokens = {body.min_tokens} is more than max_tokens or than the room the "
+                f"prompt leaves within max_model_len ({most} tokens)",
+            )
+        if body.seed is not None and not -(2**63) <= body.seed < 2**63:
             raise HTTPException(400, f"seed = {body.seed}: an integer in [-2**63, 2**63)")
         stop = [body.stop] if isinstance(body.stop, str) else body.stop
         if stop is not None and (len(stop) > MAX_STOP or not all(1 <= len(x) <= MAX_STOP_CHARS for x in stop)):
             raise HTTPException(400, f"stop: at most {MAX_STOP} strings of 1 to {MAX_STOP_CHARS} characters")
-        sampling = {"temperature": t, "top_p": body.top_p, "top_k": body.top_k, "max_tokens": max_tokens,
-                    "min_tokens": body.min_tokens, "seed": body.seed, "stop": stop}
+        sampling = {
+            "temperature": t,
+            "top_p": body.top_p,
+            "top_k": body.top_k,
+            "max_tokens": max_tokens,
+            "min_tokens": body.min_tokens,
+            "seed": body.seed,
+            "stop": stop,
+        }
         sampling = {k: v for k, v in sampling.items() if v is not None}
         if room and "max_tokens" not in sampling:
             sampling["max_tokens"] = max(room, 1)
@@ -384,8 +469,9 @@ class OpenAIServer:
         if body.stream:
             raise HTTPException(400, "streaming is not supported: send stream=false")
         if body.top_logprobs or (not isinstance(body.logprobs, bool) and (body.logprobs or 0) > 0):
-            raise HTTPException(400, "only the sampled token's log-prob is returned: top_logprobs / logprobs > 0 "
-                                     "are not supported")
+            raise HTTPException(
+                400, "only the sampled token's log-prob is returned: top_logprobs / logprobs > 0 are not supported"
+            )
         if session and session not in self.sessions:
             raise HTTPException(404, f"no session {session!r}")
         self.check_fields(body)
@@ -393,8 +479,9 @@ class OpenAIServer:
         sampling = self.sampling(body, len(ids))
         try:
             if limit and len(ids) >= limit:
-                raise ValueError(f"a prompt of {len(ids)} tokens leaves no room for a response within "
-                                 f"max_model_len={limit}")
+                raise ValueError(
+                    f"a prompt of {len(ids)} tokens leaves no room for a response within max_model_len={limit}"
+                )
             params = self.handle.params(body.n, **sampling)
             params.max_tokens = min(params.max_tokens, limit - len(ids)) if limit else params.max_tokens
             future = self.handle.submit(ids, params)  # check_request: a bad request raises here, not in the batch
@@ -412,20 +499,34 @@ class OpenAIServer:
         out: dict[str, Any] = {"token_ids": c.token_ids} if body.return_token_ids else {}
         if body.logprobs is not None and body.logprobs is not False:
             tokens = [self.handle.tokenizer.decode([t]) for t in c.token_ids]
-            out["logprobs"] = ({"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                            for t, lp in zip(tokens, c.logprobs)]} if chat else
-                               {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None,
-                                "text_offset": []})
+            out["logprobs"] = (
+                {
+                    "content": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, c.logprobs)
+                    ]
+                }
+                if chat
+                else {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None, "text_offset": []}
+            )
         else:
             out["logprobs"] = None
         return out
 
     def reply(self, body: Request, call: Call, kind: str, choices: list[dict]) -> dict:
         completion_tokens = sum(len(c.token_ids) for c in call.completions)
-        out = {"id": f"cmpl-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": self.name,
-               "choices": choices, "usage": {"prompt_tokens": len(call.prompt_ids),
-                                             "completion_tokens": completion_tokens,
-                                             "total_tokens": len(call.prompt_ids) + completion_tokens}}
+        out = {
+            "id": f"cmpl-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(call.prompt_ids),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(call.prompt_ids) + completion_tokens,
+            },
+        }
         return out | ({"prompt_token_ids": call.prompt_ids} if body.return_token_ids else {})
 
 
@@ -478,7 +579,12 @@ def with_tool_calls(choice: dict, parallel: bool) -> None:
     if not calls or any(c.error for c in calls):
         return
     message["content"] = text[: text.find("<tool_call>")].strip() or None
-    message["tool_calls"] = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                              "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                             for c in calls[: None if parallel else 1]]
+    message["tool_calls"] = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+        }
+        for c in calls[: None if parallel else 1]
+    ]
     choice["finish_reason"] = "tool_calls"

@@ -19,8 +19,9 @@ import operator
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from transformers import AutoConfig, GenerationConfig
 
@@ -135,8 +136,12 @@ class Batcher:
                 if len(group) == 1:
                     group[0][-1].set_exception(e)
                 else:
-                    log.warning("a shared batch of %d requests failed (%s: %s): running each alone", len(group),
-                                type(e).__name__, e)
+                    log.warning(
+                        "a shared batch of %d requests failed (%s: %s): running each alone",
+                        len(group),
+                        type(e).__name__,
+                        e,
+                    )
 
     def close(self) -> None:
         """Run what is queued, then stop the worker."""
@@ -166,8 +171,10 @@ def check_request(prompt: list[int], p: SamplingParams, max_model_len: int) -> N
     if not prompt:
         raise ValueError("empty prompt")
     if len(prompt) >= max_model_len:
-        raise ValueError(f"prompt of {len(prompt)} tokens leaves no room for a response within "
-                         f"max_model_len={max_model_len}; shorten it or raise max_model_len")
+        raise ValueError(
+            f"prompt of {len(prompt)} tokens leaves no room for a response within "
+            f"max_model_len={max_model_len}; shorten it or raise max_model_len"
+        )
     for name, low in (("n", 1), ("max_tokens", 1), ("min_tokens", 0), ("top_k", -1)):
         value = getattr(p, name)
         if not is_integer(value) or not low <= value < INT_LIMIT:
@@ -176,7 +183,7 @@ def check_request(prompt: list[int], p: SamplingParams, max_model_len: int) -> N
         raise ValueError(f"temperature = {p.temperature!r}: 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
     if not 0 < p.top_p <= 1:  # NaN fails too
         raise ValueError(f"top_p = {p.top_p!r}: in (0, 1]")
-    if p.seed is not None and (not is_integer(p.seed) or not -2**63 <= p.seed < 2**63):
+    if p.seed is not None and (not is_integer(p.seed) or not -(2**63) <= p.seed < 2**63):
         raise ValueError(f"seed = {p.seed!r}: an integer in [-2**63, 2**63)")
     if any(not s for s in p.stop):
         raise ValueError("empty stop string")

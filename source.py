@@ -17,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,16 +58,20 @@ class Source:
             if cfg.algorithm.advantage_fn != "none":  # an RL trainer (sft / dpo from a DB read no advantages)
                 self.db.check_advantages(advantage_origin(cfg.algorithm), "the trainer")
         a = cfg.algorithm
-        self.strategy = (algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
-                         configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args))
+        self.strategy = (
+            algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
+            configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args),
+        )
         first = self.strategy[0](1, self.strategy[1])  # what the strategy asks of the reader (algos/sample.py)
         self.refills = "refill_rounds" in first
         expert = first.get("expert")  # (auxiliary buffer name, fraction of the batch)
         if expert:
             if expert[0] not in aux:
-                raise DataError(f"algorithm.sample_strategy {a.sample_strategy} reads "
-                                f"buffer.trainer_input.auxiliary_buffers.{expert[0]}, which is not configured "
-                                f"(have: {', '.join(aux) or 'none'})")
+                raise DataError(
+                    f"algorithm.sample_strategy {a.sample_strategy} reads "
+                    f"buffer.trainer_input.auxiliary_buffers.{expert[0]}, which is not configured "
+                    f"(have: {', '.join(aux) or 'none'})"
+                )
             self.expert, self.expert_ratio = file_units(aux[expert[0]], tokenizer, cfg.model.max_model_len), expert[1]
             for x in (x for unit in self.expert for x in unit):
                 x.info["expert"] = True
@@ -102,9 +106,11 @@ class Source:
         a = self.cfg.algorithm
         if a.advantage_fn in algos.EXPLORER_ADVANTAGE_FNS and (bad := [x for x in got if x.advantages is None]):
             who = ", ".join(sorted({x.explorer or "(unnamed)" for x in bad}))
-            raise DataError(f"{len(bad)} of {len(got)} experiences carry no advantages, which algorithm.advantage_fn "
-                            f"{a.advantage_fn} computes in the explorer (models.group_advantages): explorer(s) {who} "
-                            f"wrote them with another advantage_fn; give them {a.advantage_fn} too")
+            raise DataError(
+                f"{len(bad)} of {len(got)} experiences carry no advantages, which algorithm.advantage_fn "
+                f"{a.advantage_fn} computes in the explorer (models.group_advantages): explorer(s) {who} "
+                f"wrote them with another advantage_fn; give them {a.advantage_fn} too"
+            )
 
     def share(self, got: list[Experience]) -> list[Experience]:
         """Rank 0's batch on every rank, sent over the process group as bytes (buffer.pack: no pickle), with
@@ -116,8 +122,11 @@ class Source:
         n = int(head[0])
         if dist.get_world_size() == 1 or n == 0:
             return got
-        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device) if self.rank == 0 else \
-            torch.empty(n, dtype=torch.uint8, device=self.device)
+        buf = (
+            torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+            if self.rank == 0
+            else torch.empty(n, dtype=torch.uint8, device=self.device)
+        )
         dist.broadcast(buf, src=0)
         return got if self.rank == 0 else unpack(buf.cpu().numpy().tobytes())
 
@@ -126,9 +135,17 @@ class Source:
         eb = self.cfg.buffer.trainer_input.experience_buffer
         fn, strategy_cfg = self.strategy
         want = fn(step, strategy_cfg)
-        claim = functools.partial(self.db.claim, step=step, timeout=eb.max_read_timeout, priority=eb.use_priority_queue,
-                                  reuse_cooldown=eb.reuse_cooldown_time, decay=eb.priority_decay, partial=False,
-                                  waiting=self.waiting(step), min_version=want.get("min_version", 0))
+        claim = functools.partial(
+            self.db.claim,
+            step=step,
+            timeout=eb.max_read_timeout,
+            priority=eb.use_priority_queue,
+            reuse_cooldown=eb.reuse_cooldown_time,
+            decay=eb.priority_decay,
+            partial=False,
+            waiting=self.waiting(step),
+            min_version=want.get("min_version", 0),
+        )
         got, self.dropped_groups = claim(n), 0
         for _ in range(want.get("refill_rounds", 0)):  # dynamic sampling: replace groups whose rewards tie
             tied = tied_groups([x.group_id or str(x.id) for x in got], [x.reward for x in got])
@@ -145,9 +162,14 @@ class Source:
     def explorers(self) -> str:
         """What the explorers that write to the DB last recorded, for log lines."""
         now = time.time()
-        return "; ".join(f"{name} at step {x['step']}" + (" (finished)" if x.get("finished") else
-                         f", last wrote {now - x.get('time', now):.0f} s ago")
-                         for name, x in self.db.explorer_states().items()) or "none has written to this DB yet"
+        return (
+            "; ".join(
+                f"{name} at step {x['step']}"
+                + (" (finished)" if x.get("finished") else f", last wrote {now - x.get('time', now):.0f} s ago")
+                for name, x in self.db.explorer_states().items()
+            )
+            or "none has written to this DB yet"
+        )
 
     def waiting(self, step: int) -> Callable[[int, float], bool]:
         """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every
@@ -161,9 +183,16 @@ class Source:
             if waited >= next_note[0]:
                 next_note[0] = waited + 30
                 self.db.set_trainer_status(step - 1, "waiting")
-                log.info("train step %d: waiting for experiences: %d of %d ready after %.0f s (gives up after "
-                         "max_read_timeout %g s); explorers: %s", step, have, self.cfg.buffer.train_batch_size,
-                         waited, eb.max_read_timeout, self.explorers())
+                log.info(
+                    "train step %d: waiting for experiences: %d of %d ready after %.0f s (gives up after "
+                    "max_read_timeout %g s); explorers: %s",
+                    step,
+                    have,
+                    self.cfg.buffer.train_batch_size,
+                    waited,
+                    eb.max_read_timeout,
+                    self.explorers(),
+                )
             return False
 
         return check

@@ -51,10 +51,10 @@ import re
 import shutil
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,8 +116,9 @@ def save_hf(model: Any, tokenizer: Any, folder: str | Path, state_dict: dict[str
     return final
 
 
-def publish_hf(model: Any, tokenizer: Any, job_dir: str | Path, step: int,
-               state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+def publish_hf(
+    model: Any, tokenizer: Any, job_dir: str | Path, step: int, state_dict: dict[str, torch.Tensor] | None = None
+) -> Path:
     """Save the weights as global_step_<step>'s HF folder, then point latest_state_dict_iteration.txt to it, then
     delete the published folders no explorer will load any more (`prune_published`)."""
     final = save_hf(model, tokenizer, weights_path(job_dir, step), state_dict)
@@ -176,13 +177,17 @@ def read_pointer(path: Path) -> int:
     except FileNotFoundError:
         return 0
     except (OSError, UnicodeDecodeError) as e:  # a directory, unreadable bytes, ...
-        raise DataError(f"{path}: cannot be read as a step number ({e}); move it away (the run starts afresh, or "
-                        "from the checkpoint its pointer names)") from None
+        raise DataError(
+            f"{path}: cannot be read as a step number ({e}); move it away (the run starts afresh, or "
+            "from the checkpoint its pointer names)"
+        ) from None
     if not text:
         return 0
     if not text.isdigit():
-        raise DataError(f"{path}: holds {text[:40]!r}, not a step number; write the step of a complete "
-                        "global_step_<N> folder into it, or move it away")
+        raise DataError(
+            f"{path}: holds {text[:40]!r}, not a step number; write the step of a complete "
+            "global_step_<N> folder into it, or move it away"
+        )
     return int(text)
 
 
@@ -205,8 +210,11 @@ def damage(folder: Path) -> str:
     try:
         json.loads((folder / "config.json").read_text())
         index = folder / "model.safetensors.index.json"
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
-            [p.name for p in folder.glob("*.safetensors")]
+        files = (
+            sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if index.exists()
+            else [p.name for p in folder.glob("*.safetensors")]
+        )
         if not files:
             return f"{folder} has no *.safetensors file"
         for name in files:
@@ -232,8 +240,12 @@ def usable_weights(job_dir: str | Path, newest: int, above: int = 0) -> tuple[Pa
     for step in range(newest, above, -1):
         if step not in folders:
             if step == newest:
-                log.warning("%s names step %d, whose weights folder %s is missing", Path(job_dir, POINTER), step,
-                            weights_path(job_dir, step))
+                log.warning(
+                    "%s names step %d, whose weights folder %s is missing",
+                    Path(job_dir, POINTER),
+                    step,
+                    weights_path(job_dir, step),
+                )
             continue
         why = damage(folders[step])
         if not why:
@@ -268,8 +280,10 @@ def publishes(train_step: int, cfg: Any, total: int) -> bool:
     first = -(-train_step * b.train_batch_size // per_step)  # explorer steps whose data ends at this train step
     last = -(-(train_step + 1) * b.train_batch_size // per_step)
     explorer_steps = total * b.train_batch_size // per_step
-    return any(weights_needed(k + s.sync_offset, cfg) == train_step and k + s.sync_offset < explorer_steps
-               for k in range(max(first, 1), max(last, first + 1)))
+    return any(
+        weights_needed(k + s.sync_offset, cfg) == train_step and k + s.sync_offset < explorer_steps
+        for k in range(max(first, 1), max(last, first + 1))
+    )
 
 
 # --- process-group method
@@ -330,8 +344,9 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)  # same memory, 1 byte per element: bitwise exact
 
 
-def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float,
-                host: str = "127.0.0.1", resumed: int = 0) -> WeightLink:
+def open_sender(
+    job_dir: str | Path, device: str | torch.device, timeout: float, host: str = "127.0.0.1", resumed: int = 0
+) -> WeightLink:
     """Trainer rank 0: serve a store on `host` (a free port) and write <job dir>/sync_group.json, which names it
     (a wildcard host, 0.0.0.0 or ::, by this machine's name) and the checkpoint step this trainer resumed from,
     `resumed` (a restarted explorer learns from it which versions will come: explore.over_group). device "cpu" ->
@@ -341,12 +356,19 @@ def open_sender(job_dir: str | Path, device: str | torch.device, timeout: float,
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, 0), family=family)  # bound here so that the store listens on `host` only
     port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, 2, True, _timeout(timeout), wait_for_workers=False,
-                          master_listen_fd=sock.detach())  # the store owns the socket from now on
+    store = dist.TCPStore(
+        host, port, 2, True, _timeout(timeout), wait_for_workers=False, master_listen_fd=sock.detach()
+    )  # the store owns the socket from now on
     Path(job_dir).mkdir(parents=True, exist_ok=True)
     shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
-    info = {"host": shown, "port": port, "pid": os.getpid(), "hostname": socket.gethostname(), "backend": backend,
-            "resumed": resumed}
+    info = {
+        "host": shown,
+        "port": port,
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "backend": backend,
+        "resumed": resumed,
+    }
     _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
     log.info("weight sync: %s group served on %s:%d (%s)", backend, host, port, Path(job_dir, GROUP_FILE))
     return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir), resumed=resumed)
@@ -387,8 +409,12 @@ def layout(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket: list[i
     return offsets, end
 
 
-def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-                 tensors: Iterable[torch.Tensor]) -> int:
+def send_weights(
+    link: WeightLink | None,
+    version: int,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    tensors: Iterable[torch.Tensor],
+) -> int:
     """Send one version of the weights; returns the tensors' bytes sent (header_bytes; the padding of `layout` not
     counted). `tensors` yields the full tensors in `specs` order, lazily (one full parameter at a time); each is
     cast to its spec's dtype and copied into its bucket (`buckets`, `layout`), which is broadcast once full: few
@@ -399,8 +425,13 @@ def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, t
         for _ in tensors:
             pass
         return 0
-    header = {"version": version, "names": [n for n, _, _ in specs], "shapes": [list(s) for _, s, _ in specs],
-              "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs], "buckets": buckets(specs)}
+    header = {
+        "version": version,
+        "names": [n for n, _, _ in specs],
+        "shapes": [list(s) for _, s, _ in specs],
+        "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs],
+        "buckets": buckets(specs),
+    }
     link.store.set(f"nanorft/header/{link.count}", json.dumps(header))
     link.count += 1
     sent, stream = 0, iter(tensors)
@@ -423,8 +454,7 @@ def send_weights(link: WeightLink | None, version: int, specs: list[tuple[str, t
     return sent
 
 
-def send_model(link: WeightLink | None, model: torch.nn.Module, version: int,
-               dtype: torch.dtype | None = None) -> int:
+def send_model(link: WeightLink | None, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> int:
     """send_weights of an (FSDP2-sharded) model: one full parameter at a time, gathered on every rank
     (call it on every rank, link=None on all but rank 0); tied weights appear once. `dtype`: floating-point
     parameters are sent in it (e.g. bf16 for a bf16 engine: half the bytes); default their own."""
@@ -464,8 +494,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.device | None = None,
-                  rank: int = 1, receivers: int | None = 1) -> WeightLink:
+def open_receiver(
+    job_dir: str | Path,
+    timeout: float,
+    device: str | torch.device | None = None,
+    rank: int = 1,
+    receivers: int | None = 1,
+) -> WeightLink:
     """Explorer: wait up to `timeout` s for a live trainer's sync_group.json and connect to its store as group rank
     `rank`; `receivers`: the explorer announces how many ranks will receive (1: itself; vLLM: its workers, which
     connect with their own rank and receivers=None). device: where tensors arrive under NCCL (default: the current
@@ -492,8 +527,9 @@ def open_receiver(job_dir: str | Path, timeout: float, device: str | torch.devic
                 dev = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
                 if receivers is not None:
                     store.set(WORLD_KEY, str(1 + receivers))
-                return WeightLink(store, rank, backend, dev, _timeout(timeout), Path(job_dir),
-                                  resumed=int(info.get("resumed", 0)))
+                return WeightLink(
+                    store, rank, backend, dev, _timeout(timeout), Path(job_dir), resumed=int(info.get("resumed", 0))
+                )
             except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
                 why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]
         if time.monotonic() >= deadline:
@@ -541,14 +577,18 @@ def receive_buckets(link: WeightLink, header: dict) -> Iterator[list[tuple[str, 
     the bucket's buffer (no copies). Every receiving rank of the group takes every bucket."""
     done = 0
     try:
-        specs = [(name, tuple(shape), _dtype(name, d)) for name, shape, d in
-                 zip(header["names"], header["shapes"], header["dtypes"], strict=True)]
+        specs = [
+            (name, tuple(shape), _dtype(name, d))
+            for name, shape, d in zip(header["names"], header["shapes"], header["dtypes"], strict=True)
+        ]
         for bucket in header["buckets"]:
             offsets, size = layout(specs, bucket)
             buf = torch.empty(size, dtype=torch.uint8, device=_device(link))
             _broadcast(link, buf)
-            yield [(name, buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
-                   for (name, shape, dtype), at in zip((specs[i] for i in bucket), offsets)]
+            yield [
+                (name, buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+                for (name, shape, dtype), at in zip((specs[i] for i in bucket), offsets)
+            ]
             done += len(bucket)
     except SyncError:
         raise
@@ -558,8 +598,10 @@ def receive_buckets(link: WeightLink, header: dict) -> Iterator[list[tuple[str, 
 
 def header_bytes(header: dict) -> int:
     """The bytes a transfer carries."""
-    return sum(math.prod(shape) * _dtype(name, d).itemsize
-               for name, shape, d in zip(header["names"], header["shapes"], header["dtypes"]))
+    return sum(
+        math.prod(shape) * _dtype(name, d).itemsize
+        for name, shape, d in zip(header["names"], header["shapes"], header["dtypes"])
+    )
 
 
 def _dtype(name: str, dtype_name: str) -> torch.dtype:

@@ -240,8 +240,10 @@ def _messages(value: Any, where: str, key: str = "") -> list[dict]:
         raise DataError(f"{where}: {column}an empty list of messages")
     for i, m in enumerate(value):
         if not isinstance(m["role"], str) or not isinstance(m["content"], str):
-            raise DataError(f"{where}: {column}message {i} has role {m['role']!r} and content "
-                            f"{str(m['content'])[:80]!r}: both must be text")
+            raise DataError(
+                f"{where}: {column}message {i} has role {m['role']!r} and content "
+                f"{str(m['content'])[:80]!r}: both must be text"
+            )
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -314,9 +316,11 @@ def named(row: dict, key: str | None, listed: str | None, where: str, kind: str)
     if value is _ABSENT or value is None:
         return None
     if not isinstance(value, str) or (value != listed and (":" in value or "/" in value or "\\" in value)):
-        raise DataError(f"{where}: column {key!r} names the {kind} {str(value)[:80]!r}: a row may name a registered "
-                        f"{kind} or this taskset's own ({listed!r}), never code to import (module:attr or a file "
-                        "path), which only the YAML may name")
+        raise DataError(
+            f"{where}: column {key!r} names the {kind} {str(value)[:80]!r}: a row may name a registered "
+            f"{kind} or this taskset's own ({listed!r}), never code to import (module:attr or a file "
+            "path), which only the YAML may name"
+        )
     return value
 
 
@@ -329,15 +333,27 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
         where = f"taskset {ts.name}: {file}: row {rownum}"
         f = format_row(row, ts.format, where)
         fmt = ts.format
-        tasks.append(Task(
-            taskset=ts.name, index=index, epoch=0, raw=row, prompt=f["prompt"], messages=f["messages"],
-            reference=f.get("reference"), tools=f["tools"],
-            workflow=named(row, fmt.workflow_key, ts.default_workflow_type, where, "workflow"),
-            reward_fn=named(row, fmt.reward_fn_key, ts.default_reward_fn_type, where, "reward function"),
-            workflow_args=ts.workflow_args, reward_fn_args=ts.reward_fn_args, rollout_args=ts.rollout_args,
-            repeat_times=ts.repeat_times or 1, is_eval=is_eval, chat_template=fmt.chat_template,
-            reply_prefix=fmt.reply_prefix,
-        ))
+        tasks.append(
+            Task(
+                taskset=ts.name,
+                index=index,
+                epoch=0,
+                raw=row,
+                prompt=f["prompt"],
+                messages=f["messages"],
+                reference=f.get("reference"),
+                tools=f["tools"],
+                workflow=named(row, fmt.workflow_key, ts.default_workflow_type, where, "workflow"),
+                reward_fn=named(row, fmt.reward_fn_key, ts.default_reward_fn_type, where, "reward function"),
+                workflow_args=ts.workflow_args,
+                reward_fn_args=ts.reward_fn_args,
+                rollout_args=ts.rollout_args,
+                repeat_times=ts.repeat_times or 1,
+                is_eval=is_eval,
+                chat_template=fmt.chat_template,
+                reply_prefix=fmt.reply_prefix,
+            )
+        )
     if not tasks:
         raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows")
     return tasks
@@ -370,8 +386,10 @@ class TaskReader:
         for i, (ts, tasks) in enumerate(self.sets):
             n, sel = len(tasks), ts.data_selector
             rng = random.Random(f"{sel.seed}/{epoch}")  # NOTE: str seeds hash deterministically across runs
-            rows = {"sequential": lambda: list(range(n)), "shuffle": lambda: rng.sample(range(n), n),
-                    "random": lambda: rng.choices(range(n), k=n)}[sel.selector_type]()
+            if sel.selector_type == "sequential":
+                rows = list(range(n))
+            else:  # "shuffle" (each row once) or "random" (with replacement)
+                rows = rng.sample(range(n), n) if sel.selector_type == "shuffle" else rng.choices(range(n), k=n)
             keyed += [((k + 0.5) / n, i, row) for k, row in enumerate(rows)]
         return [(i, row) for _, i, row in sorted(keyed)]
 

@@ -73,8 +73,11 @@ class Options:
     n_test: int = opt(200, "test rows, no question shared with train")
     max_operand: int = opt(9, "largest number in a + or - step (difficulty)")
     two_step_frac: float = opt(0.0, "fraction of two-step problems, in [0, 1] (difficulty)")
-    problems: str = opt("mixed", "question forms: mixed (word problems and 'What is a - b?'), word, or plain "
-                                 "('What is a - b?' only: short prompts)")
+    problems: str = opt(
+        "mixed",
+        "question forms: mixed (word problems and 'What is a - b?'), word, or plain "
+        "('What is a - b?' only: short prompts)",
+    )
     seed: int = opt(0, "seeds both the problems and the model init")
     hidden_size: int = opt(128, "model width")
     num_layers: int = opt(4, "decoder layers")
@@ -82,8 +85,11 @@ class Options:
     num_kv_heads: int = opt(2, "key/value heads (GQA, as in Qwen2)")
     intermediate_size: int = opt(512, "MLP width")
     max_position_embeddings: int = opt(1024, "longest sequence, prompt + response, in tokens")
-    teacher_error: float = opt(0.6, "fraction of SFT rows with subtraction whose worked answer adds instead "
-                                    "(a systematic teacher mistake; train/test references stay correct)")
+    teacher_error: float = opt(
+        0.6,
+        "fraction of SFT rows with subtraction whose worked answer adds instead "
+        "(a systematic teacher mistake; train/test references stay correct)",
+    )
 
 
 # --- taskset
@@ -93,21 +99,22 @@ ITEMS = ["apples", "pens", "cards", "eggs", "books", "stickers", "marbles", "coo
 # comes first, so left-to-right and the usual precedence agree for the plain "What is" forms.
 WORD = [
     ("{name} has {a} {items} and buys {b} more. How many {items} does {name} have now?", "+"),
-    ("{name} has {a} {items} and gives {b} to a friend. How many {items} does {name} have "
-     "left?", "-"),
+    ("{name} has {a} {items} and gives {b} to a friend. How many {items} does {name} have left?", "-"),
     ("A shop had {a} {items} and sold {b} of them. How many {items} are left?", "-"),
     ("{name} buys {a} bags with {b} {items} in each bag. How many {items} does {name} buy?", "*"),
-    ("{name} has {a} {items}, buys {b} more, and then gives {c} away. How many {items} does {name} "
-     "have now?", "+-"),
-    ("A shop had {a} {items}. It sold {b} in the morning and {c} in the afternoon. How many "
-     "{items} are left?", "--"),
-    ("{name} picks {a} {items} on Monday, {b} on Tuesday and {c} on Wednesday. How many {items} "
-     "did {name} pick in all?", "++"),
-    ("{name} buys {a} bags with {b} {items} in each bag and finds {c} more. How many {items} does "
-     "{name} have?", "*+"),
+    ("{name} has {a} {items}, buys {b} more, and then gives {c} away. How many {items} does {name} have now?", "+-"),
+    ("A shop had {a} {items}. It sold {b} in the morning and {c} in the afternoon. How many {items} are left?", "--"),
+    (
+        "{name} picks {a} {items} on Monday, {b} on Tuesday and {c} on Wednesday. How many {items} "
+        "did {name} pick in all?",
+        "++",
+    ),
+    ("{name} buys {a} bags with {b} {items} in each bag and finds {c} more. How many {items} does {name} have?", "*+"),
 ]
-PLAIN = [("What is {a}" + "".join(f" {op} {{{v}}}" for op, v in zip(ops, "bc")) + "?", ops)
-         for ops in ["+", "-", "*", "++", "+-", "-+", "--", "*+", "*-"]]  # "What is {a} + {b}?"
+PLAIN = [
+    ("What is {a}" + "".join(f" {op} {{{v}}}" for op, v in zip(ops, "bc")) + "?", ops)
+    for ops in ["+", "-", "*", "++", "+-", "-+", "--", "*+", "*-"]
+]  # "What is {a} + {b}?"
 TEMPLATES = WORD + PLAIN
 
 
@@ -183,9 +190,14 @@ def tool_demo(row: dict[str, str], rng: random.Random, error: float) -> dict[str
     if "-" in expr and rng.random() < error:
         return {"messages": [user, {"role": "assistant", "content": f"#### {sum(map(int, expr.split()[::2]))}"}]}
     call = json.dumps({"name": "calculator", "arguments": {"expression": expr}})
-    return {"messages": [user, {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
-                         {"role": "tool", "content": row["answer"].removeprefix("#### ")},
-                         {"role": "assistant", "content": row["answer"]}]}
+    return {
+        "messages": [
+            user,
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "content": row["answer"].removeprefix("#### ")},
+            {"role": "assistant", "content": row["answer"]},
+        ]
+    }
 
 
 def make_taskset(o: Options, tools: bool = False) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
@@ -232,8 +244,13 @@ def make_tokenizer() -> Any:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIAL_TOKENS)  # ids 256, 257, 258
     # NOTE: model_input_names: without it transformers < 5 also returns token_type_ids, which Qwen2's generate refuses
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE, model_input_names=["input_ids", "attention_mask"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        model_input_names=["input_ids", "attention_mask"],
+    )
 
 
 def make_model(o: Options, tokenizer: Any) -> Any:
@@ -246,19 +263,25 @@ def make_model(o: Options, tokenizer: Any) -> Any:
         # NOTE: padded to a multiple of 8 like Qwen's own (151936 > 151665 tokens): the model's
         # vocab is larger than the tokenizer's, and ids 259..263 decode to "".
         vocab_size=(len(tokenizer) + 7) // 8 * 8,
-        hidden_size=o.hidden_size, num_hidden_layers=o.num_layers,
-        num_attention_heads=o.num_heads, num_key_value_heads=o.num_kv_heads,
-        intermediate_size=o.intermediate_size, max_position_embeddings=o.max_position_embeddings,
+        hidden_size=o.hidden_size,
+        num_hidden_layers=o.num_layers,
+        num_attention_heads=o.num_heads,
+        num_key_value_heads=o.num_kv_heads,
+        intermediate_size=o.intermediate_size,
+        max_position_embeddings=o.max_position_embeddings,
         tie_word_embeddings=True,  # the embedding is most of a tiny model's parameters
-        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],
     )
     torch.manual_seed(o.seed)
     model = Qwen2ForCausalLM(config)
     # generate() stops at either end marker, as Qwen's instruct models do
     model.generation_config = GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]])
+        bos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+    )
     return model
 
 
@@ -271,8 +294,11 @@ def is_complete(out: Path, args: dict) -> dict | None:
     """The manifest if `out` holds a complete build made with `args`, else None."""
     try:
         manifest = json.loads((out / "MANIFEST.json").read_text())
-        ok = manifest["args"] == args and "arith_tools/sft.jsonl" in manifest["files"] and all(
-            sha256(out / f) == h for f, h in manifest["files"].items())
+        ok = (
+            manifest["args"] == args
+            and "arith_tools/sft.jsonl" in manifest["files"]
+            and all(sha256(out / f) == h for f, h in manifest["files"].items())
+        )
     except (OSError, ValueError, KeyError):
         return None
     return manifest if ok else None
@@ -285,20 +311,37 @@ def write_tasksets(tmp: Path, o: Options) -> dict[str, int]:
     write_jsonl(tmp / "arith/train.jsonl", train)
     write_jsonl(tmp / "arith/test.jsonl", test)
     teacher = random.Random(f"teacher/{o.seed}")  # its own stream: train/test rows do not depend on it
-    write_jsonl(tmp / "arith/sft.jsonl", [{"messages": [
-        {"role": "user", "content": r["question"]},
-        {"role": "assistant", "content": teacher_answer(r["answer"], teacher, o.teacher_error)}]} for r in train])
+    write_jsonl(
+        tmp / "arith/sft.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": r["question"]},
+                    {"role": "assistant", "content": teacher_answer(r["answer"], teacher, o.teacher_error)},
+                ]
+            }
+            for r in train
+        ],
+    )
     pairs = random.Random(f"pairs/{o.seed}")
-    write_jsonl(tmp / "arith/dpo.jsonl", [{"prompt": r["question"], "chosen": r["answer"],
-                                           "rejected": wrong_answer(r["answer"], pairs)} for r in train])
+    write_jsonl(
+        tmp / "arith/dpo.jsonl",
+        [{"prompt": r["question"], "chosen": r["answer"], "rejected": wrong_answer(r["answer"], pairs)} for r in train],
+    )
     (tmp / "arith_tools").mkdir()
     tool_train, tool_test = make_taskset(o, tools=True)
     write_jsonl(tmp / "arith_tools/train.jsonl", tool_train)
     write_jsonl(tmp / "arith_tools/test.jsonl", tool_test)
     tool_teacher = random.Random(f"tool-teacher/{o.seed}")
     write_jsonl(tmp / "arith_tools/sft.jsonl", [tool_demo(r, tool_teacher, o.teacher_error) for r in tool_train])
-    return {"train": len(train), "test": len(test), "sft": len(train), "dpo": len(train),
-            "tool_train": len(tool_train), "tool_test": len(tool_test)}
+    return {
+        "train": len(train),
+        "test": len(test),
+        "sft": len(train),
+        "dpo": len(train),
+        "tool_train": len(tool_train),
+        "tool_test": len(tool_test),
+    }
 
 
 def build(out: str, **options: Any) -> dict:
@@ -328,16 +371,16 @@ def build(out: str, **options: Any) -> dict:
         tokenizer.save_pretrained(tmp / "tiny-qwen2")
         # transformers 5 writes "TokenizersBackend"; name the class that readers should use
         tok_cfg = tmp / "tiny-qwen2/tokenizer_config.json"
-        tok_cfg.write_text(json.dumps({**json.loads(tok_cfg.read_text()),
-                                       "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2))
+        tok_cfg.write_text(
+            json.dumps({**json.loads(tok_cfg.read_text()), "tokenizer_class": "PreTrainedTokenizerFast"}, indent=2)
+        )
 
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         manifest = {
             "args": args,
             "rows": rows,
             "n_params": sum(p.numel() for p in model.parameters()),  # tied: counted once
-            "model_mb": round(sum(p.stat().st_size for p in files
-                                  if p.parts[-2] == "tiny-qwen2") / 2**20, 2),
+            "model_mb": round(sum(p.stat().st_size for p in files if p.parts[-2] == "tiny-qwen2") / 2**20, 2),
             "files": {p.relative_to(tmp).as_posix(): sha256(p) for p in files},
         }
         (tmp / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
@@ -352,17 +395,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="assets", help="output folder (default: %(default)s)")
     for f in fields(Options):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default,
-                       help=f.metadata["help"] + " (default: %(default)s)")
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f.metadata["help"] + " (default: %(default)s)",
+        )
     cli = vars(p.parse_args())
     out = cli.pop("out")
     r = build(out, **cli)
     status = "built" if r["built"] else "up to date, nothing to do:"
     print(f"{status} {out}/ in {r['seconds']:.1f} s")
     print(f"  model    {out}/tiny-qwen2/  {r['n_params']:,} params, {r['model_mb']} MB")
-    print(f"  taskset  {out}/arith/  train {r['rows']['train']}, test {r['rows']['test']}, "
-          f"sft {r['rows']['sft']} rows; tool task {out}/arith_tools/  train {r['rows']['tool_train']}, "
-          f"test {r['rows']['tool_test']}")
+    print(
+        f"  taskset  {out}/arith/  train {r['rows']['train']}, test {r['rows']['test']}, "
+        f"sft {r['rows']['sft']} rows; tool task {out}/arith_tools/  train {r['rows']['tool_train']}, "
+        f"test {r['rows']['tool_test']}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,12 +68,26 @@ import lora
 import sync
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
-from algos.kl import adapt as kl_adapt, loss as kl_loss, penalty as kl_penalty, place_scores
+from algos.kl import adapt as kl_adapt
+from algos.kl import loss as kl_loss
+from algos.kl import penalty as kl_penalty
+from algos.kl import place_scores
 from algos.utils import masked_mean
 from buffer import Experience
 from configs.schema import OptimizerConfig
-from models import (TokenScorer, build_model, config_tokenizer, micro_batch, micro_batches, pack_units, score,
-                    setup_distributed, step_batch, torch_dtype, unit_length)
+from models import (
+    TokenScorer,
+    build_model,
+    config_tokenizer,
+    micro_batch,
+    micro_batches,
+    pack_units,
+    score,
+    setup_distributed,
+    step_batch,
+    torch_dtype,
+    unit_length,
+)
 from monitor import Monitor, preview, timer
 from source import Source
 
@@ -152,50 +167,98 @@ def set_up(cfg: configs.Config) -> Parts | None:
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)
     resume = checkpoint.latest_checkpoint(job)
     if resume and not cfg.continue_from_checkpoint:  # launch.py renames the run in the other modes
-        log.error("%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
-                  "or choose another name (the explorer and trainer must share one)", job, resume)
+        log.error(
+            "%s already has checkpoint step %d and continue_from_checkpoint is false: set it true to resume, "
+            "or choose another name (the explorer and trainer must share one)",
+            job,
+            resume,
+        )
         if monitor is not None:
             monitor.close(failed=True)
         return None
     tokenizer = config_tokenizer(cfg.model)
-    pieces = {k: lookup(k, getattr(a, k), getattr(a, k + "_args")) for k in ("advantage_fn", "policy_loss_fn",
-              "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
-              if not (k == "advantage_fn" and a.advantage_fn == "none")}
+    pieces = {
+        k: lookup(k, getattr(a, k), getattr(a, k + "_args"))
+        for k in ("advantage_fn", "policy_loss_fn", "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
+        if not (k == "advantage_fn" and a.advantage_fn == "none")
+    }
     adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
     actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
     actor = build_model(actor_path, t, device, True, adapter=adapter)
     # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
     needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
-    critic_path = str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface") if resume else \
-        cfg.model.critic_model_path
+    critic_path = (
+        str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface")
+        if resume
+        else cfg.model.critic_model_path
+    )
     critic = build_model(critic_path, t, device, True, critic=True) if "values" in needs else None
     source = Source(cfg, tokenizer, rank, device)
-    ref = (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False)) \
-        if use_ref else None  # with LoRA, the actor with its adapter switched off: the base model
-    p = Parts(cfg, rank, world, device, tokenizer, actor, adamw(actor, a.optimizer.lr, a.optimizer), ref,
-              critic, adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
-              pieces, {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")}, source, source.total_steps(),
-              resume, {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
-              None, monitor)
+    ref = (
+        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False))
+        if use_ref
+        else None
+    )  # with LoRA, the actor with its adapter switched off: the base model
+    p = Parts(
+        cfg,
+        rank,
+        world,
+        device,
+        tokenizer,
+        actor,
+        adamw(actor, a.optimizer.lr, a.optimizer),
+        ref,
+        critic,
+        adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
+        pieces,
+        {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")},
+        source,
+        source.total_steps(),
+        resume,
+        {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
+        None,
+        monitor,
+    )
     resume_state(p)
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
         # NOTE: NCCL cannot join two ranks on one GPU: a colocated explorer gets the weights through host memory
-        p.sender = sync.open_sender(job, "cpu" if cfg.cluster.colocate else device, cfg.synchronizer.sync_timeout,
-                                    cfg.synchronizer.sync_host, p.resume)  # a restarted explorer reads `resume`
+        p.sender = sync.open_sender(
+            job,
+            "cpu" if cfg.cluster.colocate else device,
+            cfg.synchronizer.sync_timeout,
+            cfg.synchronizer.sync_host,
+            p.resume,
+        )  # a restarted explorer reads `resume`
     if rank == 0:
-        log.info("trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
-                 "%d step(s), packing: %s", world, device.type, resume + 1, p.total, a.advantage_fn, a.policy_loss_fn,
-                 p.ref is not None, critic is not None, cfg.synchronizer.sync_method, cfg.synchronizer.sync_interval,
-                 "shared prompts" if p.share else "off (padded rows)")
+        log.info(
+            "trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
+            "%d step(s), packing: %s",
+            world,
+            device.type,
+            resume + 1,
+            p.total,
+            a.advantage_fn,
+            a.policy_loss_fn,
+            p.ref is not None,
+            critic is not None,
+            cfg.synchronizer.sync_method,
+            cfg.synchronizer.sync_interval,
+            "shared prompts" if p.share else "off (padded rows)",
+        )
     return p
 
 
-def adamw(model: torch.nn.Module, lr: float, o: OptimizerConfig,
-          weight_decay: float | None = None) -> torch.optim.AdamW:
+def adamw(
+    model: torch.nn.Module, lr: float, o: OptimizerConfig, weight_decay: float | None = None
+) -> torch.optim.AdamW:
     """AdamW over the weights that train (a LoRA actor's: its adapter's alone)."""
-    return torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=lr, betas=tuple(o.betas),
-                             weight_decay=o.weight_decay if weight_decay is None else weight_decay)
+    return torch.optim.AdamW(
+        [q for q in model.parameters() if q.requires_grad],
+        lr=lr,
+        betas=tuple(o.betas),
+        weight_decay=o.weight_decay if weight_decay is None else weight_decay,
+    )
 
 
 def resume_state(p: Parts) -> None:
@@ -220,8 +283,18 @@ def resume_state(p: Parts) -> None:
 
 # --- one step's phases, in run order
 
-LOSS_KEYS = ("old_logprobs", "ref_logprobs", "advantages", "returns", "values", "rollout_logprobs",
-             "has_rollout_logprobs", "expert_mask", "rewards", "group_index")  # step batch keys a loss may read
+LOSS_KEYS = (
+    "old_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "returns",
+    "values",
+    "rollout_logprobs",
+    "has_rollout_logprobs",
+    "expert_mask",
+    "rewards",
+    "group_index",
+)  # step batch keys a loss may read
 
 
 def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[list[int]]]]]:
@@ -302,16 +375,20 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         return {}
     fn, adv_cfg = p.pieces["advantage_fn"]
     rl = ~batch["expert"]  # [B]
-    sub = {"token_level_rewards": batch["token_level_rewards"][rl], "response_mask": batch["response_mask"][rl],
-           "group_index": batch["group_index"][rl].unique(return_inverse=True)[1],  # groups numbered 0..G-1
-           "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
-           **{k: batch[k][rl] for k in ("stored_advantages", "has_stored_advantages") if k in batch}}  # step_wise
+    sub = {
+        "token_level_rewards": batch["token_level_rewards"][rl],
+        "response_mask": batch["response_mask"][rl],
+        "group_index": batch["group_index"][rl].unique(return_inverse=True)[1],  # groups numbered 0..G-1
+        "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
+        **{k: batch[k][rl] for k in ("stored_advantages", "has_stored_advantages") if k in batch},
+    }  # step_wise
     sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
     adv, adv_metrics = fn(sub, adv_cfg)
     batch["advantages"], batch["returns"] = (
-        torch.zeros_like(batch["rollout_logprobs"]), torch.zeros_like(batch["rollout_logprobs"])
+        torch.zeros_like(batch["rollout_logprobs"]),
+        torch.zeros_like(batch["rollout_logprobs"]),
     )
     batch["advantages"][rl], batch["returns"][rl] = adv["advantages"], adv["returns"]
     if "keep" in adv:
@@ -319,12 +396,14 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         batch["response_mask"][rows] = False
     valid = sub["response_mask"]
     metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
-        "critic/score/mean": sub["rewards"].mean().item(), "critic/score/max": sub["rewards"].max().item(),
+        "critic/score/mean": sub["rewards"].mean().item(),
+        "critic/score/max": sub["rewards"].max().item(),
         "critic/score/min": sub["rewards"].min().item(),
         "critic/advantages/mean": masked_mean(adv["advantages"], valid).item(),
         "critic/advantages/max": adv["advantages"].max().item(),
         "critic/advantages/min": adv["advantages"].min().item(),
-        "critic/returns/mean": masked_mean(adv["returns"], valid).item()}
+        "critic/returns/mean": masked_mean(adv["returns"], valid).item(),
+    }
     if "values" in sub:
         metrics["critic/values/mean"] = masked_mean(sub["values"], valid).item()
     return metrics
@@ -340,9 +419,13 @@ def actor_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
     m = {}
     if p.rl and mb["has_rollout_logprobs"].any():  # truncated IS weights (rollout -> old policy) scale the advantages
         rc = a.rollout_correction
-        w, m = rollout_is_weights(mb["old_logprobs"], mb["rollout_logprobs"],  # [n,T]
-                                  mb["response_mask"] & mb["has_rollout_logprobs"][:, None], rc.rollout_is,
-                                  rc.rollout_is_threshold)
+        w, m = rollout_is_weights(
+            mb["old_logprobs"],
+            mb["rollout_logprobs"],  # [n,T]
+            mb["response_mask"] & mb["has_rollout_logprobs"][:, None],
+            rc.rollout_is,
+            rc.rollout_is_threshold,
+        )
         mb["advantages"] = mb["advantages"] * w  # [n,T]
     loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
     m |= pm
@@ -368,19 +451,55 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     a, t = p.cfg.algorithm, p.cfg.trainer
     sums, norms, skipped = {}, [], 0
     if p.critic is not None:
-        lr = lr_at(step, dataclasses.replace(a.optimizer, lr=t.critic.lr, lr_warmup_steps=-1,
-                                             lr_scheduler_type="constant",
-                                             lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio), p.total)
+        lr = lr_at(
+            step,
+            dataclasses.replace(
+                a.optimizer,
+                lr=t.critic.lr,
+                lr_warmup_steps=-1,
+                lr_scheduler_type="constant",
+                lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio,
+            ),
+            p.total,
+        )
         # the same mini-batches in micro-batches of the critic's own size (the update is exact whatever the cut)
-        critic_plan = plan if t.use_dynamic_bsz else [micro_batches(batch, [u for m in mini for u in m], 0,
-                                                                    t.critic.micro_batch_size_per_gpu) for mini in plan]
-        sums, critic_norms, _ = optimize(p, p.critic, p.critic_optim, batch, critic_plan, critic_loss,
-                                         a.loss_agg_mode, lr, t.critic.grad_clip, "critic/", step)
+        critic_plan = (
+            plan
+            if t.use_dynamic_bsz
+            else [
+                micro_batches(batch, [u for m in mini for u in m], 0, t.critic.micro_batch_size_per_gpu)
+                for mini in plan
+            ]
+        )
+        sums, critic_norms, _ = optimize(
+            p,
+            p.critic,
+            p.critic_optim,
+            batch,
+            critic_plan,
+            critic_loss,
+            a.loss_agg_mode,
+            lr,
+            t.critic.grad_clip,
+            "critic/",
+            step,
+        )
         sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / p.world, "critic/lr": lr / p.world}
     if p.critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
         mode = getattr(p.pieces["policy_loss_fn"][1], "AGG", a.loss_agg_mode)  # a loss with a fixed aggregation says so
-        actor_sums, norms, skipped = optimize(p, p.actor, p.optim, batch, plan, actor_loss, mode,
-                                              lr_at(step, a.optimizer, p.total), t.grad_clip, "actor/", step)
+        actor_sums, norms, skipped = optimize(
+            p,
+            p.actor,
+            p.optim,
+            batch,
+            plan,
+            actor_loss,
+            mode,
+            lr_at(step, a.optimizer, p.total),
+            t.grad_clip,
+            "actor/",
+            step,
+        )
         sums |= actor_sums
     keys = sorted(sums)
     metrics = dict(zip(keys, reduce_sum([sums[k] for k in keys], p.device)))
@@ -389,13 +508,26 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
         if p.pieces[k][1].adaptive and measured is not None:
             p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, len(batch["rewards"]), p.pieces[k][1])
             metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = p.kl_coef[k]
-    return metrics | {"actor/lr": lr_at(step, a.optimizer, p.total), "actor/skipped_steps": skipped,
-                      "actor/grad_norm": sum(norms) / max(len(norms), 1)}
+    return metrics | {
+        "actor/lr": lr_at(step, a.optimizer, p.total),
+        "actor/skipped_steps": skipped,
+        "actor/grad_norm": sum(norms) / max(len(norms), 1),
+    }
 
 
-def optimize(p: Parts, model: TokenScorer, optim: torch.optim.Optimizer, batch: dict, plan: list, loss_fn: Callable,
-             mode: str, lr: float, grad_clip: float, prefix: str,
-             step: int) -> tuple[dict[str, float], list[float], int]:
+def optimize(
+    p: Parts,
+    model: TokenScorer,
+    optim: torch.optim.Optimizer,
+    batch: dict,
+    plan: list,
+    loss_fn: Callable,
+    mode: str,
+    lr: float,
+    grad_clip: float,
+    prefix: str,
+    step: int,
+) -> tuple[dict[str, float], list[float], int]:
     """ppo_epochs x the plan's mini-batches x their micro-batches of loss_fn(p, micro-batch) -> (loss, metrics):
     gradients accumulated with each micro-batch's share of the mini-batch's tokens (token-mean `mode`) or of its
     sequences with tokens (the seq-mean modes), so that any cut (micro-batches, ranks) gives the gradient of the
@@ -475,27 +607,44 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
 
 def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
     """The checkpoint of `step`: weights, optimizer states, RNG, KL coefficients (checkpoint.save_checkpoint)."""
-    checkpoint.save_checkpoint(p.actor, p.optim, p.tokenizer, p.cfg.checkpoint_job_dir, step, p.rank, weights,
-                               p.cfg.trainer.max_checkpoints_to_keep,
-                               (p.critic, p.critic_optim) if p.critic else None, p.kl_coef)
+    checkpoint.save_checkpoint(
+        p.actor,
+        p.optim,
+        p.tokenizer,
+        p.cfg.checkpoint_job_dir,
+        step,
+        p.rank,
+        weights,
+        p.cfg.trainer.max_checkpoints_to_keep,
+        (p.critic, p.critic_optim) if p.critic else None,
+        p.kl_coef,
+    )
     sync.pause_for_test("train.after_save", step)
 
 
 def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, float], step: int) -> None:
     """The step's batch statistics and throughput, to the monitor (rank 0); the trainer's status to the DB."""
     tokens, lengths = sum(len(x.tokens) for x in exps), batch["response_lengths"].float()
-    metrics |= {"response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-                "prompt_length/mean": batch["prompt_lengths"].float().mean().item(), "batch/size": len(exps),
-                "perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["time/step"] / p.world,
-                "perf/train_tokens_per_s": tokens / max(metrics["time/update"], 1e-9)}
+    metrics |= {
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "prompt_length/mean": batch["prompt_lengths"].float().mean().item(),
+        "batch/size": len(exps),
+        "perf/total_num_tokens": tokens,
+        "perf/throughput": tokens / metrics["time/step"] / p.world,
+        "perf/train_tokens_per_s": tokens / max(metrics["time/update"], 1e-9),
+    }
     rl = [x for x in exps if not x.info.get("expert")]
     metrics |= preview(rl) if p.cfg.trainer.enable_preview and p.rank == 0 else {}
     if p.rl:  # the weights versions that generated the batch, and how far behind version step - 1 they are
         versions = [x.model_version for x in rl]
-        metrics |= {"sample/model_version/min": min(versions), "sample/model_version/max": max(versions),
-                    "sample/model_version/mean": sum(versions) / len(versions),
-                    "batch/staleness/mean": step - 1 - sum(versions) / len(versions),
-                    "batch/staleness/max": step - 1 - min(versions)}
+        metrics |= {
+            "sample/model_version/min": min(versions),
+            "sample/model_version/max": max(versions),
+            "sample/model_version/mean": sum(versions) / len(versions),
+            "batch/staleness/mean": step - 1 - sum(versions) / len(versions),
+            "batch/staleness/max": step - 1 - min(versions),
+        }
         for name in sorted({x.explorer for x in rl}):
             metrics[f"sample/experience_count/{name or 'unknown'}"] = sum(x.explorer == name for x in rl)
         if p.source.expert:
@@ -512,14 +661,23 @@ def no_batch(p: Parts, step: int, done: int) -> int:
     """Why no batch came for `step` (the explorers finished: exit 0; max_read_timeout: exit 1)."""
     if p.source.ended:
         if p.rank == 0:
-            log.info("every explorer writing to the experience DB has finished and no experiences are left: "
-                     "training ends after step %d of %d", done, p.total)
+            log.info(
+                "every explorer writing to the experience DB has finished and no experiences are left: "
+                "training ends after step %d of %d",
+                done,
+                p.total,
+            )
         return 0
     if p.rank == 0:
-        log.error("no full batch for train step %d after %g s "
-                  "(buffer.trainer_input.experience_buffer.max_read_timeout);"
-                  " explorers: %s. Stopping; a restart continues after checkpoint step %d.", step,
-                  p.cfg.buffer.trainer_input.experience_buffer.max_read_timeout, p.source.explorers(), done)
+        log.error(
+            "no full batch for train step %d after %g s "
+            "(buffer.trainer_input.experience_buffer.max_read_timeout);"
+            " explorers: %s. Stopping; a restart continues after checkpoint step %d.",
+            step,
+            p.cfg.buffer.trainer_input.experience_buffer.max_read_timeout,
+            p.source.explorers(),
+            done,
+        )
     return 1
 
 

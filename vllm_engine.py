@@ -36,15 +36,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 import sync
-from sampling import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
 from models import load_tokenizer
+from sampling import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
 
 log = logging.getLogger(__name__)
 EXTENSION = "vllm_engine.WeightReceiver"
@@ -53,28 +54,56 @@ SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy b
 
 def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty: float, colocate: bool) -> dict:
     """The vLLM engine arguments of a rollout model config (every vLLM option of the schema)."""
-    return {"model": model_path, "tensor_parallel_size": rm.tensor_parallel_size,
-            "gpu_memory_utilization": rm.gpu_memory_utilization, "enable_prefix_caching": rm.enable_prefix_caching,
-            "enable_chunked_prefill": rm.enable_chunked_prefill, "enforce_eager": rm.enforce_eager,
-            "dtype": rm.dtype, "seed": rm.seed, "max_model_len": max_model_len,
-            "logprobs_mode": "processed_logprobs", "worker_extension_cls": EXTENSION, "enable_sleep_mode": colocate}
+    return {
+        "model": model_path,
+        "tensor_parallel_size": rm.tensor_parallel_size,
+        "gpu_memory_utilization": rm.gpu_memory_utilization,
+        "enable_prefix_caching": rm.enable_prefix_caching,
+        "enable_chunked_prefill": rm.enable_chunked_prefill,
+        "enforce_eager": rm.enforce_eager,
+        "dtype": rm.dtype,
+        "seed": rm.seed,
+        "max_model_len": max_model_len,
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": EXTENSION,
+        "enable_sleep_mode": colocate,
+    }
 
 
-def vllm_params(vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: int, penalty: float,
-                **extra: Any) -> Any:
+def vllm_params(
+    vllm: Any, prompt: list[int], p: SamplingParams, max_model_len: int, penalty: float, **extra: Any
+) -> Any:
     """vllm.SamplingParams of one request: logprobs=0 returns the sampled token's log-prob only. `extra`: more
     SamplingParams fields (the async engine's output_kind)."""
     max_tokens = min(p.max_tokens, max_model_len - len(prompt))  # NOTE: vLLM refuses min_tokens > max_tokens
-    return vllm.SamplingParams(n=p.n, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else -1,
-                               max_tokens=max_tokens, min_tokens=min(p.min_tokens, max_tokens),
-                               stop=list(p.stop), seed=p.seed, logprobs=0, repetition_penalty=penalty, **extra)
+    return vllm.SamplingParams(
+        n=p.n,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k if p.top_k > 0 else -1,
+        max_tokens=max_tokens,
+        min_tokens=min(p.min_tokens, max_tokens),
+        stop=list(p.stop),
+        seed=p.seed,
+        logprobs=0,
+        repetition_penalty=penalty,
+        **extra,
+    )
 
 
 def completions(outputs: list[Any], version: int) -> list[Completion]:
     """sampling.Completion of each sample (vLLM CompletionOutputs; the EOS that ended a sample stays in token_ids; a
     stop string is cut from the text)."""
-    return [Completion(list(o.token_ids), [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)], o.text,
-                       "length" if o.finish_reason == "length" else "stop", version) for o in outputs]
+    return [
+        Completion(
+            list(o.token_ids),
+            [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)],
+            o.text,
+            "length" if o.finish_reason == "length" else "stop",
+            version,
+        )
+        for o in outputs
+    ]
 
 
 def reset_prefix_cache(reset: Any, tries: int = 50) -> None:
@@ -324,13 +353,21 @@ def placements(rm: Any, first_gpu: int) -> list[list[str] | None]:
         return [None] * rm.engine_num
     tp, gpus = rm.tensor_parallel_size, explorer_gpus(torch.cuda.device_count())[first_gpu:]
     if len(gpus) < rm.engine_num * tp:
-        raise RuntimeError(f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
-                           f"this explorer sees {len(gpus)} ({gpus})")
+        raise RuntimeError(
+            f"{rm.engine_num} engines x {tp} GPUs need {rm.engine_num * tp} GPUs; "
+            f"this explorer sees {len(gpus)} ({gpus})"
+        )
     return [gpus[i * tp : (i + 1) * tp] for i in range(rm.engine_num)]
 
 
-def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: float = 1.0,
-              colocate: bool = False, first_gpu: int = 0) -> EnginePool:
+def make_pool(
+    rm: Any,
+    model_path: str,
+    max_model_len: int,
+    repetition_penalty: float = 1.0,
+    colocate: bool = False,
+    first_gpu: int = 0,
+) -> EnginePool:
     """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated),
     from the explorer's GPU `first_gpu` on (auxiliary models come after the rollout model's)."""
     cls = AsyncVLLMEngine if rm.engine_type == "vllm_async" else VLLMEngine
@@ -344,8 +381,13 @@ def make_pool(rm: Any, model_path: str, max_model_len: int, repetition_penalty: 
     for i, gpus in enumerate(placements(rm, first_gpu)):
         with visible_gpus(gpus):
             engines.append(cls({**args, "seed": rm.seed + i}, repetition_penalty))  # engines sample differently
-        log.info("rollout engine %d/%d: %s on %s", i + 1, rm.engine_num, cls.engine_type,
-                 "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}")
+        log.info(
+            "rollout engine %d/%d: %s on %s",
+            i + 1,
+            rm.engine_num,
+            cls.engine_type,
+            "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}",
+        )
     return EnginePool(engines, rm.tensor_parallel_size)
 
 
@@ -426,8 +468,11 @@ class ExpectedReloadWarnings(logging.Filter):
     shows."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args
-                    and record.args[0] in ("RotaryEmbedding", "ParallelLMHead"))
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and record.args[0] in ("RotaryEmbedding", "ParallelLMHead")
+        )
 
 
 def expected_reload_warnings_off() -> None:

@@ -31,10 +31,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-from algos import (asymre, cispo, dpo, entropy, gae, grpo, gspo, importance_sampling, kl, mix, opmd, ppo_loss, rec,
-                   reinforce, reinforceplusplus, rloo, sample, sapo, sft_loss, sppo, step_wise_grpo, topr)
+from algos import (
+    asymre,
+    cispo,
+    dpo,
+    entropy,
+    gae,
+    grpo,
+    gspo,
+    importance_sampling,
+    kl,
+    mix,
+    opmd,
+    ppo_loss,
+    rec,
+    reinforce,
+    reinforceplusplus,
+    rloo,
+    sample,
+    sapo,
+    sft_loss,
+    sppo,
+    step_wise_grpo,
+    topr,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +90,7 @@ PRESETS: dict[str, Preset] = {
     "rec": Preset(2, "rec", "rec", "k2"),
     "multi_step_grpo": Preset(8, "step_wise_grpo", "ppo", "k2"),  # one experience per turn (step_wise)
     "mix": Preset(8, "grpo", "mix", "k2", entropy_loss_fn="mix", sample_strategy="mix"),
-    "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True,
-                  schema="sft"),
+    "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True, schema="sft"),
     "dpo": Preset(2, "none", "dpo", "k2", entropy_loss_fn="none", train_only=True, schema="dpo"),
 }
 
@@ -141,4 +163,3 @@ REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
 }
 # the pieces a trainer builds from its config: kind (a REGISTRIES key) -> (function, the named piece's Config)
 Pieces = dict[str, tuple[Callable, Any]]
-

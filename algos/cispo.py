@@ -43,8 +43,9 @@ class Config:
     """m_high: upper edge 1 + m_high of the mask band."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar CISPO loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     lo, hi = 1.0 - cfg.clip_range_low, 1.0 + cfg.clip_range_high
     adv = batch["advantages"]  # [B,T]

@@ -36,8 +36,9 @@ import torch
 from algos.utils import masked_mean
 
 
-def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
-                       level: str, threshold: float) -> tuple[torch.Tensor, dict[str, float]]:
+def rollout_is_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor, level: str, threshold: float
+) -> tuple[torch.Tensor, dict[str, float]]:
     """(weights [B,T], metrics). level: "none" (weights 1), "token" or "sequence"; mask [B,T] marks the
     response tokens that have rollout log-probs (elsewhere the weight is 1)."""
     if level not in ("none", "token", "sequence"):
@@ -45,10 +46,12 @@ def rollout_is_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tenso
     mask = mask.bool()  # [B,T]
     log_r = torch.where(mask, old_logprobs.detach() - rollout_logprobs, 0.0)  # [B,T]
     ratio = log_r.exp()  # [B,T]
-    metrics = {"rollout_corr/kl": masked_mean(-log_r, mask).item(),
-               "rollout_corr/k3_kl": masked_mean(ratio - 1 - log_r, mask).item(),
-               "rollout_corr/abs_diff": masked_mean(log_r.abs(), mask).item(),
-               "rollout_corr/ratio_mean": masked_mean(ratio, mask).item()}
+    metrics = {
+        "rollout_corr/kl": masked_mean(-log_r, mask).item(),
+        "rollout_corr/k3_kl": masked_mean(ratio - 1 - log_r, mask).item(),
+        "rollout_corr/abs_diff": masked_mean(log_r.abs(), mask).item(),
+        "rollout_corr/ratio_mean": masked_mean(ratio, mask).item(),
+    }
     if level == "none":
         return torch.ones_like(log_r), metrics
     cap = math.log(threshold)

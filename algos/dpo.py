@@ -43,8 +43,9 @@ class Config:
     """ls: assumed probability that a preference label is flipped (cDPO); 0 gives the original DPO."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar DPO loss from logprobs [B,T] and batch ref_logprobs / response_mask [B,T], rows (chosen, rejected)."""
     if logprobs.shape[0] == 0 or logprobs.shape[0] % 2:
         raise ValueError(f"dpo needs interleaved (chosen, rejected) rows: an even B > 0, got B = {logprobs.shape[0]}")
@@ -57,7 +58,11 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
     losses = -(1.0 - cfg.label_smoothing) * F.logsigmoid(h) - cfg.label_smoothing * F.logsigmoid(-h)  # [P]
     loss = losses.mean()  # []
     with torch.no_grad():
-        metrics = {"dpo_loss": loss.item(), "chosen_reward": (cfg.beta * chosen).mean().item(),
-                   "rejected_reward": (cfg.beta * rejected).mean().item(),
-                   "accuracy_mean": (chosen > rejected).float().mean().item(), "reward_margin": h.mean().item()}
+        metrics = {
+            "dpo_loss": loss.item(),
+            "chosen_reward": (cfg.beta * chosen).mean().item(),
+            "rejected_reward": (cfg.beta * rejected).mean().item(),
+            "accuracy_mean": (chosen > rejected).float().mean().item(),
+            "reward_margin": h.mean().item(),
+        }
     return loss, metrics

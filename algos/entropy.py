@@ -26,21 +26,24 @@ class Config:
     """beta_ent: weight of the entropy bonus (0 disables it but still logs the entropy)."""
 
 
-def loss(entropy: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-         loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def loss(
+    entropy: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """-entropy_coef * aggregate(entropy [B,T], batch["response_mask"] [B,T])."""
     ent = aggregate(entropy, batch["response_mask"], loss_agg_mode)  # []
     return -cfg.entropy_coef * ent, {"entropy_loss": ent.item()}  # []
 
 
-def none(entropy: torch.Tensor | None, batch: dict[str, torch.Tensor], cfg: Config,
-         loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def none(
+    entropy: torch.Tensor | None, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """No entropy term: a zero scalar (entropy may be None)."""
     return torch.zeros(()), {}  # []
 
 
-def mix(entropy: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-        loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def mix(
+    entropy: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """`loss` over non-expert tokens: mask = response_mask [B,T] * (1 - expert_mask [B,T])."""
     mask = batch["response_mask"].to(entropy.dtype) * (1.0 - batch["expert_mask"].to(entropy.dtype))  # [B,T]
     return loss(entropy, {"response_mask": mask}, cfg, loss_agg_mode)

@@ -64,7 +64,9 @@ def compute(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torc
     returns = (adv + values) * mask  # [B,T]
     adv = masked_whiten(adv, mask)  # [B,T] 0 on masked tokens
     r = batch["rewards"].to(torch.float32)  # [B]
-    metrics = {"reward_mean": float(r.mean().item()) if r.numel() else 0.0,
-               "returns/mean": float(masked_mean(returns, mask).item()),
-               "values/mean": float(masked_mean(values, mask).item())}
+    metrics = {
+        "reward_mean": float(r.mean().item()) if r.numel() else 0.0,
+        "returns/mean": float(masked_mean(returns, mask).item()),
+        "values/mean": float(masked_mean(values, mask).item()),
+    }
     return {"advantages": adv, "returns": returns}, metrics

@@ -70,7 +70,9 @@ def compute(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str, torc
         keep = ~(single | (std <= cfg.std_threshold))[gi]  # [B]
         score = torch.where(keep, score, torch.zeros_like(score))  # [B]
     adv = score[:, None] * mask.to(score.dtype)  # [B,T]
-    metrics = {"filtered_count": float((~keep).sum().item()),
-               "reward_mean": float(r.mean().item()) if r.numel() else 0.0,
-               "reward_std": float(r.std().item()) if r.numel() > 1 else 0.0}
+    metrics = {
+        "filtered_count": float((~keep).sum().item()),
+        "reward_mean": float(r.mean().item()) if r.numel() else 0.0,
+        "reward_std": float(r.std().item()) if r.numel() > 1 else 0.0,
+    }
     return {"advantages": adv, "returns": adv.clone(), "keep": keep}, metrics

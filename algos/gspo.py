@@ -48,8 +48,9 @@ class Config:
     """Ignored: GSPO always aggregates with seq-mean-token-mean (kept so Trinity YAMLs validate)."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar GSPO-token loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     eps_low = cfg.clip_range if cfg.clip_range_low is None else cfg.clip_range_low
     eps_high = cfg.clip_range if cfg.clip_range_high is None else cfg.clip_range_high
@@ -70,6 +71,10 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
         clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)  # []
         ppo_kl = masked_mean(-log_ratio, mask)  # []
         ppo_kl_seq = masked_mean(-seq_log_ratio, valid.any(-1))  # []
-    metrics = {"pg_loss": pg_loss.item(), "pg_clipfrac": clipfrac.item(), "ppo_kl": ppo_kl.item(),
-               "ppo_kl_seq": ppo_kl_seq.item()}
+    metrics = {
+        "pg_loss": pg_loss.item(),
+        "pg_clipfrac": clipfrac.item(),
+        "ppo_kl": ppo_kl.item(),
+        "ppo_kl_seq": ppo_kl_seq.item(),
+    }
     return pg_loss, metrics

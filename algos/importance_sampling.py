@@ -29,14 +29,18 @@ class Config:
     """Ignored: the algorithm-level loss_agg_mode overrides it (kept so Trinity YAMLs validate)."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar IS loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     mask = batch["response_mask"]  # [B,T]
     log_ratio = (logprobs - batch["old_logprobs"]).clamp(-20.0, 20.0)  # [B,T]
     ratio = torch.exp(log_ratio)  # [B,T]
     pg_loss = aggregate(-batch["advantages"] * ratio, mask, loss_agg_mode)  # []
     with torch.no_grad():
-        metrics = {"pg_loss": pg_loss.item(), "ratio_mean": masked_mean(ratio, mask).item(),
-                   "approx_kl": masked_mean(-log_ratio, mask).item()}
+        metrics = {
+            "pg_loss": pg_loss.item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "approx_kl": masked_mean(-log_ratio, mask).item(),
+        }
     return pg_loss, metrics

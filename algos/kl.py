@@ -63,8 +63,9 @@ def estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> t
     raise ValueError(f"unknown KL kind {kind!r}; known: {', '.join(KINDS)}")
 
 
-def loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str,
-         kind: str) -> tuple[torch.Tensor, dict[str, float]]:
+def loss(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str, kind: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """kl_coef * aggregate(KL(logprobs [B,T], batch["ref_logprobs"] [B,T]))."""
     kl = estimate(logprobs, batch["ref_logprobs"], kind)  # [B,T]
     agg = aggregate(kl, batch["response_mask"], loss_agg_mode)  # []

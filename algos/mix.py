@@ -47,13 +47,18 @@ class Config:
     """c: PPO dual-clip bound for A < 0 (> 1)."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar MIX loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask / expert_mask [B,T]."""
     mask = batch["response_mask"].to(logprobs.dtype)  # [B,T]
     expert = batch["expert_mask"].to(logprobs.dtype)  # [B,T]
-    ppo_cfg = ppo_loss.Config(clip_range=cfg.clip_range, clip_range_low=cfg.clip_range_low,
-                              clip_range_high=cfg.clip_range_high, clip_ratio_c=cfg.clip_ratio_c)
+    ppo_cfg = ppo_loss.Config(
+        clip_range=cfg.clip_range,
+        clip_range_low=cfg.clip_range_low,
+        clip_range_high=cfg.clip_range_high,
+        clip_ratio_c=cfg.clip_ratio_c,
+    )
     usual, um = ppo_loss.compute(
         logprobs, {**batch, "response_mask": mask * (1.0 - expert)}, ppo_cfg, loss_agg_mode
     )  # []

@@ -76,8 +76,9 @@ class LossConfig:
     """tau: mirror-descent regularisation; the loss is divided by 1 + tau (> -1)."""
 
 
-def loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: LossConfig,
-         loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def loss(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: LossConfig, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """aggregate(-A * logp) / (1 + tau) from logprobs [B,T] and batch advantages / response_mask [B,T]."""
     pg = aggregate(-batch["advantages"] * logprobs, batch["response_mask"], loss_agg_mode)  # []
     opmd_loss = pg / (1.0 + cfg.tau)  # []

@@ -40,8 +40,9 @@ class Config:
     """Ignored: the algorithm-level loss_agg_mode overrides it."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar PPO loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     if cfg.clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1, got {cfg.clip_ratio_c}")
@@ -62,6 +63,10 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
         clipfrac = masked_mean((loss_clipped > loss_unclipped).float(), mask)  # []
         clipfrac_lower = masked_mean(((loss1 > loss_dual) & neg).float(), mask)  # []
         ppo_kl = masked_mean(-log_ratio, mask)  # []
-    metrics = {"pg_loss": pg_loss.item(), "pg_clipfrac": clipfrac.item(), "ppo_kl": ppo_kl.item(),
-               "pg_clipfrac_lower": clipfrac_lower.item()}
+    metrics = {
+        "pg_loss": pg_loss.item(),
+        "pg_clipfrac": clipfrac.item(),
+        "ppo_kl": ppo_kl.item(),
+        "pg_clipfrac_lower": clipfrac_lower.item(),
+    }
     return pg_loss, metrics

@@ -79,9 +79,12 @@ def advantage(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> tuple[dic
         score[idx] = torch.where(kept[idx], s, torch.zeros_like(s))  # [G]
     adv = score[:, None] * batch["response_mask"].to(score.dtype)  # [B,T]
     n_drop = float((~kept).sum().item())
-    metrics = {"filtered_count": n_drop, "drop_balance": n_drop / max(len(r), 1),
-               "reward_mean": float(r.mean().item()) if r.numel() else 0.0,
-               "reward_std": float(r.std().item()) if r.numel() > 1 else 0.0}
+    metrics = {
+        "filtered_count": n_drop,
+        "drop_balance": n_drop / max(len(r), 1),
+        "reward_mean": float(r.mean().item()) if r.numel() else 0.0,
+        "reward_std": float(r.std().item()) if r.numel() > 1 else 0.0,
+    }
     return {"advantages": adv, "returns": adv.clone()}, metrics
 
 
@@ -109,8 +112,9 @@ class LossConfig:
     """temp: temperature of the advantage weight exp(A / temp) (> 0)."""
 
 
-def loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: LossConfig,
-         loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def loss(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: LossConfig, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar REC loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     adv = batch["advantages"]  # [B,T]
     mask = batch["response_mask"]  # [B,T]
@@ -125,12 +129,15 @@ def loss(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: LossConfig
     elif cfg.clip_mode == "one-side":
         in_range = (pos & (ratio <= 1.0 + cfg.epsilon_high)) | (neg & (ratio >= 1.0 - cfg.epsilon_low))  # [B,T]
     elif cfg.clip_mode == "ring":
-        in_range = (band | (pos & (ratio <= 1.0 - cfg.epsilon_low_prime))
-                    | (neg & (ratio >= 1.0 + cfg.epsilon_high_prime)))  # [B,T]
+        in_range = (
+            band | (pos & (ratio <= 1.0 - cfg.epsilon_low_prime)) | (neg & (ratio >= 1.0 + cfg.epsilon_high_prime))
+        )  # [B,T]
     else:
         raise ValueError(f"unknown rec clip_mode {cfg.clip_mode!r}")
     weights = {
-        "none": adv, "importance_sampling": adv * ratio, "advantage": adv * torch.exp(adv / cfg.temp)
+        "none": adv,
+        "importance_sampling": adv * ratio,
+        "advantage": adv * torch.exp(adv / cfg.temp),
     }  # A' [B,T]
     if cfg.weight not in weights:
         raise ValueError(f"unknown rec weight {cfg.weight!r}")

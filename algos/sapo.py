@@ -42,8 +42,9 @@ class Config:
     """Ignored: the algorithm-level loss_agg_mode overrides it (kept so Trinity YAMLs validate)."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar SAPO loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     if not 0.0 < cfg.tau_pos <= cfg.tau_neg:
         raise ValueError(f"sapo needs 0 < tau_pos <= tau_neg, got {cfg.tau_pos}, {cfg.tau_neg}")
@@ -54,7 +55,10 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau  # [B,T]
     pg_loss = aggregate(-adv * gate, mask, loss_agg_mode)  # []
     with torch.no_grad():
-        metrics = {"pg_loss": pg_loss.item(), "avg_soft_gate": masked_mean(gate, mask).item(),
-                   "avg_ratio": masked_mean(ratio, mask).item(),
-                   "pos_adv_frac": masked_mean((adv > 0).float(), mask).item()}
+        metrics = {
+            "pg_loss": pg_loss.item(),
+            "avg_soft_gate": masked_mean(gate, mask).item(),
+            "avg_ratio": masked_mean(ratio, mask).item(),
+            "pos_adv_frac": masked_mean((adv > 0).float(), mask).item(),
+        }
     return pg_loss, metrics

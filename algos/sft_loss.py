@@ -34,8 +34,9 @@ class Config:
     """Ignored: the algorithm-level loss_agg_mode overrides it."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar NLL from logprobs [B,T] and batch["response_mask"] [B,T]."""
     loss = aggregate(-logprobs, batch["response_mask"], loss_agg_mode)  # []
     return loss, {"sft_loss": loss.item()}
@@ -49,15 +50,17 @@ class PhiConfig:
     """c: tokens with p > c get no gradient (logp clamped at log c); 1.0 disables it. In (0, 1]."""
 
 
-def compute_is(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-               loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_is(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """sft_is: NLL weighted by sg(p), from logprobs [B,T] and batch["response_mask"] [B,T]."""
     loss = aggregate(-logprobs.detach().exp() * logprobs, batch["response_mask"], loss_agg_mode)  # []
     return loss, {"sft_is_loss": loss.item()}
 
 
-def compute_phi(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: PhiConfig,
-                loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute_phi(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: PhiConfig, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """sft_phi: NLL weighted by sg(p (1 - p)), logp clamped at log(cutoff_prob); logprobs [B,T]."""
     if not 0.0 < cfg.cutoff_prob <= 1.0:
         raise ValueError(f"cutoff_prob must be in (0, 1], got {cfg.cutoff_prob}")

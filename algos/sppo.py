@@ -31,8 +31,9 @@ class Config:
     """eps: tokens count only while 1 / (1 + eps) <= r <= 1 + eps (> 0)."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar sPPO loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     adv = batch["advantages"]  # [B,T]
     mask = batch["response_mask"]  # [B,T]

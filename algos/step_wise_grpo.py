@@ -60,9 +60,11 @@ def from_explorer(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str
     another advantage_fn wrote it: the trainer's source.Source.read refuses such a batch first, naming the explorer)."""
     has = batch["has_stored_advantages"]  # [B]
     if not has.all():
-        raise BatchError(f"step_wise_grpo: {int((~has).sum())} of {len(has)} experiences carry no advantages; they are "
-                         "computed in the explorer (models.group_advantages), by an explorer whose "
-                         "algorithm.advantage_fn is step_wise_grpo too")
+        raise BatchError(
+            f"step_wise_grpo: {int((~has).sum())} of {len(has)} experiences carry no advantages; they are "
+            "computed in the explorer (models.group_advantages), by an explorer whose "
+            "algorithm.advantage_fn is step_wise_grpo too"
+        )
     adv = batch["stored_advantages"] * batch["response_mask"].to(torch.float32)  # [B,T]
     metrics = {"experience_count": float(len(has)), "episode_count": float(len(batch["episode_index"].unique()))}
     return {"advantages": adv, "returns": adv.clone()}, metrics

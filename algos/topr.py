@@ -35,8 +35,9 @@ class Config:
     """tau_A: tokens with A <= tau_A are negative examples, weighted by the truncated ratio clip(r, 0, 1)."""
 
 
-def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar TOPR loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask [B,T]."""
     adv = batch["advantages"]  # [B,T]
     mask = batch["response_mask"]  # [B,T]
@@ -44,7 +45,10 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
     ratio = torch.exp(log_ratio)  # [B,T]
     alpha = torch.where(adv <= cfg.advantage_threshold, ratio.clamp(0.0, 1.0), torch.ones_like(ratio))  # [B,T]
     pg_loss = aggregate(-alpha * adv * logprobs, mask, loss_agg_mode)  # []
-    metrics = {"pg_loss": pg_loss.item(), "ppo_kl": masked_mean(-log_ratio, mask).item(),
-               "pg_clipfrac": masked_mean((alpha < 1.0).float(), mask).item(),
-               "avg_alpha": masked_mean(alpha, mask).item()}
+    metrics = {
+        "pg_loss": pg_loss.item(),
+        "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        "pg_clipfrac": masked_mean((alpha < 1.0).float(), mask).item(),
+        "avg_alpha": masked_mean(alpha, mask).item(),
+    }
     return pg_loss, metrics

@@ -96,13 +96,16 @@ def group_mean(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor
     return total / count.clamp(min=1.0), count  # [num_groups], [num_groups]
 
 
-def baseline_advantages(r: torch.Tensor, group_index: torch.Tensor, base: torch.Tensor, count: torch.Tensor,
-                        mask: torch.Tensor) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+def baseline_advantages(
+    r: torch.Tensor, group_index: torch.Tensor, base: torch.Tensor, count: torch.Tensor, mask: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """A = r - base[group] on every valid token (returns = advantages), for group-baseline advantage fns;
     metrics reward_mean and group_baseline (mean baseline over groups with members)."""
     score = r - base[group_index.long()]  # [B]
     adv = score[:, None] * mask.to(torch.float32)  # [B,T]
     present = count > 0  # [num_groups]
-    metrics = {"reward_mean": float(r.mean().item()) if r.numel() else 0.0,
-               "group_baseline": float(base[present].mean().item()) if present.any() else 0.0}
+    metrics = {
+        "reward_mean": float(r.mean().item()) if r.numel() else 0.0,
+        "group_baseline": float(base[present].mean().item()) if present.any() else 0.0,
+    }
     return {"advantages": adv, "returns": adv.clone()}, metrics

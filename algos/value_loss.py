@@ -27,8 +27,9 @@ class Config:
     """eps_v: how far the values may move from the old values before the loss stops pulling them."""
 
 
-def compute(values: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
-            loss_agg_mode: str) -> tuple[torch.Tensor, dict[str, float]]:
+def compute(
+    values: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar value loss from values [B,T] and batch values (old) / returns / response_mask [B,T]."""
     old, returns, mask = batch["values"], batch["returns"], batch["response_mask"]  # [B,T] each
     clipped = old + (values - old).clamp(-cfg.cliprange_value, cfg.cliprange_value)  # [B,T]

@@ -11,6 +11,20 @@ from configs.resolve import derive, dry_run, entry, resolve_stages, to_yaml
 from configs.schema import Config, ExperienceBufferConfig, FormatConfig, TasksetConfig
 
 __all__ = [
-    "Config", "ConfigError", "ExperienceBufferConfig", "FormatConfig", "TasksetConfig", "cli", "derive", "dry_run",
-    "entry", "find_config_file", "from_dict", "normalize", "piece_config", "read_yaml", "resolve_stages", "to_yaml",
+    "Config",
+    "ConfigError",
+    "ExperienceBufferConfig",
+    "FormatConfig",
+    "TasksetConfig",
+    "cli",
+    "derive",
+    "dry_run",
+    "entry",
+    "find_config_file",
+    "from_dict",
+    "normalize",
+    "piece_config",
+    "read_yaml",
+    "resolve_stages",
+    "to_yaml",
 ]

@@ -18,11 +18,27 @@ import ipaddress
 import logging
 import math
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
-from algos import asymre, cispo, dpo, gae, grpo, kl, mix, opmd, ppo_loss, rec, reinforceplusplus, sample, sapo, \
-    sft_loss, sppo
+from algos import (
+    asymre,
+    cispo,
+    dpo,
+    gae,
+    grpo,
+    kl,
+    mix,
+    opmd,
+    ppo_loss,
+    rec,
+    reinforceplusplus,
+    sample,
+    sapo,
+    sft_loss,
+    sppo,
+)
 from algos.overlong import Config as OverlongRewardConfig
 from configs.schema import (
     AlgorithmConfig,
@@ -52,8 +68,11 @@ log = logging.getLogger("nanorft.config")
 # The keys whose values are hidden wherever they are (a workflow's args, monitor_args, a stage's overrides): names of
 # passwords, keys, tokens, credentials and cookies. NOTE: not `*_key` (format.prompt_key names a column);
 # `max_tokens` ends in tokens, not token.
-SECRET = re.compile(r"(password|passwd|passphrase|pwd|(^|_)pass|secret|api_?keys?|access_?keys?|private_?key|token|"
-                    r"credentials?|cookies?|(^|_)pat|(^|_)auth)$", re.IGNORECASE)
+SECRET = re.compile(
+    r"(password|passwd|passphrase|pwd|(^|_)pass|secret|api_?keys?|access_?keys?|private_?key|token|"
+    r"credentials?|cookies?|(^|_)pat|(^|_)auth)$",
+    re.IGNORECASE,
+)
 # Mappings whose every value is hidden, whatever its key: a process's environment (explorer.env_vars, also in a
 # stage's overrides) is as likely to hold a secret as not, under names no pattern foresees (AZURE_OPENAI_KEY,
 # DB_PASS, GITHUB_PAT, ..._COOKIE).
@@ -61,8 +80,23 @@ ALL_HIDDEN = frozenset({"env_vars"})
 # The monitor_args keys whose values are shown (a URL with its password hidden); every other value of monitor_args is
 # hidden. What monitor.py reads (base_url, uri, username; api_key and password are hidden) and the harmless names of
 # wandb's / mlflow's own options a Trinity-RFT config may carry (warned about as unread: MONITOR_ARGS).
-SHOWN_MONITOR_ARGS = frozenset({"base_url", "uri", "tracking_uri", "username", "entity", "project", "group", "name",
-                                "tags", "mode", "dir", "job_type", "notes"})
+SHOWN_MONITOR_ARGS = frozenset(
+    {
+        "base_url",
+        "uri",
+        "tracking_uri",
+        "username",
+        "entity",
+        "project",
+        "group",
+        "name",
+        "tags",
+        "mode",
+        "dir",
+        "job_type",
+        "notes",
+    }
+)
 
 
 def _hidden(parts: list[str]) -> bool:
@@ -101,8 +135,11 @@ def _num(ok: Callable[[float], bool], text: str) -> tuple[Callable[[Any], bool],
     return (lambda v: isinstance(v, (int, float)) and math.isfinite(v) and ok(v)), text
 
 
-POSITIVE, NON_NEGATIVE, AT_LEAST_1 = _num(lambda v: v > 0, "> 0"), _num(lambda v: v >= 0, ">= 0"), \
-    _num(lambda v: v >= 1, ">= 1")
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = (
+    _num(lambda v: v > 0, "> 0"),
+    _num(lambda v: v >= 0, ">= 0"),
+    _num(lambda v: v >= 1, ">= 1"),
+)
 FRACTION, PROBABILITY = _num(lambda v: 0 <= v <= 1, "in [0, 1]"), _num(lambda v: 0 < v <= 1, "in (0, 1]")
 TOP_K = _num(lambda v: v >= -1, ">= -1 (-1 or 0 = off)")
 HOST = (lambda v: isinstance(v, str) and v != "" and not any(ch.isspace() for ch in v), "a host name or IP address")
@@ -128,8 +165,10 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (OptimizerConfig, "lr_warmup_steps"): _num(lambda v: v >= -1, ">= -1 (-1 = use lr_warmup_steps_ratio)"),
     (OptimizerConfig, "lr_warmup_steps_ratio"): FRACTION,
     (OptimizerConfig, "min_lr_ratio"): FRACTION,
-    (OptimizerConfig, "betas"): (lambda v: len(v) == 2 and all(_num(lambda b: 0 <= b < 1, "")[0](b) for b in v),
-                                 "two numbers in [0, 1)"),
+    (OptimizerConfig, "betas"): (
+        lambda v: len(v) == 2 and all(_num(lambda b: 0 <= b < 1, "")[0](b) for b in v),
+        "two numbers in [0, 1)",
+    ),
     (OptimizerConfig, "weight_decay"): NON_NEGATIVE,
     (AlgorithmConfig, "repeat_times"): AT_LEAST_1,
     (OverlongRewardConfig, "buffer_len"): NON_NEGATIVE,
@@ -157,8 +196,9 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (GenerationConfig, "max_tokens"): AT_LEAST_1,
     (TasksetConfig, "repeat_times"): AT_LEAST_1,
     (ExperienceBufferConfig, "max_read_timeout"): SECONDS,
-    (ExperienceBufferConfig, "reuse_cooldown_time"): _num(lambda v: 0 <= v <= MAX_SECONDS,
-                                                          f">= 0 and <= {MAX_SECONDS:g} (seconds)"),
+    (ExperienceBufferConfig, "reuse_cooldown_time"): _num(
+        lambda v: 0 <= v <= MAX_SECONDS, f">= 0 and <= {MAX_SECONDS:g} (seconds)"
+    ),
     (ExperienceBufferConfig, "priority_decay"): NON_NEGATIVE,
     (BufferConfig, "batch_size"): AT_LEAST_1,
     (BufferConfig, "train_batch_size"): NON_NEGATIVE,
@@ -196,22 +236,39 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (TrainerConfig, "critic_warmup"): NON_NEGATIVE,
     (RolloutCorrectionConfig, "rollout_is_threshold"): _num(lambda v: v > 1, "> 1 (importance weights are cut at it)"),
     # the algos/ pieces' *_args (checked by configs.piece_config)
-    (gae.Config, "gamma"): FRACTION, (gae.Config, "lam"): FRACTION, (reinforceplusplus.Config, "gamma"): FRACTION,
-    (grpo.Config, "epsilon"): POSITIVE, (grpo.Config, "std_threshold"): NON_NEGATIVE,
-    (opmd.AdvantageConfig, "tau"): POSITIVE, (opmd.LossConfig, "tau"): POSITIVE,
-    (rec.AdvantageConfig, "epsilon"): POSITIVE, (rec.LossConfig, "temp"): POSITIVE,
-    (ppo_loss.Config, "clip_range"): POSITIVE, (ppo_loss.Config, "clip_range_low"): NON_NEGATIVE,
-    (ppo_loss.Config, "clip_range_high"): NON_NEGATIVE, (ppo_loss.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-    (mix.Config, "clip_range"): POSITIVE, (mix.Config, "clip_range_low"): NON_NEGATIVE,
-    (mix.Config, "clip_range_high"): NON_NEGATIVE, (mix.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-    (mix.Config, "mu"): FRACTION, (cispo.Config, "clip_range_low"): NON_NEGATIVE,
-    (cispo.Config, "clip_range_high"): NON_NEGATIVE, (sapo.Config, "tau_pos"): POSITIVE,
-    (sapo.Config, "tau_neg"): POSITIVE, (sppo.Config, "epsilon"): POSITIVE, (dpo.Config, "beta"): POSITIVE,
+    (gae.Config, "gamma"): FRACTION,
+    (gae.Config, "lam"): FRACTION,
+    (reinforceplusplus.Config, "gamma"): FRACTION,
+    (grpo.Config, "epsilon"): POSITIVE,
+    (grpo.Config, "std_threshold"): NON_NEGATIVE,
+    (opmd.AdvantageConfig, "tau"): POSITIVE,
+    (opmd.LossConfig, "tau"): POSITIVE,
+    (rec.AdvantageConfig, "epsilon"): POSITIVE,
+    (rec.LossConfig, "temp"): POSITIVE,
+    (ppo_loss.Config, "clip_range"): POSITIVE,
+    (ppo_loss.Config, "clip_range_low"): NON_NEGATIVE,
+    (ppo_loss.Config, "clip_range_high"): NON_NEGATIVE,
+    (ppo_loss.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    (mix.Config, "clip_range"): POSITIVE,
+    (mix.Config, "clip_range_low"): NON_NEGATIVE,
+    (mix.Config, "clip_range_high"): NON_NEGATIVE,
+    (mix.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    (mix.Config, "mu"): FRACTION,
+    (cispo.Config, "clip_range_low"): NON_NEGATIVE,
+    (cispo.Config, "clip_range_high"): NON_NEGATIVE,
+    (sapo.Config, "tau_pos"): POSITIVE,
+    (sapo.Config, "tau_neg"): POSITIVE,
+    (sppo.Config, "epsilon"): POSITIVE,
+    (dpo.Config, "beta"): POSITIVE,
     (dpo.Config, "label_smoothing"): _num(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
-    (sft_loss.PhiConfig, "cutoff_prob"): PROBABILITY, (kl.Config, "kl_coef"): NON_NEGATIVE,
-    (kl.Config, "target_kl"): POSITIVE, (kl.Config, "horizon"): AT_LEAST_1,
-    (sample.Config, "max_staleness"): NON_NEGATIVE, (sample.Config, "refill_rounds"): NON_NEGATIVE,
-    (sample.Config, "expert_data_ratio"): FRACTION, (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
+    (sft_loss.PhiConfig, "cutoff_prob"): PROBABILITY,
+    (kl.Config, "kl_coef"): NON_NEGATIVE,
+    (kl.Config, "target_kl"): POSITIVE,
+    (kl.Config, "horizon"): AT_LEAST_1,
+    (sample.Config, "max_staleness"): NON_NEGATIVE,
+    (sample.Config, "refill_rounds"): NON_NEGATIVE,
+    (sample.Config, "expert_data_ratio"): FRACTION,
+    (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
 }
 
 # (where, field, applies(value, cfg, section), why): `where` is a schema class (the rule holds wherever the class
@@ -221,74 +278,162 @@ Rule = tuple[type | str, str, Callable[[Any, Config, Any], bool], str]
 
 # Values this build cannot honour: a ConfigError naming the key and why.
 REFUSED: list[Rule] = [
-    (ModelConfig, "logprobs", lambda v, c, s: v > 0,
-     "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is), and no loss "
-     "reads them; set 0"),
-    (GenerationConfig, "logprobs", lambda v, c, s: v > 0,
-     "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is); set 0"),
-    (ModelConfig, "repetition_penalty", lambda v, c, s: v != 1.0 and c.explorer.rollout_model.engine_type == "hf",
-     "not supported by the HF engine: a penalised sample's log-prob would not be the one the trainer computes "
-     "(vLLM applies it); set 1.0"),
-    ("explorer.rollout_model", "enable_history", lambda v, c, s: v and not s.enable_openai_api,
-     "it records the calls made through the explorer's OpenAI-compatible API: set enable_openai_api: true as well "
-     "(multi-turn workflows on the model handle keep their own token-level history: workflows/episode.py)"),
-    ("explorer.rollout_model", "openai_api_host", lambda v, c, s: s.enable_openai_api and not s.openai_api_key
-     and not loopback(v),
-     "the API would answer anyone who can reach this address: set explorer.rollout_model.openai_api_key (its callers "
-     "then send it as a bearer token), or bind to 127.0.0.1"),
-    ("explorer.rollout_model", "model_path", lambda v, c, s: v not in ("", c.model.model_path),
-     "the rollout model serves model.model_path (and after each sync the trainer's weights); this key names an "
-     "auxiliary model's own model: set model.model_path, or leave this unset"),
-    *[("explorer.auxiliary_models[]", key, applies, "only the rollout model is served as an OpenAI-compatible API "
-       "(explorer.rollout_model's enable_openai_api / enable_history / openai_api_host / _port / _key); a workflow "
-       "calls an auxiliary model through its handle (self.auxiliary_models[name])")
-      for key, applies in (("enable_openai_api", lambda v, c, s: v), ("enable_history", lambda v, c, s: v),
-                           ("openai_api_host", lambda v, c, s: v != "127.0.0.1"),
-                           ("openai_api_port", lambda v, c, s: v != 0),
-                           ("openai_api_key", lambda v, c, s: v is not None))],
-    *[(f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn", lambda v, c, s: v,
-       "an option of SFT data (buffer.trainer_input.experience_buffer.format); a taskset's rows are prompts that "
-       "workflows answer") for sets in ("tasksets", "eval_tasksets")],
-    *[(f"buffer.trainer_input.{buf}.format", key, lambda v, c, s: v is not None,
-       "an option of tasksets (buffer.explorer_input); the rows of a trainer's data file (SFT / DPO) run no workflow "
-       "or reward function and are trained on as written")
-      for buf in ("experience_buffer", "auxiliary_buffers.*")
-      for key in ("workflow_key", "reward_fn_key", "reply_prefix")],
-    ("buffer.trainer_input.auxiliary_buffers.*", "storage_type", lambda v, c, s: v != "file",
-     "an auxiliary buffer is read as a data file (e.g. the expert SFT rows of mix): set storage_type: file"),
-    (ExperienceBufferConfig, "reuse_cooldown_time",
-     lambda v, c, s: v is not None and not s.use_priority_queue and s.storage_type != "file",
-     "experiences are reused only by the priority queue (FIFO order claims each once): set use_priority_queue: true"),
-    (TrainerConfig, "ulysses_sequence_parallel_size", lambda v, c, s: v != 1,
-     "nanorft has no sequence parallelism; set 1"),
-    (ModelConfig, "trust_remote_code", lambda v, c, s: v,
-     "nanorft loads only models whose modelling code ships with transformers (its FSDP wrapping and attention "
-     "functions are written for those); no code from the model folder is run"),
-    (RolloutCorrectionConfig, "rollout_is", lambda v, c, s: v != "none" and filtered_vllm_rollouts(c),
-     "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering, the EOS masking "
-     "of min_tokens / ignore_eos and the repetition penalty, the trainer's over the full distribution: the "
-     "importance weights would compare different things. Set top_p 1.0 and top_k -1 in the training tasksets' "
-     "rollout_args (or model), model.min_response_tokens 0, ignore_eos false and repetition_penalty 1.0, use the "
-     "HF engine, or set rollout_is: none"),
-    (SynchronizerConfig, "sync_host", lambda v, c, s: loopback(v) and c.synchronizer.sync_method == "nccl" and
-     explorer_apart(c),
-     "the explorer (node 0) cannot reach a store on trainer rank 0's loopback (node 1, cluster.master_addr): set an "
-     "address of that node the explorer reaches (e.g. the same as cluster.master_addr), or sync_method checkpoint"),
-    (ExperienceBufferConfig, "path", lambda v, c, s: explorer_apart(c) and sqlite_db(v, c),
-     "an SQLite DB serves the processes of one host only (its WAL needs shared memory, network filesystems break "
-     "its locks), and here the explorer has node 0 while trainer rank 0, which reads the DB, runs on node 1: use a "
-     "PostgreSQL URL (postgresql://user@host/db), or run mode train over the nodes with explorers on trainer rank "
-     "0's host"),
-    (TrainerConfig, "optimizer_offload", lambda v, c, s: v and not c.trainer.param_offload,
-     "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
-     "set trainer.param_offload: true as well"),
-    (CriticConfig, "optimizer_offload", lambda v, c, s: v and not c.trainer.critic.param_offload,
-     "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
-     "set trainer.critic.param_offload: true as well"),
+    (
+        ModelConfig,
+        "logprobs",
+        lambda v, c, s: v > 0,
+        "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is), and no loss "
+        "reads them; set 0",
+    ),
+    (
+        GenerationConfig,
+        "logprobs",
+        lambda v, c, s: v > 0,
+        "top-k log-probs are not returned by nanorft's engines (each sampled token's log-prob always is); set 0",
+    ),
+    (
+        ModelConfig,
+        "repetition_penalty",
+        lambda v, c, s: v != 1.0 and c.explorer.rollout_model.engine_type == "hf",
+        "not supported by the HF engine: a penalised sample's log-prob would not be the one the trainer computes "
+        "(vLLM applies it); set 1.0",
+    ),
+    (
+        "explorer.rollout_model",
+        "enable_history",
+        lambda v, c, s: v and not s.enable_openai_api,
+        "it records the calls made through the explorer's OpenAI-compatible API: set enable_openai_api: true as well "
+        "(multi-turn workflows on the model handle keep their own token-level history: workflows/episode.py)",
+    ),
+    (
+        "explorer.rollout_model",
+        "openai_api_host",
+        lambda v, c, s: s.enable_openai_api and not s.openai_api_key and not loopback(v),
+        "the API would answer anyone who can reach this address: set explorer.rollout_model.openai_api_key "
+        "(its callers "
+        "then send it as a bearer token), or bind to 127.0.0.1",
+    ),
+    (
+        "explorer.rollout_model",
+        "model_path",
+        lambda v, c, s: v not in ("", c.model.model_path),
+        "the rollout model serves model.model_path (and after each sync the trainer's weights); this key names an "
+        "auxiliary model's own model: set model.model_path, or leave this unset",
+    ),
+    *[
+        (
+            "explorer.auxiliary_models[]",
+            key,
+            applies,
+            "only the rollout model is served as an OpenAI-compatible API "
+            "(explorer.rollout_model's enable_openai_api / enable_history / openai_api_host / _port / _key); "
+            "a workflow "
+            "calls an auxiliary model through its handle (self.auxiliary_models[name])",
+        )
+        for key, applies in (
+            ("enable_openai_api", lambda v, c, s: v),
+            ("enable_history", lambda v, c, s: v),
+            ("openai_api_host", lambda v, c, s: v != "127.0.0.1"),
+            ("openai_api_port", lambda v, c, s: v != 0),
+            ("openai_api_key", lambda v, c, s: v is not None),
+        )
+    ],
+    *[
+        (
+            f"buffer.explorer_input.{sets}[].format",
+            "enable_concatenated_multi_turn",
+            lambda v, c, s: v,
+            "an option of SFT data (buffer.trainer_input.experience_buffer.format); a taskset's rows are prompts that "
+            "workflows answer",
+        )
+        for sets in ("tasksets", "eval_tasksets")
+    ],
+    *[
+        (
+            f"buffer.trainer_input.{buf}.format",
+            key,
+            lambda v, c, s: v is not None,
+            "an option of tasksets (buffer.explorer_input); the rows of a trainer's data file (SFT / DPO) "
+            "run no workflow "
+            "or reward function and are trained on as written",
+        )
+        for buf in ("experience_buffer", "auxiliary_buffers.*")
+        for key in ("workflow_key", "reward_fn_key", "reply_prefix")
+    ],
+    (
+        "buffer.trainer_input.auxiliary_buffers.*",
+        "storage_type",
+        lambda v, c, s: v != "file",
+        "an auxiliary buffer is read as a data file (e.g. the expert SFT rows of mix): set storage_type: file",
+    ),
+    (
+        ExperienceBufferConfig,
+        "reuse_cooldown_time",
+        lambda v, c, s: v is not None and not s.use_priority_queue and s.storage_type != "file",
+        "experiences are reused only by the priority queue (FIFO order claims each once): set use_priority_queue: true",
+    ),
+    (
+        TrainerConfig,
+        "ulysses_sequence_parallel_size",
+        lambda v, c, s: v != 1,
+        "nanorft has no sequence parallelism; set 1",
+    ),
+    (
+        ModelConfig,
+        "trust_remote_code",
+        lambda v, c, s: v,
+        "nanorft loads only models whose modelling code ships with transformers (its FSDP wrapping and attention "
+        "functions are written for those); no code from the model folder is run",
+    ),
+    (
+        RolloutCorrectionConfig,
+        "rollout_is",
+        lambda v, c, s: v != "none" and filtered_vllm_rollouts(c),
+        "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering, the EOS masking "
+        "of min_tokens / ignore_eos and the repetition penalty, the trainer's over the full distribution: the "
+        "importance weights would compare different things. Set top_p 1.0 and top_k -1 in the training tasksets' "
+        "rollout_args (or model), model.min_response_tokens 0, ignore_eos false and repetition_penalty 1.0, use the "
+        "HF engine, or set rollout_is: none",
+    ),
+    (
+        SynchronizerConfig,
+        "sync_host",
+        lambda v, c, s: loopback(v) and c.synchronizer.sync_method == "nccl" and explorer_apart(c),
+        "the explorer (node 0) cannot reach a store on trainer rank 0's loopback (node 1, cluster.master_addr): set an "
+        "address of that node the explorer reaches (e.g. the same as cluster.master_addr), or sync_method checkpoint",
+    ),
+    (
+        ExperienceBufferConfig,
+        "path",
+        lambda v, c, s: explorer_apart(c) and sqlite_db(v, c),
+        "an SQLite DB serves the processes of one host only (its WAL needs shared memory, network filesystems break "
+        "its locks), and here the explorer has node 0 while trainer rank 0, which reads the DB, runs on node 1: use a "
+        "PostgreSQL URL (postgresql://user@host/db), or run mode train over the nodes with explorers on trainer rank "
+        "0's host",
+    ),
+    (
+        TrainerConfig,
+        "optimizer_offload",
+        lambda v, c, s: v and not c.trainer.param_offload,
+        "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
+        "set trainer.param_offload: true as well",
+    ),
+    (
+        CriticConfig,
+        "optimizer_offload",
+        lambda v, c, s: v and not c.trainer.critic.param_offload,
+        "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
+        "set trainer.critic.param_offload: true as well",
+    ),
     (ModelConfig, "lora_configs", lambda v, c, s: len(v) > 1, "one LoRA adapter at most (as in Trinity-RFT)"),
-    (LoRAConfig, "path", lambda v, c, s: v and not Path(v, "adapter_config.json").is_file(),
-     "not a saved peft adapter (a folder with adapter_config.json and adapter_model.safetensors)"),
+    (
+        LoRAConfig,
+        "path",
+        lambda v, c, s: v and not Path(v, "adapter_config.json").is_file(),
+        "not a saved peft adapter (a folder with adapter_config.json and adapter_model.safetensors)",
+    ),
 ]
+
 
 def loopback(host: str) -> bool:
     """Whether `host` names this machine only (127.x.x.x, ::1, localhost)."""
@@ -315,10 +460,15 @@ def filtered_vllm_rollouts(c: Config) -> bool:
     """Whether a vLLM engine samples the training tasksets from a changed distribution (top-k, top-p, min_tokens
     or ignore_eos masking EOS, a repetition penalty): vLLM's processed log-probs are taken after all of them."""
     rm = c.explorer.rollout_model
-    return rm.engine_type != "hf" and (c.model.min_response_tokens > 0 or rm.ignore_eos or
-                                       c.model.repetition_penalty != 1.0 or any(
-        (ts.rollout_args.top_p or 1.0) < 1.0 or (ts.rollout_args.top_k or -1) > 0
-        for ts in c.buffer.explorer_input.tasksets))
+    return rm.engine_type != "hf" and (
+        c.model.min_response_tokens > 0
+        or rm.ignore_eos
+        or c.model.repetition_penalty != 1.0
+        or any(
+            (ts.rollout_args.top_p or 1.0) < 1.0 or (ts.rollout_args.top_k or -1) > 0
+            for ts in c.buffer.explorer_input.tasksets
+        )
+    )
 
 
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
@@ -326,61 +476,126 @@ MONITOR_ARGS = {"wandb": {"api_key", "base_url"}, "mlflow": {"uri", "username", 
 _MERGED = "has no effect: it is vLLM's way of serving an adapter, and nanorft's engines get merged weights (lora.py)"
 # Values accepted with a warning at start that says what will not happen.
 WARNED: list[Rule] = [
-    (InferenceModelConfig, "engine_num", lambda v, c, s: v > 1 and s.engine_type == "hf",
-     "the HF engine runs as one engine (several are a vLLM option); the GPU split counts one (none for an auxiliary "
-     "model, which shares the explorer's device)"),
-    (InferenceModelConfig, "enforce_eager", lambda v, c, s: v and s.engine_type == "hf",
-     _VLLM_ONLY),
-    (InferenceModelConfig, "enable_chunked_prefill",
-     lambda v, c, s: not v and s.engine_type == "hf", _VLLM_ONLY),
-    (InferenceModelConfig, "enable_chunked_prefill",
-     lambda v, c, s: v and s.engine_type != "hf" and c.cluster.gpu_per_node == 0,
-     "vLLM 0.32's CPU backend fails a seeded request that a chunked prefill splits (\"CPU Generator does not use "
-     "offset\"), and the engine with it: leave it unset (off without GPUs), or send no seeds"),
-    (InferenceModelConfig, "enable_prefix_caching",
-     lambda v, c, s: not v and s.engine_type == "hf",
-     "has no effect on the HF engine, which always computes a group's prompt once"),
-    (InferenceModelConfig, "gpu_memory_utilization",
-     lambda v, c, s: v is not None and s.engine_type == "hf", _VLLM_ONLY),
-    (InferenceModelConfig, "tensor_parallel_size",
-     lambda v, c, s: v > 1 and s.engine_type == "hf",
-     "the HF engine runs on one device (tensor parallelism is a vLLM option)"),
-    (ClusterConfig, "node_num", lambda v, c, s: v > 1 and c.mode in ("explore", "bench"),
-     "an explorer is one process on the node it starts on; the other nodes have nothing to run in this mode (start "
-     "one explorer per node, each with its own explorer.name, against the same experience DB URL)"),
-    (ClusterConfig, "master_addr", lambda v, c, s: v != "127.0.0.1" and c.cluster.node_num == 1,
-     "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
-    (ClusterConfig, "master_addr",
-     lambda v, c, s: loopback(v) and c.cluster.node_num > 1 and c.mode in ("train", "both"),
-     "with cluster.node_num > 1 the other nodes would dial this address, each its own loopback (and the explorer "
-     "would look for the trainer's weight store and DB on this machine): that works only when every node is this "
-     "machine; set the address of the trainer's first node, one the other nodes reach"),
-    (ClusterConfig, "master_port", lambda v, c, s: v != 29500 and c.cluster.node_num == 1,
-     "has no effect on one node (torchrun --standalone makes its own rendezvous)"),
-    (SynchronizerConfig, "sync_host", lambda v, c, s: v != "127.0.0.1" and c.synchronizer.sync_method != "nccl",
-     "has no effect with sync_method checkpoint (the explorer reads the published files)"),
-    *[("buffer.explorer_input.eval_tasksets[].data_selector", key, applies,
-       "has no effect on an eval taskset: every evaluation runs each of its tasks once, in file order")
-      for key, applies in (("selector_type", lambda v, c, s: v != "sequential"), ("seed", lambda v, c, s: v != 42))],
-    (ExperienceBufferConfig, "priority_decay",
-     lambda v, c, s: v != 2.0 and not s.use_priority_queue and s.storage_type != "file",
-     "has no effect without use_priority_queue: true (experiences are claimed in FIFO order)"),
+    (
+        InferenceModelConfig,
+        "engine_num",
+        lambda v, c, s: v > 1 and s.engine_type == "hf",
+        "the HF engine runs as one engine (several are a vLLM option); the GPU split counts one (none for an auxiliary "
+        "model, which shares the explorer's device)",
+    ),
+    (InferenceModelConfig, "enforce_eager", lambda v, c, s: v and s.engine_type == "hf", _VLLM_ONLY),
+    (InferenceModelConfig, "enable_chunked_prefill", lambda v, c, s: not v and s.engine_type == "hf", _VLLM_ONLY),
+    (
+        InferenceModelConfig,
+        "enable_chunked_prefill",
+        lambda v, c, s: v and s.engine_type != "hf" and c.cluster.gpu_per_node == 0,
+        "vLLM 0.32's CPU backend fails a seeded request that a chunked prefill splits (\"CPU Generator does not use "
+        'offset"), and the engine with it: leave it unset (off without GPUs), or send no seeds',
+    ),
+    (
+        InferenceModelConfig,
+        "enable_prefix_caching",
+        lambda v, c, s: not v and s.engine_type == "hf",
+        "has no effect on the HF engine, which always computes a group's prompt once",
+    ),
+    (
+        InferenceModelConfig,
+        "gpu_memory_utilization",
+        lambda v, c, s: v is not None and s.engine_type == "hf",
+        _VLLM_ONLY,
+    ),
+    (
+        InferenceModelConfig,
+        "tensor_parallel_size",
+        lambda v, c, s: v > 1 and s.engine_type == "hf",
+        "the HF engine runs on one device (tensor parallelism is a vLLM option)",
+    ),
+    (
+        ClusterConfig,
+        "node_num",
+        lambda v, c, s: v > 1 and c.mode in ("explore", "bench"),
+        "an explorer is one process on the node it starts on; the other nodes have nothing to run in this mode (start "
+        "one explorer per node, each with its own explorer.name, against the same experience DB URL)",
+    ),
+    (
+        ClusterConfig,
+        "master_addr",
+        lambda v, c, s: v != "127.0.0.1" and c.cluster.node_num == 1,
+        "has no effect on one node (torchrun --standalone makes its own rendezvous)",
+    ),
+    (
+        ClusterConfig,
+        "master_addr",
+        lambda v, c, s: loopback(v) and c.cluster.node_num > 1 and c.mode in ("train", "both"),
+        "with cluster.node_num > 1 the other nodes would dial this address, each its own loopback (and the explorer "
+        "would look for the trainer's weight store and DB on this machine): that works only when every node is this "
+        "machine; set the address of the trainer's first node, one the other nodes reach",
+    ),
+    (
+        ClusterConfig,
+        "master_port",
+        lambda v, c, s: v != 29500 and c.cluster.node_num == 1,
+        "has no effect on one node (torchrun --standalone makes its own rendezvous)",
+    ),
+    (
+        SynchronizerConfig,
+        "sync_host",
+        lambda v, c, s: v != "127.0.0.1" and c.synchronizer.sync_method != "nccl",
+        "has no effect with sync_method checkpoint (the explorer reads the published files)",
+    ),
+    *[
+        (
+            "buffer.explorer_input.eval_tasksets[].data_selector",
+            key,
+            applies,
+            "has no effect on an eval taskset: every evaluation runs each of its tasks once, in file order",
+        )
+        for key, applies in (("selector_type", lambda v, c, s: v != "sequential"), ("seed", lambda v, c, s: v != 42))
+    ],
+    (
+        ExperienceBufferConfig,
+        "priority_decay",
+        lambda v, c, s: v != 2.0 and not s.use_priority_queue and s.storage_type != "file",
+        "has no effect without use_priority_queue: true (experiences are claimed in FIFO order)",
+    ),
     # NOTE: warned, not refused: a stage of SFT on a data file inherits the global experience buffer's queue options
-    *[(ExperienceBufferConfig, key, lambda v, c, s, changed=changed: s.storage_type == "file" and changed(v),
-       "has no effect: an option of the experience DB's queue, and this buffer is a data file (storage_type file), "
-       "read in a fixed order") for key, changed in (("use_priority_queue", bool),
-                                                     ("reuse_cooldown_time", lambda v: v is not None),
-                                                     ("priority_decay", lambda v: v != 2.0))],
-    ("buffer.trainer_input.auxiliary_buffers.*", "max_read_timeout", lambda v, c, s: v != 1800.0,
-     "has no effect: an auxiliary buffer is a data file, read in full at start (nothing to wait for)"),
-    (MonitorConfig, "monitor_args", lambda v, c, s: bool(set(v) - MONITOR_ARGS.get(s.monitor_type, set())),
-     "only wandb's api_key / base_url and mlflow's uri / username / password are read (for that monitor_type); "
-     "other keys have no effect"),
+    *[
+        (
+            ExperienceBufferConfig,
+            key,
+            lambda v, c, s, changed=changed: s.storage_type == "file" and changed(v),
+            "has no effect: an option of the experience DB's queue, "
+            "and this buffer is a data file (storage_type file), "
+            "read in a fixed order",
+        )
+        for key, changed in (
+            ("use_priority_queue", bool),
+            ("reuse_cooldown_time", lambda v: v is not None),
+            ("priority_decay", lambda v: v != 2.0),
+        )
+    ],
+    (
+        "buffer.trainer_input.auxiliary_buffers.*",
+        "max_read_timeout",
+        lambda v, c, s: v != 1800.0,
+        "has no effect: an auxiliary buffer is a data file, read in full at start (nothing to wait for)",
+    ),
+    (
+        MonitorConfig,
+        "monitor_args",
+        lambda v, c, s: bool(set(v) - MONITOR_ARGS.get(s.monitor_type, set())),
+        "only wandb's api_key / base_url and mlflow's uri / username / password are read (for that monitor_type); "
+        "other keys have no effect",
+    ),
     (LoRAConfig, "name", lambda v, c, s: v != "", _MERGED),
     (LoRAConfig, "base_model_name", lambda v, c, s: v != "", _MERGED),
-    (LoRAConfig, "lora_dtype", lambda v, c, s: v not in ("auto", "float32", "fp32"),
-     "the adapter trains in fp32 (as every trained weight) and reaches the engines merged into the base weights, in "
-     "the engine's dtype (explorer.rollout_model.dtype)"),
+    (
+        LoRAConfig,
+        "lora_dtype",
+        lambda v, c, s: v not in ("auto", "float32", "fp32"),
+        "the adapter trains in fp32 (as every trained weight) and reaches the engines merged into the base weights, in "
+        "the engine's dtype (explorer.rollout_model.dtype)",
+    ),
     (ModelConfig, "fully_sharded_loras", lambda v, c, s: v, _MERGED),
     (ModelConfig, "max_cpu_loras", lambda v, c, s: True, _MERGED),
 ]
@@ -430,8 +645,9 @@ def _check_literal(value: Any, path: str) -> None:
     if isinstance(value, str) and value == "???":
         raise ConfigError(f"{path} is ??? (a mandatory value left unset): set it")
     if isinstance(value, str) and "\x00" in value:
-        raise ConfigError(f"{path}: {shown_value(path, value)} holds a NUL character (no name, path or text of a "
-                          "config may)")
+        raise ConfigError(
+            f"{path}: {shown_value(path, value)} holds a NUL character (no name, path or text of a config may)"
+        )
     for k, v in value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ():
         if not dataclasses.is_dataclass(v):
             _check_literal(v, f"{path}.{k}" if isinstance(value, dict) else f"{path}[{k}]")
@@ -447,10 +663,12 @@ def check_folder_name(path: str, value: str, parts: int = 1) -> None:
     if len(pieces) <= parts and not any(p in ("", ".", "..") or "\\" in p for p in pieces):
         return
     what = "one folder name" if parts == 1 else "a folder name, or <name>/<stage_name> as a stage's config holds"
-    raise ConfigError(f"{path} = {value!r} is refused: it names a folder or file of the job's directory "
-                      "(<checkpoint_root_dir>/<project>[/<group>]/<name>), and .., an absolute path or a separator "
-                      f"would put that elsewhere; allowed: {what}: not empty, not . or .., no / or \\ (e.g. "
-                      "qwen2.5-1.5b_grpo)")
+    raise ConfigError(
+        f"{path} = {value!r} is refused: it names a folder or file of the job's directory "
+        "(<checkpoint_root_dir>/<project>[/<group>]/<name>), and .., an absolute path or a separator "
+        f"would put that elsewhere; allowed: {what}: not empty, not . or .., no / or \\ (e.g. "
+        "qwen2.5-1.5b_grpo)"
+    )
 
 
 def _matches(where: type | str, obj: Any, section: str) -> bool:
@@ -462,8 +680,11 @@ def check_support(cfg: Config) -> None:
     for path, obj, name, value, section in walk(cfg):
         for where, field, applies, why in REFUSED:
             if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
-                text = f"[{len(value)} sections]" if isinstance(value, list) and dataclasses.is_dataclass(
-                    value[0]) else shown_value(path, value)
+                text = (
+                    f"[{len(value)} sections]"
+                    if isinstance(value, list) and dataclasses.is_dataclass(value[0])
+                    else shown_value(path, value)
+                )
                 raise ConfigError(f"{path} = {text} is refused: {why}")
         for where, field, applies, why in WARNED:
             if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
@@ -478,4 +699,3 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED_ALREADY:
         _WARNED_ALREADY.add(message)
         log.warning("%s", message)
-

@@ -86,24 +86,31 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not a text (UTF-8) file: byte 0x{e.object[e.start]:02x} at byte {e.start + 1}; "
-                          "a config is a YAML file") from None
+        raise ConfigError(
+            f"{path}: not a text (UTF-8) file: byte 0x{e.object[e.start]:02x} at byte {e.start + 1}; "
+            "a config is a YAML file"
+        ) from None
     except OSError as e:  # a directory, no permission, ...
         raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # NOTE: a SafeLoader: no Python objects built
     except _Duplicate as e:
         key, line, first = e.args
-        raise ConfigError(f"{path}: line {line}: key {key!r} is written twice in one mapping (first at line {first}); "
-                          "YAML would keep only the last: remove one") from None
+        raise ConfigError(
+            f"{path}: line {line}: key {key!r} is written twice in one mapping (first at line {first}); "
+            "YAML would keep only the last: remove one"
+        ) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from e
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     check_plain(raw, f"{path}: ")
     try:
-        return OmegaConf.to_container(OmegaConf.create(raw), resolve=True,  # type: ignore[return-value]
-                                      throw_on_missing=True)
+        return OmegaConf.to_container(
+            OmegaConf.create(raw),
+            resolve=True,  # type: ignore[return-value]
+            throw_on_missing=True,
+        )
     except MissingMandatoryValue as e:
         raise ConfigError(f"{path}: {e.full_key} is ??? (a mandatory value left unset): set it") from None
     except Exception as e:  # omegaconf raises several error classes; all mean a bad interpolation
@@ -113,17 +120,15 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 # --- 2. normalize: aliases, ignored keys, veRL trainer_config
 
 # Old or alternative Trinity-RFT spellings -> the key nanorft uses.
+_EB = "buffer.trainer_input.experience_buffer"
 ALIASES = {
     "algorithm.optimizer.warmup_style": "algorithm.optimizer.lr_scheduler_type",
     "buffer.explorer_input.default_workflow_type": "buffer.default_workflow_type",
     "buffer.explorer_input.default_eval_workflow_type": "buffer.default_eval_workflow_type",
     "buffer.explorer_input.default_reward_fn_type": "buffer.default_reward_fn_type",
-    "buffer.trainer_input.experience_buffer.replay_buffer.enable":
-        "buffer.trainer_input.experience_buffer.use_priority_queue",
-    "buffer.trainer_input.experience_buffer.replay_buffer.reuse_cooldown_time":
-        "buffer.trainer_input.experience_buffer.reuse_cooldown_time",
-    "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn_args.decay":
-        "buffer.trainer_input.experience_buffer.priority_decay",
+    f"{_EB}.replay_buffer.enable": f"{_EB}.use_priority_queue",
+    f"{_EB}.replay_buffer.reuse_cooldown_time": f"{_EB}.reuse_cooldown_time",
+    f"{_EB}.replay_buffer.priority_fn_args.decay": f"{_EB}.priority_decay",
     "algorithm.optimizer.clip_grad": "trainer.grad_clip",
 }
 # Trinity-RFT keys that only make sense with Ray or services nanorft does not have.
@@ -142,10 +147,10 @@ IGNORED = {
     "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn": "linear_decay is the only priority fn",
     "buffer.trainer_input.experience_buffer.capacity": "the SQLite DB has no capacity limit",
     "trainer.save_hf_checkpoint": "nanorft's checkpoints hold their weights as an HF folder "
-                                  "(global_step_<N>/actor/huggingface) at every save; there is no separate copy to "
-                                  "write or skip",
+    "(global_step_<N>/actor/huggingface) at every save; there is no separate copy to "
+    "write or skip",
     "trainer.fix_actor_microbatch_loss_scale": "nanorft weights micro-batches exactly in every loss_agg_mode (the "
-                                               "gradient does not depend on the cut into micro-batches)",
+    "gradient does not depend on the cut into micro-batches)",
 }
 # veRL `trainer.trainer_config` paths -> nanorft fields with the same meaning.
 VERL_MAP = {
@@ -374,8 +379,9 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'}: expected a mapping for {cls.__name__}, got "
-                          f"{shown_value(path or 'config', data)}")
+        raise ConfigError(
+            f"{path or 'config'}: expected a mapping for {cls.__name__}, got {shown_value(path or 'config', data)}"
+        )
     hints = typing.get_type_hints(cls, include_extras=True)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -418,9 +424,13 @@ def _yaml_bool(info: tyro.constructors.PrimitiveTypeInfo) -> tyro.constructors.P
     if info.type is not bool:
         return None
     return tyro.constructors.PrimitiveConstructorSpec(
-        nargs=1, metavar="{true,false}", instance_from_str=lambda args: _BOOL_WORDS[args[0].lower()],
-        is_instance=lambda x: isinstance(x, bool), str_from_instance=lambda x: [str(x).lower()],
-        choices=tuple(w for k in _BOOL_WORDS for w in (k, k.capitalize(), k.upper())))
+        nargs=1,
+        metavar="{true,false}",
+        instance_from_str=lambda args: _BOOL_WORDS[args[0].lower()],
+        is_instance=lambda x: isinstance(x, bool),
+        str_from_instance=lambda x: [str(x).lower()],
+        choices=tuple(w for k in _BOOL_WORDS for w in (k, k.capitalize(), k.upper())),
+    )
 
 
 _FILE_SPEC = re.compile(r"(?P<file>[^:]+\.py):(?P<attr>[\w.]+)")
@@ -459,8 +469,14 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
         "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
     )
     with CLI_TYPES:
-        after = tyro.cli(Config, default=cfg, args=rest, description=text, use_underscores=True,
-                         config=(tyro.conf.FlagConversionOff,))
+        after = tyro.cli(
+            Config,
+            default=cfg,
+            args=rest,
+            description=text,
+            use_underscores=True,
+            config=(tyro.conf.FlagConversionOff,),
+        )
     if after.trainer.trainer_config != cfg.trainer.trainer_config:
         after = cli_trainer_config(cfg, after)
     return after, known.dry_run
@@ -477,8 +493,10 @@ def cli_trainer_config(before: Config, after: Config) -> Config:
             continue
         tp, mine, theirs = _field_type(path), _attr(after, path), _attr(before, path)
         if mine != theirs and not _same(mine, value, tp):
-            raise ConfigError(f"--trainer.trainer_config maps a key onto {path} = {value!r}, and --{path} sets it to "
-                              f"{mine!r}; set only one")
+            raise ConfigError(
+                f"--trainer.trainer_config maps a key onto {path} = {value!r}, and --{path} sets it to "
+                f"{mine!r}; set only one"
+            )
         _set(raw, path, value)
     raw["trainer"]["trainer_config"] = mapped["trainer"].get("trainer_config", {})
     return from_dict(Config, raw)

@@ -28,8 +28,13 @@ from errors import ConfigError
 # pyproject.toml's gpu extra (tests/test_preflight.py checks that).
 VLLM_SUPPORTED = ((0, 32), (0, 34))
 VLLM_INSTALL = "`bash run.sh vllm` installs it (vLLM's CPU build on a machine without CUDA, the gpu extra with it)"
-OFFLOADS = ("trainer.param_offload", "trainer.optimizer_offload", "trainer.ref_param_offload",
-            "trainer.critic.param_offload", "trainer.critic.optimizer_offload")
+OFFLOADS = (
+    "trainer.param_offload",
+    "trainer.optimizer_offload",
+    "trainer.ref_param_offload",
+    "trainer.critic.param_offload",
+    "trainer.critic.optimizer_offload",
+)
 
 
 def vllm_version() -> str | None:
@@ -59,8 +64,10 @@ def vllm_problem() -> str | None:
         release = ()
     (lo, hi), shown = VLLM_SUPPORTED, lambda v: ".".join(map(str, v))
     if not lo <= release < hi:
-        return (f"vLLM {version} is installed, but nanorft's vLLM engines are tested on {shown(lo)} up to (not "
-                f"including) {shown(hi)}; {VLLM_INSTALL}")
+        return (
+            f"vLLM {version} is installed, but nanorft's vLLM engines are tested on {shown(lo)} up to (not "
+            f"including) {shown(hi)}; {VLLM_INSTALL}"
+        )
     return None
 
 
@@ -80,7 +87,8 @@ def engines_of(stage: Config) -> list[tuple[str, Any]]:
         return []
     e = stage.explorer
     return [("explorer.rollout_model", e.rollout_model)] + [
-        (f"explorer.auxiliary_models[{i}]", m) for i, m in enumerate(e.auxiliary_models)]
+        (f"explorer.auxiliary_models[{i}]", m) for i, m in enumerate(e.auxiliary_models)
+    ]
 
 
 def stage_problems(stage: Config, present: int) -> list[str]:
@@ -88,18 +96,28 @@ def stage_problems(stage: Config, present: int) -> list[str]:
     problems, gpus = [], stage.cluster.gpu_per_node
     if gpus > present:
         fix = f"set it to {present} or fewer" if present else "set it to 0 (everything on the CPU)"
-        problems.append(f"cluster.gpu_per_node = {gpus}, but this machine has {present} GPU(s) (CUDA_VISIBLE_DEVICES "
-                        f"applies): {fix}")
+        problems.append(
+            f"cluster.gpu_per_node = {gpus}, but this machine has {present} GPU(s) (CUDA_VISIBLE_DEVICES "
+            f"applies): {fix}"
+        )
     vllm = [(path, m) for path, m in engines_of(stage) if m.engine_type in ("vllm", "vllm_async")]
     if vllm and (why := vllm_problem()):
         problems += [f"{path}.engine_type = {m.engine_type!r}: {why}" for path, m in vllm]
     if gpus == 0:
-        problems += [f"{path}.tensor_parallel_size = {m.tensor_parallel_size}: without GPUs vLLM's CPU backend "
-                     "runs a tensor-parallel engine over NUMA nodes, untested here: set 1 (engine_num engines run "
-                     "side by side)" for path, m in vllm if m.tensor_parallel_size > 1]
+        problems += [
+            f"{path}.tensor_parallel_size = {m.tensor_parallel_size}: without GPUs vLLM's CPU backend "
+            "runs a tensor-parallel engine over NUMA nodes, untested here: set 1 (engine_num engines run "
+            "side by side)"
+            for path, m in vllm
+            if m.tensor_parallel_size > 1
+        ]
         if stage.mode in ("train", "both"):
-            problems += [f"{key} = true: FSDP2's CPU offload moves GPU memory to the host; without GPUs everything is "
-                         "on the host already: set it false" for key in OFFLOADS if _get(stage, key)]
+            problems += [
+                f"{key} = true: FSDP2's CPU offload moves GPU memory to the host; without GPUs everything is "
+                "on the host already: set it false"
+                for key in OFFLOADS
+                if _get(stage, key)
+            ]
     return problems
 
 
@@ -129,8 +147,10 @@ def model_problem(path: str) -> str | None:
         return f"{folder / 'config.json'} is not a model config (a JSON object)"
     present = [name for name in WEIGHTS if (folder / name).is_file()]
     if not present:
-        return (f"{folder} holds no weights ({', '.join(WEIGHTS[::2])} or their sharded form with an index): "
-                "the folder is incomplete")
+        return (
+            f"{folder} holds no weights ({', '.join(WEIGHTS[::2])} or their sharded form with an index): "
+            "the folder is incomplete"
+        )
     if present[0].endswith(".index.json") and (missing := _missing_shards(folder / present[0])):
         return f"{folder}: {missing}"
     return None
@@ -156,8 +176,10 @@ def _hub_problem(repo: str) -> str | None:
         cached = False
     if cached or not constants.HF_HUB_OFFLINE:
         return None
-    return (f"{repo!r} is neither a folder here (from {Path.cwd()}) nor a model in the local HF cache "
-            f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE forbids downloading it")
+    return (
+        f"{repo!r} is neither a folder here (from {Path.cwd()}) nor a model in the local HF cache "
+        f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE forbids downloading it"
+    )
 
 
 def model_problems(stages: list[Config]) -> list[tuple[str, str]]:
@@ -167,9 +189,13 @@ def model_problems(stages: list[Config]) -> list[tuple[str, str]]:
     for stage in stages:
         path = stage.model.model_path
         if not trained and (why := model_problem(path)):
-            hint = (" (`python tiny.py` builds the embedded default's)" if "tiny-qwen2" in path else
-                    " (a checkpoint's weights: run the config that writes them first)" if "global_step_" in path
-                    else "")
+            hint = (
+                " (`python tiny.py` builds the embedded default's)"
+                if "tiny-qwen2" in path
+                else " (a checkpoint's weights: run the config that writes them first)"
+                if "global_step_" in path
+                else ""
+            )
             out.append((f"model.model_path = {path!r}: {why}; fix model.model_path{hint}", stage.name))
         trained = trained or stage.mode in ("train", "both")
     return out

@@ -26,12 +26,18 @@ import yaml
 from omegaconf import OmegaConf
 
 from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
-from configs.checks import (DTYPE_NAMES, ConfigError, _warn_once, check_folder_name, check_ranges, check_support,
-                            redacted)
+from configs.checks import (
+    DTYPE_NAMES,
+    ConfigError,
+    _warn_once,
+    check_folder_name,
+    check_ranges,
+    check_support,
+    redacted,
+)
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.preflight import preflight
-from configs.schema import (AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig,
-                            TasksetConfig)
+from configs.schema import AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig, TasksetConfig
 
 log = logging.getLogger("nanorft.config")
 
@@ -75,8 +81,12 @@ def _derive_algorithm(a: AlgorithmConfig) -> Preset:
             piece_config(piece, getattr(a, piece), getattr(a, piece + "_args"))
     mode = a.policy_loss_fn_args.get("loss_agg_mode", a.loss_agg_mode)
     if mode != a.loss_agg_mode:  # NOTE: Trinity-RFT's validator overwrites it the same way
-        log.warning("config: algorithm.policy_loss_fn_args.loss_agg_mode = %r is overridden by algorithm.loss_agg_mode "
-                    "(%r); set that instead", mode, a.loss_agg_mode)
+        log.warning(
+            "config: algorithm.policy_loss_fn_args.loss_agg_mode = %r is overridden by algorithm.loss_agg_mode "
+            "(%r); set that instead",
+            mode,
+            a.loss_agg_mode,
+        )
     return preset
 
 
@@ -120,8 +130,9 @@ def _derive_synchronizer(c: Config, preset: Preset) -> None:
         log.info("synchronizer.sync_method: nccl needs mode both with an explorer; using checkpoint")
         s.sync_method = "checkpoint"
     if s.sync_method == "nccl" and s.sync_style != "fixed":
-        log.info("synchronizer.sync_style %s needs sync_method checkpoint; nccl syncs at fixed points (fixed)",
-                 s.sync_style)
+        log.info(
+            "synchronizer.sync_style %s needs sync_method checkpoint; nccl syncs at fixed points (fixed)", s.sync_style
+        )
         s.sync_style = "fixed"
     if s.sync_interval < 1 or s.sync_offset < 0:
         raise ConfigError("synchronizer: sync_interval must be >= 1 and sync_offset >= 0")
@@ -138,8 +149,11 @@ def _derive_tasksets(c: Config) -> None:
         inp.taskset = TasksetConfig()
     for kind, sets in (("taskset", inp.tasksets), ("eval_taskset", inp.eval_tasksets)):
         for i, ts in enumerate(sets):
-            where = "buffer.explorer_input.taskset" if moved and kind == "taskset" and i == 0 else \
-                f"buffer.explorer_input.{kind}s[{i}]"
+            where = (
+                "buffer.explorer_input.taskset"
+                if moved and kind == "taskset" and i == 0
+                else f"buffer.explorer_input.{kind}s[{i}]"
+            )
             _derive_taskset(c, ts, kind, where, f"{kind}_{i}")
     names = [ts.name for ts in inp.tasksets + inp.eval_tasksets]
     if len(set(names)) != len(names):
@@ -174,8 +188,10 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
     if runs and not ts.default_workflow_type and not ts.format.workflow_key:
         # NOTE: a warning here (Trinity's grpo / ppo examples name no workflow and must load); explore.py refuses
         # to start with it (check_workflows)
-        _warn_once(f"config: {where}.default_workflow_type is empty, as are buffer.default_workflow_type and "
-                   f"{where}.format.workflow_key: no workflow runs these tasks, and an explorer refuses to start")
+        _warn_once(
+            f"config: {where}.default_workflow_type is empty, as are buffer.default_workflow_type and "
+            f"{where}.format.workflow_key: no workflow runs these tasks, and an explorer refuses to start"
+        )
     if runs:
         # NOTE: imported here: workflows/ imports the engines (transformers, ~1.5 s) and configs/ itself
         from workflows.args import check_args
@@ -194,23 +210,32 @@ def _check_step_wise(c: Config) -> None:
     normalised as responses of their own weigh an episode by its number of turns. step_wise_grpo's advantages are
     computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS), where the trainer's reward shaping cannot reach them."""
     a, sets = c.algorithm, c.buffer.explorer_input.tasksets
-    step_wise = [f"buffer.explorer_input.tasksets[{i}] ({ts.name})" for i, ts in enumerate(sets)
-                 if ts.workflow_args.get("step_wise")]
+    step_wise = [
+        f"buffer.explorer_input.tasksets[{i}] ({ts.name})"
+        for i, ts in enumerate(sets)
+        if ts.workflow_args.get("step_wise")
+    ]
     if step_wise and a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
-        raise ConfigError(f"{', '.join(step_wise)}: workflow_args.step_wise writes one experience per turn, which "
-                          f"algorithm.advantage_fn {a.advantage_fn} would normalise as responses of their own (an "
-                          "episode weighing as many times as it has turns); use algorithm_type multi_step_grpo "
-                          "(advantage_fn step_wise_grpo)")
+        raise ConfigError(
+            f"{', '.join(step_wise)}: workflow_args.step_wise writes one experience per turn, which "
+            f"algorithm.advantage_fn {a.advantage_fn} would normalise as responses of their own (an "
+            "episode weighing as many times as it has turns); use algorithm_type multi_step_grpo "
+            "(advantage_fn step_wise_grpo)"
+        )
     if a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
         return
     if a.kl_penalty_fn != "none" or a.overlong_reward.enable:
-        raise ConfigError(f"algorithm.advantage_fn {a.advantage_fn} is computed in the explorer from the rewards, "
-                          "where the trainer's reward shaping cannot reach it: algorithm.kl_penalty_fn must be none "
-                          "and algorithm.overlong_reward.enable false (a KL loss, kl_loss_fn, is fine)")
+        raise ConfigError(
+            f"algorithm.advantage_fn {a.advantage_fn} is computed in the explorer from the rewards, "
+            "where the trainer's reward shaping cannot reach it: algorithm.kl_penalty_fn must be none "
+            "and algorithm.overlong_reward.enable false (a KL loss, kl_loss_fn, is fine)"
+        )
     if sets and not step_wise and c.mode in ("both", "explore"):
-        _warn_once(f"config: algorithm.advantage_fn {a.advantage_fn} with no taskset setting workflow_args.step_wise: "
-                   "unless the workflow writes one experience per turn itself (info['episode']), this is GRPO over "
-                   "whole episodes")
+        _warn_once(
+            f"config: algorithm.advantage_fn {a.advantage_fn} with no taskset setting workflow_args.step_wise: "
+            "unless the workflow writes one experience per turn itself (info['episode']), this is GRPO over "
+            "whole episodes"
+        )
 
 
 def advantage_origin(a: AlgorithmConfig) -> str:
@@ -227,8 +252,13 @@ def advantage_origin(a: AlgorithmConfig) -> str:
 def _derive_paths(c: Config, preset: Preset) -> None:
     """The job directory, and the experience DB's default location inside it: below checkpoint_root_dir, whatever
     the names (check_folder_name: a stage's name is <name>/<stage_name>)."""
-    names = [("project", c.project, 1), ("group", c.group, 1), ("name", c.name, 2),
-             ("explorer.name", c.explorer.name, 1), ("trainer.name", c.trainer.name, 1)]
+    names = [
+        ("project", c.project, 1),
+        ("group", c.group, 1),
+        ("name", c.name, 2),
+        ("explorer.name", c.explorer.name, 1),
+        ("trainer.name", c.trainer.name, 1),
+    ]
     for path, value, parts in names:
         if value or path != "group":  # no group: no folder
             check_folder_name(path, value, parts)
@@ -245,8 +275,10 @@ def _derive_paths(c: Config, preset: Preset) -> None:
             eb.path = f"sqlite:///{Path(c.checkpoint_job_dir, 'buffer', eb.name + '.db')}"
         scheme = eb.path.split("://")[0] if "://" in eb.path else ""
         if eb.storage_type != "file" and scheme not in ("", "sqlite", "postgresql", "postgres"):
-            raise ConfigError(f"buffer.trainer_input.experience_buffer.path: {scheme}:// is not an experience DB this "
-                              "project serves; use sqlite:///path.db or postgresql://user@host/db")
+            raise ConfigError(
+                f"buffer.trainer_input.experience_buffer.path: {scheme}:// is not an experience DB this "
+                "project serves; use sqlite:///path.db or postgresql://user@host/db"
+            )
 
 
 def _derive_trainer_explorer(c: Config) -> None:
@@ -263,11 +295,14 @@ def _derive_trainer_explorer(c: Config) -> None:
     for i, aux in enumerate(c.explorer.auxiliary_models):
         aux.max_model_len = aux.max_model_len or c.model.max_model_len
         if not aux.model_path:
-            raise ConfigError(f"explorer.auxiliary_models[{i}].model_path is empty: an auxiliary model serves its "
-                              "own model")
+            raise ConfigError(
+                f"explorer.auxiliary_models[{i}].model_path is empty: an auxiliary model serves its own model"
+            )
     if rm.max_model_len < c.model.max_model_len:
-        raise ConfigError(f"explorer.rollout_model.max_model_len ({rm.max_model_len}) is below model.max_model_len "
-                          f"({c.model.max_model_len}): the engine could not hold a full prompt + response")
+        raise ConfigError(
+            f"explorer.rollout_model.max_model_len ({rm.max_model_len}) is below model.max_model_len "
+            f"({c.model.max_model_len}): the engine could not hold a full prompt + response"
+        )
     if e.eval_interval % s.sync_interval:
         rounded = math.ceil(e.eval_interval / s.sync_interval) * s.sync_interval
         log.info("explorer.eval_interval %d rounded up to %d (a multiple of sync_interval)", e.eval_interval, rounded)
@@ -306,13 +341,18 @@ def _derive_cluster(c: Config) -> None:
         explorer_gpus = 1
     cl.explorer_gpu_num = explorer_gpus
     cl.trainer_gpu_num = {"train": gpus, "both": 1 if cl.colocate else gpus - explorer_gpus}.get(c.mode, 0)
-    engines = (f"explorer.rollout_model.engine_num {rm.engine_num} x tensor_parallel_size {rm.tensor_parallel_size}"
-               + (f" + auxiliary models' {sum(vllm_gpus)}" if sum(vllm_gpus) else "") + f" = {explorer_gpus} GPUs")
+    engines = (
+        f"explorer.rollout_model.engine_num {rm.engine_num} x tensor_parallel_size {rm.tensor_parallel_size}"
+        + (f" + auxiliary models' {sum(vllm_gpus)}" if sum(vllm_gpus) else "")
+        + f" = {explorer_gpus} GPUs"
+    )
     if gpus and explorer_gpus > gpus:
         raise ConfigError(f"cluster: the rollout engines need {engines}, cluster.gpu_per_node gives {gpus}")
     if gpus and c.mode == "both" and cl.trainer_gpu_num < 1:
-        raise ConfigError(f"cluster: in mode both the rollout engines take {engines} of cluster.gpu_per_node "
-                          f"{gpus}, leaving none for the trainer")
+        raise ConfigError(
+            f"cluster: in mode both the rollout engines take {engines} of cluster.gpu_per_node "
+            f"{gpus}, leaving none for the trainer"
+        )
     _derive_nodes(c, engines)
 
 
@@ -342,14 +382,18 @@ def _derive_nodes(c: Config, engines: str) -> None:
         cl.trainer_node_num, cl.trainer_gpu_num_per_node = n, 0
         return
     if n > 1 and cl.explorer_gpu_num > per:
-        raise ConfigError(f"cluster: the explorer runs on node 0, and its rollout engines need {engines}, more than "
-                          f"cluster.gpu_per_node {per}")
+        raise ConfigError(
+            f"cluster: the explorer runs on node 0, and its rollout engines need {engines}, more than "
+            f"cluster.gpu_per_node {per}"
+        )
     if cl.trainer_gpu_num > per and cl.trainer_gpu_num % per:
-        raise ConfigError(f"cluster: over cluster.node_num {n} nodes the trainer takes whole nodes: the rollout "
-                          f"engines take {engines} of node 0's cluster.gpu_per_node {per}, leaving "
-                          f"{cl.trainer_gpu_num} GPUs, not a multiple of {per}; give the explorer all of node 0 "
-                          f"(explorer.rollout_model.engine_num x tensor_parallel_size = {per}), or run mode train "
-                          "over the nodes and explorers (mode explore) on other hosts")
+        raise ConfigError(
+            f"cluster: over cluster.node_num {n} nodes the trainer takes whole nodes: the rollout "
+            f"engines take {engines} of node 0's cluster.gpu_per_node {per}, leaving "
+            f"{cl.trainer_gpu_num} GPUs, not a multiple of {per}; give the explorer all of node 0 "
+            f"(explorer.rollout_model.engine_num x tensor_parallel_size = {per}), or run mode train "
+            "over the nodes and explorers (mode explore) on other hosts"
+        )
     cl.trainer_node_num = max(cl.trainer_gpu_num // per, 1) if n > 1 else 1
     cl.trainer_gpu_num_per_node = cl.trainer_gpu_num // cl.trainer_node_num
 
@@ -363,14 +407,21 @@ def _derive_colocation(c: Config) -> None:
     two ranks on one GPU)."""
     rm = c.explorer.rollout_model
     if any(m.engine_type != "hf" for m in c.explorer.auxiliary_models):
-        raise ConfigError("explorer.auxiliary_models: a vLLM auxiliary model needs GPUs of its own; on one GPU shared "
-                          "by the explorer and the trainer, give it engine_type: hf")
+        raise ConfigError(
+            "explorer.auxiliary_models: a vLLM auxiliary model needs GPUs of its own; on one GPU shared "
+            "by the explorer and the trainer, give it engine_type: hf"
+        )
     if rm.engine_type != "hf" and (rm.engine_num, rm.tensor_parallel_size) != (1, 1):
-        raise ConfigError(f"explorer.rollout_model: engine_num {rm.engine_num} x tensor_parallel_size "
-                          f"{rm.tensor_parallel_size} on one GPU shared with the trainer: both must be 1")
+        raise ConfigError(
+            f"explorer.rollout_model: engine_num {rm.engine_num} x tensor_parallel_size "
+            f"{rm.tensor_parallel_size} on one GPU shared with the trainer: both must be 1"
+        )
     if rm.engine_type != "hf" and rm.gpu_memory_utilization > COLOCATED_VLLM_MEMORY:
-        log.info("explorer.rollout_model.gpu_memory_utilization %g capped to %g: the trainer shares the GPU",
-                 rm.gpu_memory_utilization, COLOCATED_VLLM_MEMORY)
+        log.info(
+            "explorer.rollout_model.gpu_memory_utilization %g capped to %g: the trainer shares the GPU",
+            rm.gpu_memory_utilization,
+            COLOCATED_VLLM_MEMORY,
+        )
         rm.gpu_memory_utilization = COLOCATED_VLLM_MEMORY
 
 
@@ -453,8 +504,10 @@ def resolve_stages(cfg: Config) -> list[Config]:
         if not st.stage_name or st.stage_name in seen:
             raise ConfigError(f"stages[{i}].stage_name must be set and unique, got {st.stage_name!r}")
         if st.start_from and st.start_from not in seen:
-            raise ConfigError(f"stages[{i}].start_from {st.start_from!r} is not an earlier stage's name (earlier: "
-                              f"{', '.join(sorted(seen)) or 'none'})")
+            raise ConfigError(
+                f"stages[{i}].start_from {st.start_from!r} is not an earlier stage's name (earlier: "
+                f"{', '.join(sorted(seen)) or 'none'})"
+            )
         check_folder_name(f"stages[{i}].stage_name", st.stage_name)  # the stage runs as <name>/<stage_name>
         seen.add(st.stage_name)
         sections = ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")
@@ -507,8 +560,10 @@ def holds_secret(cfg: Config) -> bool:
     return redacted(cfg) != dataclasses.asdict(cfg)
 
 
-SECRETS_NOTE = ("# secrets are shown as ***: every env_vars value, monitor_args' values (but its URLs, names, tags "
-                "and modes), passwords, API keys and tokens (in URLs too)")
+SECRETS_NOTE = (
+    "# secrets are shown as ***: every env_vars value, monitor_args' values (but its URLs, names, tags "
+    "and modes), passwords, API keys and tokens (in URLs too)"
+)
 
 
 def dry_run(cfg: Config, out: Any = None) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal
 
 import tyro
 import yaml
@@ -37,8 +37,12 @@ def check_plain(value: Any, where: str, path: str = "") -> None:
         for i, v in enumerate(value):
             check_plain(v, where, f"{path}[{i}]")
     elif not isinstance(value, (str, int, float, bool, type(None))):
-        kind = {"date": "a date", "datetime": "a date and time", "bytes": "binary data (!!binary)",
-                "set": "a set (!!set)"}.get(type(value).__name__, f"a {type(value).__name__}")
+        kind = {
+            "date": "a date",
+            "datetime": "a date and time",
+            "bytes": "binary data (!!binary)",
+            "set": "a set (!!set)",
+        }.get(type(value).__name__, f"a {type(value).__name__}")
         shown = value.isoformat() if hasattr(value, "isoformat") else repr(value)
         raise ConfigError(f"{where}{path}: {shown} is {kind}, not a config value; quote it if it is text")
 
@@ -49,8 +53,9 @@ def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
     try:
         value = yaml.safe_load(args[0]) if args[0].strip() else {}
     except yaml.YAMLError as e:
-        raise ValueError(f"not valid YAML ({' '.join(str(e).split())}); expected a mapping such as "
-                         "'{kl_coef: 0.01}'") from None
+        raise ValueError(
+            f"not valid YAML ({' '.join(str(e).split())}); expected a mapping such as '{{kl_coef: 0.01}}'"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"expected a YAML/JSON mapping such as '{{kl_coef: 0.01}}', got {args[0]!r}")
     try:
@@ -114,7 +119,7 @@ class RolloutCorrectionConfig:
 class AlgorithmConfig:
     algorithm_type: str = "ppo"
     """Preset that fills in the pieces below: ppo, grpo, opmd, dpo, sft, mix, ... (algos/__init__.py)."""
-    repeat_times: Optional[int] = None
+    repeat_times: int | None = None
     """Responses sampled per task (group size n). Unset: the preset's default (grpo: 2, ppo: 1)."""
     optimizer: OptimizerConfig = _field(OptimizerConfig)
     """Actor optimizer."""
@@ -194,11 +199,11 @@ class ModelConfig:
     """Jinja chat template overriding the tokenizer's (trainer and explorer alike)."""
     chat_template_path: str = ""
     """File holding a chat template (wins over custom_chat_template; a missing file is refused)."""
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     """Longest prompt + response in tokens. Unset: max_prompt_tokens + max_response_tokens (derived)."""
-    max_prompt_tokens: Optional[int] = None
+    max_prompt_tokens: int | None = None
     """Longest prompt in tokens. Unset: max_model_len - max_response_tokens, or half (derived)."""
-    max_response_tokens: Optional[int] = None
+    max_response_tokens: int | None = None
     """Longest response in tokens. Unset: max_model_len - max_prompt_tokens, or half (derived)."""
     min_response_tokens: int = 1
     """Shortest response in tokens: every rollout request's default min_tokens (EOS is suppressed before that)."""
@@ -216,14 +221,14 @@ class ModelConfig:
     """Extra top log-probs per token returned by the engine (the sampled token's is always returned)."""
     repetition_penalty: float = 1.0
     """Repetition penalty of the rollout engine (1.0 = off)."""
-    enable_thinking: Optional[bool] = None
+    enable_thinking: bool | None = None
     """Passed to chat templates that know it (Qwen3); unset = the template's default."""
     lora_configs: list[LoRAConfig] = _field(list)
     """LoRA (one adapter at most, as in Trinity-RFT): the trainer trains an adapter through peft instead of the whole
     model, and the engines get the weights with the adapter merged in (lora.py). Empty: full fine-tuning."""
     fully_sharded_loras: bool = False
     """vLLM's option for serving adapters; the engines here get merged weights: no effect (warned when true)."""
-    max_cpu_loras: Optional[int] = None
+    max_cpu_loras: int | None = None
     """vLLM's option for serving adapters; no effect here (warned when set)."""
 
 
@@ -232,7 +237,7 @@ class ClusterConfig:
     node_num: int = 1
     """Number of nodes. The launcher runs on node 0 (the explorer's, in mode both) and prints the command for each
     other node; more than one spans the trainer over nodes (torchrun, static rendezvous at master_addr)."""
-    gpu_per_node: Optional[int] = None
+    gpu_per_node: int | None = None
     """GPUs per node: 0 = none (everything on the CPU, even where CUDA is visible); unset = as many as torch sees.
     On the CPU the launcher starts one trainer rank per node."""
     master_addr: str = "127.0.0.1"
@@ -241,18 +246,18 @@ class ClusterConfig:
     the explorer's and the trainer starts at node 1. 127.0.0.1: every "node" on this machine (a test)."""
     master_port: int = 29500
     """With node_num > 1: the TCP port of the rendezvous on master_addr (torchrun's --rdzv-endpoint addr:port)."""
-    explorer_gpu_num: Optional[int] = None
+    explorer_gpu_num: int | None = None
     """Derived (leave unset; another value is refused): GPUs given to rollout engines (engine_num x
     tensor_parallel_size for vLLM)."""
-    trainer_gpu_num: Optional[int] = None
+    trainer_gpu_num: int | None = None
     """Derived (leave unset; another value is refused): GPUs left for the trainer (its torchrun world size on GPU)."""
-    trainer_node_num: Optional[int] = None
+    trainer_node_num: int | None = None
     """Derived (leave unset; another value is refused): nodes the trainer spans, the last ones (torchrun --nnodes);
     0 when the mode has no trainer."""
-    trainer_gpu_num_per_node: Optional[int] = None
+    trainer_gpu_num_per_node: int | None = None
     """Derived (leave unset; another value is refused): trainer GPUs (ranks) on each of its nodes (torchrun
     --nproc-per-node); 0 on the CPU: one rank."""
-    colocate: Optional[bool] = None
+    colocate: bool | None = None
     """Derived (leave unset; another value is refused): mode both on one GPU; explorer and trainer share it (vLLM
     sleeps while the trainer steps)."""
 
@@ -272,9 +277,9 @@ class FormatConfig:
     """Column with the user prompt (plaintext): text, or a chat (a list of {role, content}, as veRL's)."""
     response_key: str = "response"
     """Column with the reference answer / SFT response (plaintext)."""
-    system_prompt_key: Optional[str] = None
+    system_prompt_key: str | None = None
     """Column with a per-row system prompt (wins over system_prompt)."""
-    system_prompt: Optional[str] = None
+    system_prompt: str | None = None
     """System prompt for every row."""
     messages_key: str = "messages"
     """Column with the message list (messages). Trinity's default is 'message'."""
@@ -284,13 +289,13 @@ class FormatConfig:
     """Column with the preferred response (DPO)."""
     rejected_key: str = "rejected"
     """Column with the dispreferred response (DPO)."""
-    reply_prefix: Optional[str] = None
+    reply_prefix: str | None = None
     """Text the assistant turn starts with (added after the generation prompt: part of the prompt tokens; the
     response text the reward sees does not include it)."""
-    workflow_key: Optional[str] = None
+    workflow_key: str | None = None
     """Column naming a per-row workflow (overrides the taskset's): a registered one or the taskset's own, never code
     to import (`module:attr` / a file path: only the YAML names code)."""
-    reward_fn_key: Optional[str] = None
+    reward_fn_key: str | None = None
     """Column naming a per-row reward function (overrides the taskset's), as workflow_key."""
     enable_concatenated_multi_turn: bool = False
     """SFT on messages: train on every assistant turn of a conversation, not only the last."""
@@ -301,15 +306,15 @@ class FormatConfig:
 
 @dataclasses.dataclass
 class GenerationConfig:
-    temperature: Optional[float] = None
+    temperature: float | None = None
     """Sampling temperature: 0 = greedy, else >= 0.01; unset = model.temperature (derived)."""
-    top_p: Optional[float] = None
+    top_p: float | None = None
     """Nucleus threshold; unset = model.top_p (derived)."""
-    top_k: Optional[int] = None
+    top_k: int | None = None
     """Top-k; unset = model.top_k (derived)."""
-    logprobs: Optional[int] = None
+    logprobs: int | None = None
     """Extra top log-probs per token; unset = model.logprobs (derived)."""
-    max_tokens: Optional[int] = None
+    max_tokens: int | None = None
     """Longest response; unset = model.max_response_tokens (derived)."""
 
 
@@ -330,11 +335,11 @@ class TasksetConfig:
     """Where tasks live: files (jsonl/json/parquet/csv) or a hub dataset read with `datasets`."""
     path: str = ""
     """A file, a folder in Hugging Face layout, or a hub dataset name."""
-    subset_name: Optional[str] = None
+    subset_name: str | None = None
     """Subset (config) name, e.g. 'main' for GSM8K; a sub-folder of path."""
     split: str = "train"
     """Split to read: a file named <split>.<ext> or <split>-*.<ext> in the folder."""
-    repeat_times: Optional[int] = None
+    repeat_times: int | None = None
     """Rollouts per task. Derived: algorithm.repeat_times for training tasksets, 1 for eval ones unless set."""
     format: FormatConfig = _field(FormatConfig)
     """Which columns hold what."""
@@ -368,7 +373,7 @@ class ExperienceBufferConfig:
     """queue/sql: sqlite:///path.db (empty: sqlite:///<job dir>/buffer/<name>.db, derived), or
     postgresql://user:password@host:port/db for explorers and trainers on several hosts (the `postgres` extra);
     file: a data file or folder."""
-    subset_name: Optional[str] = None
+    subset_name: str | None = None
     """file: subset (sub-folder) name."""
     split: str = "train"
     """file: split to read."""
@@ -378,7 +383,7 @@ class ExperienceBufferConfig:
     """Seconds the trainer waits for a full batch before it takes what exists."""
     use_priority_queue: bool = False
     """Claim by priority (model_version - decay x use_count, Trinity's linear_decay) instead of FIFO."""
-    reuse_cooldown_time: Optional[float] = None
+    reuse_cooldown_time: float | None = None
     """Priority queue: seconds before a claimed experience may be claimed again; unset = never reused."""
     priority_decay: float = 2.0
     """Priority queue: decay per previous use (Trinity's priority_fn_args.decay)."""
@@ -410,7 +415,7 @@ class BufferConfig:
     """Experiences per train step; 0 = batch_size x repeat_times (derived)."""
     total_epochs: int = 1
     """Passes over the training tasksets."""
-    total_steps: Optional[int] = None
+    total_steps: int | None = None
     """Train steps to run; wins over total_epochs when set."""
     explorer_input: ExplorerInputConfig = _field(ExplorerInputConfig)
     """Tasksets for the explorer."""
@@ -438,13 +443,13 @@ class InferenceModelConfig:
     """Number of rollout engines."""
     tensor_parallel_size: int = 1
     """GPUs per vLLM engine."""
-    gpu_memory_utilization: Optional[float] = None
+    gpu_memory_utilization: float | None = None
     """Fraction of each GPU vLLM may use (0 to 1); unset = 0.9 (Trinity's default). Without GPUs, vLLM's CPU
     backend reads it as the share of the host's memory an engine's worker may take, weights and KV cache together;
     unset there = 0.1 (configs/resolve.py)."""
     enable_prefix_caching: bool = True
     """vLLM prefix caching (the group's shared prompt is computed once)."""
-    enable_chunked_prefill: Optional[bool] = None
+    enable_chunked_prefill: bool | None = None
     """vLLM chunked prefill; unset = on with GPUs (vLLM's default), off without: vLLM 0.32's CPU backend fails a
     seeded request that a chunked prefill splits ("CPU Generator does not use offset"), and its engine with it."""
     enforce_eager: bool = False
@@ -455,7 +460,7 @@ class InferenceModelConfig:
     the name; vLLM's CPU backend honours it. Weights are sent and published in it."""
     seed: int = 42
     """Sampling seed of the engine (vLLM engine i gets seed + i)."""
-    max_model_len: Optional[int] = None
+    max_model_len: int | None = None
     """Context length of this engine; unset = model.max_model_len."""
     enable_history: bool = False
     """Record the calls a workflow makes through the OpenAI-compatible API (ModelHandle.openai_client), so that it
@@ -465,7 +470,7 @@ class InferenceModelConfig:
     from the explorer, for workflows written against the `openai` client (openai_api.py)."""
     openai_api_host: str = "127.0.0.1"
     """Address the API binds to (loopback: only this machine can call it; any other needs openai_api_key)."""
-    openai_api_key: Optional[str] = None
+    openai_api_key: str | None = None
     """Bearer token every request to the API must carry (`Authorization: Bearer <key>`, the `openai` client's
     api_key; the handle's own clients send it); required when openai_api_host is not loopback. A secret: hidden in
     what the config prints; e.g. `${oc.env:NANORFT_API_KEY}` to take it from the environment."""
@@ -481,7 +486,7 @@ class InferenceModelConfig:
 class ExplorerConfig:
     name: str = "explorer"
     """Explorer name; several explorers on one experiment need distinct names."""
-    runner_per_model: Optional[int] = None
+    runner_per_model: int | None = None
     """Concurrent workflow runners (threads) per rollout engine; unset = every task of a step (up to 256 at a
     time, also for eval) at once, so that the engine batches all their requests together (Trinity's default 8
     runs a step's 16 tasks in two waves of 8 batched requests each)."""
@@ -556,9 +561,9 @@ class TrainerConfig:
     """Sharding: both names give FSDP2 (fully_shard)."""
     save_interval: int = 0
     """Save a checkpoint every this many steps; 0 = only at the end."""
-    max_checkpoints_to_keep: Optional[int] = None
+    max_checkpoints_to_keep: int | None = None
     """Delete older checkpoints beyond this many; unset = keep all."""
-    total_steps: Optional[int] = None
+    total_steps: int | None = None
     """Train steps; buffer.total_steps wins when both are set."""
     enable_preview: bool = True
     """Log the lowest- and highest-reward sample of each step."""
@@ -566,7 +571,7 @@ class TrainerConfig:
     """Gradient-norm clip of the actor."""
     use_dynamic_bsz: bool = True
     """Pack micro-batches up to max_token_len_per_gpu tokens instead of a fixed count."""
-    max_token_len_per_gpu: Optional[int] = None
+    max_token_len_per_gpu: int | None = None
     """Token budget of one micro-batch (packed tokens); unset = 16384 (veRL's actor default), or 2 x
     max_model_len when that is more (Trinity derives 2 x max_model_len, which cut a step of 128 short
     sequences into ~40 micro-batches)."""

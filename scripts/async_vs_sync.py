@@ -2,7 +2,8 @@
 held-out accuracy after the same number of trainer steps.
 
     bash run.sh --dry-run                            # once: the venv and assets/
-    python scripts/async_vs_sync.py                  # ~20 min on 2 CPU cores; writes checkpoints/nanorft/async_vs_sync.json
+    python scripts/async_vs_sync.py                  # ~20 min on 2 CPU cores;
+                                                     # writes checkpoints/nanorft/async_vs_sync.json
 
 1. the SFT warm-up both start from (configs/async/tiny_sft.yaml; skipped when its checkpoint exists);
 2. synchronous: configs/async/tiny_trainer.yaml with --mode both --synchronizer.sync_offset 0 (explorer
@@ -41,8 +42,22 @@ def run(cmd: list[str], env: dict | None = None) -> float:
 
 def bench(name: str) -> float:
     """Greedy held-out accuracy of run `name`'s newest checkpoint (of the SFT weights when it has none)."""
-    run([PY, "explore.py", "--config", "configs/async/tiny_explorer.yaml", "--mode", "bench", "--name", name,
-         "--explorer.bench_on_latest_checkpoint", "True", "--monitor.monitor_type", "none"])
+    run(
+        [
+            PY,
+            "explore.py",
+            "--config",
+            "configs/async/tiny_explorer.yaml",
+            "--mode",
+            "bench",
+            "--name",
+            name,
+            "--explorer.bench_on_latest_checkpoint",
+            "True",
+            "--monitor.monitor_type",
+            "none",
+        ]
+    )
     rows = read_history(ROOT / "checkpoints/nanorft" / name / "monitor/explorer_bench.jsonl")
     return rows[-1]["bench/arith_test/accuracy/mean@1"]
 
@@ -57,12 +72,26 @@ def main() -> int:
     result["accuracy_sft"] = bench(f"bench_sft_{tag}")
 
     sync_name, async_name = f"tiny_sync_{tag}", f"tiny_async_{tag}"
-    result["sync_seconds"] = run([PY, "train.py", "--config", "configs/async/tiny_trainer.yaml", "--mode", "both",
-                                  "--synchronizer.sync_offset", "0", "--name", sync_name])
+    result["sync_seconds"] = run(
+        [
+            PY,
+            "train.py",
+            "--config",
+            "configs/async/tiny_trainer.yaml",
+            "--mode",
+            "both",
+            "--synchronizer.sync_offset",
+            "0",
+            "--name",
+            sync_name,
+        ]
+    )
     start = time.monotonic()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_process)}
-    procs = [subprocess.Popen([PY, script, "--config", f"configs/async/{cfg}", "--name", async_name], cwd=ROOT, env=env)
-             for script, cfg in (("train.py", "tiny_trainer.yaml"), ("explore.py", "tiny_explorer.yaml"))]
+    procs = [
+        subprocess.Popen([PY, script, "--config", f"configs/async/{cfg}", "--name", async_name], cwd=ROOT, env=env)
+        for script, cfg in (("train.py", "tiny_trainer.yaml"), ("explore.py", "tiny_explorer.yaml"))
+    ]
     codes = [p.wait() for p in procs]
     result["async_seconds"] = time.monotonic() - start
     if any(codes):

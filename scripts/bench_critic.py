@@ -4,7 +4,8 @@
         [--model checkpoints/nanorft/tiny_sft/global_step_350/actor/huggingface] [--steps 6] [--repeats 3]
 
 The experience DB of a finished run (its explorers marked finished) is copied once per run and its
-claims released, so every run trains on the same experiences: `train.py --mode train` with algorithm_type grpo, then ppo, then
+claims released, so every run trains on the same experiences: `train.py --mode train` with algorithm_type grpo, then
+ppo, then
 grpo, ... (--repeats pairs, alternating so that machine noise hits both), with configs/tiny_opmd.yaml's
 other settings (tiny_ppo.yaml's critic lr). Each run does --steps train
 steps of train_batch_size 128; the first step of each run (allocation warm-up) is dropped. Reported:
@@ -37,11 +38,36 @@ def run(algo: str, db: Path, model: str, steps: int, work: Path, k: int) -> dict
     shutil.copy(db, copy)
     with ExperienceDB(f"sqlite:///{copy}") as d:
         d.release_after(0)  # every experience pending again
-    cmd = [sys.executable, "train.py", "--config", "configs/tiny_opmd.yaml", "--mode", "train", "--name", name,
-           "--checkpoint_root_dir", str(work), "--model.model_path", model, "--algorithm.algorithm_type", algo,
-           "--algorithm.repeat_times", "1" if algo == "ppo" else "8", "--buffer.train_batch_size", "128",
-           "--buffer.total_steps", str(steps), "--trainer.critic.lr", "5e-4", "--trainer.save_interval", "0",
-           "--buffer.trainer_input.experience_buffer.path", f"sqlite:///{copy}", "--monitor.monitor_type", "none"]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        "configs/tiny_opmd.yaml",
+        "--mode",
+        "train",
+        "--name",
+        name,
+        "--checkpoint_root_dir",
+        str(work),
+        "--model.model_path",
+        model,
+        "--algorithm.algorithm_type",
+        algo,
+        "--algorithm.repeat_times",
+        "1" if algo == "ppo" else "8",
+        "--buffer.train_batch_size",
+        "128",
+        "--buffer.total_steps",
+        str(steps),
+        "--trainer.critic.lr",
+        "5e-4",
+        "--trainer.save_interval",
+        "0",
+        "--buffer.trainer_input.experience_buffer.path",
+        f"sqlite:///{copy}",
+        "--monitor.monitor_type",
+        "none",
+    ]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
     rows = read_history(work / "nanorft" / name / "monitor" / "trainer.jsonl")[1:]
     return {key: statistics.median(r[key] for r in rows) for key in KEYS}

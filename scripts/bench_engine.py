@@ -41,8 +41,16 @@ from tiny import build  # noqa: E402
 def build_25m(tiny: str, out: str) -> str:
     """A ~25M-param random Qwen2 with tiny's tokenizer and generation config."""
     config = transformers.Qwen2Config.from_pretrained(tiny)
-    config.update(dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                       intermediate_size=1408, layer_types=["full_attention"] * 8))
+    config.update(
+        dict(
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            intermediate_size=1408,
+            layer_types=["full_attention"] * 8,
+        )
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(config).save_pretrained(out)
     for name in os.listdir(tiny):
@@ -51,24 +59,38 @@ def build_25m(tiny: str, out: str) -> str:
     return out
 
 
-def bench_engine(engine: HFEngine, prompts: list[list[int]], n: int, tokens: int, fixed: bool, seed: int) -> tuple[float, list]:
-    params = SamplingParams(n=n, temperature=1.0, top_k=0, top_p=1.0, max_tokens=tokens,
-                            min_tokens=tokens if fixed else 0, seed=seed)
+def bench_engine(
+    engine: HFEngine, prompts: list[list[int]], n: int, tokens: int, fixed: bool, seed: int
+) -> tuple[float, list]:
+    params = SamplingParams(
+        n=n, temperature=1.0, top_k=0, top_p=1.0, max_tokens=tokens, min_tokens=tokens if fixed else 0, seed=seed
+    )
     start = time.perf_counter()
     outs = engine.generate(prompts, [params] * len(prompts))
     seconds = time.perf_counter() - start
     return sum(len(c.token_ids) for cs in outs for c in cs) / seconds, outs
 
 
-def bench_generate(model, prompts: list[list[int]], n: int, tokens: int, fixed: bool, pad: int, eos: list[int]) -> float:
+def bench_generate(
+    model, prompts: list[list[int]], n: int, tokens: int, fixed: bool, pad: int, eos: list[int]
+) -> float:
     rows = [p for p in prompts for _ in range(n)]
     width = max(map(len, rows))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])  # [B, L] left-padded
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])  # [B, L]
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=tokens, min_new_tokens=tokens if fixed else 0, pad_token_id=pad)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens if fixed else 0,
+            pad_token_id=pad,
+        )
     seconds = time.perf_counter() - start
     count = 0
     for row in out[:, width:].tolist():  # tokens up to and including the first EOS
@@ -97,7 +119,7 @@ def compare(path: str, prompts: list[list[int]], args: argparse.Namespace, fixed
         bench_engine(engine, prompts[:2], args.n, 4, fixed, 0)  # warm-up
         bench_generate(stock, prompts[:2], args.n, 4, fixed, pad, eos)
         for k in range(args.repeats):
-            for contender in ((0, 1) if k % 2 else (1, 0)):
+            for contender in (0, 1) if k % 2 else (1, 0):
                 if contender == 0:
                     rate, outs = bench_engine(engine, prompts, args.n, args.tokens, fixed, seed=k)
                     eng.append(rate)
@@ -115,8 +137,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--models", default="tiny,25M")
     args = ap.parse_args()
-    print(f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.prompts} prompts x n={args.n}, at most {args.tokens} new tokens")
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} threads; {args.prompts} prompts x n={args.n}, at most {args.tokens} new tokens"
+    )
     root = tempfile.mkdtemp(prefix="bench_engine_")
     build(root, n_train=max(50, args.prompts), n_test=10, problems="plain", two_step_frac=0.5)
     tiny = os.path.join(root, "tiny-qwen2")
@@ -126,19 +150,30 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         tok = load_tokenizer(paths[name])
-        prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                      tokenize=False), add_special_tokens=False) for q in questions]
+        prompts = [
+            tok.encode(
+                tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )
+            for q in questions
+        ]
         for fixed in (True, False):
             r = compare(paths[name], prompts, args, fixed)
             rows.append((name, "fixed" if fixed else "natural", r))
             print(f"{name} {'fixed' if fixed else 'natural'}: {json.dumps(r)}", flush=True)
     shutil.rmtree(root)
-    print("\n| model | workload | HFEngine tok/s (min-max) | batched model.generate tok/s (min-max) | ratio | max logprob diff |")
+    print(
+        "\n| model | workload | HFEngine tok/s (min-max) | batched model.generate tok/s (min-max) | ratio "
+        "| max logprob diff |"
+    )
     print("|---|---|---:|---:|---:|---:|")
     for name, work, r in rows:
         e, g = r["engine"], r["generate"]
-        print(f"| {name} | {work} | {statistics.median(e):,.0f} ({min(e):,.0f}-{max(e):,.0f}) | {statistics.median(g):,.0f} "
-              f"({min(g):,.0f}-{max(g):,.0f}) | {r['ratio']:.2f} | {r['diff']:.1e} |")
+        print(
+            f"| {name} | {work} | {statistics.median(e):,.0f} ({min(e):,.0f}-{max(e):,.0f}) | "
+            f"{statistics.median(g):,.0f} "
+            f"({min(g):,.0f}-{max(g):,.0f}) | {r['ratio']:.2f} | {r['diff']:.1e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -99,13 +99,25 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--groups", type=int, default=16, help="GRPO groups per train step")
     ap.add_argument("--group-size", type=int, default=8, help="responses per prompt (also the engine's n)")
     ap.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (trainer and engine)")
-    ap.add_argument("--response-len", type=int, default=480,
-                    help="response tokens; the default makes a group 256 + 8 x 480 = 4096 packed tokens")
-    ap.add_argument("--tokens-per-micro-batch", type=int, default=None,
-                    help="trainer.max_token_len_per_gpu; unset: what configs.derive makes of it (16384 here)")
-    ap.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                    help="trainer.gradient_checkpointing; default on with CUDA (estimate: 1.5b at 16k tokens "
-                         "needs ~60 GB of activations without it)")
+    ap.add_argument(
+        "--response-len",
+        type=int,
+        default=480,
+        help="response tokens; the default makes a group 256 + 8 x 480 = 4096 packed tokens",
+    )
+    ap.add_argument(
+        "--tokens-per-micro-batch",
+        type=int,
+        default=None,
+        help="trainer.max_token_len_per_gpu; unset: what configs.derive makes of it (16384 here)",
+    )
+    ap.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="trainer.gradient_checkpointing; default on with CUDA (estimate: 1.5b at 16k tokens "
+        "needs ~60 GB of activations without it)",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed train steps (after one warm-up step)")
     ap.add_argument("--concurrency", default="128,512", help="engine: concurrent sequences, comma-separated")
     ap.add_argument("--decode-tokens", type=int, default=256, help="engine: tokens each sequence decodes")
@@ -136,24 +148,43 @@ def make_model_folder(shape: str, folder: Path, device: torch.device) -> dict:
     tokenizer = make_tokenizer()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = transformers.Qwen2Config(
-        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-        intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=True, rope_theta=1e6,
-        max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
-        pad_token_id=ids["<|endoftext|>"])
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=inter,
+        vocab_size=vocab,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        max_position_embeddings=32768,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
     torch.manual_seed(0)
     with torch.device(device):  # NOTE: on the GPU, so the 1.5B random init takes a moment, not a minute
         model = transformers.Qwen2ForCausalLM(config)
     model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
-        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]])
+        bos_token_id=ids["<|endoftext|>"],
+        pad_token_id=ids["<|endoftext|>"],
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]],
+    )
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     embedding = model.get_input_embeddings().weight.numel()
     params = sum(p.numel() for p in model.parameters())  # tied: the head counted once, as the embedding
     del model
-    return {"shape": shape, "params": params, "non_embedding_params": params - embedding, "hidden": hidden,
-            "layers": layers, "heads": heads, "head_dim": hidden // heads, "vocab": vocab}
+    return {
+        "shape": shape,
+        "params": params,
+        "non_embedding_params": params - embedding,
+        "hidden": hidden,
+        "layers": layers,
+        "heads": heads,
+        "head_dim": hidden // heads,
+        "vocab": vocab,
+    }
 
 
 def trainer_config(a: argparse.Namespace, work: Path, device: torch.device) -> configs.Config:
@@ -179,8 +210,15 @@ def grpo_batch(a: argparse.Namespace, cfg: configs.Config) -> tuple[dict, list[l
         prompt = torch.randint(0, 256, (a.prompt_len,), generator=g)
         for r in range(a.group_size):
             response = torch.randint(0, 256, (a.response_len,), generator=g)
-            exps.append(Experience(tokens=torch.cat([prompt, response]), prompt_length=a.prompt_len,
-                                   reward=float(r % 2), group_id=f"g{k}", run_id=r))
+            exps.append(
+                Experience(
+                    tokens=torch.cat([prompt, response]),
+                    prompt_length=a.prompt_len,
+                    reward=float(r % 2),
+                    group_id=f"g{k}",
+                    run_id=r,
+                )
+            )
     batch = models.step_batch(exps, cfg.model.max_response_tokens)
     B, T = batch["responses"].shape
     batch["advantages"] = torch.randn(B, 1, generator=g).expand(B, T).contiguous()  # [B,T] one per sequence
@@ -201,13 +239,23 @@ def step_flops(batch: dict, micro: list[list[list[int]]], facts: dict) -> dict[s
     seq = int((batch["prompt_lengths"] + batch["response_lengths"]).sum())
     scored = int(batch["response_mask"].sum())
     f = facts
-    flops = (6 * f["non_embedding_params"] * packed + 6 * f["hidden"] * f["vocab"] * scored
-             + 12 * f["layers"] * f["heads"] * f["head_dim"] * pairs)
+    flops = (
+        6 * f["non_embedding_params"] * packed
+        + 6 * f["hidden"] * f["vocab"] * scored
+        + 12 * f["layers"] * f["heads"] * f["head_dim"] * pairs
+    )
     return {"packed": packed, "seq": seq, "scored": scored, "flops": float(flops)}
 
 
-def train_step(scorer: models.TokenScorer, optim: torch.optim.Optimizer, batch: dict, micro: list, share: bool,
-               device: torch.device, grad_clip: float) -> tuple[float, float]:
+def train_step(
+    scorer: models.TokenScorer,
+    optim: torch.optim.Optimizer,
+    batch: dict,
+    micro: list,
+    share: bool,
+    device: torch.device,
+    grad_clip: float,
+) -> tuple[float, float]:
     """One optimizer step over every micro-batch; (step seconds, of which packing micro-batches on the CPU)."""
     sync_cuda()
     start, pack_s = time.perf_counter(), 0.0
@@ -235,8 +283,9 @@ def peak_memory(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def bench_trainer(a: argparse.Namespace, cfg: configs.Config, device: torch.device, facts: dict,
-                  peak: float | None) -> tuple[models.TokenScorer, torch.optim.Optimizer, dict]:
+def bench_trainer(
+    a: argparse.Namespace, cfg: configs.Config, device: torch.device, facts: dict, peak: float | None
+) -> tuple[models.TokenScorer, torch.optim.Optimizer, dict]:
     """The trainer's model, optimizer and figures (see the module docstring)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -244,16 +293,24 @@ def bench_trainer(a: argparse.Namespace, cfg: configs.Config, device: torch.devi
     optim = train.adamw(scorer, 1e-6, cfg.algorithm.optimizer)
     batch, micro = grpo_batch(a, cfg)
     n = step_flops(batch, micro, facts)
-    runs = [train_step(scorer, optim, batch, micro, cfg.trainer.use_remove_padding, device, cfg.trainer.grad_clip)
-            for _ in range(a.steps + 1)][1:]  # the first: warm-up (allocations, kernels)
+    runs = [
+        train_step(scorer, optim, batch, micro, cfg.trainer.use_remove_padding, device, cfg.trainer.grad_clip)
+        for _ in range(a.steps + 1)
+    ][1:]  # the first: warm-up (allocations, kernels)
     step_s = statistics.median(r[0] for r in runs)
     achieved = n["flops"] / step_s
-    out = {"trainer/packed_tokens_per_s": n["packed"] / step_s, "trainer/seq_tokens_per_s": n["seq"] / step_s,
-           "trainer/step_s": step_s, "trainer/pack_s": statistics.median(r[1] for r in runs),
-           "trainer/peak_memory_bytes": peak_memory(device), "trainer/tflops_per_s": achieved / 1e12,
-           "trainer/mfu": achieved / (peak * 1e12) if peak else None,
-           "trainer/packed_tokens_per_step": n["packed"], "trainer/seq_tokens_per_step": n["seq"],
-           "trainer/micro_batches_per_step": len(micro)}
+    out = {
+        "trainer/packed_tokens_per_s": n["packed"] / step_s,
+        "trainer/seq_tokens_per_s": n["seq"] / step_s,
+        "trainer/step_s": step_s,
+        "trainer/pack_s": statistics.median(r[1] for r in runs),
+        "trainer/peak_memory_bytes": peak_memory(device),
+        "trainer/tflops_per_s": achieved / 1e12,
+        "trainer/mfu": achieved / (peak * 1e12) if peak else None,
+        "trainer/packed_tokens_per_step": n["packed"],
+        "trainer/seq_tokens_per_step": n["seq"],
+        "trainer/micro_batches_per_step": len(micro),
+    }
     return scorer, optim, out
 
 
@@ -265,16 +322,30 @@ def sync_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
 
 
-def bench_group(a: argparse.Namespace, scorer: models.TokenScorer, work: Path, device: torch.device,
-                dtype: torch.dtype) -> dict:
+def bench_group(
+    a: argparse.Namespace, scorer: models.TokenScorer, work: Path, device: torch.device, dtype: torch.dtype
+) -> dict:
     """The process-group method: this process sends in `dtype` (train.py's: the engine's), a second one (--role
     receiver) receives and loads."""
     nccl = sync_backend(device) == "nccl"
     send_dev, recv_dev = ("cuda:0", "cuda:1") if nccl else ("cpu", "cpu")
     engine_dev = "cuda:1" if nccl else "cuda" if device.type == "cuda" else "cpu"
     link = sync.open_sender(work / "pg", send_dev, SYNC_TIMEOUT)
-    peer = subprocess.Popen([sys.executable, __file__, "--role", "receiver", "--workdir", str(work),
-                             "--engine-device", engine_dev, "--sync-device", recv_dev], cwd=ROOT)
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--role",
+            "receiver",
+            "--workdir",
+            str(work),
+            "--engine-device",
+            engine_dev,
+            "--sync-device",
+            recv_dev,
+        ],
+        cwd=ROOT,
+    )
     rows = []
     for version in range(a.sync_repeats + 1):  # version 0: the warm-up, which also creates the group
         start, t0 = time.time(), time.perf_counter()
@@ -289,9 +360,12 @@ def bench_group(a: argparse.Namespace, scorer: models.TokenScorer, work: Path, d
     sync.close_sender(link, finished=True, grace=60)
     if peer.wait(timeout=SYNC_TIMEOUT):
         raise RuntimeError(f"the receiver process failed (exit {peer.returncode})")
-    return {"sync/group/end_to_end_s": statistics.median(r[0] for r in rows),
-            "sync/group/send_s": statistics.median(r[1] for r in rows),
-            "sync/group/engine_load_s": statistics.median(r[2] for r in rows), "sync/group/bytes": sent}
+    return {
+        "sync/group/end_to_end_s": statistics.median(r[0] for r in rows),
+        "sync/group/send_s": statistics.median(r[1] for r in rows),
+        "sync/group/engine_load_s": statistics.median(r[2] for r in rows),
+        "sync/group/bytes": sent,
+    }
 
 
 def receiver(a: argparse.Namespace) -> None:
@@ -300,8 +374,13 @@ def receiver(a: argparse.Namespace) -> None:
     work, cuda = Path(a.workdir), a.engine_device.startswith("cuda")
     if a.sync_device.startswith("cuda"):
         torch.cuda.set_device(torch.device(a.sync_device))  # NCCL: this process's GPU is the receiving one
-    engine = HFEngine(str(work / "model"), device=a.engine_device, dtype="bfloat16" if cuda else "float32",
-                      max_model_len=64, max_batch_size=1)
+    engine = HFEngine(
+        str(work / "model"),
+        device=a.engine_device,
+        dtype="bfloat16" if cuda else "float32",
+        max_model_len=64,
+        max_batch_size=1,
+    )
     link = sync.open_receiver(work / "pg", SYNC_TIMEOUT, device=a.sync_device)
     while (got := sync.receive_weights(link)) is not None:
         sync_cuda()  # NOTE: an NCCL broadcast's wait() only orders streams; the bytes are there after this
@@ -316,8 +395,9 @@ def receiver(a: argparse.Namespace) -> None:
     engine.close()
 
 
-def bench_checkpoint(a: argparse.Namespace, scorer: models.TokenScorer, engine: HFEngine, cfg: configs.Config,
-                     dtype: torch.dtype) -> dict:
+def bench_checkpoint(
+    a: argparse.Namespace, scorer: models.TokenScorer, engine: HFEngine, cfg: configs.Config, dtype: torch.dtype
+) -> dict:
     """The checkpoint method: gather the full state, publish the HF folder in `dtype` (train.publish's, for a step
     that is not also a checkpoint), load it into the engine."""
     tokenizer, job, rows, size = models.load_tokenizer(cfg.model.model_path), cfg.checkpoint_job_dir, [], 0
@@ -336,7 +416,8 @@ def bench_checkpoint(a: argparse.Namespace, scorer: models.TokenScorer, engine: 
         shutil.rmtree(folder.parent.parent)  # 1.5b: 3 GB of bf16 per folder
     names = ("gather_s", "save_s", "engine_load_s", "total_s")
     return {f"sync/checkpoint/{k}": statistics.median(r[i] for r in rows) for i, k in enumerate(names)} | {
-        "sync/checkpoint/bytes": size}
+        "sync/checkpoint/bytes": size
+    }
 
 
 # --- engine
@@ -351,17 +432,22 @@ def bench_decode(a: argparse.Namespace, engine: HFEngine) -> dict:
         prompts = [torch.randint(0, 256, (a.prompt_len,), generator=g).tolist() for _ in range(c // n)]
         timed = {}
         for tokens in (1, N):
-            params = [SamplingParams(n=n, temperature=1.0, max_tokens=tokens, min_tokens=tokens, seed=k)
-                      for k in range(len(prompts))]
+            params = [
+                SamplingParams(n=n, temperature=1.0, max_tokens=tokens, min_tokens=tokens, seed=k)
+                for k in range(len(prompts))
+            ]
             t0, batches = time.perf_counter(), engine.num_batches
             done = engine.generate(prompts, params)
             timed[tokens] = time.perf_counter() - t0
             if sorted({len(x.token_ids) for cs in done for x in cs}) != [tokens] or engine.num_batches != batches + 1:
                 raise RuntimeError(f"concurrency {c}: not one batch of sequences of exactly {tokens} tokens each")
         rows = len(prompts) * n
-        out |= {f"engine/c{c}/tokens_per_s": rows * N / timed[N], f"engine/c{c}/generate_s": timed[N],
-                f"engine/c{c}/prefill_s": timed[1],
-                f"engine/c{c}/decode_only_tokens_per_s": rows * (N - 1) / max(timed[N] - timed[1], 1e-9)}
+        out |= {
+            f"engine/c{c}/tokens_per_s": rows * N / timed[N],
+            f"engine/c{c}/generate_s": timed[N],
+            f"engine/c{c}/prefill_s": timed[1],
+            f"engine/c{c}/decode_only_tokens_per_s": rows * (N - 1) / max(timed[N] - timed[1], 1e-9),
+        }
     return out
 
 
@@ -421,8 +507,13 @@ def main(a: argparse.Namespace) -> None:
     results |= bench_group(a, scorer, work, device, wire)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     concurrency = [int(x) for x in a.concurrency.split(",")]
-    engine = HFEngine(str(work / "model"), device=device.type, dtype=dtype,
-                      max_model_len=a.prompt_len + a.decode_tokens, max_batch_size=max(concurrency))
+    engine = HFEngine(
+        str(work / "model"),
+        device=device.type,
+        dtype=dtype,
+        max_model_len=a.prompt_len + a.decode_tokens,
+        max_batch_size=max(concurrency),
+    )
     results |= bench_checkpoint(a, scorer, engine, cfg, wire)
     # --- engine: the trainer's memory freed first
     del scorer, optim
@@ -432,17 +523,41 @@ def main(a: argparse.Namespace) -> None:
     results |= bench_decode(a, engine)
     engine.close()
     # --- report
-    settings = {k: getattr(a, k) for k in ("groups", "group_size", "prompt_len", "response_len", "steps",
-                                          "concurrency", "decode_tokens", "sync_repeats")}
-    settings |= {"tokens_per_micro_batch": cfg.trainer.max_token_len_per_gpu, "peak_tflops": peak,
-                 "gradient_checkpointing": cfg.trainer.gradient_checkpointing, "engine_dtype": dtype,
-                 "trainer_compute": "bf16 (fp32 master weights)" if device.type == "cuda" else "fp32",
-                 "sync_backend": sync_backend(device), "sync_dtype": str(wire).removeprefix("torch."),
-                 "engine_requests": {c: f"{c // min(a.group_size, c)} prompts x n={min(a.group_size, c)}"
-                                     for c in concurrency}}
-    report(a, {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-               "command": shlex.join([sys.executable, *sys.argv]), "model": facts, "settings": settings,
-               "results": results})
+    settings = {
+        k: getattr(a, k)
+        for k in (
+            "groups",
+            "group_size",
+            "prompt_len",
+            "response_len",
+            "steps",
+            "concurrency",
+            "decode_tokens",
+            "sync_repeats",
+        )
+    }
+    settings |= {
+        "tokens_per_micro_batch": cfg.trainer.max_token_len_per_gpu,
+        "peak_tflops": peak,
+        "gradient_checkpointing": cfg.trainer.gradient_checkpointing,
+        "engine_dtype": dtype,
+        "trainer_compute": "bf16 (fp32 master weights)" if device.type == "cuda" else "fp32",
+        "sync_backend": sync_backend(device),
+        "sync_dtype": str(wire).removeprefix("torch."),
+        "engine_requests": {c: f"{c // min(a.group_size, c)} prompts x n={min(a.group_size, c)}" for c in concurrency},
+    }
+    report(
+        a,
+        {
+            "device": device_name(device),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "model": facts,
+            "settings": settings,
+            "results": results,
+        },
+    )
     if not a.workdir:
         shutil.rmtree(work, ignore_errors=True)
     dist.destroy_process_group()

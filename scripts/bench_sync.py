@@ -39,9 +39,16 @@ def build(kind: str, workdir: Path) -> tuple[torch.nn.Module, torch.dtype]:
 
         build_tiny(str(workdir / "tiny"))
         return load_model(str(workdir / "tiny/tiny-qwen2")), torch.float32
-    config = transformers.Qwen2Config(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                      num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                                      tie_word_embeddings=True, dtype="bfloat16")
+    config = transformers.Qwen2Config(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
     with torch.device("meta"):
         model = transformers.Qwen2ForCausalLM(config)
     model = model.to(torch.bfloat16).to_empty(device="cpu")
@@ -74,8 +81,12 @@ def bench_checkpoint(kind: str, workdir: Path, repeats: int) -> dict[str, float]
         del state
         load.append(time.perf_counter() - t1)
         save.append(t1 - t0)
-    return {"bytes": nbytes(model), "save_s": statistics.median(save), "load_s": statistics.median(load),
-            "total_s": statistics.median([a + b for a, b in zip(save, load)])}
+    return {
+        "bytes": nbytes(model),
+        "save_s": statistics.median(save),
+        "load_s": statistics.median(load),
+        "total_s": statistics.median([a + b for a, b in zip(save, load)]),
+    }
 
 
 def bench_group(kind: str, workdir: Path, repeats: int) -> dict[str, float]:
@@ -115,8 +126,16 @@ def role_receiver(kind: str, workdir: Path, repeats: int) -> None:
             recv.append(t1 - t0), load.append(t2 - t1), total.append(t2 - t0)
     assert sync.receive_weights(link) is None
     sync.close_receiver(link)
-    print(json.dumps({"bytes": nbytes(target), "receive_s": statistics.median(recv), "load_s": statistics.median(load),
-                      "total_s": statistics.median(total)}))
+    print(
+        json.dumps(
+            {
+                "bytes": nbytes(target),
+                "receive_s": statistics.median(recv),
+                "load_s": statistics.median(load),
+                "total_s": statistics.median(total),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -137,9 +156,12 @@ def main() -> None:
         ck = bench_checkpoint(kind, workdir, args.repeats)
         pg = bench_group(kind, workdir, args.repeats)
         gb = ck["bytes"] / 1e9
-        print(f"{kind:5s} {gb:6.3f} GB  checkpoint {ck['total_s']:7.3f} s ({gb / ck['total_s']:5.2f} GB/s; "
-              f"save {ck['save_s']:.3f} + load {ck['load_s']:.3f})  group {pg['total_s']:7.3f} s "
-              f"({gb / pg['total_s']:5.2f} GB/s; receive {pg['receive_s']:.3f} + load {pg['load_s']:.3f})", flush=True)
+        print(
+            f"{kind:5s} {gb:6.3f} GB  checkpoint {ck['total_s']:7.3f} s ({gb / ck['total_s']:5.2f} GB/s; "
+            f"save {ck['save_s']:.3f} + load {ck['load_s']:.3f})  group {pg['total_s']:7.3f} s "
+            f"({gb / pg['total_s']:5.2f} GB/s; receive {pg['receive_s']:.3f} + load {pg['load_s']:.3f})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

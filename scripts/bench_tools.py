@@ -51,11 +51,24 @@ def main() -> None:
     if a.one:
         print(json.dumps(one(a.calls)))
         return
-    runs = [json.loads(subprocess.run([sys.executable, __file__, "--one", "--calls", str(a.calls)], check=True,
-                                      capture_output=True, text=True, cwd=ROOT).stdout) for _ in range(a.runs)]
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--one", "--calls", str(a.calls)],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+            ).stdout
+        )
+        for _ in range(a.runs)
+    ]
     print("first call of each run (ms):", " ".join(f"{r['first'] * 1e3:.1f}" for r in runs))
-    for key, what in (("first", "first call (starts a worker)"), ("pooled", "a pooled call"),
-                      ("in_process", "the calculator in-process")):
+    for key, what in (
+        ("first", "first call (starts a worker)"),
+        ("pooled", "a pooled call"),
+        ("in_process", "the calculator in-process"),
+    ):
         print(f"{what}: median {statistics.median(r[key] for r in runs) * 1e3:.3f} ms over {a.runs} runs")
 
 

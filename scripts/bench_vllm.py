@@ -52,8 +52,16 @@ def make_model(kind: str, tiny: str, out: Path) -> str:
         return tiny
     hidden, layers, heads, mlp = SHAPES[kind]
     config = transformers.Qwen2Config.from_pretrained(tiny)
-    config.update(dict(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=heads, intermediate_size=mlp, layer_types=["full_attention"] * layers))
+    config.update(
+        dict(
+            hidden_size=hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            intermediate_size=mlp,
+            layer_types=["full_attention"] * layers,
+        )
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config)
     sync.save_hf(model, load_tokenizer(tiny), out / kind)
@@ -64,9 +72,17 @@ def make_model(kind: str, tiny: str, out: Path) -> str:
 
 def prompts(path: str, count: int) -> list[list[int]]:
     tok = load_tokenizer(path)
-    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": f"What is {i % 9} + {i % 7} - 2?"}],
-                                               tokenize=False, add_generation_prompt=True), add_special_tokens=False)
-            for i in range(count)]
+    return [
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"What is {i % 9} + {i % 7} - 2?"}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            add_special_tokens=False,
+        )
+        for i in range(count)
+    ]
 
 
 def tokens_per_second(engine, ids: list[list[int]], n: int, tokens: int, seed: int) -> float:
@@ -77,8 +93,13 @@ def tokens_per_second(engine, ids: list[list[int]], n: int, tokens: int, seed: i
 
 
 def rollout_model(eager: bool = True) -> InferenceModelConfig:
-    return InferenceModelConfig(engine_type="vllm", dtype="float32", gpu_memory_utilization=0.15, enforce_eager=eager,
-                                enable_chunked_prefill=torch.cuda.is_available())  # as configs.derive leaves it
+    return InferenceModelConfig(
+        engine_type="vllm",
+        dtype="float32",
+        gpu_memory_utilization=0.15,
+        enforce_eager=eager,
+        enable_chunked_prefill=torch.cuda.is_available(),
+    )  # as configs.derive leaves it
 
 
 def perturbed(path: str, seed: int) -> torch.nn.Module:
@@ -122,8 +143,11 @@ def reloads(pool, hf: HFEngine, path: str, work: Path, repeats: int) -> dict[str
         hf.load_weights(str(published), version=r + 1)
         hf_folder.append(time.perf_counter() - start)
     group = over_the_group(pool, [models[0], *models], work / "group")
-    return {"vllm_folder_s": statistics.median(folder), "vllm_group_s": statistics.median(group),
-            "hf_folder_s": statistics.median(hf_folder)}
+    return {
+        "vllm_folder_s": statistics.median(folder),
+        "vllm_group_s": statistics.median(group),
+        "hf_folder_s": statistics.median(hf_folder),
+    }
 
 
 def bench(kind: str, path: str, args: argparse.Namespace, work: Path) -> dict:
@@ -145,9 +169,17 @@ def bench(kind: str, path: str, args: argparse.Namespace, work: Path) -> dict:
         hf.close()
     params = sum(p.numel() for p in load_model(path).parameters())
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"model": kind, "params": params, "vllm_tok_s": med["vllm"], "hf_tok_s": med["hf"],
-            "ratio": med["vllm"] / med["hf"], "vllm_runs": runs["vllm"], "hf_runs": runs["hf"],
-            "start_s": started, **times}
+    return {
+        "model": kind,
+        "params": params,
+        "vllm_tok_s": med["vllm"],
+        "hf_tok_s": med["hf"],
+        "ratio": med["vllm"] / med["hf"],
+        "vllm_runs": runs["vllm"],
+        "hf_runs": runs["hf"],
+        "start_s": started,
+        **times,
+    }
 
 
 def main() -> None:
@@ -162,8 +194,17 @@ def main() -> None:
     args = ap.parse_args()
     import vllm
 
-    print(json.dumps({"vllm": vllm.__version__, "torch": torch.__version__, "cpu": platform.processor() or
-                      platform.machine(), "cores": len(os.sched_getaffinity(0))}), flush=True)
+    print(
+        json.dumps(
+            {
+                "vllm": vllm.__version__,
+                "torch": torch.__version__,
+                "cpu": platform.processor() or platform.machine(),
+                "cores": len(os.sched_getaffinity(0)),
+            }
+        ),
+        flush=True,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         build(str(work / "tiny"), n_train=10, n_test=2)
@@ -177,12 +218,16 @@ def main() -> None:
                 print(json.dumps({"model": kind, "start_compiled_s": time.perf_counter() - start}), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"\n{'model':>6} {'params':>8} {'vLLM tok/s':>11} {'HF tok/s':>9} {'vLLM/HF':>8} {'start s':>8} "
-          f"{'folder s':>9} {'group s':>8} {'HF folder s':>11}")
+    print(
+        f"\n{'model':>6} {'params':>8} {'vLLM tok/s':>11} {'HF tok/s':>9} {'vLLM/HF':>8} {'start s':>8} "
+        f"{'folder s':>9} {'group s':>8} {'HF folder s':>11}"
+    )
     for r in rows:
-        print(f"{r['model']:>6} {r['params'] / 1e6:>7.1f}M {r['vllm_tok_s']:>11.0f} {r['hf_tok_s']:>9.0f} "
-              f"{r['ratio']:>7.2f}x {r['start_s']:>8.1f} {r['vllm_folder_s']:>9.3f} {r['vllm_group_s']:>8.3f} "
-              f"{r['hf_folder_s']:>11.3f}")
+        print(
+            f"{r['model']:>6} {r['params'] / 1e6:>7.1f}M {r['vllm_tok_s']:>11.0f} {r['hf_tok_s']:>9.0f} "
+            f"{r['ratio']:>7.2f}x {r['start_s']:>8.1f} {r['vllm_folder_s']:>9.3f} {r['vllm_group_s']:>8.3f} "
+            f"{r['hf_folder_s']:>11.3f}"
+        )
 
 
 if __name__ == "__main__":

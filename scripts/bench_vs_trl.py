@@ -26,7 +26,8 @@ The runs alternate within each seed, in a rotating order, so that drift of this 
 Reported per run: wall time of the steps (first step start to last step end: nanorft's trainer step times
 summed; TRL's from a callback), step-time breakdown (nanorft: rollout, update, and the rest of the step: DB,
 weight sync, batch building, logging, waiting, beyond rollout + update, or beyond the longer of the two when they
-overlap; TRL: generate, and the rest: rewards, the update, logging), completions/s and generated tokens/s over that wall time, peak RSS (nanorft: explorer + trainer),
+overlap; TRL: generate, and the rest: rewards, the update, logging), completions/s and generated tokens/s over that
+wall time, peak RSS (nanorft: explorer + trainer),
 the whole command's wall time (start-up included), and held-out greedy accuracy before and after, with one
 evaluator for both (plain transformers `generate`, greedy, on the 500 test problems).
 Then medians per variant and the speed-up ratios TRL / nanorft, seed by seed.
@@ -47,8 +48,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TINY_ARGS = ["--problems", "plain", "--two-step-frac", "0.5", "--max-operand", "9", "--teacher-error", "0.6",
-             "--n-train", "2500", "--n-test", "500"]
+TINY_ARGS = [
+    "--problems",
+    "plain",
+    "--two-step-frac",
+    "0.5",
+    "--max-operand",
+    "9",
+    "--teacher-error",
+    "0.6",
+    "--n-train",
+    "2500",
+    "--n-test",
+    "500",
+]
 HP = {"prompts": 16, "n": 8, "max_new": 48, "lr": 5e-5, "grad_clip": 1.0}
 
 
@@ -57,26 +70,60 @@ HP = {"prompts": 16, "n": 8, "max_new": 48, "lr": 5e-5, "grad_clip": 1.0}
 
 def build_workload(work: Path, sft_steps: int) -> Path:
     """tiny.py's assets and the SFT checkpoint GRPO starts from (both cached); the SFT weights' folder."""
-    subprocess.run([sys.executable, "tiny.py", "--out", str(work / "assets"), *TINY_ARGS], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "tiny.py", "--out", str(work / "assets"), *TINY_ARGS],
+        cwd=ROOT,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     sft = work / "sft" / "bench" / f"sft{sft_steps}"
     weights = sft / f"global_step_{sft_steps}" / "actor" / "huggingface"
     if not (weights / "model.safetensors").is_file():
-        cfg = {"project": "bench", "name": f"sft{sft_steps}", "mode": "train", "continue_from_checkpoint": True,
-               "checkpoint_root_dir": str(work / "sft"),
-               "algorithm": {"algorithm_type": "sft", "optimizer": {"lr": 3e-3, "lr_warmup_steps": 30,
-                                                                    "lr_scheduler_type": "cosine", "min_lr_ratio": 0.1,
-                                                                    "weight_decay": 0.01}},
-               "model": {"model_path": str(work / "assets" / "tiny-qwen2"), "max_prompt_tokens": 64,
-                         "max_response_tokens": HP["max_new"]},
-               "buffer": {"train_batch_size": 64, "total_steps": sft_steps, "trainer_input": {"experience_buffer": {
-                   "name": "sft", "storage_type": "file", "path": str(work / "assets" / "arith" / "sft.jsonl"),
-                   "format": {"prompt_type": "messages"}}}},
-               "synchronizer": {"sync_interval": sft_steps}, "monitor": {"monitor_type": "none"}}
+        cfg = {
+            "project": "bench",
+            "name": f"sft{sft_steps}",
+            "mode": "train",
+            "continue_from_checkpoint": True,
+            "checkpoint_root_dir": str(work / "sft"),
+            "algorithm": {
+                "algorithm_type": "sft",
+                "optimizer": {
+                    "lr": 3e-3,
+                    "lr_warmup_steps": 30,
+                    "lr_scheduler_type": "cosine",
+                    "min_lr_ratio": 0.1,
+                    "weight_decay": 0.01,
+                },
+            },
+            "model": {
+                "model_path": str(work / "assets" / "tiny-qwen2"),
+                "max_prompt_tokens": 64,
+                "max_response_tokens": HP["max_new"],
+            },
+            "buffer": {
+                "train_batch_size": 64,
+                "total_steps": sft_steps,
+                "trainer_input": {
+                    "experience_buffer": {
+                        "name": "sft",
+                        "storage_type": "file",
+                        "path": str(work / "assets" / "arith" / "sft.jsonl"),
+                        "format": {"prompt_type": "messages"},
+                    }
+                },
+            },
+            "synchronizer": {"sync_interval": sft_steps},
+            "monitor": {"monitor_type": "none"},
+        }
         path = write_config(work / "sft.yaml", cfg)
         print(f"SFT of the starting policy ({sft_steps} steps)...", flush=True)
-        subprocess.run([sys.executable, "train.py", "--config", str(path)], cwd=ROOT, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "train.py", "--config", str(path)],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return weights
 
 
@@ -106,8 +153,12 @@ def accuracy(weights: str, work: Path) -> float:
     test, right = rows(work, "test"), 0
     for start in range(0, len(test), 250):
         part = test[start : start + 250]
-        text = [tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
-                                        tokenize=False) for r in part]
+        text = [
+            tok.apply_chat_template(
+                [{"role": "user", "content": r["question"]}], add_generation_prompt=True, tokenize=False
+            )
+            for r in part
+        ]
         inputs = tok(text, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
             out = model.generate(**inputs, do_sample=False, max_new_tokens=HP["max_new"], pad_token_id=tok.pad_token_id)
@@ -122,18 +173,36 @@ def accuracy(weights: str, work: Path) -> float:
 def nanorft_config(work: Path, start: Path, seed: int, steps: int, offset: int) -> dict:
     """The workload as a nanorft YAML: only what defines it; every other key at its default."""
     return {
-        "project": "bench", "name": f"nanorft_s{seed}_o{offset}", "mode": "both", "checkpoint_root_dir": str(work / "runs"),
+        "project": "bench",
+        "name": f"nanorft_s{seed}_o{offset}",
+        "mode": "both",
+        "checkpoint_root_dir": str(work / "runs"),
         "continue_from_checkpoint": False,
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": HP["n"], "kl_loss_fn": "none", "loss_agg_mode": "token-mean",
-                      "optimizer": {"lr": HP["lr"], "lr_scheduler_type": "constant", "lr_warmup_steps": 0,
-                                    "weight_decay": 0.0}},
+        "algorithm": {
+            "algorithm_type": "grpo",
+            "repeat_times": HP["n"],
+            "kl_loss_fn": "none",
+            "loss_agg_mode": "token-mean",
+            "optimizer": {"lr": HP["lr"], "lr_scheduler_type": "constant", "lr_warmup_steps": 0, "weight_decay": 0.0},
+        },
         "model": {"model_path": str(start), "max_prompt_tokens": 64, "max_response_tokens": HP["max_new"]},
-        "buffer": {"total_steps": steps, "batch_size": HP["prompts"], "default_workflow_type": "math_workflow",
-                   "default_reward_fn_type": "math_reward",
-                   "explorer_input": {"taskset": {"name": "arith", "storage_type": "file", "path": str(work / "assets" / "arith"),
-                                                  "split": "train", "format": {"prompt_key": "question", "response_key": "answer"},
-                                                  "rollout_args": {"temperature": 1.0},
-                                                  "data_selector": {"selector_type": "shuffle", "seed": seed}}}},
+        "buffer": {
+            "total_steps": steps,
+            "batch_size": HP["prompts"],
+            "default_workflow_type": "math_workflow",
+            "default_reward_fn_type": "math_reward",
+            "explorer_input": {
+                "taskset": {
+                    "name": "arith",
+                    "storage_type": "file",
+                    "path": str(work / "assets" / "arith"),
+                    "split": "train",
+                    "format": {"prompt_key": "question", "response_key": "answer"},
+                    "rollout_args": {"temperature": 1.0},
+                    "data_selector": {"selector_type": "shuffle", "seed": seed},
+                }
+            },
+        },
         "explorer": {"rollout_model": {"seed": seed}},
         "synchronizer": {"sync_offset": offset},
         "trainer": {"grad_clip": HP["grad_clip"]},
@@ -153,20 +222,32 @@ def run_nanorft(work: Path, start: Path, seed: int, steps: int, offset: int) -> 
     command = time.monotonic() - t0
     if out.returncode:
         raise RuntimeError(f"nanorft run failed:\n{out.stderr[-3000:]}")
-    trainer, explorer = read_history(job / "monitor" / "trainer.jsonl"), read_history(job / "monitor" / "explorer.jsonl")
+    trainer, explorer = (
+        read_history(job / "monitor" / "trainer.jsonl"),
+        read_history(job / "monitor" / "explorer.jsonl"),
+    )
     wall = sum(r["time/step"] for r in trainer)
-    median = {k: statistics.median(r[k] for r in rs) for k, rs in
-              (("time/step", trainer), ("time/update", trainer), ("time/rollout", explorer))}
+    median = {
+        k: statistics.median(r[k] for r in rs)
+        for k, rs in (("time/step", trainer), ("time/update", trainer), ("time/rollout", explorer))
+    }
     weights = job / f"global_step_{steps}" / "actor" / "huggingface"
-    return {"framework": "nanorft" if offset == 0 else f"nanorft sync_offset {offset}", "seed": seed, "wall_s": wall,
-            "command_s": command, "step_s": median["time/step"], "rollout_s": median["time/rollout"],
-            "update_s": median["time/update"],
-            # overlapped (sync_offset 1): the step is the longer of the two plus the rest
-            "other_s": median["time/step"] - (max if offset else sum)((median["time/rollout"], median["time/update"])),
-            "completions": sum(r["rollout/experience_count"] for r in explorer[:steps]),
-            "tokens": sum(r["response_length/mean"] * r["batch/size"] for r in trainer),
-            "peak_rss_gb": max(r.get("perf/max_rss_gb", 0) for r in trainer) + max(r.get("perf/max_rss_gb", 0) for r in explorer),
-            "weights": str(weights)}
+    return {
+        "framework": "nanorft" if offset == 0 else f"nanorft sync_offset {offset}",
+        "seed": seed,
+        "wall_s": wall,
+        "command_s": command,
+        "step_s": median["time/step"],
+        "rollout_s": median["time/rollout"],
+        "update_s": median["time/update"],
+        # overlapped (sync_offset 1): the step is the longer of the two plus the rest
+        "other_s": median["time/step"] - (max if offset else sum)((median["time/rollout"], median["time/update"])),
+        "completions": sum(r["rollout/experience_count"] for r in explorer[:steps]),
+        "tokens": sum(r["response_length/mean"] * r["batch/size"] for r in trainer),
+        "peak_rss_gb": max(r.get("perf/max_rss_gb", 0) for r in trainer)
+        + max(r.get("perf/max_rss_gb", 0) for r in explorer),
+        "weights": str(weights),
+    }
 
 
 # --- TRL
@@ -176,9 +257,26 @@ def run_trl(work: Path, start: Path, seed: int, steps: int) -> dict:
     """TRL in its own process (this script with --trl-worker): its numbers come back as JSON."""
     out_dir = work / "runs" / f"trl_s{seed}"
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, __file__, "--trl-worker", "--work", str(work), "--start", str(start),
-                          "--seed", str(seed), "--steps", str(steps), "--out", str(out_dir)],
-                         cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--trl-worker",
+            "--work",
+            str(work),
+            "--start",
+            str(start),
+            "--seed",
+            str(seed),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out_dir),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     if out.returncode:
         raise RuntimeError(f"TRL run failed:\n{out.stderr[-3000:]}")
     result = json.loads((out_dir / "result.json").read_text())
@@ -198,8 +296,9 @@ def trl_worker(work: Path, start: Path, seed: int, steps: int, out_dir: Path) ->
     def reward(prompts, completions, answer, **_):
         return [sum(math_reward(c[0]["content"], a).values()) for c, a in zip(completions, answer)]
 
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]}
-                              for r in rows(work, "train")])
+    data = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["question"]}], "answer": r["answer"]} for r in rows(work, "train")]
+    )
     model = AutoModelForCausalLM.from_pretrained(str(start), dtype=torch.float32)
     clock = {"generate": 0.0, "tokens": 0, "steps": []}
     generate = model.generate
@@ -223,23 +322,59 @@ def trl_worker(work: Path, start: Path, seed: int, steps: int, out_dir: Path) ->
             if logs and "completions/mean_length" in logs:
                 clock["tokens"] += logs["completions/mean_length"] * HP["prompts"] * HP["n"]
 
-    args = GRPOConfig(output_dir=str(out_dir), per_device_train_batch_size=HP["prompts"] * HP["n"], num_generations=HP["n"],
-                      max_completion_length=HP["max_new"], temperature=1.0, top_p=1.0, top_k=0, learning_rate=HP["lr"],
-                      lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-                      max_grad_norm=HP["grad_clip"], beta=0.0, loss_type="dapo", num_iterations=1, max_steps=steps,
-                      logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=seed, bf16=False,
-                      disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=load_tokenizer(str(start)), callbacks=[Steps()])
+    args = GRPOConfig(
+        output_dir=str(out_dir),
+        per_device_train_batch_size=HP["prompts"] * HP["n"],
+        num_generations=HP["n"],
+        max_completion_length=HP["max_new"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=HP["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=HP["grad_clip"],
+        beta=0.0,
+        loss_type="dapo",
+        num_iterations=1,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=seed,
+        bf16=False,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=load_tokenizer(str(start)),
+        callbacks=[Steps()],
+    )
     trainer.train()
     trainer.save_model(str(out_dir / "final"))
     load_tokenizer(str(start)).save_pretrained(str(out_dir / "final"))
     spans = [b - a for a, b in clock["steps"]]
     wall = clock["steps"][-1][1] - clock["steps"][0][0]
-    result = {"framework": "TRL", "seed": seed, "wall_s": wall, "step_s": statistics.median(spans),
-              "rollout_s": clock["generate"] / steps, "update_s": None, "other_s": statistics.median(spans) - clock["generate"] / steps,
-              "completions": steps * HP["prompts"] * HP["n"], "tokens": clock["tokens"],
-              "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "weights": str(out_dir / "final")}
+    result = {
+        "framework": "TRL",
+        "seed": seed,
+        "wall_s": wall,
+        "step_s": statistics.median(spans),
+        "rollout_s": clock["generate"] / steps,
+        "update_s": None,
+        "other_s": statistics.median(spans) - clock["generate"] / steps,
+        "completions": steps * HP["prompts"] * HP["n"],
+        "tokens": clock["tokens"],
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "weights": str(out_dir / "final"),
+    }
     (out_dir / "result.json").write_text(json.dumps(result))
 
 
@@ -247,14 +382,19 @@ def trl_worker(work: Path, start: Path, seed: int, steps: int, out_dir: Path) ->
 
 
 def show(results: list[dict]) -> None:
-    print("\n| run | seed | steps wall | per step | rollout | update | rest | completions/s | tokens/s | peak RSS | "
-          "command | accuracy before -> after |")
+    print(
+        "\n| run | seed | steps wall | per step | rollout | update | rest | completions/s | tokens/s | peak RSS | "
+        "command | accuracy before -> after |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
         update = f"{r['update_s']:.2f} s" if r["update_s"] is not None else "-"
-        print(f"| {r['framework']} | {r['seed']} | {r['wall_s']:.1f} s | {r['step_s']:.3f} s | {r['rollout_s']:.3f} s | "
-              f"{update} | {r['other_s']:.3f} s | {r['completions'] / r['wall_s']:.0f} | {r['tokens'] / r['wall_s']:,.0f} | "
-              f"{r['peak_rss_gb']:.2f} GB | {r['command_s']:.0f} s | {r['before']:.3f} -> {r['after']:.3f} |")
+        print(
+            f"| {r['framework']} | {r['seed']} | {r['wall_s']:.1f} s | {r['step_s']:.3f} s | {r['rollout_s']:.3f} s | "
+            f"{update} | {r['other_s']:.3f} s | {r['completions'] / r['wall_s']:.0f} | "
+            f"{r['tokens'] / r['wall_s']:,.0f} | "
+            f"{r['peak_rss_gb']:.2f} GB | {r['command_s']:.0f} s | {r['before']:.3f} -> {r['after']:.3f} |"
+        )
     kinds = list(dict.fromkeys(r["framework"] for r in results))
     print("\n| run | median steps wall | mean accuracy after | TRL / this, seed by seed |")
     print("|---|---:|---:|---|")
@@ -262,8 +402,10 @@ def show(results: list[dict]) -> None:
     for kind in kinds:
         mine = [r for r in results if r["framework"] == kind]
         ratios = ", ".join(f"{trl[r['seed']] / r['wall_s']:.2f}" for r in mine if r["seed"] in trl)
-        print(f"| {kind} | {statistics.median(r['wall_s'] for r in mine):.1f} s | "
-              f"{statistics.mean(r['after'] for r in mine):.3f} | {ratios} |")
+        print(
+            f"| {kind} | {statistics.median(r['wall_s'] for r in mine):.1f} s | "
+            f"{statistics.mean(r['after'] for r in mine):.3f} | {ratios} |"
+        )
 
 
 def main() -> None:
@@ -285,7 +427,10 @@ def main() -> None:
     start = build_workload(work, args.sft_steps)
     before = accuracy(str(start), work)
     print(f"starting policy: held-out greedy accuracy {before:.3f} ({start})", flush=True)
-    runs = {"nanorft": lambda s: run_nanorft(work, start, s, args.steps, 0), "TRL": lambda s: run_trl(work, start, s, args.steps)}
+    runs = {
+        "nanorft": lambda s: run_nanorft(work, start, s, args.steps, 0),
+        "TRL": lambda s: run_trl(work, start, s, args.steps),
+    }
     if not args.no_offset:
         runs["nanorft sync_offset 1"] = lambda s: run_nanorft(work, start, s, args.steps, 1)
     results = []
@@ -298,7 +443,9 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     show(results)
     if args.json:
-        Path(args.json).write_text(json.dumps({"argv": sys.argv, "torch_threads": os.cpu_count(), "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"argv": sys.argv, "torch_threads": os.cpu_count(), "results": results}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ PY="$VENV/bin/python"
 # NOTE: keep in step with pyproject.toml's floors (tests/test_repo.py checks that every floor is listed here).
 FLOORS=(
   "transformers==4.56.0" "datasets==3.0.0" "tokenizers==0.22.0" "safetensors==0.4.4" "tyro==0.9.3"
-  "omegaconf==2.3.0" "pyyaml==6.0" "tqdm==4.66.3" "math-verify==0.8.0" "pytest==8.0.0" "wandb==0.19.10"
+  "omegaconf==2.3.0" "pyyaml==6.0" "tqdm==4.66.3" "math-verify==0.8.0" "pytest==8.0.0" "pytest-xdist==3.5.0"
+  "wandb==0.19.10"
   "tensorboard==2.18.0" "matplotlib==3.9.0" "fastapi==0.115.0" "uvicorn==0.30.0" "openai==1.55.3"
   "mlflow-skinny==3.3.0" "psycopg==3.1.4" "psycopg-binary==3.1.4" "peft==0.14.0"
 )

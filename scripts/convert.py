@@ -71,8 +71,10 @@ def shard_ranks(key: str, t: DTensor) -> tuple[list[int], Shard | None]:
             index.append(slice(None))
             cut = placement
         else:
-            raise ValueError(f"{key}: placements {tuple(t.placements)} on mesh {t.device_mesh.mesh_dim_names}: only "
-                             "FSDP layouts (one Shard mesh dimension, the others Replicate) are merged here")
+            raise ValueError(
+                f"{key}: placements {tuple(t.placements)} on mesh {t.device_mesh.mesh_dim_names}: only "
+                "FSDP layouts (one Shard mesh dimension, the others Replicate) are merged here"
+            )
     return t.device_mesh.mesh[tuple(index)].flatten().tolist(), cut
 
 
@@ -123,8 +125,10 @@ def read_weights(actor: Path, base: str | None) -> tuple[dict[str, torch.Tensor]
         return state, str(hf)
     if adapter.is_dir():
         if not base:
-            raise ValueError(f"{actor} holds a LoRA adapter alone ({lora.ADAPTER_DIR}/): name the base model it was "
-                             "trained on (model.model_path) with --base MODEL")
+            raise ValueError(
+                f"{actor} holds a LoRA adapter alone ({lora.ADAPTER_DIR}/): name the base model it was "
+                "trained on (model.model_path) with --base MODEL"
+            )
         return lora.merged_model(load_model(base), str(adapter)).state_dict(), base  # a folder or a hub name
     raise ValueError(f"{actor}: no weights found (huggingface/, {lora.ADAPTER_DIR}/ or model_world_size_*_rank_*.pt)")
 
@@ -144,14 +148,18 @@ def convert(actor: str | Path, out: str | Path, dtype: str = "float32", base: st
         model = AutoModelForCausalLM.from_config(config)
     result = model.load_state_dict({k: v.to(target) for k, v in state.items()}, strict=False, assign=True)
     if result.unexpected_keys:
-        raise ValueError(f"{actor}: {len(result.unexpected_keys)} weight(s) that a {config.model_type} model has no "
-                         f"place for: {sorted(result.unexpected_keys)[:5]}; nothing was written")
+        raise ValueError(
+            f"{actor}: {len(result.unexpected_keys)} weight(s) that a {config.model_type} model has no "
+            f"place for: {sorted(result.unexpected_keys)[:5]}; nothing was written"
+        )
     model.tie_weights()  # a tied LM head is stored once, as the embeddings
     held = model.state_dict()
     missing = [k for k in result.missing_keys if held[k].is_meta]
     if missing:
-        raise ValueError(f"{actor}: the checkpoint has no weights for {len(missing)} of the model's tensors: "
-                         f"{missing[:5]}; nothing was written")
+        raise ValueError(
+            f"{actor}: the checkpoint has no weights for {len(missing)} of the model's tensors: "
+            f"{missing[:5]}; nothing was written"
+        )
     # a checkpoint's huggingface/ may lack the tokenizer (veRL's without one); a hub name's comes from the hub
     tokenizer = load_tokenizer(hf) if not Path(hf).is_dir() or (Path(hf) / "tokenizer_config.json").is_file() else None
     folder = save_hf(model, tokenizer, out)

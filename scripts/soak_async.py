@@ -90,9 +90,14 @@ class Proc:
         script = "train.py" if self.role == "trainer" else "explore.py"
         with self.log.open("a") as f:
             f.write(f"\n===== start {self.starts} at {time.strftime('%H:%M:%S')} =====\n")
-        self.p = subprocess.Popen([sys.executable, script, "--config", str(self.config)], cwd=ROOT,
-                                  stdout=self.log.open("a"), stderr=subprocess.STDOUT, start_new_session=True,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        self.p = subprocess.Popen(
+            [sys.executable, script, "--config", str(self.config)],
+            cwd=ROOT,
+            stdout=self.log.open("a"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        )
         self.starts += 1
 
     def kill(self) -> None:
@@ -128,8 +133,9 @@ def wait_paused(proc: Proc, timeout: float = 300) -> bool:
     return proc.marker.exists()
 
 
-def pick_moment(cycle: int, victim: str, schedule: list[str], procs: dict[str, Proc], db: str,
-                rng: random.Random) -> str:
+def pick_moment(
+    cycle: int, victim: str, schedule: list[str], procs: dict[str, Proc], db: str, rng: random.Random
+) -> str:
     """Wait for the moment of cycle's kill and say which it is ("": the scheduled pause did not come).
     Scheduled: a pause point; else after progress since the (re)start, or (1 in 4) somewhere in the start-up."""
     if cycle < len(schedule):
@@ -159,7 +165,9 @@ def check(trainer_config: Path, explorer_config: Path) -> dict:
         claims = db.query("SELECT exp_id, step FROM claims")
         state = db.explorer_states()["explorer"]
     by_exp = collections.Counter(e for e, _ in claims)
-    assert max(by_exp.values(), default=1) == 1, f"experiences used twice: {[e for e, c in by_exp.items() if c > 1][:5]}"
+    assert max(by_exp.values(), default=1) == 1, (
+        f"experiences used twice: {[e for e, c in by_exp.items() if c > 1][:5]}"
+    )
     for id_, use, dropped, *_ in rows:
         assert use == by_exp.get(id_, 0), f"experience {id_}: use_count {use}, {by_exp.get(id_, 0)} claims"
         assert not (use and dropped is not None), f"experience {id_} both claimed and dropped"
@@ -177,10 +185,18 @@ def check(trainer_config: Path, explorer_config: Path) -> dict:
     reader = TaskReader(ec.buffer.explorer_input.tasksets, total_epochs=10**9)
     expected = [f"{ec.explorer.name}/{t.epoch}/{t.task_id}" for t in reader.read(len(groups))]
     assert groups == expected, "tasks skipped or explored twice: " + str(
-        next((i, g, e) for i, (g, e) in enumerate(zip(groups, expected)) if g != e))
+        next((i, g, e) for i, (g, e) in enumerate(zip(groups, expected)) if g != e)
+    )
     assert state["reader"]["index"] + state["reader"]["epoch"] * len(reader) == len(groups), (state, len(groups))
-    return {"experiences": len(rows), "claimed": claimed, "pending": pending, "dropped": dropped,
-            "train_steps": total, "tasks": len(groups), "explorer_steps": state["step"]}
+    return {
+        "experiences": len(rows),
+        "claimed": claimed,
+        "pending": pending,
+        "dropped": dropped,
+        "train_steps": total,
+        "tasks": len(groups),
+        "explorer_steps": state["step"],
+    }
 
 
 def main() -> int:
@@ -198,8 +214,9 @@ def main() -> int:
     from tiny import build
 
     build(str(out / "assets"), n_train=200, n_test=10)
-    files = write_configs(out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 10 * args.cycles,
-                          args.db_url)
+    files = write_configs(
+        out, str(out / "assets/tiny-qwen2"), str(out / "assets/arith"), args.steps or 10 * args.cycles, args.db_url
+    )
     db = args.db_url or f"sqlite:///{out / 'ck/nanorft/soak/buffer/tiny_async_buffer.db'}"
     procs = {role: Proc(role, files[role], out / "logs") for role in ("trainer", "explorer")}
     schedule = [v for v in args.schedule.split(",") if v]
@@ -219,10 +236,20 @@ def main() -> int:
         at = {r: progress(db, r) for r in ("trainer", "explorer")}
         for r in roles:
             procs[r].kill()
-        kills.append({"cycle": cycle, "victim": victim, "moment": moment, "trainer_step": at["trainer"],
-                      "explorer_step": at["explorer"], "t": round(time.monotonic() - start, 1)})
-        print(f"cycle {cycle}: SIGKILL {victim} ({moment}; trainer step {at['trainer']}, explorer step "
-              f"{at['explorer']})", flush=True)
+        kills.append(
+            {
+                "cycle": cycle,
+                "victim": victim,
+                "moment": moment,
+                "trainer_step": at["trainer"],
+                "explorer_step": at["explorer"],
+                "t": round(time.monotonic() - start, 1),
+            }
+        )
+        print(
+            f"cycle {cycle}: SIGKILL {victim} ({moment}; trainer step {at['trainer']}, explorer step {at['explorer']})",
+            flush=True,
+        )
         if cycle >= len(schedule):
             time.sleep(rng.uniform(0.0, 2.0))
         for r in roles:
@@ -235,10 +262,16 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             p.kill()
             codes[role] = "timeout"
-    result = {"cycles": args.cycles, "seed": args.seed, "steps": args.steps or 10 * args.cycles, "kills": kills,
-              "exit_codes": codes,
-              "starts": {r: p.starts for r, p in procs.items()}, "seconds": round(time.monotonic() - start, 1),
-              "out": str(out)}
+    result = {
+        "cycles": args.cycles,
+        "seed": args.seed,
+        "steps": args.steps or 10 * args.cycles,
+        "kills": kills,
+        "exit_codes": codes,
+        "starts": {r: p.starts for r, p in procs.items()},
+        "seconds": round(time.monotonic() - start, 1),
+        "out": str(out),
+    }
     try:
         if any(codes.values()):
             raise AssertionError(f"a process failed by itself: {codes} (see {out / 'logs'})")

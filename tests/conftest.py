@@ -164,17 +164,23 @@ def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", step
     tok, model = load_tokenizer(str(out)), load_model(str(out))
     rows = []
     for k in range(8):
-        text = JUDGE_PROMPT.format(question=f"What is {k} + {k + 3}?", reference=f"#### {2 * k + 3}",
-                                   response="x" * (k * 7 % 23) + f" #### {k}", max_score="10")
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                    add_generation_prompt=True), add_special_tokens=False)
+        text = JUDGE_PROMPT.format(
+            question=f"What is {k} + {k + 3}?",
+            reference=f"#### {2 * k + 3}",
+            response="x" * (k * 7 % 23) + f" #### {k}",
+            max_score="10",
+        )
+        prompt = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
         rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
     width = max(len(p) + len(r) for p, r in rows)
     ids = torch.full((len(rows), width), tok.pad_token_id)
     labels = torch.full((len(rows), width), -100)
     for b, (p, r) in enumerate(rows):
         ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        labels[b, len(p): len(p) + len(r)] = torch.tensor(r)
+        labels[b, len(p) : len(p) + len(r)] = torch.tensor(r)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(steps):

@@ -65,7 +65,7 @@ class PostgresServer:
             names = {p.pw_name for p in pwd.getpwall()}
             self.user = "postgres" if "postgres" in names else "nobody"
 
-    def start(self) -> "PostgresServer":
+    def start(self) -> PostgresServer:
         why = missing()
         if why:
             raise RuntimeError(why)
@@ -74,8 +74,21 @@ class PostgresServer:
         self.dir = tempfile.mkdtemp(prefix="nanorft-pg-")
         if self.user:
             shutil.chown(self.dir, self.user)
-        self._run([find("initdb"), "-D", os.path.join(self.dir, "data"), "-U", ADMIN, "-A", "trust", "-E", "UTF8",
-                   "--locale=C", "--no-sync"])
+        self._run(
+            [
+                find("initdb"),
+                "-D",
+                os.path.join(self.dir, "data"),
+                "-U",
+                ADMIN,
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--locale=C",
+                "--no-sync",
+            ]
+        )
         self._launch()
         return self
 
@@ -86,9 +99,14 @@ class PostgresServer:
         if self.fast:
             settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
         with open(os.path.join(self.dir, "server.log"), "a") as log:
-            self.proc = subprocess.Popen([find("postgres"), "-D", os.path.join(self.dir, "data"), *settings],
-                                         stdout=log, stderr=subprocess.STDOUT, user=self.user, start_new_session=True,
-                                         preexec_fn=_stop_with_parent)
+            self.proc = subprocess.Popen(
+                [find("postgres"), "-D", os.path.join(self.dir, "data"), *settings],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                user=self.user,
+                start_new_session=True,
+                preexec_fn=_stop_with_parent,
+            )
         self._wait_ready()
 
     def halt(self) -> None:
@@ -145,7 +163,7 @@ class PostgresServer:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = ""
 
-    def __enter__(self) -> "PostgresServer":
+    def __enter__(self) -> PostgresServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

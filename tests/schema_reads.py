@@ -28,8 +28,9 @@ import ast
 import dataclasses
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import configs
 import configs.schema as schema
@@ -98,12 +99,14 @@ def args_path(cls: type) -> str:
 
 
 def _declaring(cls: type, name: str) -> type:
-    return next(c for c in reversed(cls.__mro__) if name in getattr(c, "__annotations__", {})
-                and dataclasses.is_dataclass(c))
+    return next(
+        c for c in reversed(cls.__mro__) if name in getattr(c, "__annotations__", {}) and dataclasses.is_dataclass(c)
+    )
 
 
 ARG_CLASSES = {c for registry in REGISTRIES.values() for _, c in registry.values()} | {
-    wf.Args for wf in WORKFLOWS.values() if wf.Args is not None}
+    wf.Args for wf in WORKFLOWS.values() if wf.Args is not None
+}
 ARG_FIELD_PATHS: dict[str, str] = {}  # "<workflows.tool_use.ToolArgs>.system_prompt" -> "<workflows.args.Work...
 for _cls in ARG_CLASSES:
     SECTIONS[args_path(_cls)] = _cls
@@ -202,8 +205,17 @@ def qualified(node: ast.expr, mod: Module) -> str:
     return ""
 
 
-CONTAINERS = {"list": "list", "List": "list", "Sequence": "list", "Iterable": "list", "Iterator": "list",
-              "set": "list", "dict": "dict", "Dict": "dict", "Mapping": "dict"}
+CONTAINERS = {
+    "list": "list",
+    "List": "list",
+    "Sequence": "list",
+    "Iterable": "list",
+    "Iterator": "list",
+    "set": "list",
+    "dict": "dict",
+    "Dict": "dict",
+    "Mapping": "dict",
+}
 
 
 def annotation_type(node: ast.expr | None, mod: Module | None) -> Type:
@@ -253,13 +265,15 @@ class Reads:
         for mod in mods.values():
             for cname, cls in mod.classes.items():
                 self.fields[f"{mod.name}.{cname}"] = {
-                    n.target.id: annotation_type(n.annotation, mod) for n in cls.body
-                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+                    n.target.id: annotation_type(n.annotation, mod)
+                    for n in cls.body
+                    if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                }
                 for n in cls.body:  # a workflow's `Args = ToolArgs`: its self.args is a ToolArgs
                     if isinstance(n, ast.Assign) and [ast.unparse(t) for t in n.targets] == ["Args"]:
                         self.fields[f"{mod.name}.{cname}"]["args"] = annotation_type(n.value, mod)
 
-    def run(self, passes: int = 4) -> "Reads":
+    def run(self, passes: int = 4) -> Reads:
         for _ in range(passes):
             for mod in self.mods.values():
                 self.scope(mod, mod.tree, {}, None)
@@ -281,8 +295,9 @@ class Reads:
         module, _, name = qualified(func, mod).rpartition(".")
         target = self.mods.get(module)
         if target is None and module == "configs":  # re-exports of the configs package
-            target = next((m for m in self.mods.values() if m.name.startswith("configs.") and name in m.functions),
-                          None)
+            target = next(
+                (m for m in self.mods.values() if m.name.startswith("configs.") and name in m.functions), None
+            )
         if target is None:
             return None
         node = target.functions.get(name) or target.classes.get(name)
@@ -314,8 +329,10 @@ class Reads:
         if isinstance(node, ast.NamedExpr):
             return self.typeof(node.value, env, mod)
         if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
-            parts = [self.typeof(e.value, env, mod) if isinstance(e, ast.Starred) else self.typeof(e, env, mod)
-                     for e in node.elts]
+            parts = [
+                self.typeof(e.value, env, mod) if isinstance(e, ast.Starred) else self.typeof(e, env, mod)
+                for e in node.elts
+            ]
             if isinstance(node, ast.Tuple) and not any(isinstance(e, ast.Starred) for e in node.elts):
                 return "tuple", tuple(parts)
             out = None
@@ -378,8 +395,13 @@ class Reads:
             parts = t[1] if t and t[0] == "tuple" else [element(t)] * len(target.elts)
             for sub, st in zip(target.elts, parts):
                 self.bind(sub, st, env, cls)
-        elif isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "self" \
-                and cls and t is not None:
+        elif (
+            isinstance(target, ast.Attribute)
+            and isinstance(target.value, ast.Name)
+            and target.value.id == "self"
+            and cls
+            and t is not None
+        ):
             got = self.fields.setdefault(cls, {})
             got[target.attr] = union(got[target.attr], t) if got.get(target.attr) is not None else t
 
@@ -398,10 +420,14 @@ class Reads:
             t = self.typeof(node.func.value, env, mod)
             module, _, cname = t[1].rpartition(".") if t and t[0] == "struct" else ("", "", "")
             cls_node = self.mods[module].classes.get(cname) if module in self.mods else None
-            fn = next((n for n in cls_node.body if isinstance(n, ast.FunctionDef) and n.name == node.func.attr),
-                      None) if cls_node else None
-            found, skip, key = ((self.mods.get(module), fn), 1, (module, f"{cname}.{node.func.attr}")) if fn else \
-                (None, 0, ("", ""))
+            fn = (
+                next((n for n in cls_node.body if isinstance(n, ast.FunctionDef) and n.name == node.func.attr), None)
+                if cls_node
+                else None
+            )
+            found, skip, key = (
+                ((self.mods.get(module), fn), 1, (module, f"{cname}.{node.func.attr}")) if fn else (None, 0, ("", ""))
+            )
         if found is None or not isinstance(found[1], (ast.FunctionDef, ast.AsyncFunctionDef)):
             return
         fn = found[1]
@@ -420,8 +446,11 @@ class Reads:
             t = annotation_type(a.annotation, mod)
             if t is None and i == 0 and cls and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 t = "struct", cls  # self
-            qualname = f"{cls.rpartition('.')[2]}.{node.name}" if cls and not isinstance(node, ast.Lambda) else \
-                getattr(node, "name", "")
+            qualname = (
+                f"{cls.rpartition('.')[2]}.{node.name}"
+                if cls and not isinstance(node, ast.Lambda)
+                else getattr(node, "name", "")
+            )
             seen = self.params.get((mod.name, qualname), {}).get(a.arg, "none")
             # NOTE: where every call site is typed, its types win over the annotation (narrower: the paths passed)
             if t is None or (seen and seen != "none" and seen[0] == t[0] and t[0] in ("sec", "list", "dict")):
@@ -444,7 +473,8 @@ class Reads:
                         self.bind(target, self.typeof(n.value, env, mod), env, cls)
                 elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
                     env[n.target.id] = annotation_type(n.annotation, mod) or (
-                        self.typeof(n.value, env, mod) if n.value else None)
+                        self.typeof(n.value, env, mod) if n.value else None
+                    )
                 elif isinstance(n, ast.NamedExpr):
                     self.bind(n.target, self.typeof(n.value, env, mod), env)
                 elif isinstance(n, (ast.For, ast.AsyncFor)):

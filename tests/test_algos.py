@@ -6,8 +6,21 @@ import pytest
 import torch
 
 import algos
-from algos import (ADVANTAGE_FNS, ENTROPY_LOSS_FNS, KL_FNS, POLICY_LOSS_FNS, correction, entropy, grpo, kl,
-                   overlong, ppo_loss, sample, sft_loss, value_loss)
+from algos import (
+    ADVANTAGE_FNS,
+    ENTROPY_LOSS_FNS,
+    KL_FNS,
+    POLICY_LOSS_FNS,
+    correction,
+    entropy,
+    grpo,
+    kl,
+    overlong,
+    ppo_loss,
+    sample,
+    sft_loss,
+    value_loss,
+)
 from algos.utils import AGG_MODES, aggregate, masked_mean, masked_whiten
 from configs import ConfigError, piece_config
 
@@ -54,8 +67,11 @@ def test_masked_helpers():
 
 def grpo_batch(rewards, groups, T=3, mask=None):
     B = len(rewards)
-    return {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_index": torch.tensor(groups),
-            "response_mask": torch.ones(B, T) if mask is None else torch.tensor(mask, dtype=torch.float32)}
+    return {
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
+        "group_index": torch.tensor(groups),
+        "response_mask": torch.ones(B, T) if mask is None else torch.tensor(mask, dtype=torch.float32),
+    }
 
 
 def test_grpo_unbiased_std():
@@ -99,8 +115,11 @@ def test_grpo_std_threshold_filters_groups():
 def test_ppo_hand_computed_clip_and_dual_clip():
     # ratios 1.1 (inside), 1.5 (A>0: clipped to 1.2), 5.0 (A<0: dual clip at c=3)
     logprobs = torch.log(torch.tensor([[1.1, 1.5, 5.0]]))
-    batch = {"old_logprobs": torch.zeros(1, 3), "advantages": torch.tensor([[1.0, 1.0, -1.0]]),
-             "response_mask": torch.ones(1, 3)}
+    batch = {
+        "old_logprobs": torch.zeros(1, 3),
+        "advantages": torch.tensor([[1.0, 1.0, -1.0]]),
+        "response_mask": torch.ones(1, 3),
+    }
     loss, m = ppo_loss.compute(logprobs, batch, ppo_loss.Config(), "token-mean")
     # token losses: max(-1.1,-1.1) = -1.1 ; max(-1.5,-1.2) = -1.2 ; min(max(5.0,1.2), 3.0) = 3.0
     assert loss.item() == pytest.approx((-1.1 - 1.2 + 3.0) / 3, abs=1e-6)
@@ -113,7 +132,11 @@ def test_ppo_hand_computed_clip_and_dual_clip():
 def test_ppo_asymmetric_clip():
     # eps_low 0.2, eps_high 0.28: r=1.5, A=1 -> -1.28 ; r=0.5, A=-1 -> max(0.5, 0.8) = 0.8
     logprobs = torch.log(torch.tensor([[1.5, 0.5]]))
-    batch = {"old_logprobs": torch.zeros(1, 2), "advantages": torch.tensor([[1.0, -1.0]]), "response_mask": torch.ones(1, 2)}
+    batch = {
+        "old_logprobs": torch.zeros(1, 2),
+        "advantages": torch.tensor([[1.0, -1.0]]),
+        "response_mask": torch.ones(1, 2),
+    }
     cfg = ppo_loss.Config(clip_range_high=0.28)
     loss, m = ppo_loss.compute(logprobs, batch, cfg, "seq-mean-token-sum")
     assert loss.item() == pytest.approx(-1.28 + 0.8, abs=1e-6)  # one sequence: token sum
@@ -146,8 +169,12 @@ def test_kl_estimators_hand_computed():
 
 def test_kl_loss_and_penalty():
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    batch = {"ref_logprobs": torch.tensor([[-1.0, 0.0, 5.0]]), "old_logprobs": torch.zeros(1, 3),
-             "rewards": torch.tensor([1.0]), "response_mask": mask}
+    batch = {
+        "ref_logprobs": torch.tensor([[-1.0, 0.0, 5.0]]),
+        "old_logprobs": torch.zeros(1, 3),
+        "rewards": torch.tensor([1.0]),
+        "response_mask": mask,
+    }
     # loss: k2 of d = [1, 0] -> [0.5, 0] -> token-mean 0.25 -> x beta 0.1 = 0.025
     loss, m = kl.loss(torch.zeros(1, 3), batch, kl.Config(kl_coef=0.1), "token-mean", kind="k2")
     assert loss.item() == pytest.approx(0.025) and m["kl_loss"] == pytest.approx(0.25)
@@ -167,16 +194,22 @@ def test_entropy_loss():
 
 # --- properties over every registry entry
 
-POLICY_METRICS = {"ppo": {"pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"}, "sft": {"sft_loss"},
-                  "gspo": {"pg_loss", "pg_clipfrac", "ppo_kl", "ppo_kl_seq"}, "cispo": {"pg_loss", "pg_clipfrac", "ppo_kl"},
-                  "sapo": {"pg_loss", "avg_soft_gate", "avg_ratio", "pos_adv_frac"},
-                  "topr": {"pg_loss", "ppo_kl", "pg_clipfrac", "avg_alpha"}, "sppo": {"pg_loss", "pg_clipfrac"},
-                  "rec": {"pg_loss", "pg_clipfrac"}, "opmd": {"opmd_loss"},
-                  "importance_sampling": {"pg_loss", "ratio_mean", "approx_kl"},
-                  "sft_is": {"sft_is_loss"}, "sft_phi": {"sft_phi_loss"},
-                  "dpo": {"dpo_loss", "chosen_reward", "rejected_reward", "accuracy_mean", "reward_margin"},
-                  "mix": {"usual/pg_loss", "usual/pg_clipfrac", "usual/ppo_kl", "usual/pg_clipfrac_lower",
-                          "expert/sft_loss", "mu"}}
+POLICY_METRICS = {
+    "ppo": {"pg_loss", "pg_clipfrac", "ppo_kl", "pg_clipfrac_lower"},
+    "sft": {"sft_loss"},
+    "gspo": {"pg_loss", "pg_clipfrac", "ppo_kl", "ppo_kl_seq"},
+    "cispo": {"pg_loss", "pg_clipfrac", "ppo_kl"},
+    "sapo": {"pg_loss", "avg_soft_gate", "avg_ratio", "pos_adv_frac"},
+    "topr": {"pg_loss", "ppo_kl", "pg_clipfrac", "avg_alpha"},
+    "sppo": {"pg_loss", "pg_clipfrac"},
+    "rec": {"pg_loss", "pg_clipfrac"},
+    "opmd": {"opmd_loss"},
+    "importance_sampling": {"pg_loss", "ratio_mean", "approx_kl"},
+    "sft_is": {"sft_is_loss"},
+    "sft_phi": {"sft_phi_loss"},
+    "dpo": {"dpo_loss", "chosen_reward", "rejected_reward", "accuracy_mean", "reward_margin"},
+    "mix": {"usual/pg_loss", "usual/pg_clipfrac", "usual/ppo_kl", "usual/pg_clipfrac_lower", "expert/sft_loss", "mu"},
+}
 # zero advantage -> zero gradient (default configs; mix: random_batch has no expert rows). Not: sft, sft_is,
 # sft_phi (no advantage), dpo (preference pairs, no advantage)
 NEEDS_ADVANTAGE = {"ppo", "gspo", "cispo", "sapo", "topr", "sppo", "rec", "opmd", "importance_sampling", "mix"}
@@ -189,24 +222,35 @@ def random_batch(seed=0, B=3, T=5):
     mask = torch.ones(B, T)
     mask[0, 3:] = 0
     mask[2, 1:] = 0
-    return {"old_logprobs": -torch.rand(B, T, generator=g), "ref_logprobs": -torch.rand(B, T, generator=g),
-            "advantages": torch.randn(B, T, generator=g), "response_mask": mask,
-            "rewards": torch.rand(B, generator=g), "group_index": torch.arange(B) // 2,  # [0, 0, 1] for B = 3
-            "episode_index": torch.arange(B),  # single-turn rows: each its own episode
-            "expert_mask": torch.zeros(B, T),  # no expert SFT rows (mix)
-            # an explorer-side advantage fn's (step_wise_grpo), as models.step_batch lays them out
-            "stored_advantages": torch.randn(B, T, generator=g),
-            "has_stored_advantages": torch.ones(B, dtype=torch.bool)}
+    return {
+        "old_logprobs": -torch.rand(B, T, generator=g),
+        "ref_logprobs": -torch.rand(B, T, generator=g),
+        "advantages": torch.randn(B, T, generator=g),
+        "response_mask": mask,
+        "rewards": torch.rand(B, generator=g),
+        "group_index": torch.arange(B) // 2,  # [0, 0, 1] for B = 3
+        "episode_index": torch.arange(B),  # single-turn rows: each its own episode
+        "expert_mask": torch.zeros(B, T),  # no expert SFT rows (mix)
+        # an explorer-side advantage fn's (step_wise_grpo), as models.step_batch lays them out
+        "stored_advantages": torch.randn(B, T, generator=g),
+        "has_stored_advantages": torch.ones(B, dtype=torch.bool),
+    }
 
 
 def policy_terms():
     """(name, callable(logprobs, batch) -> (loss, metrics), expected metric keys) for every loss-like entry."""
-    out = [(f"policy/{n}", lambda lp, b, f=f, c=c: f(lp, b, c(), "token-mean"), POLICY_METRICS[n])
-           for n, (f, c) in POLICY_LOSS_FNS.items()]
-    out += [(f"kl/{n}", lambda lp, b, n=n: kl.loss(lp, b, kl.Config(), "token-mean", kind=n), {"kl_loss", "kl_coef"})
-            for n in KL_FNS]
-    out += [(f"entropy/{n}", lambda lp, b, f=f, c=c: f(-lp, b, c(entropy_coef=0.1), "token-mean"), ENTROPY_METRICS[n])
-            for n, (f, c) in ENTROPY_LOSS_FNS.items()]  # -logprobs stands in for a per-token entropy
+    out = [
+        (f"policy/{n}", lambda lp, b, f=f, c=c: f(lp, b, c(), "token-mean"), POLICY_METRICS[n])
+        for n, (f, c) in POLICY_LOSS_FNS.items()
+    ]
+    out += [
+        (f"kl/{n}", lambda lp, b, n=n: kl.loss(lp, b, kl.Config(), "token-mean", kind=n), {"kl_loss", "kl_coef"})
+        for n in KL_FNS
+    ]
+    out += [
+        (f"entropy/{n}", lambda lp, b, f=f, c=c: f(-lp, b, c(entropy_coef=0.1), "token-mean"), ENTROPY_METRICS[n])
+        for n, (f, c) in ENTROPY_LOSS_FNS.items()
+    ]  # -logprobs stands in for a per-token entropy
     return out
 
 
@@ -217,8 +261,17 @@ def test_registries_cover_expected_names():
     assert set(POLICY_LOSS_FNS) == set(POLICY_METRICS)
     assert set(ENTROPY_LOSS_FNS) == set(ENTROPY_METRICS)
     assert set(KL_FNS) == set(kl.KINDS)
-    assert set(ADVANTAGE_FNS) == {"grpo", "ppo", "reinforceplusplus", "reinforce", "rloo", "opmd", "asymre", "rec",
-                                  "step_wise_grpo"}
+    assert set(ADVANTAGE_FNS) == {
+        "grpo",
+        "ppo",
+        "reinforceplusplus",
+        "reinforce",
+        "rloo",
+        "opmd",
+        "asymre",
+        "rec",
+        "step_wise_grpo",
+    }
 
 
 @pytest.mark.parametrize("name", list(POLICY_LOSS_FNS))
@@ -318,10 +371,14 @@ def test_piece_config_defaults(kind):
 
 
 def test_piece_config_values_and_errors():
-    cfg = piece_config("policy_loss_fn", "ppo", {"clip_range_high": "0.28", "clip_ratio_c": 4}, "algorithm.policy_loss_fn_args")
+    cfg = piece_config(
+        "policy_loss_fn", "ppo", {"clip_range_high": "0.28", "clip_ratio_c": 4}, "algorithm.policy_loss_fn_args"
+    )
     assert cfg.clip_range_high == pytest.approx(0.28) and cfg.clip_ratio_c == 4.0 and cfg.clip_range == 0.2
     assert piece_config("advantage_fn", "grpo", {"std_threshold": 0.0}, "a").std_threshold == 0.0
-    with pytest.raises(ConfigError, match=r"^algorithm\.policy_loss_fn_args\.clip_rnage: unknown key; did you mean clip_range\?"):
+    with pytest.raises(
+        ConfigError, match=r"^algorithm\.policy_loss_fn_args\.clip_rnage: unknown key; did you mean clip_range\?"
+    ):
         piece_config("policy_loss_fn", "ppo", {"clip_rnage": 0.3}, "algorithm.policy_loss_fn_args")
     with pytest.raises(ConfigError, match=r"unknown policy_loss_fn 'ppx'; known: ppo, sft"):
         piece_config("policy_loss_fn", "ppx", {}, "algorithm.policy_loss_fn_args")
@@ -349,10 +406,16 @@ def test_rollout_is_weights_hand_computed():
     assert torch.allclose(w, torch.tensor([[math.exp(-0.5), math.exp(-0.5), 1.0]]))
     assert m["rollout_corr/rollout_is_clip_frac"] == 0.0
     long = torch.full((1, 200), 1.0)  # prod r = exp(200): overflows unless clamped in log space
-    w, m = correction.rollout_is_weights(long, torch.zeros(1, 200), torch.ones(1, 200, dtype=torch.bool), "sequence", 3.0)
+    w, m = correction.rollout_is_weights(
+        long, torch.zeros(1, 200), torch.ones(1, 200, dtype=torch.bool), "sequence", 3.0
+    )
     assert torch.allclose(w, torch.full((1, 200), 3.0)) and m["rollout_corr/rollout_is_clip_frac"] == 1.0
     w, m = correction.rollout_is_weights(old, rollout, mask, "none", 1.5)
-    assert torch.equal(w, torch.ones(1, 3)) and "rollout_corr/rollout_is_mean" not in m and m["rollout_corr/kl"] == pytest.approx(0.25)
+    assert (
+        torch.equal(w, torch.ones(1, 3))
+        and "rollout_corr/rollout_is_mean" not in m
+        and m["rollout_corr/kl"] == pytest.approx(0.25)
+    )
     with pytest.raises(ValueError, match="unknown 'tokens'"):
         correction.rollout_is_weights(old, rollout, mask, "tokens", 1.5)
 
@@ -362,7 +425,9 @@ def test_rollout_is_weights_scale_the_ppo_gradient():
     uncorrected one (PPO clip, at ratio 1)."""
     b = random_batch(B=3, T=5)
     logp = b["old_logprobs"].clone().requires_grad_(True)
-    w, _ = correction.rollout_is_weights(b["old_logprobs"], b["old_logprobs"] - torch.randn(3, 5), b["response_mask"], "token", 2.0)
+    w, _ = correction.rollout_is_weights(
+        b["old_logprobs"], b["old_logprobs"] - torch.randn(3, 5), b["response_mask"], "token", 2.0
+    )
     assert (w != 1).any()
     ppo_loss.compute(logp, b, ppo_loss.Config(), "token-mean")[0].backward()
     plain = logp.grad.clone()
@@ -373,7 +438,9 @@ def test_rollout_is_weights_scale_the_ppo_gradient():
 
 def test_sample_strategies():
     assert sample.default(10, sample.Config()) == {}
-    assert sample.staleness_control(10, sample.Config(max_staleness=2)) == {"min_version": 7}  # staleness <= 2 at step 10
+    assert sample.staleness_control(10, sample.Config(max_staleness=2)) == {
+        "min_version": 7
+    }  # staleness <= 2 at step 10
     assert sample.staleness_control(2, sample.Config(max_staleness=4)) == {"min_version": 0}
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         sample.staleness_control(3, sample.Config(max_staleness=-1))
@@ -430,4 +497,6 @@ def test_preset_table_matches_what_the_trainer_builds(name):
     adv = ADVANTAGE_FNS[p.advantage_fn][1] if p.advantage_fn != "none" else None
     policy = POLICY_LOSS_FNS[p.policy_loss_fn][1]
     assert p.use_critic == ("values" in getattr(adv, "NEEDS", ()))
-    assert p.use_reference == (p.kl_loss_fn != "none" or p.kl_penalty_fn != "none" or "ref_logprobs" in getattr(policy, "NEEDS", ()))
+    assert p.use_reference == (
+        p.kl_loss_fn != "none" or p.kl_penalty_fn != "none" or "ref_logprobs" in getattr(policy, "NEEDS", ())
+    )

@@ -12,8 +12,11 @@ from algos.utils import group_mean, masked_whiten
 
 def group_batch(rewards, groups, T=3, mask=None):
     B = len(rewards)
-    return {"rewards": torch.tensor(rewards, dtype=torch.float32), "group_index": torch.tensor(groups),
-            "response_mask": torch.ones(B, T) if mask is None else torch.tensor(mask, dtype=torch.float32)}
+    return {
+        "rewards": torch.tensor(rewards, dtype=torch.float32),
+        "group_index": torch.tensor(groups),
+        "response_mask": torch.ones(B, T) if mask is None else torch.tensor(mask, dtype=torch.float32),
+    }
 
 
 def test_group_mean():
@@ -35,9 +38,12 @@ def test_gae_hand_computed_with_right_padding():
     #   returns = A + V = [0.71712, 0.846, 1.0]
     # row 1 (right-padded, mask [1,0,0]): r = [2, 0, 0], V = [0.5, 9, 9] -> padding values masked to 0
     #   t=2, t=1: delta = 0, A = 0 ;  t=0: delta = 2 + 0.9*0 - 0.5 = 1.5, A0 = 1.5 ; returns [2, 0, 0]
-    batch = {"token_level_rewards": torch.tensor([[0.0, 0.0, 1.0], [2.0, 0.0, 0.0]]),
-             "values": torch.tensor([[0.5, 0.6, 0.7], [0.5, 9.0, 9.0]]),
-             "response_mask": torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool), "rewards": torch.tensor([1.0, 2.0])}
+    batch = {
+        "token_level_rewards": torch.tensor([[0.0, 0.0, 1.0], [2.0, 0.0, 0.0]]),
+        "values": torch.tensor([[0.5, 0.6, 0.7], [0.5, 9.0, 9.0]]),
+        "response_mask": torch.tensor([[1, 1, 1], [1, 0, 0]], dtype=torch.bool),
+        "rewards": torch.tensor([1.0, 2.0]),
+    }
     out, metrics = gae.compute(batch, gae.Config(gamma=0.9, lam=0.8))
     assert out["returns"].tolist() == [pytest.approx([0.71712, 0.846, 1.0], abs=1e-6), pytest.approx([2.0, 0.0, 0.0])]
     raw = torch.tensor([[0.21712, 0.246, 0.3], [1.5, 0.0, 0.0]])  # A before whitening (hand values above)
@@ -49,8 +55,12 @@ def test_gae_hand_computed_with_right_padding():
 
 def test_gae_gamma_lam_one_is_return_to_go():
     # gamma = lam = 1: returns_t = A_t + V_t = sum_{s>=t} r_s, whatever V is: r = [1, -1, 3] -> [3, 2, 3]
-    batch = {"token_level_rewards": torch.tensor([[1.0, -1.0, 3.0]]), "values": torch.tensor([[0.3, -2.0, 5.0]]),
-             "response_mask": torch.ones(1, 3), "rewards": torch.tensor([3.0])}
+    batch = {
+        "token_level_rewards": torch.tensor([[1.0, -1.0, 3.0]]),
+        "values": torch.tensor([[0.3, -2.0, 5.0]]),
+        "response_mask": torch.ones(1, 3),
+        "rewards": torch.tensor([3.0]),
+    }
     out, _ = gae.compute(batch, gae.Config())
     assert out["returns"][0].tolist() == pytest.approx([3.0, 2.0, 3.0])
 
@@ -59,8 +69,12 @@ def test_gae_mask_inside_response():
     # tool output at t=1 (mask [1,0,1]): r = [0, 0, 1], V = [0.5, 9, 0.7] -> V masked to [0.5, 0, 0.7]
     #   t=2: A = 1 - 0.7 = 0.3 ; t=1: delta = 0 + 0.7 - 0 = 0.7, A = 1.0 ; t=0: delta = 0 + 0 - 0.5, A = 0.5
     # with gamma = lam = 1 this is the same as skipping the tool token: A0 = (0 + 1) - 0.5
-    batch = {"token_level_rewards": torch.tensor([[0.0, 0.0, 1.0]]), "values": torch.tensor([[0.5, 9.0, 0.7]]),
-             "response_mask": torch.tensor([[1.0, 0.0, 1.0]]), "rewards": torch.tensor([1.0])}
+    batch = {
+        "token_level_rewards": torch.tensor([[0.0, 0.0, 1.0]]),
+        "values": torch.tensor([[0.5, 9.0, 0.7]]),
+        "response_mask": torch.tensor([[1.0, 0.0, 1.0]]),
+        "rewards": torch.tensor([1.0]),
+    }
     out, _ = gae.compute(batch, gae.Config())
     assert out["returns"][0].tolist() == pytest.approx([1.0, 0.0, 1.0])
     raw = torch.tensor([[0.5, 0.0, 0.3]])
@@ -73,8 +87,11 @@ def test_gae_mask_inside_response():
 def test_reinforceplusplus_hand_computed():
     # row 0: gamma 1, r = [0, -0.1, 1] -> G = [0.9, 0.9, 1.0] ; row 1 (mask [1,0,0]): r = [0.5, 0, 0] -> G = [0.5, 0, 0]
     # valid G = [0.9, 0.9, 1.0, 0.5]: mean 0.825, squared deviations sum 0.1475, unbiased var 0.1475/3
-    batch = {"token_level_rewards": torch.tensor([[0.0, -0.1, 1.0], [0.5, 0.0, 0.0]]),
-             "response_mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]), "rewards": torch.tensor([0.9, 0.5])}
+    batch = {
+        "token_level_rewards": torch.tensor([[0.0, -0.1, 1.0], [0.5, 0.0, 0.0]]),
+        "response_mask": torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]),
+        "rewards": torch.tensor([0.9, 0.5]),
+    }
     out, metrics = reinforceplusplus.compute(batch, reinforceplusplus.Config())
     assert out["returns"].tolist() == [pytest.approx([0.9, 0.9, 1.0]), pytest.approx([0.5, 0.0, 0.0])]
     std = math.sqrt(0.1475 / 3 + 1e-8)
@@ -85,8 +102,16 @@ def test_reinforceplusplus_hand_computed():
 
 def test_reinforceplusplus_discount_and_mask_reset():
     # gamma 0.5, r = [0, 0, 1] -> G = [0.25, 0.5, 1]
-    b = {"token_level_rewards": torch.tensor([[0.0, 0.0, 1.0]]), "response_mask": torch.ones(1, 3), "rewards": torch.ones(1)}
-    assert reinforceplusplus.compute(b, reinforceplusplus.Config(gamma=0.5))[0]["returns"][0].tolist() == [0.25, 0.5, 1.0]
+    b = {
+        "token_level_rewards": torch.tensor([[0.0, 0.0, 1.0]]),
+        "response_mask": torch.ones(1, 3),
+        "rewards": torch.ones(1),
+    }
+    assert reinforceplusplus.compute(b, reinforceplusplus.Config(gamma=0.5))[0]["returns"][0].tolist() == [
+        0.25,
+        0.5,
+        1.0,
+    ]
     # veRL's reset: a masked token inside the response (mask [1,0,1]) zeroes the running return,
     # so token 0 does not see the reward at token 2: G = [0, (masked) 0, 1]
     b["response_mask"] = torch.tensor([[1.0, 0.0, 1.0]])
@@ -98,8 +123,9 @@ def test_reinforceplusplus_discount_and_mask_reset():
 
 def test_reinforce_is_raw_reward():
     # A = r: rewards [1, 0, 0.5] on every valid token
-    out, metrics = reinforce.compute(group_batch([1.0, 0.0, 0.5], [0, 0, 1], mask=[[1, 1, 0], [1, 1, 1], [1, 0, 0]]),
-                                     reinforce.Config())
+    out, metrics = reinforce.compute(
+        group_batch([1.0, 0.0, 0.5], [0, 0, 1], mask=[[1, 1, 0], [1, 1, 1], [1, 0, 0]]), reinforce.Config()
+    )
     assert out["advantages"].tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.0, 0.0]]
     assert metrics == {"reward_mean": pytest.approx(0.5)}
 
@@ -124,13 +150,14 @@ def test_opmd_baselines():
     out, _ = opmd.advantage(batch, opmd.AdvantageConfig(opmd_baseline="logavgexp"))
     assert out["advantages"][:, 0].tolist() == pytest.approx([1 - b, -b, 0.7], abs=1e-6)
     # tau 0.5: b = 0.5 * log((e^2 + 1) / 2) = 0.716894 (closer to the max 1 than tau 1)
-    b = 0.5 * math.log((math.e ** 2 + 1) / 2)
+    b = 0.5 * math.log((math.e**2 + 1) / 2)
     out, _ = opmd.advantage(batch, opmd.AdvantageConfig(opmd_baseline="logavgexp", tau=0.5))
     assert out["advantages"][:2, 0].tolist() == pytest.approx([1 - b, -b], abs=1e-6)
     # large rewards stay finite (the group max is subtracted before exp): [1000, 999] -> b = 999 + log((e + 1) / 2)
     out, _ = opmd.advantage(group_batch([1000.0, 999.0], [0, 0]), opmd.AdvantageConfig(opmd_baseline="logavgexp"))
-    assert out["advantages"][:, 0].tolist() == pytest.approx([1 - math.log((math.e + 1) / 2), -math.log((math.e + 1) / 2)],
-                                                             abs=1e-4)
+    assert out["advantages"][:, 0].tolist() == pytest.approx(
+        [1 - math.log((math.e + 1) / 2), -math.log((math.e + 1) / 2)], abs=1e-4
+    )
     with pytest.raises(ValueError, match="opmd_baseline"):
         opmd.advantage(batch, opmd.AdvantageConfig(opmd_baseline="max"))
 
@@ -165,8 +192,12 @@ def test_step_wise_grpo_normalises_over_episodes_and_gives_each_turn_its_episode
     # group 0: episode A (2 turns, reward 1) rows 0-1, B (1 turn, 0) row 2; group 1: C (1 turn, 2) row 3,
     # D (3 turns, 0) rows 4-6. Per group over EPISODES: [1, 0] and [2, 0] -> mean 0.5 / 1, unbiased std 0.7071 / 1.4142
     # -> A = +-0.7071 in both groups, whatever the number of turns (per-row GRPO would weigh A twice and D 3 times)
-    batch = {"rewards": torch.tensor([1.0, 1, 0, 2, 0, 0, 0]), "group_index": torch.tensor([0, 0, 0, 1, 1, 1, 1]),
-             "episode_index": torch.tensor([0, 0, 1, 2, 3, 3, 3]), "response_mask": torch.ones(7, 2, dtype=torch.bool)}
+    batch = {
+        "rewards": torch.tensor([1.0, 1, 0, 2, 0, 0, 0]),
+        "group_index": torch.tensor([0, 0, 0, 1, 1, 1, 1]),
+        "episode_index": torch.tensor([0, 0, 1, 2, 3, 3, 3]),
+        "response_mask": torch.ones(7, 2, dtype=torch.bool),
+    }
     a = 1 / math.sqrt(2)
     out, metrics = step_wise_grpo.compute(batch, step_wise_grpo.Config())
     assert out["advantages"][:, 0].tolist() == pytest.approx([a, a, -a, a, -a, -a, -a], abs=1e-5)
@@ -191,12 +222,16 @@ def full_batch(mask, groups, seed=0):
     token_rewards = torch.zeros(B, T)
     token_rewards[torch.arange(B), last] = rewards
     token_rewards = token_rewards * mask - 0.01 * torch.rand(B, T, generator=g) * mask  # KL penalty on valid tokens
-    return {"rewards": rewards, "token_level_rewards": token_rewards, "response_mask": mask,
-            "values": torch.randn(B, T, generator=g) * 3,  # garbage on padding: must be masked
-            "group_index": torch.as_tensor(groups, dtype=torch.long),
-            "episode_index": torch.arange(B),  # single-turn rows: each its own episode
-            "stored_advantages": torch.randn(B, T, generator=g),  # an explorer-side fn's (step_wise_grpo)
-            "has_stored_advantages": torch.ones(B, dtype=torch.bool)}
+    return {
+        "rewards": rewards,
+        "token_level_rewards": token_rewards,
+        "response_mask": mask,
+        "values": torch.randn(B, T, generator=g) * 3,  # garbage on padding: must be masked
+        "group_index": torch.as_tensor(groups, dtype=torch.long),
+        "episode_index": torch.arange(B),  # single-turn rows: each its own episode
+        "stored_advantages": torch.randn(B, T, generator=g),  # an explorer-side fn's (step_wise_grpo)
+        "has_stored_advantages": torch.ones(B, dtype=torch.bool),
+    }
 
 
 EDGE_CASES = {

@@ -8,8 +8,23 @@ import math
 import pytest
 import torch
 
-from algos import (ENTROPY_LOSS_FNS, POLICY_LOSS_FNS, cispo, dpo, entropy, gspo, importance_sampling, mix, opmd,
-                   ppo_loss, rec, sapo, sft_loss, sppo, topr)
+from algos import (
+    ENTROPY_LOSS_FNS,
+    POLICY_LOSS_FNS,
+    cispo,
+    dpo,
+    entropy,
+    gspo,
+    importance_sampling,
+    mix,
+    opmd,
+    ppo_loss,
+    rec,
+    sapo,
+    sft_loss,
+    sppo,
+    topr,
+)
 from algos.utils import AGG_MODES, aggregate
 
 
@@ -17,14 +32,19 @@ def batch_of(ratios, adv, mask=None):
     """logprobs (leaf, requires grad) = log(ratios), batch with old_logprobs = 0."""
     r = torch.tensor(ratios, dtype=torch.float32)
     lp = torch.log(r).requires_grad_()
-    b = {"old_logprobs": torch.zeros_like(r), "advantages": torch.tensor(adv, dtype=torch.float32),
-         "response_mask": torch.ones_like(r) if mask is None else torch.tensor(mask, dtype=torch.float32)}
+    b = {
+        "old_logprobs": torch.zeros_like(r),
+        "advantages": torch.tensor(adv, dtype=torch.float32),
+        "response_mask": torch.ones_like(r) if mask is None else torch.tensor(mask, dtype=torch.float32),
+    }
     return lp, b
 
 
 def close(actual, expected, atol=1e-6):
     """Nested lists / tensors equal within atol (pytest.approx does not nest)."""
-    return torch.allclose(torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected, dtype=torch.float32), atol=atol)
+    return torch.allclose(
+        torch.as_tensor(actual, dtype=torch.float32), torch.tensor(expected, dtype=torch.float32), atol=atol
+    )
 
 
 def grad_of(fn, lp, b, cfg, mode="token-mean"):
@@ -40,8 +60,11 @@ def test_gspo_ratio_value_is_sequence_ratio_gradient_is_per_token():
     # row 0: log r = [0.1, -0.3, 0.05] -> s0 = mean = -0.05, ratio value exp(-0.05) = 0.951229 on EVERY token
     # row 1: log r = [0.2, 0.0, (pad)] -> s1 = 0.1, ratio 1.105171; per-token advantages
     lp = torch.tensor([[0.1, -0.3, 0.05], [0.2, 0.0, 9.0]], requires_grad=True)
-    b = {"old_logprobs": torch.zeros(2, 3), "advantages": torch.tensor([[1.0, 2.0, -1.0], [1.0, 1.0, 5.0]]),
-         "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    b = {
+        "old_logprobs": torch.zeros(2, 3),
+        "advantages": torch.tensor([[1.0, 2.0, -1.0], [1.0, 1.0, 5.0]]),
+        "response_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+    }
     wide = gspo.Config(clip_range_low=10.0, clip_range_high=10.0)  # no clipping
     loss, m = gspo.compute(lp, b, wide, "token-mean")  # loss_agg_mode ignored: seq-mean-token-mean
     s0, s1 = math.exp(-0.05), math.exp(0.1)
@@ -137,7 +160,11 @@ def test_sppo_band():
 
 
 def rec_batch(rewards, groups, T=2):
-    return {"rewards": torch.tensor(rewards), "group_index": torch.tensor(groups), "response_mask": torch.ones(len(rewards), T)}
+    return {
+        "rewards": torch.tensor(rewards),
+        "group_index": torch.tensor(groups),
+        "response_mask": torch.ones(len(rewards), T),
+    }
 
 
 def test_rec_advantage_hand_computed():
@@ -163,7 +190,10 @@ def test_rec_advantage_drop_balance():
         assert a[0] == pytest.approx(0.5) and sorted(a[1:4]) == pytest.approx([-0.5, 0.0, 0.0])
         assert a[4:] == pytest.approx([0.5, 0.5, -0.5, -0.5])
         assert m["filtered_count"] == 2.0 and m["drop_balance"] == 0.25
-        assert out["advantages"].tolist() == rec.advantage(b, rec.AdvantageConfig(drop="balance", seed=seed))[0]["advantages"].tolist()
+        assert (
+            out["advantages"].tolist()
+            == rec.advantage(b, rec.AdvantageConfig(drop="balance", seed=seed))[0]["advantages"].tolist()
+        )
         patterns.add(tuple(a[1:4]))
     assert len(patterns) > 1  # the seed decides which negatives go
     # std_normalize after the drop: kept [1, 0], population std 0.5 -> A = +-0.5 / 0.5 = +-1
@@ -171,13 +201,16 @@ def test_rec_advantage_drop_balance():
     assert out["advantages"][0, 0].item() == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("mode,kept", [
-    # ratios [0.3, 0.7, 1.0, 1.5, 3.5], eps 0.2 (band [0.8, 1.2]), eps'_low 0.6 (<= 0.4), eps'_high 2 (>= 3)
-    ("none", ([1, 1, 1, 1, 1], [1, 1, 1, 1, 1])),
-    ("two-side", ([0, 0, 1, 0, 0], [0, 0, 1, 0, 0])),  # only r = 1.0 is in [0.8, 1.2]
-    ("one-side", ([1, 1, 1, 0, 0], [0, 0, 1, 1, 1])),  # A > 0: r <= 1.2 ; A < 0: r >= 0.8
-    ("ring", ([1, 0, 1, 0, 0], [0, 0, 1, 0, 1])),  # band, or A > 0 and r <= 0.4, or A < 0 and r >= 3
-])
+@pytest.mark.parametrize(
+    "mode,kept",
+    [
+        # ratios [0.3, 0.7, 1.0, 1.5, 3.5], eps 0.2 (band [0.8, 1.2]), eps'_low 0.6 (<= 0.4), eps'_high 2 (>= 3)
+        ("none", ([1, 1, 1, 1, 1], [1, 1, 1, 1, 1])),
+        ("two-side", ([0, 0, 1, 0, 0], [0, 0, 1, 0, 0])),  # only r = 1.0 is in [0.8, 1.2]
+        ("one-side", ([1, 1, 1, 0, 0], [0, 0, 1, 1, 1])),  # A > 0: r <= 1.2 ; A < 0: r >= 0.8
+        ("ring", ([1, 0, 1, 0, 0], [0, 0, 1, 0, 1])),  # band, or A > 0 and r <= 0.4, or A < 0 and r >= 3
+    ],
+)
 def test_rec_clip_modes(mode, kept):
     lp, b = batch_of([[0.3, 0.7, 1.0, 1.5, 3.5]] * 2, [[1.0] * 5, [-1.0] * 5])
     _, m, g = grad_of(rec.loss, lp, b, rec.LossConfig(clip_mode=mode))
@@ -186,13 +219,19 @@ def test_rec_clip_modes(mode, kept):
     assert m["pg_clipfrac"] == pytest.approx(1 - sum(kept[0] + kept[1]) / 10)
 
 
-@pytest.mark.parametrize("kw,expected", [
-    ({}, [-0.5, 0.5]),  # -A / 2
-    ({"weight": "importance_sampling"}, [-1.0, 0.25]),  # -A r / 2, r = [2, 0.5]
-    ({"weight": "advantage"}, [-math.e / 2, math.exp(-1) / 2]),  # A' = A exp(A): [e, -1/e]
-    ({"regularizer": "k2", "regularizer_coef": 0.1}, [-0.5 + 0.1 * math.log(2), 0.5 - 0.1 * math.log(2)]),  # + 2 c log r / 2
-    ({"regularizer": "forward-kl", "regularizer_coef": 0.1}, [-0.55, 0.45]),  # - c / 2
-])
+@pytest.mark.parametrize(
+    "kw,expected",
+    [
+        ({}, [-0.5, 0.5]),  # -A / 2
+        ({"weight": "importance_sampling"}, [-1.0, 0.25]),  # -A r / 2, r = [2, 0.5]
+        ({"weight": "advantage"}, [-math.e / 2, math.exp(-1) / 2]),  # A' = A exp(A): [e, -1/e]
+        (
+            {"regularizer": "k2", "regularizer_coef": 0.1},
+            [-0.5 + 0.1 * math.log(2), 0.5 - 0.1 * math.log(2)],
+        ),  # + 2 c log r / 2
+        ({"regularizer": "forward-kl", "regularizer_coef": 0.1}, [-0.55, 0.45]),  # - c / 2
+    ],
+)
 def test_rec_weights_and_regularizers(kw, expected):
     lp, b = batch_of([[2.0, 0.5]], [[1.0, -1.0]])
     loss, _, g = grad_of(rec.loss, lp, b, rec.LossConfig(**kw))
@@ -251,8 +290,10 @@ def dpo_inputs():
     # pair 0: chosen sum -2 vs ref -3 -> +1 ; rejected sum -4 vs ref -3 -> -1 ; h0 = 0.1 * (1 - (-1)) = 0.2
     # pair 1: chosen (1 valid token) -1 vs ref -0.5 -> -0.5 ; rejected -2 vs -3 -> +1 ; h1 = 0.1 * (-1.5) = -0.15
     lp = torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [-1.0, -9.0], [-1.0, -1.0]], requires_grad=True)
-    b = {"ref_logprobs": torch.tensor([[-1.5, -1.5], [-1.5, -1.5], [-0.5, 0.0], [-1.5, -1.5]]),
-         "response_mask": torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1]])}
+    b = {
+        "ref_logprobs": torch.tensor([[-1.5, -1.5], [-1.5, -1.5], [-0.5, 0.0], [-1.5, -1.5]]),
+        "response_mask": torch.tensor([[1, 1], [1, 1], [1, 0], [1, 1]]),
+    }
     return lp, b
 
 
@@ -267,7 +308,9 @@ def test_dpo_two_pairs_hand_computed():
     loss.backward()
     # dL/dh0 = -sigmoid(-0.2) = -0.450166; / 2 pairs * beta 0.1 -> chosen tokens -0.0225083, rejected +
     g0 = 1 / (1 + math.exp(0.2)) * 0.1 / 2
-    assert lp.grad[0].tolist() == pytest.approx([-g0, -g0], abs=1e-6) and lp.grad[1].tolist() == pytest.approx([g0, g0], abs=1e-6)
+    assert lp.grad[0].tolist() == pytest.approx([-g0, -g0], abs=1e-6) and lp.grad[1].tolist() == pytest.approx(
+        [g0, g0], abs=1e-6
+    )
     assert lp.grad[2, 1].item() == 0.0  # padding
     # Trinity's micro-batch sum would give one h = 0.1 * ((1 - 0.5) - (-1 + 1)) = 0.05: log(1 + e^-0.05) = 0.668
     assert loss.item() != pytest.approx(math.log(1 + math.exp(-0.05)), abs=1e-3)
@@ -288,8 +331,12 @@ def test_dpo_label_smoothing_and_odd_batch():
 
 def mix_inputs(expert_rows):
     lp = torch.log(torch.tensor([[1.1, 1.1], [0.5, 0.2]])).requires_grad_()
-    b = {"old_logprobs": torch.zeros(2, 2), "advantages": torch.tensor([[1.0, 1.0], [-2.0, 3.0]]),
-         "response_mask": torch.ones(2, 2), "expert_mask": torch.tensor([[float(r in expert_rows)] * 2 for r in range(2)])}
+    b = {
+        "old_logprobs": torch.zeros(2, 2),
+        "advantages": torch.tensor([[1.0, 1.0], [-2.0, 3.0]]),
+        "response_mask": torch.ones(2, 2),
+        "expert_mask": torch.tensor([[float(r in expert_rows)] * 2 for r in range(2)]),
+    }
     return lp, b
 
 
@@ -332,8 +379,18 @@ def test_entropy_mix_skips_expert_rows():
 # clip(1) = 1; sapo: f'(1) * 1 = 4 sigmoid(0)(1 - sigmoid(0)) = 1; sppo/rec: r = 1 is in every band
 # (rec defaults: weight none, no regulariser; k2's gradient 2c (logp - old) is 0 there too); opmd: scaled
 # by 1 / (1 + tau) = 1/2; mix without expert rows: scaled by 1 - mu = 0.9.
-AT_RATIO_ONE = {"ppo": 1.0, "gspo": 1.0, "cispo": 1.0, "sapo": 1.0, "topr": 1.0, "sppo": 1.0, "rec": 1.0,
-                "opmd": 0.5, "importance_sampling": 1.0, "mix": 0.9}
+AT_RATIO_ONE = {
+    "ppo": 1.0,
+    "gspo": 1.0,
+    "cispo": 1.0,
+    "sapo": 1.0,
+    "topr": 1.0,
+    "sppo": 1.0,
+    "rec": 1.0,
+    "opmd": 0.5,
+    "importance_sampling": 1.0,
+    "mix": 0.9,
+}
 # Does not hold: sft, sft_is, sft_phi (ignore A: -w grad logp whatever A is), dpo (a preference loss over
 # (chosen, rejected) pairs against ref_logprobs, no advantage), rec with weight "advantage" (A exp(A/temp))
 # or the forward-kl regulariser (adds -coef grad logp).
@@ -350,9 +407,13 @@ def test_ratio_one_table_covers_registry():
 def test_at_ratio_one_gradient_is_reinforce(name, mode):
     g = torch.Generator().manual_seed(3)
     old = -torch.rand(4, 5, generator=g)
-    b = {"old_logprobs": old, "ref_logprobs": old - 0.1, "advantages": torch.randn(4, 5, generator=g),
-         "response_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]]),
-         "expert_mask": torch.zeros(4, 5)}
+    b = {
+        "old_logprobs": old,
+        "ref_logprobs": old - 0.1,
+        "advantages": torch.randn(4, 5, generator=g),
+        "response_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]]),
+        "expert_mask": torch.zeros(4, 5),
+    }
     fn, cfg_cls = POLICY_LOSS_FNS[name]
     lp = old.clone().requires_grad_()
     fn(lp, b, cfg_cls(), mode)[0].backward()

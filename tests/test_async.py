@@ -40,18 +40,37 @@ def pair(tmp_path: Path, tiny_model_dir: str, url: str = "", **over) -> dict[str
         cfg = yaml.safe_load((ROOT / f"configs/async/tiny_{role}.yaml").read_text())
         for ts in [cfg["buffer"]["explorer_input"]["taskset"], *cfg["buffer"]["explorer_input"]["eval_tasksets"]]:
             ts["path"] = data
-        files[role] = write_yaml(tmp_path / f"{role}.yaml", cfg, {
-            "checkpoint_root_dir": str(tmp_path / "ck"), "model.model_path": tiny_model_dir,
-            "model.max_response_tokens": 12, "buffer.total_steps": 6, "buffer.batch_size": 3,
-            "algorithm.repeat_times": 2, "explorer.runner_per_model": 6, "explorer.eval_interval": 1000,
-            "explorer.eval_on_startup": False, "trainer.save_interval": 3, "monitor.monitor_type": "none",
-            "buffer.trainer_input.experience_buffer.max_read_timeout": 120, "synchronizer.sync_timeout": 120, **over})
+        files[role] = write_yaml(
+            tmp_path / f"{role}.yaml",
+            cfg,
+            {
+                "checkpoint_root_dir": str(tmp_path / "ck"),
+                "model.model_path": tiny_model_dir,
+                "model.max_response_tokens": 12,
+                "buffer.total_steps": 6,
+                "buffer.batch_size": 3,
+                "algorithm.repeat_times": 2,
+                "explorer.runner_per_model": 6,
+                "explorer.eval_interval": 1000,
+                "explorer.eval_on_startup": False,
+                "trainer.save_interval": 3,
+                "monitor.monitor_type": "none",
+                "buffer.trainer_input.experience_buffer.max_read_timeout": 120,
+                "synchronizer.sync_timeout": 120,
+                **over,
+            },
+        )
     return files
 
 
 def start(config: Path, script: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, script, "--config", str(config)], cwd=ROOT, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        [sys.executable, script, "--config", str(config)],
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def meta(url: str, key: str) -> str | None:
@@ -82,7 +101,9 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     files, job = pair(tmp_path, tiny_model_dir, url), tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in files}
     trainer = start(files["trainer"], "train.py", logs["trainer"])
-    wait_for(lambda: "waiting for experiences: 0 of 6 ready" in logs["trainer"].read_text(), "the trainer's waiting note")
+    wait_for(
+        lambda: "waiting for experiences: 0 of 6 ready" in logs["trainer"].read_text(), "the trainer's waiting note"
+    )
     assert "explorers: none has written to this DB yet" in logs["trainer"].read_text()
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
     wait_for(lambda: meta(url, "explorer/explorer") is not None, "the first explorer step")
@@ -97,15 +118,23 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
         assert d.counts()["claims"] == 6 * 6
     assert set(writers) == {"explorer", "explorer_new"} and all(n % 2 == 0 for n in writers.values()), writers
     assert all(s["finished"] for s in states.values()) and set(states) == {"explorer/explorer", "explorer/explorer_new"}
-    assert json.loads((job / "explorer_new_meta.json").read_text())["latest_iteration"] == states["explorer/explorer_new"]["step"]
+    assert (
+        json.loads((job / "explorer_new_meta.json").read_text())["latest_iteration"]
+        == states["explorer/explorer_new"]["step"]
+    )
     # per-explorer metrics: each explorer's own history; the trainer counts where its batches came from
     for name in ("explorer", "explorer_new"):
         assert any("rollout/reward/mean" in r for r in read_history(job / f"monitor/{name}.jsonl"))
     history = read_history(job / "monitor/trainer.jsonl")
     assert [r["step"] for r in history] == list(range(1, 7))
-    assert all(r["sample/model_version/min"] <= r["sample/model_version/mean"] <= r["sample/model_version/max"] < r["step"]
-               and r["batch/staleness/max"] <= 4 for r in history)  # staleness_control max_staleness 4
-    assert {k for r in history for k in r if k.startswith("sample/experience_count/")} >= {"sample/experience_count/explorer"}
+    assert all(
+        r["sample/model_version/min"] <= r["sample/model_version/mean"] <= r["sample/model_version/max"] < r["step"]
+        and r["batch/staleness/max"] <= 4
+        for r in history
+    )  # staleness_control max_staleness 4
+    assert {k for r in history for k in r if k.startswith("sample/experience_count/")} >= {
+        "sample/experience_count/explorer"
+    }
     for r in history:  # the correction is on (token TIS); its mismatch metrics are finite and small
         assert abs(r["rollout_corr/kl"]) < 0.5 and 0 < r["rollout_corr/rollout_is_mean"] <= 2.0
     text = logs["explorer"].read_text() + logs["explorer_new"].read_text()
@@ -117,16 +146,25 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
     """Explorer first: it waits at its first sync point (saying for what) until the trainer comes. A
     second start of the finished trainer does nothing: it resumes at its last step. explorer_driven:
     at each sync point the explorer takes any newer weights (waits only when there are none)."""
-    files, job = pair(tmp_path, tiny_model_dir, url, **{"synchronizer.sync_style": style}), \
-        tmp_path / "ck/nanorft/tiny_async"
+    files, job = (
+        pair(tmp_path, tiny_model_dir, url, **{"synchronizer.sync_style": style}),
+        tmp_path / "ck/nanorft/tiny_async",
+    )
     logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
-    wait_for(lambda: "waiting for the trainer's weights of step 1" in logs["explorer"].read_text(), "the explorer's note")
+    wait_for(
+        lambda: "waiting for the trainer's weights of step 1" in logs["explorer"].read_text(), "the explorer's note"
+    )
     assert "no trainer has used this DB yet" in logs["explorer"].read_text()
     trainer = start(files["trainer"], "train.py", logs["trainer"])
     assert [p.wait(timeout=300) for p in (trainer, explorer)] == [0, 0], {r: logs[r].read_text()[-2000:] for r in logs}
-    again = subprocess.run([sys.executable, "train.py", "--config", str(files["trainer"])], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300)
+    again = subprocess.run(
+        [sys.executable, "train.py", "--config", str(files["trainer"])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert again.returncode == 0 and "resumed from checkpoint step 6" in again.stderr, again.stderr[-2000:]
     assert [r["step"] for r in read_history(job / "monitor/trainer.jsonl")] == list(range(1, 7))
     versions = [r["rollout/model_version"] for r in read_history(job / "monitor/explorer.jsonl")]
@@ -137,9 +175,15 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
     """trainer_driven: the explorer loads new weights whenever the trainer has published some and never
     waits, so a fast explorer runs ahead; staleness_control (max_staleness 1 here) then drops what is too
     old, the trainer ends when the explorer has finished and nothing usable is left, and saves that step."""
-    files, job = pair(tmp_path, tiny_model_dir, url, **{"synchronizer.sync_style": "trainer_driven",
-                                                   "algorithm.sample_strategy_args.max_staleness": 1}), \
-        tmp_path / "ck/nanorft/tiny_async"
+    files, job = (
+        pair(
+            tmp_path,
+            tiny_model_dir,
+            url,
+            **{"synchronizer.sync_style": "trainer_driven", "algorithm.sample_strategy_args.max_staleness": 1},
+        ),
+        tmp_path / "ck/nanorft/tiny_async",
+    )
     logs = {r: tmp_path / f"{r}.log" for r in ("trainer", "explorer")}
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
     assert explorer.wait(timeout=300) == 0, logs["explorer"].read_text()[-2000:]
@@ -149,8 +193,10 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
     # all 36 experiences are version 0: steps 1 and 2 may use them (staleness 0, 1); step 3 drops the rest
     with ExperienceDB(url) as d:
         assert d.counts() == {"total": 36, "pending": 0, "claimed": 12, "dropped": 24, "claims": 12}
-    assert "every explorer writing to the experience DB has finished and no experiences are left: " \
-           "training ends after step 2 of 6" in logs["trainer"].read_text()
+    assert (
+        "every explorer writing to the experience DB has finished and no experiences are left: "
+        "training ends after step 2 of 6" in logs["trainer"].read_text()
+    )
     assert (job / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert json.loads(meta(url, "trainer"))["status"] == "finished"
 
@@ -163,29 +209,58 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
     wherever it is when the explorer pauses (scripts/soak_async.py's docstring): every assertion here holds for
     any such point, so the outcome does not depend on timing."""
     db = ["--db-url", url] if url.startswith("postgresql://") else []  # sqlite: the script's default file
-    out = subprocess.run([sys.executable, "scripts/soak_async.py", "--cycles", "3", "--schedule", "explorer,trainer,both",
-                          "--steps", "6", "--out", str(tmp_path / "soak"), *db], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/soak_async.py",
+            "--cycles",
+            "3",
+            "--schedule",
+            "explorer,trainer,both",
+            "--steps",
+            "6",
+            "--out",
+            str(tmp_path / "soak"),
+            *db,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     result = json.loads((tmp_path / "soak/soak_result.json").read_text())
     assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
     assert [k["victim"] for k in result["kills"]] == ["explorer", "trainer", "both"]
     assert [k["moment"] for k in result["kills"]] == [  # step 2 generated, not written; step 3 claimed, not trained
-        "explorer paused at explore.before_write:2", "trainer paused at train.after_read:3",
-        "explorer paused at explore.before_write:4"]
+        "explorer paused at explore.before_write:2",
+        "trainer paused at train.after_read:3",
+        "explorer paused at explore.before_write:4",
+    ]
     assert result["starts"] == {"trainer": 3, "explorer": 3}
     inv = result["invariants"]
-    assert inv["train_steps"] == 6 and inv["claimed"] == 6 * 6 and inv["experiences"] == inv["claimed"] + inv["pending"] + inv["dropped"]
+    assert (
+        inv["train_steps"] == 6
+        and inv["claimed"] == 6 * 6
+        and inv["experiences"] == inv["claimed"] + inv["pending"] + inv["dropped"]
+    )
     trainer_log = (tmp_path / "soak/logs/trainer.log").read_text()
     assert "experience claims of steps after" in trainer_log  # every restart gave back what later steps took
 
 
 def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
     files = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_timeout": 4})
-    out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "explore.py", "--config", str(files["explorer"])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 1
-    assert ("explorer explorer stops after step 2: no weights of step 1 after 4 s (synchronizer.sync_timeout); "
-            "no trainer has used this DB yet. Restart to continue after step 2.") in out.stderr
+    assert (
+        "explorer explorer stops after step 2: no weights of step 1 after 4 s (synchronizer.sync_timeout); "
+        "no trainer has used this DB yet. Restart to continue after step 2."
+    ) in out.stderr
 
 
 def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url):
@@ -193,14 +268,30 @@ def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url)
     with ExperienceDB(url) as d:
         d.check_identity({"model_type": "llama", "vocab_size": 32000}, "another explorer")
     for script, role in (("explore.py", "explorer"), ("train.py", "trainer")):
-        out = subprocess.run([sys.executable, script, "--config", str(files[role])], cwd=ROOT, capture_output=True,
-                             text=True, timeout=300, env={**os.environ, "NANORFT_LAUNCHED": "1"})
+        out = subprocess.run(
+            [sys.executable, script, "--config", str(files[role])],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "NANORFT_LAUNCHED": "1"},
+        )
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
         assert "this experience DB was written for another model or tokenizer (" in out.stderr
-        assert "model_type: DB has 'llama', " + ("explorer explorer" if role == "explorer" else "the trainer") + " has 'qwen2'" in out.stderr
+        assert (
+            "model_type: DB has 'llama', "
+            + ("explorer explorer" if role == "explorer" else "the trainer")
+            + " has 'qwen2'"
+            in out.stderr
+        )
     raw(url, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
-    out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "explore.py", "--config", str(files["explorer"])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 2" in out.stderr
 
 
@@ -212,11 +303,19 @@ def test_an_explorer_whose_advantages_the_trainer_would_not_read_is_refused(tmp_
     Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True)
     with ExperienceDB(url) as d:
         d.check_advantages('the explorer: step_wise_grpo {"epsilon": 1e-06}', "the trainer")
-    out = subprocess.run([sys.executable, "explore.py", "--config", str(files["explorer"])], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "NANORFT_LAUNCHED": "1"})
+    out = subprocess.run(
+        [sys.executable, "explore.py", "--config", str(files["explorer"])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NANORFT_LAUNCHED": "1"},
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert ("the advantages of this DB's experiences come from the explorer: step_wise_grpo {\"epsilon\": 1e-06} "
-            "(stored by the trainer), and explorer explorer has them from the trainer") in out.stderr
+    assert (
+        'the advantages of this DB\'s experiences come from the explorer: step_wise_grpo {"epsilon": 1e-06} '
+        "(stored by the trainer), and explorer explorer has them from the trainer"
+    ) in out.stderr
 
 
 def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_model_dir, db_url):
@@ -230,8 +329,9 @@ def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_mod
 
     db = ExperienceDB(db_url)
     version, why, code = explore.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=0.3)
-    assert (version, code) == (0, 1) and why == ("no weights of step 1 after 0.3 s (synchronizer.sync_timeout); "
-                                                 "no trainer has used this DB yet")
+    assert (version, code) == (0, 1) and why == (
+        "no weights of step 1 after 0.3 s (synchronizer.sync_timeout); no trainer has used this DB yet"
+    )
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     t = threading.Timer(0.3, lambda: sync.publish_hf(model, tok, tmp_path, step=2))
     t.start()

@@ -12,9 +12,26 @@ from conftest import ROOT, real_vllm
 
 
 def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
-    out = subprocess.run([sys.executable, "scripts/bench_vs_trl.py", "--work", str(tmp_path / "work"), "--seeds", "0",
-                          "--steps", "2", "--sft-steps", "4", "--json", str(tmp_path / "bench.json")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_vs_trl.py",
+            "--work",
+            str(tmp_path / "work"),
+            "--seeds",
+            "0",
+            "--steps",
+            "2",
+            "--sft-steps",
+            "4",
+            "--json",
+            str(tmp_path / "bench.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert sorted(r["framework"] for r in results) == ["TRL", "nanorft", "nanorft sync_offset 1"]
@@ -29,9 +46,29 @@ def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
 
 def test_bench_vllm_reports_every_figure(tmp_path):
     real_vllm()
-    out = subprocess.run([sys.executable, "scripts/bench_vllm.py", "--models", "1m", "--prompts", "2", "--n", "2",
-                          "--tokens", "4", "--repeats", "1", "--no-compiled", "--json", str(tmp_path / "rows.json")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_vllm.py",
+            "--models",
+            "1m",
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--tokens",
+            "4",
+            "--repeats",
+            "1",
+            "--no-compiled",
+            "--json",
+            str(tmp_path / "rows.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = json.loads((tmp_path / "rows.json").read_text())
     assert row["model"] == "1m" and row["params"] == 1019008 and row["vllm_tok_s"] > 0 and row["hf_tok_s"] > 0

@@ -19,20 +19,61 @@ from engines import HFEngine
 from models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--shape", "tiny", "--groups", "4", "--group-size", "4", "--prompt-len", "16", "--response-len", "24",
-        "--tokens-per-micro-batch", "256", "--steps", "2", "--concurrency", "128,512", "--decode-tokens", "8",
-        "--sync-repeats", "1"]
-MEASURED = ("trainer/packed_tokens_per_s", "trainer/seq_tokens_per_s", "trainer/step_s", "trainer/peak_memory_bytes",
-            "trainer/tflops_per_s", "sync/group/end_to_end_s", "sync/group/send_s", "sync/group/engine_load_s",
-            "sync/group/bytes", "sync/checkpoint/gather_s", "sync/checkpoint/save_s", "sync/checkpoint/engine_load_s",
-            "sync/checkpoint/total_s", "sync/checkpoint/bytes", "engine/c128/tokens_per_s", "engine/c128/generate_s",
-            "engine/c128/prefill_s", "engine/c512/tokens_per_s", "engine/c512/decode_only_tokens_per_s")
+TINY = [
+    "--shape",
+    "tiny",
+    "--groups",
+    "4",
+    "--group-size",
+    "4",
+    "--prompt-len",
+    "16",
+    "--response-len",
+    "24",
+    "--tokens-per-micro-batch",
+    "256",
+    "--steps",
+    "2",
+    "--concurrency",
+    "128,512",
+    "--decode-tokens",
+    "8",
+    "--sync-repeats",
+    "1",
+]
+MEASURED = (
+    "trainer/packed_tokens_per_s",
+    "trainer/seq_tokens_per_s",
+    "trainer/step_s",
+    "trainer/peak_memory_bytes",
+    "trainer/tflops_per_s",
+    "sync/group/end_to_end_s",
+    "sync/group/send_s",
+    "sync/group/engine_load_s",
+    "sync/group/bytes",
+    "sync/checkpoint/gather_s",
+    "sync/checkpoint/save_s",
+    "sync/checkpoint/engine_load_s",
+    "sync/checkpoint/total_s",
+    "sync/checkpoint/bytes",
+    "engine/c128/tokens_per_s",
+    "engine/c128/generate_s",
+    "engine/c128/prefill_s",
+    "engine/c512/tokens_per_s",
+    "engine/c512/decode_only_tokens_per_s",
+)
 
 
 def test_bench_gpu_tiny_shape_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "scripts/bench_gpu.py", *TINY, "--json", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    run = subprocess.run(
+        [sys.executable, "scripts/bench_gpu.py", *TINY, "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(out.read_text())
     results = record["results"]
@@ -60,8 +101,11 @@ def test_the_bench_sends_and_publishes_in_the_dtype_it_is_given(tiny_model_dir, 
     spec.loader.exec_module(bench)
     shutil.copytree(tiny_model_dir, tmp_path / "model")
     model = load_model(str(tmp_path / "model"))
-    params, scorer, a = sum(p.numel() for p in model.parameters()), SimpleNamespace(model=model), \
-        argparse.Namespace(sync_repeats=1)
+    params, scorer, a = (
+        sum(p.numel() for p in model.parameters()),
+        SimpleNamespace(model=model),
+        argparse.Namespace(sync_repeats=1),
+    )
     group = bench.bench_group(a, scorer, tmp_path, torch.device("cpu"), torch.bfloat16)
     assert group["sync/group/bytes"] == 2 * params
     monkeypatch.setattr(sync, "full_state", lambda m: m.state_dict())  # no process group here: the model is whole

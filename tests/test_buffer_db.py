@@ -6,12 +6,12 @@ import json
 import logging
 import multiprocessing
 import re
-import sys
 import sqlite3
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import safetensors.torch
@@ -24,8 +24,7 @@ from conftest import raw
 
 def make(i: int = 0, **fields: object) -> Experience:
     """A small experience: 3 prompt + 4 response tokens, with logprobs."""
-    return Experience(tokens=torch.arange(i, i + 7), prompt_length=3, logprobs=torch.full((4,), -0.5),
-                      **fields)
+    return Experience(tokens=torch.arange(i, i + 7), prompt_length=3, logprobs=torch.full((4,), -0.5), **fields)
 
 
 def ids(exps: list[Experience]) -> list[int | None]:
@@ -54,17 +53,34 @@ def assert_same(a: Experience, b: Experience) -> None:
 
 def test_round_trip_every_field(db: ExperienceDB) -> None:
     full = Experience(
-        tokens=torch.tensor([5, 6, 7, 151_000, 9, 10]), prompt_length=2,
-        logprobs=torch.tensor([-0.1, -2.5, -0.0, -7.25]), action_mask=torch.tensor([True, False, True, True]),
-        reward=0.75, token_level_reward=torch.tensor([0.0, 0.0, 0.0, 0.75]),
-        advantages=torch.tensor([1.5, 1.5, -1.5, 1.5]), returns=torch.tensor([0.1, 0.2, 0.3, 0.4]),
+        tokens=torch.tensor([5, 6, 7, 151_000, 9, 10]),
+        prompt_length=2,
+        logprobs=torch.tensor([-0.1, -2.5, -0.0, -7.25]),
+        action_mask=torch.tensor([True, False, True, True]),
+        reward=0.75,
+        token_level_reward=torch.tensor([0.0, 0.0, 0.0, 0.75]),
+        advantages=torch.tensor([1.5, 1.5, -1.5, 1.5]),
+        returns=torch.tensor([0.1, 0.2, 0.3, 0.4]),
         teacher_logprobs=torch.tensor([-0.2, -0.3, -0.4, -0.5]),
-        group_id="g-7", run_id=3, task_id="gsm8k/12", model_version=42, explorer="explorer-1",
-        truncate_status="response_truncated", info={"answer": "42", "nested": {"ok": [1, 2.5, None]}},
-        metrics={"reward/accuracy": 1.0, "len": 4}, prompt_text="Combien font 6×7 ? 你好 🙂",
-        response_text="ß = 42\n")
-    dpo = Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=3, chosen=torch.tensor([4, 5]),
-                     rejected=torch.tensor([6, 7, 8]), reward=None, teacher_logprobs=torch.zeros(0))
+        group_id="g-7",
+        run_id=3,
+        task_id="gsm8k/12",
+        model_version=42,
+        explorer="explorer-1",
+        truncate_status="response_truncated",
+        info={"answer": "42", "nested": {"ok": [1, 2.5, None]}},
+        metrics={"reward/accuracy": 1.0, "len": 4},
+        prompt_text="Combien font 6×7 ? 你好 🙂",
+        response_text="ß = 42\n",
+    )
+    dpo = Experience(
+        tokens=torch.tensor([1, 2, 3]),
+        prompt_length=3,
+        chosen=torch.tensor([4, 5]),
+        rejected=torch.tensor([6, 7, 8]),
+        reward=None,
+        teacher_logprobs=torch.zeros(0),
+    )
     written = db.write([full, dpo])
     got = db.claim(2, step=0)
     assert ids(got) == written
@@ -82,7 +98,7 @@ def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:
     ((blob, meta),) = raw(db.url, "SELECT tensors, meta FROM payloads")
     assert not blob.startswith(b"\x80")  # pickle protocol 2+ starts with 0x80
     header_len = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + header_len])
+    header = json.loads(blob[8 : 8 + header_len])
     dtypes = {k: v["dtype"] for k, v in header.items()}
     assert dtypes == {"tokens": "I32", "logprobs": "F32", "action_mask": "BOOL"}
     tensors = safetensors.torch.load(blob)
@@ -91,10 +107,12 @@ def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:
 
 
 def test_plain_columns_readable_without_buffer_py(db: ExperienceDB) -> None:
-    db.write([make(0, reward=1.0, model_version=3, group_id="a"),
-              make(1, reward=-0.5, model_version=4, group_id="b")])
-    rows = raw(db.url, "SELECT reward, model_version, group_id, prompt_length, response_length, use_count"
-                       " FROM experiences ORDER BY id")
+    db.write([make(0, reward=1.0, model_version=3, group_id="a"), make(1, reward=-0.5, model_version=4, group_id="b")])
+    rows = raw(
+        db.url,
+        "SELECT reward, model_version, group_id, prompt_length, response_length, use_count"
+        " FROM experiences ORDER BY id",
+    )
     assert rows == [(1.0, 3, "a", 3, 4, 0), (-0.5, 4, "b", 3, 4, 0)]
 
 
@@ -255,8 +273,11 @@ def test_identity_mismatch_refused(db: ExperienceDB) -> None:
     mine = {"model_type": "qwen2", "vocab_size": 264, "tokenizer_sha256": "aa"}
     db.check_identity(mine, "explorer e")
     db.check_identity(dict(mine), "the trainer")  # same model: fine
-    with pytest.raises(RuntimeError, match=r"another model or tokenizer \(tokenizer_sha256: DB has 'aa', "
-                                           r"the trainer has 'bb'; vocab_size: DB has 264, the trainer has 300\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"another model or tokenizer \(tokenizer_sha256: DB has 'aa', "
+        r"the trainer has 'bb'; vocab_size: DB has 264, the trainer has 300\)",
+    ):
         db.check_identity({**mine, "vocab_size": 300, "tokenizer_sha256": "bb"}, "the trainer")
 
 
@@ -294,9 +315,11 @@ def test_write_sets_meta_in_the_same_transaction(db: ExperienceDB) -> None:
 
 def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
-    for url, path in [("sqlite:///rel/a.db", tmp_path / "rel/a.db"),
-                      (f"sqlite:///{tmp_path}/abs/b.db", tmp_path / "abs/b.db"),
-                      (str(tmp_path / "plain/c.db"), tmp_path / "plain/c.db")]:
+    for url, path in [
+        ("sqlite:///rel/a.db", tmp_path / "rel/a.db"),
+        (f"sqlite:///{tmp_path}/abs/b.db", tmp_path / "abs/b.db"),
+        (str(tmp_path / "plain/c.db"), tmp_path / "plain/c.db"),
+    ]:
         with ExperienceDB(url) as db:
             db.write([make()])
         assert path.exists()
@@ -311,8 +334,7 @@ WRITERS, READERS, BATCHES, BATCH, READ = 3, 2, 40, 25, 32
 def writer_process(url: str, writer: int) -> None:
     with ExperienceDB(url) as db:
         for b in range(BATCHES):
-            db.write([make(i, explorer=f"w{writer}", info={"marker": f"{writer}-{b}-{i}"})
-                      for i in range(BATCH)])
+            db.write([make(i, explorer=f"w{writer}", info={"marker": f"{writer}-{b}-{i}"}) for i in range(BATCH)])
 
 
 def reader_process(url: str, reader: int, out: str, deadline: float) -> None:
@@ -323,8 +345,9 @@ def reader_process(url: str, reader: int, out: str, deadline: float) -> None:
         while db.counts()["claims"] < WRITERS * BATCHES * BATCH and time.time() < deadline:
             step += 1
             # steps of reader r: r, r + READERS, ...: distinct across readers, as the claims table wants
-            seen += [(e.id, e.info["marker"], reader) for e in db.claim(READ, step=step * READERS + reader,
-                                                                        timeout=0.5)]
+            seen += [
+                (e.id, e.info["marker"], reader) for e in db.claim(READ, step=step * READERS + reader, timeout=0.5)
+            ]
     Path(out).write_text(json.dumps(seen))
 
 
@@ -394,26 +417,63 @@ def _bad_db(tmp_path: Path, kind: str) -> tuple[str, str]:
     return str(path), "is a damaged SQLite database: cut short"
 
 
-@pytest.mark.parametrize("kind", ["directory", "under a file", "in a file", "read-only place", "header then garbage",
-                                  "meta of other columns", "truncated"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "directory",
+        "under a file",
+        "in a file",
+        "read-only place",
+        "header then garbage",
+        "meta of other columns",
+        "truncated",
+    ],
+)
 def test_an_experience_db_path_that_cannot_be_one_is_named_and_nothing_changes(tmp_path, kind):
     path, says = _bad_db(tmp_path, kind)
     before = {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
     with pytest.raises(buffer.DBMismatch, match=f"{re.escape(path)}.*{says}" if "/proc" not in path else says):
         ExperienceDB(f"sqlite:///{path}")
     assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+
+
 def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
     """buffer.pack / unpack (the trainer's rank 0 sends each batch to the others this way, no pickle)."""
-    exps = [Experience(tokens=torch.tensor([1, 2, 3, 4]), prompt_length=2, logprobs=torch.tensor([-0.5, -0.25]),
-                       action_mask=torch.tensor([True, False]), reward=1.5, group_id="g", run_id=1, task_id="t",
-                       model_version=3, explorer="e", info={"temperature": 0.7}, metrics={"accuracy": 1.0},
-                       response_text="ok", id=7),
-            Experience(tokens=torch.tensor([5, 6]), prompt_length=1, reward=0.0, id=8)]
+    exps = [
+        Experience(
+            tokens=torch.tensor([1, 2, 3, 4]),
+            prompt_length=2,
+            logprobs=torch.tensor([-0.5, -0.25]),
+            action_mask=torch.tensor([True, False]),
+            reward=1.5,
+            group_id="g",
+            run_id=1,
+            task_id="t",
+            model_version=3,
+            explorer="e",
+            info={"temperature": 0.7},
+            metrics={"accuracy": 1.0},
+            response_text="ok",
+            id=7,
+        ),
+        Experience(tokens=torch.tensor([5, 6]), prompt_length=1, reward=0.0, id=8),
+    ]
     back = unpack(pack(exps))
     assert len(back) == 2 and unpack(b"") == []
     for a, b in zip(exps, back):
-        for f in ("prompt_length", "reward", "group_id", "run_id", "task_id", "model_version", "explorer", "info",
-                  "metrics", "response_text", "id"):
+        for f in (
+            "prompt_length",
+            "reward",
+            "group_id",
+            "run_id",
+            "task_id",
+            "model_version",
+            "explorer",
+            "info",
+            "metrics",
+            "response_text",
+            "id",
+        ):
             assert getattr(a, f) == getattr(b, f), f
         assert torch.equal(a.tokens, b.tokens) and b.tokens.dtype == torch.long
         for f in ("logprobs", "action_mask"):
@@ -446,8 +506,11 @@ def test_a_postgresql_database_of_another_program_is_named_and_left_alone(postgr
     with ExperienceDB(url + "&options=-csearch_path%3Drun1") as db:
         db.write([make(0)])
         assert db.counts()["total"] == 1
-    tables = raw(url, "SELECT table_schema, table_name FROM information_schema.tables"
-                      " WHERE table_schema IN ('public', 'run1') ORDER BY 1, 2")
+    tables = raw(
+        url,
+        "SELECT table_schema, table_name FROM information_schema.tables"
+        " WHERE table_schema IN ('public', 'run1') ORDER BY 1, 2",
+    )
     assert tables == [("public", "users")] + [("run1", t) for t in ("claims", "experiences", "meta", "payloads")]
 
 
@@ -467,8 +530,10 @@ def test_an_unreachable_postgresql_db_is_named_without_its_password(postgres, mo
     assert "cannot open the experience DB postgresql://nanorft:***@/no_such_db" in text
     assert "buffer.trainer_input.experience_buffer.path" in text and 'database "no_such_db" does not exist' in text
     assert "s3cret" not in text
-    assert buffer.shown("postgresql://u@h/db?sslmode=require&password=s3cret&x=1") == \
-        "postgresql://u@h/db?sslmode=require&password=***&x=1"
+    assert (
+        buffer.shown("postgresql://u@h/db?sslmode=require&password=s3cret&x=1")
+        == "postgresql://u@h/db?sslmode=require&password=***&x=1"
+    )
     fresh = postgres.database()
     monkeypatch.setitem(sys.modules, "psycopg", None)  # as if the postgres extra were not installed
     with pytest.raises(buffer.DBMismatch, match=r"needs psycopg 3; install it with pip install -e '\.\[postgres\]'"):
@@ -567,8 +632,11 @@ def test_lost_before_commit_runs_again_lost_at_commit_is_named_and_not_repeated(
         kill_own_backend()
 
     calls.clear()
-    with pytest.raises(buffer.DBUnavailable, match=r"the connection to the PostgreSQL server was lost while a "
-                                                   r"transaction committed \(.*\); restart once the server is back"):
+    with pytest.raises(
+        buffer.DBUnavailable,
+        match=r"the connection to the PostgreSQL server was lost while a "
+        r"transaction committed \(.*\); restart once the server is back",
+    ):
         db._atomic(at_commit)
     assert len(calls) == 1 and db.get_meta("b") is None  # the server rolled it back; it was not run again
     db.close()
@@ -645,8 +713,19 @@ def test_a_transaction_rolled_back_for_a_deadlock_runs_again(postgres, caplog) -
         db.close()
 
 
-@pytest.mark.parametrize("value, ci", [(None, False), ("", False), ("false", False), ("0", False), ("No", False),
-                                       ("true", True), ("1", True), ("yes", True)])
+@pytest.mark.parametrize(
+    "value, ci",
+    [
+        (None, False),
+        ("", False),
+        ("false", False),
+        ("0", False),
+        ("No", False),
+        ("true", True),
+        ("1", True),
+        ("yes", True),
+    ],
+)
 def test_ci_means_a_ci_variable_that_says_so(monkeypatch, value, ci) -> None:
     """Under CI a missing PostgreSQL server fails the PostgreSQL tests (the `postgres` fixture); CI=false is not CI.
     .ci/run sets CI itself (a CI service may not) before it runs the tests."""
@@ -680,7 +759,8 @@ def test_a_full_disk_under_the_sqlite_db_is_named_and_the_write_rolled_back(tmp_
             f"experience DB {path}: the disk holding it is full (database or disk is full); what was committed before "
             "is kept, the failed transaction was rolled back. Free space on that disk, or point "
             "buffer.trainer_input.experience_buffer.path at a new file on another disk, then run again: the run "
-            "continues from what the DB holds, the trainer from its last checkpoint.")
+            "continues from what the DB holds, the trainer from its last checkpoint."
+        )
         assert not db.conn.in_transaction
         assert db.counts()["total"] == 3 and db.explorer_states() == {"e": {"step": 1}}
     with ExperienceDB(url) as db:
@@ -701,11 +781,13 @@ def test_a_sqlite_db_with_damaged_pages_is_named_with_what_to_do(tmp_path, pages
     size = int.from_bytes(data[16:18], "big")
     assert not Path(f"{path}-wal").exists() and len(data) >= 8 * size  # all in the file, many pages
     for at in range(size, len(data), size) if pages == "all but the first" else [len(data) - size]:
-        data[at:at + 64] = b"\xa5" * 64  # the page's header and first cells
+        data[at : at + 64] = b"\xa5" * 64  # the page's header and first cells
     path.write_bytes(bytes(data))
-    says = re.escape(f"experience DB {path}: its file is damaged (database disk image is malformed). Restore it from "
-                     "a backup, or point buffer.trainer_input.experience_buffer.path at a new file (the run then "
-                     "starts from no experiences; the trainer still resumes from its last checkpoint).")
+    says = re.escape(
+        f"experience DB {path}: its file is damaged (database disk image is malformed). Restore it from "
+        "a backup, or point buffer.trainer_input.experience_buffer.path at a new file (the run then "
+        "starts from no experiences; the trainer still resumes from its last checkpoint)."
+    )
     with pytest.raises(buffer.DBFault, match=f"^{says}$"), ExperienceDB(f"sqlite:///{path}") as db:
         db.claim(20, step=1)
 
@@ -725,10 +807,14 @@ def test_a_full_disk_on_the_postgresql_server_is_named_and_rolled_back(postgres,
             raise psycopg.errors.DiskFull('could not extend file "base/16384/16390": No space left on device')
 
         monkeypatch.setattr(db, "_insert_experiences", full)
-        with pytest.raises(buffer.DBFault, match=re.escape(
-                "the PostgreSQL server cannot store or read it (could not extend file \"base/16384/16390\": No space "
+        with pytest.raises(
+            buffer.DBFault,
+            match=re.escape(
+                'the PostgreSQL server cannot store or read it (could not extend file "base/16384/16390": No space '
                 "left on device); what was committed before is kept, the failed transaction was rolled back. Free "
-                "space (or repair the disk) on the server")):
+                "space (or repair the disk) on the server"
+            ),
+        ):
             db.write([make(1), make(2)], explorer=("e", {"step": 2}))
         monkeypatch.undo()
         assert db.counts()["total"] == 1 and db.explorer_states() == {"e": {"step": 1}}

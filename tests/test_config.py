@@ -72,7 +72,9 @@ def test_reference_values_are_read_as_trinity_means_them(monkeypatch):
 
 def test_unknown_key_names_path_and_closest(tmp_path):
     bad = MINIMAL + "      formatt: {prompt_key: q}\n"
-    with pytest.raises(ConfigError, match=r"^buffer\.explorer_input\.taskset\.formatt: unknown key; did you mean format\?$"):
+    with pytest.raises(
+        ConfigError, match=r"^buffer\.explorer_input\.taskset\.formatt: unknown key; did you mean format\?$"
+    ):
         cli(["--config", write(tmp_path, bad)])
     with pytest.raises(ConfigError, match=r"buffer\.explorer_input\.eval_tasksets\[1\]\.pathh: .*did you mean path"):
         cli(["--config", write(tmp_path, MINIMAL + "    eval_tasksets:\n    - {path: a}\n    - {pathh: b}\n")])
@@ -91,7 +93,9 @@ def test_experience_db_urls_sqlite_or_postgresql_else_named(tmp_path):
     for url in ("sqlite:///x.db", "postgresql://u:p@db.example:5432/rft", "postgres://u@h/rft", "plain/path.db"):
         cfg, _ = cli(["--config", write(tmp_path, MINIMAL), "--buffer.trainer_input.experience_buffer.path", url])
         assert derive(cfg).buffer.trainer_input.experience_buffer.path == url
-    cfg, _ = cli(["--config", write(tmp_path, MINIMAL), "--buffer.trainer_input.experience_buffer.path", "mysql://h/db"])
+    cfg, _ = cli(
+        ["--config", write(tmp_path, MINIMAL), "--buffer.trainer_input.experience_buffer.path", "mysql://h/db"]
+    )
     with pytest.raises(ConfigError, match=r"experience_buffer\.path: mysql:// is not an experience DB .*postgresql://"):
         derive(cfg)
 
@@ -116,7 +120,11 @@ mode: train
     monkeypatch.delenv("NANORFT_TEST_MODEL", raising=False)
     monkeypatch.setenv("NANORFT_TEST_LEN", "512")
     cfg, _ = cli(["--config", write(tmp_path, text)])
-    assert (cfg.model.model_path, cfg.model.critic_model_path, cfg.model.max_model_len) == ("default/model", "default/model", 512)
+    assert (cfg.model.model_path, cfg.model.critic_model_path, cfg.model.max_model_len) == (
+        "default/model",
+        "default/model",
+        512,
+    )
     monkeypatch.setenv("NANORFT_TEST_MODEL", "/models/m")
     cfg, _ = cli(["--config", write(tmp_path, text)])
     assert cfg.model.critic_model_path == "/models/m"
@@ -128,30 +136,54 @@ def test_text_with_dollar_brace_round_trips_through_the_written_config(tmp_path)
     """OmegaConf's documented escape `\\${...}` in a YAML, and a command line's `${...}` (taken as written), are text
     the config keeps; the YAML written for the processes (to_yaml) and --dry-run's load back to the same text
     (escaped there), backslashes and `???`-like text included."""
-    text = MINIMAL.replace("path: data/x\n", "path: data/x\n      format: {system_prompt: 'Answer in LaTeX like "
-                                             "\\${x}^2$'}\n")
+    text = MINIMAL.replace(
+        "path: data/x\n", "path: data/x\n      format: {system_prompt: 'Answer in LaTeX like \\${x}^2$'}\n"
+    )
     tricky = ["${model.model_path}", "\\${a}", "\\\\${b} \\", "${", "\\???", "a ??? b"]
-    cfg, _ = cli(["--config", write(tmp_path, text), "--explorer.env_vars",
-                  *[x for i, v in enumerate(tricky) for x in (f"K{i}", v)]])
+    cfg, _ = cli(
+        [
+            "--config",
+            write(tmp_path, text),
+            "--explorer.env_vars",
+            *[x for i, v in enumerate(tricky) for x in (f"K{i}", v)],
+        ]
+    )
     (stage,) = resolve_stages(cfg)
     assert stage.buffer.explorer_input.tasksets[0].format.system_prompt == "Answer in LaTeX like ${x}^2$"
     assert list(stage.explorer.env_vars.values()) == tricky
     stage.monitor.monitor_args = {"tags": tricky}  # --dry-run shows these (every env_vars value as ***)
     assert from_dict(Config, normalize(read_yaml(write(tmp_path, to_yaml(stage), "w.yaml")))) == stage
-    out = subprocess.run([sys.executable, "launch.py", "--config", write(tmp_path, to_yaml(stage), "w.yaml"),
-                          "--dry-run"], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "launch.py", "--config", write(tmp_path, to_yaml(stage), "w.yaml"), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     hidden = dataclasses.replace(stage.explorer, env_vars=dict.fromkeys(stage.explorer.env_vars, "***"))
-    assert from_dict(Config, normalize(read_yaml(write(tmp_path, out.stdout, "d.yaml")))) == \
-        dataclasses.replace(stage, explorer=hidden)
+    assert from_dict(Config, normalize(read_yaml(write(tmp_path, out.stdout, "d.yaml")))) == dataclasses.replace(
+        stage, explorer=hidden
+    )
 
 
 def test_precedence_default_yaml_cli(tmp_path):
     path = write(tmp_path, MINIMAL + "algorithm:\n  optimizer:\n    lr: 1e-5\n")
     assert Config().algorithm.optimizer.lr == 1e-6
     assert cli(["--config", path])[0].algorithm.optimizer.lr == 1e-5
-    cfg, _ = cli(["--config", path, "--algorithm.optimizer.lr", "3e-6", "--buffer.batch_size", "2",
-                  "--algorithm.kl_loss_fn_args", "{kl_coef: 0.01}", "--trainer.use_dynamic_bsz", "False"])
+    cfg, _ = cli(
+        [
+            "--config",
+            path,
+            "--algorithm.optimizer.lr",
+            "3e-6",
+            "--buffer.batch_size",
+            "2",
+            "--algorithm.kl_loss_fn_args",
+            "{kl_coef: 0.01}",
+            "--trainer.use_dynamic_bsz",
+            "False",
+        ]
+    )
     assert cfg.algorithm.optimizer.lr == 3e-6 and cfg.buffer.batch_size == 2
     assert cfg.algorithm.kl_loss_fn_args == {"kl_coef": 0.01} and cfg.trainer.use_dynamic_bsz is False
     assert cfg.model.model_path == "some/model"  # untouched YAML values survive CLI overrides
@@ -167,25 +199,48 @@ def test_bare_name_resolves_in_configs_dir():
 
 
 def test_derived_values(tmp_path):
-    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, repeat_times: 6}\n")])[0])
+    (cfg,) = resolve_stages(
+        cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, repeat_times: 6}\n")])[0]
+    )
     assert cfg.buffer.train_batch_size == 24
     assert (cfg.model.max_prompt_tokens, cfg.model.max_response_tokens) == (128, 128)
     assert cfg.trainer.max_token_len_per_gpu == 16384 and cfg.trainer.ppo_mini_batch_size == 24  # veRL's default budget
     assert cfg.buffer.explorer_input.tasksets[0].name == "taskset_0"
     assert cfg.buffer.explorer_input.taskset.path == ""  # moved into tasksets
-    assert cfg.buffer.trainer_input.experience_buffer.path == f"sqlite:///{Path('checkpoints/nanorft/rft/buffer/experience_buffer.db')}"
+    assert (
+        cfg.buffer.trainer_input.experience_buffer.path
+        == f"sqlite:///{Path('checkpoints/nanorft/rft/buffer/experience_buffer.db')}"
+    )
     # explicit train_batch_size wins; prompt + response must fit
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), "--buffer.train_batch_size", "7"])[0])
     assert cfg.buffer.train_batch_size == 7
     with pytest.raises(ConfigError, match="fit in max_model_len"):
-        derive(cli(["--config", write(tmp_path, MINIMAL), "--model.max_prompt_tokens", "200", "--model.max_response_tokens", "100"])[0])
+        derive(
+            cli(
+                [
+                    "--config",
+                    write(tmp_path, MINIMAL),
+                    "--model.max_prompt_tokens",
+                    "200",
+                    "--model.max_response_tokens",
+                    "100",
+                ]
+            )[0]
+        )
     with pytest.raises(ConfigError, match="model.max_model_len is unset"):
         derive(cli(["--config", write(tmp_path, MINIMAL.replace("max_model_len: 256", "max_response_tokens: 9"))])[0])
     with pytest.raises(ConfigError, match="model.model_path is required"):
         derive(Config())
     # a piece's *_args are checked when the config is derived, before any process starts
     with pytest.raises(ConfigError, match=r"algorithm\.advantage_fn_args\.gamma: unknown key"):
-        derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, advantage_fn_args: {gamma: 1}}\n")])[0])
+        derive(
+            cli(
+                [
+                    "--config",
+                    write(tmp_path, MINIMAL + "algorithm: {algorithm_type: grpo, advantage_fn_args: {gamma: 1}}\n"),
+                ]
+            )[0]
+        )
     with pytest.raises(ConfigError, match=r"unknown policy_loss_fn 'ppx'"):
         derive(cli(["--config", write(tmp_path, MINIMAL), "--algorithm.policy_loss_fn", "ppx"])[0])
     with pytest.raises(ConfigError, match="unknown 'grpoo'; did you mean grpo"):
@@ -198,10 +253,12 @@ def test_a_vllm_auxiliary_model_starts_after_the_gpus_the_split_gave_the_rollout
     rule, configs.resolve.explorer_gpu_plan, that the split counts with)."""
     import engines
 
-    text = MINIMAL + ("cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: hf}\n"
-                      "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2, "
-                      "tensor_parallel_size: 2}, {model_path: rm, engine_type: hf}, {model_path: judge2, "
-                      "engine_type: vllm}]\n")
+    text = MINIMAL + (
+        "cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: hf}\n"
+        "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2, "
+        "tensor_parallel_size: 2}, {model_path: rm, engine_type: hf}, {model_path: judge2, "
+        "engine_type: vllm}]\n"
+    )
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (6, 2)  # 1 (HF rollout) + 4 + 0 + 1
     started = []
@@ -214,40 +271,79 @@ def test_a_vllm_auxiliary_model_starts_after_the_gpus_the_split_gave_the_rollout
 def test_step_wise_workflows_and_the_advantage_fn_must_match(tmp_path, caplog):
     step_wise = MINIMAL.replace("path: data/x", "path: data/x\n      workflow_args: {step_wise: true}")
     assert "step_wise: true" in step_wise
-    with pytest.raises(ConfigError, match=r"workflow_args.step_wise writes one experience per turn, which "
-                                          r"algorithm.advantage_fn grpo would normalise"):
+    with pytest.raises(
+        ConfigError,
+        match=r"workflow_args.step_wise writes one experience per turn, which "
+        r"algorithm.advantage_fn grpo would normalise",
+    ):
         derive(cli(["--config", write(tmp_path, step_wise + "algorithm: {algorithm_type: grpo}\n")])[0])
     derive(cli(["--config", write(tmp_path, step_wise + "algorithm: {algorithm_type: multi_step_grpo}\n")])[0])
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         derive(cli(["--config", write(tmp_path, MINIMAL + "algorithm: {algorithm_type: multi_step_grpo}\n")])[0])
     assert "step_wise_grpo with no taskset setting workflow_args.step_wise" in caplog.text
     with pytest.raises(ConfigError, match="algorithm.kl_penalty_fn must be none"):
-        derive(cli(["--config", write(tmp_path, step_wise + "algorithm: {algorithm_type: multi_step_grpo, "
-                                                             "kl_penalty_fn: k1}\n")])[0])
+        derive(
+            cli(
+                [
+                    "--config",
+                    write(tmp_path, step_wise + "algorithm: {algorithm_type: multi_step_grpo, kl_penalty_fn: k1}\n"),
+                ]
+            )[0]
+        )
 
 
 def test_gpu_split(tmp_path, caplog):
-    base = MINIMAL + "cluster: {gpu_per_node: 8}\nexplorer:\n  rollout_model: {engine_type: vllm, engine_num: 2, tensor_parallel_size: 2}\n"
+    base = (
+        MINIMAL
+        + "cluster: {gpu_per_node: 8}\nexplorer:\n"
+        + "  rollout_model: {engine_type: vllm, engine_num: 2, tensor_parallel_size: 2}\n"
+    )
     # vLLM: engine_num engines of tensor_parallel_size GPUs each; the trainer gets the rest
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base)])[0])
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num, cfg.cluster.colocate) == (4, 4, False)
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):  # the HF engine is one engine on one GPU
-        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.engine_type", "hf",
-                                     "--explorer.rollout_model.tensor_parallel_size", "1"])[0])
+        (cfg,) = resolve_stages(
+            cli(
+                [
+                    "--config",
+                    write(tmp_path, base),
+                    "--explorer.rollout_model.engine_type",
+                    "hf",
+                    "--explorer.rollout_model.tensor_parallel_size",
+                    "1",
+                ]
+            )[0]
+        )
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (1, 7)
     assert "explorer.rollout_model.engine_num = 2: the HF engine runs as one engine" in caplog.text
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, base + "mode: train\n")])[0])
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (0, 8)
-    with pytest.raises(ConfigError, match="engine_num 1 x tensor_parallel_size 8 = 8 GPUs of cluster.gpu_per_node 8, "
-                                          "leaving none for the trainer"):
-        derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.tensor_parallel_size", "8",
-                    "--explorer.rollout_model.engine_num", "1"])[0])
-    with pytest.raises(ConfigError, match="engine_num 2 x tensor_parallel_size 8 = 16 GPUs, cluster.gpu_per_node gives 8"):
+    with pytest.raises(
+        ConfigError,
+        match="engine_num 1 x tensor_parallel_size 8 = 8 GPUs of cluster.gpu_per_node 8, leaving none for the trainer",
+    ):
+        derive(
+            cli(
+                [
+                    "--config",
+                    write(tmp_path, base),
+                    "--explorer.rollout_model.tensor_parallel_size",
+                    "8",
+                    "--explorer.rollout_model.engine_num",
+                    "1",
+                ]
+            )[0]
+        )
+    with pytest.raises(
+        ConfigError, match="engine_num 2 x tensor_parallel_size 8 = 16 GPUs, cluster.gpu_per_node gives 8"
+    ):
         derive(cli(["--config", write(tmp_path, base), "--explorer.rollout_model.tensor_parallel_size", "8"])[0])
     aux = base + "  auxiliary_models: [{model_path: judge, engine_type: vllm, engine_num: 2}]\n"
     (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux)])[0])
     assert (cfg.cluster.explorer_gpu_num, cfg.cluster.trainer_gpu_num) == (6, 2)  # a vLLM judge's GPUs count
-    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, aux.replace("judge, engine_type: vllm", "judge, engine_type: hf"))])[0])
+    (cfg,) = resolve_stages(
+        cli(["--config", write(tmp_path, aux.replace("judge, engine_type: vllm", "judge, engine_type: hf"))])[0]
+    )
     assert cfg.cluster.explorer_gpu_num == 4  # an HF auxiliary model shares the explorer's device
     with pytest.raises(ConfigError, match="auxiliary models' 2 = 6 GPUs of cluster.gpu_per_node 6"):
         derive(cli(["--config", write(tmp_path, aux), "--cluster.gpu_per_node", "6"])[0])
@@ -261,12 +357,15 @@ def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_pat
     """cluster.node_num > 1: the trainer spans whole nodes, the last ones (torchrun with a static rendezvous at
     master_addr); the launcher on node 0 starts what runs there and names the line for each other node."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the children's GPUs index the launcher's own
+
     def layout(text: str, *args: str) -> tuple[configs.Config, dict, list[str]]:
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, text), *args])[0])
         return cfg, launch.commands(cfg, Path("/j/config.yaml")), launch.other_nodes(cfg, Path("/j/config.yaml"))
 
-    gpus = MINIMAL + ("cluster: {node_num: 3, gpu_per_node: 8, master_addr: node1, master_port: 29400}\n"
-                      "explorer:\n  rollout_model: {engine_type: vllm, engine_num: 4, tensor_parallel_size: 2}\n")
+    gpus = MINIMAL + (
+        "cluster: {node_num: 3, gpu_per_node: 8, master_addr: node1, master_port: 29400}\n"
+        "explorer:\n  rollout_model: {engine_type: vllm, engine_num: 4, tensor_parallel_size: 2}\n"
+    )
     # mode both: the explorer's 8 GPUs fill node 0, the trainer has nodes 1 and 2 (node 0 starts only the explorer);
     # the explorer reaches the DB and trainer rank 0's weight store on node 1 (configs/checks.py refuses SQLite and
     # a loopback sync_host there: tests/test_config_keys.py)
@@ -277,8 +376,15 @@ def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_pat
     assert list(here) == ["explorer"] and here["explorer"][1] == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
     assert [line.split(" && ")[0] for line in others] == [f"node 1: cd {os.getcwd()}", f"node 2: cd {os.getcwd()}"]
     assert others[1].split(" && ")[1].split()[1:9] == [
-        "-m", "torch.distributed.run", "--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--rdzv-backend=static",
-        "--rdzv-endpoint=node1:29400", str(ROOT / "train.py")]
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--nproc-per-node=8",
+        "--rdzv-backend=static",
+        "--rdzv-endpoint=node1:29400",
+        str(ROOT / "train.py"),
+    ]
     # mode train: every node, node 0 included (trainer rank 0 is there: node-rank 0)
     cfg, here, others = layout(gpus, "--mode", "train")
     assert (cfg.cluster.trainer_node_num, cfg.cluster.trainer_gpu_num_per_node) == (3, 8)
@@ -287,21 +393,30 @@ def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_pat
     cfg, here, others = layout(MINIMAL + "cluster: {node_num: 2, gpu_per_node: 0}\n")
     assert list(here) == ["trainer", "explorer"] and "--nproc-per-node=1" in here["trainer"][0]
     assert len(others) == 1 and "--nnodes=2 --node-rank=1 " in others[0]
-    with pytest.raises(ConfigError, match="whole nodes: the rollout engines take explorer.rollout_model.engine_num 2 "
-                                          "x tensor_parallel_size 2 = 4 GPUs of node 0's cluster.gpu_per_node 8, "
-                                          "leaving 20 GPUs, not a multiple of 8"):
+    with pytest.raises(
+        ConfigError,
+        match="whole nodes: the rollout engines take explorer.rollout_model.engine_num 2 "
+        "x tensor_parallel_size 2 = 4 GPUs of node 0's cluster.gpu_per_node 8, "
+        "leaving 20 GPUs, not a multiple of 8",
+    ):
         layout(gpus, *apart, "--explorer.rollout_model.engine_num", "2")
-    with pytest.raises(ConfigError, match="the explorer runs on node 0, and its rollout engines need .* = 16 GPUs, "
-                                          "more than cluster.gpu_per_node 8"):
+    with pytest.raises(
+        ConfigError,
+        match="the explorer runs on node 0, and its rollout engines need .* = 16 GPUs, "
+        "more than cluster.gpu_per_node 8",
+    ):
         layout(gpus, *apart, "--explorer.rollout_model.engine_num", "8")
 
 
-@pytest.mark.parametrize("name, layout", [  # what each file's comments say
-    ("gsm8k.yaml", (1, 1, False)),  # one vLLM engine, the trainer on the remaining GPU
-    ("async/gsm8k_explorer.yaml", (4, 0, False)),  # 4 vLLM engines on 4 GPUs
-    ("async/gsm8k_explorer_new.yaml", (2, 0, False)),  # a second explorer on two GPUs that became free
-    ("async/gsm8k_trainer.yaml", (0, 4, False)),  # the trainer on 4 GPUs
-])
+@pytest.mark.parametrize(
+    "name, layout",
+    [  # what each file's comments say
+        ("gsm8k.yaml", (1, 1, False)),  # one vLLM engine, the trainer on the remaining GPU
+        ("async/gsm8k_explorer.yaml", (4, 0, False)),  # 4 vLLM engines on 4 GPUs
+        ("async/gsm8k_explorer_new.yaml", (2, 0, False)),  # a second explorer on two GPUs that became free
+        ("async/gsm8k_trainer.yaml", (0, 4, False)),  # the trainer on 4 GPUs
+    ],
+)
 def test_the_gsm8k_configs_resolve_to_the_gpu_layout_they_describe(name, layout):
     (cfg,) = resolve_stages(cli(["--config", str(ROOT / "configs" / name)])[0])
     cl = cfg.cluster
@@ -328,20 +443,30 @@ def test_mode_both_on_one_gpu_colocates(tmp_path, caplog, monkeypatch):
 
 
 def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):
-    code = ("import os, sys, configs; configs.entry(sys.argv[1:], 'x'); "
-            "print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))")
+    code = (
+        "import os, sys, configs; configs.entry(sys.argv[1:], 'x'); print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+    )
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     cpu = write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")
-    out = subprocess.run([sys.executable, "-c", code, "--config", cpu], cwd=ROOT, env=env, capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "--config", cpu], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == "''"
-    out = subprocess.run([sys.executable, "-c", code, "--config", write(tmp_path, MINIMAL, "d.yaml")], cwd=ROOT,
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code, "--config", write(tmp_path, MINIMAL, "d.yaml")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "None"  # unset: torch sees what the machine has
 
 
 def test_stages_inherit_the_global_config(tmp_path):
-    text = MINIMAL + """
+    text = (
+        MINIMAL
+        + """
 algorithm: {algorithm_type: grpo, repeat_times: 4, optimizer: {lr: 1e-5}}
 stages:
 - stage_name: warm
@@ -352,6 +477,7 @@ stages:
     trainer_input: {experience_buffer: {storage_type: file, path: sft.jsonl}}
 - stage_name: rl
 """
+    )
     warm, rl = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
     assert (warm.name, rl.name) == ("rft/warm", "rft/rl")
     assert warm.mode == "train" and rl.mode == "both"
@@ -369,7 +495,9 @@ stages:
 
 
 def test_verl_trainer_config_mapped_or_warned(tmp_path, caplog):
-    text = MINIMAL + """
+    text = (
+        MINIMAL
+        + """
 trainer:
   trainer_config:
     actor_rollout_ref:
@@ -379,6 +507,7 @@ trainer:
     critic: {optim: {lr: 2e-5}, cliprange_value: 0.2}
     trainer: {critic_warmup: 3, balance_batch: true}
 """
+    )
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         cfg, _ = cli(["--config", write(tmp_path, text)])
     t = cfg.trainer
@@ -387,12 +516,17 @@ trainer:
     assert t.critic.lr == 2e-5 and t.critic.cliprange_value == 0.2
     assert "trainer.trainer_config.trainer.balance_batch" in caplog.text  # unmapped: warned by path
     clash = text.replace("trainer:\n  trainer_config:", "trainer:\n  gradient_checkpointing: false\n  trainer_config:")
-    with pytest.raises(ConfigError, match="enable_gradient_checkpointing = True conflicts with trainer.gradient_checkpointing"):
+    with pytest.raises(
+        ConfigError, match="enable_gradient_checkpointing = True conflicts with trainer.gradient_checkpointing"
+    ):
         cli(["--config", write(tmp_path, clash)])
 
 
 def test_aliases_and_ignored_keys_warn(tmp_path, caplog):
-    text = MINIMAL + "ray_namespace: x\nalgorithm:\n  optimizer: {warmup_style: cosine}\nmonitor: {enable_ray_timeline: true}\n"
+    text = (
+        MINIMAL
+        + "ray_namespace: x\nalgorithm:\n  optimizer: {warmup_style: cosine}\nmonitor: {enable_ray_timeline: true}\n"
+    )
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         cfg, _ = cli(["--config", write(tmp_path, text)])
     assert cfg.algorithm.optimizer.lr_scheduler_type == "cosine"
@@ -408,7 +542,11 @@ def test_every_schema_field_has_a_docstring():
         for i, node in enumerate(body):
             if isinstance(node, ast.AnnAssign):
                 nxt = body[i + 1] if i + 1 < len(body) else None
-                if not (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+                if not (
+                    isinstance(nxt, ast.Expr)
+                    and isinstance(nxt.value, ast.Constant)
+                    and isinstance(nxt.value.value, str)
+                ):
                     missing.append(f"{cls.name}.{node.target.id}")
     assert not missing, f"fields without a docstring: {missing}"
 
@@ -430,8 +568,14 @@ def _flags(cls: type, prefix: str = "") -> list[str]:
 
 def test_help_lists_every_field_with_its_docstring():
     env = {**os.environ, "COLUMNS": "120"}  # one column: tyro 0.9 cuts long flags short in a multi-column layout
-    out = subprocess.run([sys.executable, "train.py", "--config", "tiny.yaml", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "tiny.yaml", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     flags = _flags(Config)
     assert len(flags) > 150
     missing = [f for f in flags if not re.search(re.escape(f) + r"[\s│]", out)]  # a flag ends where a space or box does
@@ -442,20 +586,35 @@ def test_help_lists_every_field_with_its_docstring():
 
 @pytest.mark.parametrize("script", ["train.py", "explore.py"])
 def test_dry_run(script, tmp_path):
-    ok = subprocess.run([sys.executable, script, "--config", "tiny.yaml", "--dry-run", "--buffer.batch_size", "3"],
-                        cwd=ROOT, capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, script, "--config", "tiny.yaml", "--dry-run", "--buffer.batch_size", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stderr
     docs = list(yaml.safe_load_all(ok.stdout))
     assert [d["name"] for d in docs] == ["tiny/eval_base", "tiny/sft_warmup", "tiny/rft"]
     assert docs[2]["buffer"]["batch_size"] == 3 and docs[2]["buffer"]["train_batch_size"] == 24
-    bad = subprocess.run([sys.executable, script, "--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"],
-                         cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, script, "--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr
 
 
 # explorer.env_vars whose names no pattern of secret names knew (issue 25): every env_vars value is hidden
-ODD_SECRETS = {"AZURE_OPENAI_KEY": "az-1", "DB_PASS": "dbp-2", "GCP_CREDENTIALS": "gcp-3", "GITHUB_PAT": "ghp-4",
-               "API_KEYS": "ak-5", "SESSION_COOKIE": "ck-6", "PLAIN": "plain-7"}
+ODD_SECRETS = {
+    "AZURE_OPENAI_KEY": "az-1",
+    "DB_PASS": "dbp-2",
+    "GCP_CREDENTIALS": "gcp-3",
+    "GITHUB_PAT": "ghp-4",
+    "API_KEYS": "ak-5",
+    "SESSION_COOKIE": "ck-6",
+    "PLAIN": "plain-7",
+}
 
 
 def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path):
@@ -464,40 +623,59 @@ def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path
     what the launcher writes for the processes (configs.to_yaml, the job directory's config.yaml:
     tests/test_monitor.py runs the launcher) keeps the real values."""
     env = ", ".join(f"{k}: {v}" for k, v in ODD_SECRETS.items())
-    text = MINIMAL + ("monitor: {monitor_type: mlflow, monitor_args: {uri: 'http://127.0.0.1:5000', username: me, "
-                      f"password: hunter2, session: sess-8}}}}\nexplorer: {{env_vars: {{HF_TOKEN: hf_abc, {env}}}}}\n")
-    text = text.replace("batch_size: 4\n", "batch_size: 4\n  trainer_input: {experience_buffer: {path: "
-                                            "'postgresql://rft:s3@cret@db/rft'}}\n")
-    out = subprocess.run([sys.executable, "train.py", "--config", write(tmp_path, text), "--dry-run"], cwd=ROOT,
-                         capture_output=True, text=True)
+    text = MINIMAL + (
+        "monitor: {monitor_type: mlflow, monitor_args: {uri: 'http://127.0.0.1:5000', username: me, "
+        f"password: hunter2, session: sess-8}}}}\nexplorer: {{env_vars: {{HF_TOKEN: hf_abc, {env}}}}}\n"
+    )
+    text = text.replace(
+        "batch_size: 4\n",
+        "batch_size: 4\n  trainer_input: {experience_buffer: {path: 'postgresql://rft:s3@cret@db/rft'}}\n",
+    )
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", write(tmp_path, text), "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("# secrets are shown as ***: every env_vars value, monitor_args' values (but its ")
     secrets = ("hunter2", "hf_abc", "s3@cret", "cret@", "sess-8", *ODD_SECRETS.values())
     assert not [s for s in secrets if s in out.stdout + out.stderr]
     (doc,) = yaml.safe_load_all(out.stdout)
-    assert doc["monitor"]["monitor_args"] == {"uri": "http://127.0.0.1:5000", "username": "me", "password": "***",
-                                              "session": "***"}
+    assert doc["monitor"]["monitor_args"] == {
+        "uri": "http://127.0.0.1:5000",
+        "username": "me",
+        "password": "***",
+        "session": "***",
+    }
     assert doc["explorer"]["env_vars"] == {"HF_TOKEN": "***", **dict.fromkeys(ODD_SECRETS, "***")}
     assert doc["buffer"]["trainer_input"]["experience_buffer"]["path"] == "postgresql://rft:***@db/rft"
     (stage,) = resolve_stages(cli(["--config", write(tmp_path, text)])[0])
-    assert all(s in to_yaml(stage) for s in ("hunter2", "hf_abc", "postgresql://rft:s3@cret@db/rft",
-                                             *ODD_SECRETS.values()))
+    assert all(
+        s in to_yaml(stage) for s in ("hunter2", "hf_abc", "postgresql://rft:s3@cret@db/rft", *ODD_SECRETS.values())
+    )
 
 
-@pytest.mark.parametrize("extra, refused", [
-    # warned (monitor_args' unknown key): the warning shows the mapping with its password hidden
-    ("monitor: {monitor_type: mlflow, monitor_args: {password: hunter2, uri: 'http://me:hunter2@h', x: e}}\n", ""),
-    # refused: by a check (a NUL in a password, in a URL with a password), by the loader (a token of the wrong type)
-    ("monitor: {monitor_args: {password: \"hunter2\\0\"}}\n", "holds a NUL"),
-    ("explorer: {env_vars: {HF_TOKEN: [hunter2]}}\n", "explorer.env_vars.HF_TOKEN: '***' is not a valid str"),
-    ("explorer: {env_vars: {X: \"postgresql://u:hunter2@h/db\\0\"}}\n", "explorer.env_vars.X: '***' holds a NUL"),
-    # every env_vars value, whatever its name; monitor_args' values but the harmless keys; a URL's password with an @
-    ("explorer: {env_vars: {DB_PASS: [hunter2]}}\n", "explorer.env_vars.DB_PASS: '***' is not a valid str"),
-    ("explorer: {env_vars: \"DB_PASS=hunter2\"}\n", "explorer.env_vars: expected a mapping, got '***'"),
-    ("monitor: {monitor_type: wandb, monitor_args: {entity: team, session: hunter2}}\n", ""),
-    ("monitor: {monitor_args: {uri: \"postgresql://u:hun@ter2@h/db\\0\"}}\n",
-     "monitor.monitor_args.uri: 'postgresql://u:***@h/db\\x00' holds a NUL"),
-])
+@pytest.mark.parametrize(
+    "extra, refused",
+    [
+        # warned (monitor_args' unknown key): the warning shows the mapping with its password hidden
+        ("monitor: {monitor_type: mlflow, monitor_args: {password: hunter2, uri: 'http://me:hunter2@h', x: e}}\n", ""),
+        # refused: by a check (a NUL in a password, in a URL with a password), by the loader (a token of the wrong type)
+        ('monitor: {monitor_args: {password: "hunter2\\0"}}\n', "holds a NUL"),
+        ("explorer: {env_vars: {HF_TOKEN: [hunter2]}}\n", "explorer.env_vars.HF_TOKEN: '***' is not a valid str"),
+        ('explorer: {env_vars: {X: "postgresql://u:hunter2@h/db\\0"}}\n', "explorer.env_vars.X: '***' holds a NUL"),
+        # every env_vars value, whatever its name; monitor_args' values but the harmless keys;
+        # a URL's password with an @
+        ("explorer: {env_vars: {DB_PASS: [hunter2]}}\n", "explorer.env_vars.DB_PASS: '***' is not a valid str"),
+        ('explorer: {env_vars: "DB_PASS=hunter2"}\n', "explorer.env_vars: expected a mapping, got '***'"),
+        ("monitor: {monitor_type: wandb, monitor_args: {entity: team, session: hunter2}}\n", ""),
+        (
+            'monitor: {monitor_args: {uri: "postgresql://u:hun@ter2@h/db\\0"}}\n',
+            "monitor.monitor_args.uri: 'postgresql://u:***@h/db\\x00' holds a NUL",
+        ),
+    ],
+)
 def test_no_warning_or_error_shows_a_secret(tmp_path, caplog, extra, refused):
     """Warnings go to the console and every log/<role>.log, errors to the console and CI logs: a value shown in one
     has its secrets hidden as --dry-run hides them (a key named like a password, key or token; a URL's password)."""
@@ -514,21 +692,27 @@ def test_no_warning_or_error_shows_a_secret(tmp_path, caplog, extra, refused):
         assert "monitor.monitor_args = {'entity': 'team', 'session': '***'}" in said
 
 
-@pytest.mark.parametrize("url, show", [
-    ("postgresql://u:p@ss@host/db", "postgresql://u:***@host/db"),  # an @ in the password
-    ("redis://:p@ss@w0rd@redis-host:6379/0", "redis://:***@redis-host:6379/0"),  # no user, two @
-    ("postgresql://rft:s3cret@db-host:5432/rft", "postgresql://rft:***@db-host:5432/rft"),
-    ("postgresql://:s3cret@host", "postgresql://:***@host"),
-    ("postgresql://user:pa%40ss%2Fw@host:5432/db?sslmode=require",  # %-escaped
-     "postgresql://user:***@host:5432/db?sslmode=require"),
-    ("postgresql://u:pa/ss@host/db", "postgresql://u:***@host/db"),  # a / in the password
-    ("postgresql://u:pa?ss@host/db", "postgresql://u:***@host/db"),  # a ? in the password
-    ("postgresql://u:p@[::1]:5432/db", "postgresql://u:***@[::1]:5432/db"),
-    ("postgresql://u:s3cret@h/db?x=a@b", "postgresql://u:***@h/db?x=a@b"),  # an @ in the query, not the password
-    ("http://u:s3cret@h?token=tk&x=1", "http://u:***@h?token=***&x=1"),
-    ("see postgresql://u:s3cret@h/db and https://v:p@ss@k/x", "see postgresql://u:***@h/db and https://v:***@k/x"),
-    ("postgresql://u@h:5432/db", "postgresql://u@h:5432/db"), ("sqlite:///x.db", "sqlite:///x.db"),
-])
+@pytest.mark.parametrize(
+    "url, show",
+    [
+        ("postgresql://u:p@ss@host/db", "postgresql://u:***@host/db"),  # an @ in the password
+        ("redis://:p@ss@w0rd@redis-host:6379/0", "redis://:***@redis-host:6379/0"),  # no user, two @
+        ("postgresql://rft:s3cret@db-host:5432/rft", "postgresql://rft:***@db-host:5432/rft"),
+        ("postgresql://:s3cret@host", "postgresql://:***@host"),
+        (
+            "postgresql://user:pa%40ss%2Fw@host:5432/db?sslmode=require",  # %-escaped
+            "postgresql://user:***@host:5432/db?sslmode=require",
+        ),
+        ("postgresql://u:pa/ss@host/db", "postgresql://u:***@host/db"),  # a / in the password
+        ("postgresql://u:pa?ss@host/db", "postgresql://u:***@host/db"),  # a ? in the password
+        ("postgresql://u:p@[::1]:5432/db", "postgresql://u:***@[::1]:5432/db"),
+        ("postgresql://u:s3cret@h/db?x=a@b", "postgresql://u:***@h/db?x=a@b"),  # an @ in the query, not the password
+        ("http://u:s3cret@h?token=tk&x=1", "http://u:***@h?token=***&x=1"),
+        ("see postgresql://u:s3cret@h/db and https://v:p@ss@k/x", "see postgresql://u:***@h/db and https://v:***@k/x"),
+        ("postgresql://u@h:5432/db", "postgresql://u@h:5432/db"),
+        ("sqlite:///x.db", "sqlite:///x.db"),
+    ],
+)
 def test_a_urls_password_is_hidden_however_spelt_and_its_host_shown(url, show):
     """dbconn.shown, which every message naming a DB or tracking URL and every config copy (`redacted`) uses: the
     password runs to the @ before the host, whatever it holds; nothing else of the URL is hidden."""
@@ -540,12 +724,27 @@ def test_a_urls_password_is_hidden_however_spelt_and_its_host_shown(url, show):
     assert shown_value("buffer.trainer_input.experience_buffer.path", url) == repr(show)
 
 
-@pytest.mark.parametrize("key, value", [
-    ("name", "../../etc"), ("name", "/tmp/x"), ("name", ".."), ("name", "a/../../b"), ("name", ""),
-    ("name", "a\\b"), ("name", "a/b/c"), ("project", "../x"), ("project", "/abs"), ("project", "a/b"),
-    ("project", "."), ("group", "../g"), ("group", "g/h"), ("explorer.name", "../e"), ("trainer.name", "t/u"),
-    ("buffer.trainer_input.experience_buffer.name", "../../db"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("name", "../../etc"),
+        ("name", "/tmp/x"),
+        ("name", ".."),
+        ("name", "a/../../b"),
+        ("name", ""),
+        ("name", "a\\b"),
+        ("name", "a/b/c"),
+        ("project", "../x"),
+        ("project", "/abs"),
+        ("project", "a/b"),
+        ("project", "."),
+        ("group", "../g"),
+        ("group", "g/h"),
+        ("explorer.name", "../e"),
+        ("trainer.name", "t/u"),
+        ("buffer.trainer_input.experience_buffer.name", "../../db"),
+    ],
+)
 def test_names_that_would_put_the_job_outside_its_root_are_refused_by_name(tmp_path, key, value):
     """project, group and name are folders of <checkpoint_root_dir>/<project>[/<group>]/<name>, and explorer / trainer
     / experience buffer names name its files: `..`, an absolute path or a separator would write elsewhere. Refused
@@ -562,8 +761,16 @@ def test_names_trinity_uses_are_kept_and_the_job_stays_under_its_root(tmp_path):
     names; a stage's name is <name>/<stage_name> (what the config written for its processes holds), but a stage's
     name and the name of a run with stages are one folder each."""
     job = tmp_path / "ck" / "<project_name>" / "v1.2 (ablation)" / "qwen2.5-1.5b_grpo"
-    args = ["--checkpoint_root_dir", str(tmp_path / "ck"), "--project", "<project_name>", "--group", "v1.2 (ablation)",
-            "--name", "qwen2.5-1.5b_grpo"]
+    args = [
+        "--checkpoint_root_dir",
+        str(tmp_path / "ck"),
+        "--project",
+        "<project_name>",
+        "--group",
+        "v1.2 (ablation)",
+        "--name",
+        "qwen2.5-1.5b_grpo",
+    ]
     (stage,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), *args])[0])
     assert Path(stage.checkpoint_job_dir) == job
     staged = MINIMAL + "stages:\n  - stage_name: sft\n  - stage_name: rl-v2.1\n"
@@ -578,11 +785,16 @@ def test_names_trinity_uses_are_kept_and_the_job_stays_under_its_root(tmp_path):
         resolve_stages(cli(["--config", write(tmp_path, staged.replace("../../rl", "rl")), "--name", "a/b"])[0])
 
 
-@pytest.mark.parametrize("key, value", [
-    ("model.temperature", 1e-40), ("model.temperature", 0.005), ("model.temperature", 1e-3),
-    ("buffer.explorer_input.taskset.rollout_args.temperature", 1e-40),
-    ("buffer.explorer_input.eval_tasksets[0].rollout_args.temperature", 0.009),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("model.temperature", 1e-40),
+        ("model.temperature", 0.005),
+        ("model.temperature", 1e-3),
+        ("buffer.explorer_input.taskset.rollout_args.temperature", 1e-40),
+        ("buffer.explorer_input.eval_tasksets[0].rollout_args.temperature", 0.009),
+    ],
+)
 def test_temperatures_below_the_floor_are_refused_when_the_config_loads(tmp_path, key, value):
     """Between 0 (greedy) and 0.01: vLLM samples at 0.01 whatever is asked, the HF engine's logits / 1e-40 overflow
     (every step warned about, nothing trained, exit 0): refused by name, the model's, a taskset's and an eval
@@ -602,15 +814,20 @@ def test_temperatures_below_the_floor_are_refused_when_the_config_loads(tmp_path
 # --- bad input named (issue 13)
 
 
-@pytest.mark.parametrize("text, says", [
-    ("model:\n  model_path: m\n  model_path: n\n", "line 3: key 'model_path' is written twice in one mapping (first at "
-                                                   "line 2)"),
-    ("project: 2024-01-01\n", "project: 2024-01-01 is a date, not a config value; quote it if it is text"),
-    ("monitor:\n  monitor_args: {k: !!binary AAE=}\n", "monitor.monitor_args.k: b'\\x00\\x01' is binary data"),
-    ("explorer:\n  env_vars: {~: 1}\n", "explorer.env_vars: a key that is null"),
-    ("model:\n  model_path: ???\n", "model.model_path is ??? (a mandatory value left unset): set it"),
-    ("model: {model_path: '${nope.x}'}\n", "cannot resolve an interpolation: Interpolation key 'nope.x' not found"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        (
+            "model:\n  model_path: m\n  model_path: n\n",
+            "line 3: key 'model_path' is written twice in one mapping (first at line 2)",
+        ),
+        ("project: 2024-01-01\n", "project: 2024-01-01 is a date, not a config value; quote it if it is text"),
+        ("monitor:\n  monitor_args: {k: !!binary AAE=}\n", "monitor.monitor_args.k: b'\\x00\\x01' is binary data"),
+        ("explorer:\n  env_vars: {~: 1}\n", "explorer.env_vars: a key that is null"),
+        ("model:\n  model_path: ???\n", "model.model_path is ??? (a mandatory value left unset): set it"),
+        ("model: {model_path: '${nope.x}'}\n", "cannot resolve an interpolation: Interpolation key 'nope.x' not found"),
+    ],
+)
 def test_what_yaml_reads_beyond_plain_values_is_named_with_the_file(tmp_path, text, says):
     """Duplicate keys (PyYAML keeps the last silently), dates, binary data, null keys, OmegaConf's ???: each a
     ConfigError naming the file and the key, not "cannot resolve an interpolation" (what OmegaConf said of them)."""
@@ -626,17 +843,25 @@ def test_a_merge_key_may_be_overridden_in_yaml(tmp_path):
     assert cfg["b"] == {"x": 3, "y": 2}
 
 
-@pytest.mark.parametrize("target, says", [("/bin/ls", "/bin/ls: not a text (UTF-8) file: byte 0x"),
-                                          ("/etc", "--config /etc: a directory, not a YAML file"),
-                                          ("/no/such.yaml", "config file not found: /no/such.yaml")])
+@pytest.mark.parametrize(
+    "target, says",
+    [
+        ("/bin/ls", "/bin/ls: not a text (UTF-8) file: byte 0x"),
+        ("/etc", "--config /etc: a directory, not a YAML file"),
+        ("/no/such.yaml", "config file not found: /no/such.yaml"),
+    ],
+)
 def test_a_config_that_is_not_a_yaml_file_is_named(target, says):
     with pytest.raises(ConfigError, match=re.escape(says)):
         cli(["--config", target])
 
 
 def test_a_bad_yaml_mapping_on_the_command_line_is_a_usage_error_naming_the_option(tmp_path, capsys):
-    for value, says in (("{", "not valid YAML"), ("[1]", "expected a YAML/JSON mapping"),
-                        ("{a: 2024-01-01}", "is a date")):
+    for value, says in (
+        ("{", "not valid YAML"),
+        ("[1]", "expected a YAML/JSON mapping"),
+        ("{a: 2024-01-01}", "is a date"),
+    ):
         with pytest.raises(SystemExit) as e:
             cli(["--config", write(tmp_path, MINIMAL), "--algorithm.kl_loss_fn_args", value])
         err = capsys.readouterr().err
@@ -644,11 +869,19 @@ def test_a_bad_yaml_mapping_on_the_command_line_is_a_usage_error_naming_the_opti
 
 
 def test_derived_fields_set_to_something_else_are_refused_and_the_resolved_config_loads_back(tmp_path):
-    for key, value, says in (("--checkpoint_job_dir", "/tmp/elsewhere", "checkpoint_job_dir = '/tmp/elsewhere' is "
-                                                                         "derived from checkpoint_root_dir, project"),
-                             ("--cluster.colocate", "true", "cluster.colocate = True is derived from mode both on "
-                                                            "one GPU (here False): leave it unset"),
-                             ("--cluster.trainer_gpu_num", "7", "cluster.trainer_gpu_num = 7 is derived from")):
+    for key, value, says in (
+        (
+            "--checkpoint_job_dir",
+            "/tmp/elsewhere",
+            "checkpoint_job_dir = '/tmp/elsewhere' is derived from checkpoint_root_dir, project",
+        ),
+        (
+            "--cluster.colocate",
+            "true",
+            "cluster.colocate = True is derived from mode both on one GPU (here False): leave it unset",
+        ),
+        ("--cluster.trainer_gpu_num", "7", "cluster.trainer_gpu_num = 7 is derived from"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(says)):
             resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n"), key, value])[0])
     (stage,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")])[0])
@@ -660,8 +893,14 @@ def test_verl_trainer_config_on_the_command_line_is_mapped_too(tmp_path, caplog)
     base = write(tmp_path, MINIMAL)
     flag = "--trainer.trainer_config"
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
-        cfg, _ = cli(["--config", base, flag, "{actor_rollout_ref: {actor: {grad_clip: 0.3, optim: {lr: 2e-6}}}, "
-                                              "trainer: {balance_batch: true}}"])
+        cfg, _ = cli(
+            [
+                "--config",
+                base,
+                flag,
+                "{actor_rollout_ref: {actor: {grad_clip: 0.3, optim: {lr: 2e-6}}}, trainer: {balance_batch: true}}",
+            ]
+        )
     assert cfg.trainer.grad_clip == 0.3 and cfg.algorithm.optimizer.lr == 2e-6
     assert cfg.trainer.trainer_config == {"trainer": {"balance_batch": True}}  # mapped keys leave it
     assert "trainer.trainer_config.trainer.balance_batch (veRL) has no meaning" in caplog.text
@@ -675,8 +914,10 @@ def test_what_the_launcher_accepts_its_children_accept(tmp_path):
     """A veRL key mapped from the YAML, then the same field on the command line: the stage YAML the launcher
     writes holds the field (the mapped key has left trainer_config), and the child reads it without a conflict;
     'yes' in trainer_config is the same as true."""
-    text = MINIMAL + ("trainer:\n  gradient_checkpointing: true\n  trainer_config:\n    actor_rollout_ref:\n"
-                      "      actor: {grad_clip: 1.0}\n      model: {enable_gradient_checkpointing: 'yes'}\n")
+    text = MINIMAL + (
+        "trainer:\n  gradient_checkpointing: true\n  trainer_config:\n    actor_rollout_ref:\n"
+        "      actor: {grad_clip: 1.0}\n      model: {enable_gradient_checkpointing: 'yes'}\n"
+    )
     (stage,) = resolve_stages(cli(["--config", write(tmp_path, text), "--trainer.grad_clip", "0.5"])[0])
     assert stage.trainer.grad_clip == 0.5 and stage.trainer.trainer_config == {}
     (child,) = resolve_stages(cli(["--config", write(tmp_path, to_yaml(stage), "stage.yaml")])[0])
@@ -688,10 +929,13 @@ def test_a_taskset_without_a_workflow_is_warned_at_load_and_refused_when_an_expl
 
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL)])[0])
-    assert ("buffer.explorer_input.taskset.default_workflow_type is empty, as are buffer.default_workflow_type "
-            "and buffer.explorer_input.taskset.format.workflow_key") in caplog.text
+    assert (
+        "buffer.explorer_input.taskset.default_workflow_type is empty, as are buffer.default_workflow_type "
+        "and buffer.explorer_input.taskset.format.workflow_key"
+    ) in caplog.text
     with pytest.raises(ConfigError, match=r"tasksets\[0\] \(taskset_0\): no workflow runs these tasks"):
         check_workflows(cfg)
-    (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL), "--buffer.default_workflow_type",
-                                 "math_workflow"])[0])
+    (cfg,) = resolve_stages(
+        cli(["--config", write(tmp_path, MINIMAL), "--buffer.default_workflow_type", "math_workflow"])[0]
+    )
     check_workflows(cfg)

@@ -9,8 +9,9 @@ import logging
 import re
 import subprocess
 import typing
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import yaml
@@ -29,8 +30,11 @@ OURS = sorted((ROOT / "configs").rglob("*.yaml"))
 # The code that runs: every module but the schema and the tables of configs/checks.py (naming a field in a
 # range or a refusal does not honour it) and the tests / benchmark scripts.
 TRACKED = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-RUNTIME = sorted(ROOT / f for f in TRACKED.split() if f.split("/")[0] not in ("tests", "scripts")
-                 and f not in ("configs/schema.py", "configs/checks.py"))
+RUNTIME = sorted(
+    ROOT / f
+    for f in TRACKED.split()
+    if f.split("/")[0] not in ("tests", "scripts") and f not in ("configs/schema.py", "configs/checks.py")
+)
 
 
 def schema_fields(cls: type = Config, path: str = "") -> list[tuple[type, str, str]]:
@@ -48,30 +52,45 @@ def schema_fields(cls: type = Config, path: str = "") -> list[tuple[type, str, s
 
 def piece_fields() -> list[tuple[type, str, str]]:
     """(class, field, path) of every field of every algos/ piece's Config (the YAML's algorithm.<kind>_args)."""
-    seen = {(cfg, f.name): f"algorithm.{kind}_args.{f.name} ({name})" for kind, registry in REGISTRIES.items()
-            for name, (_, cfg) in registry.items() for f in dataclasses.fields(cfg)}
+    seen = {
+        (cfg, f.name): f"algorithm.{kind}_args.{f.name} ({name})"
+        for kind, registry in REGISTRIES.items()
+        for name, (_, cfg) in registry.items()
+        for f in dataclasses.fields(cfg)
+    }
     return [(cls, name, path) for (cls, name), path in seen.items()]
 
 
 def workflow_fields() -> list[tuple[type, str, str]]:
     """(class, field, path) of every field of every registered workflow's Args (a taskset's workflow_args)."""
-    seen = {(wf.Args, f.name): f"buffer.explorer_input.tasksets[].workflow_args.{f.name} ({name})"
-            for name, wf in WORKFLOWS.items() if wf.Args is not None for f in dataclasses.fields(wf.Args)}
+    seen = {
+        (wf.Args, f.name): f"buffer.explorer_input.tasksets[].workflow_args.{f.name} ({name})"
+        for name, wf in WORKFLOWS.items()
+        if wf.Args is not None
+        for f in dataclasses.fields(wf.Args)
+    }
     return [(cls, name, path) for (cls, name), path in seen.items()]
 
 
 def strings() -> set[str]:
     """The runtime code's string constants (a key read from a mapping: ARGS_READ_AS_DICT)."""
-    return {node.value for p in RUNTIME for node in ast.walk(ast.parse(p.read_text()))
-            if isinstance(node, ast.Constant) and isinstance(node.value, str)}
+    return {
+        node.value
+        for p in RUNTIME
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    }
 
 
 def ruled_paths() -> set[str]:
     """The field paths a rule of configs/checks.py names: a class's rule holds at every path of the class."""
     out = set()
     for where, name, *_ in REFUSED + WARNED:
-        out |= {p for p, (cls, n) in FIELD_PATHS.items() if n == name and cls is where} if isinstance(where, type) \
+        out |= (
+            {p for p, (cls, n) in FIELD_PATHS.items() if n == name and cls is where}
+            if isinstance(where, type)
             else {f"{where}.{name}"}
+        )
     return out
 
 
@@ -111,9 +130,13 @@ def test_every_schema_field_is_read_or_refused_by_name():
     # workflow's self.args typed by its `Args = ...`), under the path of the class that declares the field
     ruled_pieces, words = {(c, n) for c, n, *_ in REFUSED + WARNED}, strings()
     assert ARGS_READ_AS_DICT <= words
-    silent = [path for cls, name, path in piece_fields() + workflow_fields()
-              if ARG_FIELD_PATHS[f"{args_path(cls)}.{name}"] not in read and (cls, name) not in ruled_pieces
-              and name not in ARGS_READ_AS_DICT]
+    silent = [
+        path
+        for cls, name, path in piece_fields() + workflow_fields()
+        if ARG_FIELD_PATHS[f"{args_path(cls)}.{name}"] not in read
+        and (cls, name) not in ruled_pieces
+        and name not in ARGS_READ_AS_DICT
+    ]
     assert not silent, f"algos/ piece and workflow arguments never read: {silent}"
 
 
@@ -125,36 +148,62 @@ def analyse(tmp_path: Path, code: str) -> set[str]:
 def test_the_schema_walk_tells_apart_fields_shared_by_name(tmp_path):
     """The walk is strict where a search for bare names is not: the actor's micro-batch size is not the critic's,
     the rollout model's API switch is not an auxiliary model's; a call site types an unannotated parameter."""
-    read = analyse(tmp_path, "from configs import Config\n"
-                             "def f(cfg: Config):\n    t = cfg.trainer\n    return t.micro_batch_size_per_gpu\n"
-                             "def g(cfg):\n    rm = cfg.explorer.rollout_model\n    return rm.enable_openai_api\n"
-                             "def h(m):\n    return m.seed, m.model_path\n"
-                             "def k(c: Config):\n    for aux in c.explorer.auxiliary_models:\n        h(aux)\n")
-    assert {"trainer.micro_batch_size_per_gpu", "explorer.rollout_model.enable_openai_api",
-            "explorer.auxiliary_models[].seed", "explorer.auxiliary_models[].model_path"} <= read
-    assert not {"trainer.critic.micro_batch_size_per_gpu", "explorer.auxiliary_models[].enable_openai_api",
-                "explorer.rollout_model.seed", "explorer.rollout_model.model_path"} & read
+    read = analyse(
+        tmp_path,
+        "from configs import Config\n"
+        "def f(cfg: Config):\n    t = cfg.trainer\n    return t.micro_batch_size_per_gpu\n"
+        "def g(cfg):\n    rm = cfg.explorer.rollout_model\n    return rm.enable_openai_api\n"
+        "def h(m):\n    return m.seed, m.model_path\n"
+        "def k(c: Config):\n    for aux in c.explorer.auxiliary_models:\n        h(aux)\n",
+    )
+    assert {
+        "trainer.micro_batch_size_per_gpu",
+        "explorer.rollout_model.enable_openai_api",
+        "explorer.auxiliary_models[].seed",
+        "explorer.auxiliary_models[].model_path",
+    } <= read
+    assert (
+        not {
+            "trainer.critic.micro_batch_size_per_gpu",
+            "explorer.auxiliary_models[].enable_openai_api",
+            "explorer.rollout_model.seed",
+            "explorer.rollout_model.model_path",
+        }
+        & read
+    )
     # a base of unknown type reads only names that exist at one path (`x.name` is not trainer.name)
     assert analyse(tmp_path, "def f(x):\n    return x.name, x.sync_timeout\n") == {"synchronizer.sync_timeout"}
     # getattr over a tuple of names, `self.x` of a tuple assignment
-    read = analyse(tmp_path, "from configs.schema import Config\nclass S:\n"
-                             "    def __init__(self, cfg: Config):\n        self.a, self.n = cfg.algorithm, 1\n"
-                             "    def f(self):\n"
-                             "        return [getattr(self.a, k + '_args') for k in ('kl_loss_fn',)]\n")
+    read = analyse(
+        tmp_path,
+        "from configs.schema import Config\nclass S:\n"
+        "    def __init__(self, cfg: Config):\n        self.a, self.n = cfg.algorithm, 1\n"
+        "    def f(self):\n"
+        "        return [getattr(self.a, k + '_args') for k in ('kl_loss_fn',)]\n",
+    )
     assert read == {"algorithm", "algorithm.kl_loss_fn_args"}
     # a workflow's args through its self.args (typed by its Args), a piece's through its Config: not a task's tools
-    read = analyse(tmp_path, "from workflows import Workflow\nfrom workflows.tool_use import ToolArgs\n"
-                             "from algos.kl import Config\nclass W(Workflow):\n    Args = ToolArgs\n"
-                             "    def run(self):\n        return self.task.tools, self.args.max_turns\n"
-                             "def adapt(cfg: Config, c):\n    return cfg.horizon, c.target_kl\n")
+    read = analyse(
+        tmp_path,
+        "from workflows import Workflow\nfrom workflows.tool_use import ToolArgs\n"
+        "from algos.kl import Config\nclass W(Workflow):\n    Args = ToolArgs\n"
+        "    def run(self):\n        return self.task.tools, self.args.max_turns\n"
+        "def adapt(cfg: Config, c):\n    return cfg.horizon, c.target_kl\n",
+    )
     assert read == {"<workflows.tool_use.ToolArgs>.max_turns", "<algos.kl.Config>.horizon"}
-    read = analyse(tmp_path, "from workflows import Workflow\nfrom workflows.tool_use import ToolArgs\n"
-                             "class W(Workflow):\n    Args = ToolArgs\n"
-                             "    def run(self):\n        args = self.args\n        return args.system_prompt\n")
+    read = analyse(
+        tmp_path,
+        "from workflows import Workflow\nfrom workflows.tool_use import ToolArgs\n"
+        "class W(Workflow):\n    Args = ToolArgs\n"
+        "    def run(self):\n        args = self.args\n        return args.system_prompt\n",
+    )
     assert read == {"<workflows.args.WorkflowArgs>.system_prompt"}  # by the class that declares it
     # a trainer's pieces by kind (algos.Pieces): the Config of that kind's pieces; a kind the walk cannot tell, none
-    read = analyse(tmp_path, "import algos\nclass P:\n    pieces: algos.Pieces\n"
-                             "def f(p: P, k):\n    return p.pieces['kl_loss_fn'][1].adaptive, p.pieces[k][1].tau\n")
+    read = analyse(
+        tmp_path,
+        "import algos\nclass P:\n    pieces: algos.Pieces\n"
+        "def f(p: P, k):\n    return p.pieces['kl_loss_fn'][1].adaptive, p.pieces[k][1].tau\n",
+    )
     assert read == {"<algos.kl.Config>.adaptive"}
 
 
@@ -163,19 +212,27 @@ def test_the_tables_name_real_fields_and_known_trinity_keys():
     assert not [k for k in RANGES if k not in fields]
     args = [wf.Args for wf in WORKFLOWS.values() if wf.Args is not None]
     assert not [(cls, k) for cls in args for k in cls.RANGES if (cls, k) not in fields]
-    assert not [(w, n) for w, n, *_ in REFUSED + WARNED
-                if ((w, n) not in fields if isinstance(w, type) else f"{w}.{n}" not in FIELD_PATHS)]
+    assert not [
+        (w, n)
+        for w, n, *_ in REFUSED + WARNED
+        if ((w, n) not in fields if isinstance(w, type) else f"{w}.{n}" not in FIELD_PATHS)
+    ]
     paths = {path for *_, path in schema_fields()}
     # aliases and the veRL map land on real fields; ignored keys are not fields (else they would be silent)
     assert set(ALIASES.values()) | set(VERL_MAP.values()) <= paths
     assert not set(IGNORED) & paths
 
 
-MINIMAL = {"model": {"model_path": "m", "max_model_len": 256}, "buffer": {"batch_size": 4, "explorer_input": {
-    "taskset": {"path": "data/x"}}}}
+MINIMAL = {
+    "model": {"model_path": "m", "max_model_len": 256},
+    "buffer": {"batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}},
+}
 # mode both on GPUs over two hosts: the explorer has node 0 (4 vLLM engines), trainer rank 0 is on node 1
-APART = {"mode": "both", "cluster": {"node_num": 2, "gpu_per_node": 4, "master_addr": "10.0.0.2"},
-         "explorer": {"rollout_model": {"engine_type": "vllm", "engine_num": 4}}}
+APART = {
+    "mode": "both",
+    "cluster": {"node_num": 2, "gpu_per_node": 4, "master_addr": "10.0.0.2"},
+    "explorer": {"rollout_model": {"engine_type": "vllm", "engine_num": 4}},
+}
 # a trainer on SFT data files (a buffer of storage_type file)
 SFT = {"mode": "train", "algorithm": {"algorithm_type": "sft"}}
 FILE = {"storage_type": "file", "path": "sft.jsonl"}
@@ -184,124 +241,227 @@ HIDDEN = r"'\*\*\*'"  # a secret's value as a message shows it, as a pattern
 # One case per rule of configs/checks.py: (overrides, expected refusal) and (overrides, expected warning).
 REFUSAL_CASES = {
     ("ModelConfig", "logprobs"): ({"model": {"logprobs": 5}}, "model.logprobs = 5 is refused: top-k log-probs"),
-    ("GenerationConfig", "logprobs"): ({"buffer": {"explorer_input": {"taskset": {"rollout_args": {"logprobs": 2}}}}},
-                                       "tasksets[0].rollout_args.logprobs = 2 is refused"),
-    ("ModelConfig", "repetition_penalty"): ({"model": {"repetition_penalty": 1.1}, "explorer": {"rollout_model": {
-        "engine_type": "hf"}}}, "model.repetition_penalty = 1.1 is refused: not supported by the HF engine"),
+    ("GenerationConfig", "logprobs"): (
+        {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"logprobs": 2}}}}},
+        "tasksets[0].rollout_args.logprobs = 2 is refused",
+    ),
+    ("ModelConfig", "repetition_penalty"): (
+        {"model": {"repetition_penalty": 1.1}, "explorer": {"rollout_model": {"engine_type": "hf"}}},
+        "model.repetition_penalty = 1.1 is refused: not supported by the HF engine",
+    ),
     ("explorer.rollout_model", "enable_history"): (
         {"explorer": {"rollout_model": {"enable_history": True}}},
-        "explorer.rollout_model.enable_history = True is refused: it records the calls"),
-    ("explorer.rollout_model", "model_path"): ({"explorer": {"rollout_model": {"model_path": "/other/model"}}},
-                                               "explorer.rollout_model.model_path = '/other/model' is refused: the "
-                                               "rollout model serves model.model_path"),
-    **{("explorer.auxiliary_models[]", key): (
-        {"explorer": {"auxiliary_models": [{"model_path": "judge", "engine_type": "hf", key: value}]}},
-        f"explorer.auxiliary_models[0].{key} = {HIDDEN if key.endswith('_key') else repr(value)} is refused: only "
-        "the rollout model is served")
-       for key, value in (("enable_openai_api", True), ("enable_history", True), ("openai_api_host", "0.0.0.0"),
-                          ("openai_api_port", 8000), ("openai_api_key", "k"))},
+        "explorer.rollout_model.enable_history = True is refused: it records the calls",
+    ),
+    ("explorer.rollout_model", "model_path"): (
+        {"explorer": {"rollout_model": {"model_path": "/other/model"}}},
+        "explorer.rollout_model.model_path = '/other/model' is refused: the rollout model serves model.model_path",
+    ),
+    **{
+        ("explorer.auxiliary_models[]", key): (
+            {"explorer": {"auxiliary_models": [{"model_path": "judge", "engine_type": "hf", key: value}]}},
+            f"explorer.auxiliary_models[0].{key} = {HIDDEN if key.endswith('_key') else repr(value)} is refused: only "
+            "the rollout model is served",
+        )
+        for key, value in (
+            ("enable_openai_api", True),
+            ("enable_history", True),
+            ("openai_api_host", "0.0.0.0"),
+            ("openai_api_port", 8000),
+            ("openai_api_key", "k"),
+        )
+    },
     ("explorer.rollout_model", "openai_api_host"): (
         {"explorer": {"rollout_model": {"enable_openai_api": True, "openai_api_host": "0.0.0.0"}}},
-        "explorer.rollout_model.openai_api_host = '0.0.0.0' is refused: the API would answer anyone"),
-    **{(f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn"): (
-        {"buffer": {"explorer_input": {sets: [{"path": "y", "format": {"enable_concatenated_multi_turn": True}}]}}},
-        f"{sets}[{0 if sets == 'eval_tasksets' else 1}].format.enable_concatenated_multi_turn = True is refused: an "
-        "option of SFT data") for sets in ("tasksets", "eval_tasksets")},
-    **{(f"buffer.trainer_input.{buf}.format", key): (
-        {**SFT, "buffer": {"trainer_input": {"experience_buffer": {**FILE, "format": {key: "x"}}} if buf ==
-                           "experience_buffer" else {**SFT_INPUT, "auxiliary_buffers": {"expert": {
-                               **FILE, "format": {key: "x"}}}}}},
-        f"{buf.replace('*', 'expert')}.format.{key} = 'x' is refused: an option of tasksets")
-       for buf in ("experience_buffer", "auxiliary_buffers.*") for key in ("workflow_key", "reward_fn_key",
-                                                                            "reply_prefix")},
+        "explorer.rollout_model.openai_api_host = '0.0.0.0' is refused: the API would answer anyone",
+    ),
+    **{
+        (f"buffer.explorer_input.{sets}[].format", "enable_concatenated_multi_turn"): (
+            {"buffer": {"explorer_input": {sets: [{"path": "y", "format": {"enable_concatenated_multi_turn": True}}]}}},
+            f"{sets}[{0 if sets == 'eval_tasksets' else 1}].format.enable_concatenated_multi_turn = True "
+            "is refused: an "
+            "option of SFT data",
+        )
+        for sets in ("tasksets", "eval_tasksets")
+    },
+    **{
+        (f"buffer.trainer_input.{buf}.format", key): (
+            {
+                **SFT,
+                "buffer": {
+                    "trainer_input": {"experience_buffer": {**FILE, "format": {key: "x"}}}
+                    if buf == "experience_buffer"
+                    else {**SFT_INPUT, "auxiliary_buffers": {"expert": {**FILE, "format": {key: "x"}}}}
+                },
+            },
+            f"{buf.replace('*', 'expert')}.format.{key} = 'x' is refused: an option of tasksets",
+        )
+        for buf in ("experience_buffer", "auxiliary_buffers.*")
+        for key in ("workflow_key", "reward_fn_key", "reply_prefix")
+    },
     ("buffer.trainer_input.auxiliary_buffers.*", "storage_type"): (
         {"buffer": {"trainer_input": {"auxiliary_buffers": {"expert": {"path": "sft.jsonl"}}}}},
-        "auxiliary_buffers.expert.storage_type = 'queue' is refused: an auxiliary buffer is read as a data file"),
+        "auxiliary_buffers.expert.storage_type = 'queue' is refused: an auxiliary buffer is read as a data file",
+    ),
     ("ExperienceBufferConfig", "reuse_cooldown_time"): (
         {"buffer": {"trainer_input": {"experience_buffer": {"reuse_cooldown_time": 5.0}}}},
-        "experience_buffer.reuse_cooldown_time = 5.0 is refused: experiences are reused only by the priority queue"),
-    ("TrainerConfig", "ulysses_sequence_parallel_size"): ({"trainer": {"ulysses_sequence_parallel_size": 2}},
-                                                          "ulysses_sequence_parallel_size = 2 is refused"),
-    ("ModelConfig", "trust_remote_code"): ({"model": {"trust_remote_code": True}},
-                                           "model.trust_remote_code = True is refused: nanorft loads only models"),
+        "experience_buffer.reuse_cooldown_time = 5.0 is refused: experiences are reused only by the priority queue",
+    ),
+    ("TrainerConfig", "ulysses_sequence_parallel_size"): (
+        {"trainer": {"ulysses_sequence_parallel_size": 2}},
+        "ulysses_sequence_parallel_size = 2 is refused",
+    ),
+    ("ModelConfig", "trust_remote_code"): (
+        {"model": {"trust_remote_code": True}},
+        "model.trust_remote_code = True is refused: nanorft loads only models",
+    ),
     ("ExperienceBufferConfig", "path"): (APART, "buffer.trainer_input.experience_buffer.path = 'sqlite:///"),
-    ("SynchronizerConfig", "sync_host"): ({**APART, "buffer": {"trainer_input": {"experience_buffer": {
-        "path": "postgresql://u@db/x"}}}}, "synchronizer.sync_host = '127.0.0.1' is refused: the explorer"),
+    ("SynchronizerConfig", "sync_host"): (
+        {**APART, "buffer": {"trainer_input": {"experience_buffer": {"path": "postgresql://u@db/x"}}}},
+        "synchronizer.sync_host = '127.0.0.1' is refused: the explorer",
+    ),
     ("RolloutCorrectionConfig", "rollout_is"): (
-        {"explorer": {"rollout_model": {"engine_type": "vllm"}}, "algorithm": {"rollout_correction": {
-            "rollout_is": "token"}}, "buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
-        "algorithm.rollout_correction.rollout_is = 'token' is refused: vLLM's log-probs"),
-    ("TrainerConfig", "optimizer_offload"): ({"trainer": {"optimizer_offload": True}},
-                                             "trainer.optimizer_offload = True is refused: FSDP2"),
-    ("CriticConfig", "optimizer_offload"): ({"trainer": {"critic": {"optimizer_offload": True}}},
-                                            "trainer.critic.optimizer_offload = True is refused"),
-    ("ModelConfig", "lora_configs"): ({"model": {"lora_configs": [{}, {"lora_rank": 8}]}},
-                                      "model.lora_configs = [2 sections] is refused: one LoRA adapter at most"),
-    ("LoRAConfig", "path"): ({"model": {"lora_configs": [{"path": "tests"}]}},
-                             "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter"),
+        {
+            "explorer": {"rollout_model": {"engine_type": "vllm"}},
+            "algorithm": {"rollout_correction": {"rollout_is": "token"}},
+            "buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}},
+        },
+        "algorithm.rollout_correction.rollout_is = 'token' is refused: vLLM's log-probs",
+    ),
+    ("TrainerConfig", "optimizer_offload"): (
+        {"trainer": {"optimizer_offload": True}},
+        "trainer.optimizer_offload = True is refused: FSDP2",
+    ),
+    ("CriticConfig", "optimizer_offload"): (
+        {"trainer": {"critic": {"optimizer_offload": True}}},
+        "trainer.critic.optimizer_offload = True is refused",
+    ),
+    ("ModelConfig", "lora_configs"): (
+        {"model": {"lora_configs": [{}, {"lora_rank": 8}]}},
+        "model.lora_configs = [2 sections] is refused: one LoRA adapter at most",
+    ),
+    ("LoRAConfig", "path"): (
+        {"model": {"lora_configs": [{"path": "tests"}]}},
+        "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter",
+    ),
 }
 WARNING_CASES = {
     ("InferenceModelConfig", "engine_num"): (
-        {"explorer": {"rollout_model": {"engine_type": "vllm"}, "auxiliary_models": [
-            {"model_path": "judge", "engine_type": "hf", "engine_num": 4}]}},
-        "explorer.auxiliary_models[0].engine_num = 4: the HF engine runs as one"),  # each model's own engine
-    ("InferenceModelConfig", "enforce_eager"): ({"explorer": {"rollout_model": {"engine_type": "hf",
-                                                 "enforce_eager": True}}}, "enforce_eager = True: has no effect"),
-    ("InferenceModelConfig", "enable_chunked_prefill"): ({"explorer": {"rollout_model": {
-        "engine_type": "hf", "enable_chunked_prefill": False}}}, "enable_chunked_prefill = False: has no effect"),
+        {
+            "explorer": {
+                "rollout_model": {"engine_type": "vllm"},
+                "auxiliary_models": [{"model_path": "judge", "engine_type": "hf", "engine_num": 4}],
+            }
+        },
+        "explorer.auxiliary_models[0].engine_num = 4: the HF engine runs as one",
+    ),  # each model's own engine
+    ("InferenceModelConfig", "enforce_eager"): (
+        {"explorer": {"rollout_model": {"engine_type": "hf", "enforce_eager": True}}},
+        "enforce_eager = True: has no effect",
+    ),
+    ("InferenceModelConfig", "enable_chunked_prefill"): (
+        {"explorer": {"rollout_model": {"engine_type": "hf", "enable_chunked_prefill": False}}},
+        "enable_chunked_prefill = False: has no effect",
+    ),
     ("InferenceModelConfig", "enable_chunked_prefill", 2): (
-        {"cluster": {"gpu_per_node": 0}, "explorer": {"rollout_model": {"engine_type": "vllm",
-                                                                         "enable_chunked_prefill": True}}},
-        "enable_chunked_prefill = True: vLLM 0.32's CPU backend fails a seeded request"),
-    ("InferenceModelConfig", "enable_prefix_caching"): ({"explorer": {"rollout_model": {
-        "engine_type": "hf", "enable_prefix_caching": False}}}, "enable_prefix_caching = False: has no effect"),
-    ("InferenceModelConfig", "gpu_memory_utilization"): ({"explorer": {"rollout_model": {
-        "engine_type": "hf", "gpu_memory_utilization": 0.5}}}, "gpu_memory_utilization = 0.5: has no effect"),
-    ("InferenceModelConfig", "tensor_parallel_size"): ({"explorer": {"rollout_model": {
-        "engine_type": "hf", "tensor_parallel_size": 2}}}, "tensor_parallel_size = 2: the HF engine runs on one"),
-    ("ClusterConfig", "node_num"): ({"mode": "explore", "cluster": {"node_num": 2, "gpu_per_node": 0}},
-                                    "cluster.node_num = 2: an explorer is one process on the node it starts on"),
-    ("ClusterConfig", "master_addr"): ({"cluster": {"master_addr": "10.0.0.2"}},
-                                       "cluster.master_addr = '10.0.0.2': has no effect on one node"),
-    ("ClusterConfig", "master_addr", 2): ({"cluster": {"node_num": 2, "gpu_per_node": 0}},
-                                          "cluster.master_addr = '127.0.0.1': with cluster.node_num > 1 the other "
-                                          "nodes would dial this address"),
-    ("ClusterConfig", "master_port"): ({"cluster": {"master_port": 29600}},
-                                       "cluster.master_port = 29600: has no effect on one node"),
-    ("SynchronizerConfig", "sync_host"): ({"synchronizer": {"sync_method": "checkpoint", "sync_host": "10.0.0.2"}},
-                                          "sync_host = '10.0.0.2': has no effect with sync_method checkpoint"),
-    **{("buffer.explorer_input.eval_tasksets[].data_selector", key): (
-        {"buffer": {"explorer_input": {"eval_tasksets": [{"path": "data/y", "data_selector": {key: value}}]}}},
-        f"eval_tasksets[0].data_selector.{key} = {value!r}: has no effect on an eval taskset")
-       for key, value in (("selector_type", "shuffle"), ("seed", 7))},
-    ("ExperienceBufferConfig", "priority_decay"): ({"buffer": {"trainer_input": {"experience_buffer": {
-        "priority_decay": 1.0}}}}, "priority_decay = 1.0: has no effect without use_priority_queue"),
-    **{("ExperienceBufferConfig", key, *n): (
-        {**SFT, "buffer": {"trainer_input": {"experience_buffer": {**FILE, key: value}}}},
-        f"experience_buffer.{key} = {value!r}: has no effect: an option of the experience DB's queue")
-       for key, value, n in (("use_priority_queue", True, ()), ("reuse_cooldown_time", 5.0, ()),
-                             ("priority_decay", 1.0, (2,)))},
+        {
+            "cluster": {"gpu_per_node": 0},
+            "explorer": {"rollout_model": {"engine_type": "vllm", "enable_chunked_prefill": True}},
+        },
+        "enable_chunked_prefill = True: vLLM 0.32's CPU backend fails a seeded request",
+    ),
+    ("InferenceModelConfig", "enable_prefix_caching"): (
+        {"explorer": {"rollout_model": {"engine_type": "hf", "enable_prefix_caching": False}}},
+        "enable_prefix_caching = False: has no effect",
+    ),
+    ("InferenceModelConfig", "gpu_memory_utilization"): (
+        {"explorer": {"rollout_model": {"engine_type": "hf", "gpu_memory_utilization": 0.5}}},
+        "gpu_memory_utilization = 0.5: has no effect",
+    ),
+    ("InferenceModelConfig", "tensor_parallel_size"): (
+        {"explorer": {"rollout_model": {"engine_type": "hf", "tensor_parallel_size": 2}}},
+        "tensor_parallel_size = 2: the HF engine runs on one",
+    ),
+    ("ClusterConfig", "node_num"): (
+        {"mode": "explore", "cluster": {"node_num": 2, "gpu_per_node": 0}},
+        "cluster.node_num = 2: an explorer is one process on the node it starts on",
+    ),
+    ("ClusterConfig", "master_addr"): (
+        {"cluster": {"master_addr": "10.0.0.2"}},
+        "cluster.master_addr = '10.0.0.2': has no effect on one node",
+    ),
+    ("ClusterConfig", "master_addr", 2): (
+        {"cluster": {"node_num": 2, "gpu_per_node": 0}},
+        "cluster.master_addr = '127.0.0.1': with cluster.node_num > 1 the other nodes would dial this address",
+    ),
+    ("ClusterConfig", "master_port"): (
+        {"cluster": {"master_port": 29600}},
+        "cluster.master_port = 29600: has no effect on one node",
+    ),
+    ("SynchronizerConfig", "sync_host"): (
+        {"synchronizer": {"sync_method": "checkpoint", "sync_host": "10.0.0.2"}},
+        "sync_host = '10.0.0.2': has no effect with sync_method checkpoint",
+    ),
+    **{
+        ("buffer.explorer_input.eval_tasksets[].data_selector", key): (
+            {"buffer": {"explorer_input": {"eval_tasksets": [{"path": "data/y", "data_selector": {key: value}}]}}},
+            f"eval_tasksets[0].data_selector.{key} = {value!r}: has no effect on an eval taskset",
+        )
+        for key, value in (("selector_type", "shuffle"), ("seed", 7))
+    },
+    ("ExperienceBufferConfig", "priority_decay"): (
+        {"buffer": {"trainer_input": {"experience_buffer": {"priority_decay": 1.0}}}},
+        "priority_decay = 1.0: has no effect without use_priority_queue",
+    ),
+    **{
+        ("ExperienceBufferConfig", key, *n): (
+            {**SFT, "buffer": {"trainer_input": {"experience_buffer": {**FILE, key: value}}}},
+            f"experience_buffer.{key} = {value!r}: has no effect: an option of the experience DB's queue",
+        )
+        for key, value, n in (
+            ("use_priority_queue", True, ()),
+            ("reuse_cooldown_time", 5.0, ()),
+            ("priority_decay", 1.0, (2,)),
+        )
+    },
     ("buffer.trainer_input.auxiliary_buffers.*", "max_read_timeout"): (
-        {**SFT, "buffer": {"trainer_input": {**SFT_INPUT, "auxiliary_buffers": {"expert": {
-            **FILE, "max_read_timeout": 5}}}}},
-        "auxiliary_buffers.expert.max_read_timeout = 5.0: has no effect: an auxiliary buffer is a data file"),
-    ("MonitorConfig", "monitor_args"): ({"monitor": {"monitor_type": "wandb", "monitor_args": {"uri": "x"}}},
-                                        "monitor.monitor_args = {'uri': 'x'}: only wandb's api_key / base_url"),
-    ("LoRAConfig", "name"): ({"model": {"lora_configs": [{"name": "a"}]}},
-                             "model.lora_configs[0].name = 'a': has no effect: it is vLLM's way of serving"),
-    ("LoRAConfig", "base_model_name"): ({"model": {"lora_configs": [{"base_model_name": "b"}]}},
-                                        "model.lora_configs[0].base_model_name = 'b': has no effect"),
-    ("LoRAConfig", "lora_dtype"): ({"model": {"lora_configs": [{"lora_dtype": "bfloat16"}]}},
-                                   "lora_dtype = 'bfloat16': the adapter trains in fp32"),
-    ("ModelConfig", "fully_sharded_loras"): ({"model": {"fully_sharded_loras": True}},
-                                             "model.fully_sharded_loras = True: has no effect"),
+        {
+            **SFT,
+            "buffer": {
+                "trainer_input": {**SFT_INPUT, "auxiliary_buffers": {"expert": {**FILE, "max_read_timeout": 5}}}
+            },
+        },
+        "auxiliary_buffers.expert.max_read_timeout = 5.0: has no effect: an auxiliary buffer is a data file",
+    ),
+    ("MonitorConfig", "monitor_args"): (
+        {"monitor": {"monitor_type": "wandb", "monitor_args": {"uri": "x"}}},
+        "monitor.monitor_args = {'uri': 'x'}: only wandb's api_key / base_url",
+    ),
+    ("LoRAConfig", "name"): (
+        {"model": {"lora_configs": [{"name": "a"}]}},
+        "model.lora_configs[0].name = 'a': has no effect: it is vLLM's way of serving",
+    ),
+    ("LoRAConfig", "base_model_name"): (
+        {"model": {"lora_configs": [{"base_model_name": "b"}]}},
+        "model.lora_configs[0].base_model_name = 'b': has no effect",
+    ),
+    ("LoRAConfig", "lora_dtype"): (
+        {"model": {"lora_configs": [{"lora_dtype": "bfloat16"}]}},
+        "lora_dtype = 'bfloat16': the adapter trains in fp32",
+    ),
+    ("ModelConfig", "fully_sharded_loras"): (
+        {"model": {"fully_sharded_loras": True}},
+        "model.fully_sharded_loras = True: has no effect",
+    ),
     ("ModelConfig", "max_cpu_loras"): ({"model": {"max_cpu_loras": 2}}, "model.max_cpu_loras = 2: has no effect"),
 }
 
 
 def merge(a: dict, b: dict) -> dict:
-    return {**a, **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
-                    for k, v in b.items()}}
+    return {
+        **a,
+        **{k: merge(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v for k, v in b.items()},
+    }
 
 
 def merged(overrides: dict) -> dict:
@@ -331,16 +491,31 @@ def test_refused_values_name_the_key_and_why(rule):
     resolve_stages(from_dict(Config, normalize(MINIMAL)))  # and the default value is accepted
 
 
-@pytest.mark.parametrize("changed", [{"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
-                                     {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_k": 20}}}}},
-                                     {"model": {"min_response_tokens": 2}}, {"model": {"repetition_penalty": 1.1}},
-                                     {"explorer": {"rollout_model": {"ignore_eos": True}}}], ids=str)
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
+        {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_k": 20}}}}},
+        {"model": {"min_response_tokens": 2}},
+        {"model": {"repetition_penalty": 1.1}},
+        {"explorer": {"rollout_model": {"ignore_eos": True}}},
+    ],
+    ids=str,
+)
 def test_the_off_policy_correction_is_refused_only_where_vllm_logprobs_differ(changed):
     """vLLM's processed log-probs follow every change to the distribution: with any, rollout_is is refused on vLLM;
     on the HF engine (log-probs of the full temperature-scaled distribution), or without rollout_is, accepted."""
+
     def config(engine: str, rollout_is: str) -> dict:
-        return merged(merge({"explorer": {"rollout_model": {"engine_type": engine}},
-                             "algorithm": {"rollout_correction": {"rollout_is": rollout_is}}}, changed))
+        return merged(
+            merge(
+                {
+                    "explorer": {"rollout_model": {"engine_type": engine}},
+                    "algorithm": {"rollout_correction": {"rollout_is": rollout_is}},
+                },
+                changed,
+            )
+        )
 
     with pytest.raises(ConfigError, match="rollout_is = 'token' is refused: vLLM's log-probs"):
         resolve_stages(from_dict(Config, normalize(config("vllm", "token"))))
@@ -359,8 +534,14 @@ def test_warned_values_say_what_will_not_happen(rule, caplog):
 
 
 def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
-    text = yaml.safe_dump(merged({"trainer": {"save_hf_checkpoint": "never", "fix_actor_microbatch_loss_scale": True},
-                                  "algorithm": {"optimizer": {"clip_grad": 0.5}}}))
+    text = yaml.safe_dump(
+        merged(
+            {
+                "trainer": {"save_hf_checkpoint": "never", "fix_actor_microbatch_loss_scale": True},
+                "algorithm": {"optimizer": {"clip_grad": 0.5}},
+            }
+        )
+    )
     (tmp_path / "c.yaml").write_text(text)
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", str(tmp_path / "c.yaml")])[0])
@@ -372,22 +553,36 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
         normalize(clash)
 
 
-@pytest.mark.parametrize("path, value, allowed", [
-    ("algorithm.repeat_times", 0, ">= 1"), ("buffer.total_epochs", 0, ">= 1"),
-    ("explorer.rollout_model.engine_num", 0, ">= 1"), ("cluster.gpu_per_node", -1, ">= 0"),
-    ("model.top_p", 0.0, "in (0, 1]"), ("model.top_p", 1.5, "in (0, 1]"), ("model.temperature", -0.1, ">= 0"),
-    ("synchronizer.sync_interval", 0, ">= 1"), ("algorithm.optimizer.lr", 0.0, "> 0"),
-    ("algorithm.optimizer.lr", float("nan"), "> 0"), ("trainer.critic.lr", -1e-5, "> 0"),
-    ("buffer.explorer_input.taskset.rollout_args.top_p", 0.0, "in (0, 1]"),
-    ("algorithm.optimizer.betas", [0.9], "two numbers in [0, 1)"), ("trainer.ppo_epochs", 0, ">= 1"),
-    ("explorer.rollout_model.dtype", "fp8", "one of auto"), ("cluster.master_port", 0, "1..65535"),
-    ("synchronizer.sync_host", "", "a host name or IP address"),
-    # no count or size of 2**31 or more, no wait past 1e9 s (issue 13: numbers that pass a lower bound)
-    ("buffer.batch_size", "1e30", ">= 1, below 2**31"), ("algorithm.repeat_times", 10**12, ">= 1, below 2**31"),
-    ("model.max_model_len", 10**15, ">= 2, below 2**31"), ("explorer.rollout_model.seed", 2**40, "below 2**31"),
-    ("explorer.max_timeout", 1e12, "<= 1e+09 (seconds)"), ("synchronizer.sync_timeout", 1e30, "<= 1e+09"),
-    ("buffer.trainer_input.experience_buffer.max_read_timeout", 1e10, "<= 1e+09"),
-])
+@pytest.mark.parametrize(
+    "path, value, allowed",
+    [
+        ("algorithm.repeat_times", 0, ">= 1"),
+        ("buffer.total_epochs", 0, ">= 1"),
+        ("explorer.rollout_model.engine_num", 0, ">= 1"),
+        ("cluster.gpu_per_node", -1, ">= 0"),
+        ("model.top_p", 0.0, "in (0, 1]"),
+        ("model.top_p", 1.5, "in (0, 1]"),
+        ("model.temperature", -0.1, ">= 0"),
+        ("synchronizer.sync_interval", 0, ">= 1"),
+        ("algorithm.optimizer.lr", 0.0, "> 0"),
+        ("algorithm.optimizer.lr", float("nan"), "> 0"),
+        ("trainer.critic.lr", -1e-5, "> 0"),
+        ("buffer.explorer_input.taskset.rollout_args.top_p", 0.0, "in (0, 1]"),
+        ("algorithm.optimizer.betas", [0.9], "two numbers in [0, 1)"),
+        ("trainer.ppo_epochs", 0, ">= 1"),
+        ("explorer.rollout_model.dtype", "fp8", "one of auto"),
+        ("cluster.master_port", 0, "1..65535"),
+        ("synchronizer.sync_host", "", "a host name or IP address"),
+        # no count or size of 2**31 or more, no wait past 1e9 s (issue 13: numbers that pass a lower bound)
+        ("buffer.batch_size", "1e30", ">= 1, below 2**31"),
+        ("algorithm.repeat_times", 10**12, ">= 1, below 2**31"),
+        ("model.max_model_len", 10**15, ">= 2, below 2**31"),
+        ("explorer.rollout_model.seed", 2**40, "below 2**31"),
+        ("explorer.max_timeout", 1e12, "<= 1e+09 (seconds)"),
+        ("synchronizer.sync_timeout", 1e30, "<= 1e+09"),
+        ("buffer.trainer_input.experience_buffer.max_read_timeout", 1e10, "<= 1e+09"),
+    ],
+)
 def test_values_out_of_range_name_the_key_and_the_range(path, value, allowed):
     node = raw = copy.deepcopy(MINIMAL)
     *parents, last = path.split(".")
@@ -400,9 +595,21 @@ def test_values_out_of_range_name_the_key_and_the_range(path, value, allowed):
 
 
 def test_large_values_a_real_run_uses_are_accepted():
-    (stage,) = resolve_stages(from_dict(Config, normalize(merged({
-        "model": {"max_model_len": 131072, "max_response_tokens": 65536}, "buffer": {"total_steps": 10**6},
-        "explorer": {"max_timeout": 86400.0 * 365}, "synchronizer": {"sync_timeout": 1e9}}))))
+    (stage,) = resolve_stages(
+        from_dict(
+            Config,
+            normalize(
+                merged(
+                    {
+                        "model": {"max_model_len": 131072, "max_response_tokens": 65536},
+                        "buffer": {"total_steps": 10**6},
+                        "explorer": {"max_timeout": 86400.0 * 365},
+                        "synchronizer": {"sync_timeout": 1e9},
+                    }
+                )
+            ),
+        )
+    )
     assert (stage.model.max_model_len, stage.trainer.total_steps) == (131072, 10**6)
 
 
@@ -413,8 +620,14 @@ def load_workflow(name: str, **taskset: Any) -> Config:
 
 
 # A value out of range for each range a workflow's Args declare (a new range needs its case here)
-BAD_WORKFLOW_ARGS = {"tools": ["search"], "max_turns": 0, "tool_timeout": 0.0, "max_score": -1.0, "judge_retries": -1,
-                     "judge_max_tokens": 0}
+BAD_WORKFLOW_ARGS = {
+    "tools": ["search"],
+    "max_turns": 0,
+    "tool_timeout": 0.0,
+    "max_score": -1.0,
+    "judge_retries": -1,
+    "judge_max_tokens": 0,
+}
 
 
 @pytest.mark.parametrize("name", sorted(WORKFLOWS))
@@ -432,8 +645,9 @@ def test_each_workflows_args_are_checked_by_name_when_the_config_loads(name):
         with pytest.raises(ConfigError, match=where + rf"{f.name}: (expected a list, got )?{{'a': 1}}"):
             load_workflow(name, workflow_args={f.name: {"a": 1}})  # a mapping fits no field's type
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        assert load_workflow(name, workflow_args={f.name: default}).buffer.explorer_input.tasksets[0].workflow_args \
-            == {f.name: default}
+        assert load_workflow(name, workflow_args={f.name: default}).buffer.explorer_input.tasksets[0].workflow_args == {
+            f.name: default
+        }
         if typing.get_type_hints(cls)[f.name] is int:
             with pytest.raises(ConfigError, match=where + rf"{f.name}: {2**40} is out of range; allowed: .*, below 2"):
                 load_workflow(name, workflow_args={f.name: 2**40})
@@ -441,8 +655,9 @@ def test_each_workflows_args_are_checked_by_name_when_the_config_loads(name):
         with pytest.raises(ConfigError, match=where + rf"{key}: .* is out of range; allowed: {re.escape(rule[1])}"):
             load_workflow(name, workflow_args={key: BAD_WORKFLOW_ARGS[key]})
     if "max_turns" in {f.name for f in fields}:
-        assert load_workflow(name, workflow_args={"max_turns": "3"}).buffer.explorer_input.tasksets[0].workflow_args \
-            == {"max_turns": 3}
+        assert load_workflow(name, workflow_args={"max_turns": "3"}).buffer.explorer_input.tasksets[
+            0
+        ].workflow_args == {"max_turns": 3}
 
 
 def test_reward_fn_args_are_checked_by_name_when_the_config_loads(caplog):
@@ -466,8 +681,9 @@ def test_reward_fn_args_are_checked_by_name_when_the_config_loads(caplog):
     assert stage.buffer.explorer_input.tasksets[0].reward_fn_args == want
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         load_workflow("llm_judge_workflow", default_reward_fn_type="math_reward")
-    assert ("taskset.default_reward_fn_type = 'math_reward': has no effect: llm_judge_workflow grades the responses "
-            "itself") in caplog.text
+    assert (
+        "taskset.default_reward_fn_type = 'math_reward': has no effect: llm_judge_workflow grades the responses itself"
+    ) in caplog.text
 
 
 MUTATIONS = [None, -1, 0, 0.5, 7, 10**9, 2**40, -1e-3, "x", "", True, [], {}, [1], {"x": 1}, float("inf")]
@@ -500,8 +716,13 @@ def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, tmp_p
     crashes, unnamed, refused, valid = [], [], [], 0
     for leaf, _ in leaves(raw):
         for value in MUTATIONS + [KeyError]:
-            stages = resolved(lambda: from_dict(Config, normalize(mutate(raw, leaf, value))), leaf,
-                              f"{leaf}={value!r}", unnamed, crashes)
+            stages = resolved(
+                lambda leaf=leaf, value=value: from_dict(Config, normalize(mutate(raw, leaf, value))),
+                leaf,
+                f"{leaf}={value!r}",
+                unnamed,
+                crashes,
+            )
             if stages is None:
                 continue
             valid += 1
@@ -517,8 +738,9 @@ def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, tmp_p
     assert not refused, refused[:10]
 
 
-def resolved(build: Callable[[], Config], key: str, label: str, unnamed: list[str],
-             crashes: list[str]) -> list[Config] | None:
+def resolved(
+    build: Callable[[], Config], key: str, label: str, unnamed: list[str], crashes: list[str]
+) -> list[Config] | None:
     """The stages of the config `build` makes; None when refused (a ConfigError that does not name `key`, its last
     part at least, or a related key, goes to `unnamed`) or when another exception is raised (to `crashes`)."""
     try:
@@ -543,8 +765,20 @@ def child_load(text: str, tmp_path: Path, real_cli: bool = False) -> Config:
 
 # What a YAML file can hold beyond the values above: dates, binary data, sets, null and number keys, a list where
 # a mapping goes, a mapping where a scalar goes, OmegaConf's ??? and interpolations that do not resolve.
-FILE_MUTATIONS = [datetime.date(2024, 1, 1), b"\x00\x01", {1, 2}, {None: 1}, {1: 2}, [{}], {"x": 1}, "???",
-                  "${nope.x}", "${oc.env:NANORFT_FUZZ_UNSET}", "yes", "a\x00b"]
+FILE_MUTATIONS = [
+    datetime.date(2024, 1, 1),
+    b"\x00\x01",
+    {1, 2},
+    {None: 1},
+    {1: 2},
+    [{}],
+    {"x": 1},
+    "???",
+    "${nope.x}",
+    "${oc.env:NANORFT_FUZZ_UNSET}",
+    "yes",
+    "a\x00b",
+]
 UNKNOWN = "zz_unknown_key"
 # Mappings whose keys are free by design: environment variables (a workflow's workflow_args are its Args' fields)
 FREE_FORM = ("env_vars",)
@@ -570,8 +804,7 @@ def set_at(raw: dict, path: tuple, value: Any) -> dict:
 
 
 @pytest.mark.parametrize("path", REFERENCE + [ROOT / "configs/tiny.yaml"], ids=lambda p: p.name)
-def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children(path, tmp_path, monkeypatch,
-                                                                                  caplog):
+def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children(path, tmp_path, monkeypatch, caplog):
     """Each key path of the file (sections, leaves, list items) set to each of FILE_MUTATIONS, and an unknown key
     added to each mapping, written as YAML (yaml.dump: dates, binary, sets as YAML writes them) and loaded as a
     user's --config is: a ConfigError naming the key, or a config that every process the launcher starts loads back
@@ -619,8 +852,20 @@ def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children
 def _names_a_related_key(message: str) -> bool:
     """A refusal may name the key it conflicts with or depends on instead (e.g. deleting model_path: 'model.model_path
     is required'); it still names a key path."""
-    return any(part in message for part in ("model.", "buffer.", "algorithm.", "trainer.", "explorer.", "cluster.",
-                                            "synchronizer.", "stages[", "mode "))
+    return any(
+        part in message
+        for part in (
+            "model.",
+            "buffer.",
+            "algorithm.",
+            "trainer.",
+            "explorer.",
+            "cluster.",
+            "synchronizer.",
+            "stages[",
+            "mode ",
+        )
+    )
 
 
 def test_every_override_the_launcher_accepts_its_children_accept(tmp_path, monkeypatch, capsys):
@@ -632,14 +877,20 @@ def test_every_override_the_launcher_accepts_its_children_accept(tmp_path, monke
     monkeypatch.setenv("HOME", "/home/user")
     path = ROOT / "tests/data/reference_configs/ppo_example.yaml"
     raw = yaml.safe_load(path.read_text())
-    keys = sorted({k for k, _ in leaves(raw) if "trainer_config" not in k} | set(VERL_MAP.values()) |
-                  set(ALIASES.values()))
+    keys = sorted(
+        {k for k, _ in leaves(raw) if "trainer_config" not in k} | set(VERL_MAP.values()) | set(ALIASES.values())
+    )
     crashes, unnamed, refused = [], [], []
     for key in keys:
         for value in ("0.5", "x"):
             try:
-                stages = resolved(lambda: cli(["--config", str(path), f"--{key}", value])[0], key, f"--{key} {value}",
-                                  unnamed, crashes)
+                stages = resolved(
+                    lambda key=key, value=value: cli(["--config", str(path), f"--{key}", value])[0],
+                    key,
+                    f"--{key} {value}",
+                    unnamed,
+                    crashes,
+                )
             except SystemExit:
                 if f"--{key}" not in capsys.readouterr().err:
                     unnamed.append(f"--{key} {value}: a usage error that does not name the option")

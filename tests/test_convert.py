@@ -30,9 +30,21 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_a_nanorft_checkpoint_in_bf16_loads_in_plain_transformers(tmp_path, tiny_model_dir):
     model = load_model(tiny_model_dir)
     sync.publish_hf(model, load_tokenizer(tiny_model_dir), tmp_path / "job", step=2)
-    out = subprocess.run([sys.executable, "scripts/convert.py", str(tmp_path / "job/global_step_2/actor"),
-                          "--out", str(tmp_path / "hf"), "--dtype", "bfloat16"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/convert.py",
+            str(tmp_path / "job/global_step_2/actor"),
+            "--out",
+            str(tmp_path / "hf"),
+            "--dtype",
+            "bfloat16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert got.dtype == torch.bfloat16
@@ -49,8 +61,9 @@ def save_rank_shards(rank: int, world: int, port: int, model_dir: str, actor: st
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("ddp", "fsdp")) if replicas > 1 \
-        else None
+    mesh = (
+        init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("ddp", "fsdp")) if replicas > 1 else None
+    )
     model = load_model(model_dir)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
@@ -102,8 +115,9 @@ def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "scripts/convert.py", *map(str, args)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "scripts/convert.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_a_lora_adapter_alone_is_merged_into_the_base(tmp_path, tiny_model_dir):
@@ -124,8 +138,12 @@ def test_a_lora_adapter_alone_is_merged_into_the_base(tmp_path, tiny_model_dir):
     adapter.peft.save_pretrained(str(actor / lora.ADAPTER_DIR))
     out = run_convert(actor, "--out", tmp_path / "hf")
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "holds a LoRA adapter alone (lora_adapter/): name the base model it was trained on " \
-           "(model.model_path) with --base MODEL" in out.stderr and not (tmp_path / "hf").exists()
+    assert (
+        "holds a LoRA adapter alone (lora_adapter/): name the base model it was trained on "
+        "(model.model_path) with --base MODEL"
+        in out.stderr
+        and not (tmp_path / "hf").exists()
+    )
     out = run_convert(actor, "--out", tmp_path / "hf", "--base", tiny_model_dir)
     assert out.returncode == 0, out.stderr[-2000:]
     got = weights(AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32))
@@ -140,9 +158,22 @@ def test_a_lora_adapter_alone_is_merged_into_the_base(tmp_path, tiny_model_dir):
     shutil.copytree(tiny_model_dir, snapshot)
     (snapshot.parents[1] / "refs").mkdir()
     (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
-    out = subprocess.run([sys.executable, "scripts/convert.py", str(actor), "--out", str(tmp_path / "from_hub"),
-                          "--base", "nanorft/tiny-qwen2"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/convert.py",
+            str(actor),
+            "--out",
+            str(tmp_path / "from_hub"),
+            "--base",
+            "nanorft/tiny-qwen2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     hub = weights(AutoModelForCausalLM.from_pretrained(tmp_path / "from_hub", dtype=torch.float32))
     assert max((hub[k] - want[k]).abs().max().item() for k in want) < 1e-6
@@ -156,8 +187,10 @@ def test_weights_that_do_not_fit_the_model_are_named_and_nothing_is_written(tmp_
 
     model = load_model(tiny_model_dir)
     state = {k: v.detach().clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
-    for name, broken in (("extra", {**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}),
-                         ("missing", {k: v for k, v in state.items() if k != "model.norm.weight"})):
+    for name, broken in (
+        ("extra", {**state, "model.layers.0.mlp.extra.weight": torch.zeros(2)}),
+        ("missing", {k: v for k, v in state.items() if k != "model.norm.weight"}),
+    ):
         actor = tmp_path / name / "global_step_1" / "actor"
         sync.save_hf(model, load_tokenizer(tiny_model_dir), actor / "huggingface")
         safetensors.torch.save_file(broken, actor / "huggingface" / "model.safetensors")

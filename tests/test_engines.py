@@ -10,9 +10,8 @@ import threading
 import pytest
 import torch
 
-from configs.schema import InferenceModelConfig
 import models
-from configs.schema import ModelConfig
+from configs.schema import InferenceModelConfig, ModelConfig
 from engines import Completion, HFEngine, ModelHandle, PromptTooLong, SamplingParams, make_engine
 from models import config_tokenizer, load_model
 from tiny import CHAT_TEMPLATE as tiny_chat_template
@@ -64,8 +63,11 @@ def greedy_by_hand(model, prompt: list[int], max_tokens: int, eos_ids: list[int]
 
 
 def max_logprob_diff(model, prompts, outs, temperature) -> float:
-    return max((ref_logprobs(model, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs().max().item()
-               for p, cs in zip(prompts, outs) for c in cs)
+    return max(
+        (ref_logprobs(model, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs().max().item()
+        for p, cs in zip(prompts, outs)
+        for c in cs
+    )
 
 
 # --- log-probs: the engine's must be what a plain forward pass computes
@@ -80,8 +82,14 @@ def test_logprobs_match_a_plain_forward_pass(engine, ref, prompts, temperature):
 
 
 def test_top_k_top_p_filter_the_sample_not_the_logprobs(engine, ref, prompts):
-    outs = engine.generate(prompts, [SamplingParams(n=4, temperature=0.7, top_k=5, max_tokens=24, seed=1),
-                                     SamplingParams(n=4, temperature=0.7, top_p=0.05, max_tokens=24, seed=1)] * 2)
+    outs = engine.generate(
+        prompts,
+        [
+            SamplingParams(n=4, temperature=0.7, top_k=5, max_tokens=24, seed=1),
+            SamplingParams(n=4, temperature=0.7, top_p=0.05, max_tokens=24, seed=1),
+        ]
+        * 2,
+    )
     assert max_logprob_diff(ref, prompts, outs, 0.7) < 1e-4  # still the unfiltered distribution
     for p, cs, (top_k, top_p) in zip(prompts, outs, [(5, 1.0), (264, 0.05)] * 2):
         for c in cs:
@@ -105,8 +113,12 @@ def test_samples_follow_the_tempered_distribution(engine, ref, prompts):
 
 # --- per-request sampling params in one batch
 def test_one_batch_mixes_lengths_greedy_and_samples(engine, ref, prompts):
-    params = [SamplingParams(max_tokens=5, min_tokens=5, seed=1), SamplingParams(n=2, max_tokens=12, min_tokens=12),
-              SamplingParams(temperature=0.0, max_tokens=20), SamplingParams(max_tokens=30, min_tokens=30, seed=2)]
+    params = [
+        SamplingParams(max_tokens=5, min_tokens=5, seed=1),
+        SamplingParams(n=2, max_tokens=12, min_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(max_tokens=30, min_tokens=30, seed=2),
+    ]
     before = engine.num_batches
     outs = engine.generate(prompts, params)
     assert engine.num_batches == before + 1
@@ -127,8 +139,9 @@ def test_greedy_equals_argmax_decoding(engine, ref, prompts):
 
 def test_stop_string_ends_the_text_at_it(engine):
     stop = list("aeiou0123456789 ")  # the untrained model emits random bytes: one shows up soon
-    outs = engine.generate([engine.tokenizer.encode(TEXTS[0])] * 8,
-                           [SamplingParams(max_tokens=200, stop=stop, seed=s) for s in range(8)])
+    outs = engine.generate(
+        [engine.tokenizer.encode(TEXTS[0])] * 8, [SamplingParams(max_tokens=200, stop=stop, seed=s) for s in range(8)]
+    )
     for (c,) in outs:
         full = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
         if c.finish_reason == "stop" and c.token_ids[-1] not in engine.eos_ids:
@@ -306,8 +319,9 @@ def test_handle_renders_tools_template_and_reply_prefix(engine):
     handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 2})
     messages = [{"role": "user", "content": "hi"}]
     template = "{{ messages[0]['content'] }}|{{ tools | length if tools else 'none' }}|"
-    (x, *_) = handle.chat(messages, tools=[{"name": "calc"}, {"name": "x"}], chat_template=template,
-                          reply_prefix="The answer")
+    (x, *_) = handle.chat(
+        messages, tools=[{"name": "calc"}, {"name": "x"}], chat_template=template, reply_prefix="The answer"
+    )
     assert x.prompt_text == "hi|2|The answer"  # tools reached the template; the prefix ends the prompt
     assert x.tokens[: x.prompt_length].tolist() == engine.tokenizer.encode("hi|2|The answer", add_special_tokens=False)
     assert not x.response_text.startswith("The answer")
@@ -379,11 +393,15 @@ def test_a_request_that_breaks_a_shared_batch_fails_alone_and_bad_values_are_ref
         assert [f.result(timeout=30)[0].token_ids for k, f in enumerate(futures) if k != 2] == [[1], [2], [4], [5]]
     finally:
         batcher.close()
-    for field, value, message in [("min_tokens", 2**63, r"min_tokens = 9223372036854775808: an integer in \[0, "),
-                                  ("n", 0, r"n = 0: an integer in \[1, "), ("top_k", -5, "top_k = -5"),
-                                  ("temperature", float("nan"), "temperature = nan"),
-                                  ("temperature", 1e-300, "temperature = 1e-300: 0 .greedy. or a finite number"),
-                                  ("top_p", float("nan"), "top_p = nan"), ("seed", 2**64, "seed = ")]:
+    for field, value, message in [
+        ("min_tokens", 2**63, r"min_tokens = 9223372036854775808: an integer in \[0, "),
+        ("n", 0, r"n = 0: an integer in \[1, "),
+        ("top_k", -5, "top_k = -5"),
+        ("temperature", float("nan"), "temperature = nan"),
+        ("temperature", 1e-300, "temperature = 1e-300: 0 .greedy. or a finite number"),
+        ("top_p", float("nan"), "top_p = nan"),
+        ("seed", 2**64, "seed = "),
+    ]:
         with pytest.raises(ValueError, match=message):
             check_request([1, 2], SamplingParams(**{field: value}), 64)
     check_request([1, 2], SamplingParams(temperature=0, seed=-1, top_k=0, min_tokens=100), 64)  # all valid

@@ -22,10 +22,14 @@ from workflows.episode import Episode, MixedTemperatures, reply_all, tool_messag
 # The chat templates of real models (tests/data/chat_templates/README.md): Qwen2.5's puts the tools in the system
 # header and joins consecutive tool messages into one user turn; Qwen3's also drops the <think> block of assistant
 # turns before the last user query when history is rendered again: re-rendering would rewrite earlier turns.
-TEMPLATES = {name: (Path(__file__).parent / "data" / "chat_templates" / f"{name}.jinja").read_text()
-             for name in ("qwen2.5", "qwen3")}
-CALC_SCHEMA = {"type": "function", "function": {"name": "calculator", "description": "+ - * /",
-                                                "parameters": {"type": "object"}}}
+TEMPLATES = {
+    name: (Path(__file__).parent / "data" / "chat_templates" / f"{name}.jinja").read_text()
+    for name in ("qwen2.5", "qwen3")
+}
+CALC_SCHEMA = {
+    "type": "function",
+    "function": {"name": "calculator", "description": "+ - * /", "parameters": {"type": "object"}},
+}
 
 
 class ScriptedEngine:
@@ -62,15 +66,18 @@ def scripted(tokenizer, texts, **handle) -> ModelHandle:
 
 def test_the_real_templates_render_as_their_models_do(tokenizer):
     hi = [{"role": "user", "content": "Hi"}]
-    assert tokenizer.apply_chat_template(hi, chat_template=TEMPLATES["qwen2.5"], tokenize=False,
-                                         add_generation_prompt=True) == (
+    assert tokenizer.apply_chat_template(
+        hi, chat_template=TEMPLATES["qwen2.5"], tokenize=False, add_generation_prompt=True
+    ) == (
         "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
-    assert tokenizer.apply_chat_template(hi + [{"role": "assistant", "content": "Hello"}], tokenize=False,
-                                         chat_template=TEMPLATES["qwen3"]) == (
-        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")
-    assert tokenizer.apply_chat_template(hi, chat_template=TEMPLATES["qwen3"], tokenize=False, enable_thinking=False,
-                                         add_generation_prompt=True).endswith("assistant\n<think>\n\n</think>\n\n")
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tokenizer.apply_chat_template(
+        hi + [{"role": "assistant", "content": "Hello"}], tokenize=False, chat_template=TEMPLATES["qwen3"]
+    ) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nHello<|im_end|>\n")
+    assert tokenizer.apply_chat_template(
+        hi, chat_template=TEMPLATES["qwen3"], tokenize=False, enable_thinking=False, add_generation_prompt=True
+    ).endswith("assistant\n<think>\n\n</think>\n\n")
 
 
 @pytest.mark.parametrize("template", [None, "qwen2.5", "qwen3"], ids=["project", "qwen2.5", "qwen3"])
@@ -78,8 +85,9 @@ def test_each_turns_ids_are_a_prefix_of_the_next_and_only_sampled_tokens_are_act
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
     turns = [f"<think>6 x 7 first</think>call: {call}\n{call}", "<think>ok</think>42"]
     model = scripted(tokenizer, turns)
-    ep = Episode(model, [{"role": "user", "content": "What is 6 x 7?"}], [CALC_SCHEMA],
-                 chat_template=TEMPLATES.get(template))
+    ep = Episode(
+        model, [{"role": "user", "content": "What is 6 x 7?"}], [CALC_SCHEMA], chat_template=TEMPLATES.get(template)
+    )
     seen = [list(ep.ids)]
     ep.reply()
     seen.append(list(ep.ids))
@@ -93,21 +101,26 @@ def test_each_turns_ids_are_a_prefix_of_the_next_and_only_sampled_tokens_are_act
     sampled = [model.engine.requests[k][0] for k in range(2)]
     assert sampled[0] == seen[0] and sampled[1] == seen[2]  # each turn was sampled from exactly the context so far
     want = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in turns]
-    actions = [t for t, m in zip(ep.ids[ep.prompt_length:], ep.mask) if m]
+    actions = [t for t, m in zip(ep.ids[ep.prompt_length :], ep.mask) if m]
     assert actions == want[0] + want[1] and [ep.ids[a:b] for a, b in ep.turns] == want
     assert [lp for lp, m in zip(ep.logprobs, ep.mask) if m] == [-0.5] * len(actions)
     assert all(lp == 0.0 for lp, m in zip(ep.logprobs, ep.mask) if not m)
     # what lies between the turns is the template's own rendering of the new messages
-    between = tokenizer.decode(ep.ids[ep.turns[0][1]: ep.turns[1][0]])
+    between = tokenizer.decode(ep.ids[ep.turns[0][1] : ep.turns[1][0]])
     if template is None:
-        assert between == ("\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n"
-                           "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
+        assert between == (
+            "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n"
+            "<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n"
+        )
     else:  # Qwen's: the tools in the system header, the two results in one user turn
-        assert '# Tools' in tokenizer.decode(seen[0]) and '"name": "calculator"' in tokenizer.decode(seen[0])
-        assert between == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n42\n"
-                           "</tool_response><|im_end|>\n<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n")
-    rerendered = tokenizer.encode(model.render(ep.messages, [CALC_SCHEMA], TEMPLATES.get(template)),
-                                  add_special_tokens=False)
+        assert "# Tools" in tokenizer.decode(seen[0]) and '"name": "calculator"' in tokenizer.decode(seen[0])
+        assert between == (
+            "\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n<tool_response>\n42\n"
+            "</tool_response><|im_end|>\n<|im_start|>user\nAnd now?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    rerendered = tokenizer.encode(
+        model.render(ep.messages, [CALC_SCHEMA], TEMPLATES.get(template)), add_special_tokens=False
+    )
     if template == "qwen3":  # re-rendering the history drops turn 1's <think> block: not what the model saw
         assert rerendered[: len(seen[1]) - 1] != seen[1][:-1]
         assert "6 x 7 first" not in tokenizer.decode(rerendered) and "6 x 7 first" in tokenizer.decode(ep.ids)
@@ -125,9 +138,8 @@ def test_a_turn_that_ends_on_any_eos_id_gets_the_closing_without_its_end_token(t
     ep.reply()
     ep.add([{"role": "user", "content": "more"}])
     ep.reply()
-    text = tokenizer.decode(ep.ids[ep.prompt_length:])
-    assert text == ("first<|endoftext|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
-                    "second<|im_end|>\n")
+    text = tokenizer.decode(ep.ids[ep.prompt_length :])
+    assert text == ("first<|endoftext|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\nsecond<|im_end|>\n")
 
 
 def test_one_experience_per_turn(tokenizer):
@@ -165,8 +177,11 @@ def test_episodes_end_at_max_turns_and_at_the_context_limit(tokenizer):
 
 
 def test_turns_keep_their_own_text_after_a_few_shot_assistant_message(tokenizer):
-    shots = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "#### 2"},
-             {"role": "user", "content": "2 + 3?"}]
+    shots = [
+        {"role": "user", "content": "1 + 1?"},
+        {"role": "assistant", "content": "#### 2"},
+        {"role": "user", "content": "2 + 3?"},
+    ]
     ep = Episode(scripted(tokenizer, ["#### 5", "#### 6"]), shots)
     ep.reply()
     ep.add([{"role": "user", "content": "sure?"}])
@@ -248,10 +263,22 @@ def test_a_real_episode_gives_the_trainer_the_engines_log_probs(tiny_model_dir):
 
 
 def tool_task(**over) -> Task:
-    fields = dict(taskset="t", index=0, epoch=0, raw={}, prompt="What is 37 + 58 - 12?",
-                  messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}], reference="#### 83", tools=None,
-                  workflow="tool_workflow", reward_fn="math_reward", workflow_args={"max_turns": 3},
-                  reward_fn_args={}, rollout_args=GenerationConfig(temperature=1.0), repeat_times=3)
+    fields = dict(
+        taskset="t",
+        index=0,
+        epoch=0,
+        raw={},
+        prompt="What is 37 + 58 - 12?",
+        messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}],
+        reference="#### 83",
+        tools=None,
+        workflow="tool_workflow",
+        reward_fn="math_reward",
+        workflow_args={"max_turns": 3},
+        reward_fn_args={},
+        rollout_args=GenerationConfig(temperature=1.0),
+        repeat_times=3,
+    )
     return Task(**{**fields, **over})
 
 
@@ -268,15 +295,16 @@ def test_tool_workflow_runs_calls_between_turns_and_scores_the_answer(tokenizer)
     # turns went to the engine together: the 3 first turns (the prompt alone), then the 2 episodes still going
     prompt = len(model.engine.requests[0][0])
     assert [len(ids) > prompt for ids, _ in model.engine.requests] == [False, False, False, True, True]
-    shown = tokenizer.decode(exps[0].tokens[exps[0].prompt_length:])
+    shown = tokenizer.decode(exps[0].tokens[exps[0].prompt_length :])
     assert "<|im_start|>tool\n83<|im_end|>" in shown  # the calculator's result, as the template renders it
     assert "error: the tool call is not valid JSON" in tokenizer.decode(exps[2].tokens)
     assert all(e.action_mask is not None and 0 < e.action_mask.sum() < e.response_length for e in (exps[0], exps[2]))
 
 
 def test_tool_workflow_step_wise_gives_each_turn_the_episodes_reward(tokenizer):
-    exps = build_workflow(tool_task(repeat_times=1, workflow_args={"step_wise": True}),
-                          scripted(tokenizer, [CALL, "#### 83"])).run()
+    exps = build_workflow(
+        tool_task(repeat_times=1, workflow_args={"step_wise": True}), scripted(tokenizer, [CALL, "#### 83"])
+    ).run()
     assert [e.info["turn"] for e in exps] == [0, 1] and [e.reward for e in exps] == pytest.approx([1.1, 1.1])
 
 
@@ -323,7 +351,7 @@ def test_step_wise_advantages_are_the_whole_groups_though_a_train_step_gets_part
     assert [e.info["episode"] for e in exps] == [0, 1, 1, 1, 2, 2]
     stamp(exps, task, "explorer")
     group_advantages(exps, AlgorithmConfig(algorithm_type="multi_step_grpo", advantage_fn="step_wise_grpo"))
-    a = 1 / 3 ** 0.5  # episodes [1.1, 0.1, 1.1]: mean 0.767, std 0.577 -> +0.577, -1.155, +0.577
+    a = 1 / 3**0.5  # episodes [1.1, 0.1, 1.1]: mean 0.767, std 0.577 -> +0.577, -1.155, +0.577
     want = {0: a, 1: -2 * a, 2: a}
     with ExperienceDB(f"sqlite:///{tmp_path / 'exp.db'}") as db:
         db.write(exps)
@@ -334,8 +362,9 @@ def test_step_wise_advantages_are_the_whole_groups_though_a_train_step_gets_part
         out, _ = fn(batch, cfg())
         for b, x in enumerate(part):
             mask = batch["response_mask"][b]
-            assert out["advantages"][b][mask].tolist() == pytest.approx([want[x.info["episode"]]] * int(mask.sum()),
-                                                                        abs=1e-4)
+            assert out["advantages"][b][mask].tolist() == pytest.approx(
+                [want[x.info["episode"]]] * int(mask.sum()), abs=1e-4
+            )
         alone, _ = step_wise_grpo.compute(batch, cfg())  # what the trainer computing it per part would get
         assert not torch.allclose(alone["advantages"], out["advantages"], atol=1e-3)
     with pytest.raises(BatchError, match="1 of 1 experiences carry no advantages"):
@@ -343,16 +372,21 @@ def test_step_wise_advantages_are_the_whole_groups_though_a_train_step_gets_part
 
 
 def test_tool_workflow_names_an_unknown_tool(tokenizer):
-    with pytest.raises(ValueError, match=r"workflow_args.tools: \['search'\] is out of range; allowed: names of "
-                                         r"known tools \(TOOLS: calculator\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"workflow_args.tools: \['search'\] is out of range; allowed: names of "
+        r"known tools \(TOOLS: calculator\)",
+    ):
         build_workflow(tool_task(workflow_args={"tools": ["search"]}), scripted(tokenizer, [])).run()
 
 
 def test_the_tools_reach_the_chat_template(tokenizer):
     """The registered tools' schemas and the taskset's own (format.tools_key) are what the template renders."""
-    template = ("{%- for t in tools or [] -%}{{- 'TOOL ' + t.function.name + '\\n' -}}{%- endfor -%}"
-                "{%- for m in messages -%}{{- m.role + ': ' + m.content + '\\n' -}}{%- endfor -%}"
-                "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}")
+    template = (
+        "{%- for t in tools or [] -%}{{- 'TOOL ' + t.function.name + '\\n' -}}{%- endfor -%}"
+        "{%- for m in messages -%}{{- m.role + ': ' + m.content + '\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}"
+    )
     search = {"type": "function", "function": {"name": "search", "description": "web", "parameters": {}}}
     model = scripted(tokenizer, ["#### 83"])
     build_workflow(tool_task(repeat_times=1, tools=[search], chat_template=template), model).run()

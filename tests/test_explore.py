@@ -1,4 +1,5 @@
-"""The explorer: real explore/bench runs as separate processes, SIGKILL and restart, runner failure modes, eval metrics."""
+"""The explorer: real explore/bench runs as separate processes, SIGKILL and restart, runner failure modes, eval
+metrics."""
 
 import dataclasses
 import json
@@ -13,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import write_yaml
 
 import explore
 import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
 from configs.schema import GenerationConfig
+from conftest import write_yaml
 from engines import HFEngine, ModelHandle, PromptTooLong
 from models import load_tokenizer
 from tasksets import Task, TaskReader, load_tasks
@@ -30,18 +31,41 @@ ROOT = Path(__file__).resolve().parents[1]
 def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     data = Path(tiny_model_dir).parent / "arith"
     cfg = {
-        "project": "p", "name": "e", "mode": "explore", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "project": "p",
+        "name": "e",
+        "mode": "explore",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
         "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
         "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
-        "buffer": {"batch_size": 3, "total_steps": 4, "default_workflow_type": "math_workflow",
-                   "default_reward_fn_type": "math_reward",
-                   "explorer_input": {"taskset": {"name": "arith", "path": str(data), "split": "train",
-                                                  "format": {"prompt_key": "question", "response_key": "answer"}},
-                                      "eval_tasksets": [{"name": "arith_test", "path": str(data), "split": "test",
-                                                         "repeat_times": 2,
-                                                         "format": {"prompt_key": "question", "response_key": "answer"}}]}},
-        "explorer": {"runner_per_model": 4, "eval_interval": 100, "eval_on_startup": False,
-                     "rollout_model": {"engine_type": "hf"}},
+        "buffer": {
+            "batch_size": 3,
+            "total_steps": 4,
+            "default_workflow_type": "math_workflow",
+            "default_reward_fn_type": "math_reward",
+            "explorer_input": {
+                "taskset": {
+                    "name": "arith",
+                    "path": str(data),
+                    "split": "train",
+                    "format": {"prompt_key": "question", "response_key": "answer"},
+                },
+                "eval_tasksets": [
+                    {
+                        "name": "arith_test",
+                        "path": str(data),
+                        "split": "test",
+                        "repeat_times": 2,
+                        "format": {"prompt_key": "question", "response_key": "answer"},
+                    }
+                ],
+            },
+        },
+        "explorer": {
+            "runner_per_model": 4,
+            "eval_interval": 100,
+            "eval_on_startup": False,
+            "rollout_model": {"engine_type": "hf"},
+        },
         "synchronizer": {"sync_method": "checkpoint", "sync_interval": 100},
         "monitor": {"monitor_type": "none"},
     }
@@ -49,13 +73,23 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 
 
 def run_explorer(config: Path, *args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "explore.py", "--config", str(config), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "explore.py", "--config", str(config), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kw,
+    )
 
 
 def db_rows(tmp_path: Path) -> list[tuple]:
     db = next((tmp_path / "ck").rglob("*.db"))
-    return sqlite3.connect(db).execute("SELECT group_id, run_id, model_version, explorer FROM experiences ORDER BY id").fetchall()
+    return (
+        sqlite3.connect(db)
+        .execute("SELECT group_id, run_id, model_version, explorer FROM experiences ORDER BY id")
+        .fetchall()
+    )
 
 
 def test_explore_mode_fills_the_db(tiny_model_dir, tmp_path):
@@ -80,13 +114,26 @@ def expected_groups(config: Path, steps: int, batch: int) -> list[str]:
 
 
 def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir, tmp_path):
-    config = write_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 5, "model.max_response_tokens": 48,
-                                                       "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"}})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.total_steps": 5,
+            "model.max_response_tokens": 48,
+            "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"},
+        },
+    )
     marker = tmp_path / "paused"
     env = {**os.environ, "NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
     with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the explorer
-        proc = subprocess.Popen([sys.executable, "explore.py", "--config", str(config)], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "explore.py", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:  # step 3 generated, not written
         time.sleep(0.05)
@@ -149,11 +196,26 @@ class TooLong(workflows.Workflow):
 
 def test_an_over_long_prompt_fails_once_without_retries(monkeypatch):
     monkeypatch.setitem(workflows.WORKFLOWS, "too_long", TooLong)
-    task = Task(taskset="t", index=0, epoch=0, raw={}, prompt="x", messages=None, reference=None, tools=None,
-                workflow="too_long", reward_fn="", workflow_args={}, reward_fn_args={}, rollout_args=GenerationConfig(),
-                repeat_times=1)
+    task = Task(
+        taskset="t",
+        index=0,
+        epoch=0,
+        raw={},
+        prompt="x",
+        messages=None,
+        reference=None,
+        tools=None,
+        workflow="too_long",
+        reward_fn="",
+        workflow_args={},
+        reward_fn_args={},
+        rollout_args=GenerationConfig(),
+        repeat_times=1,
+    )
     exps, error = explore.run_task(task, None, timeout=10, retries=3)
-    assert exps is None and "exceeds model.max_prompt_tokens" in error and TooLong.calls == 1  # the same input: no retry
+    assert (
+        exps is None and "exceeds model.max_prompt_tokens" in error and TooLong.calls == 1
+    )  # the same input: no retry
 
 
 @pytest.fixture(scope="module")
@@ -168,17 +230,34 @@ def test_failing_workflows_are_counted_not_raised(tiny_model_dir, tmp_path, monk
     monkeypatch.setitem(workflows.WORKFLOWS, "hangs", Hangs)
     monkeypatch.setitem(workflows.WORKFLOWS, "garbage", Garbage)
     monkeypatch.setitem(workflows.WORKFLOWS, "flaky", FlakyOnce)
-    (cfg,) = resolve_stages(cli(["--config", str(write_config(tmp_path, tiny_model_dir)),
-                                 "--explorer.max_timeout", "0.5", "--explorer.max_retry_times", "1"])[0])
+    (cfg,) = resolve_stages(
+        cli(
+            [
+                "--config",
+                str(write_config(tmp_path, tiny_model_dir)),
+                "--explorer.max_timeout",
+                "0.5",
+                "--explorer.max_retry_times",
+                "1",
+            ]
+        )[0]
+    )
     tasks = load_tasks(cfg.buffer.explorer_input.tasksets[0])[:5]
-    tasks = [dataclasses.replace(t, workflow=w) for t, w in zip(tasks, ["raises", "hangs", "garbage", "flaky", "math_workflow"])]
+    tasks = [
+        dataclasses.replace(t, workflow=w)
+        for t, w in zip(tasks, ["raises", "hangs", "garbage", "flaky", "math_workflow"])
+    ]
     start = time.monotonic()
     with ThreadPoolExecutor(4) as pool:
         results = explore.run_tasks(pool, tasks[:4], [handle], cfg)  # none of these does work: 0.5 s is ages
         assert time.monotonic() - start < 30  # the hung workflow (60 s) was abandoned after 2 x 0.5 s
         # NOTE: the real workflow without the 0.5 s limit: a generation on a busy machine can take longer
-        results += explore.run_tasks(pool, tasks[4:], [handle], dataclasses.replace(
-            cfg, explorer=dataclasses.replace(cfg.explorer, max_timeout=600)))
+        results += explore.run_tasks(
+            pool,
+            tasks[4:],
+            [handle],
+            dataclasses.replace(cfg, explorer=dataclasses.replace(cfg.explorer, max_timeout=600)),
+        )
     errors = [err for _, _, err in results]
     assert [got is None for _, got, _ in results] == [True, True, True, False, False]
     assert "boom" in errors[0] and "timed out after 0.5 s" in errors[1] and "not a finite number" in errors[2]
@@ -212,9 +291,16 @@ def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):
 
     monkeypatch.setitem(workflows.WORKFLOWS, "env_check", EnvCheck)
     monkeypatch.setenv("NANORFT_TEST_VAR", "unset")  # restored after the test
-    config = write_config(tmp_path, tiny_model_dir, **{"explorer.env_vars": {"NANORFT_TEST_VAR": "42"},
-                                                       "buffer.total_steps": 1, "buffer.default_workflow_type": "env_check",
-                                                       "buffer.explorer_input.eval_tasksets": []})
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "explorer.env_vars": {"NANORFT_TEST_VAR": "42"},
+            "buffer.total_steps": 1,
+            "buffer.default_workflow_type": "env_check",
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
     (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
     assert explore.explore(cfg) == 0
     assert seen == ["42"] * 3
@@ -223,12 +309,23 @@ def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):
 def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     """sync_method nccl (gloo on CPU) with a fake trainer process: each step's experiences carry the version
     received at the previous sync point; when the trainer sends stop, the explorer exits 1 with one clear line."""
-    over = {"mode": "both", "synchronizer.sync_method": "nccl", "synchronizer.sync_interval": 1,
-            "synchronizer.sync_timeout": 60, "buffer.explorer_input.eval_tasksets": [], "buffer.total_steps": 3}
+    over = {
+        "mode": "both",
+        "synchronizer.sync_method": "nccl",
+        "synchronizer.sync_interval": 1,
+        "synchronizer.sync_timeout": 60,
+        "buffer.explorer_input.eval_tasksets": [],
+        "buffer.total_steps": 3,
+    }
     config = write_config(tmp_path, tiny_model_dir, **over)
     job = tmp_path / "ck/p/e"
-    trainer = subprocess.Popen([sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "2"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = run_explorer(config)  # 3 steps: sync points after steps 1, 2
     assert trainer.wait(timeout=60) == 0, trainer.stdout.read()[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
@@ -236,8 +333,13 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     # a restart for 3 more steps: this trainer (restarted without a checkpoint) sends one version, then stop; the
     # explorer, restarted after step 3, waits for version 3 before its first rollout (explore.resume_weights)
     config = write_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 6})
-    trainer = subprocess.Popen([sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1"],
-                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    trainer = subprocess.Popen(
+        [sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = run_explorer(config)
     assert trainer.wait(timeout=60) == 0
     assert out.returncode == 1
@@ -255,8 +357,9 @@ def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny
     assert f"{data / 'train.jsonl'}: line 5: not valid JSON" in out.stderr
     db = tmp_path / "other.db"
     db.write_bytes(b"some notes\n")
-    out = run_explorer(write_config(tmp_path, tiny_model_dir, **{
-        "buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"}))
+    out = run_explorer(
+        write_config(tmp_path, tiny_model_dir, **{"buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"})
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert f"{db} is not a SQLite database" in out.stderr and db.read_bytes() == b"some notes\n"
 
@@ -282,19 +385,29 @@ class VersionEngine:
         self.loaded.append("wake_up")
 
 
-def restarted(tmp_path: Path, db_url: str, step: int, method: str, engine: VersionEngine, colocate: bool = False,
-              timeout: float = 60):
+def restarted(
+    tmp_path: Path,
+    db_url: str,
+    step: int,
+    method: str,
+    engine: VersionEngine,
+    colocate: bool = False,
+    timeout: float = 60,
+):
     """An Explorer as set_up leaves it after a restart after `step` (sync_interval 1: it needs the weights of
     `step`); `colocate`: on one GPU with the trainer."""
     from types import SimpleNamespace
 
     from buffer import ExperienceDB
 
-    cfg = SimpleNamespace(checkpoint_job_dir=str(tmp_path), explorer=SimpleNamespace(name="explorer"),
-                          synchronizer=SimpleNamespace(sync_method=method, sync_interval=1, sync_offset=0,
-                                                       sync_timeout=timeout),
-                          buffer=SimpleNamespace(batch_size=2, train_batch_size=4),
-                          algorithm=SimpleNamespace(repeat_times=2), cluster=SimpleNamespace(colocate=colocate))
+    cfg = SimpleNamespace(
+        checkpoint_job_dir=str(tmp_path),
+        explorer=SimpleNamespace(name="explorer"),
+        synchronizer=SimpleNamespace(sync_method=method, sync_interval=1, sync_offset=0, sync_timeout=timeout),
+        buffer=SimpleNamespace(batch_size=2, train_batch_size=4),
+        algorithm=SimpleNamespace(repeat_times=2),
+        cluster=SimpleNamespace(colocate=colocate),
+    )
     return SimpleNamespace(cfg=cfg, db=ExperienceDB(db_url), step=step, engine=engine, receiver=None)
 
 
@@ -347,8 +460,7 @@ def test_a_restarted_explorer_stops_when_only_older_weights_load(tmp_path, tiny_
 
 
 @pytest.mark.parametrize("damaged, colocate", [(False, False), (True, False), (False, True)])
-def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir, damaged,
-                                                                           colocate):
+def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_path, tiny_model_dir, damaged, colocate):
     """Process-group sync, restarted after step 3: the trainer resumes from its checkpoint at 1 (published at its
     resume) and sends versions 2 and 3 as it retrains; the explorer takes them in order before its first rollout.
     `damaged`: the checkpoint pointer says 2, whose checkpoint is damaged, so the trainer resumes from 1 all the
@@ -415,8 +527,9 @@ def damage_weights(folder: Path, how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["cut", "header", "config"])
-def test_the_explorer_falls_back_to_the_newest_undamaged_published_weights(tmp_path, tiny_model_dir, how, caplog,
-                                                                           monkeypatch):
+def test_the_explorer_falls_back_to_the_newest_undamaged_published_weights(
+    tmp_path, tiny_model_dir, how, caplog, monkeypatch
+):
     """As the trainer skips a damaged checkpoint: a restarted explorer starts from the newest undamaged published
     folder up to the pointer, naming the damaged one; at a sync point a damaged folder is skipped for the newest
     undamaged newer than the engine's, or the engine keeps its weights. Before, the explorer loaded the pointer's

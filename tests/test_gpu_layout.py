@@ -48,9 +48,16 @@ def test_the_embedded_default_on_one_gpu_colocates_the_hf_engine_in_bf16(monkeyp
 
 
 DTYPE_CASES = [
-    ("auto", "bfloat16", "float32"), ("bf16", "bfloat16", "bfloat16"), ("bfloat16", "bfloat16", "bfloat16"),
-    ("fp16", "float16", "float16"), ("half", "float16", "float16"), ("float16", "float16", "float16"),
-    ("fp32", "float32", "float32"), ("float", "float32", "float32"), ("float32", "float32", "float32")]
+    ("auto", "bfloat16", "float32"),
+    ("bf16", "bfloat16", "bfloat16"),
+    ("bfloat16", "bfloat16", "bfloat16"),
+    ("fp16", "float16", "float16"),
+    ("half", "float16", "float16"),
+    ("float16", "float16", "float16"),
+    ("fp32", "float32", "float32"),
+    ("float", "float32", "float32"),
+    ("float32", "float32", "float32"),
+]
 
 
 def test_the_dtype_spellings_accepted_are_the_ones_derived_and_tested():
@@ -86,14 +93,18 @@ def test_the_launcher_picks_gpus_from_its_own_cuda_visible_devices(monkeypatch, 
     *_, split = stages("--cluster.gpu_per_node", "3")  # HF engine on the first GPU, the trainer on the other two
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a1, 5,7")
     cmds = launch.commands(split, tmp_path / "c.yaml")
-    assert (cmds["explorer"][1], cmds["trainer"][1]) == ({"CUDA_VISIBLE_DEVICES": "GPU-a1"},
-                                                         {"CUDA_VISIBLE_DEVICES": "5,7"})
+    assert (cmds["explorer"][1], cmds["trainer"][1]) == (
+        {"CUDA_VISIBLE_DEVICES": "GPU-a1"},
+        {"CUDA_VISIBLE_DEVICES": "5,7"},
+    )
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5,7")
     with pytest.raises(ConfigError, match=r"needs GPUs \[1, 2\] of this node's, but CUDA_VISIBLE_DEVICES='5,7'"):
         launch.commands(split, tmp_path / "c.yaml")
     monkeypatch.setattr(launch, "run_stage", lambda *a: pytest.fail("a stage started"))
-    assert launch.run(cli(["--config", TINY, "--cluster.gpu_per_node", "3", "--checkpoint_root_dir",
-                           str(tmp_path)])[0]) == 2
+    assert (
+        launch.run(cli(["--config", TINY, "--cluster.gpu_per_node", "3", "--checkpoint_root_dir", str(tmp_path)])[0])
+        == 2
+    )
     assert "config error: cluster: the layout needs GPUs [1, 2]" in capsys.readouterr().err
 
 

@@ -22,8 +22,8 @@ import safetensors.torch
 import torch
 
 from buffer import ExperienceDB
-from models import load_model
 from conftest import plain_logprobs, write_yaml
+from models import load_model
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,17 +33,37 @@ def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     data = Path(tiny_model_dir).parent / "arith"
     fmt = {"prompt_key": "question", "response_key": "answer"}
     cfg = {
-        "project": "p", "name": "run", "mode": "both", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "project": "p",
+        "name": "run",
+        "mode": "both",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
         # an entropy bonus: the weights move every step even when every group's rewards are equal
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2, "optimizer": {"lr": 1e-3},
-                      "entropy_loss_fn_args": {"entropy_coef": 0.01}},
+        "algorithm": {
+            "algorithm_type": "grpo",
+            "repeat_times": 2,
+            "optimizer": {"lr": 1e-3},
+            "entropy_loss_fn_args": {"entropy_coef": 0.01},
+        },
         "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
-        "buffer": {"batch_size": 2, "total_steps": 3, "default_workflow_type": "math_workflow",
-                   "default_reward_fn_type": "math_reward",
-                   "explorer_input": {"taskset": {"name": "arith", "path": str(data), "split": "train", "format": fmt},
-                                      "eval_tasksets": [{"name": "arith_test", "path": str(data), "split": "test",
-                                                         "format": fmt, "rollout_args": {"temperature": 0.0}}]},
-                   "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": 120}}},
+        "buffer": {
+            "batch_size": 2,
+            "total_steps": 3,
+            "default_workflow_type": "math_workflow",
+            "default_reward_fn_type": "math_reward",
+            "explorer_input": {
+                "taskset": {"name": "arith", "path": str(data), "split": "train", "format": fmt},
+                "eval_tasksets": [
+                    {
+                        "name": "arith_test",
+                        "path": str(data),
+                        "split": "test",
+                        "format": fmt,
+                        "rollout_args": {"temperature": 0.0},
+                    }
+                ],
+            },
+            "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": 120}},
+        },
         "explorer": {"runner_per_model": 4, "eval_interval": 2, "rollout_model": {"engine_type": "hf"}},
         "synchronizer": {"sync_method": "checkpoint", "sync_interval": 1, "sync_timeout": 120},
         "trainer": {"save_interval": 0},
@@ -52,10 +72,17 @@ def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     return write_yaml(tmp_path / "run.yaml", cfg, over)
 
 
-def launch(config: Path, *args: str, script: str = "launch.py", timeout: float = 400,
-           env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, script, "--config", str(config), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+def launch(
+    config: Path, *args: str, script: str = "launch.py", timeout: float = 400, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, script, "--config", str(config), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
 
 
 def versions_by_step(db: Path | str) -> list[int]:
@@ -78,14 +105,31 @@ def rollout_logprob_gap(db: Path | str, version: int, weights: Path) -> float:
 
 def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_dir):
     data = Path(tiny_model_dir).parent / "arith"
-    config = both_config(tmp_path, tiny_model_dir, stages=[
-        {"stage_name": "eval_base", "mode": "bench"},
-        {"stage_name": "sft", "mode": "train", "algorithm": {"algorithm_type": "sft"},
-         "buffer": {"train_batch_size": 4, "total_steps": 2,
-                    "trainer_input": {"experience_buffer": {"name": "sft", "storage_type": "file",
-                                                            "path": str(data / "sft.jsonl"),
-                                                            "format": {"prompt_type": "messages"}}}}},
-        {"stage_name": "rft", "trainer": {"save_interval": 1}}])  # checkpoints: step 1's weights are kept
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        stages=[
+            {"stage_name": "eval_base", "mode": "bench"},
+            {
+                "stage_name": "sft",
+                "mode": "train",
+                "algorithm": {"algorithm_type": "sft"},
+                "buffer": {
+                    "train_batch_size": 4,
+                    "total_steps": 2,
+                    "trainer_input": {
+                        "experience_buffer": {
+                            "name": "sft",
+                            "storage_type": "file",
+                            "path": str(data / "sft.jsonl"),
+                            "format": {"prompt_type": "messages"},
+                        }
+                    },
+                },
+            },
+            {"stage_name": "rft", "trainer": {"save_interval": 1}},
+        ],
+    )  # checkpoints: step 1's weights are kept
     out = launch(config)
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -150,8 +194,9 @@ def test_a_later_stage_whose_rollout_model_names_the_model_runs(tmp_path, tiny_m
     from configs import cli, from_dict, normalize, read_yaml, to_yaml
 
     stages = [{"stage_name": "sft", "mode": "train"}, {"stage_name": "rft"}]
-    config = both_config(tmp_path, tiny_model_dir, stages=stages, **{"explorer.rollout_model.model_path":
-                                                                       tiny_model_dir})
+    config = both_config(
+        tmp_path, tiny_model_dir, stages=stages, **{"explorer.rollout_model.model_path": tiny_model_dir}
+    )
     seen = []
     for stage in launch.stages_in_order(cli(["--config", str(config)])[0]):
         sync.weights_path(stage.checkpoint_job_dir, 3).mkdir(parents=True)
@@ -167,10 +212,11 @@ def test_a_stage_an_error_ends_leaves_no_mlflow_run_running(tmp_path, tiny_model
     """run_in_process (how train.py and explore.py run their stages): a stage that raises after opening its monitor
     (a traceback, or a named error) ends its mlflow run FAILED; one that closes its monitor itself keeps its status
     (FINISHED)."""
+    from test_train import mlflow_runs
+
     import configs
     import launch
     from monitor import Monitor
-    from test_train import mlflow_runs
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -183,6 +229,7 @@ def test_a_stage_an_error_ends_leaves_no_mlflow_run_running(tmp_path, tiny_model
                 raise error
             monitor.close()
             return 0
+
         return run
 
     cfg = configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir, **{"monitor.monitor_type": "mlflow"}))])[0]
@@ -193,15 +240,17 @@ def test_a_stage_an_error_ends_leaves_no_mlflow_run_running(tmp_path, tiny_model
     assert mlflow_runs(uri) == {"run_RuntimeError": "FAILED", "run_DataError": "FAILED", "run_NoneType": "FINISHED"}
 
 
-def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_monitors(tmp_path, tiny_model_dir,
-                                                                                      monkeypatch, caplog):
+def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_monitors(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
     """run_in_process after a stage that a named error ended: one monitor's close raising (the tracking server
     gone) is a warning; the stage still returns its exit code 2 (not a traceback) and the other monitor's run ends
     FAILED (before, the exception replaced the result and the loop stopped)."""
+    from test_train import mlflow_runs
+
     import configs
     import launch
     from monitor import Monitor
-    from test_train import mlflow_runs
 
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -224,30 +273,40 @@ def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_mon
     assert "could not close the broken monitor: server gone" in caplog.text
 
 
-def test_a_failed_stage_ends_the_mlflow_runs_of_the_processes_the_launcher_stopped(tmp_path, tiny_model_dir,
-                                                                                    monkeypatch):
+def test_a_failed_stage_ends_the_mlflow_runs_of_the_processes_the_launcher_stopped(
+    tmp_path, tiny_model_dir, monkeypatch
+):
     """Mode both, the trainer fails while the explorer runs: the launcher stops the explorer (SIGTERM), which dies
     without closing its monitor; its mlflow run ends FAILED all the same (launch.run_stage: monitor.fail_left_runs;
     it stayed RUNNING). A run of an earlier stage still RUNNING (another launcher's) is left alone."""
+    from mlflow.tracking import MlflowClient
+
     import configs
     import launch
-    from mlflow.tracking import MlflowClient
 
     uri, flag = (tmp_path / "mlruns").as_uri(), tmp_path / "explorer_up"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
-    (stage,) = configs.resolve_stages(configs.cli(["--config", str(both_config(
-        tmp_path, tiny_model_dir, **{"monitor.monitor_type": "mlflow"}))])[0])
+    (stage,) = configs.resolve_stages(
+        configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir, **{"monitor.monitor_type": "mlflow"}))])[0]
+    )
     client = MlflowClient(uri)
     experiment = client.create_experiment("p")
     old = client.create_run(experiment, run_name="run_explorer").info.run_id  # another launcher's: not the stage's
-    explorer = ("import sys, time; sys.path.insert(0, sys.argv[1]); import configs; from monitor import Monitor; "
-                "(s,) = configs.resolve_stages(configs.cli(['--config', sys.argv[2]])[0]); "
-                "Monitor(s, role=s.explorer.name); open(sys.argv[3], 'w').close(); time.sleep(600)")
+    explorer = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); import configs; from monitor import Monitor; "
+        "(s,) = configs.resolve_stages(configs.cli(['--config', sys.argv[2]])[0]); "
+        "Monitor(s, role=s.explorer.name); open(sys.argv[3], 'w').close(); time.sleep(600)"
+    )
     trainer = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.1)\nsys.exit(1)"
-    monkeypatch.setattr(launch, "commands", lambda stage, config_file: {
-        "explorer": ([sys.executable, "-c", explorer, str(ROOT), str(config_file), str(flag)], {}),
-        "trainer": ([sys.executable, "-c", trainer, str(flag)], {})})
+    monkeypatch.setattr(
+        launch,
+        "commands",
+        lambda stage, config_file: {
+            "explorer": ([sys.executable, "-c", explorer, str(ROOT), str(config_file), str(flag)], {}),
+            "trainer": ([sys.executable, "-c", trainer, str(flag)], {}),
+        },
+    )
     time.sleep(0.01)  # NOTE: mlflow's start times are in ms: the stage starts after that run
     assert launch.run_stage(stage, "") == 1
     runs = {r.info.run_id: (r.info.run_name, r.info.status) for r in client.search_runs([experiment])}
@@ -263,8 +322,11 @@ def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeyp
 
     calls, ran, real = [], [], configs.resolve_stages
     monkeypatch.setattr(configs, "resolve_stages", lambda cfg: calls.append(1) or real(cfg))
-    monkeypatch.setattr(launch, "run_stage", lambda stage, side: Path(stage.checkpoint_job_dir).mkdir(parents=True)
-                        or ran.append(stage.name) or 0)
+    monkeypatch.setattr(
+        launch,
+        "run_stage",
+        lambda stage, side: Path(stage.checkpoint_job_dir).mkdir(parents=True) or ran.append(stage.name) or 0,
+    )
     monkeypatch.setattr(launch.signal, "signal", lambda *a: None)  # run() turns SIGTERM into KeyboardInterrupt
     stages = [{"stage_name": "sft", "mode": "train"}, {"stage_name": "rft"}]
     assert launch.run(configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir, stages=stages))])[0]) == 0
@@ -274,7 +336,11 @@ def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeyp
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, request):
     run = tmp_path / "ck" / "p" / "run"
-    db = f"sqlite:///{run / 'buffer' / 'exp.db'}" if backend == "sqlite" else request.getfixturevalue("postgres").database()
+    db = (
+        f"sqlite:///{run / 'buffer' / 'exp.db'}"
+        if backend == "sqlite"
+        else request.getfixturevalue("postgres").database()
+    )
     over = {"synchronizer.sync_method": "nccl", "trainer.save_interval": 2}
     if backend == "postgresql":
         over["buffer.trainer_input.experience_buffer.path"] = db
@@ -310,9 +376,13 @@ def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
     bad = both_config(tmp_path / "bad", tiny_model_dir, **{"algorithm.policy_loss_fn_args": {"clip_ratio_c": 0.5}})
     out = launch(bad)
     assert out.returncode == 2 and out.stderr.strip() == (
-        "config error: algorithm.policy_loss_fn_args.clip_ratio_c: 0.5 is out of range; allowed: > 1")
-    config = both_config(tmp_path, tiny_model_dir, **{"algorithm.algorithm_type": "ppo",
-                                                      "model.critic_model_path": str(tmp_path / "no_such_critic")})
+        "config error: algorithm.policy_loss_fn_args.clip_ratio_c: 0.5 is out of range; allowed: > 1"
+    )
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{"algorithm.algorithm_type": "ppo", "model.critic_model_path": str(tmp_path / "no_such_critic")},
+    )
     start = time.monotonic()
     out = launch(config)
     assert out.returncode != 0
@@ -325,8 +395,14 @@ def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
 def test_the_plot_is_drawn_from_what_the_run_recorded_and_skipped_when_nothing_was(tmp_path):
     import launch as launcher
 
-    empty = {"reward_history": [], "eval_history": [], "config": "c", "accuracy_before_sft": None,
-             "accuracy_after_sft": None, "accuracy_after_rft": None}
+    empty = {
+        "reward_history": [],
+        "eval_history": [],
+        "config": "c",
+        "accuracy_before_sft": None,
+        "accuracy_after_sft": None,
+        "accuracy_after_rft": None,
+    }
     assert launcher.plot(empty, tmp_path / "a.png") is False and not (tmp_path / "a.png").exists()
     some = empty | {"eval_history": [{"global_step": 0, "accuracy": 0.25}, {"global_step": 10, "accuracy": 0.5}]}
     assert launcher.plot(some, tmp_path / "b.png") is True and (tmp_path / "b.png").stat().st_size > 1000
@@ -358,8 +434,11 @@ def on_a_terminal(cmd: list[str], timeout: float = 400) -> tuple[int, str]:
 def test_mode_both_on_one_gpu_colocates_the_hf_engine(tmp_path, tiny_model_dir):
     """cluster.gpu_per_node 1: explorer and trainer share the GPU (here the CPU: the engine's sleep moves nothing);
     the engine sleeps before every sync point and the weights come over the group through host memory."""
-    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2,
-                                                      "cluster": {"gpu_per_node": 1}})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "cluster": {"gpu_per_node": 1}},
+    )
     out = launch(config, env={"NANORFT_LAUNCHED": "1"})  # a pretend GPU: the pre-flight would (rightly) refuse it
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -378,8 +457,11 @@ def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_
     assert re.search(r"\rtrainer: 100%\|[^|]*\| 3/3 \[[^]]*s/step, reward \S+ loss \S+ tok/s \S+ s/step", shown), shown
     assert re.search(r"\rexplorer: 100%\|[^|]*\| 3/3 \[[^]]*, reward \S+ acc \S+ tok/s", shown), shown
     assert "[explorer] eval step 2: arith_test accuracy " in shown  # a line at each evaluation, above the bars
-    assert re.search(r"stage run finished in \d+ s: trainer step 3: .*; explorer step 3: .*; last eval arith_test "
-                     r"accuracy \d\.\d{3}", shown)
+    assert re.search(
+        r"stage run finished in \d+ s: trainer step 3: .*; explorer step 3: .*; last eval arith_test "
+        r"accuracy \d\.\d{3}",
+        shown,
+    )
     # the processes' own INFO records and per-step lines go to their log files only
     assert "nanorft.explore" not in shown and "nanorft.train" not in shown and "] step 1/3" not in shown, shown
     run = tmp_path / "ck" / "p" / "run"
@@ -408,10 +490,16 @@ class AskTheJudge(Workflow):
 
 def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_path, tiny_model_dir):
     (tmp_path / "aux_flow.py").write_text(AUX_WORKFLOW)
-    config = both_config(tmp_path, tiny_model_dir, **{
-        "buffer.default_workflow_type": f"{tmp_path / 'aux_flow.py'}:AskTheJudge", "buffer.total_steps": 2,
-        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf"}],
-        "buffer.explorer_input.eval_tasksets": []})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.default_workflow_type": f"{tmp_path / 'aux_flow.py'}:AskTheJudge",
+            "buffer.total_steps": 2,
+            "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf"}],
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
     out = launch(config)
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -436,13 +524,20 @@ def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "node0.out", "w") as stdout, open(out / "node0.err", "w") as stderr:
-        node0 = subprocess.Popen([sys.executable, "launch.py", "--config", str(config)], cwd=ROOT, env=env,
-                                 stdout=stdout, stderr=stderr)
+        node0 = subprocess.Popen(
+            [sys.executable, "launch.py", "--config", str(config)], cwd=ROOT, env=env, stdout=stdout, stderr=stderr
+        )
     deadline, line = time.monotonic() + 120, None
     while line is None and node0.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-        line = next((x.removeprefix("  node 1: ") for x in (out / "node0.err").read_text().splitlines()
-                     if x.startswith("  node 1: ")), None)
+        line = next(
+            (
+                x.removeprefix("  node 1: ")
+                for x in (out / "node0.err").read_text().splitlines()
+                if x.startswith("  node 1: ")
+            ),
+            None,
+        )
     try:
         assert line is not None, (out / "node0.err").read_text()[-3000:]
         node1 = subprocess.run(["bash", "-c", line], cwd="/", env=env, capture_output=True, text=True, timeout=timeout)
@@ -460,12 +555,16 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
     from test_train import run_train, sft_config, weights
 
     port = free_port()
-    config = sft_config(tmp_path / "nodes", tiny_model_dir, **{"cluster": {"node_num": 2, "gpu_per_node": 0,
-                                                                           "master_port": port}})
+    config = sft_config(
+        tmp_path / "nodes", tiny_model_dir, **{"cluster": {"node_num": 2, "gpu_per_node": 0, "master_port": port}}
+    )
     code, err, node1 = two_nodes(config, tmp_path / "out")
     assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
-    assert err.count("  node 1: ") == 1 and f"--nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=static " \
-        f"--rdzv-endpoint=127.0.0.1:{port} " in err
+    assert (
+        err.count("  node 1: ") == 1
+        and f"--nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=static --rdzv-endpoint=127.0.0.1:{port} "
+        in err
+    )
     job = tmp_path / "nodes" / "ck" / "p" / "t"
     assert "trainer: 2 rank(s) on cpu" in (job / "log" / "trainer.log").read_text()
     one = run_train(sft_config(tmp_path / "one", tiny_model_dir), ranks=2)
@@ -479,8 +578,14 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
 def test_two_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
     """On the CPU, node 0 runs the explorer beside trainer rank 0 (the DB and the weight store stay on one host),
     node 1 the second trainer rank: on-policy GRPO gets every step's weights over the group."""
-    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", "cluster": {
-        "node_num": 2, "gpu_per_node": 0, "master_port": free_port()}})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "synchronizer.sync_method": "nccl",
+            "cluster": {"node_num": 2, "gpu_per_node": 0, "master_port": free_port()},
+        },
+    )
     code, err, node1 = two_nodes(config, tmp_path / "out")
     assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -497,10 +602,16 @@ def test_a_stage_config_is_written_for_its_owner_only_whatever_it_holds(tmp_path
     from configs import cli, resolve_stages
     from launch import write_stage_config
 
-    config = write_yaml(tmp_path / "c.yaml", {
-        "model": {"model_path": "some/model", "max_model_len": 256}, "buffer": {
-            "batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}},
-        "explorer": {"env_vars": {"DB_PASS": "dbp-2"}}, "monitor": {"monitor_args": {"session": "sess-9"}}}, {})
+    config = write_yaml(
+        tmp_path / "c.yaml",
+        {
+            "model": {"model_path": "some/model", "max_model_len": 256},
+            "buffer": {"batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}},
+            "explorer": {"env_vars": {"DB_PASS": "dbp-2"}},
+            "monitor": {"monitor_args": {"session": "sess-9"}},
+        },
+        {},
+    )
     (stage,) = resolve_stages(cli(["--config", str(config)])[0])
     old = tmp_path / "old.yaml"
     old.write_text("explorer: {env_vars: {DB_PASS: earlier}}\n" * 100)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
+from test_launch import ROOT, both_config, launch, rollout_logprob_gap, versions_by_step
+from test_train import experiences, run_train, sft_config, straight_and_resumed
 from transformers import AutoModelForCausalLM
 
 import explore
@@ -26,8 +28,6 @@ import train
 from configs import Config, ConfigError, cli, from_dict, normalize, resolve_stages
 from configs.schema import LoRAConfig, OptimizerConfig, TrainerConfig
 from conftest import plain_logprobs
-from test_launch import ROOT, both_config, launch, rollout_logprob_gap, versions_by_step
-from test_train import experiences, run_train, sft_config, straight_and_resumed
 
 LORA = {"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}]}
 CPU = torch.device("cpu")
@@ -53,8 +53,13 @@ def gap(scorer: torch.nn.Module, model: torch.nn.Module) -> float:
     exps, mb = micro()
     with torch.no_grad():
         logp = scorer(mb)[0]  # [n,T]
-    return max((logp[k, : exps[b].response_length] - plain_logprobs(model, exps[b].tokens, exps[b].prompt_length))
-               .abs().max().item() for k, b in enumerate(mb["rows"].tolist()))
+    return max(
+        (logp[k, : exps[b].response_length] - plain_logprobs(model, exps[b].tokens, exps[b].prompt_length))
+        .abs()
+        .max()
+        .item()
+        for k, b in enumerate(mb["rows"].tolist())
+    )
 
 
 def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -82,19 +87,24 @@ def with_random_b(hf: torch.nn.Module, adapter_cfg: LoRAConfig, seed: int = 1) -
 
 
 def resolved(lora_configs: list) -> Config:
-    raw = {"model": {"model_path": "m", "max_model_len": 256, "lora_configs": lora_configs},
-           "buffer": {"batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}}}
+    raw = {
+        "model": {"model_path": "m", "max_model_len": 256, "lora_configs": lora_configs},
+        "buffer": {"batch_size": 4, "explorer_input": {"taskset": {"path": "data/x"}}},
+    }
     return resolve_stages(from_dict(Config, normalize(raw)))[0]
 
 
-@pytest.mark.parametrize("lora_configs, message", [
-    ([{"lora_rank": 0}], r"model.lora_configs\[0\].lora_rank: 0 is out of range; allowed: >= 1"),
-    ([{"lora_alpha": -1}], r"model.lora_configs\[0\].lora_alpha: -1.0 is out of range; allowed: > 0"),
-    ([{}, {}], r"model.lora_configs = \[2 sections\] is refused: one LoRA adapter at most"),
-    ([{"path": "assets"}], r"model.lora_configs\[0\].path = 'assets' is refused: not a saved peft adapter"),
-    ([{"target_modules": {"q": 1}}], r"lora_configs\[0\].target_modules: \{'q': 1\} is not a valid str or list"),
-    ([{"lora_ranks": 8}], r"model.lora_configs\[0\].lora_ranks: unknown key; did you mean lora_rank\?"),
-])
+@pytest.mark.parametrize(
+    "lora_configs, message",
+    [
+        ([{"lora_rank": 0}], r"model.lora_configs\[0\].lora_rank: 0 is out of range; allowed: >= 1"),
+        ([{"lora_alpha": -1}], r"model.lora_configs\[0\].lora_alpha: -1.0 is out of range; allowed: > 0"),
+        ([{}, {}], r"model.lora_configs = \[2 sections\] is refused: one LoRA adapter at most"),
+        ([{"path": "assets"}], r"model.lora_configs\[0\].path = 'assets' is refused: not a saved peft adapter"),
+        ([{"target_modules": {"q": 1}}], r"lora_configs\[0\].target_modules: \{'q': 1\} is not a valid str or list"),
+        ([{"lora_ranks": 8}], r"model.lora_configs\[0\].lora_ranks: unknown key; did you mean lora_rank\?"),
+    ],
+)
 def test_bad_lora_keys_are_refused_by_name(lora_configs, message):
     with pytest.raises(ConfigError, match=message):
         resolved(lora_configs)
@@ -102,17 +112,29 @@ def test_bad_lora_keys_are_refused_by_name(lora_configs, message):
 
 def test_trinity_keys_read_as_peft_reads_them():
     c = resolved([{"lora_rank": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "exclude_modules": "x"}])
-    assert c.model.lora_configs == [LoRAConfig(lora_rank=8, lora_alpha=16.0, target_modules=["q_proj", "v_proj"],
-                                               exclude_modules="x")]
+    assert c.model.lora_configs == [
+        LoRAConfig(lora_rank=8, lora_alpha=16.0, target_modules=["q_proj", "v_proj"], exclude_modules="x")
+    ]
     assert resolved([{}]).model.lora_configs[0].target_modules == "all-linear"  # Trinity's default: a string
 
 
 def test_help_shows_the_adapter_keys_and_the_command_line_sets_them(tmp_path, capsys, monkeypatch):
     path = tmp_path / "c.yaml"
-    path.write_text("model: {model_path: m, max_model_len: 256, lora_configs: [{lora_rank: 8}]}\n"
-                    "buffer: {batch_size: 4, explorer_input: {taskset: {path: data/x}}}\n")
-    cfg, _ = cli(["--config", str(path), "--model.lora_configs.0.lora_alpha", "4",
-                  "--model.lora_configs.0.target_modules", "q_proj", "v_proj"])
+    path.write_text(
+        "model: {model_path: m, max_model_len: 256, lora_configs: [{lora_rank: 8}]}\n"
+        "buffer: {batch_size: 4, explorer_input: {taskset: {path: data/x}}}\n"
+    )
+    cfg, _ = cli(
+        [
+            "--config",
+            str(path),
+            "--model.lora_configs.0.lora_alpha",
+            "4",
+            "--model.lora_configs.0.target_modules",
+            "q_proj",
+            "v_proj",
+        ]
+    )
     assert cfg.model.lora_configs == [LoRAConfig(lora_rank=8, lora_alpha=4.0, target_modules=["q_proj", "v_proj"])]
     monkeypatch.setenv("COLUMNS", "200")
     with pytest.raises(SystemExit):
@@ -122,12 +144,15 @@ def test_help_shows_the_adapter_keys_and_the_command_line_sets_them(tmp_path, ca
     assert "--model.lora_configs.0.target_modules STR|" in shown and "--model.fully_sharded_loras" in shown
 
 
-@pytest.mark.parametrize("target, exclude, layers", [
-    ("all-linear", None, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
-    (["q_proj", "v_proj"], None, {"q_proj", "v_proj"}),
-    (r".*\.mlp\..*_proj", None, {"gate_proj", "up_proj", "down_proj"}),
-    ("all-linear", ["down_proj", "o_proj"], {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}),
-])
+@pytest.mark.parametrize(
+    "target, exclude, layers",
+    [
+        ("all-linear", None, {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}),
+        (["q_proj", "v_proj"], None, {"q_proj", "v_proj"}),
+        (r".*\.mlp\..*_proj", None, {"gate_proj", "up_proj", "down_proj"}),
+        ("all-linear", ["down_proj", "o_proj"], {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}),
+    ],
+)
 def test_merged_weights_give_the_peft_models_logits(tiny_model_dir, tmp_path, target, exclude, layers):
     """target_modules / exclude_modules as peft reads them, never the LM head; the merged weights (W + s B A under
     W's name) saved as the trainer publishes them load in plain transformers and give the peft model's logits."""
@@ -148,11 +173,14 @@ def test_merged_weights_give_the_peft_models_logits(tiny_model_dir, tmp_path, ta
     assert (got - logits(plain(tiny_model_dir), ids)).abs().max().item() > 1e-2  # the adapter does change them
 
 
-@pytest.mark.parametrize("target, message", [
-    (["nothing_here"], "model.lora_configs\\[0\\].target_modules / exclude_modules: Target modules"),
-    (["lm_head"], "lm_head is not a plain LoRA on a linear layer"),
-    (["embed_tokens"], "embed_tokens is not a plain LoRA on a linear layer"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        (["nothing_here"], "model.lora_configs\\[0\\].target_modules / exclude_modules: Target modules"),
+        (["lm_head"], "lm_head is not a plain LoRA on a linear layer"),
+        (["embed_tokens"], "embed_tokens is not a plain LoRA on a linear layer"),
+    ],
+)
 def test_layers_lora_cannot_merge_here_are_refused_by_name(tiny_model_dir, target, message):
     with pytest.raises(ConfigError, match=message):
         lora.wrap(models.load_model(tiny_model_dir), LoRAConfig(lora_rank=4, target_modules=target), "")
@@ -211,8 +239,9 @@ def test_the_process_group_sends_the_merged_weights_under_the_plain_names(tiny_m
                 q.fill_(0.01)
     merged = lora.full_state(actor)
     sender, got = sync.open_sender(tmp_path, "cpu", 60), {}
-    receiver = threading.Thread(target=lambda: got.update(
-        zip(("version", "state"), sync.receive_weights(sync.open_receiver(tmp_path, 60)))))
+    receiver = threading.Thread(
+        target=lambda: got.update(zip(("version", "state"), sync.receive_weights(sync.open_receiver(tmp_path, 60))))
+    )
     receiver.start()
     sent = lora.send_model(sender, actor, 7, torch.bfloat16)
     receiver.join(60)
@@ -255,8 +284,12 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "t"
     one, two = job / "global_step_1" / "actor", job / "global_step_2" / "actor"
-    assert {p.name for p in one.iterdir()} == {"lora_adapter", "optimizer.safetensors", "trainer_state.json",
-                                                "rng_state_rank0.safetensors"}
+    assert {p.name for p in one.iterdir()} == {
+        "lora_adapter",
+        "optimizer.safetensors",
+        "trainer_state.json",
+        "rng_state_rank0.safetensors",
+    }
     assert {p.name for p in two.iterdir()} == {p.name for p in one.iterdir()} | {"huggingface"}
     assert {p.name for p in (two / "lora_adapter").iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
     manifest = json.loads((job / "global_step_2" / "manifest.json").read_text())
@@ -265,9 +298,11 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model
     assert len(saved) == 2 * 7 * 4 and all(".lora_A." in k or ".lora_B." in k for k in saved)
     optim = safetensors.torch.load_file(two / "optimizer.safetensors")  # Adam's state of A and B alone
     assert {k.rsplit("/", 1)[0] for k in optim} == {
-        "model." + k.removeprefix("base_model.model.").replace(".weight", ".default.weight") for k in saved}
-    assert not torch.equal(adapter_of(job, 1)[next(k for k in saved if "lora_B" in k)],
-                           saved[next(k for k in saved if "lora_B" in k)])
+        "model." + k.removeprefix("base_model.model.").replace(".weight", ".default.weight") for k in saved
+    }
+    assert not torch.equal(
+        adapter_of(job, 1)[next(k for k in saved if "lora_B" in k)], saved[next(k for k in saved if "lora_B" in k)]
+    )
     peft_model = PeftModel.from_pretrained(plain(tiny_model_dir), str(two / "lora_adapter")).eval()
     ids = torch.arange(3, 60)
     published = plain(two / "huggingface")
@@ -275,11 +310,16 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model
     assert (logits(published, ids) - logits(plain(tiny_model_dir), ids)).abs().max().item() > 1e-3
     base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
     merged = safetensors.torch.load_file(two / "huggingface" / "model.safetensors")
-    assert set(merged) == set(base) and torch.equal(merged["model.embed_tokens.weight"],
-                                                    base["model.embed_tokens.weight"])
+    assert set(merged) == set(base) and torch.equal(
+        merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"]
+    )
     full = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3}))  # the same run, no LoRA
-    assert full.returncode == 2 and "checkpoint step 2 of" in full.stderr and "was written with LoRA and " \
-        "model.lora_configs is empty: resume with the config it was written with" in full.stderr
+    assert (
+        full.returncode == 2
+        and "checkpoint step 2 of" in full.stderr
+        and "was written with LoRA and model.lora_configs is empty: resume with the config it was written with"
+        in full.stderr
+    )
 
 
 def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir):
@@ -309,15 +349,28 @@ def test_two_fsdp_ranks_train_the_adapter_as_one_does(tmp_path, tiny_model_dir):
 def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_model_dir):
     """GRPO with a KL loss to the reference (the actor without its adapter), the merged weights sent over the process
     group: the engine samples step 3 from exactly base + step-2 adapter; the KL is 0 at step 1 (B = 0) and not after."""
-    config = both_config(tmp_path, tiny_model_dir, **LORA, **{
-        "synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "algorithm.optimizer.lr": 1e-2,
-        "algorithm.kl_loss_fn": "k2", "algorithm.kl_loss_fn_args": {"kl_coef": 0.1}})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **LORA,
+        **{
+            "synchronizer.sync_method": "nccl",
+            "trainer.save_interval": 2,
+            "algorithm.optimizer.lr": 1e-2,
+            "algorithm.kl_loss_fn": "k2",
+            "algorithm.kl_loss_fn_args": {"kl_coef": 0.1},
+        },
+    )
     out = launch(config)
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
     assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
-    merged = lora.merged_folder(plain(tiny_model_dir), str(run / "global_step_2" / "actor" / "lora_adapter"),
-                                models.load_tokenizer(tiny_model_dir), tmp_path / "merged2")
+    merged = lora.merged_folder(
+        plain(tiny_model_dir),
+        str(run / "global_step_2" / "actor" / "lora_adapter"),
+        models.load_tokenizer(tiny_model_dir),
+        tmp_path / "merged2",
+    )
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, merged) < 1e-4
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
     from monitor import read_history
@@ -331,15 +384,34 @@ def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_mo
     The whole run (launcher, trainer, explorer) is SIGKILLed while the trainer waits right after saving step 2, then
     relaunched: the trainer writes step 2's merged weights before pointing the explorer at them, the explorer
     starts from them (no 'Repo id' error), and step 3 is sampled from exactly base + the step-2 adapter."""
-    config = both_config(tmp_path, tiny_model_dir, **LORA, **{
-        "synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "algorithm.optimizer.lr": 1e-2,
-        "buffer.total_steps": 4, "continue_from_checkpoint": True})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **LORA,
+        **{
+            "synchronizer.sync_method": "nccl",
+            "trainer.save_interval": 2,
+            "algorithm.optimizer.lr": 1e-2,
+            "buffer.total_steps": 4,
+            "continue_from_checkpoint": True,
+        },
+    )
     run, marker = tmp_path / "ck" / "p" / "run", tmp_path / "paused"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
-           "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
+        "NANORFT_TEST_PAUSE_MARKER": str(marker),
+    }
     with open(tmp_path / "first.txt", "w") as err:  # a file, not a pipe: a full pipe would block the run
-        proc = subprocess.Popen([sys.executable, "launch.py", "--config", str(config)], cwd=ROOT, env=env,
-                                stdout=err, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "launch.py", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=err,
+            stderr=err,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -353,8 +425,12 @@ def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_mo
     assert "resumed from checkpoint step 2" in out.stderr and "Repo id" not in out.stderr
     db = run / "buffer" / "exp.db"
     assert versions_by_step(db) == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
-    merged = lora.merged_folder(plain(tiny_model_dir), str(run / "global_step_2" / "actor" / "lora_adapter"),
-                                models.load_tokenizer(tiny_model_dir), tmp_path / "merged2")
+    merged = lora.merged_folder(
+        plain(tiny_model_dir),
+        str(run / "global_step_2" / "actor" / "lora_adapter"),
+        models.load_tokenizer(tiny_model_dir),
+        tmp_path / "merged2",
+    )
     assert rollout_logprob_gap(db, 2, merged) < 1e-4
     assert rollout_logprob_gap(db, 2, Path(tiny_model_dir)) > 1e-3
 

@@ -16,8 +16,17 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from buffer import Experience
 from configs.schema import Config
-from monitor import (CONSOLE, Console, HistoryTail, Monitor, bars_wanted, close_log_file, log_to_file, preview,
-                     read_history)
+from monitor import (
+    CONSOLE,
+    Console,
+    HistoryTail,
+    Monitor,
+    bars_wanted,
+    close_log_file,
+    log_to_file,
+    preview,
+    read_history,
+)
 
 
 def config(tmp_path, kind: str) -> Config:
@@ -57,14 +66,21 @@ def test_console_shows_step_of_total_and_a_line_per_evaluation(tmp_path, capsys,
     cfg = config(tmp_path, "none")
     cfg.buffer.total_steps = 20
     mon = Monitor(cfg, role="explorer")
-    metrics = {"rollout/reward/mean": 0.5, "rollout/tokens_per_s": 7456.2, "eval/arith_test/accuracy/mean@4": 0.785,
-               "eval/arith_test/reward/mean@4": 0.9, "eval/other/reward/mean@1": 0.25,
-               **{f"x/m{i}": i for i in range(50)}}
+    metrics = {
+        "rollout/reward/mean": 0.5,
+        "rollout/tokens_per_s": 7456.2,
+        "eval/arith_test/accuracy/mean@4": 0.785,
+        "eval/arith_test/reward/mean@4": 0.9,
+        "eval/other/reward/mean@1": 0.25,
+        **{f"x/m{i}": i for i in range(50)},
+    }
     mon.log(metrics, step=20)
     mon.close()
     lines = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines()]
-    assert lines == ["[explorer] step 20/20 reward 0.5 acc 0.785 tok/s 7456",
-                     "[explorer] eval step 20: arith_test accuracy 0.785, other reward 0.250"]
+    assert lines == [
+        "[explorer] step 20/20 reward 0.5 acc 0.785 tok/s 7456",
+        "[explorer] eval step 20: arith_test accuracy 0.785, other reward 0.250",
+    ]
     logged = (tmp_path / "job/log/explorer.log").read_text()
     assert "x/m49=49" in logged and lines[1] in logged
 
@@ -111,8 +127,10 @@ def test_mlflow_logs_every_number_under_a_name_it_accepts(tmp_path, monkeypatch)
     client = MlflowClient((tmp_path / "job/monitor/mlruns").as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("nanorft").experiment_id])
     assert run.info.run_name == "t_trainer" and run.info.status == "FINISHED"
-    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [(1, 0.5),
-                                                                                                        (2, 0.25)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [
+        (1, 0.5),
+        (2, 0.25),
+    ]
     assert run.data.metrics["eval/arith/accuracy/mean_1"] == 0.25 and "note" not in run.data.metrics
     assert "perf/max_rss_gb" in run.data.metrics
     assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["config.json"]
@@ -122,7 +140,6 @@ def test_an_mlflow_run_whose_config_cannot_be_logged_ends_failed(tmp_path, monke
     """MlflowSink made its run, then logging the config failed: the run ends FAILED (no Monitor holds the sink
     yet, so nothing else could end it: it stayed RUNNING), and the error reaches the caller."""
     from mlflow.tracking import MlflowClient
-
     from test_train import mlflow_runs
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -188,10 +205,17 @@ def test_history_tail_gives_new_complete_records_only(tmp_path):
 
 def test_preview_puts_the_lowest_and_highest_reward_samples_in_the_history_and_log_file(tmp_path, capsys, caplog):
     caplog.set_level(logging.INFO, logger="nanorft.monitor")
-    exps = [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=r, prompt_text=f"q{r}",
-                       response_text=f"a{r}") for r in (0.5, -1.0, 2.0)]
+    exps = [
+        Experience(
+            tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=r, prompt_text=f"q{r}", response_text=f"a{r}"
+        )
+        for r in (0.5, -1.0, 2.0)
+    ]
     shown = preview(exps) | preview([Experience(tokens=torch.tensor([1, 2]), prompt_length=1)])
-    assert shown == {"preview/lowest": "reward -1 | 'q-1.0' -> 'a-1.0'", "preview/highest": "reward 2 | 'q2.0' -> 'a2.0'"}
+    assert shown == {
+        "preview/lowest": "reward -1 | 'q-1.0' -> 'a-1.0'",
+        "preview/highest": "reward 2 | 'q2.0' -> 'a2.0'",
+    }
     mon = Monitor(config(tmp_path, "none"), role="trainer")
     mon.log({"actor/pg_loss": 1.0, **shown}, step=1)
     mon.close()
@@ -201,13 +225,36 @@ def test_preview_puts_the_lowest_and_highest_reward_samples_in_the_history_and_l
 
 
 # env_vars of names no pattern of secret names knew (issue 25): AZURE_OPENAI_KEY, DB_PASS, ..._CREDENTIALS, ...
-SECRETS = {"monitor.monitor_args": {"password": "hunter2", "username": "me", "session": "sess-9"},
-           "buffer.trainer_input.experience_buffer.path": "postgresql://rft:s3@cret@db-host:5432/rft",
-           "explorer.env_vars": {"HF_TOKEN": "hf_abc", "OPENAI_API_KEY": "sk-xyz", "AZURE_OPENAI_KEY": "az-1",
-                                 "DB_PASS": "dbp-2", "GCP_CREDENTIALS": "gcp-3", "GITHUB_PAT": "ghp-4",
-                                 "API_KEYS": "ak-5", "SESSION_COOKIE": "ck-6", "PLAIN": "plain-7"}}
-HIDDEN = ("hunter2", "sess-9", "s3@cret", "cret@", "hf_abc", "sk-xyz", "az-1", "dbp-2", "gcp-3", "ghp-4", "ak-5",
-          "ck-6", "plain-7")
+SECRETS = {
+    "monitor.monitor_args": {"password": "hunter2", "username": "me", "session": "sess-9"},
+    "buffer.trainer_input.experience_buffer.path": "postgresql://rft:s3@cret@db-host:5432/rft",
+    "explorer.env_vars": {
+        "HF_TOKEN": "hf_abc",
+        "OPENAI_API_KEY": "sk-xyz",
+        "AZURE_OPENAI_KEY": "az-1",
+        "DB_PASS": "dbp-2",
+        "GCP_CREDENTIALS": "gcp-3",
+        "GITHUB_PAT": "ghp-4",
+        "API_KEYS": "ak-5",
+        "SESSION_COOKIE": "ck-6",
+        "PLAIN": "plain-7",
+    },
+}
+HIDDEN = (
+    "hunter2",
+    "sess-9",
+    "s3@cret",
+    "cret@",
+    "hf_abc",
+    "sk-xyz",
+    "az-1",
+    "dbp-2",
+    "gcp-3",
+    "ghp-4",
+    "ak-5",
+    "ck-6",
+    "plain-7",
+)
 
 
 def with_secrets(tmp_path, kind: str) -> Config:
@@ -227,20 +274,39 @@ def test_redacted_hides_every_env_var_monitor_args_but_harmless_keys_passwords_k
 
     cfg = Config()
     assert redacted(cfg) == dataclasses.asdict(cfg) and not holds_secret(cfg)  # nothing secret: nothing changed
-    cfg.monitor.monitor_args = {"password": "hunter2", "api_key": "k", "uri": "https://u:pw@mlflow.example",
-                                "entity": "team", "tags": ["a", "b"], "mode": "offline", "session": "s", "extra": 1}
+    cfg.monitor.monitor_args = {
+        "password": "hunter2",
+        "api_key": "k",
+        "uri": "https://u:pw@mlflow.example",
+        "entity": "team",
+        "tags": ["a", "b"],
+        "mode": "offline",
+        "session": "s",
+        "extra": 1,
+    }
     cfg.buffer.trainer_input.experience_buffer.path = "postgresql://rft:s3@cret@db/rft?sslmode=require"
     cfg.explorer.env_vars = {**SECRETS["explorer.env_vars"], "EMPTY": ""}
     cfg.buffer.explorer_input.taskset.workflow_args = {"github_pat": "g", "db_pass": "d", "auth": "a", "turns": 3}
     cfg.stages = [StageConfig(stage_name="s", explorer={"env_vars": {"DB_PASS": "dbp-2"}})]
     out = redacted(cfg)
-    assert out["monitor"]["monitor_args"] == {"password": "***", "api_key": "***", "entity": "team",
-                                              "uri": "https://u:***@mlflow.example", "tags": ["a", "b"],
-                                              "mode": "offline", "session": "***", "extra": "***"}
+    assert out["monitor"]["monitor_args"] == {
+        "password": "***",
+        "api_key": "***",
+        "entity": "team",
+        "uri": "https://u:***@mlflow.example",
+        "tags": ["a", "b"],
+        "mode": "offline",
+        "session": "***",
+        "extra": "***",
+    }
     assert out["buffer"]["trainer_input"]["experience_buffer"]["path"] == "postgresql://rft:***@db/rft?sslmode=require"
     assert out["explorer"]["env_vars"] == {**dict.fromkeys(SECRETS["explorer.env_vars"], "***"), "EMPTY": ""}
-    assert out["buffer"]["explorer_input"]["taskset"]["workflow_args"] == {"github_pat": "***", "db_pass": "***",
-                                                                           "auth": "***", "turns": 3}
+    assert out["buffer"]["explorer_input"]["taskset"]["workflow_args"] == {
+        "github_pat": "***",
+        "db_pass": "***",
+        "auth": "***",
+        "turns": 3,
+    }
     assert out["stages"][0]["explorer"] == {"env_vars": {"DB_PASS": "***"}}
     assert out["buffer"]["trainer_input"]["experience_buffer"]["format"]["prompt_key"] == "prompt"  # a *_key: kept
     assert holds_secret(cfg) and cfg.monitor.monitor_args["password"] == "hunter2"  # the config itself unchanged
@@ -332,9 +398,16 @@ def test_launcher_run_with_mlflow_one_store_one_experiment_every_run_finished(tm
     from mlflow.tracking import MlflowClient
     from test_launch import both_config, launch
 
-    config = both_config(tmp_path, tiny_model_dir, **{
-        "monitor.monitor_type": "mlflow", "buffer.total_steps": 2, "explorer.env_vars": {"HF_TOKEN": "hf_abc"},
-        "stages": [{"stage_name": "base", "mode": "bench"}, {"stage_name": "rl"}]})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "monitor.monitor_type": "mlflow",
+            "buffer.total_steps": 2,
+            "explorer.env_vars": {"HF_TOKEN": "hf_abc"},
+            "stages": [{"stage_name": "base", "mode": "bench"}, {"stage_name": "rl"}],
+        },
+    )
     env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     out = launch(config, env=env)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -34,8 +34,16 @@ def test_it_serves_on_loopback_and_lists_its_model(server):
 
 def test_chat_completions_return_token_ids_and_the_trainers_log_probs(server, tiny_model_dir):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0)
-    out = client.chat.completions.create(model="tiny", messages=MESSAGES, n=3, temperature=0.7, max_tokens=5,
-                                         seed=1, logprobs=True, extra_body={"return_token_ids": True})
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        n=3,
+        temperature=0.7,
+        max_tokens=5,
+        seed=1,
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
     assert len(out.choices) == 3 and out.usage.completion_tokens == sum(len(c.token_ids) for c in out.choices)
     prompt = out.prompt_token_ids
     assert prompt == server.handle.tokenizer.encode(server.handle.render(MESSAGES), add_special_tokens=False)
@@ -43,8 +51,7 @@ def test_chat_completions_return_token_ids_and_the_trainers_log_probs(server, ti
     for c in out.choices:
         assert 1 <= len(c.token_ids) <= 5 and len(c.logprobs.content) == len(c.token_ids)
         got = torch.tensor([t.logprob for t in c.logprobs.content])
-        torch.testing.assert_close(got, plain_logprobs(ref, prompt + c.token_ids, len(prompt), 0.7), atol=1e-4,
-                                   rtol=0)
+        torch.testing.assert_close(got, plain_logprobs(ref, prompt + c.token_ids, len(prompt), 0.7), atol=1e-4, rtol=0)
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3)
     assert plain.choices[0].logprobs is None and not hasattr(plain, "prompt_token_ids")
 
@@ -70,12 +77,16 @@ def test_bad_requests_get_named_errors(server):
 
 def test_a_sessions_calls_become_experiences(server):
     client = server.client()
-    first = client.chat.completions.create(model="tiny", messages=MESSAGES, n=2, max_tokens=4,
-                                           extra_body={"return_token_ids": True})
-    follow = MESSAGES + [{"role": "assistant", "content": first.choices[0].message.content},
-                         {"role": "user", "content": "Sure?"}]
-    second = client.chat.completions.create(model="tiny", messages=follow, max_tokens=4,
-                                            extra_body={"return_token_ids": True})
+    first = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, n=2, max_tokens=4, extra_body={"return_token_ids": True}
+    )
+    follow = MESSAGES + [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Sure?"},
+    ]
+    second = client.chat.completions.create(
+        model="tiny", messages=follow, max_tokens=4, extra_body={"return_token_ids": True}
+    )
     other = server.client()
     other.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     exps = server.history(client)
@@ -95,8 +106,9 @@ def test_a_request_without_max_tokens_may_fill_the_context(tiny_model_dir):
         try:
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0)
             prompt = len(engine.tokenizer.encode(s.handle.render(MESSAGES), add_special_tokens=False))
-            out = client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=1.0,
-                                                 extra_body={"min_tokens": 64 - prompt})
+            out = client.chat.completions.create(
+                model="tiny", messages=MESSAGES, temperature=1.0, extra_body={"min_tokens": 64 - prompt}
+            )
             assert out.usage.completion_tokens == 64 - prompt > 16 and out.choices[0].finish_reason == "length"
         finally:
             s.stop()
@@ -109,13 +121,19 @@ def test_completions_continue_from_token_ids_and_a_session_becomes_one_episode(s
     client = server.client()
     tok = server.handle.tokenizer
     first_prompt = tok.encode(server.handle.render(MESSAGES), add_special_tokens=False)
-    first = client.completions.create(model="tiny", prompt=first_prompt, max_tokens=6, temperature=1.0, seed=3,
-                                      extra_body={"return_token_ids": True})
+    first = client.completions.create(
+        model="tiny", prompt=first_prompt, max_tokens=6, temperature=1.0, seed=3, extra_body={"return_token_ids": True}
+    )
     reply = first.choices[0].token_ids
     assert first.prompt_token_ids == first_prompt and len(reply) >= 1
     gap = tok.encode("\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    second = client.completions.create(model="tiny", prompt=first_prompt + reply + gap, max_tokens=6, temperature=1.0,
-                                       extra_body={"return_token_ids": True})
+    second = client.completions.create(
+        model="tiny",
+        prompt=first_prompt + reply + gap,
+        max_tokens=6,
+        temperature=1.0,
+        extra_body={"return_token_ids": True},
+    )
     cut = second.choices[0].finish_reason == "length"
     exp = server.episode(client, mask_truncated=False)
     want = first_prompt + reply + gap + second.choices[0].token_ids
@@ -138,12 +156,18 @@ def test_a_sessions_episode_is_built_as_an_episodes(server):
     """episode() and workflows.episode.Episode share one builder: a last reply cut at its max_tokens leaves the
     experience no action tokens by default (mask_truncated, DAPO's overlong filtering) and counts in the metrics;
     calls at two temperatures are MixedTemperatures, as an Episode's turns are."""
+
     def session(temperatures):
         client, tok = server.client(), server.handle.tokenizer
         prompt = tok.encode(server.handle.render(MESSAGES), add_special_tokens=False)
         for t in temperatures:  # min_tokens = max_tokens: every reply is cut at its max_tokens
-            out = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=t,
-                                            extra_body={"return_token_ids": True, "min_tokens": 3})
+            out = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=3,
+                temperature=t,
+                extra_body={"return_token_ids": True, "min_tokens": 3},
+            )
             assert out.choices[0].finish_reason == "length"
             prompt = prompt + out.choices[0].token_ids + tok.encode("?", add_special_tokens=False)
         return client
@@ -168,8 +192,12 @@ def test_history_ends_the_session_and_bad_messages_get_a_400(server):
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
     call = [{"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}]
     with pytest.raises(openai.BadRequestError, match="the chat template cannot render these messages: TypeError"):
-        server.client().chat.completions.create(model="tiny", max_tokens=2, messages=MESSAGES + [
-            {"role": "assistant", "content": None, "tool_calls": call}, {"role": "tool", "content": "5"}])
+        server.client().chat.completions.create(
+            model="tiny",
+            max_tokens=2,
+            messages=MESSAGES
+            + [{"role": "assistant", "content": None, "tool_calls": call}, {"role": "tool", "content": "5"}],
+        )
 
 
 def test_an_ipv6_host_gets_a_url_with_brackets(tiny_model_dir):
@@ -178,8 +206,7 @@ def test_an_ipv6_host_gets_a_url_with_brackets(tiny_model_dir):
     except OSError as e:
         pytest.skip(f"this machine has no IPv6 loopback: {e}")
     with HFEngine(tiny_model_dir) as engine:
-        s = OpenAIServer(ModelHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64), "tiny",
-                         host="::1")
+        s = OpenAIServer(ModelHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64), "tiny", host="::1")
         try:
             assert s.start().startswith("http://[::1]:")
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0)
@@ -212,9 +239,15 @@ def test_a_workflow_on_the_openai_client_trains_through_the_explorer(tmp_path, t
     from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
 
     (tmp_path / "api_flow.py").write_text(API_WORKFLOW)
-    config = both_config(tmp_path, tiny_model_dir, **{
-        "buffer.default_workflow_type": f"{tmp_path / 'api_flow.py'}:ApiWorkflow", "trainer.save_interval": 2,
-        "explorer.rollout_model": {"engine_type": "hf", "enable_openai_api": True, "enable_history": True}})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.default_workflow_type": f"{tmp_path / 'api_flow.py'}:ApiWorkflow",
+            "trainer.save_interval": 2,
+            "explorer.rollout_model": {"engine_type": "hf", "enable_openai_api": True, "enable_history": True},
+        },
+    )
     out = launch(config)
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -252,8 +285,12 @@ def test_a_hundred_concurrent_requests_are_all_in_flight_at_once(server, monkeyp
     monkeypatch.setattr(server.handle, "submit", held)
     client = openai_client(server, timeout=120)
     with concurrent.futures.ThreadPoolExecutor(100) as pool:
-        replies = list(pool.map(lambda i: client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2,
-                                                                        seed=i), range(100)))
+        replies = list(
+            pool.map(
+                lambda i: client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, seed=i),
+                range(100),
+            )
+        )
     assert gate.is_set() and len(arrived) == 100 and all(r.choices[0].message.content is not None for r in replies)
 
 
@@ -276,24 +313,31 @@ def test_a_body_or_prompt_too_big_is_refused_before_it_is_read_or_tokenised(serv
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"n": 200000}, "n = 200000: between 1 and 128"),
-    ({"temperature": 1e-300}, "temperature = 1e-300"), ({"temperature": 0.001}, "temperature = 0.001"),
-    ({"top_p": 0}, r"top_p = 0.0: in \(0, 1\]"), ({"extra_body": {"top_k": 2**40}}, "top_k = 1099511627776"),
-    ({"max_tokens": 0}, r"max_tokens = 0: an integer in \[1, 2\*\*31\)"),
-    ({"extra_body": {"min_tokens": 2**63}}, "min_tokens = 9223372036854775808"),
-    ({"extra_body": {"min_tokens": -1}}, "min_tokens = -1"),
-    ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens = 5 is more than max_tokens"),
-    ({"seed": 2**70}, "seed = 1180591620717411303424"), ({"stop": [""]}, "stop: at most 16 strings of 1 to"),
-    ({"stop": ["a"] * 17}, "stop: at most 16 strings"),
-    ({"frequency_penalty": 0.5}, "frequency_penalty = 0.5 is not supported: penalties"),
-    ({"presence_penalty": -1}, "presence_penalty = -1 is not supported"),
-    ({"logit_bias": {"5": 100}}, "logit_bias = .* is not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format = .* is not supported: no guided decoding"),
-    ({"tool_choice": "required"}, "tool_choice = 'required' is not supported"),
-    ({"extra_body": {"repetition_penalty": 1.3}}, "repetition_penalty = 1.3 is not supported"),
-    ({"extra_body": {"guided_json": {}}}, "unsupported field 'guided_json'"),
-    ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, r"chat_template_kwargs: \['tokenize'\]")])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"n": 200000}, "n = 200000: between 1 and 128"),
+        ({"temperature": 1e-300}, "temperature = 1e-300"),
+        ({"temperature": 0.001}, "temperature = 0.001"),
+        ({"top_p": 0}, r"top_p = 0.0: in \(0, 1\]"),
+        ({"extra_body": {"top_k": 2**40}}, "top_k = 1099511627776"),
+        ({"max_tokens": 0}, r"max_tokens = 0: an integer in \[1, 2\*\*31\)"),
+        ({"extra_body": {"min_tokens": 2**63}}, "min_tokens = 9223372036854775808"),
+        ({"extra_body": {"min_tokens": -1}}, "min_tokens = -1"),
+        ({"max_tokens": 4, "extra_body": {"min_tokens": 5}}, "min_tokens = 5 is more than max_tokens"),
+        ({"seed": 2**70}, "seed = 1180591620717411303424"),
+        ({"stop": [""]}, "stop: at most 16 strings of 1 to"),
+        ({"stop": ["a"] * 17}, "stop: at most 16 strings"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty = 0.5 is not supported: penalties"),
+        ({"presence_penalty": -1}, "presence_penalty = -1 is not supported"),
+        ({"logit_bias": {"5": 100}}, "logit_bias = .* is not supported"),
+        ({"response_format": {"type": "json_object"}}, "response_format = .* is not supported: no guided decoding"),
+        ({"tool_choice": "required"}, "tool_choice = 'required' is not supported"),
+        ({"extra_body": {"repetition_penalty": 1.3}}, "repetition_penalty = 1.3 is not supported"),
+        ({"extra_body": {"guided_json": {}}}, "unsupported field 'guided_json'"),
+        ({"extra_body": {"chat_template_kwargs": {"tokenize": True}}}, r"chat_template_kwargs: \['tokenize'\]"),
+    ],
+)
 def test_every_sampling_field_is_range_checked_and_unsupported_fields_are_named(server, fields, message):
     with pytest.raises(openai.BadRequestError, match=message):
         openai_client(server).chat.completions.create(model="tiny", messages=MESSAGES, **fields)
@@ -305,15 +349,23 @@ def test_non_finite_numbers_are_refused(server, field, value):
     log-probs)."""
     import httpx
 
-    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "%s": %s}' % (field, value)
+    body = f'{{"model": "tiny", "messages": [{{"role": "user", "content": "hi"}}], "{field}": {value}}}'
     r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith(f"{field} = "), r.text
 
 
 def test_defaults_of_unsupported_fields_and_identifiers_are_accepted(server):
     out = openai_client(server).chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=2, frequency_penalty=0, presence_penalty=0.0, user="u1",
-        metadata={"k": "v"}, response_format={"type": "text"}, extra_body={"repetition_penalty": 1.0})
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=2,
+        frequency_penalty=0,
+        presence_penalty=0.0,
+        user="u1",
+        metadata={"k": "v"},
+        response_format={"type": "text"},
+        extra_body={"repetition_penalty": 1.0},
+    )
     assert len(out.choices) == 1
 
 
@@ -327,8 +379,11 @@ def test_a_request_that_would_break_a_shared_batch_fails_alone(server):
     def ask(i):
         extra = {"min_tokens": 2**63} if i == 4 else {}
         try:
-            return client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, seed=i,
-                                                  extra_body=extra).choices[0].finish_reason
+            return (
+                client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=3, seed=i, extra_body=extra)
+                .choices[0]
+                .finish_reason
+            )
         except openai.BadRequestError as e:
             return f"400: {e.message}"
 
@@ -348,8 +403,12 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
         s.start()
         try:
             client = openai_client(s)
-            plain, greeted = [client.chat.completions.create(model="tiny", messages=MESSAGES, extra_body={
-                "return_token_ids": True, **extra}) for extra in ({}, {"chat_template_kwargs": {"greet": True}})]
+            plain, greeted = [
+                client.chat.completions.create(
+                    model="tiny", messages=MESSAGES, extra_body={"return_token_ids": True, **extra}
+                )
+                for extra in ({}, {"chat_template_kwargs": {"greet": True}})
+            ]
             assert greeted.prompt_token_ids == tok.encode("hello ", add_special_tokens=False) + plain.prompt_token_ids
         finally:
             s.stop()
@@ -373,19 +432,34 @@ class ScriptedEngine:
         return future
 
 
-CALC = {"type": "function", "function": {"name": "calculate", "description": "Evaluates + - * /",
-                                         "parameters": {"type": "object", "properties": {"expression": {
-                                             "type": "string"}}, "required": ["expression"]}}}
+CALC = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluates + - * /",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
-@pytest.mark.parametrize("text,calls,content", [
-    ('Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
-     [("calculate", {"expression": "2 + 3"})], "Let me compute."),
-    ('<tool_call>{"name": "calculate", "arguments": {"expression": "1"}}</tool_call>'
-     '<tool_call>{"name": "calculate", "arguments": {"expression": "2"}}</tool_call>',
-     [("calculate", {"expression": "1"}), ("calculate", {"expression": "2"})], None),
-    ("<tool_call>" + "[" * 100_000 + "</tool_call>", [], None),  # malformed: the reply stays text
-    ("The answer is 5.", [], None)])
+@pytest.mark.parametrize(
+    "text,calls,content",
+    [
+        (
+            'Let me compute.\n<tool_call>\n{"name": "calculate", "arguments": {"expression": "2 + 3"}}\n</tool_call>',
+            [("calculate", {"expression": "2 + 3"})],
+            "Let me compute.",
+        ),
+        (
+            '<tool_call>{"name": "calculate", "arguments": {"expression": "1"}}</tool_call>'
+            '<tool_call>{"name": "calculate", "arguments": {"expression": "2"}}</tool_call>',
+            [("calculate", {"expression": "1"}), ("calculate", {"expression": "2"})],
+            None,
+        ),
+        ("<tool_call>" + "[" * 100_000 + "</tool_call>", [], None),  # malformed: the reply stays text
+        ("The answer is 5.", [], None),
+    ],
+)
 def test_tools_give_openai_tool_calls_from_the_projects_parser(tiny_model_dir, text, calls, content):
     import json
 
@@ -410,8 +484,10 @@ def test_tools_give_openai_tool_calls_from_the_projects_parser(tiny_model_dir, t
         plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=[CALC], tool_choice="none")
         assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content == text
         # the call goes back as the client sends it (arguments a JSON string) and renders (the template gets a dict)
-        back = MESSAGES + [{"role": "assistant", "content": "", "tool_calls": [
-            c.model_dump() for c in choice.message.tool_calls]}, {"role": "tool", "content": "5"}]
+        back = MESSAGES + [
+            {"role": "assistant", "content": "", "tool_calls": [c.model_dump() for c in choice.message.tool_calls]},
+            {"role": "tool", "content": "5"},
+        ]
         assert client.chat.completions.create(model="tiny", messages=back, tools=[CALC]).choices
     finally:
         s.stop()
@@ -458,9 +534,22 @@ def test_a_failed_workflows_sessions_are_freed(server, monkeypatch):
     handle = ModelHandle(server.handle.engine, server.handle.tokenizer, max_model_len=256)
     handle.api = server
     before = set(server.sessions)
-    task = Task(taskset="t", index=0, epoch=0, raw={}, prompt="x", messages=None, reference=None, tools=None,
-                workflow="crashes", reward_fn="", workflow_args={}, reward_fn_args={}, rollout_args=GenerationConfig(),
-                repeat_times=1)
+    task = Task(
+        taskset="t",
+        index=0,
+        epoch=0,
+        raw={},
+        prompt="x",
+        messages=None,
+        reference=None,
+        tools=None,
+        workflow="crashes",
+        reward_fn="",
+        workflow_args={},
+        reward_fn_args={},
+        rollout_args=GenerationConfig(),
+        repeat_times=1,
+    )
     exps, error = explore.run_task(task, handle, timeout=60, retries=1)
     assert exps is None and "the workflow's own bug" in error
     assert set(server.sessions) == before and set(server.owners) <= before

@@ -12,22 +12,34 @@ import types
 from pathlib import Path
 
 import pytest
+from test_launch import both_config
 
 from configs import cli, resolve_stages
 from configs.checks import ConfigError
 from configs.preflight import VLLM_SUPPORTED, preflight, vllm_problem
 from conftest import ROOT
-from test_launch import both_config
 
-NO_VLLM = "import sys; sys.modules['vllm'] = None; sys.path.insert(0, sys.argv.pop(1)); import {0}; sys.exit({0}.main(sys.argv[1:]))"
+NO_VLLM = (
+    "import sys; sys.modules['vllm'] = None; sys.path.insert(0, sys.argv.pop(1)); import {0}; "
+    "sys.exit({0}.main(sys.argv[1:]))"
+)
 
 
 def run(script: str, config: Path, cwd: Path, env: dict | None = None, hide_vllm: bool = False):
     """`python <script>.py --config <config>` from `cwd`; with hide_vllm, `import vllm` fails in it."""
-    cmd = [sys.executable, "-c", NO_VLLM.format(script), str(ROOT)] if hide_vllm else [sys.executable,
-                                                                                         str(ROOT / f"{script}.py")]
-    return subprocess.run([*cmd, "--config", str(config)], cwd=cwd, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    cmd = (
+        [sys.executable, "-c", NO_VLLM.format(script), str(ROOT)]
+        if hide_vllm
+        else [sys.executable, str(ROOT / f"{script}.py")]
+    )
+    return subprocess.run(
+        [*cmd, "--config", str(config)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_the_gpu_example_on_a_cpu_machine_without_vllm_starts_nothing(tmp_path):
@@ -39,8 +51,10 @@ def test_the_gpu_example_on_a_cpu_machine_without_vllm_starts_nothing(tmp_path):
     assert time.monotonic() - start < 60 and not (tmp_path / "checkpoints").exists()
     assert "config error: this machine cannot run the config:" in out.stderr
     assert "cluster.gpu_per_node = 2, but this machine has 0 GPU(s)" in out.stderr
-    assert ("explorer.rollout_model.engine_type = 'vllm': vLLM is not installed in this environment; `bash run.sh "
-            "vllm` installs it") in out.stderr
+    assert (
+        "explorer.rollout_model.engine_type = 'vllm': vLLM is not installed in this environment; `bash run.sh "
+        "vllm` installs it"
+    ) in out.stderr
 
 
 @pytest.mark.parametrize("script", ["launch", "explore"])
@@ -50,12 +64,20 @@ def test_a_vllm_of_another_version_is_refused_by_name(tmp_path, tiny_model_dir, 
     stale = tmp_path / "stale" / "vllm"
     stale.mkdir(parents=True)
     (stale / "__init__.py").write_text('__version__ = "0.31.2"\n')
-    config = both_config(tmp_path, tiny_model_dir, **{"explorer.rollout_model": {"engine_type": "vllm_async"},
-                                                      "mode": "explore" if script == "explore" else "both"})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "explorer.rollout_model": {"engine_type": "vllm_async"},
+            "mode": "explore" if script == "explore" else "both",
+        },
+    )
     out = run(script, config, tmp_path, env={"PYTHONPATH": str(stale.parent)})
     assert out.returncode == 2, out.stderr[-2000:]
-    assert ("explorer.rollout_model.engine_type = 'vllm_async': vLLM 0.31.2 is installed, but nanorft's vLLM engines "
-            "are tested on 0.32 up to (not including) 0.34") in out.stderr
+    assert (
+        "explorer.rollout_model.engine_type = 'vllm_async': vLLM 0.31.2 is installed, but nanorft's vLLM engines "
+        "are tested on 0.32 up to (not including) 0.34"
+    ) in out.stderr
     assert not (tmp_path / "ck").exists()
 
 
@@ -63,22 +85,32 @@ def test_options_that_need_cuda_are_refused_on_a_machine_without_it(tmp_path, ti
     """Without GPUs: FSDP2's CPU offload (nothing to offload) and a tensor-parallel vLLM engine (vLLM's CPU backend
     splits it over NUMA nodes) are refused, every one named in one error; an auxiliary model's engine is checked too."""
     monkeypatch.setattr("configs.preflight.vllm_problem", lambda: None)  # whatever vLLM is here
-    config = both_config(tmp_path, tiny_model_dir, **{
-        "trainer.param_offload": True, "trainer.optimizer_offload": True,
-        "explorer.rollout_model": {"engine_type": "vllm", "tensor_parallel_size": 2},
-        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "vllm", "tensor_parallel_size": 2}]})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "trainer.param_offload": True,
+            "trainer.optimizer_offload": True,
+            "explorer.rollout_model": {"engine_type": "vllm", "tensor_parallel_size": 2},
+            "explorer.auxiliary_models": [
+                {"model_path": tiny_model_dir, "engine_type": "vllm", "tensor_parallel_size": 2}
+            ],
+        },
+    )
     stages = resolve_stages(cli(["--config", str(config)])[0])
     with pytest.raises(ConfigError) as info:
         preflight(stages)
     lines = str(info.value).splitlines()[1:]
     assert [line.split(" = ")[0].strip() for line in lines] == [
-        "explorer.rollout_model.tensor_parallel_size", "explorer.auxiliary_models[0].tensor_parallel_size",
-        "trainer.param_offload", "trainer.optimizer_offload"]
+        "explorer.rollout_model.tensor_parallel_size",
+        "explorer.auxiliary_models[0].tensor_parallel_size",
+        "trainer.param_offload",
+        "trainer.optimizer_offload",
+    ]
     assert "without GPUs everything is on the host already: set it false" in lines[2]
 
 
-def test_a_config_this_machine_can_run_passes_and_the_launchers_children_skip_it(tmp_path, tiny_model_dir,
-                                                                                monkeypatch):
+def test_a_config_this_machine_can_run_passes_and_the_launchers_children_skip_it(tmp_path, tiny_model_dir, monkeypatch):
     """The embedded default's kind of config passes; a launched child (NANORFT_LAUNCHED) does not check again: it
     sees only its share of the GPUs, the launcher checked the machine."""
     from configs import entry
@@ -123,20 +155,24 @@ def damaged_model(tmp_path: Path, tiny_model_dir: str, case: str) -> tuple[str, 
         (folder / "model.safetensors").unlink()
         return str(folder), f"{folder} holds no weights (model.safetensors, pytorch_model.bin or their sharded form"
     (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")  # "a shard missing"
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
-        "a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
-    return str(folder), (f"{folder}: shard files named in model.safetensors.index.json are missing: "
-                         "model-00002-of-00002.safetensors")
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}})
+    )
+    return str(folder), (
+        f"{folder}: shard files named in model.safetensors.index.json are missing: model-00002-of-00002.safetensors"
+    )
 
 
-@pytest.mark.parametrize("case", ["missing folder", "a file", "no config.json", "config.json not JSON", "no weights",
-                                  "a shard missing"])
+@pytest.mark.parametrize(
+    "case", ["missing folder", "a file", "no config.json", "config.json not JSON", "no weights", "a shard missing"]
+)
 def test_a_missing_or_damaged_model_folder_is_refused_before_anything_starts(tmp_path, tiny_model_dir, case):
     """model.model_path is checked with the config, not by transformers after the processes start (which took a
     missing folder for a malformed hub id: 176 lines of traceback ending in "Repo id must be in the form ...")."""
     path, says = damaged_model(tmp_path, tiny_model_dir, case)
-    (stage,) = resolve_stages(cli(["--config", str(both_config(tmp_path, tiny_model_dir)), "--model.model_path",
-                                   path])[0])
+    (stage,) = resolve_stages(
+        cli(["--config", str(both_config(tmp_path, tiny_model_dir)), "--model.model_path", path])[0]
+    )
     with pytest.raises(ConfigError) as info:
         preflight([stage])
     assert str(info.value).startswith("this machine cannot run the config:\n  model.model_path = ")
@@ -150,7 +186,8 @@ def test_the_launcher_names_a_missing_model_folder_in_one_line_and_starts_nothin
     assert out.stderr.strip() == (
         f"config error: this machine cannot run the config:\n  model.model_path = '{tmp_path / 'gone' / 'tiny-qwen2'}'"
         f": {tmp_path / 'gone' / 'tiny-qwen2'} does not exist; fix model.model_path (`python tiny.py` builds the "
-        "embedded default's)")
+        "embedded default's)"
+    )
     assert not (tmp_path / "ck").exists()
 
 
@@ -173,14 +210,19 @@ def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(t
     assert model_problem("org/cached") is None
     assert model_problem("org/uncached") == (
         f"'org/uncached' is neither a folder here (from {tmp_path}) nor a model in the local HF cache "
-        f"({tmp_path / 'hub'}), and HF_HUB_OFFLINE forbids downloading it")
+        f"({tmp_path / 'hub'}), and HF_HUB_OFFLINE forbids downloading it"
+    )
     (tmp_path / "org").mkdir()  # now a local path: its folder must be there
     assert model_problem("org/cached") == f"{tmp_path / 'org' / 'cached'} does not exist"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert model_problem("other/uncached") is None
     stage = types.SimpleNamespace
-    stages = [stage(name="r/sft", mode="train", model=stage(model_path="org/gone")),
-              stage(name="r/rft", mode="both", model=stage(model_path="org/gone/too"))]
+    stages = [
+        stage(name="r/sft", mode="train", model=stage(model_path="org/gone")),
+        stage(name="r/rft", mode="both", model=stage(model_path="org/gone/too")),
+    ]
     assert [name for _, name in model_problems(stages)] == ["r/sft"]
-    assert [name for _, name in model_problems([stage(name="r/eval", mode="bench", model=stage(model_path="x/y/z")),
-                                                *stages])] == ["r/eval", "r/sft"]
+    assert [
+        name
+        for _, name in model_problems([stage(name="r/eval", mode="bench", model=stage(model_path="x/y/z")), *stages])
+    ] == ["r/eval", "r/sft"]

@@ -15,6 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from test_launch import both_config, launch
 from transformers import AutoModelForTokenClassification
 
 import train
@@ -24,7 +25,6 @@ from configs import cli, derive
 from conftest import ROOT, write_yaml
 from models import load_tokenizer, sft_experience
 from monitor import read_history
-from test_launch import both_config, launch
 
 RL_PRESETS = [name for name, p in PRESETS.items() if not p.train_only]
 
@@ -41,23 +41,41 @@ def finite(rows: list[dict]) -> None:
 
 def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.CompletedProcess:
     data = Path(tiny_model_dir).parent / "arith"
-    over = {"algorithm.algorithm_type": preset, "algorithm.repeat_times": 1 if preset == "ppo" else 2,
-            "buffer.total_steps": 2, "buffer.batch_size": 3 if preset == "ppo" else 2, "explorer.eval_interval": 100}
+    over = {
+        "algorithm.algorithm_type": preset,
+        "algorithm.repeat_times": 1 if preset == "ppo" else 2,
+        "buffer.total_steps": 2,
+        "buffer.batch_size": 3 if preset == "ppo" else 2,
+        "explorer.eval_interval": 100,
+    }
     if preset == "ppo":
         over["trainer.critic_warmup"] = 1  # step 1 trains the critic alone, step 2 both
     if preset == "grpo":  # with the adaptive KL coefficient
         over["algorithm.kl_loss_fn_args"] = {"kl_coef": 0.01, "adaptive": True, "target_kl": 0.001, "horizon": 100}
     if preset == "mix":
-        over["buffer.trainer_input.auxiliary_buffers"] = {"sft_dataset": {
-            "storage_type": "file", "path": str(data / "sft.jsonl"), "format": {"prompt_type": "messages"}}}
+        over["buffer.trainer_input.auxiliary_buffers"] = {
+            "sft_dataset": {
+                "storage_type": "file",
+                "path": str(data / "sft.jsonl"),
+                "format": {"prompt_type": "messages"},
+            }
+        }
         over["algorithm.sample_strategy_args"] = {"expert_data_ratio": 0.5}
     if preset == "multi_step_grpo":  # tool_workflow, one experience per turn
-        tools = {"name": "arith_tools", "path": str(data.parent / "arith_tools"), "split": "train",
-                 "format": {"prompt_key": "question", "response_key": "answer"},
-                 # the untrained model's turns run to max_tokens: keep their actions (not masked as truncated)
-                 "workflow_args": {"step_wise": True, "max_turns": 2, "mask_truncated": False}}
-        over |= {"buffer.default_workflow_type": "tool_workflow", "model.max_model_len": 200,
-                 "buffer.explorer_input.taskset": tools, "buffer.explorer_input.eval_tasksets": []}
+        tools = {
+            "name": "arith_tools",
+            "path": str(data.parent / "arith_tools"),
+            "split": "train",
+            "format": {"prompt_key": "question", "response_key": "answer"},
+            # the untrained model's turns run to max_tokens: keep their actions (not masked as truncated)
+            "workflow_args": {"step_wise": True, "max_turns": 2, "mask_truncated": False},
+        }
+        over |= {
+            "buffer.default_workflow_type": "tool_workflow",
+            "model.max_model_len": 200,
+            "buffer.explorer_input.taskset": tools,
+            "buffer.explorer_input.eval_tasksets": [],
+        }
     return launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
 
 
@@ -78,7 +96,9 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
     rows = history(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     finite(rows)
-    loss_key = {"mix": "actor/usual/pg_loss", "opmd": "actor/opmd_loss", "asymre": "actor/opmd_loss"}.get(preset, "actor/pg_loss")
+    loss_key = {"mix": "actor/usual/pg_loss", "opmd": "actor/opmd_loss", "asymre": "actor/opmd_loss"}.get(
+        preset, "actor/pg_loss"
+    )
     assert loss_key in rows[1], sorted(rows[1])
     # the actor took a step, unless every group's rewards tied (presets without an entropy bonus, e.g. sppo)
     assert rows[1]["actor/grad_norm"] > 0 or rows[1]["critic/advantages/max"] == rows[1]["critic/advantages/min"] == 0
@@ -99,12 +119,19 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
 
 def offline_config(tmp_path: Path, tiny_model_dir: str, algorithm: str, path: Path, fmt: dict, **over) -> Path:
     cfg = {
-        "project": "p", "name": "run", "mode": "train", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "project": "p",
+        "name": "run",
+        "mode": "train",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
         "algorithm": {"algorithm_type": algorithm, "optimizer": {"lr": 1e-3}},
         "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 64},
-        "buffer": {"train_batch_size": 8, "total_steps": 3,
-                   "trainer_input": {"experience_buffer": {"name": "data", "storage_type": "file", "path": str(path),
-                                                           "format": fmt}}},
+        "buffer": {
+            "train_batch_size": 8,
+            "total_steps": 3,
+            "trainer_input": {
+                "experience_buffer": {"name": "data", "storage_type": "file", "path": str(path), "format": fmt}
+            },
+        },
         "trainer": {"save_interval": 0},
         "monitor": {"monitor_type": "none"},
     }
@@ -117,13 +144,27 @@ def sft_files(tmp_path: Path, data: Path) -> dict[str, tuple[Path, dict]]:
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({"q": r["question"], "a": r["answer"]}) + "\n" for r in rows))
     multi = tmp_path / "multi.jsonl"
-    multi.write_text("".join(json.dumps({"messages": [
-        {"role": "user", "content": a["question"]}, {"role": "assistant", "content": a["answer"]},
-        {"role": "user", "content": b["question"]}, {"role": "assistant", "content": b["answer"]}]}) + "\n"
-        for a, b in zip(rows[::2], rows[1::2])))
-    return {"messages": (data / "sft.jsonl", {"prompt_type": "messages"}),
-            "plaintext": (plain, {"prompt_type": "plaintext", "prompt_key": "q", "response_key": "a"}),
-            "multi_turn": (multi, {"prompt_type": "messages", "enable_concatenated_multi_turn": True})}
+    multi.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": a["question"]},
+                        {"role": "assistant", "content": a["answer"]},
+                        {"role": "user", "content": b["question"]},
+                        {"role": "assistant", "content": b["answer"]},
+                    ]
+                }
+            )
+            + "\n"
+            for a, b in zip(rows[::2], rows[1::2])
+        )
+    )
+    return {
+        "messages": (data / "sft.jsonl", {"prompt_type": "messages"}),
+        "plaintext": (plain, {"prompt_type": "plaintext", "prompt_key": "q", "response_key": "a"}),
+        "multi_turn": (multi, {"prompt_type": "messages", "enable_concatenated_multi_turn": True}),
+    }
 
 
 @pytest.mark.parametrize("layout", ["messages", "plaintext", "multi_turn"])
@@ -139,21 +180,31 @@ def test_sft_train_mode_on_each_data_layout(layout, tmp_path, tiny_model_dir):
 
 def test_sft_multi_turn_masks_every_assistant_turn(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
-    msgs = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
-            {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    msgs = [
+        {"role": "user", "content": "1+1?"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
     last = sft_experience(msgs, tok, 256)
     both = sft_experience(msgs, tok, 256, multi_turn=True)
     assert torch.equal(last.tokens, both.tokens)  # the same rendered conversation
-    decode = lambda x: tok.decode(x.tokens[x.prompt_length:][x.action_mask])  # noqa: E731
+    decode = lambda x: tok.decode(x.tokens[x.prompt_length :][x.action_mask])  # noqa: E731
     assert decode(last) == "4<|im_end|>"
     assert decode(both) == "2<|im_end|>4<|im_end|>"  # the user turn between them is not trained on
-    assert "2+2?" in tok.decode(both.tokens[both.prompt_length:][~both.action_mask])
+    assert "2+2?" in tok.decode(both.tokens[both.prompt_length :][~both.action_mask])
 
 
 def test_dpo_train_mode_learns_the_preference(tmp_path, tiny_model_dir):
     data = Path(tiny_model_dir).parent / "arith"
-    config = offline_config(tmp_path, tiny_model_dir, "dpo", data / "dpo.jsonl", {"prompt_key": "prompt"},
-                            **{"buffer.total_steps": 6, "algorithm.policy_loss_fn_args": {"beta": 0.5}})
+    config = offline_config(
+        tmp_path,
+        tiny_model_dir,
+        "dpo",
+        data / "dpo.jsonl",
+        {"prompt_key": "prompt"},
+        **{"buffer.total_steps": 6, "algorithm.policy_loss_fn_args": {"beta": 0.5}},
+    )
     out = launch(config, script="train.py")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "reference model: True" in out.stderr
@@ -194,18 +245,34 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
 def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path, tiny_model_dir):
     """The README's "Add your own loss": one new file in algos/, one registry line, then the YAML names it."""
     repo = tmp_path / "repo"
-    shutil.copytree(ROOT, repo, ignore=shutil.ignore_patterns(".git", ".venv", "checkpoints", "assets", "__pycache__",
-                                                              "tests", "docs", "*.png"))
+    shutil.copytree(
+        ROOT,
+        repo,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "checkpoints", "assets", "__pycache__", "tests", "docs", "*.png"
+        ),
+    )
     (repo / "algos" / "my_pg.py").write_text(MY_LOSS)
     init = repo / "algos" / "__init__.py"
     text = init.read_text().replace("from algos import (", "from algos import (my_pg, ", 1)
-    text = text.replace('POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {\n',
-                        'POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {\n    "my_pg": (my_pg.compute, my_pg.Config),\n', 1)
+    text = text.replace(
+        "POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {\n",
+        'POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {\n    "my_pg": (my_pg.compute, my_pg.Config),\n',
+        1,
+    )
     init.write_text(text)
-    config = both_config(tmp_path, tiny_model_dir, **{"algorithm.policy_loss_fn": "my_pg", "buffer.total_steps": 2,
-                                                       "algorithm.policy_loss_fn_args": {"scale": 2.0}})
-    out = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=repo, capture_output=True,
-                         text=True, timeout=400)
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "algorithm.policy_loss_fn": "my_pg",
+            "buffer.total_steps": 2,
+            "algorithm.policy_loss_fn_args": {"scale": 2.0},
+        },
+    )
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", str(config)], cwd=repo, capture_output=True, text=True, timeout=400
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "grpo + my_pg" in out.stderr
     rows = history(tmp_path)
@@ -215,9 +282,15 @@ def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path,
 
 def test_ppo_resumes_with_its_critic(tmp_path, tiny_model_dir):
     """A PPO run stopped after step 2 continues at step 3 with the critic's weights and optimizer state."""
-    over = {"algorithm.algorithm_type": "ppo", "algorithm.repeat_times": 1, "buffer.batch_size": 3,
-            "buffer.total_steps": 2, "explorer.eval_interval": 100, "trainer.save_interval": 1,
-            "continue_from_checkpoint": True}
+    over = {
+        "algorithm.algorithm_type": "ppo",
+        "algorithm.repeat_times": 1,
+        "buffer.batch_size": 3,
+        "buffer.total_steps": 2,
+        "explorer.eval_interval": 100,
+        "trainer.save_interval": 1,
+        "continue_from_checkpoint": True,
+    }
     out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "run"
@@ -238,13 +311,21 @@ def test_ppo_resumes_with_its_critic(tmp_path, tiny_model_dir):
 def test_dynamic_sampling_drops_tied_groups_and_refills(tmp_path, tiny_model_dir):
     """sample_strategy dynamic_sampling (DAPO): a claimed group whose rewards all tie is dropped and
     replaced by the next group already in the DB; with nothing to refill from, the batch shrinks."""
-    config = both_config(tmp_path, tiny_model_dir, **{"mode": "train", "algorithm.sample_strategy": "dynamic_sampling",
-                                                       "buffer.train_batch_size": 4})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{"mode": "train", "algorithm.sample_strategy": "dynamic_sampling", "buffer.train_batch_size": 4},
+    )
     cfg = derive(cli(["--config", str(config)])[0])
     db = ExperienceDB(cfg.buffer.trainer_input.experience_buffer.path)
     rewards = {"a": [1.0, 1.0], "b": [0.0, 1.0], "c": [1.0, 0.0], "d": [0.0, 0.0], "e": [1.0, 0.0]}  # a, d tie
-    db.write([Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=r, group_id=g, run_id=k)
-              for g, rs in rewards.items() for k, r in enumerate(rs)])
+    db.write(
+        [
+            Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=r, group_id=g, run_id=k)
+            for g, rs in rewards.items()
+            for k, r in enumerate(rs)
+        ]
+    )
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         source = train.Source(cfg, load_tokenizer(tiny_model_dir), 0, torch.device("cpu"))
@@ -262,27 +343,53 @@ def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
 
     tok = load_tokenizer(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
-    exps = [Experience(tokens=torch.randint(3, tok.vocab_size - 10, (n,), generator=g), prompt_length=p, reward=r,
-                       group_id=f"g{i}") for i, (n, p, r) in enumerate([(20, 8, 1.0), (14, 6, 0.0), (30, 9, 0.5), (12, 4, 1.0),
-                                                                        (25, 10, 0.0), (18, 7, 0.2), (22, 5, 1.0), (16, 8, 0.0)])]
+    exps = [
+        Experience(
+            tokens=torch.randint(3, tok.vocab_size - 10, (n,), generator=g), prompt_length=p, reward=r, group_id=f"g{i}"
+        )
+        for i, (n, p, r) in enumerate(
+            [
+                (20, 8, 1.0),
+                (14, 6, 0.0),
+                (30, 9, 0.5),
+                (12, 4, 1.0),
+                (25, 10, 0.0),
+                (18, 7, 0.2),
+                (22, 5, 1.0),
+                (16, 8, 0.0),
+            ]
+        )
+    ]
     final = {}
     for ranks in (0, 2):
         run = tmp_path / f"ranks{ranks}"
         db = run / "exp.db"
         db.parent.mkdir(parents=True)
         ExperienceDB(f"sqlite:///{db}").write(exps)
-        cfg = {"project": "p", "name": "t", "mode": "train", "checkpoint_root_dir": str(run / "ck"),
-               "algorithm": {"algorithm_type": "ppo", "optimizer": {"lr": 1e-3}},
-               "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 32, "max_response_tokens": 32},
-               "buffer": {"train_batch_size": 8, "total_steps": 1,
-                          "trainer_input": {"experience_buffer": {"name": "exp", "path": f"sqlite:///{db}",
-                                                                  "max_read_timeout": 10}}},
-               "trainer": {"critic": {"lr": 1e-3}}, "monitor": {"monitor_type": "none"}}
+        cfg = {
+            "project": "p",
+            "name": "t",
+            "mode": "train",
+            "checkpoint_root_dir": str(run / "ck"),
+            "algorithm": {"algorithm_type": "ppo", "optimizer": {"lr": 1e-3}},
+            "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 32, "max_response_tokens": 32},
+            "buffer": {
+                "train_batch_size": 8,
+                "total_steps": 1,
+                "trainer_input": {
+                    "experience_buffer": {"name": "exp", "path": f"sqlite:///{db}", "max_read_timeout": 10}
+                },
+            },
+            "trainer": {"critic": {"lr": 1e-3}},
+            "monitor": {"monitor_type": "none"},
+        }
         out = run_train(write_yaml(run / "t.yaml", cfg, {}), ranks=ranks)
         assert out.returncode == 0, out.stderr[-3000:]
         step = run / "ck" / "p" / "t" / "global_step_1"
-        final[ranks] = {role: safetensors.torch.load_file(step / role / "huggingface" / "model.safetensors")
-                        for role in ("actor", "critic")}
+        final[ranks] = {
+            role: safetensors.torch.load_file(step / role / "huggingface" / "model.safetensors")
+            for role in ("actor", "critic")
+        }
     start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
     moved = max((final[0]["actor"][k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-4  # one AdamW step at lr 1e-3

@@ -1,15 +1,19 @@
 """House rules: the README's two commands, CI running the README's test command, file budgets, run.sh."""
 
+import importlib.util
 import re
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
 import yaml
 
+from conftest import in_ci
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
 # NOTE: configs/schema.py is not here: it is the schema's dataclasses with a docstring under every field (STYLE 6)
 def readme_commands() -> list[str]:
     block = re.search(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
@@ -19,7 +23,11 @@ def readme_commands() -> list[str]:
 
 def test_readme_opens_with_two_commands_and_ci_runs_the_test_one():
     assert readme_commands() == ["bash run.sh", "bash run.sh test"]
-    ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci/run").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert "bash run.sh test" in ci
 
 
@@ -33,8 +41,11 @@ def test_function_budgets_from_style_guide():
         if f.relative_to(ROOT).parts[0] in ("tests", "scripts", ".venv"):
             continue
         text = f.read_text()
-        over += [f"{f.relative_to(ROOT)}:{k}: {len(line)} characters" for k, line in
-                 enumerate(text.splitlines(), 1) if len(line) > 120]
+        over += [
+            f"{f.relative_to(ROOT)}:{k}: {len(line)} characters"
+            for k, line in enumerate(text.splitlines(), 1)
+            if len(line) > 120
+        ]
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n, limit = node.end_lineno - node.lineno + 1, 80 if node.name in ("train", "explore") else 60
@@ -46,14 +57,15 @@ def test_function_budgets_from_style_guide():
 def test_run_sh_builds_the_embedded_default_and_hands_the_config_to_the_launcher():
     # .venv exists here (this suite runs through `bash run.sh test`), so run.sh skips set-up. The whole
     # experiment takes ~10 minutes (docs/LOG.md); tests/test_launch.py runs the same stages, shorter.
-    out = subprocess.run(["bash", "run.sh", "configs/tiny.yaml", "--dry-run"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=900)
+    out = subprocess.run(
+        ["bash", "run.sh", "configs/tiny.yaml", "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=900
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    docs = list(yaml.safe_load_all(out.stdout[out.stdout.index("project:"):]))
+    docs = list(yaml.safe_load_all(out.stdout[out.stdout.index("project:") :]))
     assert [d["name"] for d in docs] == ["tiny/eval_base", "tiny/sft_warmup", "tiny/rft"]
     assert (ROOT / "assets/tiny-qwen2/config.json").is_file() and (ROOT / "assets/arith/test.jsonl").is_file()
     assert docs[2]["model"]["model_path"] == "assets/tiny-qwen2" and docs[2]["mode"] == "both"
-    assert "exec \"$PY\" launch.py --config \"$CONFIG\"" in (ROOT / "run.sh").read_text()
+    assert 'exec "$PY" launch.py --config "$CONFIG"' in (ROOT / "run.sh").read_text()
 
 
 def test_pyproject_lists_the_top_level_modules_and_packages():
@@ -61,7 +73,9 @@ def test_pyproject_lists_the_top_level_modules_and_packages():
     tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     modules = sorted(f[:-3] for f in tracked if "/" not in f and f.endswith(".py"))
-    packages = sorted({f.split("/")[0] for f in tracked if f.endswith("/__init__.py") and f.count("/") == 1} - {"tests"})
+    packages = sorted(
+        {f.split("/")[0] for f in tracked if f.endswith("/__init__.py") and f.count("/") == 1} - {"tests"}
+    )
     assert (sorted(tool["py-modules"]), sorted(tool["packages"])) == (modules, packages)
 
 
@@ -72,8 +86,13 @@ def test_algos_imports_nothing_from_the_project():
     ours = {p.stem for p in ROOT.glob("*.py")} | {"configs", "workflows"}
     for f in sorted((ROOT / "algos").glob("*.py")):
         for node in ast.walk(ast.parse(f.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not [n for n in names if n.split(".")[0] in ours], (f.name, names)
 
 
@@ -113,7 +132,7 @@ def test_no_import_circles():
         state[m] = "open"
         for x in sorted(graph[m]):
             if state.get(x) == "open":
-                circles.append(" -> ".join(path[path.index(x):] + [x]))
+                circles.append(" -> ".join(path[path.index(x) :] + [x]))
             elif x not in state:
                 visit(x, path + [x])
         state[m] = "done"
@@ -127,8 +146,10 @@ def test_no_import_circles():
 
 @pytest.mark.parametrize("module", ["buffer", "tasksets"])
 def test_importing_buffer_or_tasksets_pulls_in_no_config_loader_nor_algorithms(module):
-    code = (f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('configs', 'algos', 'models', 'tyro', 'omegaconf', 'transformers')))")
+    code = (
+        f"import sys, {module}; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('configs', 'algos', 'models', 'tyro', 'omegaconf', 'transformers')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -142,7 +163,9 @@ def test_every_dependency_floor_is_the_version_the_floor_check_installs():
     deps = project["dependencies"] + extras["test"] + extras["mlflow"] + extras["postgres"]
     floors = {m.group(1).lower(): m.group(2) for d in deps if (m := re.match(r"([\w-]+)(?:\[\w+\])?>=([\w.]+)", d))}
     script = (ROOT / "scripts/check_floors.sh").read_text()
-    pinned = dict(re.findall(r'"([\w-]+)==([\w.]+)"', script)) | dict(re.findall(r"install -q \S+ (torch)==([\w.]+)", script))
+    pinned = dict(re.findall(r'"([\w-]+)==([\w.]+)"', script)) | dict(
+        re.findall(r"install -q \S+ (torch)==([\w.]+)", script)
+    )
     from packaging.version import Version
 
     assert floors and {k: Version(pinned.get(k, "0")) for k in floors} == {k: Version(v) for k, v in floors.items()}
@@ -167,10 +190,25 @@ def test_docs_links_resolve_inside_the_repository():
                 continue
             links[f"{page.relative_to(ROOT)}: {target}"] = (page.parent / path).resolve()
         if page.name != "LOG.md":
-            outside += [f"{page.relative_to(ROOT)}:{k}: {line.strip()[:100]}" for k, line in
-                        enumerate(text.splitlines(), 1) if re.search(r"\.\./shared|(?<![\w.])/work\b", line)]
+            outside += [
+                f"{page.relative_to(ROOT)}:{k}: {line.strip()[:100]}"
+                for k, line in enumerate(text.splitlines(), 1)
+                if re.search(r"\.\./shared|(?<![\w.])/work\b", line)
+            ]
     broken = [name for name, p in links.items() if not p.is_relative_to(ROOT) or not p.exists()]
     inside = sorted({str(p.relative_to(ROOT)) for p in links.values() if p.is_relative_to(ROOT) and p != ROOT})
     ignored = subprocess.run(["git", "check-ignore", *inside], cwd=ROOT, capture_output=True, text=True).stdout.split()
     broken += [name for name, p in links.items() if p.is_relative_to(ROOT) and str(p.relative_to(ROOT)) in ignored]
     assert links and not broken and not outside, broken + outside
+
+
+def test_ruff_formats_and_checks_the_code():
+    """The code as `ruff format` writes it, and `ruff check` clean, with pyproject.toml's settings (120 columns;
+    pyflakes, pycodestyle, import order, pyupgrade, bugbear). ruff comes with the test extra; CI must run this."""
+    if importlib.util.find_spec("ruff") is None:
+        if in_ci():
+            pytest.fail("CI must check the formatting: ruff is missing (the test extra installs it)")
+        pytest.skip("ruff is not installed (pip install -e '.[test]')")
+    for args in (["format", "--check", "."], ["check", "."]):
+        out = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
+        assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout}{out.stderr}"

@@ -87,8 +87,14 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def peer(role: str, *args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, role, *args], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    return subprocess.Popen(
+        [sys.executable, __file__, role, *args],
+        cwd=ROOT,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
@@ -131,8 +137,9 @@ def test_no_trainer_is_a_clear_error(tmp_path):
         sync.open_receiver(tmp_path, timeout=2)
     assert 2 <= time.monotonic() - start < 30
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / sync.GROUP_FILE).write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": int(dead.stdout),
-                                                        "backend": "gloo"}))  # left by a dead trainer
+    (tmp_path / sync.GROUP_FILE).write_text(
+        json.dumps({"host": "127.0.0.1", "port": 1, "pid": int(dead.stdout), "backend": "gloo"})
+    )  # left by a dead trainer
     with pytest.raises(sync.SyncError, match="which is gone"):
         sync.open_receiver(tmp_path, timeout=2)
     assert time.monotonic() - start < 60
@@ -186,8 +193,14 @@ def test_buckets_group_tensors_in_order_each_aligned_for_its_dtype(monkeypatch):
     receiver's uint8 slice can be viewed as its dtype (an odd-length bf16 tensor ends at an offset no fp32 tensor
     could start at)."""
     monkeypatch.setattr(sync, "BUCKET_BYTES", 64)
-    specs = [("a", (3,), torch.bfloat16), ("b", (5,), torch.float32), ("c", (40,), torch.float32),
-             ("d", (1,), torch.int64), ("e", (2, 2), torch.bfloat16), ("f", (), torch.float16)]
+    specs = [
+        ("a", (3,), torch.bfloat16),
+        ("b", (5,), torch.float32),
+        ("c", (40,), torch.float32),
+        ("d", (1,), torch.int64),
+        ("e", (2, 2), torch.bfloat16),
+        ("f", (), torch.float16),
+    ]
     assert sync.buckets(specs) == [[0, 1], [2], [3, 4, 5]]  # 16 + 32; 160 alone; 16 + 16 + 16
     assert sync.layout(specs, [0, 1]) == ([0, 16], 48) and sync.layout(specs, [2]) == ([0], 160)
     assert sync.layout(specs, [3, 4, 5]) == ([0, 16, 32], 48)
@@ -219,8 +232,14 @@ def loopback(tmp_path: Path, specs: list, tensors: list, version: int = 1) -> tu
 def test_tensors_of_mixed_dtypes_and_odd_sizes_arrive_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(sync, "BUCKET_BYTES", 100)
     gen = torch.Generator().manual_seed(0)
-    specs = [("odd_bf16", (3,), torch.bfloat16), ("f32", (7,), torch.float32), ("i64", (2,), torch.int64),
-             ("f16", (5, 1), torch.float16), ("big", (30,), torch.float32), ("b", (1,), torch.bfloat16)]
+    specs = [
+        ("odd_bf16", (3,), torch.bfloat16),
+        ("f32", (7,), torch.float32),
+        ("i64", (2,), torch.int64),
+        ("f16", (5, 1), torch.float16),
+        ("big", (30,), torch.float32),
+        ("b", (1,), torch.bfloat16),
+    ]
     tensors = [(torch.randn(s, generator=gen) * 100).to(d) for _, s, d in specs]
     header, got = loopback(tmp_path, specs, tensors)
     assert header["buckets"] == [[0, 1, 2, 3], [4], [5]] and sync.header_bytes(header) == sum(t.nbytes for t in tensors)
@@ -325,8 +344,17 @@ def run_explorer(model_dir: str, job_dir: str) -> None:
         sync.close_receiver(link)
         dump = {n: t.detach().clone().contiguous() for n, t in engine.model.state_dict().items()}  # clone: untie
         save_file(dump, Path(job_dir, "engine.safetensors"))
-        print(json.dumps({"version": version, "model_version": engine.model_version, "before": before,
-                          "after": after, "then": then}))
+        print(
+            json.dumps(
+                {
+                    "version": version,
+                    "model_version": engine.model_version,
+                    "before": before,
+                    "after": after,
+                    "then": then,
+                }
+            )
+        )
 
 
 def run_stop(job_dir: str) -> None:
@@ -355,7 +383,6 @@ def run_nccl_trainer(job_dir: str) -> None:
     sync.close_sender(link, finished=True, grace=30)
 
 
-
 def run_fake_trainer(model_dir: str, job_dir: str, versions: str) -> None:
     """Sends versions 1..n of perturbed weights, as train.py would at its sync points, then stop."""
     model = load_model(model_dir)
@@ -381,11 +408,17 @@ def test_the_trainer_publishes_exactly_what_explorer_steps_wait_for(train_batch,
     waited_for = sorted({sync.weights_needed(e, cfg) for e in range(1, 20)} - {0})  # explorer steps 1..19 (not 20)
     assert published == waited_for
     if train_batch == 128:  # on-policy (offset 0): every explorer step waits for the step just trained
-        assert [sync.weights_needed(e, cfg) for e in range(1, 5)] == [max(e - offset, 0) if (e - offset) % interval == 0
-                                                                       else 0 for e in range(1, 5)]
-
+        assert [sync.weights_needed(e, cfg) for e in range(1, 5)] == [
+            max(e - offset, 0) if (e - offset) % interval == 0 else 0 for e in range(1, 5)
+        ]
 
 
 if __name__ == "__main__":
-    {"trainer": run_trainer, "explorer": run_explorer, "stop": run_stop, "die": run_die,
-     "nccl_trainer": run_nccl_trainer, "fake_trainer": run_fake_trainer}[sys.argv[1]](*sys.argv[2:])
+    {
+        "trainer": run_trainer,
+        "explorer": run_explorer,
+        "stop": run_stop,
+        "die": run_die,
+        "nccl_trainer": run_nccl_trainer,
+        "fake_trainer": run_fake_trainer,
+    }[sys.argv[1]](*sys.argv[2:])

@@ -25,9 +25,15 @@ GSM8K = ROOT / "tests/data/gsm8k"
 def taskset(path, **kw) -> TasksetConfig:
     """A derived TasksetConfig, as the explorer gets it."""
     fmt = kw.pop("format", {"prompt_key": "question", "response_key": "answer"})
-    raw = {"model": {"model_path": "m", "max_model_len": 64}, "algorithm": {"algorithm_type": "grpo", "repeat_times": 4},
-           "buffer": {"default_workflow_type": "math_workflow", "default_reward_fn_type": "math_reward",
-                      "explorer_input": {"taskset": {"path": str(path), "format": fmt, **kw}}}}
+    raw = {
+        "model": {"model_path": "m", "max_model_len": 64},
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4},
+        "buffer": {
+            "default_workflow_type": "math_workflow",
+            "default_reward_fn_type": "math_reward",
+            "explorer_input": {"taskset": {"path": str(path), "format": fmt, **kw}},
+        },
+    }
     return derive(from_dict(Config, raw)).buffer.explorer_input.tasksets[0]
 
 
@@ -59,8 +65,12 @@ def test_file_types_and_shard_names(tmp_path, ext):
     ds = datasets.Dataset.from_list(rows(10))
     folder = tmp_path / "data"
     folder.mkdir()
-    writer = {"jsonl": lambda p: ds.to_json(p, lines=True), "json": lambda p: Path(p).write_text(json.dumps(rows(10))),
-              "parquet": ds.to_parquet, "csv": ds.to_csv}[ext]
+    writer = {
+        "jsonl": lambda p: ds.to_json(p, lines=True),
+        "json": lambda p: Path(p).write_text(json.dumps(rows(10))),
+        "parquet": ds.to_parquet,
+        "csv": ds.to_csv,
+    }[ext]
     writer(str(folder / f"train-00000-of-00001.{ext}"))  # the hub's parquet naming, under data/
     assert find_data_files(str(tmp_path), None, "train") == [folder / f"train-00000-of-00001.{ext}"]
     tasks = load_tasks(taskset(tmp_path))
@@ -101,7 +111,9 @@ def test_format_keys(tmp_path):
     got = format_row(row, fmt, "w")
     assert got["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}]
     assert got["reference"] == "2" and got["tools"] == [{"name": "calc"}]
-    got = format_row(row, FormatConfig(prompt_key="q", response_key="a", system_prompt="x", system_prompt_key="sys"), "w")
+    got = format_row(
+        row, FormatConfig(prompt_key="q", response_key="a", system_prompt="x", system_prompt_key="sys"), "w"
+    )
     assert got["messages"][0]["content"] == "Row system."  # the column wins over the fixed prompt
     sft = format_row(row, FormatConfig(prompt_key="q", response_key="a"), "w", kind="sft")
     assert sft["messages"][-1] == {"role": "assistant", "content": "2"}
@@ -114,7 +126,9 @@ def test_format_keys(tmp_path):
         format_row({"messages": conv["messages"][:1]}, mfmt, "w", kind="sft")
     with pytest.raises(DataError, match="list of {role, content} messages"):
         format_row({"messages": "hi"}, mfmt, "w")
-    dpo = format_row({"prompt": "p", "good": "g", "bad": "b"}, FormatConfig(chosen_key="good", rejected_key="bad"), "w", kind="dpo")
+    dpo = format_row(
+        {"prompt": "p", "good": "g", "bad": "b"}, FormatConfig(chosen_key="good", rejected_key="bad"), "w", kind="dpo"
+    )
     assert (dpo["chosen"], dpo["rejected"], dpo["messages"][-1]["content"]) == ("g", "b", "p")
     with pytest.raises(DataError, match=r"w: missing column 'rejected' \(format.rejected_key\)"):
         format_row({"prompt": "p", "chosen": "g"}, FormatConfig(), "w", kind="dpo")
@@ -131,7 +145,9 @@ def test_several_tasksets_interleave_in_proportion(tmp_path):
 
 
 def test_epochs_shuffle_and_saved_position(tmp_path):
-    ts = taskset(write_jsonl(tmp_path / "train.jsonl", rows(10)).parent, data_selector={"selector_type": "shuffle", "seed": 7})
+    ts = taskset(
+        write_jsonl(tmp_path / "train.jsonl", rows(10)).parent, data_selector={"selector_type": "shuffle", "seed": 7}
+    )
     whole = TaskReader([ts], total_epochs=3)
     all_tasks = whole.read(1000)
     assert len(all_tasks) == 30 and [t.epoch for t in all_tasks] == [0] * 10 + [1] * 10 + [2] * 10
@@ -158,11 +174,14 @@ def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
     assert [t.index for t in one] == [t.index for t in two] and len({t.index for t in one}) < 8  # with replacement
 
 
-@pytest.mark.parametrize("bad, named", [
-    (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 29)"),  # its end
-    (b'{"question": "x\xff", "answer": "2"}\n', "line 3: not UTF-8 (byte 0xff at byte 16)"),
-    (b"[1, 2]\n", "line 3: a JSON list, not an object (one row per line)"),
-])
+@pytest.mark.parametrize(
+    "bad, named",
+    [
+        (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 29)"),  # its end
+        (b'{"question": "x\xff", "answer": "2"}\n', "line 3: not UTF-8 (byte 0xff at byte 16)"),
+        (b"[1, 2]\n", "line 3: a JSON list, not an object (one row per line)"),
+    ],
+)
 def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
     good = b'{"question": "a", "answer": "1"}\n'
     (tmp_path / "train.jsonl").write_bytes(good + good + bad + good)
@@ -171,15 +190,22 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
     assert str(e.value) == f"{tmp_path / 'train.jsonl'}: {named}"
 
 
-@pytest.mark.parametrize("name, data, named", [
-    ("train.json", b'{"question": "a", "answer": "1"}\n{"question": "b", "answer": 2\n',  # JSON lines in a .json
-     "line 2: not valid JSON (Expecting ',' delimiter at column 30)"),
-    ("train.json", b'[{"question": "a", "answer": "1"},\n {"question": "b"\n', "line 3: not valid JSON"),
-    ("train.json", b'{"question": "a", "answer": "1"}\n[1, 2]\n', "line 2: a JSON list, not an object"),
-    ("train.jsonl", b"", "empty: no rows"), ("train.jsonl", b"\n\n", "empty: no rows"),
-    ("train.csv", b"", "empty: no rows"),
-    ("train.csv", b'question,answer\na,1\n"b,2\n', "cannot be read (ParserError: Error tokenizing data"),
-])
+@pytest.mark.parametrize(
+    "name, data, named",
+    [
+        (
+            "train.json",
+            b'{"question": "a", "answer": "1"}\n{"question": "b", "answer": 2\n',  # JSON lines in a .json
+            "line 2: not valid JSON (Expecting ',' delimiter at column 30)",
+        ),
+        ("train.json", b'[{"question": "a", "answer": "1"},\n {"question": "b"\n', "line 3: not valid JSON"),
+        ("train.json", b'{"question": "a", "answer": "1"}\n[1, 2]\n', "line 2: a JSON list, not an object"),
+        ("train.jsonl", b"", "empty: no rows"),
+        ("train.jsonl", b"\n\n", "empty: no rows"),
+        ("train.csv", b"", "empty: no rows"),
+        ("train.csv", b'question,answer\na,1\n"b,2\n', "cannot be read (ParserError: Error tokenizing data"),
+    ],
+)
 def test_a_file_that_cannot_be_read_says_why(tmp_path, name, data, named):
     """No StopIteration or bare DatasetGenerationError: the line that is wrong, that the file is empty, or the
     parser's own error underneath."""
@@ -201,11 +227,19 @@ def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import
     own = write_jsonl(tmp_path / "own" / "train.jsonl", [{**rows(1)[0], "wf": f"{tmp_path}/evil.py:W"}])
     (task,) = load_tasks(taskset(own, format=fmt, default_workflow_type=f"{tmp_path}/evil.py:W"))
     assert task.workflow == f"{tmp_path}/evil.py:W"  # the YAML names it: trusted (loaded when the workflow is built)
-    for column, value in (("wf", f"{tmp_path}/evil.py:W"), ("wf", "os:system"), ("rf", "builtins:exec"),
-                          ("rf", "x\\evil.py"), ("wf", {"module": "os"})):
+    for column, value in (
+        ("wf", f"{tmp_path}/evil.py:W"),
+        ("wf", "os:system"),
+        ("rf", "builtins:exec"),
+        ("rf", "x\\evil.py"),
+        ("wf", {"module": "os"}),
+    ):
         bad = write_jsonl(tmp_path / "bad" / "train.jsonl", [rows(1)[0], {**rows(1)[0], column: value}])  # rows 0, 1
-        with pytest.raises(DataError, match=rf"row 1: column '{column}' names the (workflow|reward function) .*: a "
-                                            "row may name a registered .* never code to import"):
+        with pytest.raises(
+            DataError,
+            match=rf"row 1: column '{column}' names the (workflow|reward function) .*: a "
+            "row may name a registered .* never code to import",
+        ):
             load_tasks(taskset(bad, format=fmt))
     assert not ran.exists()
 
@@ -213,11 +247,16 @@ def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import
 def verl_rows() -> list[dict]:
     """Two rows in veRL's parquet shape (verl/examples/data_preprocess/gsm8k.py): the prompt a chat, the answer in
     reward_model.ground_truth, a struct of extras."""
-    return [{"data_source": "openai/gsm8k", "ability": "math",
-             "prompt": [{"role": "user", "content": f"What is {a} x 7? Answer after ####."}],
-             "reward_model": {"style": "rule", "ground_truth": str(a * 7)},
-             "extra_info": {"split": "train", "index": i, "system": "Be brief.", "reward": "math_reward"}}
-            for i, a in enumerate((6, 9))]
+    return [
+        {
+            "data_source": "openai/gsm8k",
+            "ability": "math",
+            "prompt": [{"role": "user", "content": f"What is {a} x 7? Answer after ####."}],
+            "reward_model": {"style": "rule", "ground_truth": str(a * 7)},
+            "extra_info": {"split": "train", "index": i, "system": "Be brief.", "reward": "math_reward"},
+        }
+        for i, a in enumerate((6, 9))
+    ]
 
 
 def test_a_verl_parquet_reads_through_dotted_keys_and_scores(tmp_path):
@@ -227,22 +266,35 @@ def test_a_verl_parquet_reads_through_dotted_keys_and_scores(tmp_path):
 
     path = tmp_path / "train.parquet"
     datasets.Dataset.from_list(verl_rows()).to_parquet(str(path))
-    fmt = {"prompt_key": "prompt", "response_key": "reward_model.ground_truth",
-           "system_prompt_key": "extra_info.system", "reward_fn_key": "extra_info.reward"}
+    fmt = {
+        "prompt_key": "prompt",
+        "response_key": "reward_model.ground_truth",
+        "system_prompt_key": "extra_info.system",
+        "reward_fn_key": "extra_info.reward",
+    }
     tasks = load_tasks(taskset(path, format=fmt))
     assert [t.reference for t in tasks] == ["42", "63"] and tasks[0].prompt is None
-    assert tasks[1].messages == [{"role": "system", "content": "Be brief."},
-                                 {"role": "user", "content": "What is 9 x 7? Answer after ####."}]
+    assert tasks[1].messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 9 x 7? Answer after ####."},
+    ]
     assert tasks[0].reward_fn == "math_reward" and tasks[0].raw["extra_info"]["index"] == 0
     assert math_reward("6 x 7 = 42\n#### 42", tasks[0].reference)["accuracy"] == 1.0
     assert math_reward("#### 41", tasks[0].reference)["accuracy"] == 0.0
-    chat = load_tasks(taskset(path, format={"prompt_type": "messages", "messages_key": "prompt",
-                                            "response_key": "reward_model.ground_truth"}))
+    chat = load_tasks(
+        taskset(
+            path,
+            format={"prompt_type": "messages", "messages_key": "prompt", "response_key": "reward_model.ground_truth"},
+        )
+    )
     assert [(t.messages, t.reference) for t in chat] == [(t.messages[1:], t.reference) for t in tasks]
     # naming the struct itself is refused, with the dotted key that would work
-    with pytest.raises(DataError, match=rf"{path}: row 0: column 'reward_model' \(format.response_key\) holds a "
-                                        r"struct \(dict\), not text: .*dotted key: reward_model.style or "
-                                        r"reward_model.ground_truth$"):
+    with pytest.raises(
+        DataError,
+        match=rf"{path}: row 0: column 'reward_model' \(format.response_key\) holds a "
+        r"struct \(dict\), not text: .*dotted key: reward_model.style or "
+        r"reward_model.ground_truth$",
+    ):
         load_tasks(taskset(path, format={"prompt_key": "prompt", "response_key": "reward_model"}))
 
 
@@ -250,31 +302,74 @@ def test_a_top_level_column_with_a_dot_wins_over_the_nested_path(tmp_path):
     f = write_jsonl(tmp_path / "train.jsonl", [{"q.text": "hi", "a": {"b": "nested"}, "a.b": "top"}])
     (t,) = load_tasks(taskset(f, format={"prompt_key": "q.text", "response_key": "a.b"}))
     assert (t.prompt, t.reference) == ("hi", "top")
-    dpo = format_row({"p": {"q": "p"}, "pair": {"good": "g", "bad": 2}},
-                     FormatConfig(prompt_key="p.q", chosen_key="pair.good", rejected_key="pair.bad"), "w", kind="dpo")
+    dpo = format_row(
+        {"p": {"q": "p"}, "pair": {"good": "g", "bad": 2}},
+        FormatConfig(prompt_key="p.q", chosen_key="pair.good", rejected_key="pair.bad"),
+        "w",
+        kind="dpo",
+    )
     assert (dpo["chosen"], dpo["rejected"]) == ("g", "2")
 
 
-@pytest.mark.parametrize("data, fmt, named", [
-    ([{"question": "q", "answer": "1"}, {"question": "q", "answer": None}], {},
-     r"row 1: column 'answer' \(format.response_key\) is null"),
-    ([{"question": "q", "answer": {"value": "1", "n": 2}}], {},  # only its text fields are offered
-     r"row 0: column 'answer' \(format.response_key\) holds a struct \(dict\), not text: .*key: answer.value$"),
-    ([{"question": "q", "answer": ["1", "2"]}], {}, r"row 0: column 'answer' \(format.response_key\) holds a list"),
-    ([{"question": "q", "answer": True}], {}, r"row 0: column 'answer' \(format.response_key\) holds a boolean"),
-    ([{"question": {"text": "q"}, "answer": "1"}], {},
-     r"row 0: column 'question' \(format.prompt_key\) holds a struct \(dict\), not text: .*key: question.text$"),
-    ([{"question": ["a", "b"], "answer": "1"}], {},
-     r"row 0: column 'question': expected a list of \{role, content\} messages"),
-    ([{"question": [{"role": "user", "content": None}], "answer": "1"}], {}, r"row 0: column 'question': message 0"),
-    ([{"question": "q", "rm": {"truth": "1"}}, {"question": "q", "rm": None}], {"response_key": "rm.truth"},
-     r"row 1: column 'rm.truth' \(format.response_key\): 'rm' is null"),
-    ([{"question": "q", "rm": {"truth": "1"}}], {"response_key": "rm.ground_truth"},
-     r"row 0: missing column 'rm.ground_truth' \(format.response_key\); 'rm' has \['truth'\]"),
-    ([{"question": "q", "rm": "1"}], {"response_key": "rm.truth"},
-     r"row 0: column 'rm.truth' \(format.response_key\): 'rm' holds a str, not a struct to look into"),
-], ids=["null", "dict-reference", "list-reference", "bool-reference", "dict-prompt", "list-prompt", "null-content",
-        "null-struct", "missing-nested", "not-a-struct"])
+@pytest.mark.parametrize(
+    "data, fmt, named",
+    [
+        (
+            [{"question": "q", "answer": "1"}, {"question": "q", "answer": None}],
+            {},
+            r"row 1: column 'answer' \(format.response_key\) is null",
+        ),
+        (
+            [{"question": "q", "answer": {"value": "1", "n": 2}}],
+            {},  # only its text fields are offered
+            r"row 0: column 'answer' \(format.response_key\) holds a struct \(dict\), not text: .*key: answer.value$",
+        ),
+        ([{"question": "q", "answer": ["1", "2"]}], {}, r"row 0: column 'answer' \(format.response_key\) holds a list"),
+        ([{"question": "q", "answer": True}], {}, r"row 0: column 'answer' \(format.response_key\) holds a boolean"),
+        (
+            [{"question": {"text": "q"}, "answer": "1"}],
+            {},
+            r"row 0: column 'question' \(format.prompt_key\) holds a struct \(dict\), not text: .*key: question.text$",
+        ),
+        (
+            [{"question": ["a", "b"], "answer": "1"}],
+            {},
+            r"row 0: column 'question': expected a list of \{role, content\} messages",
+        ),
+        (
+            [{"question": [{"role": "user", "content": None}], "answer": "1"}],
+            {},
+            r"row 0: column 'question': message 0",
+        ),
+        (
+            [{"question": "q", "rm": {"truth": "1"}}, {"question": "q", "rm": None}],
+            {"response_key": "rm.truth"},
+            r"row 1: column 'rm.truth' \(format.response_key\): 'rm' is null",
+        ),
+        (
+            [{"question": "q", "rm": {"truth": "1"}}],
+            {"response_key": "rm.ground_truth"},
+            r"row 0: missing column 'rm.ground_truth' \(format.response_key\); 'rm' has \['truth'\]",
+        ),
+        (
+            [{"question": "q", "rm": "1"}],
+            {"response_key": "rm.truth"},
+            r"row 0: column 'rm.truth' \(format.response_key\): 'rm' holds a str, not a struct to look into",
+        ),
+    ],
+    ids=[
+        "null",
+        "dict-reference",
+        "list-reference",
+        "bool-reference",
+        "dict-prompt",
+        "list-prompt",
+        "null-content",
+        "null-struct",
+        "missing-nested",
+        "not-a-struct",
+    ],
+)
 def test_a_null_or_non_text_prompt_or_reference_is_refused_by_row_and_column(tmp_path, data, fmt, named):
     f = write_jsonl(tmp_path / "train.jsonl", data)
     with pytest.raises(DataError, match=rf"^taskset taskset_0: {f}: {named}"):

@@ -37,8 +37,11 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def file_hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # --- build: determinism, manifest, no-op, rebuild
@@ -47,9 +50,18 @@ def test_build_is_deterministic(built, tmp_path):
     again = tiny.build(str(tmp_path / "assets"), **SMALL)
     hashes = file_hashes(out)
     assert hashes == file_hashes(tmp_path / "assets")
-    assert {"arith/train.jsonl", "arith/test.jsonl", "arith/sft.jsonl", "arith/dpo.jsonl", "MANIFEST.json",
-            "arith_tools/train.jsonl", "arith_tools/test.jsonl", "arith_tools/sft.jsonl",
-            "tiny-qwen2/model.safetensors", "tiny-qwen2/tokenizer.json"} <= set(hashes)
+    assert {
+        "arith/train.jsonl",
+        "arith/test.jsonl",
+        "arith/sft.jsonl",
+        "arith/dpo.jsonl",
+        "MANIFEST.json",
+        "arith_tools/train.jsonl",
+        "arith_tools/test.jsonl",
+        "arith_tools/sft.jsonl",
+        "tiny-qwen2/model.safetensors",
+        "tiny-qwen2/tokenizer.json",
+    } <= set(hashes)
     hashes.pop("MANIFEST.json")  # the manifest lists every other file
     assert result["files"] == again["files"] == hashes
     assert result["rows"] == {"train": 300, "test": 50, "sft": 300, "dpo": 300, "tool_train": 300, "tool_test": 50}
@@ -65,8 +77,7 @@ def test_rerun_is_a_noop(built):
 
 
 def test_other_args_or_damage_rebuild(tmp_path):
-    small_model = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                       intermediate_size=32)
+    small_model = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)
     out = str(tmp_path / "assets")
     assert tiny.build(out, n_train=20, n_test=5, **small_model)["built"]
     result = tiny.build(out, n_train=30, n_test=5, **small_model)
@@ -85,11 +96,13 @@ OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
 def eval_expr(text: str) -> int:
     """Integer + - * only, with Python's precedence (no eval)."""
+
     def ev(node: ast.AST) -> int:
         if isinstance(node, ast.BinOp):
             return OPS[type(node.op)](ev(node.left), ev(node.right))
         assert isinstance(node, ast.Constant) and isinstance(node.value, int)
         return node.value
+
     return ev(ast.parse(text, mode="eval").body)
 
 
@@ -100,14 +113,13 @@ SOLVERS = [
     (r"has (\d+) \w+ and gives (\d+) to a friend\.", lambda a, b: int(a) - int(b)),
     (r"had (\d+) \w+ and sold (\d+) of them\.", lambda a, b: int(a) - int(b)),
     (r"buys (\d+) bags with (\d+) \w+ in each bag\. How", lambda a, b: int(a) * int(b)),
-    (r"has (\d+) \w+, buys (\d+) more, and then gives (\d+) away\.",
-     lambda a, b, c: int(a) + int(b) - int(c)),
-    (r"had (\d+) \w+\. It sold (\d+) in the morning and (\d+) in the afternoon\.",
-     lambda a, b, c: int(a) - int(b) - int(c)),
-    (r"picks (\d+) \w+ on Monday, (\d+) on Tuesday and (\d+) on Wednesday\.",
-     lambda a, b, c: int(a) + int(b) + int(c)),
-    (r"buys (\d+) bags with (\d+) \w+ in each bag and finds (\d+) more\.",
-     lambda a, b, c: int(a) * int(b) + int(c)),
+    (r"has (\d+) \w+, buys (\d+) more, and then gives (\d+) away\.", lambda a, b, c: int(a) + int(b) - int(c)),
+    (
+        r"had (\d+) \w+\. It sold (\d+) in the morning and (\d+) in the afternoon\.",
+        lambda a, b, c: int(a) - int(b) - int(c),
+    ),
+    (r"picks (\d+) \w+ on Monday, (\d+) on Tuesday and (\d+) on Wednesday\.", lambda a, b, c: int(a) + int(b) + int(c)),
+    (r"buys (\d+) bags with (\d+) \w+ in each bag and finds (\d+) more\.", lambda a, b, c: int(a) * int(b) + int(c)),
 ]
 
 
@@ -143,8 +155,10 @@ def test_splits_disjoint_ascii_and_sft_matches_train(built):
     questions = [r["question"] for r in train + test]
     assert len(set(questions)) == len(questions) == 350  # unique, so train and test are disjoint
     sft = read_jsonl(out / "arith/sft.jsonl")
-    assert sft == [{"messages": [{"role": "user", "content": r["question"]},
-                                 {"role": "assistant", "content": r["answer"]}]} for r in train]
+    assert sft == [
+        {"messages": [{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]}
+        for r in train
+    ]
     for name in ["train", "test", "sft"]:
         assert (out / f"arith/{name}.jsonl").read_bytes().isascii()
 
@@ -162,16 +176,18 @@ def test_model_loads_and_generates(built):
 
     tok = load_tokenizer(str(path))
     assert model.config.vocab_size >= len(tok)
-    assert model.generation_config.eos_token_id == [tok.convert_tokens_to_ids("<|im_end|>"),
-                                                    tok.convert_tokens_to_ids("<|endoftext|>")]
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
-                                     add_generation_prompt=True, tokenize=False)
+    assert model.generation_config.eos_token_id == [
+        tok.convert_tokens_to_ids("<|im_end|>"),
+        tok.convert_tokens_to_ids("<|endoftext|>"),
+    ]
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=False
+    )
     ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
     model = load_model(str(path))
     assert not model.training
     with torch.no_grad():
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                             do_sample=False)
+        gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
     assert gen.dtype == torch.long and gen.shape[0] == 1
     assert 1 <= gen.shape[1] - ids.shape[1] <= 8 and torch.equal(gen[0, : ids.shape[1]], ids[0])
 
@@ -188,19 +204,31 @@ def test_tokenizer_round_trips_and_chat_template(built):
         assert len(ids) == len(s.encode())  # one token per byte, no unknowns
     for i, special in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
         assert tok.encode(special, add_special_tokens=False) == [256 + i]
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": "What is 2 + 3?"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n"
-        "<|im_start|>assistant\n")
-    assert tok.apply_chat_template(messages[1:], tokenize=False) == (
-        "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(messages[1:], tokenize=False) == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n")
 
 
 # --- the CLI, as a user runs it
 def test_cli(tmp_path):
-    cmd = [sys.executable, "tiny.py", "--out", str(tmp_path / "a"), "--n-train", "20",
-           "--n-test", "5", "--hidden-size", "16", "--num-layers", "1", "--intermediate-size", "32"]
+    cmd = [
+        sys.executable,
+        "tiny.py",
+        "--out",
+        str(tmp_path / "a"),
+        "--n-train",
+        "20",
+        "--n-test",
+        "5",
+        "--hidden-size",
+        "16",
+        "--num-layers",
+        "1",
+        "--intermediate-size",
+        "32",
+    ]
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert first.startswith("built") and "train 20, test 5, sft 20 rows" in first
     second = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True).stdout
@@ -220,8 +248,9 @@ def test_a_weak_teacher_adds_where_it_should_subtract(tmp_path):
         elif answer != row["answer"]:
             wrong += 1
             *steps, last = answer.split("\n")  # one step in the default build: "a - b" became "a + b"
-            assert [x.split(" = ")[0] for x in steps] == [x.split(" = ")[0].replace(" - ", " + ")
-                                                         for x in row["answer"].split("\n")[:-1]]
+            assert [x.split(" = ")[0] for x in steps] == [
+                x.split(" = ")[0].replace(" - ", " + ") for x in row["answer"].split("\n")[:-1]
+            ]
             lhs, rhs = steps[-1].split(" = ")
             assert eval_expr(lhs) == int(rhs) == int(last.removeprefix("#### "))
     subtractions = sum(" - " in r["answer"] for r in train)

@@ -29,7 +29,7 @@ from workflows.tools import Tool, ToolCall, ToolError, parse_tool_calls, run_too
 ROOT = Path(__file__).resolve().parents[1]
 
 # Tool functions for the tests, in a file of their own (a worker loads it by path: standard library only)
-TOOL_FILE = '''
+TOOL_FILE = """
 import json, os, subprocess, time
 
 
@@ -74,7 +74,7 @@ def huge_error(n):
 
 def environ():
     return json.dumps(dict(os.environ))
-'''
+"""
 
 
 @pytest.fixture
@@ -114,8 +114,10 @@ def test_a_failing_tool_is_an_observation_not_a_crash(tool_file):
     assert run_tool(tools, ToolCall("", {}, "bad JSON")) == "error: bad JSON"
     assert run_tool(tools, ToolCall("die", {})) == "error: the tool's process died"
     assert run_tool(tools, ToolCall("add", {"a": "x", "b": "y"})) == "xy"  # a fresh worker after the dead one
-    assert tools[0].schema() == {"type": "function", "function": {"name": "add", "description": "add",
-                                                                  "parameters": {"type": "object"}}}
+    assert tools[0].schema() == {
+        "type": "function",
+        "function": {"name": "add", "description": "add", "parameters": {"type": "object"}},
+    }
 
 
 def test_a_tool_must_be_importable_by_a_worker(tool_file):
@@ -189,7 +191,7 @@ def test_a_process_whose_episode_calls_a_hung_tool_exits_promptly(tool_file, tmp
                 return f
 
         tok = load_tokenizer({tiny_model_dir!r})
-        call = '<tool_call>{{"name": "sleep_forever", "arguments": {{"pid_file": "{tmp_path / 'x.pid'}"}}}}</tool_call>'
+        call = '<tool_call>{{"name": "sleep_forever", "arguments": {{"pid_file": "{tmp_path / "x.pid"}"}}}}</tool_call>'
         model = ModelHandle(Engine(tok, [call, "#### 5"]), tok, {{"max_tokens": 200}})
         hang = Tool("sleep_forever", {str(tool_file)!r} + ":sleep_forever", "", {{}})
         ep = Episode(model, [{{"role": "user", "content": "2 + 3?"}}], [hang])
@@ -206,40 +208,51 @@ def test_a_process_whose_episode_calls_a_hung_tool_exits_promptly(tool_file, tmp
 
 
 def test_tool_calls_are_parsed_never_evaluated():
-    text = ('<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call> then '
-            '<tool_call>{"name": "calc", "arguments": "2+3"}</tool_call><tool_call>[1]</tool_call>'
-            '<tool_call>{nope}</tool_call><tool_call>{"name": "calc"')
+    text = (
+        '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call> then '
+        '<tool_call>{"name": "calc", "arguments": "2+3"}</tool_call><tool_call>[1]</tool_call>'
+        '<tool_call>{nope}</tool_call><tool_call>{"name": "calc"'
+    )
     calls = parse_tool_calls(text)
     assert calls[0] == ToolCall("calc", {"expression": "2+3"})
-    assert [c.error for c in calls[1:]] == ["the tool call's arguments must be a JSON object",
-                                            'a tool call needs {"name": ..., "arguments": {...}}',
-                                            "the tool call is not valid JSON (Expecting property name enclosed in "
-                                            "double quotes)", "a <tool_call> without its </tool_call>"]
+    assert [c.error for c in calls[1:]] == [
+        "the tool call's arguments must be a JSON object",
+        'a tool call needs {"name": ..., "arguments": {...}}',
+        "the tool call is not valid JSON (Expecting property name enclosed in double quotes)",
+        "a <tool_call> without its </tool_call>",
+    ]
     assert parse_tool_calls("no call, just __import__('os').system('x')") == []
 
 
 CALL = '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call>'
 
 
-@pytest.mark.parametrize("text,calls", [
-    (f"<think>maybe {CALL}? no</think>The answer is 5.", 0),  # thought about, not made
-    (f"<think>let me compute</think>\n\n{CALL}", 1),
-    (f"<think>first {CALL}</think>{CALL}<think>and again {CALL}", 1),  # an unclosed block runs to the end
-    (f"I open no block, {CALL}</think>#### 5", 0),  # <think> was in the prompt: before </think> is thinking
-    (f"plain {CALL}", 1)])
+@pytest.mark.parametrize(
+    "text,calls",
+    [
+        (f"<think>maybe {CALL}? no</think>The answer is 5.", 0),  # thought about, not made
+        (f"<think>let me compute</think>\n\n{CALL}", 1),
+        (f"<think>first {CALL}</think>{CALL}<think>and again {CALL}", 1),  # an unclosed block runs to the end
+        (f"I open no block, {CALL}</think>#### 5", 0),  # <think> was in the prompt: before </think> is thinking
+        (f"plain {CALL}", 1),
+    ],
+)
 def test_tool_calls_inside_thinking_are_not_made(text, calls):
     assert len(parse_tool_calls(text)) == calls
     assert "<think>" not in strip_thinking(text) and "</think>" not in strip_thinking(text)
 
 
-@pytest.mark.parametrize("expression,value", [("37 + 58 - 12", "83"), ("7 / 2", "3.5"), ("-(2 + 3) * 4", "-20"),
-                                              (" 10 - 66 - 27 ", "-83")])
+@pytest.mark.parametrize(
+    "expression,value", [("37 + 58 - 12", "83"), ("7 / 2", "3.5"), ("-(2 + 3) * 4", "-20"), (" 10 - 66 - 27 ", "-83")]
+)
 def test_the_calculator_computes_arithmetic(expression, value):
     assert calculate(expression) == value
 
 
-@pytest.mark.parametrize("expression", ["__import__('os').system('echo hacked')", "2 ** 999999", "a + 1", "1 +",
-                                        "[1, 2]", "9" * 300, "open('x')"])
+@pytest.mark.parametrize(
+    "expression",
+    ["__import__('os').system('echo hacked')", "2 ** 999999", "a + 1", "1 +", "[1, 2]", "9" * 300, "open('x')"],
+)
 def test_the_calculator_refuses_everything_else_without_running_it(expression):
     with pytest.raises(ValueError):
         calculate(expression)
@@ -262,8 +275,13 @@ def test_the_calculator_tool_answers_from_many_threads_at_once():
 
 def test_the_tool_call_benchmark_runs():
     """scripts/bench_tools.py (the README's and docs/LOG.md's figures) in a tiny shape: each figure a median."""
-    out = subprocess.run([sys.executable, "scripts/bench_tools.py", "--runs", "2", "--calls", "5"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "scripts/bench_tools.py", "--runs", "2", "--calls", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     for what in ("first call (starts a worker)", "a pooled call", "the calculator in-process"):
         assert f"{what}: median " in out.stdout and " ms over 2 runs" in out.stdout
@@ -284,16 +302,26 @@ def test_a_process_a_timed_out_tool_started_is_killed_with_it(tool_file, tmp_pat
     assert run_tool(tools, ToolCall("add", {"a": 1, "b": 2})) == "3"
 
 
-@pytest.mark.parametrize("body,error", [
-    ("[" * 100000, "error: the tool call's JSON is nested too deeply"),
-    ('{"name": "add", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + "}}", "error: the tool call's JSON is nested"),
-    ('{"name": "add", "arguments": {"a": ' + "7" * 5000 + ', "b": 1}}',
-     "error: the tool call's JSON cannot be read (ValueError: Exceeds the limit (4300 digits)")])
+@pytest.mark.parametrize(
+    "body,error",
+    [
+        ("[" * 100000, "error: the tool call's JSON is nested too deeply"),
+        (
+            '{"name": "add", "arguments": {"a": ' + "[" * 1000 + "]" * 1000 + "}}",
+            "error: the tool call's JSON is nested",
+        ),
+        (
+            '{"name": "add", "arguments": {"a": ' + "7" * 5000 + ', "b": 1}}',
+            "error: the tool call's JSON cannot be read (ValueError: Exceeds the limit (4300 digits)",
+        ),
+    ],
+)
 def test_a_tool_call_that_breaks_the_json_parser_is_an_error_for_the_model(tool_file, body, error):
     """RecursionError and ValueError from json.loads (not JSONDecodeError) escaped parse_tool_calls and lost the
     whole group; now each is the call's error, and the next call in the same reply still runs."""
-    calls = parse_tool_calls(f'<tool_call>{body}</tool_call><tool_call>{{"name": "add", "arguments": '
-                             '{"a": 2, "b": 3}}</tool_call>')
+    calls = parse_tool_calls(
+        f'<tool_call>{body}</tool_call><tool_call>{{"name": "add", "arguments": {{"a": 2, "b": 3}}}}</tool_call>'
+    )
     tools = [tool(tool_file, "add")]
     assert run_tool(tools, calls[0]).startswith(error) and run_tool(tools, calls[1]) == "5"
 
@@ -323,12 +351,27 @@ def test_a_group_whose_model_sends_deeply_nested_json_is_scored_not_lost(tiny_mo
     """tool_workflow, 2 episodes: one sends `[` * 100000 in a tool call, reads the error and answers; the other
     answers at once. Both are scored (the RecursionError used to end the task's whole group)."""
     tok = load_tokenizer(tiny_model_dir)
-    model = ModelHandle(Scripted(tok, ["<tool_call>" + "[" * 100000 + "</tool_call>", "#### 83", "#### 83"]), tok,
-                        {"max_tokens": 200000})
-    task = Task(taskset="t", index=0, epoch=0, raw={}, prompt="What is 37 + 58 - 12?",
-                messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}], reference="#### 83", tools=None,
-                workflow="tool_workflow", reward_fn="math_reward", workflow_args={"max_turns": 3}, reward_fn_args={},
-                rollout_args=GenerationConfig(temperature=1.0), repeat_times=2)
+    model = ModelHandle(
+        Scripted(tok, ["<tool_call>" + "[" * 100000 + "</tool_call>", "#### 83", "#### 83"]),
+        tok,
+        {"max_tokens": 200000},
+    )
+    task = Task(
+        taskset="t",
+        index=0,
+        epoch=0,
+        raw={},
+        prompt="What is 37 + 58 - 12?",
+        messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}],
+        reference="#### 83",
+        tools=None,
+        workflow="tool_workflow",
+        reward_fn="math_reward",
+        workflow_args={"max_turns": 3},
+        reward_fn_args={},
+        rollout_args=GenerationConfig(temperature=1.0),
+        repeat_times=2,
+    )
     exps = build_workflow(task, model).run()
     assert [e.reward for e in exps] == pytest.approx([1.1, 1.1])
     assert [(e.metrics["turns"], e.metrics["tool_calls"]) for e in exps] == [(2, 1), (1, 0)]
@@ -379,8 +422,14 @@ def test_a_reply_over_the_reply_cap_is_refused_in_one_pass():
 def test_a_worker_does_not_inherit_the_explorers_secrets(tool_file, monkeypatch):
     """Only ENV_ALLOWED, LC_* and the names in NANORFT_TOOL_ENV reach a worker (a fresh pool: the environment is
     read when a worker starts)."""
-    for name, value in {"HF_TOKEN": "hf_secret", "PGPASSWORD": "pg_secret", "AWS_SECRET_ACCESS_KEY": "aws",
-                        "LC_TIME": "C", "NANORFT_TOOL_ENV": "MY_TOOL_KEY, OTHER", "MY_TOOL_KEY": "k1"}.items():
+    for name, value in {
+        "HF_TOKEN": "hf_secret",
+        "PGPASSWORD": "pg_secret",
+        "AWS_SECRET_ACCESS_KEY": "aws",
+        "LC_TIME": "C",
+        "NANORFT_TOOL_ENV": "MY_TOOL_KEY, OTHER",
+        "MY_TOOL_KEY": "k1",
+    }.items():
         monkeypatch.setenv(name, value)
     pool = Workers(size=1)
     try:

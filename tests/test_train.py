@@ -38,13 +38,24 @@ ROOT = Path(__file__).resolve().parents[1]
 def sft_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     data = Path(tiny_model_dir).parent / "arith"
     cfg = {
-        "project": "p", "name": "t", "mode": "train", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "project": "p",
+        "name": "t",
+        "mode": "train",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
         "algorithm": {"algorithm_type": "sft", "optimizer": {"lr": 1e-3}},
         "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 64},
-        "buffer": {"train_batch_size": 8, "total_steps": 2,
-                   "trainer_input": {"experience_buffer": {"name": "sft", "storage_type": "file",
-                                                           "path": str(data / "sft.jsonl"),
-                                                           "format": {"prompt_type": "messages"}}}},
+        "buffer": {
+            "train_batch_size": 8,
+            "total_steps": 2,
+            "trainer_input": {
+                "experience_buffer": {
+                    "name": "sft",
+                    "storage_type": "file",
+                    "path": str(data / "sft.jsonl"),
+                    "format": {"prompt_type": "messages"},
+                }
+            },
+        },
         "synchronizer": {"sync_interval": 100},
         "trainer": {"save_interval": 1},
         "monitor": {"monitor_type": "none"},
@@ -57,8 +68,14 @@ def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.
     cmd = [sys.executable, "train.py", "--config", str(config)]
     if ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd[1:]]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                         env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"},
+    )
     return out
 
 
@@ -75,8 +92,15 @@ def experiences(spec: list[tuple[int, list[int]]], seed: int = 0) -> list[Experi
     for k, (p, responses) in enumerate(spec):
         prompt = torch.randint(0, 250, (p,), generator=g)
         for r in responses:
-            out.append(Experience(tokens=torch.cat([prompt, torch.randint(0, 250, (r,), generator=g)]), prompt_length=p,
-                                  reward=0.0, group_id=f"g{k}", info={"taskset": "hot" if k % 2 else "cold"}))
+            out.append(
+                Experience(
+                    tokens=torch.cat([prompt, torch.randint(0, 250, (r,), generator=g)]),
+                    prompt_length=p,
+                    reward=0.0,
+                    group_id=f"g{k}",
+                    info={"taskset": "hot" if k % 2 else "cold"},
+                )
+            )
     return out
 
 
@@ -119,8 +143,9 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
         train.compute_advantages(p, batch)
-        assert batch["advantages"].tolist() == ([[0.0] * 4] * 2 if name == "grpo" else
-                                                [[0.25] * 3 + [0.0], [0.25] * 2 + [0.0] * 2])
+        assert batch["advantages"].tolist() == (
+            [[0.0] * 4] * 2 if name == "grpo" else [[0.25] * 3 + [0.0], [0.25] * 2 + [0.0] * 2]
+        )
 
 
 def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
@@ -129,7 +154,8 @@ def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatc
     padding is 0, the entropy positive; a response without a prompt has no score for its first token."""
     model = models.TokenScorer(load_model(tiny_model_dir))
     exps = experiences([(12, [8, 0, 5]), (4, [9]), (30, [1, 6]), (7, [3])]) + [
-        Experience(tokens=torch.arange(60, 66), prompt_length=0, reward=0.0)]
+        Experience(tokens=torch.arange(60, 66), prompt_length=0, reward=0.0)
+    ]
     batch = models.step_batch(exps, width=4, temperatures={"hot": 1.3, "cold": 0.7})
     for share in (True, False):
         for budget in (10**6, 25):
@@ -142,7 +168,9 @@ def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatc
                 for k, b in enumerate(mb["rows"].tolist()):
                     x, seen = exps[b], seen + [b]
                     start = 1 if x.prompt_length == 0 else 0
-                    want = plain_logprobs(model.model, x.tokens, max(x.prompt_length, 1), batch["temperature"][b].item())
+                    want = plain_logprobs(
+                        model.model, x.tokens, max(x.prompt_length, 1), batch["temperature"][b].item()
+                    )
                     torch.testing.assert_close(logp[k, start : x.response_length], want, atol=2e-5, rtol=0)
                     assert not logp[k, x.response_length :].any() and not logp[k, :start].any()
                     assert (ent[k, start : x.response_length] > 0).all()
@@ -222,8 +250,13 @@ def test_learning_rate_warmup_and_cosine():
     cfg.algorithm.optimizer.lr, cfg.algorithm.optimizer.lr_warmup_steps = 1.0, 4
     assert [train.lr_at(s, cfg.algorithm.optimizer, 10) for s in (1, 2, 4, 9)] == [0.25, 0.5, 1.0, 1.0]
     cfg.algorithm.optimizer.lr_scheduler_type, cfg.algorithm.optimizer.min_lr_ratio = "cosine", 0.1
-    assert train.lr_at(4, cfg.algorithm.optimizer, 10) == 1.0 and abs(train.lr_at(10, cfg.algorithm.optimizer, 10) - 0.1) < 1e-12
-    assert abs(train.lr_at(7, cfg.algorithm.optimizer, 10) - (0.1 + 0.9 * 0.5)) < 1e-12  # half way: the cosine's midpoint
+    assert (
+        train.lr_at(4, cfg.algorithm.optimizer, 10) == 1.0
+        and abs(train.lr_at(10, cfg.algorithm.optimizer, 10) - 0.1) < 1e-12
+    )
+    assert (
+        abs(train.lr_at(7, cfg.algorithm.optimizer, 10) - (0.1 + 0.9 * 0.5)) < 1e-12
+    )  # half way: the cosine's midpoint
 
 
 # --- whole runs
@@ -234,10 +267,12 @@ def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_
     """Gradient accumulation is scaled right for every loss_agg_mode: one micro-batch, many small micro-batches
     (packed, or padded rows without packing), two FSDP2 ranks and activation checkpointing all end at the same
     weights (up to float rounding, far below the size of the update)."""
-    runs = {"one": ({"trainer.max_token_len_per_gpu": 100000}, 0),
-            "many": ({"trainer.max_token_len_per_gpu": 200}, 0),
-            "many_padded": ({"trainer.max_token_len_per_gpu": 200, "trainer.use_remove_padding": False}, 0),
-            "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2)}
+    runs = {
+        "one": ({"trainer.max_token_len_per_gpu": 100000}, 0),
+        "many": ({"trainer.max_token_len_per_gpu": 200}, 0),
+        "many_padded": ({"trainer.max_token_len_per_gpu": 200, "trainer.use_remove_padding": False}, 0),
+        "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2),
+    }
     if mode == "token-mean":
         runs["recompute"] = ({"trainer.max_token_len_per_gpu": 100000, "trainer.gradient_checkpointing": True}, 0)
     final = {}
@@ -265,8 +300,12 @@ def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir)
     assert json.loads((job / "trainer_meta.json").read_text())["latest_iteration"] == 2
     for step in (1, 2):
         actor = job / f"global_step_{step}" / "actor"
-        assert {p.name for p in actor.iterdir()} == {"huggingface", "optimizer.safetensors", "trainer_state.json",
-                                                       "rng_state_rank0.safetensors"}
+        assert {p.name for p in actor.iterdir()} == {
+            "huggingface",
+            "optimizer.safetensors",
+            "trainer_state.json",
+            "rng_state_rank0.safetensors",
+        }
     assert not list(job.rglob(".*tmp*"))  # no temporary leftovers
     hf = job / "global_step_2" / "actor" / "huggingface"
     model = AutoModelForCausalLM.from_pretrained(hf)
@@ -274,16 +313,19 @@ def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir)
     if model.config.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     tok = load_tokenizer(str(hf))
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
     gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] > ids["input_ids"].shape[1]
     optim = safetensors.torch.load_file(job / "global_step_2" / "actor" / "optimizer.safetensors")
     assert any(k.endswith("/exp_avg_sq") for k in optim)
 
 
-def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(tmp_path, tiny_model_dir,
-                                                                                 monkeypatch):
+def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(tmp_path, tiny_model_dir, monkeypatch):
     """A trainer on GPU for a bf16 engine publishes bf16 folders (half the bytes of its fp32 master weights); a
     folder that is also a checkpoint's weights stays fp32, so a resume continues from the exact weights."""
     cfg = configs.Config()
@@ -293,14 +335,33 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
     monkeypatch.setattr(train.sync, "full_state", lambda m: dict(m.state_dict()))  # no process group here
     cfg.synchronizer.sync_method = "checkpoint"
     actor = types.SimpleNamespace(model=model)
-    p = train.Parts(cfg, 0, 1, torch.device("cuda"), load_tokenizer(tiny_model_dir), actor, None, None, None, None,
-                    {"advantage_fn": None}, {}, None, 4, 0, {}, None, None)
+    p = train.Parts(
+        cfg,
+        0,
+        1,
+        torch.device("cuda"),
+        load_tokenizer(tiny_model_dir),
+        actor,
+        None,
+        None,
+        None,
+        None,
+        {"advantage_fn": None},
+        {},
+        None,
+        4,
+        0,
+        {},
+        None,
+        None,
+    )
     assert p.engine_dtype == torch.bfloat16 and [s for s in range(1, 5) if p.saves(s)] == [2, 4]
     for step in (1, 2):
         assert train.publish(p, step) is not None
     job = Path(cfg.checkpoint_job_dir)
-    bf16, fp32 = (safetensors.torch.load_file(job / f"global_step_{s}/actor/huggingface/model.safetensors")
-                  for s in (1, 2))
+    bf16, fp32 = (
+        safetensors.torch.load_file(job / f"global_step_{s}/actor/huggingface/model.safetensors") for s in (1, 2)
+    )
     assert {t.dtype for t in bf16.values()} == {torch.bfloat16} and {t.dtype for t in fp32.values()} == {torch.float32}
     for name, t in fp32.items():
         assert torch.equal(t, model.state_dict()[name]) and torch.equal(bf16[name], t.bfloat16()), name
@@ -320,11 +381,22 @@ def straight_and_resumed(tmp_path: Path, tiny_model_dir: str, **over) -> tuple[P
     config = sft_config(tmp_path / "b", tiny_model_dir, **over)
     job = tmp_path / "b" / "ck" / "p" / "t"
     marker = tmp_path / "paused"  # the trainer touches it after saving step 2, then waits
-    env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1",
-           "NANORFT_TEST_PAUSE_AT": "train.after_save:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    env = {
+        **os.environ,
+        "NANORFT_LAUNCHED": "1",
+        "OMP_NUM_THREADS": "1",
+        "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
+        "NANORFT_TEST_PAUSE_MARKER": str(marker),
+    }
     with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the trainer
-        proc = subprocess.Popen([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, env=env,
-                                stdout=subprocess.DEVNULL, stderr=err, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None:
         assert time.monotonic() < deadline
@@ -350,21 +422,32 @@ def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
 def grpo_db(path: Path, tokenizer, explorer: str = "") -> None:
     """One task, four responses: "5" twice with reward 1, "7" twice with reward 0 (one group), written by
     `explorer`."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     exps = []
     for run_id, (answer, reward) in enumerate([("5", 1.0), ("7", 0.0), ("5", 1.0), ("7", 0.0)]):
         resp = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-        exps.append(Experience(tokens=torch.tensor(prompt + resp), prompt_length=len(prompt), reward=reward,
-                               logprobs=torch.zeros(len(resp)), group_id="g0", run_id=run_id, task_id="t0",
-                               explorer=explorer))
+        exps.append(
+            Experience(
+                tokens=torch.tensor(prompt + resp),
+                prompt_length=len(prompt),
+                reward=reward,
+                logprobs=torch.zeros(len(resp)),
+                group_id="g0",
+                run_id=run_id,
+                task_id="t0",
+                explorer=explorer,
+            )
+        )
     with ExperienceDB(f"sqlite:///{path}") as db:
         db.write(exps)
 
 
 def response_logprob(model, tokenizer, answer: str) -> float:
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
-                                           tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     resp = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
     return plain_logprobs(model, prompt + resp, len(prompt)).sum().item()
 
@@ -373,11 +456,21 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, ti
     tok = load_tokenizer(tiny_model_dir)
     db = tmp_path / "exp.db"
     grpo_db(db, tok)
-    config = sft_config(tmp_path, tiny_model_dir, **{
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-2}},
-        "buffer.train_batch_size": 4, "buffer.total_steps": 1,
-        "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "path": f"sqlite:///{db}",
-                                                   "max_read_timeout": 5}})
+    config = sft_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-2}},
+            "buffer.train_batch_size": 4,
+            "buffer.total_steps": 1,
+            "buffer.trainer_input.experience_buffer": {
+                "name": "exp",
+                "storage_type": "queue",
+                "path": f"sqlite:///{db}",
+                "max_read_timeout": 5,
+            },
+        },
+    )
     out = run_train(config)
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "t"
@@ -412,20 +505,35 @@ def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(
         if case == "record":
             with ExperienceDB(f"sqlite:///{db}") as d:
                 d.check_advantages("the trainer", "explorer grpo_explorer")  # what explore.set_up stores
-        config = sft_config(tmp_path, tiny_model_dir, **{
-            "algorithm": {"algorithm_type": "multi_step_grpo", "repeat_times": 4},
-            "buffer.train_batch_size": 4, "buffer.total_steps": 1, "name": case,
-            "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue",
-                                                       "path": f"sqlite:///{db}", "max_read_timeout": 5}})
+        config = sft_config(
+            tmp_path,
+            tiny_model_dir,
+            **{
+                "algorithm": {"algorithm_type": "multi_step_grpo", "repeat_times": 4},
+                "buffer.train_batch_size": 4,
+                "buffer.total_steps": 1,
+                "name": case,
+                "buffer.trainer_input.experience_buffer": {
+                    "name": "exp",
+                    "storage_type": "queue",
+                    "path": f"sqlite:///{db}",
+                    "max_read_timeout": 5,
+                },
+            },
+        )
         out = run_train(config)
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
         if case == "rows":
-            assert ("4 of 4 experiences carry no advantages, which algorithm.advantage_fn step_wise_grpo computes in "
-                    "the explorer (models.group_advantages): explorer(s) grpo_explorer wrote them with another "
-                    "advantage_fn") in out.stderr
+            assert (
+                "4 of 4 experiences carry no advantages, which algorithm.advantage_fn step_wise_grpo computes in "
+                "the explorer (models.group_advantages): explorer(s) grpo_explorer wrote them with another "
+                "advantage_fn"
+            ) in out.stderr
         else:
-            assert ("the advantages of this DB's experiences come from the trainer (stored by explorer "
-                    "grpo_explorer), and the trainer has them from the explorer: step_wise_grpo {") in out.stderr
+            assert (
+                "the advantages of this DB's experiences come from the trainer (stored by explorer "
+                "grpo_explorer), and the trainer has them from the explorer: step_wise_grpo {"
+            ) in out.stderr
             assert not (tmp_path / "ck" / "p" / case / "global_step_1").exists()
 
 
@@ -435,8 +543,11 @@ def mlflow_runs(uri: str) -> dict[str, str]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
-    return {r.info.run_name: r.info.status for e in client.search_experiments()
-            for r in client.search_runs([e.experiment_id])}
+    return {
+        r.info.run_name: r.info.status
+        for e in client.search_experiments()
+        for r in client.search_runs([e.experiment_id])
+    }
 
 
 def test_a_set_up_failure_ends_the_mlflow_run_as_failed(tmp_path, tiny_model_dir):
@@ -446,25 +557,48 @@ def test_a_set_up_failure_ends_the_mlflow_run_as_failed(tmp_path, tiny_model_dir
     db = tmp_path / "exp.db"
     with ExperienceDB(f"sqlite:///{db}") as d:
         d.check_identity({"model_type": "llama"}, "another explorer")
-    config = sft_config(tmp_path, tiny_model_dir, **{
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2}, "monitor.monitor_type": "mlflow",
-        "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "path": f"sqlite:///{db}"}})
+    config = sft_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
+            "monitor.monitor_type": "mlflow",
+            "buffer.trainer_input.experience_buffer": {
+                "name": "exp",
+                "storage_type": "queue",
+                "path": f"sqlite:///{db}",
+            },
+        },
+    )
     uri = (tmp_path / "mlruns").as_uri()
-    out = subprocess.run([sys.executable, "train.py", "--config", str(config)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env={**os.environ, "NANORFT_LAUNCHED": "1", "MLFLOW_TRACKING_URI": uri})
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NANORFT_LAUNCHED": "1", "MLFLOW_TRACKING_URI": uri},
+    )
     assert out.returncode == 2 and "written for another model or tokenizer" in out.stderr, out.stderr[-2000:]
     assert mlflow_runs(uri) == {"t_trainer": "FAILED"}
 
 
 def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_model_dir):
-    config = sft_config(tmp_path, tiny_model_dir, **{
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
-        "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "max_read_timeout": 7}})
+    config = sft_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
+            "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "max_read_timeout": 7},
+        },
+    )
     out = run_train(config)
     assert out.returncode == 1
     assert "train step 1: waiting for experiences: 0 of 8 ready after 5 s" in out.stderr  # the note while waiting
-    assert ("no full batch for train step 1 after 7 s (buffer.trainer_input.experience_buffer.max_read_timeout); "
-            "explorers: none has written to this DB yet. Stopping") in out.stderr
+    assert (
+        "no full batch for train step 1 after 7 s (buffer.trainer_input.experience_buffer.max_read_timeout); "
+        "explorers: none has written to this DB yet. Stopping"
+    ) in out.stderr
     with ExperienceDB(f"sqlite:///{tmp_path / 'ck' / 'p' / 't' / 'buffer' / 'exp.db'}") as d:
         assert json.loads(d.get_meta("trainer"))["status"] == "stopped" and d.counts()["claims"] == 0
 
@@ -474,8 +608,12 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "t"
     manifest = json.loads((job / "global_step_3" / "manifest.json").read_text())
-    assert {"actor/huggingface/model.safetensors", "actor/optimizer.safetensors", "actor/trainer_state.json",
-            "actor/rng_state_rank0.safetensors"} <= set(manifest)
+    assert {
+        "actor/huggingface/model.safetensors",
+        "actor/optimizer.safetensors",
+        "actor/trainer_state.json",
+        "actor/rng_state_rank0.safetensors",
+    } <= set(manifest)
     assert checkpoint.latest_checkpoint(job) == 3
     weights_3 = job / "global_step_3" / "actor" / "huggingface" / "model.safetensors"
     weights_3.write_bytes(weights_3.read_bytes()[:-100])  # truncated
@@ -506,9 +644,19 @@ def fake_checkpoint(job: Path, step: int) -> Path:
     return actor.parent
 
 
-@pytest.mark.parametrize("case", ["pointer abc", "pointer -1", "pointer a directory", "pointer to nothing",
-                                  "manifest a list", "manifest a directory", "manifest entry a number",
-                                  "renamed folders"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "pointer abc",
+        "pointer -1",
+        "pointer a directory",
+        "pointer to nothing",
+        "manifest a list",
+        "manifest a directory",
+        "manifest entry a number",
+        "renamed folders",
+    ],
+)
 def test_damaged_pointers_manifests_and_renamed_folders_are_named(tmp_path, case, caplog):
     """No ValueError / IsADirectoryError: a DataError naming the file, or the damaged checkpoint skipped with a
     warning naming its manifest; folders renamed by hand (global_step_3_damaged, global_step_2.bak) are not steps."""
@@ -522,9 +670,12 @@ def test_damaged_pointers_manifests_and_renamed_folders_are_named(tmp_path, case
         else:
             pointer.write_text({"pointer abc": "abc", "pointer -1": "-1", "pointer to nothing": "5"}[case])
             shutil.rmtree(job / "global_step_1") if case == "pointer to nothing" else None
-        says = {"pointer abc": "holds 'abc', not a step number", "pointer -1": "holds '-1', not a step number",
-                "pointer a directory": "cannot be read as a step number",
-                "pointer to nothing": f"names step 5, and {job} has no checkpoint up to it"}[case]
+        says = {
+            "pointer abc": "holds 'abc', not a step number",
+            "pointer -1": "holds '-1', not a step number",
+            "pointer a directory": "cannot be read as a step number",
+            "pointer to nothing": f"names step 5, and {job} has no checkpoint up to it",
+        }[case]
         with pytest.raises(DataError, match=re.escape(f"{pointer}") + ".*" + re.escape(says)) as e:
             checkpoint.latest_checkpoint(job)
         assert "see the warnings above" not in str(e.value)
@@ -535,7 +686,8 @@ def test_damaged_pointers_manifests_and_renamed_folders_are_named(tmp_path, case
         pointer.write_text("3\n")
         sync.set_latest(job, 3)
         assert checkpoint.checkpoint_steps(job) == [1] and sync.step_folders(job, "actor/huggingface") == {
-            1: job / "global_step_1" / "actor" / "huggingface"}
+            1: job / "global_step_1" / "actor" / "huggingface"
+        }
         assert sync.prune_published(job, 3) == [] and (job / "global_step_2.bak").is_dir()
         with caplog.at_level(logging.WARNING):
             assert checkpoint.latest_checkpoint(job) == 1
@@ -581,8 +733,10 @@ def read_on_rank(rank: int, world: int, port: int, db_url: str, model_dir: str, 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     if rank > 0:
+
         def refuse(*args, **kwargs):
             raise AssertionError(f"rank {rank} opened the experience DB")
+
         source.ExperienceDB = refuse
     cfg = configs.Config()
     cfg.model.model_path, cfg.buffer.train_batch_size, cfg.algorithm.sample_strategy = model_dir, 4, "default"
@@ -629,9 +783,18 @@ def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
     monkeypatch.setattr(train, "optimize", optimize)
     monkeypatch.setattr(train, "reduce_sum", lambda values, device: values)
     off = types.SimpleNamespace(adaptive=False)
-    p = types.SimpleNamespace(cfg=cfg, critic=object(), critic_optim=None, actor=None, optim=None, total=1, world=1,
-                              device="cpu", pieces={"policy_loss_fn": (None, off), "kl_loss_fn": (None, off),
-                                                    "kl_penalty_fn": (None, off)}, kl_coef={})
+    p = types.SimpleNamespace(
+        cfg=cfg,
+        critic=object(),
+        critic_optim=None,
+        actor=None,
+        optim=None,
+        total=1,
+        world=1,
+        device="cpu",
+        pieces={"policy_loss_fn": (None, off), "kl_loss_fn": (None, off), "kl_penalty_fn": (None, off)},
+        kl_coef={},
+    )
     train.update(p, batch, plan, 1)
     assert seen["actor/"][1] == [1] * 6 and seen["critic/"][1] == [4, 2]  # sequences per micro-batch
     assert seen["critic/"][0] == seen["actor/"][0]  # the same sequences in each mini-batch
@@ -660,15 +823,23 @@ def test_a_full_disk_while_saving_a_checkpoint_is_named_and_the_last_one_resumes
     says which checkpoint is whole and what to do; the pointer still names step 1, whose files match their manifest,
     and the half-written file is gone. Run again once there is room: it resumes from step 1 and saves step 2."""
     config = sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 2, "trainer.save_interval": 1})
-    out = subprocess.run([sys.executable, "-c", FULL_AT_STEP_2, "--config", str(config)], cwd=ROOT, check=False,
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_AT_STEP_2, "--config", str(config)],
+        cwd=ROOT,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"},
+    )
     job = tmp_path / "ck" / "p" / "t"
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert (f"trainer of stage t stops: cannot save checkpoint step 2 in {job}: the disk is full (No space left on "
-            f"device). The last complete checkpoint, step 1 ({job / checkpoint.CKPT_POINTER}), is untouched: the next "
-            "run resumes from it. Free space on that disk (or lower trainer.max_checkpoints_to_keep), then run again "
-            "with continue_from_checkpoint: true.") in out.stderr
+    assert (
+        f"trainer of stage t stops: cannot save checkpoint step 2 in {job}: the disk is full (No space left on "
+        f"device). The last complete checkpoint, step 1 ({job / checkpoint.CKPT_POINTER}), is untouched: the next "
+        "run resumes from it. Free space on that disk (or lower trainer.max_checkpoints_to_keep), then run again "
+        "with continue_from_checkpoint: true."
+    ) in out.stderr
     assert (job / checkpoint.CKPT_POINTER).read_text() == "1\n" and checkpoint.latest_checkpoint(job) == 1
     assert not list(job.rglob(".*tmp*"))  # the partial optimizer file, deleted
     resumed = run_train(config)
@@ -677,8 +848,9 @@ def test_a_full_disk_while_saving_a_checkpoint_is_named_and_the_last_one_resumes
 
 
 @pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
-def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weights_stay(tmp_path, tiny_model_dir,
-                                                                                         monkeypatch, error):
+def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weights_stay(
+    tmp_path, tiny_model_dir, monkeypatch, error
+):
     """Publishing step 2's weights fails part-way (a full disk, an I/O error): a StorageError (a DataError: the
     process names it and stops) says what happened and what to do; the explorers' pointer still names step 1, whose
     folder loads, and the half-written folder is gone."""
@@ -690,8 +862,26 @@ def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weig
     cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, 128  # publishes 1..3
     model = load_model(tiny_model_dir)
     monkeypatch.setattr(train.sync, "full_state", lambda m: dict(m.state_dict()))  # no process group here
-    p = train.Parts(cfg, 0, 1, torch.device("cpu"), load_tokenizer(tiny_model_dir), types.SimpleNamespace(model=model),
-                    None, None, None, None, {"advantage_fn": None}, {}, None, 4, 0, {}, None, None)
+    p = train.Parts(
+        cfg,
+        0,
+        1,
+        torch.device("cpu"),
+        load_tokenizer(tiny_model_dir),
+        types.SimpleNamespace(model=model),
+        None,
+        None,
+        None,
+        None,
+        {"advantage_fn": None},
+        {},
+        None,
+        4,
+        0,
+        {},
+        None,
+        None,
+    )
     assert train.publish(p, 1) is not None and sync.latest_version(tmp_path) == 1
 
     def failing(folder, **kwargs):
@@ -702,14 +892,16 @@ def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weig
     monkeypatch.setattr(model, "save_pretrained", failing)
     with pytest.raises(checkpoint.StorageError) as info:
         train.publish(p, 2)
-    what, todo = {"ENOSPC": ("the disk is full", "Free space on that disk (or lower trainer.max_checkpoints_to_keep)"),
-                  "EIO": ("the disk reported an I/O error",
-                          "Check the disk (dmesg) or move checkpoint_root_dir to a sound one")}[error]
+    what, todo = {
+        "ENOSPC": ("the disk is full", "Free space on that disk (or lower trainer.max_checkpoints_to_keep)"),
+        "EIO": ("the disk reported an I/O error", "Check the disk (dmesg) or move checkpoint_root_dir to a sound one"),
+    }[error]
     assert isinstance(info.value, DataError) and str(info.value) == (
         f"cannot publish the weights of step 2 in {tmp_path}: {what} ({os.strerror(code)}). "
         f"{tmp_path / sync.POINTER} was not moved (explorers keep the weights of step 1). No checkpoint of this run is "
         f"complete yet ({tmp_path / checkpoint.CKPT_POINTER} is absent): the next run starts from model.model_path. "
-        f"{todo}, then run again with continue_from_checkpoint: true.")
+        f"{todo}, then run again with continue_from_checkpoint: true."
+    )
     assert sync.latest_version(tmp_path) == 1 and not list(tmp_path.rglob(".*tmp*"))
     assert load_model(str(tmp_path / "global_step_1" / "actor" / "huggingface")) is not None
 
@@ -720,6 +912,7 @@ def test_a_launched_trainer_whose_model_folder_is_gone_stops_with_a_named_error(
     gone = tmp_path / "moved_away"
     out = run_train(sft_config(tmp_path, tiny_model_dir, **{"model.model_path": str(gone)}))
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert (f"trainer of stage t stops: cannot load a model from {gone}: {gone} does not exist; fix the key that "
-            "names it (model.model_path, model.critic_model_path, explorer.auxiliary_models[].model_path)"
-            ) in out.stderr
+    assert (
+        f"trainer of stage t stops: cannot load a model from {gone}: {gone} does not exist; fix the key that "
+        "names it (model.model_path, model.critic_model_path, explorer.auxiliary_models[].model_path)"
+    ) in out.stderr

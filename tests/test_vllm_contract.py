@@ -36,10 +36,18 @@ def rollout_model(kind: str, **over) -> InferenceModelConfig:
     """The module's engines: fp32 (log-probs comparable with the trainer's), eager (starts in ~20 s on the CPU), a
     tenth of the host's memory each, prefix caching on (so that stale KV blocks after new weights would show),
     chunked prefill as configs.derive leaves it unset (off without GPUs)."""
-    return InferenceModelConfig(**{"engine_type": kind, "engine_num": 2 if kind == "vllm" else 1, "dtype": "float32",
-                                   "gpu_memory_utilization": 0.1, "enforce_eager": True,
-                                   "enable_prefix_caching": True,
-                                   "enable_chunked_prefill": torch.cuda.is_available(), **over})
+    return InferenceModelConfig(
+        **{
+            "engine_type": kind,
+            "engine_num": 2 if kind == "vllm" else 1,
+            "dtype": "float32",
+            "gpu_memory_utilization": 0.1,
+            "enforce_eager": True,
+            "enable_prefix_caching": True,
+            "enable_chunked_prefill": torch.cuda.is_available(),
+            **over,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +92,13 @@ def prompts(model_dir: str) -> list[list[int]]:
 
 def gap(model: torch.nn.Module, prompt: list[int], samples: list, temperature: float = 1.0) -> float:
     """Largest |engine log-prob - the trainer's (a plain forward pass of `model`)| over the samples' tokens."""
-    return max((torch.tensor(c.logprobs) - plain_logprobs(model, prompt + c.token_ids, len(prompt), temperature))
-               .abs().max().item() for c in samples)
+    return max(
+        (torch.tensor(c.logprobs) - plain_logprobs(model, prompt + c.token_ids, len(prompt), temperature))
+        .abs()
+        .max()
+        .item()
+        for c in samples
+    )
 
 
 # --- sampling
@@ -131,7 +144,7 @@ def test_eos_ends_a_sample_and_min_tokens_masks_it(backend, tiny_model_dir):
         tokens = torch.tensor(ids + c.token_ids)
         with torch.no_grad():
             logp = ref(tokens[None]).logits[0, len(ids) - 1 : -1].float().log_softmax(-1)  # [R,V]
-        want = logp.gather(-1, tokens[len(ids):, None])[:, 0]  # [R]
+        want = logp.gather(-1, tokens[len(ids) :, None])[:, 0]  # [R]
         want[:10] -= torch.log1p(-logp[:10, eos].exp().sum(-1))  # EOS masked: the rest renormalised
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
 
@@ -208,8 +221,9 @@ def test_the_repetition_penalty_is_in_the_logprobs(backend, tiny_model_dir):
 def test_requests_spread_over_both_engines(backend, tiny_model_dir, monkeypatch):
     pool, ids, served = backend.pool("vllm"), prompts(tiny_model_dir), [0, 0]
     for i, e in enumerate(pool.engines):
-        monkeypatch.setattr(e, "submit", lambda p, s, i=i, submit=e.submit: served.__setitem__(i, served[i] + 1)
-                            or submit(p, s))
+        monkeypatch.setattr(
+            e, "submit", lambda p, s, i=i, submit=e.submit: served.__setitem__(i, served[i] + 1) or submit(p, s)
+        )
     futures = [pool.submit(ids[i % 2], SamplingParams(n=2, max_tokens=6, seed=i)) for i in range(8)]
     assert all(len(f.result(timeout=120)) == 2 for f in futures)
     assert sum(served) == 8 and min(served) >= 2
@@ -226,8 +240,10 @@ def test_the_async_engine_streams_some_samples_per_output_unless_asked_for_the_f
         """The sample indices each streamed output holds, as it comes (NOTE: vLLM updates an output's objects in
         place as the request goes on)."""
         sp = engine.vllm.SamplingParams(n=4, max_tokens=5, seed=3, logprobs=0, output_kind=kind)
-        return [[c.index for c in o.outputs]
-                async for o in engine.llm.generate({"prompt_token_ids": ids}, sp, request_id=f"probe-{kind}")]
+        return [
+            [c.index for c in o.outputs]
+            async for o in engine.llm.generate({"prompt_token_ids": ids}, sp, request_id=f"probe-{kind}")
+        ]
 
     streamed, final = engine.call(outputs(kinds.CUMULATIVE)), engine.call(outputs(kinds.FINAL_ONLY))
     assert len(streamed) > 1 and {i for o in streamed for i in o} == {0, 1, 2, 3}
@@ -257,8 +273,9 @@ def test_a_worker_error_comes_back_as_a_bare_exception(backend):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_new_weights_from_a_folder_change_the_outputs_and_the_base_ones_restore_them(backend, kind, tiny_model_dir,
-                                                                                  tmp_path):
+def test_new_weights_from_a_folder_change_the_outputs_and_the_base_ones_restore_them(
+    backend, kind, tiny_model_dir, tmp_path
+):
     """A published folder through vLLM's in-place reload: the greedy answer changes and the log-probs are the new
     weights' within 1e-4, on a prompt whose KV blocks the old weights had cached (the prefix cache is reset); the
     base folder brings back exactly the first answer and log-probs."""
@@ -289,8 +306,11 @@ def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(back
     cut.mkdir()
     data = (Path(tiny_model_dir) / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
-    for folder, why in ((tmp_path / "gone", r"no weights in .*gone \(no folder\)"), (empty, "no weights in"),
-                        (cut, "SafetensorError")):
+    for folder, why in (
+        (tmp_path / "gone", r"no weights in .*gone \(no folder\)"),
+        (empty, "no weights in"),
+        (cut, "SafetensorError"),
+    ):
         with pytest.raises(OSError, match=f"vLLM workers could not load {folder}: {why}"):
             pool.load_weights(str(folder), version=version + 1)
     assert pool.model_version == version and pool.generate([ids], greedy)[0][0].token_ids == before
@@ -337,8 +357,12 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
     for got, want in zip(received, started):
         for a, b in zip(got, want):
             assert [c.token_ids for c in a] == [c.token_ids for c in b]
-            torch.testing.assert_close(torch.tensor([x for c in a for x in c.logprobs]),
-                                       torch.tensor([x for c in b for x in c.logprobs]), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor([x for c in a for x in c.logprobs]),
+                torch.tensor([x for c in b for x in c.logprobs]),
+                atol=1e-5,
+                rtol=0,
+            )
     assert gap(new, ids[0], received[1][0]) < 1e-4
 
 
@@ -348,9 +372,16 @@ def test_the_openai_api_over_vllm_engines_with_the_openai_client(backend, tiny_m
     server = OpenAIServer(ModelHandle(pool, tok, {}, max_model_len=256), "tiny")
     client = openai.OpenAI(base_url=server.start() + "/v1", api_key="EMPTY", max_retries=0)
     try:
-        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "What is 2 + 3?"}],
-                                             n=3, temperature=0.7, max_tokens=6, seed=1, logprobs=True,
-                                             extra_body={"return_token_ids": True})
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "What is 2 + 3?"}],
+            n=3,
+            temperature=0.7,
+            max_tokens=6,
+            seed=1,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+        )
     finally:
         server.stop()
     assert len(out.choices) == 3
@@ -386,10 +417,17 @@ def test_a_trainer_killed_mid_transfer_gives_the_restart_message(backend, tiny_m
     """The trainer dies after the first of many buckets: the explorer (explore.receive) logs that no weights of the
     step came, why, and to restart, and returns exit code 1; no traceback, no hang."""
     pool = backend.pool("vllm")
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, str(tmp_path), tiny_model_dir], cwd=ROOT,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
-    x = SimpleNamespace(engine=pool, receiver=None, step=4, cfg=SimpleNamespace(
-        checkpoint_job_dir=str(tmp_path), synchronizer=SimpleNamespace(sync_timeout=120)))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", TRAINER, str(tmp_path), tiny_model_dir],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    x = SimpleNamespace(
+        engine=pool,
+        receiver=None,
+        step=4,
+        cfg=SimpleNamespace(checkpoint_job_dir=str(tmp_path), synchronizer=SimpleNamespace(sync_timeout=120)),
+    )
     start = time.monotonic()
     try:
         code, metrics = explore.receive(x, 5)

@@ -9,12 +9,12 @@ trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch th
 from pathlib import Path
 
 import pytest
+from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
 
 import lora
 import models
 from conftest import constant_judge, real_vllm
 from monitor import read_history
-from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
 
 STEPS, PER_STEP = 4, 4  # batch_size 2 x repeat_times 2
 
@@ -23,10 +23,18 @@ def vllm_config(tmp_path: Path, tiny_model_dir: str, kind: str, sync_method: str
     """both_config on vLLM: 4 steps, a checkpoint at step 2 (its weights kept to check step 3's rollouts against),
     no min_tokens (vLLM's log-probs under it are of the EOS-masked distribution: configs/checks.py), eager engines
     (they start in ~20 s on the CPU; gpu_memory_utilization left to the CPU default)."""
-    return both_config(tmp_path, tiny_model_dir, **{
-        "buffer.total_steps": STEPS, "trainer.save_interval": 2, "model.min_response_tokens": 0,
-        "synchronizer.sync_method": sync_method,
-        "explorer.rollout_model": {"engine_type": kind, "enforce_eager": True}, **over})
+    return both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.total_steps": STEPS,
+            "trainer.save_interval": 2,
+            "model.min_response_tokens": 0,
+            "synchronizer.sync_method": sync_method,
+            "explorer.rollout_model": {"engine_type": kind, "enforce_eager": True},
+            **over,
+        },
+    )
 
 
 def check_run(tmp_path: Path, out, weights_of_step_2: Path) -> Path:
@@ -53,11 +61,20 @@ def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
     """engine_type vllm, published folders read by the vLLM worker; the reward comes from an auxiliary judge that
     is a vLLM engine too (a model trained to answer "Score: 7": every reward 0.7)."""
     judge = constant_judge(tiny_model_dir, tmp_path / "judge-model")
-    config = vllm_config(tmp_path, tiny_model_dir, "vllm", "checkpoint", **{
-        "buffer.default_workflow_type": "llm_judge_workflow", "buffer.default_reward_fn_type": None,
-        "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
-        "explorer.auxiliary_models": [{"model_path": judge, "engine_type": "vllm", "enforce_eager": True,
-                                       "max_model_len": 512}]})
+    config = vllm_config(
+        tmp_path,
+        tiny_model_dir,
+        "vllm",
+        "checkpoint",
+        **{
+            "buffer.default_workflow_type": "llm_judge_workflow",
+            "buffer.default_reward_fn_type": None,
+            "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
+            "explorer.auxiliary_models": [
+                {"model_path": judge, "engine_type": "vllm", "enforce_eager": True, "max_model_len": 512}
+            ],
+        },
+    )
     out = launch(config, timeout=600)
     run = check_run(tmp_path, out, run_weights(tmp_path, 2))
     log = (run / "log" / "explorer.log").read_text()
@@ -72,9 +89,13 @@ def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
 def test_vllm_async_two_engines_with_the_process_group(tmp_path, tiny_model_dir):
     """engine_type vllm_async, engine_num 2: both engines' workers join the trainer's group (gloo here) and take
     every step's weights."""
-    config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "nccl",
-                         **{"explorer.rollout_model": {"engine_type": "vllm_async", "enforce_eager": True,
-                                                       "engine_num": 2}})
+    config = vllm_config(
+        tmp_path,
+        tiny_model_dir,
+        "vllm_async",
+        "nccl",
+        **{"explorer.rollout_model": {"engine_type": "vllm_async", "enforce_eager": True, "engine_num": 2}},
+    )
     run = check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))
     assert "rollout engine 2/2: vllm_async on the CPU" in (run / "log" / "explorer.log").read_text()
 
@@ -82,12 +103,25 @@ def test_vllm_async_two_engines_with_the_process_group(tmp_path, tiny_model_dir)
 def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
     """A LoRA adapter trains; the merged weights go over the group into the vLLM worker: step 3 was sampled from
     exactly base + the step-2 adapter, not from the base."""
-    config = vllm_config(tmp_path, tiny_model_dir, "vllm", "nccl", **{
-        "model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}], "algorithm.optimizer.lr": 1e-2})
+    config = vllm_config(
+        tmp_path,
+        tiny_model_dir,
+        "vllm",
+        "nccl",
+        **{"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}], "algorithm.optimizer.lr": 1e-2},
+    )
     out = launch(config, timeout=600)
     run = tmp_path / "ck" / "p" / "run"
-    merged = lora.merged_folder(models.load_model(tiny_model_dir), str(run / "global_step_2" / "actor" / "lora_adapter"),
-                                models.load_tokenizer(tiny_model_dir), tmp_path / "merged2") if out.returncode == 0 else None
+    merged = (
+        lora.merged_folder(
+            models.load_model(tiny_model_dir),
+            str(run / "global_step_2" / "actor" / "lora_adapter"),
+            models.load_tokenizer(tiny_model_dir),
+            tmp_path / "merged2",
+        )
+        if out.returncode == 0
+        else None
+    )
     check_run(tmp_path, out, merged)
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
 

@@ -34,8 +34,10 @@ def vllm(monkeypatch):
 
 
 def rollout_model(**over) -> InferenceModelConfig:
-    return dataclasses.replace(InferenceModelConfig(engine_type="vllm", gpu_memory_utilization=0.5, enforce_eager=True,
-                                                    dtype="float32"), **over)
+    return dataclasses.replace(
+        InferenceModelConfig(engine_type="vllm", gpu_memory_utilization=0.5, enforce_eager=True, dtype="float32"),
+        **over,
+    )
 
 
 def prompts(model_dir: str) -> list[list[int]]:
@@ -53,8 +55,15 @@ def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, t
         assert [e.multiproc_method for e in vllm.ENGINES] == ["spawn", "spawn"]
         assert [e.args.seed for e in vllm.ENGINES] == [7, 8]
         args = vllm.ENGINES[0].args
-        assert (args.tensor_parallel_size, args.gpu_memory_utilization, args.enable_prefix_caching, args.seed,
-                args.enforce_eager, args.dtype, args.max_model_len) == (2, 0.5, False, 7, True, "float32", 256)
+        assert (
+            args.tensor_parallel_size,
+            args.gpu_memory_utilization,
+            args.enable_prefix_caching,
+            args.seed,
+            args.enforce_eager,
+            args.dtype,
+            args.max_model_len,
+        ) == (2, 0.5, False, 7, True, "float32", 256)
         assert args.logprobs_mode == "processed_logprobs" and args.worker_extension_cls == "vllm_engine.WeightReceiver"
         assert not args.enable_sleep_mode and [len(e.workers) for e in vllm.ENGINES] == [2, 2]
         ids = prompts(tiny_model_dir)
@@ -64,8 +73,9 @@ def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, t
         assert all(len(e.requests) >= 2 for e in vllm.ENGINES)  # both engines took requests
         assert sum(len(e.requests) for e in vllm.ENGINES) == 8
         pool.model_version = 4  # the explorer sets the version of the weights it started from, on every engine
-        assert [e.model_version for e in pool.engines] == [4, 4] and pool.generate(ids[:1], [SamplingParams(
-            max_tokens=2)])[0][0].model_version == 4
+        assert [e.model_version for e in pool.engines] == [4, 4] and pool.generate(
+            ids[:1], [SamplingParams(max_tokens=2)]
+        )[0][0].model_version == 4
     finally:
         pool.close()
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "3,4,5,6"  # restored after each engine started
@@ -108,7 +118,7 @@ def test_vllm_engines_end_a_response_on_the_ids_the_hf_engine_does(vllm, tiny_mo
     finally:
         pool.close()
     stop = greedy.token_ids[2]
-    assert again.token_ids == greedy.token_ids[:greedy.token_ids.index(stop) + 1] and again.finish_reason == "stop"
+    assert again.token_ids == greedy.token_ids[: greedy.token_ids.index(stop) + 1] and again.finish_reason == "stop"
 
 
 def worker_weights(vllm) -> list[dict[str, torch.Tensor]]:
@@ -139,13 +149,18 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
     as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly.
     A bf16 engine gets bf16 on the wire (the trainer casts its fp32 master weights): half the bytes. "mixed": bf16
     and fp32 tensors in turn, in buckets of at most 8 KiB, so that many buckets of both dtypes travel."""
-    pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2, dtype=dtype.replace("mixed", "float32")),
-                       tiny_model_dir, 256)
+    pool = make_engine(
+        rollout_model(engine_num=2, tensor_parallel_size=2, dtype=dtype.replace("mixed", "float32")),
+        tiny_model_dir,
+        256,
+    )
     new = perturbed(tiny_model_dir)
     sender = sync.open_sender(tmp_path, "cpu", timeout=60)
     params = dict(new.named_parameters())
-    specs = [(n, tuple(t.shape), torch.bfloat16 if dtype == "bfloat16" or (dtype == "mixed" and i % 2) else
-              torch.float32) for i, (n, t) in enumerate(params.items())]
+    specs = [
+        (n, tuple(t.shape), torch.bfloat16 if dtype == "bfloat16" or (dtype == "mixed" and i % 2) else torch.float32)
+        for i, (n, t) in enumerate(params.items())
+    ]
     if dtype == "mixed":
         monkeypatch.setattr(sync, "BUCKET_BYTES", 8192)
     sent = threading.Thread(target=sync.send_weights, args=(sender, 5, specs, (t.detach() for t in params.values())))
@@ -222,12 +237,14 @@ def test_prefix_cache_reset_waits_until_vllm_does_it(vllm, tiny_model_dir):
         vllm_engine.reset_prefix_cache(lambda: False, tries=2)
 
 
-def test_a_folder_the_workers_cannot_load_is_an_oserror_and_the_explorer_loads_the_newest(vllm, tiny_model_dir,
-                                                                                           tmp_path):
+def test_a_folder_the_workers_cannot_load_is_an_oserror_and_the_explorer_loads_the_newest(
+    vllm, tiny_model_dir, tmp_path
+):
     """A missing (say, pruned) or empty folder: no worker loads anything, the version stays, and the error is an
     OSError, which explore.load_published answers by loading the newest published folder."""
-    import explore
     from safetensors.torch import save_file
+
+    import explore
 
     pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2), tiny_model_dir, 256)
     empty = tmp_path / "empty"
@@ -303,10 +320,18 @@ def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny
     the vLLM worker at every step: the rollouts of step s come from exactly the trainer's weights of step s - 1."""
     from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
 
-    config = both_config(tmp_path, tiny_model_dir, **{
-        "synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "cluster": {"gpu_per_node": 1},
-        "model.min_response_tokens": 0,  # vLLM's processed log-probs would renormalise without EOS (configs/checks.py)
-        "explorer.rollout_model": {"engine_type": "vllm", "dtype": "float32"}})
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "synchronizer.sync_method": "nccl",
+            "trainer.save_interval": 2,
+            "cluster": {"gpu_per_node": 1},
+            # vLLM's processed log-probs would renormalise without EOS (configs/checks.py)
+            "model.min_response_tokens": 0,
+            "explorer.rollout_model": {"engine_type": "vllm", "dtype": "float32"},
+        },
+    )
     # NOTE: a pretend GPU: the pre-flight (rightly) refuses cluster.gpu_per_node 1 on this machine, so this run
     # starts as the launcher's children do, without it
     env = {"PYTHONPATH": os.pathsep.join([str(FAKE_VLLM), os.environ.get("PYTHONPATH", "")]), "NANORFT_LAUNCHED": "1"}

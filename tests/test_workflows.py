@@ -59,8 +59,10 @@ def test_gsm8k_gold_answers_are_correct_and_altered_ones_are_not():
     assert all(w != r["answer"] and re.search(r"\n#### -?[\d,]+$", w) for w, r in zip(wrong, rows))
     fooled = sum(math_reward(w, r["answer"])["accuracy"] for w, r in zip(wrong, rows))
     elapsed = time.monotonic() - start
-    print(f"GSM8K test: gold judged correct {rate:.2%} ({int(sum(gold))}/{len(rows)}), "
-          f"altered judged correct {int(fooled)}/{len(rows)}, {elapsed:.1f} s")
+    print(
+        f"GSM8K test: gold judged correct {rate:.2%} ({int(sum(gold))}/{len(rows)}), "
+        f"altered judged correct {int(fooled)}/{len(rows)}, {elapsed:.1f} s"
+    )
     assert rate >= 0.995
     assert fooled == 0
     assert elapsed < 30
@@ -69,34 +71,37 @@ def test_gsm8k_gold_answers_are_correct_and_altered_ones_are_not():
 # --- extraction and equivalence
 
 
-@pytest.mark.parametrize("response,reference,expected", [
-    ("so the total is\n#### 1,234", 1234, 1.0),
-    ("#### 1,234", "#### 1234", 1.0),
-    ("The answer is $\\boxed{\\frac{3}{4}}$.", 0.75, 1.0),
-    ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
-    ("\\boxed{\\frac{\\sqrt{4}}{2}} is it", "1", 1.0),           # nested braces, symbolic
-    ("\\boxed{\\frac{\\sqrt{4}}{2}} is it", "2", 0.0),
-    ("<answer> 42 </answer>", "#### 42", 1.0),
-    ("<answer> 41 </answer>", "#### 42", 0.0),
-    ("#### -5", -5, 1.0),
-    ("the change is -5 dollars", "#### -5", 1.0),                # last-number fallback, negative
-    ("#### 5", -5, 0.0),
-    ("#### 72.0", 72, 1.0),
-    ("#### 72.", "#### 72", 1.0),
-    ("#### $18", "#### 18", 1.0),
-    ("#### 0.5", "\\boxed{\\frac{1}{2}}", 1.0),
-    ("\\boxed{x + 1}", "\\boxed{1 + x}", 1.0),                    # non-numeric: math_verify
-    ("#### Step 1\nThen it is 7.", 7, 1.0),                      # a markdown heading is not an answer
-    ("I have no idea.", 3, 0.0),                                 # no number at all
-])
+@pytest.mark.parametrize(
+    "response,reference,expected",
+    [
+        ("so the total is\n#### 1,234", 1234, 1.0),
+        ("#### 1,234", "#### 1234", 1.0),
+        ("The answer is $\\boxed{\\frac{3}{4}}$.", 0.75, 1.0),
+        ("\\boxed{\\frac{3}{4}}", "3/4", 1.0),
+        ("\\boxed{\\frac{\\sqrt{4}}{2}} is it", "1", 1.0),  # nested braces, symbolic
+        ("\\boxed{\\frac{\\sqrt{4}}{2}} is it", "2", 0.0),
+        ("<answer> 42 </answer>", "#### 42", 1.0),
+        ("<answer> 41 </answer>", "#### 42", 0.0),
+        ("#### -5", -5, 1.0),
+        ("the change is -5 dollars", "#### -5", 1.0),  # last-number fallback, negative
+        ("#### 5", -5, 0.0),
+        ("#### 72.0", 72, 1.0),
+        ("#### 72.", "#### 72", 1.0),
+        ("#### $18", "#### 18", 1.0),
+        ("#### 0.5", "\\boxed{\\frac{1}{2}}", 1.0),
+        ("\\boxed{x + 1}", "\\boxed{1 + x}", 1.0),  # non-numeric: math_verify
+        ("#### Step 1\nThen it is 7.", 7, 1.0),  # a markdown heading is not an answer
+        ("I have no idea.", 3, 0.0),  # no number at all
+    ],
+)
 def test_accuracy_cases(response, reference, expected):
     assert accuracy_reward(response, reference)["accuracy"] == expected
 
 
 def test_extraction_order_and_last_number_fallback():
-    assert extract_answer("\\boxed{3} then #### 4") == "4"                    # #### wins over boxed
+    assert extract_answer("\\boxed{3} then #### 4") == "4"  # #### wins over boxed
     assert extract_answer("<answer>5</answer> and \\boxed{a{b}c}") == "a{b}c"  # boxed over <answer>
-    assert extract_answer("\\boxed{1} ... \\boxed{2}") == "2"                  # the last one
+    assert extract_answer("\\boxed{1} ... \\boxed{2}") == "2"  # the last one
     assert extract_answer("\\boxed{unclosed") is None
     assert extract_answer("it costs 12 and then 13") is None
     assert extract_answer("it costs 12 and then 13", last_number_fallback=True) == "13"
@@ -112,21 +117,24 @@ def test_format_and_math_reward_components():
     assert math_reward("\\boxed{4}", "#### 3", format_score=0.05) == {"accuracy": 0.0, "format_score": 0.05}
 
 
-@pytest.mark.parametrize("response", [
-    "9" * 5000,
-    "#### " + "9" * 5000,
-    "\\boxed{" + "9" * 5000 + "}",
-    "__import__('os').system('touch /tmp/nanorft_pwned')",
-    "\\boxed{__import__('os').system('touch /tmp/nanorft_pwned')}",
-    "<answer>__import__('os').system('touch /tmp/nanorft_pwned')</answer>",
-    "\\boxed{9^{9^{9^{9}}}}",
-    "\\boxed{2^{99999999}}",
-    "\\boxed{99999!}",
-    "#### " + "a" * 38 + "!",
-    "<answer>" * 5000,
-    "<answer>" * 5000 + "</answer>",
-    "{" * 3000 + "\\boxed{" + "{" * 3000,
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "9" * 5000,
+        "#### " + "9" * 5000,
+        "\\boxed{" + "9" * 5000 + "}",
+        "__import__('os').system('touch /tmp/nanorft_pwned')",
+        "\\boxed{__import__('os').system('touch /tmp/nanorft_pwned')}",
+        "<answer>__import__('os').system('touch /tmp/nanorft_pwned')</answer>",
+        "\\boxed{9^{9^{9^{9}}}}",
+        "\\boxed{2^{99999999}}",
+        "\\boxed{99999!}",
+        "#### " + "a" * 38 + "!",
+        "<answer>" * 5000,
+        "<answer>" * 5000 + "</answer>",
+        "{" * 3000 + "\\boxed{" + "{" * 3000,
+    ],
+)
 def test_adversarial_responses_neither_crash_hang_nor_execute(response):
     start = time.monotonic()
     assert math_reward(response, "#### 7")["accuracy"] == 0.0
@@ -137,8 +145,11 @@ def test_adversarial_responses_neither_crash_hang_nor_execute(response):
 def test_math_verify_path_works_off_the_main_thread():
     # math_verify's own timeouts use SIGALRM, which raises outside the main thread unless disabled.
     with ThreadPoolExecutor(1) as pool:
-        results = list(pool.map(lambda args: is_equivalent(*args),
-                                [("x + 1", "1 + x"), ("\\sqrt{4}", "2"), ("9^{9^{9^{9}}}", "1")]))
+        results = list(
+            pool.map(
+                lambda args: is_equivalent(*args), [("x + 1", "1 + x"), ("\\sqrt{4}", "2"), ("9^{9^{9^{9}}}", "1")]
+            )
+        )
     assert threading.current_thread() is threading.main_thread()
     assert results == [True, True, False]
 
@@ -148,23 +159,26 @@ def test_math_verify_path_works_off_the_main_thread():
 NUMS = {"nums": [3, 5, 2], "target": 16}
 
 
-@pytest.mark.parametrize("response,expected", [
-    ("<think>3 + 5 = 8; 8 * 2 = 16</think> <answer> (3 + 5) * 2 </answer>", 1.0),
-    ("<answer>1</answer> then <answer>2 * (5 + 3)</answer>", 1.0),         # the last <answer> counts
-    ("<answer> 3 * 5 + 2 </answer>", 0.1),                                   # 17: wrong value
-    ("<answer> (3 + 5) * 2 * 1 </answer>", 0.1),                             # 1 not given
-    ("<answer> (3 + 5) * 2 + 3 - 3 </answer>", 0.1),                         # 3 reused
-    ("<answer> (3 + 5) * 2 / 0 </answer>", 0.1),                             # well-formed, / by 0
-    ("<answer> 16 </answer>", 0.1),                                          # numbers missing
-    ("(3 + 5) * 2", 0.0),                                                    # no <answer>
-    ("<answer> (3 + 5) * 2 = 16 </answer>", 0.0),                            # not an expression
-    ("<answer>__import__('os').system('touch /tmp/nanorft_pwned')</answer>", 0.0),
-    ("<answer>2**99999999</answer>", 0.0),
-    ("<answer>(lambda: 16)()</answer>", 0.0),
-    ("<answer>" + "(" * 5000 + "1" + ")" * 5000 + "</answer>", 0.0),
-    ("<answer>" + "9" * 5000 + "</answer>", 0.0),
-    ("<answer>" * 5000 + "(3 + 5) * 2", 0.0),
-])
+@pytest.mark.parametrize(
+    "response,expected",
+    [
+        ("<think>3 + 5 = 8; 8 * 2 = 16</think> <answer> (3 + 5) * 2 </answer>", 1.0),
+        ("<answer>1</answer> then <answer>2 * (5 + 3)</answer>", 1.0),  # the last <answer> counts
+        ("<answer> 3 * 5 + 2 </answer>", 0.1),  # 17: wrong value
+        ("<answer> (3 + 5) * 2 * 1 </answer>", 0.1),  # 1 not given
+        ("<answer> (3 + 5) * 2 + 3 - 3 </answer>", 0.1),  # 3 reused
+        ("<answer> (3 + 5) * 2 / 0 </answer>", 0.1),  # well-formed, / by 0
+        ("<answer> 16 </answer>", 0.1),  # numbers missing
+        ("(3 + 5) * 2", 0.0),  # no <answer>
+        ("<answer> (3 + 5) * 2 = 16 </answer>", 0.0),  # not an expression
+        ("<answer>__import__('os').system('touch /tmp/nanorft_pwned')</answer>", 0.0),
+        ("<answer>2**99999999</answer>", 0.0),
+        ("<answer>(lambda: 16)()</answer>", 0.0),
+        ("<answer>" + "(" * 5000 + "1" + ")" * 5000 + "</answer>", 0.0),
+        ("<answer>" + "9" * 5000 + "</answer>", 0.0),
+        ("<answer>" * 5000 + "(3 + 5) * 2", 0.0),
+    ],
+)
 def test_countdown_reward(response, expected):
     start = time.monotonic()
     scores = countdown_reward(response, NUMS)
@@ -177,7 +191,7 @@ def test_countdown_reward(response, expected):
 def test_countdown_evaluator():
     assert evaluate(parse_equation("-(3 - 5) * 8 / 2")) == pytest.approx(8.0)
     assert evaluate(parse_equation("10 / 4")) == pytest.approx(2.5)
-    assert evaluate(parse_equation("999999 * 999999 * 999999")) is None      # beyond MAX_MAGNITUDE
+    assert evaluate(parse_equation("999999 * 999999 * 999999")) is None  # beyond MAX_MAGNITUDE
     for bad in ["True + 1", "1.5 + 2", "a + 1", "1 ** 2", "1 // 2", "[1][0]", "'1' + '2'", ""]:
         assert parse_equation(bad) is None, bad
 
@@ -186,11 +200,22 @@ def test_countdown_evaluator():
 
 
 def make_task(workflow: str = "math_workflow", reward_fn: str = "math_reward", **overrides) -> Task:
-    fields = dict(taskset="t", index=0, epoch=0, raw={"question": "q", "answer": "#### 42"}, prompt="q",
-                  messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}],
-                  reference="#### 42", tools=None, workflow=workflow, reward_fn=reward_fn, workflow_args={},
-                  reward_fn_args={}, rollout_args=GenerationConfig(temperature=0.7, top_p=0.9, max_tokens=64),
-                  repeat_times=3)
+    fields = dict(
+        taskset="t",
+        index=0,
+        epoch=0,
+        raw={"question": "q", "answer": "#### 42"},
+        prompt="q",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}],
+        reference="#### 42",
+        tools=None,
+        workflow=workflow,
+        reward_fn=reward_fn,
+        workflow_args={},
+        reward_fn_args={},
+        rollout_args=GenerationConfig(temperature=0.7, top_p=0.9, max_tokens=64),
+        repeat_times=3,
+    )
     return Task(**{**fields, **overrides})
 
 
@@ -213,8 +238,9 @@ def test_unknown_names_fail_listing_the_known_ones():
     assert "Did you mean 'math_workflow'" in str(err.value) and "countdown_workflow" in str(err.value)
     with pytest.raises(KeyError, match="countdown_reward"):
         get_reward_fn("no_such_reward")
-    with pytest.raises(ConfigError, match="reward_fn_args.last_number_fallbak: unknown key; did you mean "
-                                          "last_number_fallback"):
+    with pytest.raises(
+        ConfigError, match="reward_fn_args.last_number_fallbak: unknown key; did you mean last_number_fallback"
+    ):
         get_reward_fn("math_reward", last_number_fallbak=False)
 
 
@@ -232,8 +258,16 @@ class FakeModel:
 
     def chat(self, messages: list[dict], n: int = 1, **sampling) -> list[Experience]:
         self.calls.append({"messages": messages, "n": n, **sampling})
-        return [Experience(tokens=torch.arange(10), prompt_length=6, logprobs=torch.zeros(4),
-                           prompt_text=str(messages), response_text=text) for text in self.responses[:n]]
+        return [
+            Experience(
+                tokens=torch.arange(10),
+                prompt_length=6,
+                logprobs=torch.zeros(4),
+                prompt_text=str(messages),
+                response_text=text,
+            )
+            for text in self.responses[:n]
+        ]
 
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
         return [self.chat([{"role": "user", "content": p}], n, **sampling) for p in prompts]
@@ -244,19 +278,21 @@ def test_math_workflow_scores_each_response_and_passes_rollout_args():
     task = make_task(workflow_args={"system_prompt": "Think step by step."})
     exps = build_workflow(task, model).run()
     assert [e.reward for e in exps] == pytest.approx([1.1, 0.1, 0.9])
-    assert [e.metrics for e in exps] == [{"accuracy": 1.0, "format_score": 0.1},
-                                         {"accuracy": 0.0, "format_score": 0.1},
-                                         {"accuracy": 1.0, "format_score": -0.1}]
+    assert [e.metrics for e in exps] == [
+        {"accuracy": 1.0, "format_score": 0.1},
+        {"accuracy": 0.0, "format_score": 0.1},
+        {"accuracy": 1.0, "format_score": -0.1},
+    ]
     (call,) = model.calls
     assert call["n"] == 3 and call["temperature"] == 0.7 and call["top_p"] == 0.9 and call["max_tokens"] == 64
-    assert "top_k" not in call and "logprobs" not in call                 # unset args are not sent
+    assert "top_k" not in call and "logprobs" not in call  # unset args are not sent
     assert call["messages"] == [{"role": "system", "content": "Think step by step."}, {"role": "user", "content": "q"}]
-    assert all(e.group_id == "" and e.run_id == 0 for e in exps)          # the runner's job, not ours
+    assert all(e.group_id == "" and e.run_id == 0 for e in exps)  # the runner's job, not ours
 
 
 def test_math_workflow_defaults_and_last_number_fallback_workflow_arg():
     task = make_task(reward_fn="", workflow_args={"last_number_fallback": False})
-    exps = build_workflow(task, FakeModel(["I think it is 42"])).run()   # no reward_fn named: math_reward
+    exps = build_workflow(task, FakeModel(["I think it is 42"])).run()  # no reward_fn named: math_reward
     assert exps[0].metrics == {"accuracy": 0.0, "format_score": -0.1}
     assert task.messages[0] == {"role": "system", "content": "be brief"}  # the task is not mutated
 
@@ -273,8 +309,15 @@ def test_simple_workflow_uses_the_configured_reward_fn():
 
 def test_countdown_workflow_builds_the_tinyzero_prompt():
     model = FakeModel(["<answer>(3 + 5) * 2</answer>", "<answer>3 * 5 + 2</answer>", "no idea"])
-    task = make_task("countdown_workflow", "countdown_reward", raw=dict(NUMS), prompt=None, messages=None,
-                     reference=None, rollout_args=GenerationConfig(temperature=1.0, max_tokens=256))
+    task = make_task(
+        "countdown_workflow",
+        "countdown_reward",
+        raw=dict(NUMS),
+        prompt=None,
+        messages=None,
+        reference=None,
+        rollout_args=GenerationConfig(temperature=1.0, max_tokens=256),
+    )
     exps = build_workflow(task, model).run()
     assert [e.reward for e in exps] == pytest.approx([1.0, 0.1, 0.0])
     assert [e.metrics["accuracy"] for e in exps] == [1.0, 0.0, 0.0]
@@ -296,6 +339,7 @@ def test_empty_answer_forms_state_nothing():
 def test_random_reward_repeats_exactly_per_seed_task_and_run():
     """The control's coin flips depend on (seed, task, run) only: a rerun of the experiment draws the same rewards,
     the runs of one group draw their own, and another seed draws others."""
+
     def rewards(seed: int, index: int = 0) -> list[float]:
         task = make_task("math_workflow", "random_reward", reward_fn_args={"seed": seed}, repeat_times=16, index=index)
         return [e.reward for e in build_workflow(task, FakeModel(["#### 42"] * 16)).run()]
@@ -320,9 +364,19 @@ def test_a_tasksets_args_are_checked_once_and_draw_key_looked_up_once(monkeypatc
     monkeypatch.setattr(inspect, "signature", lambda fn: signatures.append(fn) or signature(fn))
     workflows.args._takes_draw_key.cache_clear()
     args = {"system_prompt": f"be brief {os.getpid()} {time.time()}"}  # args this process has not checked yet
-    built = [build_workflow(make_task("math_workflow", "random_reward", workflow_args=args, index=i,
-                                      reward_fn_args={"seed": 7, "p": 0.5 + 1e-9 * os.getpid()}),
-                            FakeModel(["#### 42"] * 3)) for i in range(4)]
+    built = [
+        build_workflow(
+            make_task(
+                "math_workflow",
+                "random_reward",
+                workflow_args=args,
+                index=i,
+                reward_fn_args={"seed": 7, "p": 0.5 + 1e-9 * os.getpid()},
+            ),
+            FakeModel(["#### 42"] * 3),
+        )
+        for i in range(4)
+    ]
     signatures.clear()
     assert [len(w.run()) for w in built] == [3] * 4  # 12 responses
     assert sorted(c.__name__ for c in checks) == ["MathArgs", "random_reward_args"]  # once each, not per task
@@ -337,7 +391,7 @@ def test_a_tasksets_args_are_checked_once_and_draw_key_looked_up_once(monkeypatc
 
 # --- a user's own workflow and reward function, named in the YAML (no edit of the project)
 
-USER_FILE = '''
+USER_FILE = """
 from workflows import Workflow, apply_reward
 
 def shout_reward(response, reference, *, bonus=0.0):
@@ -347,7 +401,7 @@ class EchoWorkflow(Workflow):
     def run(self):
         exps = self.model.chat([{"role": "user", "content": self.task.prompt}], n=self.task.repeat_times)
         return [apply_reward(e, self.reward_fn(e.response_text, self.task.reference)) for e in exps]
-'''
+"""
 
 
 def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
@@ -367,11 +421,17 @@ def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
         get_reward_fn(f"{path}:shout_reward", loudness=2)
 
 
-
-@pytest.mark.parametrize("name,why", [
-    ("builtins:exec", "is not a Python function"), ("builtins:eval", "is not a Python function"),
-    ("os:system", "is not a Python function"), ("subprocess:Popen", "is not a Python function"),
-    ("math:pi", "is not a Python function"), ("json:loads", r"cannot be called as fn\(response, reference\)")])
+@pytest.mark.parametrize(
+    "name,why",
+    [
+        ("builtins:exec", "is not a Python function"),
+        ("builtins:eval", "is not a Python function"),
+        ("os:system", "is not a Python function"),
+        ("subprocess:Popen", "is not a Python function"),
+        ("math:pi", "is not a Python function"),
+        ("json:loads", r"cannot be called as fn\(response, reference\)"),
+    ],
+)
 def test_a_reward_function_is_python_code_taking_response_and_reference(name, why):
     """A reward named `module:attr` (the YAML's; a task row cannot name one: tests/test_tasksets.py) must be Python
     code taking (response, reference): builtins and classes are refused by name, so that a "reward" never runs the
@@ -430,11 +490,21 @@ def test_a_users_workflow_is_checked_against_the_args_it_declares_when_an_explor
 
     path = tmp_path / "declared.py"
     path.write_text(ARGS_FILE)
-    raw = {"model": {"model_path": "m", "max_model_len": 256}, "buffer": {"batch_size": 2, "explorer_input": {
-        "taskset": {"path": "x", "default_workflow_type": f"{path}:Declared", "workflow_args": {"tims": 2}}}}}
+    raw = {
+        "model": {"model_path": "m", "max_model_len": 256},
+        "buffer": {
+            "batch_size": 2,
+            "explorer_input": {
+                "taskset": {"path": "x", "default_workflow_type": f"{path}:Declared", "workflow_args": {"tims": 2}}
+            },
+        },
+    }
     (cfg,) = configs.resolve_stages(configs.from_dict(configs.Config, configs.normalize(raw)))  # not imported here
-    with pytest.raises(ConfigError, match=r"^buffer\.explorer_input\.tasksets\[0\]\.workflow_args\.tims: unknown key; "
-                                          "did you mean times"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^buffer\.explorer_input\.tasksets\[0\]\.workflow_args\.tims: unknown key; "
+        "did you mean times",
+    ):
         check_workflows(cfg)
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"times": 0}
     with pytest.raises(ConfigError, match=r"workflow_args\.times: 0 is out of range; allowed: >= 1"):
@@ -447,8 +517,9 @@ def test_a_users_workflow_is_checked_against_the_args_it_declares_when_an_explor
     cfg.buffer.explorer_input.tasksets[0].default_workflow_type = f"{path}:Free"
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"anything": [1, 2]}
     check_workflows(cfg)
-    assert build_workflow(make_task(f"{path}:Free", workflow_args={"anything": [1]}), FakeModel([])).args == \
-        {"anything": [1]}
+    assert build_workflow(make_task(f"{path}:Free", workflow_args={"anything": [1]}), FakeModel([])).args == {
+        "anything": [1]
+    }
 
 
 EXT_WORKFLOW = '''
@@ -473,22 +544,36 @@ def test_user_code_outside_the_repository_runs_in_the_explorer(tmp_path, tiny_mo
     import subprocess
     import sys
 
-    from buffer import ExperienceDB
     from test_explore import ROOT, write_config
+
+    from buffer import ExperienceDB
 
     (tmp_path / "ext" / "my_ext").mkdir(parents=True)
     (tmp_path / "ext" / "my_ext" / "__init__.py").write_text("")
     (tmp_path / "ext" / "my_ext" / "flows.py").write_text(EXT_WORKFLOW)
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "rewards.py").write_text("def length(response, reference):\n"
-                                                 "    return {'length': float(len(response))}\n")
-    config = write_config(tmp_path / "cfg", tiny_model_dir, **{
-        "buffer.default_workflow_type": "my_ext.flows:LengthWorkflow",
-        "buffer.default_reward_fn_type": "rewards.py:length",
-        "buffer.total_steps": 1, "buffer.explorer_input.eval_tasksets": []})
+    (tmp_path / "cfg" / "rewards.py").write_text(
+        "def length(response, reference):\n    return {'length': float(len(response))}\n"
+    )
+    config = write_config(
+        tmp_path / "cfg",
+        tiny_model_dir,
+        **{
+            "buffer.default_workflow_type": "my_ext.flows:LengthWorkflow",
+            "buffer.default_reward_fn_type": "rewards.py:length",
+            "buffer.total_steps": 1,
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "ext"), "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "explore.py", "--config", str(config)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "explore.py", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     db = next((tmp_path / "cfg" / "ck").rglob("*.db"))
     with ExperienceDB(f"sqlite:///{db}") as d:
@@ -501,24 +586,33 @@ def test_the_explorer_names_a_workflow_or_reward_fn_that_does_not_exist_before_a
     from explore import check_workflows
 
     cfg = configs.Config()
-    ts = configs.TasksetConfig(name="arith", default_workflow_type="math_workflow", default_reward_fn_type="math_reward")
+    ts = configs.TasksetConfig(
+        name="arith", default_workflow_type="math_workflow", default_reward_fn_type="math_reward"
+    )
     cfg.buffer.explorer_input.tasksets = [ts]
     check_workflows(cfg)
     ts.default_workflow_type = "math_workflw"
-    with pytest.raises(configs.ConfigError, match=r"tasksets\[0\].default_workflow_type: unknown workflow "
-                                                  r"'math_workflw'\. Did you mean 'math_workflow'\?"):
+    with pytest.raises(
+        configs.ConfigError,
+        match=r"tasksets\[0\].default_workflow_type: unknown workflow "
+        r"'math_workflw'\. Did you mean 'math_workflow'\?",
+    ):
         check_workflows(cfg)
     ts.default_workflow_type, ts.reward_fn_args = "math_workflow", {"last_number_fallbak": False}
-    with pytest.raises(configs.ConfigError, match=r"tasksets\[0\].reward_fn_args.last_number_fallbak: unknown key; "
-                                                  "did you mean last_number_fallback"):
+    with pytest.raises(
+        configs.ConfigError,
+        match=r"tasksets\[0\].reward_fn_args.last_number_fallbak: unknown key; "
+        "did you mean last_number_fallback",
+    ):
         check_workflows(cfg)
 
 
 # --- an auxiliary model as a judge
 
 
-@pytest.mark.parametrize("reply,grade", [("Matches. Score: 10", 1.0), ("Score: 3\nno, Score: 7.5", 0.75),
-                                         ("Score:0", 0.0)])
+@pytest.mark.parametrize(
+    "reply,grade", [("Matches. Score: 10", 1.0), ("Score: 3\nno, Score: 7.5", 0.75), ("Score:0", 0.0)]
+)
 def test_parse_grade(reply, grade):
     assert parse_grade(reply) == grade
 
@@ -537,8 +631,9 @@ class Judge(FakeModel):
 
     def generate(self, prompts, n=1, **sampling):
         self.calls.append({"prompts": prompts, **sampling})
-        return [[Experience(tokens=torch.arange(4), prompt_length=2, response_text=self.responses.pop(0))]
-                for _ in prompts]
+        return [
+            [Experience(tokens=torch.arange(4), prompt_length=2, response_text=self.responses.pop(0))] for _ in prompts
+        ]
 
 
 def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
@@ -564,19 +659,28 @@ def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_
     via explore.with_extras), llm_judge_workflow runs on a runner (explore.run_task) and the judge, a real model
     trained to answer "Score: 7", grades every response: reward 0.7. The untrained model as the judge never gives a
     grade: the task fails, by name."""
+    from test_explore import write_config
+
     import explore
     from configs import cli, resolve_stages
     from engines import HFEngine, rollout_handle
     from tasksets import load_tasks
-    from test_explore import write_config
 
     judge = constant_judge(tiny_model_dir, tmp_path / "judge-model")
     with HFEngine(tiny_model_dir) as engine:
         for judge_path, graded in ((judge, True), (tiny_model_dir, False)):
-            config = write_config(tmp_path, tiny_model_dir, **{
-                "buffer.default_workflow_type": "llm_judge_workflow", "buffer.default_reward_fn_type": None,
-                "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
-                "explorer.auxiliary_models": [{"model_path": judge_path, "engine_type": "hf", "max_model_len": 512}]})
+            config = write_config(
+                tmp_path,
+                tiny_model_dir,
+                **{
+                    "buffer.default_workflow_type": "llm_judge_workflow",
+                    "buffer.default_reward_fn_type": None,
+                    "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
+                    "explorer.auxiliary_models": [
+                        {"model_path": judge_path, "engine_type": "hf", "max_model_len": 512}
+                    ],
+                },
+            )
             (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
             handle = explore.with_extras(cfg, rollout_handle(cfg, engine, engine.tokenizer))
             try:
@@ -596,7 +700,10 @@ def test_the_judge_reads_the_question_of_a_messages_taskset():
     """A messages-format task has no `prompt`: the judge is shown its last user message."""
     model = FakeModel(["#### 42"])
     model.auxiliary = {"judge": Judge(["Score: 9"])}
-    messages = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "#### 2"},
-                {"role": "user", "content": "And 6 x 7?"}]
+    messages = [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "#### 2"},
+        {"role": "user", "content": "And 6 x 7?"},
+    ]
     build_workflow(make_task("llm_judge_workflow", "", repeat_times=1, prompt=None, messages=messages), model).run()
     assert "Question: And 6 x 7?\n" in model.auxiliary["judge"].calls[0]["prompts"][0]

@@ -37,8 +37,9 @@ import functools
 import importlib
 import importlib.util
 import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from buffer import Experience
 from configs.schema import GenerationConfig
@@ -58,8 +59,15 @@ class ModelHandle(Protocol):
 
     model_version: int  # weights version currently served
 
-    def chat(self, messages: list[dict], n: int = 1, tools: list | None = None, chat_template: str | None = None,
-             reply_prefix: str | None = None, **sampling: Any) -> list[Experience]:
+    def chat(
+        self,
+        messages: list[dict],
+        n: int = 1,
+        tools: list | None = None,
+        chat_template: str | None = None,
+        reply_prefix: str | None = None,
+        **sampling: Any,
+    ) -> list[Experience]:
         """Apply the chat template (or `chat_template`) to `messages` with `tools`, start the assistant turn with
         `reply_prefix`, and sample n responses (`chat_options(task)` gives the taskset format's three)."""
         ...
@@ -68,8 +76,9 @@ class ModelHandle(Protocol):
         """Sample n responses per raw text prompt (no template): one list per prompt."""
         ...
 
-    def render(self, messages: list[dict], tools: list | None = None, chat_template: str | None = None,
-               generation: bool = True) -> str:
+    def render(
+        self, messages: list[dict], tools: list | None = None, chat_template: str | None = None, generation: bool = True
+    ) -> str:
         """`messages` through the chat template, as chat() would send them (e.g. to batch them into generate())."""
         ...
 
@@ -175,7 +184,7 @@ def _unknown(kind: str, name: str, known: dict) -> KeyError:
     return KeyError(f"unknown {kind} {name!r}.{hint} Known: {', '.join(sorted(known))}")
 
 
-@functools.lru_cache(maxsize=None)  # once per process: get_workflow runs for every task
+@functools.cache  # once per process: get_workflow runs for every task
 def load_object(spec: str, kind: str) -> Any:
     """`module:attr` or `path/to/file.py:attr`: a workflow or reward function of the user's own, named in the
     YAML, without editing the project (the module is imported as any Python module: the config is trusted)."""
@@ -226,11 +235,16 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     base = fn
     while isinstance(base, functools.partial):
         base = base.func
-    python = inspect.isfunction(base) or inspect.ismethod(base) or (
-        not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))
+    python = (
+        inspect.isfunction(base)
+        or inspect.ismethod(base)
+        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004 (a Python __call__)
+    )
     if not python:
-        raise KeyError(f"reward function {name!r} is not a Python function (builtins and classes are refused): a "
-                       "reward function takes (response, reference) and returns {component: value}")
+        raise KeyError(
+            f"reward function {name!r} is not a Python function (builtins and classes are refused): a "
+            "reward function takes (response, reference) and returns {component: value}"
+        )
     try:
         inspect.signature(fn).bind_partial("response", "reference")  # its own args come from reward_fn_args
     except (TypeError, ValueError) as e:

@@ -25,7 +25,8 @@ import dataclasses
 import functools
 import inspect
 import typing
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import workflows  # NOTE: the package, still being initialised when it imports this module: used at call time only
 from configs.checks import _warn_once, check_ranges
@@ -87,7 +88,7 @@ def workflow_args(cls: type[workflows.Workflow], args: dict[str, Any], path: str
     return copy.deepcopy(memo(("workflow_args", cls.Args, repr(args)), check))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reward_args_class(fn: RewardFn) -> type | None:
     """A dataclass of the arguments of `fn` that a config may set (all but response, reference and draw_key), typed
     by its annotations, to check reward_fn_args with as a workflow's Args; None when `fn` takes **kwargs."""
@@ -98,8 +99,11 @@ def reward_args_class(fn: RewardFn) -> type | None:
         hints = typing.get_type_hints(fn)
     except Exception:  # an annotation that does not resolve: the arguments are taken as they come
         hints = {}
-    fields = [(k, hints.get(k, Any), dataclasses.field(default=None)) for k, p in params.items()
-              if k not in _GIVEN and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    fields = [
+        (k, hints.get(k, Any), dataclasses.field(default=None))
+        for k, p in params.items()
+        if k not in _GIVEN and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
     return dataclasses.make_dataclass(f"{getattr(fn, '__name__', 'reward_fn')}_args", fields)
 
 
@@ -158,8 +162,10 @@ def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[d
         wargs = {k: getattr(checked, k) for k in wargs}
     if cls is not None and not cls.uses_reward_fn and (rf or rargs):
         key = "default_reward_fn_type" if rf else "reward_fn_args"
-        _warn_once(f"config: {where}.{key} = {rf or rargs!r}: has no effect: {wf} grades the responses itself (no "
-                   "reward function)")
+        _warn_once(
+            f"config: {where}.{key} = {rf or rargs!r}: has no effect: {wf} grades the responses itself (no "
+            "reward function)"
+        )
     rf = rf or ((cls.default_reward_fn or "") if cls is not None else "")
     if rf and not ts.format.reward_fn_key and (user_code or ":" not in rf):
         try:

@@ -35,14 +35,26 @@ from buffer import Experience
 from tasksets import Task
 from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, chat_options, sampling_kwargs
 
-PROMPT = ("Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
-          "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
-          "tags. And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+PROMPT = (
+    "Using the numbers {nums}, create an equation that equals {target}. You can use basic arithmetic "
+    "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> "
+    "tags. And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>."
+)
 MAX_EQUATION_CHARS = 100  # longer answers are malformed (also bounds the ast depth)
 MAX_MAGNITUDE = 1e12  # any intermediate value beyond this makes the equation wrong
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div,
-            ast.USub, ast.UAdd)
+_ALLOWED = (
+    ast.Expression,
+    ast.BinOp,
+    ast.UnaryOp,
+    ast.Constant,
+    ast.Add,
+    ast.Sub,
+    ast.Mult,
+    ast.Div,
+    ast.USub,
+    ast.UAdd,
+)
 
 
 # --- safe equation evaluation
@@ -97,12 +109,15 @@ def countdown_reward(response: str, reference: dict[str, Any], *, format_score: 
     # NOTE: the last closed tag, found with rfind (a non-greedy regex is quadratic on unclosed tags).
     end = response.rfind("</answer>")
     start = response.rfind("<answer>", 0, end) if end >= 0 else -1
-    tree = parse_equation(response[start + len("<answer>"):end]) if start >= 0 else None
+    tree = parse_equation(response[start + len("<answer>") : end]) if start >= 0 else None
     if tree is None:
         return {"accuracy": 0.0, "format_score": 0.0}
     value = evaluate(tree)
-    correct = (sorted(numbers_used(tree)) == sorted(int(n) for n in reference["nums"])
-               and value is not None and abs(value - float(reference["target"])) < 1e-5)
+    correct = (
+        sorted(numbers_used(tree)) == sorted(int(n) for n in reference["nums"])
+        and value is not None
+        and abs(value - float(reference["target"])) < 1e-5
+    )
     return {"accuracy": 1.0, "format_score": 0.0} if correct else {"accuracy": 0.0, "format_score": format_score}
 
 
@@ -128,8 +143,9 @@ class CountdownWorkflow(Workflow):
     def run(self) -> list[Experience]:
         task = self.task
         reference = {"target": task.raw["target"], "nums": list(task.raw["nums"])}
-        exps = self.model.chat(countdown_messages(task), n=task.repeat_times, **chat_options(task),
-                              **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(
+            countdown_messages(task), n=task.repeat_times, **chat_options(task), **sampling_kwargs(task.rollout_args)
+        )
         for run, exp in enumerate(exps):
             apply_reward(exp, self.reward_fn(exp.response_text, reference, **self.draw_args(run)))
         return exps

@@ -56,16 +56,24 @@ class Episode:
     max_prompt_tokens (cut and marked prompt_truncated, or PromptTooLong), as single-turn prompts do; one that
     leaves no room for a reply within max_model_len is PromptTooLong too."""
 
-    def __init__(self, model: Any, messages: list[dict], tools: list[Tool | dict] | None = None, max_turns: int = 8,
-                 chat_template: str | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        messages: list[dict],
+        tools: list[Tool | dict] | None = None,
+        max_turns: int = 8,
+        chat_template: str | None = None,
+    ) -> None:
         self.model, self.max_turns, self.template = model, max_turns, chat_template
         self.tools = [t.schema() if isinstance(t, Tool) else t for t in tools or []] or None
         self.messages = list(messages)
         self.ids, self.prompt_truncated = model.encode(self._render(self.messages))
         self.prompt_length = len(self.ids)
         if self.room() < 1:
-            raise PromptTooLong(f"an episode's prompt of {self.prompt_length} tokens leaves no room for a reply "
-                                f"within max_model_len={model.max_model_len}")
+            raise PromptTooLong(
+                f"an episode's prompt of {self.prompt_length} tokens leaves no room for a reply "
+                f"within max_model_len={model.max_model_len}"
+            )
         self.logprobs: list[float] = []  # one per token after the prompt (0 where the model did not sample)
         self.mask: list[bool] = []  # True where the model sampled the token
         self.turns: list[tuple[int, int]] = []  # [start, end) of each assistant turn's sampled tokens in self.ids
@@ -81,7 +89,7 @@ class Episode:
     def _closing(self) -> list[int]:
         """The ids the template writes after an assistant message's content (e.g. <|im_end|> "\\n")."""
         text = self._render(_PROBE + [{"role": "assistant", "content": _MARK}], generation=False)
-        return self.model.tokenizer.encode(text[text.index(_MARK) + len(_MARK):], add_special_tokens=False)
+        return self.model.tokenizer.encode(text[text.index(_MARK) + len(_MARK) :], add_special_tokens=False)
 
     def room(self) -> int:
         """Tokens left before the context limit (a large number without one)."""
@@ -141,9 +149,11 @@ class Episode:
             raise RuntimeError("the episode is over")
         before, after = self._render(_PROBE, generation=False), self._render(_PROBE + list(messages))
         if not after.startswith(before):
-            raise ValueError("the chat template renders earlier messages differently once new ones follow; "
-                             "multi-turn episodes need a template that only appends")
-        ids = self.model.tokenizer.encode(after[len(before):], add_special_tokens=False)
+            raise ValueError(
+                "the chat template renders earlier messages differently once new ones follow; "
+                "multi-turn episodes need a template that only appends"
+            )
+        ids = self.model.tokenizer.encode(after[len(before) :], add_special_tokens=False)
         if len(ids) >= self.room():  # no token left for the model's reply
             self.done = self.truncated = True
             return
@@ -162,22 +172,37 @@ class Episode:
         """The whole episode as one experience (conversation_experience): prompt = the first prompt, response =
         every later token, action_mask = the assistant's sampled tokens, none of them if the episode was truncated
         and `mask_truncated`. MixedTemperatures if its turns' temperatures differ (or use turn_experiences())."""
-        return conversation_experience(self.model.tokenizer, self.ids, self.prompt_length, self.logprobs, self.mask,
-                                       self.temperatures, self.versions, self.truncated, self.prompt_truncated,
-                                       mask_truncated)
+        return conversation_experience(
+            self.model.tokenizer,
+            self.ids,
+            self.prompt_length,
+            self.logprobs,
+            self.mask,
+            self.temperatures,
+            self.versions,
+            self.truncated,
+            self.prompt_truncated,
+            mask_truncated,
+        )
 
     def turn_experiences(self, mask_truncated: bool = True) -> list[Experience]:
         """One experience per assistant turn: prompt = everything before the turn, response = the turn's tokens,
         scored at the turn's own temperature. A truncated episode's turns have no action (`mask_truncated`)."""
         out, P, masked = [], self.prompt_length, self.truncated and mask_truncated
         for k, (a, b) in enumerate(self.turns):
-            out.append(Experience(tokens=torch.tensor(self.ids[:b], dtype=torch.long), prompt_length=a,
-                                  logprobs=torch.tensor(self.logprobs[a - P:b - P]), model_version=self.versions[k],
-                                  action_mask=torch.zeros(b - a, dtype=torch.bool) if masked else None,
-                                  response_text=self.texts[k], metrics=_truncation_metrics(self.truncated, masked),
-                                  truncate_status=_status(self.prompt_truncated,
-                                                          self.truncated and k == len(self.turns) - 1),
-                                  info={"temperature": self.temperatures[k], "turn": k, "turns": len(self.turns)}))
+            out.append(
+                Experience(
+                    tokens=torch.tensor(self.ids[:b], dtype=torch.long),
+                    prompt_length=a,
+                    logprobs=torch.tensor(self.logprobs[a - P : b - P]),
+                    model_version=self.versions[k],
+                    action_mask=torch.zeros(b - a, dtype=torch.bool) if masked else None,
+                    response_text=self.texts[k],
+                    metrics=_truncation_metrics(self.truncated, masked),
+                    truncate_status=_status(self.prompt_truncated, self.truncated and k == len(self.turns) - 1),
+                    info={"temperature": self.temperatures[k], "turn": k, "turns": len(self.turns)},
+                )
+            )
         return out
 
     def messages_text(self, k: int) -> str:
@@ -185,10 +210,18 @@ class Episode:
         return self.texts[k]
 
 
-
-def conversation_experience(tokenizer: Any, ids: list[int], prompt_length: int, logprobs: list[float],
-                            mask: list[bool], temperatures: list[float], versions: list[int], truncated: bool,
-                            prompt_truncated: bool = False, mask_truncated: bool = True) -> Experience:
+def conversation_experience(
+    tokenizer: Any,
+    ids: list[int],
+    prompt_length: int,
+    logprobs: list[float],
+    mask: list[bool],
+    temperatures: list[float],
+    versions: list[int],
+    truncated: bool,
+    prompt_truncated: bool = False,
+    mask_truncated: bool = True,
+) -> Experience:
     """A conversation kept as token ids as ONE experience: Episode.experience and the OpenAI API's
     OpenAIServer.episode both build theirs here. prompt = ids[:prompt_length], response = the rest (one log-prob
     per token, 0 where the model did not sample); action_mask = `mask` (the model's sampled tokens), none of them
@@ -196,17 +229,24 @@ def conversation_experience(tokenizer: Any, ids: list[int], prompt_length: int, 
     counts in its group); metrics truncated / truncated_masked. model_version: the oldest weights that sampled a
     turn. MixedTemperatures if the turns' scoring temperatures differ: the trainer scores one experience at one."""
     if len(set(temperatures)) > 1:
-        raise MixedTemperatures(f"a conversation sampled at temperatures {temperatures} cannot be one experience: "
-                                "the trainer scores an experience at one temperature; sample every turn at one, or "
-                                "make one experience per turn (Episode.turn_experiences, ModelHandle.history)")
+        raise MixedTemperatures(
+            f"a conversation sampled at temperatures {temperatures} cannot be one experience: "
+            "the trainer scores an experience at one temperature; sample every turn at one, or "
+            "make one experience per turn (Episode.turn_experiences, ModelHandle.history)"
+        )
     P, masked = prompt_length, truncated and mask_truncated
-    return Experience(tokens=torch.tensor(ids, dtype=torch.long), prompt_length=P,
-                      logprobs=torch.tensor(logprobs, dtype=torch.float32),
-                      action_mask=torch.tensor(mask, dtype=torch.bool) & (not masked),
-                      model_version=min(versions, default=0), truncate_status=_status(prompt_truncated, truncated),
-                      prompt_text=tokenizer.decode(ids[:P]), response_text=tokenizer.decode(ids[P:]),
-                      metrics=_truncation_metrics(truncated, masked),
-                      info={"temperature": (temperatures or [1.0])[0], "turns": len(versions)})
+    return Experience(
+        tokens=torch.tensor(ids, dtype=torch.long),
+        prompt_length=P,
+        logprobs=torch.tensor(logprobs, dtype=torch.float32),
+        action_mask=torch.tensor(mask, dtype=torch.bool) & (not masked),
+        model_version=min(versions, default=0),
+        truncate_status=_status(prompt_truncated, truncated),
+        prompt_text=tokenizer.decode(ids[:P]),
+        response_text=tokenizer.decode(ids[P:]),
+        metrics=_truncation_metrics(truncated, masked),
+        info={"temperature": (temperatures or [1.0])[0], "turns": len(versions)},
+    )
 
 
 def _truncation_metrics(truncated: bool, masked: bool) -> dict[str, float]:

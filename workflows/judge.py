@@ -27,9 +27,11 @@ from buffer import Experience
 from configs.checks import AT_LEAST_1, NON_NEGATIVE, POSITIVE
 from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, chat_options, sampling_kwargs
 
-PROMPT = ("Grade the response to the question against the reference answer.\n"
-          "Question: {question}\nReference answer: {reference}\nResponse: {response}\n"
-          "Reply with your reasoning, then a last line `Score: N` with N from 0 to {max_score}.")
+PROMPT = (
+    "Grade the response to the question against the reference answer.\n"
+    "Question: {question}\nReference answer: {reference}\nResponse: {response}\n"
+    "Reply with your reasoning, then a last line `Score: N` with N from 0 to {max_score}."
+)
 _SCORE = re.compile(r"Score:\s*(-?\d+(?:\.\d+)?)")
 
 
@@ -78,8 +80,9 @@ class JudgeWorkflow(Workflow):
         if name not in self.auxiliary_models:
             raise ValueError(f"{task.task_id}: no auxiliary model {name!r}; there are {list(self.auxiliary_models)}")
         messages = chat_messages(task)
-        exps = self.model.chat(messages, n=task.repeat_times, **chat_options(task),
-                               **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(
+            messages, n=task.repeat_times, **chat_options(task), **sampling_kwargs(task.rollout_args)
+        )
         question = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), task.prompt or "")
         for exp, grade in zip(exps, self.grade(self.auxiliary_models[name], question, [e.response_text for e in exps])):
             apply_reward(exp, {"judge": grade})
@@ -89,9 +92,19 @@ class JudgeWorkflow(Workflow):
         """The judge's grade of each response: one generate() call for all, then again (sampled) for those whose
         reply had none."""
         args, max_score = self.args, self.args.max_score
-        prompts = [judge.render([{"role": "user", "content": PROMPT.format(
-            question=question, reference=self.task.reference, response=r, max_score=f"{max_score:g}")}])
-            for r in responses]
+        prompts = [
+            judge.render(
+                [
+                    {
+                        "role": "user",
+                        "content": PROMPT.format(
+                            question=question, reference=self.task.reference, response=r, max_score=f"{max_score:g}"
+                        ),
+                    }
+                ]
+            )
+            for r in responses
+        ]
         grades: list[float | None] = [None] * len(responses)
         errors: dict[int, JudgeError] = {}
         tries = args.judge_retries + 1
@@ -99,8 +112,12 @@ class JudgeWorkflow(Workflow):
             todo = [i for i, g in enumerate(grades) if g is None]
             if not todo:
                 break
-            replies = judge.generate([prompts[i] for i in todo], n=1, temperature=0.0 if attempt == 0 else 0.7,
-                                     max_tokens=args.judge_max_tokens)
+            replies = judge.generate(
+                [prompts[i] for i in todo],
+                n=1,
+                temperature=0.0 if attempt == 0 else 0.7,
+                max_tokens=args.judge_max_tokens,
+            )
             for i, (reply,) in zip(todo, replies):
                 try:
                     grades[i] = parse_grade(reply.response_text, max_score)

@@ -30,11 +30,11 @@ Worked example (GSM8K test row 0, reference "Janet sells 16 - 3 - 4 = <<16-3-4=9
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import random
 import re
-import dataclasses
 import threading
 from fractions import Fraction
 from typing import Any
@@ -79,7 +79,7 @@ def last_answer_tag(text: str) -> str | None:
     NOTE: rfind, not a `<answer>(.*?)</answer>` regex: that one is quadratic on many unclosed tags."""
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return text[start + len("<answer>"):end] if start >= 0 else None
+    return text[start + len("<answer>") : end] if start >= 0 else None
 
 
 def extract_answer(text: str, last_number_fallback: bool = False) -> str | None:
@@ -177,15 +177,19 @@ def format_reward(response: str, reference: Any = None, *, format_score: float =
     return {"format_score": format_score if ok else -format_score}
 
 
-def math_reward(response: str, reference: Any, *, last_number_fallback: bool = True,
-                format_score: float = 0.1) -> dict[str, float]:
+def math_reward(
+    response: str, reference: Any, *, last_number_fallback: bool = True, format_score: float = 0.1
+) -> dict[str, float]:
     """accuracy_reward + format_reward, as two components."""
-    return {**accuracy_reward(response, reference, last_number_fallback=last_number_fallback),
-            **format_reward(response, format_score=format_score)}
+    return {
+        **accuracy_reward(response, reference, last_number_fallback=last_number_fallback),
+        **format_reward(response, format_score=format_score),
+    }
 
 
-def random_reward(response: str, reference: Any, *, p: float = 0.5, seed: int = 0,
-                  draw_key: str = "") -> dict[str, float]:
+def random_reward(
+    response: str, reference: Any, *, p: float = 0.5, seed: int = 0, draw_key: str = ""
+) -> dict[str, float]:
     """The control for a learning claim: {"accuracy": 1.0} with probability `p`, whatever the response. A run
     trained on it that gains as much as one trained on the real reward was not taught by the reward.
     The draw is seeded by (seed, draw_key, reference, response): the workflows pass draw_key =
@@ -214,8 +218,9 @@ class MathWorkflow(Workflow):
 
     def run(self) -> list[Experience]:
         task, args = self.task, self.args
-        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
-                              **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(
+            chat_messages(task), n=task.repeat_times, **chat_options(task), **sampling_kwargs(task.rollout_args)
+        )
         extra = {} if args.last_number_fallback is None else {"last_number_fallback": args.last_number_fallback}
         for run, exp in enumerate(exps):
             apply_reward(exp, self.reward(exp.response_text, run, **extra))

@@ -22,8 +22,9 @@ class SimpleWorkflow(Workflow):
         task = self.task
         if self.reward_fn is None:
             raise ValueError(f"{task.task_id}: simple_workflow needs a reward function (reward_fn)")
-        exps = self.model.chat(chat_messages(task), n=task.repeat_times, **chat_options(task),
-                              **sampling_kwargs(task.rollout_args))
+        exps = self.model.chat(
+            chat_messages(task), n=task.repeat_times, **chat_options(task), **sampling_kwargs(task.rollout_args)
+        )
         for run, exp in enumerate(exps):
             apply_reward(exp, self.reward(exp.response_text, run))
         return exps

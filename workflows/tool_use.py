@@ -34,8 +34,12 @@ from workflows.tools import Tool, parse_tool_calls, run_tool, tool_message
 log = logging.getLogger(__name__)
 _WARNED: set[str] = set()  # tool names warned about, once per process
 
-CALCULATOR = Tool("calculator", calculate, "Computes an arithmetic expression (numbers, + - * / and parentheses).",
-                  {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]})
+CALCULATOR = Tool(
+    "calculator",
+    calculate,
+    "Computes an arithmetic expression (numbers, + - * / and parentheses).",
+    {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+)
 TOOLS: dict[str, Tool] = {"calculator": CALCULATOR}  # name -> Tool: add a tool here, one line
 
 
@@ -43,8 +47,11 @@ TOOLS: dict[str, Tool] = {"calculator": CALCULATOR}  # name -> Tool: add a tool 
 class ToolArgs(WorkflowArgs):
     """tool_workflow's workflow_args."""
 
-    RANGES: ClassVar = {"tools": (lambda v: set(v) <= set(TOOLS), "names of known tools (TOOLS: "
-                                  f"{', '.join(sorted(TOOLS))})"), "max_turns": AT_LEAST_1, "tool_timeout": SECONDS}
+    RANGES: ClassVar = {
+        "tools": (lambda v: set(v) <= set(TOOLS), f"names of known tools (TOOLS: {', '.join(sorted(TOOLS))})"),
+        "max_turns": AT_LEAST_1,
+        "tool_timeout": SECONDS,
+    }
     tools: list[str] = dataclasses.field(default_factory=lambda: ["calculator"])
     """The tools the model may call, by name (TOOLS); their schemas reach the chat template."""
     max_turns: int = 4
@@ -69,8 +76,10 @@ class ToolWorkflow(Workflow):
         tools = [TOOLS[name] for name in args.tools]
         schemas = [*tools, *(task.tools or [])]  # the taskset's own tool schemas (format.tools_key) too
         warn_unrun(task.tools or [], tools)
-        episodes = [Episode(self.model, chat_messages(task), schemas, args.max_turns, task.chat_template or None)
-                    for _ in range(task.repeat_times)]
+        episodes = [
+            Episode(self.model, chat_messages(task), schemas, args.max_turns, task.chat_template or None)
+            for _ in range(task.repeat_times)
+        ]
         calls = [0] * len(episodes)
         while not all(e.done for e in episodes):
             for k, (e, text) in enumerate(zip(episodes, reply_all(episodes, **sampling_kwargs(task.rollout_args)))):
@@ -106,6 +115,10 @@ def warn_unrun(schemas: list[dict], tools: list[Tool]) -> None:
         name = str((schema.get("function") or schema).get("name", "")) if isinstance(schema, dict) else ""
         if name and name not in names and name not in _WARNED:
             _WARNED.add(name)
-            log.warning("the taskset's tool %r (format.tools_key) reaches the chat template, but no registered "
-                        "function runs it (workflow_args.tools: %s): the model's calls to it get an 'unknown "
-                        "tool' error", name, sorted(names))
+            log.warning(
+                "the taskset's tool %r (format.tools_key) reaches the chat template, but no registered "
+                "function runs it (workflow_args.tools: %s): the model's calls to it get an 'unknown "
+                "tool' error",
+                name,
+                sorted(names),
+            )

@@ -36,17 +36,35 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MAX_RESULT_BYTES = 16384
 """Results and error texts are cut to this many UTF-8 bytes (about 4,000 tokens: plenty for one observation)."""
 MAX_REPLY_BYTES = 8 * MAX_RESULT_BYTES + 4096
 """A longer reply line is refused: json.dumps writes a byte of a cut result as 6 bytes at most (\\u00XX), so only a
 tool that writes to the reply pipe itself gets there."""
-ENV_ALLOWED = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "PYTHONPATH",
-               "PYTHONHOME", "PYTHONIOENCODING", "PYTHONUTF8", "PYTHONDONTWRITEBYTECODE", "VIRTUAL_ENV",
-               "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES")
+ENV_ALLOWED = (
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LANGUAGE",
+    "TZ",
+    "TMPDIR",
+    "TEMP",
+    "TMP",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+    "PYTHONDONTWRITEBYTECODE",
+    "VIRTUAL_ENV",
+    "LD_LIBRARY_PATH",
+    "CUDA_VISIBLE_DEVICES",
+)
 """The variables a worker inherits (and LC_*): what Python and a tool's subprocesses need to start and to find
 files, temporary space and locale; none holds a secret. More with NANORFT_TOOL_ENV (the module docstring)."""
 
@@ -119,9 +137,11 @@ def serve() -> None:
 
 
 # A worker loads this file alone (not the workflows package, which imports torch): see the module docstring.
-_SERVE = ("import importlib.util, json, os, sys; sys.path[:0] = json.loads(os.environ['NANORFT_TOOL_PATH']); "
-          "s = importlib.util.spec_from_file_location('workflows.tool_workers', os.environ['NANORFT_TOOL_WORKERS']); "
-          "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); m.serve()")
+_SERVE = (
+    "import importlib.util, json, os, sys; sys.path[:0] = json.loads(os.environ['NANORFT_TOOL_PATH']); "
+    "s = importlib.util.spec_from_file_location('workflows.tool_workers', os.environ['NANORFT_TOOL_WORKERS']); "
+    "m = importlib.util.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m); m.serve()"
+)
 
 
 def worker_env() -> dict[str, str]:
@@ -129,8 +149,10 @@ def worker_env() -> dict[str, str]:
     its code."""
     extra = {name.strip() for name in os.environ.get("NANORFT_TOOL_ENV", "").split(",")}
     env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWED or k.startswith("LC_") or k in extra}
-    env.update(NANORFT_TOOL_PATH=json.dumps([p or os.getcwd() for p in sys.path]),
-               NANORFT_TOOL_WORKERS=os.path.abspath(__file__))
+    env.update(
+        NANORFT_TOOL_PATH=json.dumps([p or os.getcwd() for p in sys.path]),
+        NANORFT_TOOL_WORKERS=os.path.abspath(__file__),
+    )
     return env
 
 
@@ -138,8 +160,13 @@ class Worker:
     """One worker process, leading a process group of its own, and the pipes to it."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=worker_env(), start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVE],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=worker_env(),
+            start_new_session=True,
+        )
         self.rest = b""  # what came after the last reply line (nothing, unless a tool wrote to the reply pipe)
         if self.read(120.0) != {"ready": True}:
             self.kill()

@@ -24,8 +24,9 @@ import importlib.util
 import json
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from workflows.tool_workers import WORKERS, get_attr
 
@@ -50,8 +51,10 @@ class Tool:
 
     def schema(self) -> dict:
         """The OpenAI / HF chat-template form (`tools=` of apply_chat_template)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclasses.dataclass
@@ -152,8 +155,10 @@ def reference(fn: Callable[..., Any] | str, name: str) -> dict:
         return {"module": module, "file": origin, "attr": attr}
     module, attr = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or "<" in attr:  # <lambda>, <locals>
-        raise ToolError(f"tool {name!r}: {attr or fn!r} is not a module-level function; a tool runs in a worker "
-                        "process, which imports it by name (define it at the top of a module, or give 'module:attr')")
+        raise ToolError(
+            f"tool {name!r}: {attr or fn!r} is not a module-level function; a tool runs in a worker "
+            "process, which imports it by name (define it at the top of a module, or give 'module:attr')"
+        )
     file = getattr(getattr(fn, "__code__", None), "co_filename", "")
     if not file.endswith(".py") or not Path(file).is_file():
         raise ToolError(f"tool {name!r}: cannot tell which file defines {attr}")

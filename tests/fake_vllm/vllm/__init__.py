@@ -53,7 +53,7 @@ from vllm.sampling_params import RequestOutputKind, SamplingParams
 __version__ = "0.32.0+fake"
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType: no bf16 / fp16 / fp32
-ENGINES: list["LLM"] = []  # every engine built, for the tests to look into
+ENGINES: list[LLM] = []  # every engine built, for the tests to look into
 SLEEP_TAGS = ("weights", "kv_cache")
 __all__ = ["LLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind"]
 
@@ -159,8 +159,9 @@ class Worker:
         self.sleeping: set[str] = set()
         self.model_runner = ModelRunner(FakeModel(hf, self.sleeping))
 
-    def reload_weights(self, weights_iterator: Any = None, weights_path: str | None = None,
-                       is_checkpoint_format: bool = True) -> None:
+    def reload_weights(
+        self, weights_iterator: Any = None, weights_path: str | None = None, is_checkpoint_format: bool = True
+    ) -> None:
         """vLLM's in-place reload from (HF name, tensor) pairs (the only form the adapter uses)."""
         model = self.model_runner.model
         model.reloading = True
@@ -208,7 +209,11 @@ class LLM:
 
     def generate(self, prompts: list[dict], sampling_params: Any = None, use_tqdm: bool = True) -> list[RequestOutput]:
         self.check_awake()
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
         return [self._run(str(i), p["prompt_token_ids"], sp) for i, (p, sp) in enumerate(zip(prompts, params))]
 
     def _run(self, request_id: str, prompt: list[int], sp: SamplingParams) -> RequestOutput:
@@ -224,8 +229,9 @@ class LLM:
                 self.running -= 1
         return RequestOutput(request_id, list(prompt), outs, finished=True)
 
-    def _sample(self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator,
-                index: int) -> CompletionOutput:
+    def _sample(
+        self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator, index: int
+    ) -> CompletionOutput:
         ids, lps, reason, text = list(prompt), [], "length", None
         for step in range(sp.max_tokens):
             with torch.no_grad():
@@ -237,23 +243,27 @@ class LLM:
             if tok in self.stop_ids:
                 reason = "stop"
                 break
-            decoded = self.tokenizer.decode(ids[len(prompt):], skip_special_tokens=True)
+            decoded = self.tokenizer.decode(ids[len(prompt) :], skip_special_tokens=True)
             if cut := [decoded.find(s) for s in sp.stop or () if s in decoded]:
                 reason, text = "stop", decoded[: min(cut)]
                 break
-        out = ids[len(prompt):]
+        out = ids[len(prompt) :]
         text = self.tokenizer.decode(out, skip_special_tokens=True) if text is None else text
         return CompletionOutput(index, text, out, lps, reason)
 
     # --- the engine's control surface
-    def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None) -> list:
+    def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         with ThreadPoolExecutor(len(self.workers)) as pool:  # as vLLM's worker processes: all at once
             futures = [pool.submit(getattr(w, method), *args, **(kwargs or {})) for w in self.workers]
             try:
                 return [f.result() for f in futures]
             except Exception as e:  # vLLM re-raises a worker's exception as a bare Exception, whatever its type
-                raise Exception(f"Call to collective_rpc method failed: Worker failed with error '{e}', please "
-                                "check the stack trace above for the root cause") from None
+                raise Exception(
+                    f"Call to collective_rpc method failed: Worker failed with error '{e}', please "
+                    "check the stack trace above for the root cause"
+                ) from None
 
     def reset_prefix_cache(self) -> bool:
         """False (nothing reset) while requests run, as vLLM."""
@@ -286,8 +296,9 @@ def processed(logits: torch.Tensor, sp: SamplingParams, seen: list[int], masked:
     logits = logits.clone()
     if sp.repetition_penalty != 1.0:
         ids = torch.tensor(sorted(set(seen)))
-        logits[ids] = torch.where(logits[ids] > 0, logits[ids] / sp.repetition_penalty,
-                                  logits[ids] * sp.repetition_penalty)
+        logits[ids] = torch.where(
+            logits[ids] > 0, logits[ids] / sp.repetition_penalty, logits[ids] * sp.repetition_penalty
+        )
     logits[list(masked)] = -float("inf")
     logits = logits / (sp.temperature if sp.temperature > 0 else 1.0)
     if sp.top_k and sp.top_k > 0:
@@ -310,7 +321,7 @@ class AsyncLLMEngine:
         self.loop = asyncio.get_running_loop()  # vLLM's output handler runs on the loop that built the engine
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "AsyncLLMEngine":
+    def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLMEngine:
         return cls(engine_args)
 
     async def generate(self, prompt: dict, sampling_params: SamplingParams, request_id: str):
@@ -329,8 +340,9 @@ class AsyncLLMEngine:
         finally:
             self.in_flight -= 1
 
-    async def collective_rpc(self, method: str, timeout: float | None = None, args: tuple = (),
-                             kwargs: dict | None = None) -> list:
+    async def collective_rpc(
+        self, method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None
+    ) -> list:
         return await asyncio.to_thread(self.engine.collective_rpc, method, timeout, args, kwargs)
 
     async def reset_prefix_cache(self) -> bool:
@@ -353,8 +365,8 @@ class AsyncLLMEngine:
 def stream(final: RequestOutput, delta: bool, tokenizer: Any) -> list[RequestOutput]:
     """A finished request as vLLM's async engine streams it with n samples: one output per engine step, holding the
     samples that produced a token in that step (sample 0 starts a step before the others, as it did in some runs of
-    vLLM 0.32, so the first output holds it alone; a sample that ended is in no later output), each with its tokens so far (or with
-    `delta` the new one only); finish_reason on a sample's last; `finished` on the very last output."""
+    vLLM 0.32, so the first output holds it alone; a sample that ended is in no later output), each with its tokens so
+    far (or with `delta` the new one only); finish_reason on a sample's last; `finished` on the very last output."""
     outs, start = [], {o.index: 0 if o.index == 0 else 1 for o in final.outputs}
     for step in range(max(start[o.index] + len(o.token_ids) for o in final.outputs)):
         children = []
@@ -364,8 +376,15 @@ def stream(final: RequestOutput, delta: bool, tokenizer: Any) -> list[RequestOut
                 continue
             lo = t if delta else 0
             ids, lps = o.token_ids[lo : t + 1], o.logprobs[lo : t + 1]
-            children.append(CompletionOutput(o.index, tokenizer.decode(ids, skip_special_tokens=True), ids, lps,
-                                             o.finish_reason if t == len(o.token_ids) - 1 else None))
+            children.append(
+                CompletionOutput(
+                    o.index,
+                    tokenizer.decode(ids, skip_special_tokens=True),
+                    ids,
+                    lps,
+                    o.finish_reason if t == len(o.token_ids) - 1 else None,
+                )
+            )
         outs.append(RequestOutput(final.request_id, final.prompt_token_ids, children, finished=False))
     outs[-1].finished = True
     return outs
