@@ -5,7 +5,7 @@ A process stops on one of them with its one-line message and exit code 2, never 
 configs.entry for the config's own):
 - ConfigError: a config problem, naming the key's path (configs/, workflows/args.py, lora.py, models.py);
 - DataError: a problem of a data file, a taskset row, a pointer file or a weights folder, naming the file, the row
-  and the key (tasksets.py, source.py, sync.py, checkpoint.py, lora.py, explore.py).
+  and the key (tasksets.py, source.py, sync.py, checkpoint.py, lora.py).
 """
 
 

@@ -11,7 +11,9 @@ What one explore step does, straight down `explore()`:
     one group) -> stamp group/run ids and versions -> write the step's experiences AND the explorer's
     position in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
-    group, see sync.py) -> evaluate every eval_interval steps.
+    group) -> evaluate every eval_interval steps.
+The weight handshake (waiting, loading, receiving, a restart's resume, turns on a shared GPU) is sync.py's
+ExplorerSync, built at set-up and called in three places: `resume`, `after_step`, `close`.
 Writing experiences and position together is what makes a SIGKILLed explorer restart exactly after
 its last written step: no task explored twice, none skipped.
 
@@ -44,7 +46,6 @@ import sync
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
 from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
-from errors import DataError
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
@@ -147,93 +148,6 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
         x.info.update(epoch=task.epoch, taskset=task.taskset, index=task.index)
 
 
-def trainer_state(db: ExperienceDB) -> str:
-    """What the trainer last recorded in the DB, for log lines."""
-    t = db.trainer_status()
-    if t is None:
-        return "no trainer has used this DB yet"
-    return f"trainer at step {t['step']}, {t['status']}, last seen {time.time() - t['time']:.0f} s ago (pid {t['pid']})"
-
-
-def wait_for_trainer(job: str, db: ExperienceDB, want: int, step: int, timeout: float) -> tuple[int, str, int]:
-    """Checkpoint sync: block until the trainer has published weights of version >= want (polling
-    latest_state_dict_iteration.txt every 10 ms: a read of one small file). (that version, "", 0), or
-    (0, why not, exit code): 0 when the trainer has finished (no newer weights will come), 1 when `timeout`
-    (sync_timeout) ran out."""
-    start, next_note = time.monotonic(), 0.0
-    while (have := sync.latest_version(job)) < want:
-        waited = time.monotonic() - start
-        trainer = db.trainer_status()
-        if trainer is not None and trainer["status"] == "finished":
-            return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})", 0
-        if waited >= timeout:
-            return (
-                0,
-                f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}",
-                1,
-            )
-        if waited >= next_note:
-            next_note = waited + 30
-            log.info(
-                "sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
-                step,
-                want,
-                have,
-                job,
-                trainer_state(db),
-            )
-        time.sleep(0.01)
-    return have, "", 0
-
-
-def load_published(engine: Any, job: str, version: int) -> int:
-    """Load published weights into the engine: `version`'s, or if its folder is missing or damaged the newest
-    undamaged one newer than the engine's (sync.usable_weights), or none (the engine keeps its weights; a warning
-    says so; the next sync point tries again); the newest if the folder is being replaced as it is read (a
-    resumed trainer re-publishing a step). Returns the version the engine has."""
-    for attempt in range(5):
-        found = sync.usable_weights(job, version, above=engine.model_version)
-        if found is not None and (found[1] == version or attempt > 0):
-            try:
-                engine.load_weights(str(found[0]), version=found[1])
-                return found[1]
-            except OSError as e:
-                log.warning("could not load the weights of step %d (%s); retrying with the newest", found[1], e)
-        elif found is None and attempt > 0:
-            log.warning(
-                "no undamaged published weights newer than the engine's (step %d) up to step %d: the explorer "
-                "goes on with its weights",
-                engine.model_version,
-                version,
-            )
-            return engine.model_version
-        time.sleep(1.0)  # NOTE: first a second for a folder being replaced, then the fallback
-        version = sync.latest_version(job)
-    raise RuntimeError(f"could not load published weights from {job}")
-
-
-def start_weights(cfg: configs.Config) -> tuple[str, int]:
-    """Newest undamaged published weights of this job (a restart resumes with them: sync.usable_weights), else the
-    starting model. A DataError when the pointer names a step and no folder up to it can be loaded."""
-    job = cfg.checkpoint_job_dir
-    newest = sync.latest_version(job)
-    if not newest:
-        return base_weights(cfg), 0
-    found = sync.usable_weights(job, newest)
-    if found is None:
-        raise DataError(
-            f"{Path(job, sync.POINTER)} names step {newest}, and no published weights folder up to it "
-            "is there undamaged (see the warnings above): restart the trainer (it resumes from its "
-            "newest checkpoint and publishes again), or move the pointer away to start from "
-            "model.model_path"
-        )
-    if found[1] != newest:
-        log.warning(
-            "the explorer starts from the published weights of step %d, the newest undamaged (not %d)", found[1], newest
-        )
-    return str(found[0]), found[1]
-
-
 def base_weights(cfg: configs.Config) -> str:
     """model.model_path; with LoRA from a saved adapter (model.lora_configs[0].path), an HF folder of the two merged
     (<job dir>/lora_start/<explorer name>, written here): the policy the trainer starts from."""
@@ -273,12 +187,12 @@ class Explorer:
     reader: TaskReader  # the training tasksets, at the saved position
     step: int  # the last finished step
     engine: Any  # engines.HFEngine | engines.VLLMEngine
+    sync: sync.ExplorerSync  # the weight handshake with the trainer: resume, the sync points, close
     handles: list[ModelHandle]
     pool: ThreadPoolExecutor  # the workflow runners
     monitor: Monitor
     eval_sets: list[tuple[Any, list[Task]]]
     steps: int  # the last step
-    receiver: sync.WeightLink | None = None  # the process-group link to the trainer, opened at the first sync point
 
 
 def check_workflows(cfg: configs.Config) -> None:
@@ -314,7 +228,7 @@ def set_up(cfg: configs.Config) -> Explorer:
         reader.load_state(saved["reader"])
         step = saved["step"]
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
-    path, version = start_weights(cfg)
+    path, version = sync.start_weights(cfg) or (base_weights(cfg), 0)
     engine = make_engine(
         e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty, cfg.cluster.colocate
     )
@@ -325,6 +239,7 @@ def set_up(cfg: configs.Config) -> Explorer:
         reader,
         step,
         engine,
+        sync.ExplorerSync(cfg, db, engine),
         [with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
         ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
         monitor,
@@ -386,170 +301,6 @@ def write(x: Explorer, exps: list[Experience]) -> None:
         log.warning("could not write %s (%s); the explorer's position is in the DB", meta, e)
 
 
-def receive(x: Explorer, want: int) -> tuple[int, dict[str, float]]:
-    """Process-group sync: the trainer's weights of step `want`, into the engine. (exit code, metrics)."""
-    t0 = time.monotonic()
-    try:
-        got = take_weights(x)
-    except sync.SyncError as err:
-        got, why = None, str(err)
-    else:
-        why = "the trainer finished and sent stop"
-    if got is None:
-        log.error(
-            "no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
-            want,
-            why,
-            x.step,
-        )
-        return 1, {}
-    version, size = got
-    if version != want:
-        log.warning("sync point after step %d: got weights of step %d, expected %d", x.step, version, want)
-    return 0, {"sync/bytes": size, "sync/receive_seconds": time.monotonic() - t0, "time/sync": time.monotonic() - t0}
-
-
-def take_weights(x: Explorer) -> tuple[int, int] | None:
-    """The next weights over the trainer's group, into the engine: (version, bytes), or None after its stop.
-    The HF engine receives them in this process; vLLM engines' workers join the group and take them onto their
-    GPUs (vllm_engine.EnginePool.receive), this process reading only the header."""
-    workers = x.engine.join_ranks() if hasattr(x.engine, "join_ranks") else 0
-    header = sync.receive_header(receiver(x))
-    if header is None:
-        return None
-    if workers:
-        x.engine.receive(header)
-    else:
-        state = {name: t for bucket in sync.receive_buckets(x.receiver, header) for name, t in bucket}
-        x.engine.load_weights(state, version=header["version"])
-    sync.ack(x.receiver)
-    return header["version"], sync.header_bytes(header)
-
-
-def receiver(x: Explorer) -> sync.WeightLink:
-    """The process-group link to the trainer, opened at its first use (up to sync_timeout); vLLM workers join it."""
-    job, timeout = x.cfg.checkpoint_job_dir, x.cfg.synchronizer.sync_timeout
-    if x.receiver is None:
-        workers = x.engine.join_ranks() if hasattr(x.engine, "join_ranks") else 0
-        x.receiver = sync.open_receiver(job, timeout, receivers=workers or 1)
-        if workers:
-            x.engine.join_group(job, timeout)
-    return x.receiver
-
-
-@contextlib.contextmanager
-def trainer_turn(x: Explorer, waits: bool) -> Iterator[None]:
-    """While this explorer waits for weights the trainer is still to train (`waits`) on one GPU shared with it
-    (cluster.colocate): the engine sleeps, its memory free for the trainer, and wakes up after."""
-    sleeps = waits and x.cfg.cluster.colocate
-    if sleeps:
-        x.engine.sleep()
-        log.info("step %d: the engine sleeps while the trainer uses the shared GPU", x.step)
-    try:
-        yield
-    finally:
-        if sleeps:
-            x.engine.wake_up()
-
-
-def load_newer(x: Explorer) -> tuple[int | None, dict[str, float]]:
-    """Checkpoint sync after this step: fixed style, the weights sync.weights_needed names (waiting for them);
-    explorer_driven, any newer than the engine's (waiting for them); trainer_driven, whatever is published
-    (never waiting). (None to go on, or the exit code to stop with; metrics)."""
-    s, t0, job = x.cfg.synchronizer, time.monotonic(), x.cfg.checkpoint_job_dir
-    fixed = sync.weights_needed(x.step, x.cfg)
-    if not (fixed or s.sync_style == "trainer_driven"):
-        return None, {}
-    version = sync.latest_version(job)
-    want = {"fixed": fixed, "explorer_driven": x.engine.model_version + 1}.get(s.sync_style, 0)
-    if version < want:
-        version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
-        if not version:
-            (log.error if code else log.info)(
-                "explorer %s stops after step %d: %s.%s",
-                x.cfg.explorer.name,
-                x.step,
-                why,
-                f" Restart to continue after step {x.step}." if code else "",
-            )
-            return code, {}
-    if version > x.engine.model_version:
-        load_published(x.engine, job, version)
-        return None, {"time/sync": time.monotonic() - t0}
-    return None, {}
-
-
-def sync_weights(x: Explorer) -> tuple[int | None, dict[str, float]]:
-    """The weights this step ends with a wait for, if any: over the process group (nccl) or as published files
-    (checkpoint). (None to go on, or the exit code to stop with; metrics)."""
-    if x.cfg.synchronizer.sync_method == "nccl":
-        want = sync.weights_needed(x.step, x.cfg)
-        if not want or x.engine.model_version >= want:  # a restart may have loaded them already (resume_weights)
-            return None, {}
-        code, metrics = receive(x, want)
-        return code or None, metrics
-    return load_newer(x)
-
-
-def resume_weights(x: Explorer) -> int | None:
-    """Mode both, an explorer restarted after step s: before its first rollout, the weights of the last sync point
-    up to s (version w), which it may not have received before it stopped; on a GPU shared with the trainer, which
-    retrains up to w, the engine sleeps meanwhile. Checkpoint sync: the files published at w (waited for); process
-    group: `over_group`. None to go on, or the exit code to stop with."""
-    want = next((w for k in range(x.step, 0, -1) if (w := sync.weights_needed(k, x.cfg))), 0)
-    if x.engine.model_version >= want:
-        return None
-    if x.cfg.synchronizer.sync_method == "nccl":
-        why, code = over_group(x, want)
-    else:
-        with trainer_turn(x, True):
-            why, code = from_files(x, want)
-    if x.engine.model_version < want:
-        (log.error if code else log.info)(
-            "explorer %s restarted after step %d: no weights of step %d: %s; stopping.",
-            x.cfg.explorer.name,
-            x.step,
-            want,
-            why,
-        )
-        return code
-    log.info(
-        "explorer %s restarted after step %d with the weights of step %d",
-        x.cfg.explorer.name,
-        x.step,
-        x.engine.model_version,
-    )
-    return None
-
-
-def from_files(x: Explorer, want: int) -> tuple[str, int]:
-    """The published weights of version `want` or newer, into the engine (waited for): ("", 0), or (why not, exit
-    code: 0 when the trainer finished first)."""
-    job, s = x.cfg.checkpoint_job_dir, x.cfg.synchronizer
-    version, why, code = wait_for_trainer(job, x.db, want, x.step, s.sync_timeout)
-    if version and (loaded := load_published(x.engine, job, version)) < want:  # its retry took an older folder
-        return f"the newest weights published, of step {loaded}, are older", 1
-    return why, code
-
-
-def over_group(x: Explorer, want: int) -> tuple[str, int]:
-    """Process-group sync at a restart: R, the step the trainer resumed from (its sync_group.json), decides: R >=
-    `want`, the files it published at its resume; R < want, the versions it sends as it retrains, in order, up to
-    want. NOTE: R as the trainer says it, not the checkpoint pointer's step, which the trainer skips when that
-    checkpoint is damaged (it resumes from an older one and sends versions the explorer would not wait for).
-    ("", 0), or (why not, 1)."""
-    try:
-        while x.engine.model_version < want:  # the retrained versions, in the order the trainer sends them
-            with trainer_turn(x, True):  # NOTE: for each: a woken engine (a vLLM one wakes to load) sleeps again
-                if receiver(x).resumed >= want:
-                    return from_files(x, want)
-                if take_weights(x) is None:
-                    return "the trainer finished and sent stop", 1
-    except sync.SyncError as err:
-        return str(err), 1
-    return "", 0
-
-
 def finish(x: Explorer, code: int) -> int:
     """Mark the explorer finished (the trainer stops waiting for more once every explorer has), close up."""
     name = x.cfg.explorer.name
@@ -557,8 +308,7 @@ def finish(x: Explorer, code: int) -> int:
         x.db.set_explorer_state(
             name, {**x.db.explorer_states().get(name, {}), "step": x.step, "time": time.time(), "finished": True}
         )
-    if x.receiver is not None:
-        sync.close_receiver(x.receiver)
+    x.sync.close()
     x.monitor.close(failed=code != 0)
     x.pool.shutdown(wait=False, cancel_futures=True)
     for handle in x.handles:
@@ -576,7 +326,7 @@ def explore(cfg: configs.Config) -> int:
     x = set_up(cfg)
     x.monitor.total = x.steps
     # --- a restart in mode both: first the weights the interrupted sync point would have given
-    if x.step and cfg.mode == "both" and (stop := resume_weights(x)) is not None:
+    if x.step and cfg.mode == "both" and (stop := x.sync.resume(x.step)) is not None:
         return finish(x, stop)
     # --- eval on startup (step 0 only: not again on restart)
     if x.step == 0 and cfg.explorer.eval_on_startup and x.eval_sets:
@@ -591,10 +341,10 @@ def explore(cfg: configs.Config) -> int:
         # --- write: the step's experiences and the position, in one transaction
         x.step += 1
         write(x, exps)
-        # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files
+        # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files;
+        # colocated, the engine sleeps during the trainer's turn on the GPU
         if x.step < x.steps:
-            with trainer_turn(x, bool(sync.weights_needed(x.step, cfg))):  # colocated: the trainer's turn on the GPU
-                stop, more = sync_weights(x)
+            stop, more = x.sync.after_step(x.step)
             metrics |= more
             if stop is not None:
                 code = stop

@@ -5,7 +5,7 @@ linear layers, W + (alpha / r) B A, instead of W itself; everything outside the 
     adapter = wrap(hf, *spec)             # models.build_model: peft's layers injected into the HF model, before
                                           # fully_shard; only A and B require grad (and go into the optimizer)
     weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
-    send_model(link, actor, version)      # the same, over the process group (sync.send_weights)
+    send_model(link, actor, version)      # the same, over the process group (wire.send_weights)
     state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint
     save_adapter(actor, folder, state)    # peft's format: adapter_config.json + adapter_model.safetensors
     ref = WithoutAdapter(actor)           # the reference model: the actor with its adapter switched off
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import sync
+import wire
 from configs.schema import LoRAConfig
 from errors import ConfigError, DataError
 
@@ -188,16 +189,16 @@ def full_state(scorer: Any) -> dict[str, torch.Tensor]:
     return merge(state, adapter.scaling) if adapter is not None and state else state
 
 
-def send_model(link: sync.WeightLink | None, scorer: Any, version: int, dtype: torch.dtype | None = None) -> int:
-    """sync.send_model of the scorer's HF model (every rank calls it; link None but on rank 0); with a LoRA adapter,
+def send_model(link: wire.WeightLink | None, scorer: Any, version: int, dtype: torch.dtype | None = None) -> int:
+    """wire.send_model of the scorer's HF model (every rank calls it; link None but on rank 0); with a LoRA adapter,
     the merged weights under the plain model's parameter names (gathered whole on rank 0 first, as the checkpoint
     method does)."""
     if getattr(scorer, "adapter", None) is None:
-        return sync.send_model(link, scorer.model, version, dtype)
+        return wire.send_model(link, scorer.model, version, dtype)
     state = full_state(scorer)
     names = [n.replace(".base_layer.", ".") for n, _ in scorer.model.named_parameters() if not is_adapter(n)]
-    specs = [(n, tuple(state[n].shape), sync.as_dtype(state[n], dtype)) for n in names] if state else []
-    return sync.send_weights(link, version, specs, (state[n] for n, _, _ in specs))
+    specs = [(n, tuple(state[n].shape), wire.as_dtype(state[n], dtype)) for n in names] if state else []
+    return wire.send_weights(link, version, specs, (state[n] for n, _, _ in specs))
 
 
 def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int) -> None:

@@ -1,4 +1,4 @@
-"""sync.py: how weights move from the trainer to the explorer.
+"""sync.py: when and how weights move from the trainer to the explorer.
 
 Checkpoint method (`synchronizer.sync_method: checkpoint`), Trinity-RFT's layout:
 
@@ -6,67 +6,53 @@ Checkpoint method (`synchronizer.sync_method: checkpoint`), Trinity-RFT's layout
     <job dir>/latest_state_dict_iteration.txt      N, the newest weights an explorer may load
 
     publish_hf(model, tokenizer, job_dir, step)    # trainer: write the folder, then move the pointer
-    version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet; the
-                                                   # waiting, with the trainer's state, is explore.py's)
+    version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet)
 
 NOTE: the folder is written under a temporary name and renamed into place, and only then is the pointer file
 replaced (also by rename): a reader that follows the pointer never sees a half-written folder.
 
 The trainer's checkpoints (for resuming), in the same global_step_N folders: checkpoint.py.
 
-Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the full tensors to
-the explorer over a group built by hand beside torchrun's default group (gloo on CPU, NCCL on GPU; never
-init_process_group). Trainer rank 0 is rank 0 (the source); the receivers are ranks 1..: the HF explorer
-itself, or every worker of every vLLM engine (vllm_engine.WeightReceiver: each takes the buckets onto its GPU).
-The explorer announces the group's size in the store (`open_receiver(..., receivers=n)`).
+Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the tensors to the explorer over a
+group built by hand (gloo on CPU, NCCL on GPU); its wire protocol (links, buckets, headers) is wire.py's.
 
-    link = open_sender(job_dir, device, timeout)       # trainer rank 0: TCPStore + <job dir>/sync_group.json
-    send_weights(link, version, specs, tensors)        # every rank; specs [(name, shape, dtype)], tensors lazy
-    send_model(link, model, version)                   # the same for an (FSDP2) model's parameters
-    close_sender(link, finished=True)                  # "stop": a waiting explorer learns the trainer is done
-    link = open_receiver(job_dir, timeout)             # explorer: find the file, connect to the store
-    got = receive_weights(link)                        # (version, {name: tensor}), or None after "stop"
-    # or by part: header = receive_header(link); for bucket in receive_buckets(link, header): ...; ack(link)
-    close_receiver(link)
+When weights move, the one rule both sides follow: `weights_needed` (the explorer's sync points) and `publishes`
+(the train steps whose weights the trainer publishes or sends).
 
-The wire, per transfer n: the header (JSON: version, names, shapes, dtypes, buckets; or stop) is the store
-key `nanorft/header/<n>`; then the tensors, in header order, packed as raw bytes (uint8 views: bitwise exact
-for every dtype, no pickle anywhere) into buckets of up to BUCKET_BYTES, one broadcast per bucket; the explorer
-acks with `nanorft/ack/<n>`.
-Headers go through the store, not the group, so that "stop" never blocks on a departed explorer and a
-dead trainer is noticed at once (the store lives in the trainer's process: its sockets close).
-NOTE: the group itself is created at the first transfer (creating it blocks until both sides are
-there). The store listens on `synchronizer.sync_host`, 127.0.0.1 unless the config names another address (the
-explorer on another host than trainer rank 0: mode both on GPUs over several nodes, where the group is NCCL's).
+The explorer's side of the handshake, `ExplorerSync`, built once at the explorer's set-up (explore.py):
+
+    path, version = start_weights(cfg) or (base, 0)    # before the engine exists: the newest usable published weights
+    weights = ExplorerSync(cfg, db, engine)
+    stop = weights.resume(step)                        # mode both, restarted after `step`: the weights it needs first
+    stop, metrics = weights.after_step(step)           # the sync point after `step`: wait, load or receive
+    weights.close()
+
+Inside: checkpoint sync polls the pointer (`wait_for_trainer`, naming the trainer's state from the DB) and loads the
+newest undamaged folder (`load_published`); process-group sync receives over the group (`receive`); on a GPU shared
+with the trainer (cluster.colocate) the engine sleeps while the trainer has its turn (`trainer_turn`).
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
-import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
 
+import wire
 from errors import DataError
 
 log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
-GROUP_FILE = "sync_group.json"  # where trainer rank 0 tells the explorer how to reach its store
-WORLD_KEY = "nanorft/world"  # the weight group's size: 1 (the trainer) + the receiving ranks, set by the explorer
 
 
 def weights_path(job_dir: str | Path, step: int) -> Path:
@@ -130,7 +116,7 @@ def publish_hf(
 def prune_published(job_dir: str | Path, newest: int) -> list[int]:
     """Delete the folders of steps published for explorers only (no checkpoint there: those are kept by
     max_checkpoints_to_keep) older than `newest`, the pointer's step, except the one just before it, which an
-    explorer may still be loading (and if it vanishes, explore.load_published loads the newest). Steps after
+    explorer may still be loading (and if it vanishes, load_published loads the newest). Steps after
     `newest` (a killed run's, before its resume rewound the pointer) are left to be replaced. Returns the steps
     deleted."""
     job = Path(job_dir)
@@ -286,358 +272,6 @@ def publishes(train_step: int, cfg: Any, total: int) -> bool:
     )
 
 
-# --- process-group method
-
-
-class SyncError(RuntimeError):
-    """The other side never came, died, or broke the protocol."""
-
-
-@dataclass
-class WeightLink:
-    """One side of the trainer -> explorer weight link."""
-
-    store: dist.TCPStore  # served by trainer rank 0's process; the explorer is a client
-    rank: int  # 0 = trainer (the source); 1.. the receivers (the HF explorer, or each vLLM worker)
-    backend: str  # "gloo" (CPU tensors) or "nccl" (CUDA tensors)
-    device: torch.device  # where tensors travel from / arrive on
-    timeout: datetime.timedelta  # each wait for the other side
-    job_dir: Path
-    group: Any = None  # ProcessGroupGloo / ProcessGroupNCCL, made at the first transfer
-    count: int = 0  # headers sent / received so far (the next header key)
-    resumed: int = 0  # the checkpoint step the trainer resumed from (0: none); its first version sent is later
-
-
-def _timeout(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-def _group(link: WeightLink) -> Any:
-    """The group of the trainer and every receiver (made once; blocks until all of them make it too, up to
-    link.timeout). Its size is what the explorer announced (`open_receiver(..., receivers=n)`)."""
-    if link.group is None:
-        link.store.wait([WORLD_KEY], link.timeout)
-        world = int(link.store.get(WORLD_KEY))
-        store = dist.PrefixStore("nanorft/weights", link.store)
-        if link.backend == "nccl":
-            from torch.distributed import ProcessGroupNCCL  # only in CUDA builds of torch
-
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = link.timeout
-            link.group = ProcessGroupNCCL(store, link.rank, world, opts)
-        else:
-            opts = dist.ProcessGroupGloo._Options()
-            opts._timeout = link.timeout
-            # NOTE: loopback: a gloo group (CPU tensors) joins an explorer on trainer rank 0's host (the CPU layout
-            # keeps both on node 0; a GPU shared with the explorer is one node)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-            link.group = dist.ProcessGroupGloo(store, link.rank, world, opts)
-    return link.group
-
-
-def _broadcast(link: WeightLink, buf: torch.Tensor) -> None:
-    """Broadcast a uint8 buffer from the trainer (rank 0) to the explorer, in place."""
-    _group(link).broadcast(buf, 0).wait()
-
-
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(-1).view(torch.uint8)  # same memory, 1 byte per element: bitwise exact
-
-
-def open_sender(
-    job_dir: str | Path, device: str | torch.device, timeout: float, host: str = "127.0.0.1", resumed: int = 0
-) -> WeightLink:
-    """Trainer rank 0: serve a store on `host` (a free port) and write <job dir>/sync_group.json, which names it
-    (a wildcard host, 0.0.0.0 or ::, by this machine's name) and the checkpoint step this trainer resumed from,
-    `resumed` (a restarted explorer learns from it which versions will come: explore.over_group). device "cpu" ->
-    gloo; "cuda[:i]" -> NCCL (NOTE: NCCL needs the explorer on another GPU; on one shared GPU use "cpu", gloo)."""
-    device = torch.device(device)
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, 0), family=family)  # bound here so that the store listens on `host` only
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(
-        host, port, 2, True, _timeout(timeout), wait_for_workers=False, master_listen_fd=sock.detach()
-    )  # the store owns the socket from now on
-    Path(job_dir).mkdir(parents=True, exist_ok=True)
-    shown = socket.getfqdn() if host in ("0.0.0.0", "::") else host
-    info = {
-        "host": shown,
-        "port": port,
-        "pid": os.getpid(),
-        "hostname": socket.gethostname(),
-        "backend": backend,
-        "resumed": resumed,
-    }
-    _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
-    log.info("weight sync: %s group served on %s:%d (%s)", backend, host, port, Path(job_dir, GROUP_FILE))
-    return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir), resumed=resumed)
-
-
-BUCKET_BYTES = 256 * 2**20  # tensors travel packed into buffers of up to this size (a larger tensor: its own)
-ALIGN = 16  # bytes: each tensor starts at a multiple of this in its bucket (any dtype's itemsize divides it)
-
-
-def _padded(shape: Any, dtype: torch.dtype) -> int:
-    """A tensor's bytes in a bucket, rounded up to ALIGN."""
-    return -(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN
-
-
-def buckets(specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[list[int]]:
-    """The indices of `specs`, in order, grouped into buckets of at most BUCKET_BYTES (one broadcast each; a tensor
-    larger than that alone in its own). Sizes count each tensor's padding to ALIGN bytes (`layout`)."""
-    out: list[list[int]] = []
-    size = 0
-    for i, (_, shape, dtype) in enumerate(specs):
-        n = _padded(shape, dtype)
-        if not out or size + n > BUCKET_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += n
-    return out
-
-
-def layout(specs: list[tuple[str, tuple[int, ...], torch.dtype]], bucket: list[int]) -> tuple[list[int], int]:
-    """(byte offset of each tensor of `bucket`, the bucket's bytes): tensors one after another, each starting at a
-    multiple of ALIGN. NOTE: `uint8_buffer[offset:].view(dtype)` needs the offset to be a multiple of the dtype's
-    itemsize (a bf16 tensor of odd length followed by an fp32 one is not, unpadded): both sides use this layout."""
-    offsets, end = [], 0
-    for i in bucket:
-        offsets.append(end)
-        end += _padded(specs[i][1], specs[i][2])
-    return offsets, end
-
-
-def send_weights(
-    link: WeightLink | None,
-    version: int,
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
-    tensors: Iterable[torch.Tensor],
-) -> int:
-    """Send one version of the weights; returns the tensors' bytes sent (header_bytes; the padding of `layout` not
-    counted). `tensors` yields the full tensors in `specs` order, lazily (one full parameter at a time); each is
-    cast to its spec's dtype and copied into its bucket (`buckets`, `layout`), which is broadcast once full: few
-    broadcasts, at most a bucket in extra memory.
-    NOTE: call it on EVERY trainer rank, link=None on all but rank 0: producing the tensors
-    (FSDP2 `full_tensor()`) is a collective, so the other ranks iterate too and drop them."""
-    if link is None:
-        for _ in tensors:
-            pass
-        return 0
-    header = {
-        "version": version,
-        "names": [n for n, _, _ in specs],
-        "shapes": [list(s) for _, s, _ in specs],
-        "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs],
-        "buckets": buckets(specs),
-    }
-    link.store.set(f"nanorft/header/{link.count}", json.dumps(header))
-    link.count += 1
-    sent, stream = 0, iter(tensors)
-    for bucket in header["buckets"]:
-        offsets, size = layout(specs, bucket)
-        buf = None
-        for i, at in zip(bucket, offsets):
-            name, shape, dtype = specs[i]
-            t = next(stream)
-            if tuple(t.shape) != tuple(shape):
-                raise SyncError(f"{name}: tensor of shape {tuple(t.shape)}, spec says {tuple(shape)}")
-            part = _as_bytes(t.detach().to(device=link.device, dtype=dtype))
-            if len(bucket) == 1 and part.numel() == size:  # a tensor alone, no padding: sent as it is, no copy
-                buf = part
-                break
-            buf = torch.zeros(size, dtype=torch.uint8, device=link.device) if buf is None else buf  # padding: 0
-            buf[at : at + part.numel()].copy_(part)
-        _broadcast(link, buf)
-        sent += sum(math.prod(specs[i][1]) * specs[i][2].itemsize for i in bucket)
-    return sent
-
-
-def send_model(link: WeightLink | None, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> int:
-    """send_weights of an (FSDP2-sharded) model: one full parameter at a time, gathered on every rank
-    (call it on every rank, link=None on all but rank 0); tied weights appear once. `dtype`: floating-point
-    parameters are sent in it (e.g. bf16 for a bf16 engine: half the bytes); default their own."""
-    params = dict(model.named_parameters())
-    specs = [(k, tuple(v.shape), as_dtype(v, dtype)) for k, v in params.items()]
-    with torch.no_grad():
-        tensors = (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
-        return send_weights(link, version, specs, tensors)
-
-
-def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -> None:
-    """Send "stop" (finished=False: the trainer failed), wait up to `grace` s for a waiting explorer to
-    read it (an explorer that closed its end is not waited for), remove sync_group.json."""
-    n = link.count
-    link.store.set(f"nanorft/header/{n}", json.dumps({"stop": True, "finished": finished}))
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and not any(
-        link.store.check([k]) for k in (f"nanorft/ack/{n}", "nanorft/closed")
-    ):
-        time.sleep(0.05)
-    path = Path(link.job_dir, GROUP_FILE)
-    try:
-        if json.loads(path.read_text())["pid"] == os.getpid():  # ours, not a newer trainer's
-            path.unlink()
-    except (FileNotFoundError, ValueError, KeyError):
-        pass
-    drop_group(link)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def open_receiver(
-    job_dir: str | Path,
-    timeout: float,
-    device: str | torch.device | None = None,
-    rank: int = 1,
-    receivers: int | None = 1,
-) -> WeightLink:
-    """Explorer: wait up to `timeout` s for a live trainer's sync_group.json and connect to its store as group rank
-    `rank`; `receivers`: the explorer announces how many ranks will receive (1: itself; vLLM: its workers, which
-    connect with their own rank and receivers=None). device: where tensors arrive under NCCL (default: the current
-    CUDA device, looked up at the first bucket: a link that only reads headers, a vLLM explorer's, never touches CUDA,
-    so it makes no CUDA context on its engines' GPU); gloo receives on the CPU.
-    A file left by a dead trainer is skipped (it may be replaced by a new one before the deadline); one written on
-    another host is tried (its store answers or not)."""
-    path, deadline, why = Path(job_dir, GROUP_FILE), time.monotonic() + timeout, f"no {GROUP_FILE}"
-    while True:
-        try:
-            info = json.loads(path.read_text())
-        except (FileNotFoundError, ValueError):  # not there yet, or (never, as it is renamed) half-written
-            info = None
-        # NOTE: a pid names a process of the host that wrote the file: only there can it be checked
-        here = info is not None and info.get("hostname", socket.gethostname()) == socket.gethostname()
-        if here and not _pid_alive(info["pid"]):
-            why = f"{path} was written by process {info['pid']}, which is gone"
-        elif info is not None:
-            try:
-                attempt = max(1.0, min(5.0, deadline - time.monotonic()))
-                store = dist.TCPStore(info["host"], info["port"], 2, False, _timeout(attempt))
-                store.set_timeout(_timeout(timeout))
-                backend = info["backend"]
-                dev = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
-                if receivers is not None:
-                    store.set(WORLD_KEY, str(1 + receivers))
-                return WeightLink(
-                    store, rank, backend, dev, _timeout(timeout), Path(job_dir), resumed=int(info.get("resumed", 0))
-                )
-            except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
-                why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]
-        if time.monotonic() >= deadline:
-            raise SyncError(f"no trainer to receive weights from after {timeout:g} s: {why}")
-        time.sleep(0.2)
-
-
-def _device(link: WeightLink) -> torch.device:
-    """Where this receiver's tensors arrive: link.device, a bare "cuda" resolved to the current device (once)."""
-    if link.device.type == "cuda" and link.device.index is None:
-        link.device = torch.device("cuda", torch.cuda.current_device())
-    return link.device
-
-
-def receive_weights(link: WeightLink) -> tuple[int, dict[str, torch.Tensor]] | None:
-    """Block (up to link.timeout) for the next weights: (version, {name: tensor}), or None after a finished
-    trainer's "stop". SyncError when it is gone, failed, or times out."""
-    header = receive_header(link)
-    if header is None:
-        return None
-    state = {name: t for bucket in receive_buckets(link, header) for name, t in bucket}
-    ack(link)
-    return header["version"], state
-
-
-def receive_header(link: WeightLink) -> dict | None:
-    """The next transfer's header (version, names, shapes, dtypes, buckets), or None after a "stop" from a finished
-    trainer (acknowledged). SyncError when the trainer is gone, failed, or the wait times out."""
-    key = f"nanorft/header/{link.count}"
-    try:
-        link.store.wait([key], link.timeout)
-        header = json.loads(link.store.get(key))
-    except RuntimeError as e:  # the store died with the trainer's process, or the wait timed out
-        raise SyncError(f"no weights from the trainer (transfer {link.count}): {str(e).splitlines()[0]}") from e
-    if header.get("stop"):
-        ack(link)
-        if not header["finished"]:
-            raise SyncError("the trainer stopped on an error")
-        return None
-    return header
-
-
-def receive_buckets(link: WeightLink, header: dict) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The transfer's tensors, one bucket at a time as they arrive on link.device: [(name, tensor)], views into
-    the bucket's buffer (no copies). Every receiving rank of the group takes every bucket."""
-    done = 0
-    try:
-        specs = [
-            (name, tuple(shape), _dtype(name, d))
-            for name, shape, d in zip(header["names"], header["shapes"], header["dtypes"], strict=True)
-        ]
-        for bucket in header["buckets"]:
-            offsets, size = layout(specs, bucket)
-            buf = torch.empty(size, dtype=torch.uint8, device=_device(link))
-            _broadcast(link, buf)
-            yield [
-                (name, buf[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
-                for (name, shape, dtype), at in zip((specs[i] for i in bucket), offsets)
-            ]
-            done += len(bucket)
-    except SyncError:
-        raise
-    except RuntimeError as e:  # gloo: "Connection closed by peer" when the trainer dies mid-transfer
-        raise SyncError(f"weight transfer {link.count} broke after {done} tensors: {str(e).splitlines()[0]}") from e
-
-
-def header_bytes(header: dict) -> int:
-    """The bytes a transfer carries."""
-    return sum(
-        math.prod(shape) * _dtype(name, d).itemsize
-        for name, shape, d in zip(header["names"], header["shapes"], header["dtypes"])
-    )
-
-
-def _dtype(name: str, dtype_name: str) -> torch.dtype:
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise SyncError(f"{name}: unknown dtype {dtype_name!r} in the header")
-    return dtype
-
-
-def ack(link: WeightLink) -> None:
-    """Tell the trainer this transfer (or its stop) arrived; the next header key follows."""
-    link.store.set(f"nanorft/ack/{link.count}", "1")
-    link.count += 1
-
-
-def close_receiver(link: WeightLink) -> None:
-    """Tell the trainer not to wait for this explorer any more; drop the group."""
-    try:
-        link.store.set("nanorft/closed", "1")
-    except RuntimeError:
-        pass  # the trainer is already gone
-    drop_group(link)
-
-
-def drop_group(link: WeightLink) -> None:
-    """Shut this rank's side of the weight group down (a vLLM worker's, when its engine closes); the store stays."""
-    if link.group is not None and hasattr(link.group, "shutdown"):
-        link.group.shutdown()
-    link.group = None
-
-
-def as_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """`dtype` for a floating-point tensor (None: its own), a non-floating tensor's own dtype."""
-    return dtype if dtype is not None and t.is_floating_point() else t.dtype
-
-
 def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """`state` with its floating-point tensors in `dtype` (the others as they are). Tensors that share memory (tied
     embeddings) share the cast one. NOTE: else save_pretrained no longer sees them tied and writes the LM head
@@ -646,13 +280,275 @@ def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.
     out = {}
     for k, v in state.items():
         key = (v.device, v.data_ptr(), v.shape, v.stride(), v.dtype)
-        out[k] = done[key] if key in done else done.setdefault(key, v.to(as_dtype(v, dtype)))
+        out[k] = done[key] if key in done else done.setdefault(key, v.to(wire.as_dtype(v, dtype)))
     return out
 
 
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights on rank 0's CPU; {} on other ranks. Every rank must call it."""
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+# --- the explorer's side: waiting for the trainer, loading published weights, receiving them over the group
+
+
+def start_weights(cfg: Any) -> tuple[str, int] | None:
+    """The newest undamaged published weights of this job, (folder, step): a restarted explorer's engine starts with
+    them (usable_weights); None when nothing is published (the explorer starts from its starting model). A DataError
+    when the pointer names a step and no folder up to it can be loaded."""
+    job = cfg.checkpoint_job_dir
+    newest = latest_version(job)
+    if not newest:
+        return None
+    found = usable_weights(job, newest)
+    if found is None:
+        raise DataError(
+            f"{Path(job, POINTER)} names step {newest}, and no published weights folder up to it "
+            "is there undamaged (see the warnings above): restart the trainer (it resumes from its "
+            "newest checkpoint and publishes again), or move the pointer away to start from "
+            "model.model_path"
+        )
+    if found[1] != newest:
+        log.warning(
+            "the explorer starts from the published weights of step %d, the newest undamaged (not %d)", found[1], newest
+        )
+    return str(found[0]), found[1]
+
+
+def trainer_state(db: Any) -> str:
+    """What the trainer last recorded in the DB (buffer.ExperienceDB.trainer_status), for log lines."""
+    t = db.trainer_status()
+    if t is None:
+        return "no trainer has used this DB yet"
+    return f"trainer at step {t['step']}, {t['status']}, last seen {time.time() - t['time']:.0f} s ago (pid {t['pid']})"
+
+
+def wait_for_trainer(job: str, db: Any, want: int, step: int, timeout: float) -> tuple[int, str, int]:
+    """Checkpoint sync: block until the trainer has published weights of version >= want (polling
+    latest_state_dict_iteration.txt every 10 ms: a read of one small file). (that version, "", 0), or
+    (0, why not, exit code): 0 when the trainer has finished (no newer weights will come), 1 when `timeout`
+    (sync_timeout) ran out."""
+    start, next_note = time.monotonic(), 0.0
+    while (have := latest_version(job)) < want:
+        waited = time.monotonic() - start
+        trainer = db.trainer_status()
+        if trainer is not None and trainer["status"] == "finished":
+            return 0, f"the trainer finished at step {trainer['step']} (newest weights: step {have})", 0
+        if waited >= timeout:
+            return (
+                0,
+                f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}",
+                1,
+            )
+        if waited >= next_note:
+            next_note = waited + 30
+            log.info(
+                "sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
+                step,
+                want,
+                have,
+                job,
+                trainer_state(db),
+            )
+        time.sleep(0.01)
+    return have, "", 0
+
+
+def load_published(engine: Any, job: str, version: int) -> int:
+    """Load published weights into the engine: `version`'s, or if its folder is missing or damaged the newest
+    undamaged one newer than the engine's (usable_weights), or none (the engine keeps its weights; a warning
+    says so; the next sync point tries again); the newest if the folder is being replaced as it is read (a
+    resumed trainer re-publishing a step). Returns the version the engine has."""
+    for attempt in range(5):
+        found = usable_weights(job, version, above=engine.model_version)
+        if found is not None and (found[1] == version or attempt > 0):
+            try:
+                engine.load_weights(str(found[0]), version=found[1])
+                return found[1]
+            except OSError as e:
+                log.warning("could not load the weights of step %d (%s); retrying with the newest", found[1], e)
+        elif found is None and attempt > 0:
+            log.warning(
+                "no undamaged published weights newer than the engine's (step %d) up to step %d: the explorer "
+                "goes on with its weights",
+                engine.model_version,
+                version,
+            )
+            return engine.model_version
+        time.sleep(1.0)  # NOTE: first a second for a folder being replaced, then the fallback
+        version = latest_version(job)
+    raise RuntimeError(f"could not load published weights from {job}")
+
+
+class ExplorerSync:
+    """The explorer's side of the weight handshake, built once at its set-up: `resume` before the first rollout of a
+    restart in mode both, `after_step` at each step's sync point, `close` at the end. `db` and `engine` are used by
+    what they offer: the DB's trainer_status (for log lines); the engine's model_version, load_weights, sleep /
+    wake_up (cluster.colocate), and a vLLM pool's join_ranks / join_group / receive (its workers join the group)."""
+
+    def __init__(self, cfg: Any, db: Any, engine: Any) -> None:
+        self.cfg, self.db, self.engine = cfg, db, engine
+        self.receiver: wire.WeightLink | None = None  # the process-group link to the trainer, opened at its first use
+
+    def resume(self, step: int) -> int | None:
+        """Mode both, an explorer restarted after step `step`: before its first rollout, the weights of the last
+        sync point up to it (version w), which it may not have received before it stopped; on a GPU shared with the
+        trainer, which retrains up to w, the engine sleeps meanwhile. Checkpoint sync: the files published at w
+        (waited for); process group: `over_group`. None to go on, or the exit code to stop with."""
+        want = next((w for k in range(step, 0, -1) if (w := weights_needed(k, self.cfg))), 0)
+        if self.engine.model_version >= want:
+            return None
+        if self.cfg.synchronizer.sync_method == "nccl":
+            why, code = self.over_group(want, step)
+        else:
+            with self.trainer_turn(step, True):
+                why, code = self.from_files(want, step)
+        name = self.cfg.explorer.name
+        if self.engine.model_version < want:
+            (log.error if code else log.info)(
+                "explorer %s restarted after step %d: no weights of step %d: %s; stopping.", name, step, want, why
+            )
+            return code
+        log.info(
+            "explorer %s restarted after step %d with the weights of step %d", name, step, self.engine.model_version
+        )
+        return None
+
+    def after_step(self, step: int) -> tuple[int | None, dict[str, float]]:
+        """The sync point after step `step`: the weights it needs (weights_needed), if any, over the process group
+        (nccl) or as published files (checkpoint, `load_newer`); on a GPU shared with the trainer the engine sleeps
+        while the trainer trains them. (None to go on, or the exit code to stop with; metrics)."""
+        want = weights_needed(step, self.cfg)
+        with self.trainer_turn(step, bool(want)):
+            if self.cfg.synchronizer.sync_method != "nccl":
+                return self.load_newer(step)
+            if not want or self.engine.model_version >= want:  # a restart may have loaded them already (resume)
+                return None, {}
+            code, metrics = self.receive(want, step)
+            return code or None, metrics
+
+    def close(self) -> None:
+        """Tell the trainer this explorer takes no more weights (process group); drop the link."""
+        if self.receiver is not None:
+            wire.close_receiver(self.receiver)
+
+    def load_newer(self, step: int) -> tuple[int | None, dict[str, float]]:
+        """Checkpoint sync after step `step`: fixed style, the weights weights_needed names (waiting for them);
+        explorer_driven, any newer than the engine's (waiting for them); trainer_driven, whatever is published
+        (never waiting). (None to go on, or the exit code to stop with; metrics)."""
+        s, t0, job = self.cfg.synchronizer, time.monotonic(), self.cfg.checkpoint_job_dir
+        fixed = weights_needed(step, self.cfg)
+        if not (fixed or s.sync_style == "trainer_driven"):
+            return None, {}
+        version = latest_version(job)
+        want = {"fixed": fixed, "explorer_driven": self.engine.model_version + 1}.get(s.sync_style, 0)
+        if version < want:
+            version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout)
+            if not version:
+                (log.error if code else log.info)(
+                    "explorer %s stops after step %d: %s.%s",
+                    self.cfg.explorer.name,
+                    step,
+                    why,
+                    f" Restart to continue after step {step}." if code else "",
+                )
+                return code, {}
+        if version > self.engine.model_version:
+            load_published(self.engine, job, version)
+            return None, {"time/sync": time.monotonic() - t0}
+        return None, {}
+
+    def from_files(self, want: int, step: int) -> tuple[str, int]:
+        """The published weights of version `want` or newer, into the engine (waited for): ("", 0), or (why not, exit
+        code: 0 when the trainer finished first)."""
+        job, s = self.cfg.checkpoint_job_dir, self.cfg.synchronizer
+        version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout)
+        if version and (loaded := load_published(self.engine, job, version)) < want:  # its retry took an older folder
+            return f"the newest weights published, of step {loaded}, are older", 1
+        return why, code
+
+    def receive(self, want: int, step: int) -> tuple[int, dict[str, float]]:
+        """Process-group sync after step `step`: the trainer's weights of step `want`, into the engine. (exit code,
+        metrics)."""
+        t0 = time.monotonic()
+        try:
+            got = self.take_weights()
+        except wire.SyncError as err:
+            got, why = None, str(err)
+        else:
+            why = "the trainer finished and sent stop"
+        if got is None:
+            log.error(
+                "no weights of step %d from the trainer: %s; stopping. Restart to continue after step %d.",
+                want,
+                why,
+                step,
+            )
+            return 1, {}
+        version, size = got
+        if version != want:
+            log.warning("sync point after step %d: got weights of step %d, expected %d", step, version, want)
+        seconds = time.monotonic() - t0
+        return 0, {"sync/bytes": size, "sync/receive_seconds": seconds, "time/sync": seconds}
+
+    def over_group(self, want: int, step: int) -> tuple[str, int]:
+        """Process-group sync at a restart after step `step`: R, the step the trainer resumed from (its
+        sync_group.json), decides: R >= `want`, the files it published at its resume; R < want, the versions it
+        sends as it retrains, in order, up to want. NOTE: R as the trainer says it, not the checkpoint pointer's
+        step, which the trainer skips when that checkpoint is damaged (it resumes from an older one and sends
+        versions the explorer would not wait for). ("", 0), or (why not, 1)."""
+        try:
+            while self.engine.model_version < want:  # the retrained versions, in the order the trainer sends them
+                with self.trainer_turn(step, True):  # NOTE: for each: a woken engine (a vLLM one wakes to load) sleeps
+                    if self.link().resumed >= want:
+                        return self.from_files(want, step)
+                    if self.take_weights() is None:
+                        return "the trainer finished and sent stop", 1
+        except wire.SyncError as err:
+            return str(err), 1
+        return "", 0
+
+    def take_weights(self) -> tuple[int, int] | None:
+        """The next weights over the trainer's group, into the engine: (version, bytes), or None after its stop.
+        The HF engine receives them in this process; vLLM engines' workers join the group and take them onto their
+        GPUs (vllm_engine.EnginePool.receive), this process reading only the header."""
+        workers = self.engine.join_ranks() if hasattr(self.engine, "join_ranks") else 0
+        link = self.link()
+        header = wire.receive_header(link)
+        if header is None:
+            return None
+        if workers:
+            self.engine.receive(header)
+        else:
+            state = {name: t for bucket in wire.receive_buckets(link, header) for name, t in bucket}
+            self.engine.load_weights(state, version=header["version"])
+        wire.ack(link)
+        return header["version"], wire.header_bytes(header)
+
+    def link(self) -> wire.WeightLink:
+        """The process-group link to the trainer, opened at its first use (up to sync_timeout); vLLM workers join
+        it."""
+        job, timeout = self.cfg.checkpoint_job_dir, self.cfg.synchronizer.sync_timeout
+        if self.receiver is None:
+            workers = self.engine.join_ranks() if hasattr(self.engine, "join_ranks") else 0
+            self.receiver = wire.open_receiver(job, timeout, receivers=workers or 1)
+            if workers:
+                self.engine.join_group(job, timeout)
+        return self.receiver
+
+    @contextlib.contextmanager
+    def trainer_turn(self, step: int, waits: bool) -> Iterator[None]:
+        """While this explorer waits for weights the trainer is still to train (`waits`) on one GPU shared with it
+        (cluster.colocate): the engine sleeps, its memory free for the trainer, and wakes up after."""
+        sleeps = waits and self.cfg.cluster.colocate
+        if sleeps:
+            self.engine.sleep()
+            log.info("step %d: the engine sleeps while the trainer uses the shared GPU", step)
+        try:
+            yield
+        finally:
+            if sleeps:
+                self.engine.wake_up()
 
 
 def pause_for_test(point: str, step: int) -> None:

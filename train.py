@@ -66,6 +66,7 @@ import configs
 import launch
 import lora
 import sync
+import wire
 from algos import overlong, value_loss
 from algos.correction import rollout_is_weights
 from algos.kl import adapt as kl_adapt
@@ -133,7 +134,7 @@ class Parts:
     total: int  # the last step
     resume: int  # the checkpoint step this run started from
     temperatures: dict[str, float]  # taskset name -> the temperature its rollouts were sampled at
-    sender: sync.WeightLink | None  # process-group weight sync (rank 0)
+    sender: wire.WeightLink | None  # process-group weight sync (rank 0)
     monitor: Monitor | None  # rank 0
 
     @property
@@ -223,7 +224,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
     resume_state(p)
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
         # NOTE: NCCL cannot join two ranks on one GPU: a colocated explorer gets the weights through host memory
-        p.sender = sync.open_sender(
+        p.sender = wire.open_sender(
             job,
             "cpu" if cfg.cluster.colocate else device,
             cfg.synchronizer.sync_timeout,
@@ -691,7 +692,7 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
     if p.rank == 0 and not p.source.units:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")
     if p.sender is not None:
-        sync.close_sender(p.sender, finished=code == 0)
+        wire.close_sender(p.sender, finished=code == 0)
     if p.monitor is not None:
         p.monitor.close(failed=code != 0)
     dist.destroy_process_group()

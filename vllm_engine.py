@@ -16,7 +16,7 @@ same calls) and kept thin.
   the engine with the fewest requests in flight.
 Weights never pass through the explorer's memory: each vLLM worker runs `WeightReceiver` (vLLM's
 `worker_extension_cls`, called through `collective_rpc`) and either reads a published HF folder itself or joins
-the trainer's weight group (sync.py: gloo on the CPU, NCCL on GPUs; the same code) as its own rank. Either way the
+the trainer's weight group (wire.py: gloo on the CPU, NCCL on GPUs; the same code) as its own rank. Either way the
 tensors go through the worker's `reload_weights(weights_iterator=...)`, vLLM's in-place reload: it maps HF names
 onto vLLM's fused layers and re-runs each layer's post-load processing (the CPU backend repacks its weights, as
 quantized layers do on GPUs: a bare `model.load_weights` into a running engine fails there). The prefix cache is
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-import sync
+import wire
 from models import load_tokenizer
 from sampling import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
 
@@ -269,7 +269,7 @@ class EnginePool:
 
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
         """New weights from a published HF folder, which every worker reads itself. OSError when a worker could
-        not (explore.load_published then retries with the newest folder)."""
+        not (sync.load_published then retries with the newest folder)."""
         if not isinstance(source, str):
             raise TypeError("vLLM engines load weights from a folder or over the weight group, not a state dict")
         self.wake_up()  # vLLM loads weights into awake engines
@@ -286,20 +286,20 @@ class EnginePool:
         return len(self.engines) * self.per_engine
 
     def join_group(self, job_dir: str, timeout: float) -> None:
-        """Every worker joins the trainer's weight group (sync.open_receiver) as rank 1 + its index, after the
+        """Every worker joins the trainer's weight group (wire.open_receiver) as rank 1 + its index, after the
         explorer announced join_ranks() receivers."""
         done = self.all(lambda e: e.rpc("nanorft_join", job_dir, 1 + self.engines.index(e) * self.per_engine, timeout))
         if errors := [err for worker in done for err in worker if err]:
-            raise sync.SyncError(f"vLLM workers could not join the weight group: {errors[0]}")
+            raise wire.SyncError(f"vLLM workers could not join the weight group: {errors[0]}")
         self.joined = True
 
     def receive(self, header: dict) -> int:
-        """One transfer over the weight group (after sync.receive_header): every worker takes the buckets; returns
+        """One transfer over the weight group (after wire.receive_header): every worker takes the buckets; returns
         the tensors loaded per worker. SyncError (the explorer's restart message) when the transfer broke."""
         self.wake_up()
         done = self.all(lambda e: e.rpc("nanorft_receive", header))
         if errors := [err for worker in done for _, err in worker if err]:
-            raise sync.SyncError(errors[0])
+            raise wire.SyncError(errors[0])
         self.all(lambda e: e.updated(header["version"]))
         return min(n for worker in done for n, _ in worker)
 
@@ -419,8 +419,8 @@ class WeightReceiver:
         what went wrong."""
         self.nanorft_close()
         try:
-            self.nanorft_link = sync.open_receiver(job_dir, timeout, self.device, first_rank + self.rank, None)
-        except sync.SyncError as e:
+            self.nanorft_link = wire.open_receiver(job_dir, timeout, self.device, first_rank + self.rank, None)
+        except wire.SyncError as e:
             return str(e)
         return ""
 
@@ -431,14 +431,14 @@ class WeightReceiver:
 
         def arriving() -> Iterator[tuple[str, torch.Tensor]]:
             nonlocal n
-            for bucket in sync.receive_buckets(self.nanorft_link, header):
+            for bucket in wire.receive_buckets(self.nanorft_link, header):
                 yield from bucket
                 n += len(bucket)
 
         expected_reload_warnings_off()
         try:
             self.reload_weights(weights_iterator=arriving())
-        except sync.SyncError as e:
+        except wire.SyncError as e:
             return n, str(e)
         retie_lm_head(self.model_runner.get_model())
         return n, ""
@@ -446,7 +446,7 @@ class WeightReceiver:
     def nanorft_close(self) -> None:
         """Leave the weight group (the engine closes)."""
         if getattr(self, "nanorft_link", None) is not None:
-            sync.drop_group(self.nanorft_link)
+            wire.drop_group(self.nanorft_link)
             self.nanorft_link = None
 
 

@@ -37,10 +37,10 @@ What is measured:
             decoding exactly --decode-tokens tokens (min_tokens = max_tokens), temperature 1. tokens/s =
             C x N / the generate call's seconds (prefill included); prefill_s = the same call with N = 1;
             decode-only tokens/s = C x (N - 1) / (generate_s - prefill_s).
-  sync      group: sync.open_sender here, sync.open_receiver + receive_weights in a second process (this script,
+  sync      group: wire.open_sender here, wire.open_receiver + receive_weights in a second process (this script,
             --role receiver) that holds an HFEngine; NCCL between cuda:0 and cuda:1 when there are two GPUs, else
             gloo over 127.0.0.1 with the tensors on the CPU (on one GPU, as train.py would have to). end_to_end_s:
-            from sync.send_model(link, scorer.model, v) to the receiver holding every tensor (one clock: same
+            from wire.send_model(link, scorer.model, v) to the receiver holding every tensor (one clock: same
             host); engine_load_s: HFEngine.load_weights(state_dict, v) after it. One warm-up transfer (it also
             creates the group), then --sync-repeats (median).
             checkpoint: sync.full_state(scorer.model) (gather_s), sync.cast + sync.publish_hf (save_s),
@@ -79,6 +79,7 @@ import configs  # noqa: E402
 import models  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
+import wire  # noqa: E402
 from buffer import Experience  # noqa: E402
 from engines import HFEngine, SamplingParams  # noqa: E402
 from tiny import SPECIAL_TOKENS, make_tokenizer  # noqa: E402
@@ -330,7 +331,7 @@ def bench_group(
     nccl = sync_backend(device) == "nccl"
     send_dev, recv_dev = ("cuda:0", "cuda:1") if nccl else ("cpu", "cpu")
     engine_dev = "cuda:1" if nccl else "cuda" if device.type == "cuda" else "cpu"
-    link = sync.open_sender(work / "pg", send_dev, SYNC_TIMEOUT)
+    link = wire.open_sender(work / "pg", send_dev, SYNC_TIMEOUT)
     peer = subprocess.Popen(
         [
             sys.executable,
@@ -349,7 +350,7 @@ def bench_group(
     rows = []
     for version in range(a.sync_repeats + 1):  # version 0: the warm-up, which also creates the group
         start, t0 = time.time(), time.perf_counter()
-        sent = sync.send_model(link, scorer.model, version, dtype)
+        sent = wire.send_model(link, scorer.model, version, dtype)
         send_s = time.perf_counter() - t0
         key = f"bench/loaded/{version}"
         # NOTE: the next send starts only once the receiver has loaded this one and waits again
@@ -357,7 +358,7 @@ def bench_group(
         got = json.loads(link.store.get(key))
         if version:
             rows.append((got["have"] - start, send_s, got["load_s"]))
-    sync.close_sender(link, finished=True, grace=60)
+    wire.close_sender(link, finished=True, grace=60)
     if peer.wait(timeout=SYNC_TIMEOUT):
         raise RuntimeError(f"the receiver process failed (exit {peer.returncode})")
     return {
@@ -381,8 +382,8 @@ def receiver(a: argparse.Namespace) -> None:
         max_model_len=64,
         max_batch_size=1,
     )
-    link = sync.open_receiver(work / "pg", SYNC_TIMEOUT, device=a.sync_device)
-    while (got := sync.receive_weights(link)) is not None:
+    link = wire.open_receiver(work / "pg", SYNC_TIMEOUT, device=a.sync_device)
+    while (got := wire.receive_weights(link)) is not None:
         sync_cuda()  # NOTE: an NCCL broadcast's wait() only orders streams; the bytes are there after this
         have = time.time()
         version, state = got
@@ -391,7 +392,7 @@ def receiver(a: argparse.Namespace) -> None:
         sync_cuda()
         link.store.set(f"bench/loaded/{version}", json.dumps({"have": have, "load_s": time.perf_counter() - t0}))
         del state, got
-    sync.close_receiver(link)
+    wire.close_receiver(link)
     engine.close()
 
 

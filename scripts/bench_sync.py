@@ -7,7 +7,7 @@ Qwen2.5-1.5B (hidden 1536, intermediate 8960, 28 layers, 12 heads, 2 KV heads, v
 embeddings) in bfloat16, made on the meta device then `to_empty` + normal(0, 0.02).
   checkpoint  sync.publish_hf (save_pretrained + renames) then the engine-side load that
               HFEngine.load_weights(folder) does: models.load_model(folder) + load_state_dict
-  group       two processes: sync.send_weights over gloo (127.0.0.1) -> sync.receive_weights ->
+  group       two processes: wire.send_weights over gloo (127.0.0.1) -> wire.receive_weights ->
               load_state_dict into the receiver's model; one warm-up transfer (it also creates the
               group) is not counted. Time = the receiver's, from asking for the weights to loaded.
 Median of --repeats; GB/s = weight bytes / seconds. CPU only (gloo); NCCL is not measured here.
@@ -29,6 +29,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import sync  # noqa: E402
+import wire  # noqa: E402
 from models import load_model  # noqa: E402
 
 
@@ -101,21 +102,21 @@ def bench_group(kind: str, workdir: Path, repeats: int) -> dict[str, float]:
 
 def role_sender(kind: str, workdir: Path, repeats: int) -> None:
     model, _ = build(kind, workdir)
-    link = sync.open_sender(workdir / f"pg_{kind}", "cpu", timeout=600)
+    link = wire.open_sender(workdir / f"pg_{kind}", "cpu", timeout=600)
     params = dict(model.named_parameters())
     specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
     for version in range(repeats + 1):  # version 0: the warm-up
-        sync.send_weights(link, version, specs, (p.detach() for p in params.values()))
-    sync.close_sender(link, finished=True, grace=60)
+        wire.send_weights(link, version, specs, (p.detach() for p in params.values()))
+    wire.close_sender(link, finished=True, grace=60)
 
 
 def role_receiver(kind: str, workdir: Path, repeats: int) -> None:
     target, _ = build(kind, workdir)
-    link = sync.open_receiver(workdir / f"pg_{kind}", timeout=600)
+    link = wire.open_receiver(workdir / f"pg_{kind}", timeout=600)
     recv, load, total = [], [], []
     for version in range(repeats + 1):
         t0 = time.perf_counter()
-        got_version, state = sync.receive_weights(link)
+        got_version, state = wire.receive_weights(link)
         t1 = time.perf_counter()
         if target.config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -124,8 +125,8 @@ def role_receiver(kind: str, workdir: Path, repeats: int) -> None:
         t2 = time.perf_counter()
         if version:  # not the warm-up
             recv.append(t1 - t0), load.append(t2 - t1), total.append(t2 - t0)
-    assert sync.receive_weights(link) is None
-    sync.close_receiver(link)
+    assert wire.receive_weights(link) is None
+    wire.close_receiver(link)
     print(
         json.dumps(
             {

@@ -14,7 +14,7 @@ embeddings: 1m (the embedded default: hidden 128, 4 layers), 25m (hidden 512, 8 
             first --models shape also without it, vLLM's default).
   reload    new weights (the model perturbed) into the running engine, medians of --repeats: from a published HF
             folder (EnginePool.load_weights: the worker reads it, vLLM's in-place reload), and over the weight
-            group (a trainer thread serving sync.send_model over gloo, one group for all the transfers, a warm-up
+            group (a trainer thread serving wire.send_model over gloo, one group for all the transfers, a warm-up
             transfer first; EnginePool.receive: the worker takes the buckets into the same reload, the time from
             the header to loaded, the trainer's sending included); the HF engine's folder load for comparison.
 One JSON line per measurement, then a table. On the CPU vLLM is there to prove the GPU path, not for speed.
@@ -38,6 +38,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import sync  # noqa: E402
+import wire  # noqa: E402
 from configs.schema import InferenceModelConfig  # noqa: E402
 from engines import HFEngine, SamplingParams, make_engine  # noqa: E402
 from models import load_model, load_tokenizer  # noqa: E402
@@ -113,20 +114,20 @@ def perturbed(path: str, seed: int) -> torch.nn.Module:
 def over_the_group(pool, models: list[torch.nn.Module], job: Path) -> list[float]:
     """Seconds of each transfer of `models` (in turn) into the pool's workers over one weight group, from the header
     read to loaded; the first (which also creates the group) is a warm-up and not returned."""
-    link = sync.open_sender(job, "cpu", timeout=120)
-    sender = threading.Thread(target=lambda: [sync.send_model(link, m, v) for v, m in enumerate(models, 100)])
-    receiver = sync.open_receiver(job, timeout=60, receivers=pool.join_ranks())
+    link = wire.open_sender(job, "cpu", timeout=120)
+    sender = threading.Thread(target=lambda: [wire.send_model(link, m, v) for v, m in enumerate(models, 100)])
+    receiver = wire.open_receiver(job, timeout=60, receivers=pool.join_ranks())
     pool.join_group(str(job), 60)
     sender.start()
     seconds = []
     for _ in models:
         start = time.perf_counter()
-        pool.receive(sync.receive_header(receiver))
+        pool.receive(wire.receive_header(receiver))
         seconds.append(time.perf_counter() - start)
-        sync.ack(receiver)
+        wire.ack(receiver)
     sender.join()
-    sync.close_receiver(receiver)
-    sync.close_sender(link, finished=True, grace=1)
+    wire.close_receiver(receiver)
+    wire.close_sender(link, finished=True, grace=1)
     return seconds[1:]
 
 

@@ -323,20 +323,19 @@ def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_mod
     exit code 0 when the trainer has finished first; 1 with the trainer's last state after the timeout."""
     import threading
 
-    import explore
     import sync
     from models import load_model, load_tokenizer
 
     db = ExperienceDB(db_url)
-    version, why, code = explore.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=0.3)
+    version, why, code = sync.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=0.3)
     assert (version, code) == (0, 1) and why == (
         "no weights of step 1 after 0.3 s (synchronizer.sync_timeout); no trainer has used this DB yet"
     )
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     t = threading.Timer(0.3, lambda: sync.publish_hf(model, tok, tmp_path, step=2))
     t.start()
-    assert explore.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=30) == (2, "", 0)
+    assert sync.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=30) == (2, "", 0)
     t.join()
     db.set_meta("trainer", json.dumps({"step": 5, "status": "finished", "time": time.time(), "pid": 1}))
-    version, why, code = explore.wait_for_trainer(str(tmp_path), db, 6, step=7, timeout=30)
+    version, why, code = sync.wait_for_trainer(str(tmp_path), db, 6, step=7, timeout=30)
     assert (version, code) == (0, 0) and why == "the trainer finished at step 5 (newest weights: step 2)"

@@ -16,6 +16,8 @@ import pytest
 import torch
 
 import explore
+import sync
+import wire
 import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
@@ -331,7 +333,7 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert [v for _, _, v, _ in db_rows(tmp_path)] == [0] * 6 + [1] * 6 + [2] * 6
     # a restart for 3 more steps: this trainer (restarted without a checkpoint) sends one version, then stop; the
-    # explorer, restarted after step 3, waits for version 3 before its first rollout (explore.resume_weights)
+    # explorer, restarted after step 3, waits for version 3 before its first rollout (sync.ExplorerSync.resume)
     config = write_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 6})
     trainer = subprocess.Popen(
         [sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1"],
@@ -364,11 +366,11 @@ def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny
     assert f"{db} is not a SQLite database" in out.stderr and db.read_bytes() == b"some notes\n"
 
 
-# --- a restart in mode both: the weights of the interrupted sync point first (explore.resume_weights)
+# --- a restart in mode both: the weights of the interrupted sync point first (sync.ExplorerSync.resume)
 
 
 class VersionEngine:
-    """The engine surface resume_weights uses: model_version, load_weights recording what came, and sleep / wake_up
+    """The engine surface sync.ExplorerSync uses: model_version, load_weights recording what came, and sleep / wake_up
     (a GPU shared with the trainer) recorded in the same list."""
 
     def __init__(self, version: int = 0) -> None:
@@ -408,7 +410,8 @@ def restarted(
         algorithm=SimpleNamespace(repeat_times=2),
         cluster=SimpleNamespace(colocate=colocate),
     )
-    return SimpleNamespace(cfg=cfg, db=ExperienceDB(db_url), step=step, engine=engine, receiver=None)
+    db = ExperienceDB(db_url)
+    return SimpleNamespace(cfg=cfg, db=db, step=step, engine=engine, sync=sync.ExplorerSync(cfg, db, engine))
 
 
 @pytest.mark.parametrize("colocate", [False, True])
@@ -418,7 +421,6 @@ def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tin
     with the trainer, the engine sleeps while it waits (the trainer retrains on that GPU), and wakes up after."""
     import threading
 
-    import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
@@ -426,26 +428,25 @@ def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tin
     publish = [threading.Timer(0.3 * k, lambda k=k: sync.publish_hf(model, tok, tmp_path, step=k)) for k in (1, 2)]
     for t in publish:
         t.start()
-    assert explore.resume_weights(x) is None
+    assert x.sync.resume(x.step) is None
     for t in publish:
         t.join()
     assert x.engine.model_version == 2
     assert x.engine.loaded == (["sleep", (2, "folder"), "wake_up"] if colocate else [(2, "folder")])
-    x.engine = VersionEngine(2)  # already there: nothing to wait for or load
-    assert explore.resume_weights(x) is None and x.engine.loaded == []
+    x.engine = x.sync.engine = VersionEngine(2)  # already there: nothing to wait for or load
+    assert x.sync.resume(x.step) is None and x.engine.loaded == []
 
 
 def test_a_restarted_explorer_stops_when_only_older_weights_load(tmp_path, tiny_model_dir, monkeypatch):
     """Checkpoint sync, restarted after step 2: the folder of 2 fails to load and the pointer meanwhile says 1 (a
     trainer rewinding), so load_published's retry loads 1: the explorer stops with exit code 1 naming it, not
     exit 0 as if the trainer had finished."""
-    import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     for k in (1, 2):
         sync.publish_hf(model, tok, tmp_path, step=k)
-    monkeypatch.setattr(explore.time, "sleep", lambda _: None)
+    monkeypatch.setattr(sync.time, "sleep", lambda _: None)
 
     class Failing(VersionEngine):
         def load_weights(self, source, version: int) -> None:
@@ -455,7 +456,7 @@ def test_a_restarted_explorer_stops_when_only_older_weights_load(tmp_path, tiny_
             super().load_weights(source, version)
 
     x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", Failing())
-    assert explore.resume_weights(x) == 1
+    assert x.sync.resume(x.step) == 1
     assert x.engine.loaded == [(1, "folder")]
 
 
@@ -470,7 +471,6 @@ def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_pa
     import threading
 
     import checkpoint
-    import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
@@ -486,29 +486,28 @@ def test_a_restarted_explorer_takes_the_retrained_versions_over_the_group(tmp_pa
     assert resumed == 1
     sync.publish_hf(model, tok, tmp_path, step=resumed)  # the trainer's resume: the pointer rewound to its step
     x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "nccl", VersionEngine(), colocate, timeout=10)
-    sender = sync.open_sender(tmp_path, "cpu", 60, resumed=resumed)
-    sending = threading.Thread(target=lambda: [sync.send_model(sender, model, v) for v in (2, 3)])
+    sender = wire.open_sender(tmp_path, "cpu", 60, resumed=resumed)
+    sending = threading.Thread(target=lambda: [wire.send_model(sender, model, v) for v in (2, 3)])
     sending.start()
-    assert explore.resume_weights(x) is None
+    assert x.sync.resume(x.step) is None
     sending.join(60)
-    sync.close_sender(sender, grace=0.1)
+    wire.close_sender(sender, grace=0.1)
     each = ["sleep", "wake_up"] if colocate else []
     assert x.engine.loaded == [*each[:1], (2, "group"), *each[1:], *each[:1], (3, "group"), *each[1:]]
-    assert explore.sync_weights(x) == (None, {})  # step 3's sync point: its weights are there, nothing to wait for
+    assert x.sync.after_step(x.step) == (None, {})  # step 3's sync point: its weights are there, nothing to wait for
 
 
 def test_a_restarted_explorer_behind_the_trainers_resume_loads_its_files(tmp_path, tiny_model_dir):
     """Process-group sync, restarted after step 2, the trainer resumed from its checkpoint at 3 (past 2): no version
     of 2 or 3 will come over the group; the explorer loads the folder the trainer published at its resume."""
-    import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     sync.publish_hf(model, tok, tmp_path, step=3)
-    sender = sync.open_sender(tmp_path, "cpu", 60, resumed=3)
+    sender = wire.open_sender(tmp_path, "cpu", 60, resumed=3)
     x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "nccl", VersionEngine())
-    assert explore.resume_weights(x) is None
-    sync.close_sender(sender, grace=0.1)
+    assert x.sync.resume(x.step) is None
+    wire.close_sender(sender, grace=0.1)
     assert x.engine.loaded == [(3, "folder")]
 
 
@@ -536,7 +535,6 @@ def test_the_explorer_falls_back_to_the_newest_undamaged_published_weights(
     folder blindly and died with a raw SafetensorError (or HFValidationError for a missing step)."""
     import types
 
-    import sync
     from models import load_model
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
@@ -547,39 +545,36 @@ def test_the_explorer_falls_back_to_the_newest_undamaged_published_weights(
     assert str(sync.weights_path(tmp_path, 3)) in sync.damage(sync.weights_path(tmp_path, 3))
     cfg = types.SimpleNamespace(checkpoint_job_dir=str(tmp_path))
     with caplog.at_level("WARNING"):
-        assert explore.start_weights(cfg) == (str(sync.weights_path(tmp_path, 2)), 2)
+        assert sync.start_weights(cfg) == (str(sync.weights_path(tmp_path, 2)), 2)
     assert "the published weights of step 3 are damaged and skipped" in caplog.text
-    monkeypatch.setattr(explore.time, "sleep", lambda _: None)
+    monkeypatch.setattr(sync.time, "sleep", lambda _: None)
     engine = VersionEngine(1)
-    assert explore.load_published(engine, str(tmp_path), 3) == 2 and engine.loaded == [(2, "folder")]
+    assert sync.load_published(engine, str(tmp_path), 3) == 2 and engine.loaded == [(2, "folder")]
     engine = VersionEngine(2)
-    assert explore.load_published(engine, str(tmp_path), 3) == 2 and engine.loaded == []
+    assert sync.load_published(engine, str(tmp_path), 3) == 2 and engine.loaded == []
     assert "goes on with its weights" in caplog.text
 
 
 def test_a_pointer_naming_a_step_without_usable_weights_is_a_named_error(tmp_path, tiny_model_dir):
     import types
 
-    import sync
     from models import load_model
     from tasksets import DataError
 
     cfg = types.SimpleNamespace(checkpoint_job_dir=str(tmp_path))
     sync.set_latest(tmp_path, 7)  # a step whose folder was never written (or was deleted)
     with pytest.raises(DataError, match=r"latest_state_dict_iteration.txt names step 7, and no published weights"):
-        explore.start_weights(cfg)
+        sync.start_weights(cfg)
     sync.publish_hf(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), tmp_path, step=7)
     damage_weights(sync.weights_path(tmp_path, 7), "cut")
     with pytest.raises(DataError, match="restart the trainer"):
-        explore.start_weights(cfg)
+        sync.start_weights(cfg)
 
 
 def test_a_full_disk_under_the_explorers_meta_file_warns_and_the_step_is_in_the_db(tmp_path, monkeypatch, caplog):
     """<name>_meta.json is for people and tools; the position a restart reads is in the DB, written first. A full
     disk there (the DB elsewhere) is a warning, not a traceback, and leaves no temporary file behind."""
     import errno
-
-    import sync
 
     x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 3, "checkpoint", VersionEngine(0))
     x.reader = TaskReader([], total_epochs=1)

@@ -25,6 +25,7 @@ import lora
 import models
 import sync
 import train
+import wire
 from configs import Config, ConfigError, cli, from_dict, normalize, resolve_stages
 from configs.schema import LoRAConfig, OptimizerConfig, TrainerConfig
 from conftest import plain_logprobs
@@ -238,14 +239,14 @@ def test_the_process_group_sends_the_merged_weights_under_the_plain_names(tiny_m
             if ".lora_B." in name:
                 q.fill_(0.01)
     merged = lora.full_state(actor)
-    sender, got = sync.open_sender(tmp_path, "cpu", 60), {}
+    sender, got = wire.open_sender(tmp_path, "cpu", 60), {}
     receiver = threading.Thread(
-        target=lambda: got.update(zip(("version", "state"), sync.receive_weights(sync.open_receiver(tmp_path, 60))))
+        target=lambda: got.update(zip(("version", "state"), wire.receive_weights(wire.open_receiver(tmp_path, 60))))
     )
     receiver.start()
     sent = lora.send_model(sender, actor, 7, torch.bfloat16)
     receiver.join(60)
-    sync.close_sender(sender, grace=0.1)
+    wire.close_sender(sender, grace=0.1)
     names = {n for n, _ in models.load_model(tiny_model_dir).named_parameters()}
     assert got["version"] == 7 and set(got["state"]) == names and sent > 0
     assert all(torch.equal(got["state"][n], merged[n].bfloat16()) for n in names)

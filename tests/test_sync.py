@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 import configs
 import sync
+import wire
 from engines import HFEngine, SamplingParams
 from models import load_model, load_tokenizer
 
@@ -118,14 +119,14 @@ def test_group_sync_is_bitwise(tiny_model_dir, tmp_path):
         assert t.dtype == got[name].dtype and torch.equal(t, got[name]), name
     if "lm_head.weight" not in sent:  # tied embeddings: sent once, the engine's head follows
         assert torch.equal(got["lm_head.weight"], sent["model.embed_tokens.weight"])
-    assert not (tmp_path / sync.GROUP_FILE).exists()  # the trainer removed its file
+    assert not (tmp_path / wire.GROUP_FILE).exists()  # the trainer removed its file
 
 
 def test_stop_reports_finished(tmp_path):
     trainer = peer("stop", str(tmp_path))
-    link = sync.open_receiver(tmp_path, timeout=20)
-    assert sync.receive_weights(link) is None
-    sync.close_receiver(link)
+    link = wire.open_receiver(tmp_path, timeout=20)
+    assert wire.receive_weights(link) is None
+    wire.close_receiver(link)
     finish(trainer)
 
 
@@ -133,15 +134,15 @@ def test_no_trainer_is_a_clear_error(tmp_path):
     """The timeout bounds the wait (NOTE: the bounds below are slack for a loaded machine, not speed claims: what
     is tested is that the explorer gives up with a named error instead of waiting on)."""
     start = time.monotonic()
-    with pytest.raises(sync.SyncError, match="no trainer"):
-        sync.open_receiver(tmp_path, timeout=2)
+    with pytest.raises(wire.SyncError, match="no trainer"):
+        wire.open_receiver(tmp_path, timeout=2)
     assert 2 <= time.monotonic() - start < 30
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / sync.GROUP_FILE).write_text(
+    (tmp_path / wire.GROUP_FILE).write_text(
         json.dumps({"host": "127.0.0.1", "port": 1, "pid": int(dead.stdout), "backend": "gloo"})
     )  # left by a dead trainer
-    with pytest.raises(sync.SyncError, match="which is gone"):
-        sync.open_receiver(tmp_path, timeout=2)
+    with pytest.raises(wire.SyncError, match="which is gone"):
+        wire.open_receiver(tmp_path, timeout=2)
     assert time.monotonic() - start < 60
 
 
@@ -149,18 +150,18 @@ def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
     """synchronizer.sync_host (here 127.0.0.2, standing for a node's cluster address): the store listens there and
     nowhere else, and sync_group.json names it and the host that wrote it. A file written on another host is tried
     (the explorer of a multi-node run), not skipped for a pid that names a process of that host."""
-    link = sync.open_sender(tmp_path, "cpu", timeout=10, host="127.0.0.2")
-    info = json.loads((tmp_path / sync.GROUP_FILE).read_text())
+    link = wire.open_sender(tmp_path, "cpu", timeout=10, host="127.0.0.2")
+    info = json.loads((tmp_path / wire.GROUP_FILE).read_text())
     assert (info["host"], info["hostname"], info["pid"]) == ("127.0.0.2", socket.gethostname(), os.getpid())
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", info["port"]), timeout=2)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    (tmp_path / sync.GROUP_FILE).write_text(json.dumps({**info, "pid": int(dead.stdout), "hostname": "node1"}))
-    receiver = sync.open_receiver(tmp_path, timeout=5)
+    (tmp_path / wire.GROUP_FILE).write_text(json.dumps({**info, "pid": int(dead.stdout), "hostname": "node1"}))
+    receiver = wire.open_receiver(tmp_path, timeout=5)
     receiver.store.set("probe", "from the explorer")
     assert link.store.get("probe") == b"from the explorer"
-    sync.close_receiver(receiver)
-    sync.close_sender(link, grace=1)
+    wire.close_receiver(receiver)
+    wire.close_sender(link, grace=1)
 
 
 @pytest.mark.parametrize("when", ["before_header", "mid_transfer"])
@@ -171,16 +172,16 @@ def test_trainer_death_is_a_clear_error(tmp_path, when):
     the broadcast of the tensors fails). Whether the explorer's wait has begun a moment before or after the death
     does not matter: the store or the group is gone either way."""
     trainer = peer("die", str(tmp_path), when)
-    link = sync.open_receiver(tmp_path, timeout=120)
+    link = wire.open_receiver(tmp_path, timeout=120)
     start = time.monotonic()
-    with pytest.raises(sync.SyncError):
+    with pytest.raises(wire.SyncError):
         if when == "before_header":
             link.store.set("test/waiting", "1")
-            sync.receive_weights(link)
+            wire.receive_weights(link)
         else:
-            header = sync.receive_header(link)
+            header = wire.receive_header(link)
             link.store.set("test/got_header", "1")
-            list(sync.receive_buckets(link, header))
+            list(wire.receive_buckets(link, header))
     assert time.monotonic() - start < 60  # not the 120 s timeout: the death was noticed (slack for a loaded machine)
     trainer.communicate(timeout=30)
 
@@ -192,7 +193,7 @@ def test_buckets_group_tensors_in_order_each_aligned_for_its_dtype(monkeypatch):
     """Buckets of at most BUCKET_BYTES (a larger tensor alone), every tensor at a multiple of 16 bytes, so that the
     receiver's uint8 slice can be viewed as its dtype (an odd-length bf16 tensor ends at an offset no fp32 tensor
     could start at)."""
-    monkeypatch.setattr(sync, "BUCKET_BYTES", 64)
+    monkeypatch.setattr(wire, "BUCKET_BYTES", 64)
     specs = [
         ("a", (3,), torch.bfloat16),
         ("b", (5,), torch.float32),
@@ -201,11 +202,11 @@ def test_buckets_group_tensors_in_order_each_aligned_for_its_dtype(monkeypatch):
         ("e", (2, 2), torch.bfloat16),
         ("f", (), torch.float16),
     ]
-    assert sync.buckets(specs) == [[0, 1], [2], [3, 4, 5]]  # 16 + 32; 160 alone; 16 + 16 + 16
-    assert sync.layout(specs, [0, 1]) == ([0, 16], 48) and sync.layout(specs, [2]) == ([0], 160)
-    assert sync.layout(specs, [3, 4, 5]) == ([0, 16, 32], 48)
-    for bucket in sync.buckets(specs):
-        offsets, size = sync.layout(specs, bucket)
+    assert wire.buckets(specs) == [[0, 1], [2], [3, 4, 5]]  # 16 + 32; 160 alone; 16 + 16 + 16
+    assert wire.layout(specs, [0, 1]) == ([0, 16], 48) and wire.layout(specs, [2]) == ([0], 160)
+    assert wire.layout(specs, [3, 4, 5]) == ([0, 16, 32], 48)
+    for bucket in wire.buckets(specs):
+        offsets, size = wire.layout(specs, bucket)
         buf = torch.zeros(size, dtype=torch.uint8)
         for i, at in zip(bucket, offsets):  # what receive_buckets does with each part
             _, shape, dtype = specs[i]
@@ -214,23 +215,23 @@ def test_buckets_group_tensors_in_order_each_aligned_for_its_dtype(monkeypatch):
 
 def loopback(tmp_path: Path, specs: list, tensors: list, version: int = 1) -> tuple[dict, dict]:
     """send_weights in a thread of this process (a real gloo group of 2 ranks); (the header, the tensors received)."""
-    link = sync.open_sender(tmp_path, "cpu", timeout=30)
-    sender = threading.Thread(target=sync.send_weights, args=(link, version, specs, iter(tensors)))
+    link = wire.open_sender(tmp_path, "cpu", timeout=30)
+    sender = threading.Thread(target=wire.send_weights, args=(link, version, specs, iter(tensors)))
     sender.start()
-    receiver = sync.open_receiver(tmp_path, timeout=30)
+    receiver = wire.open_receiver(tmp_path, timeout=30)
     try:
-        header = sync.receive_header(receiver)
-        got = {name: t.clone() for bucket in sync.receive_buckets(receiver, header) for name, t in bucket}
-        sync.ack(receiver)
+        header = wire.receive_header(receiver)
+        got = {name: t.clone() for bucket in wire.receive_buckets(receiver, header) for name, t in bucket}
+        wire.ack(receiver)
         sender.join(timeout=30)
     finally:
-        sync.close_sender(link, grace=0.1)
-        sync.close_receiver(receiver)
+        wire.close_sender(link, grace=0.1)
+        wire.close_receiver(receiver)
     return header, got
 
 
 def test_tensors_of_mixed_dtypes_and_odd_sizes_arrive_exactly(tmp_path, monkeypatch):
-    monkeypatch.setattr(sync, "BUCKET_BYTES", 100)
+    monkeypatch.setattr(wire, "BUCKET_BYTES", 100)
     gen = torch.Generator().manual_seed(0)
     specs = [
         ("odd_bf16", (3,), torch.bfloat16),
@@ -242,7 +243,7 @@ def test_tensors_of_mixed_dtypes_and_odd_sizes_arrive_exactly(tmp_path, monkeypa
     ]
     tensors = [(torch.randn(s, generator=gen) * 100).to(d) for _, s, d in specs]
     header, got = loopback(tmp_path, specs, tensors)
-    assert header["buckets"] == [[0, 1, 2, 3], [4], [5]] and sync.header_bytes(header) == sum(t.nbytes for t in tensors)
+    assert header["buckets"] == [[0, 1, 2, 3], [4], [5]] and wire.header_bytes(header) == sum(t.nbytes for t in tensors)
     for (name, shape, dtype), t in zip(specs, tensors):
         assert got[name].dtype == dtype and got[name].shape == shape and torch.equal(got[name], t), name
 
@@ -250,7 +251,7 @@ def test_tensors_of_mixed_dtypes_and_odd_sizes_arrive_exactly(tmp_path, monkeypa
 def test_several_buckets_of_mixed_dtypes_into_the_hf_engine(tiny_model_dir, tmp_path, monkeypatch):
     """The tiny model's parameters, bf16 and fp32 in turn, in buckets of at most 4 KiB: many broadcasts, and the
     engine ends with exactly what was sent (cast back to its fp32)."""
-    monkeypatch.setattr(sync, "BUCKET_BYTES", 4096)
+    monkeypatch.setattr(wire, "BUCKET_BYTES", 4096)
     model = load_model(tiny_model_dir)
     perturb(model)
     params = dict(model.named_parameters())
@@ -267,13 +268,13 @@ def test_several_buckets_of_mixed_dtypes_into_the_hf_engine(tiny_model_dir, tmp_
 def test_a_header_only_link_makes_no_cuda_context(tmp_path, monkeypatch):
     """A vLLM explorer reads only the headers of an NCCL group (its engines' workers take the tensors): opening the
     link and reading a header must not touch CUDA, which would put a context on its engine's GPU."""
-    link = sync.open_sender(tmp_path, "cuda", timeout=10)  # announces NCCL; the group is never made here
+    link = wire.open_sender(tmp_path, "cuda", timeout=10)  # announces NCCL; the group is never made here
     monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("the header link touched CUDA"))
-    receiver = sync.open_receiver(tmp_path, timeout=10, receivers=2)
-    assert receiver.backend == "nccl" and int(link.store.get(sync.WORLD_KEY)) == 3
-    sync.close_sender(link, finished=True, grace=0.1)
-    assert sync.receive_header(receiver) is None
-    sync.close_receiver(receiver)
+    receiver = wire.open_receiver(tmp_path, timeout=10, receivers=2)
+    assert receiver.backend == "nccl" and int(link.store.get(wire.WORLD_KEY)) == 3
+    wire.close_sender(link, finished=True, grace=0.1)
+    assert wire.receive_header(receiver) is None
+    wire.close_receiver(receiver)
 
 
 # --- which folders are deleted
@@ -308,13 +309,13 @@ def test_checkpoint_pruning_spares_the_folders_an_explorer_may_be_loading(tmp_pa
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sync needs 2 CUDA GPUs (one per side)")
 def test_group_sync_nccl(tmp_path):
     trainer = peer("nccl_trainer", str(tmp_path), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
-    link = sync.open_receiver(tmp_path, timeout=60, device="cuda:1")
+    link = wire.open_receiver(tmp_path, timeout=60, device="cuda:1")
     assert link.backend == "nccl"
-    version, state = sync.receive_weights(link)
+    version, state = wire.receive_weights(link)
     assert version == 1 and state["w"].device.type == "cuda"
     assert torch.equal(state["w"].cpu(), torch.arange(12, dtype=torch.bfloat16).reshape(3, 4))
-    assert sync.receive_weights(link) is None
-    sync.close_receiver(link)
+    assert wire.receive_weights(link) is None
+    wire.close_receiver(link)
     finish(trainer)
 
 
@@ -325,23 +326,23 @@ def run_trainer(model_dir: str, job_dir: str, version: str) -> None:
     model = load_model(model_dir)
     perturb(model)
     params = dict(model.named_parameters())  # tied weights appear once
-    link = sync.open_sender(job_dir, "cpu", timeout=30)
+    link = wire.open_sender(job_dir, "cpu", timeout=30)
     specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
-    sync.send_weights(link, int(version), specs, (p.detach() for p in params.values()))
+    wire.send_weights(link, int(version), specs, (p.detach() for p in params.values()))
     save_file({n: p.detach().contiguous() for n, p in params.items()}, Path(job_dir, "sent.safetensors"))
-    sync.close_sender(link, finished=True)
+    wire.close_sender(link, finished=True)
 
 
 def run_explorer(model_dir: str, job_dir: str) -> None:
     prompt, greedy = [[1, 2, 3, 4, 5]], [SamplingParams(temperature=0.0, max_tokens=12)]
     with HFEngine(model_dir) as engine:
         before = engine.generate(prompt, greedy)[0][0].token_ids
-        link = sync.open_receiver(job_dir, timeout=30)
-        version, state = sync.receive_weights(link)
+        link = wire.open_receiver(job_dir, timeout=30)
+        version, state = wire.receive_weights(link)
         engine.load_weights(state, version)
         after = engine.generate(prompt, greedy)[0][0].token_ids
-        then = "finished" if sync.receive_weights(link) is None else "more"
-        sync.close_receiver(link)
+        then = "finished" if wire.receive_weights(link) is None else "more"
+        wire.close_receiver(link)
         dump = {n: t.detach().clone().contiguous() for n, t in engine.model.state_dict().items()}  # clone: untie
         save_file(dump, Path(job_dir, "engine.safetensors"))
         print(
@@ -358,12 +359,12 @@ def run_explorer(model_dir: str, job_dir: str) -> None:
 
 
 def run_stop(job_dir: str) -> None:
-    link = sync.open_sender(job_dir, "cpu", timeout=30)
-    sync.close_sender(link, finished=True, grace=20)
+    link = wire.open_sender(job_dir, "cpu", timeout=30)
+    wire.close_sender(link, finished=True, grace=20)
 
 
 def run_die(job_dir: str, when: str) -> None:
-    link = sync.open_sender(job_dir, "cpu", timeout=30)
+    link = wire.open_sender(job_dir, "cpu", timeout=30)
     if when == "before_header":
         link.store.wait(["test/waiting"], link.timeout)  # the explorer asks for the header
         os._exit(3)
@@ -373,26 +374,26 @@ def run_die(job_dir: str, when: str) -> None:
         link.store.wait(["test/got_header"], link.timeout)  # the explorer has the header
         os._exit(3)  # killed after the first of two tensors, before the bucket is broadcast
 
-    sync.send_weights(link, 1, [("a", (1000,), torch.float32), ("b", (1000,), torch.float32)], tensors())
+    wire.send_weights(link, 1, [("a", (1000,), torch.float32), ("b", (1000,), torch.float32)], tensors())
 
 
 def run_nccl_trainer(job_dir: str) -> None:
-    link = sync.open_sender(job_dir, "cuda:0", timeout=60)
+    link = wire.open_sender(job_dir, "cuda:0", timeout=60)
     w = torch.arange(12, dtype=torch.bfloat16, device="cuda").reshape(3, 4)
-    sync.send_weights(link, 1, [("w", (3, 4), torch.bfloat16)], [w])
-    sync.close_sender(link, finished=True, grace=30)
+    wire.send_weights(link, 1, [("w", (3, 4), torch.bfloat16)], [w])
+    wire.close_sender(link, finished=True, grace=30)
 
 
 def run_fake_trainer(model_dir: str, job_dir: str, versions: str) -> None:
     """Sends versions 1..n of perturbed weights, as train.py would at its sync points, then stop."""
     model = load_model(model_dir)
-    link = sync.open_sender(job_dir, "cpu", timeout=60)
+    link = wire.open_sender(job_dir, "cpu", timeout=60)
     for version in range(1, int(versions) + 1):
         perturb(model, seed=version)
         params = dict(model.named_parameters())
         specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
-        sync.send_weights(link, version, specs, (p.detach() for p in params.values()))
-    sync.close_sender(link, finished=True)
+        wire.send_weights(link, version, specs, (p.detach() for p in params.values()))
+    wire.close_sender(link, finished=True)
 
 
 @pytest.mark.parametrize("train_batch", [128, 64, 256])  # the explorer writes 128 experiences a step

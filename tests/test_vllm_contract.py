@@ -20,9 +20,9 @@ import openai
 import pytest
 import torch
 
-import explore
 import sync
 import vllm_engine
+import wire
 from configs.schema import InferenceModelConfig
 from conftest import ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
 from engines import ModelHandle, SamplingParams, make_engine
@@ -296,7 +296,7 @@ def test_new_weights_from_a_folder_change_the_outputs_and_the_base_ones_restore_
 
 
 def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(backend, tiny_model_dir, tmp_path):
-    """A missing folder, one without weights, one with a cut file: an OSError naming it (explore.load_published
+    """A missing folder, one without weights, one with a cut file: an OSError naming it (sync.load_published
     then loads the newest published folder), the version stays, the engine answers as before."""
     pool, ids = backend.pool("vllm"), prompts(tiny_model_dir)[0]
     greedy = [SamplingParams(temperature=0.0, max_tokens=8)]
@@ -318,11 +318,11 @@ def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(back
 
 def send_in_thread(job_dir: Path, model: torch.nn.Module, version: int) -> threading.Thread:
     """A trainer's rank 0 in a thread: serve the group, send `model`'s weights (in buckets of 8 KiB: many), stop."""
-    link = sync.open_sender(job_dir, "cpu", timeout=60)
+    link = wire.open_sender(job_dir, "cpu", timeout=60)
 
     def send() -> None:
-        sync.send_model(link, model, version)
-        sync.close_sender(link, finished=True, grace=30)
+        wire.send_model(link, model, version)
+        wire.close_sender(link, finished=True, grace=30)
 
     return threading.Thread(target=send, daemon=True)
 
@@ -333,16 +333,16 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
     on the same weights."""
     pool, ids, tok = backend.pool("vllm"), prompts(tiny_model_dir), load_tokenizer(tiny_model_dir)
     new = perturbed(tiny_model_dir, 0.3)
-    monkeypatch.setattr(sync, "BUCKET_BYTES", 8192)
+    monkeypatch.setattr(wire, "BUCKET_BYTES", 8192)
     sender = send_in_thread(tmp_path, new, 5)
     try:
-        link = sync.open_receiver(tmp_path, timeout=60, receivers=pool.join_ranks())
+        link = wire.open_receiver(tmp_path, timeout=60, receivers=pool.join_ranks())
         pool.join_group(str(tmp_path), 60)
         sender.start()
-        header = sync.receive_header(link)
+        header = wire.receive_header(link)
         assert len(header["buckets"]) > 10 and pool.receive(header) == len(header["names"])
-        sync.ack(link)
-        assert sync.receive_header(link) is None  # the trainer's stop
+        wire.ack(link)
+        assert wire.receive_header(link) is None  # the trainer's stop
         params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(n=3, max_tokens=12, seed=9)]
         received = [pool.generate(ids, [p] * 2) for p in params]
         fresh = make_engine(rollout_model("vllm", engine_num=1), str(sync.save_hf(new, tok, tmp_path / "new")), 256)
@@ -395,13 +395,13 @@ def test_the_openai_api_over_vllm_engines_with_the_openai_client(backend, tiny_m
 
 TRAINER = """
 import os, sys, torch
-import sync
+import wire
 from models import load_model
-sync.BUCKET_BYTES = 8192
-link = sync.open_sender(sys.argv[1], "cpu", timeout=60)
+wire.BUCKET_BYTES = 8192
+link = wire.open_sender(sys.argv[1], "cpu", timeout=60)
 params = dict(load_model(sys.argv[2]).named_parameters())
 specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
-first = sync.buckets(specs)[0]
+first = wire.buckets(specs)[0]
 
 def tensors():
     for i, p in enumerate(params.values()):
@@ -409,28 +409,24 @@ def tensors():
             os._exit(3)
         yield p.detach()
 
-sync.send_weights(link, 1, specs, tensors())
+wire.send_weights(link, 1, specs, tensors())
 """
 
 
 def test_a_trainer_killed_mid_transfer_gives_the_restart_message(backend, tiny_model_dir, tmp_path, caplog):
-    """The trainer dies after the first of many buckets: the explorer (explore.receive) logs that no weights of the
-    step came, why, and to restart, and returns exit code 1; no traceback, no hang."""
+    """The trainer dies after the first of many buckets: the explorer (sync.ExplorerSync.receive) logs that no
+    weights of the step came, why, and to restart, and returns exit code 1; no traceback, no hang."""
     pool = backend.pool("vllm")
     trainer = subprocess.Popen(
         [sys.executable, "-c", TRAINER, str(tmp_path), tiny_model_dir],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
-    x = SimpleNamespace(
-        engine=pool,
-        receiver=None,
-        step=4,
-        cfg=SimpleNamespace(checkpoint_job_dir=str(tmp_path), synchronizer=SimpleNamespace(sync_timeout=120)),
-    )
+    cfg = SimpleNamespace(checkpoint_job_dir=str(tmp_path), synchronizer=SimpleNamespace(sync_timeout=120))
+    weights = sync.ExplorerSync(cfg, None, pool)
     start = time.monotonic()
     try:
-        code, metrics = explore.receive(x, 5)
+        code, metrics = weights.receive(5, step=4)
     finally:
         trainer.wait(timeout=60)
     assert (code, metrics, trainer.returncode) == (1, {}, 3) and time.monotonic() - start < 100

@@ -16,6 +16,7 @@ import torch
 
 import sync
 import vllm_engine
+import wire
 from configs.schema import InferenceModelConfig
 from conftest import FAKE_VLLM, perturbed, use_fake_vllm
 from engines import HFEngine, ModelHandle, SamplingParams, make_engine
@@ -145,7 +146,7 @@ def test_weights_from_a_published_folder_reach_every_worker(vllm, tiny_model_dir
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "mixed"])
 def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path, dtype, monkeypatch):
-    """A real trainer side (sync.open_sender + send_model, gloo) and 2 engines x 2 workers, each joining the group
+    """A real trainer side (wire.open_sender + send_model, gloo) and 2 engines x 2 workers, each joining the group
     as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly.
     A bf16 engine gets bf16 on the wire (the trainer casts its fp32 master weights): half the bytes. "mixed": bf16
     and fp32 tensors in turn, in buckets of at most 8 KiB, so that many buckets of both dtypes travel."""
@@ -155,35 +156,35 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         256,
     )
     new = perturbed(tiny_model_dir)
-    sender = sync.open_sender(tmp_path, "cpu", timeout=60)
+    sender = wire.open_sender(tmp_path, "cpu", timeout=60)
     params = dict(new.named_parameters())
     specs = [
         (n, tuple(t.shape), torch.bfloat16 if dtype == "bfloat16" or (dtype == "mixed" and i % 2) else torch.float32)
         for i, (n, t) in enumerate(params.items())
     ]
     if dtype == "mixed":
-        monkeypatch.setattr(sync, "BUCKET_BYTES", 8192)
-    sent = threading.Thread(target=sync.send_weights, args=(sender, 5, specs, (t.detach() for t in params.values())))
+        monkeypatch.setattr(wire, "BUCKET_BYTES", 8192)
+    sent = threading.Thread(target=wire.send_weights, args=(sender, 5, specs, (t.detach() for t in params.values())))
     try:
-        link = sync.open_receiver(tmp_path, timeout=30, receivers=pool.join_ranks())  # announces 1 + 4 ranks
+        link = wire.open_receiver(tmp_path, timeout=30, receivers=pool.join_ranks())  # announces 1 + 4 ranks
         pool.join_group(str(tmp_path), 30)
         sent.start()
-        header = sync.receive_header(link)
+        header = wire.receive_header(link)
         assert set(header["dtypes"]) == ({dtype} if dtype != "mixed" else {"float32", "bfloat16"})
-        assert sync.header_bytes(header) == sum(t.numel() * d.itemsize for t, (_, _, d) in zip(params.values(), specs))
+        assert wire.header_bytes(header) == sum(t.numel() * d.itemsize for t, (_, _, d) in zip(params.values(), specs))
         assert len(header["buckets"]) > (10 if dtype == "mixed" else 0)
         assert pool.receive(header) == len(params)
-        sync.ack(link)
+        wire.ack(link)
         sent.join(timeout=60)
         assert pool.model_version == 5
-        sync.close_sender(sender, finished=True, grace=5)
-        assert sync.receive_header(link) is None  # the trainer finished
+        wire.close_sender(sender, finished=True, grace=5)
+        assert wire.receive_header(link) is None  # the trainer finished
     finally:
         pool.close()
     assert all(w.nanorft_link is None for e in vllm.ENGINES for w in e.workers)  # each left the group at close
     for weights in worker_weights(vllm):
-        for name, _, wire in specs:
-            assert torch.equal(weights[name], params[name].detach().to(wire).float()), name
+        for name, _, sent_dtype in specs:
+            assert torch.equal(weights[name], params[name].detach().to(sent_dtype).float()), name
 
 
 def test_sleep_and_wake_up_on_a_shared_gpu(vllm, tiny_model_dir, monkeypatch, tmp_path):
@@ -241,10 +242,8 @@ def test_a_folder_the_workers_cannot_load_is_an_oserror_and_the_explorer_loads_t
     vllm, tiny_model_dir, tmp_path
 ):
     """A missing (say, pruned) or empty folder: no worker loads anything, the version stays, and the error is an
-    OSError, which explore.load_published answers by loading the newest published folder."""
+    OSError, which sync.load_published answers by loading the newest published folder."""
     from safetensors.torch import save_file
-
-    import explore
 
     pool = make_engine(rollout_model(engine_num=2, tensor_parallel_size=2), tiny_model_dir, 256)
     empty = tmp_path / "empty"
@@ -258,7 +257,7 @@ def test_a_folder_the_workers_cannot_load_is_an_oserror_and_the_explorer_loads_t
             pool.load_weights(str(empty), version=3)
         assert pool.model_version == 0 and all(e.prefix_cache_resets == 0 for e in vllm.ENGINES)
         sync.publish_hf(new, load_tokenizer(tiny_model_dir), tmp_path, step=5)  # the newest, while 4 is gone
-        assert explore.load_published(pool, str(tmp_path), 4) == 5
+        assert sync.load_published(pool, str(tmp_path), 4) == 5
     finally:
         pool.close()
     assert pool.model_version == 5
