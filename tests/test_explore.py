@@ -196,28 +196,57 @@ class TooLong(workflows.Workflow):
         raise PromptTooLong("a prompt of 999 tokens exceeds model.max_prompt_tokens (16)")
 
 
+TASK = Task(
+    taskset="t",
+    index=0,
+    epoch=0,
+    raw={},
+    prompt="x",
+    messages=None,
+    reference=None,
+    tools=None,
+    workflow="",
+    reward_fn="",
+    workflow_args={},
+    reward_fn_args={},
+    rollout_args=GenerationConfig(),
+    repeat_times=1,
+)
+
+
 def test_an_over_long_prompt_fails_once_without_retries(monkeypatch):
     monkeypatch.setitem(workflows.WORKFLOWS, "too_long", TooLong)
-    task = Task(
-        taskset="t",
-        index=0,
-        epoch=0,
-        raw={},
-        prompt="x",
-        messages=None,
-        reference=None,
-        tools=None,
-        workflow="too_long",
-        reward_fn="",
-        workflow_args={},
-        reward_fn_args={},
-        rollout_args=GenerationConfig(),
-        repeat_times=1,
-    )
-    exps, error = explore.run_task(task, None, timeout=10, retries=3)
+    exps, error = explore.run_task(dataclasses.replace(TASK, workflow="too_long"), None, timeout=10, retries=3)
     assert (
         exps is None and "exceeds model.max_prompt_tokens" in error and TooLong.calls == 1
     )  # the same input: no retry
+
+
+class LateThenGood:
+    """Attempt 1 hangs past the timeout and fails late; attempt 2 succeeds."""
+
+    calls = 0
+
+    def __init__(self, task, model, auxiliary_models=None):
+        pass
+
+    def run(self):
+        LateThenGood.calls += 1
+        if LateThenGood.calls == 1:
+            time.sleep(2.5)  # abandoned at 2 s; fails at 2.5 s, during attempt 2
+            raise RuntimeError("attempt 1, abandoned at its timeout, failing late")
+        time.sleep(1.0)  # from 2 s to 3 s: ends after attempt 1's thread failed
+        return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0)]
+
+
+def test_an_abandoned_attempt_does_not_write_into_the_next_one(monkeypatch):
+    """A timed-out attempt's thread is abandoned, not killed: when it fails later, its error stays its own (each
+    attempt's closure binds its own result box; before, the late error landed in the next attempt's box and failed
+    an attempt that had succeeded)."""
+    monkeypatch.setitem(workflows.WORKFLOWS, "late_then_good", LateThenGood)
+    task = dataclasses.replace(TASK, workflow="late_then_good")
+    exps, error = explore.run_task(task, None, timeout=2, retries=1)
+    assert LateThenGood.calls == 2 and error == "" and [x.reward for x in exps] == [1.0]
 
 
 @pytest.fixture(scope="module")
