@@ -144,7 +144,7 @@ def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     return Experience(**tensors, **json.loads(meta), **columns)
 
 
-def pack(exps: list[Experience]) -> bytes:
+def serialise_many(exps: list[Experience]) -> bytes:
     """Experiences as one byte string (to send them between trainer ranks; no pickle): per experience the
     lengths of its safetensors blob and of its JSON (the other fields and the columns), then both."""
     parts = []
@@ -155,8 +155,8 @@ def pack(exps: list[Experience]) -> bytes:
     return b"".join(parts)
 
 
-def unpack(data: bytes) -> list[Experience]:
-    """Inverse of `pack`."""
+def deserialise_many(data: bytes) -> list[Experience]:
+    """Inverse of `serialise_many`."""
     out, at = [], 0
     while at < len(data):
         n_blob, n_head = int.from_bytes(data[at : at + 8], "little"), int.from_bytes(data[at + 8 : at + 16], "little")

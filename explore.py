@@ -43,13 +43,13 @@ import lora
 import sync
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
-from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
+from engines import PromptTooLong, auxiliary_handles, make_engine, rollout_handle
 from errors import DataError
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks
-from workflows import build_workflow, check_args
+from workflows import ModelHandle, build_workflow, check_args
 
 log = logging.getLogger("nanorft.explore")
 

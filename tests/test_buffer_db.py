@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
-from buffer import Experience, ExperienceDB, pack, unpack
+from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from conftest import raw
 
 
@@ -438,7 +438,8 @@ def test_an_experience_db_path_that_cannot_be_one_is_named_and_nothing_changes(t
 
 
 def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
-    """buffer.pack / unpack (the trainer's rank 0 sends each batch to the others this way, no pickle)."""
+    """buffer.serialise_many / deserialise_many (the trainer's rank 0 sends each batch to the other ranks this way,
+    no pickle)."""
     exps = [
         Experience(
             tokens=torch.tensor([1, 2, 3, 4]),
@@ -458,8 +459,8 @@ def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
         ),
         Experience(tokens=torch.tensor([5, 6]), prompt_length=1, reward=0.0, id=8),
     ]
-    back = unpack(pack(exps))
-    assert len(back) == 2 and unpack(b"") == []
+    back = deserialise_many(serialise_many(exps))
+    assert len(back) == 2 and deserialise_many(b"") == []
     for a, b in zip(exps, back):
         for f in (
             "prompt_length",

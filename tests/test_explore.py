@@ -21,7 +21,7 @@ from buffer import Experience
 from configs import cli, resolve_stages
 from configs.schema import GenerationConfig
 from conftest import write_yaml
-from engines import HFEngine, ModelHandle, PromptTooLong
+from engines import EngineHandle, HFEngine, PromptTooLong
 from models import load_tokenizer
 from tasksets import Task, TaskReader, load_tasks
 
@@ -221,7 +221,7 @@ def test_an_over_long_prompt_fails_once_without_retries(monkeypatch):
 @pytest.fixture(scope="module")
 def handle(tiny_model_dir):
     engine = HFEngine(tiny_model_dir)
-    yield ModelHandle(engine, load_tokenizer(tiny_model_dir))
+    yield EngineHandle(engine, load_tokenizer(tiny_model_dir))
     engine.close()
 
 

@@ -181,10 +181,10 @@ def test_rollout_and_trainer_logprobs_mean_the_same_thing_at_t_0_6(tiny_model_di
     """Issue 14: the HF engine's log-probs are of the full temperature-scaled distribution (top-k / top-p filter
     the sample only), and the trainer scores each experience at the temperature it was sampled at: the first
     token's importance ratio between trainer and rollout is 1 within 1e-4."""
-    from engines import HFEngine, ModelHandle
+    from engines import EngineHandle, HFEngine
 
     with HFEngine(tiny_model_dir) as engine:
-        handle = ModelHandle(engine, engine.tokenizer, {"temperature": 0.6, "top_p": 0.8, "top_k": 5, "max_tokens": 6})
+        handle = EngineHandle(engine, engine.tokenizer, {"temperature": 0.6, "top_p": 0.8, "top_k": 5, "max_tokens": 6})
         exps = handle.chat([{"role": "user", "content": "What is 3 + 4?"}], n=4, seed=3)
     batch = models.step_batch(exps, width=6)
     scorer = models.TokenScorer(load_model(tiny_model_dir))

@@ -18,7 +18,7 @@ import sync
 import vllm_engine
 from configs.schema import InferenceModelConfig
 from conftest import FAKE_VLLM, perturbed, use_fake_vllm
-from engines import HFEngine, ModelHandle, SamplingParams, make_engine
+from engines import EngineHandle, HFEngine, SamplingParams, make_engine
 from models import load_tokenizer
 
 
@@ -102,7 +102,7 @@ def test_vllm_engines_end_a_response_on_the_ids_the_hf_engine_does(vllm, tiny_mo
     pool = make_engine(rollout_model(engine_type=kind), tiny_model_dir, 256)
     try:
         greedy = pool.generate(prompts(tiny_model_dir)[:1], [SamplingParams(temperature=0.0, max_tokens=8)])[0][0]
-        assert pool.eos_ids == hf.eos_ids == both and ModelHandle(pool, tok).eos_ids == both
+        assert pool.eos_ids == hf.eos_ids == both and EngineHandle(pool, tok).eos_ids == both
     finally:
         pool.close()
         hf.close()

@@ -4,8 +4,8 @@
     exps = build_workflow(task, model).run()   # task.repeat_times Experiences, reward and metrics set
 
 The contract (Trinity-RFT's `Workflow`, cut down):
-  - A workflow gets a `Task` (buffer.py), a model handle (`ModelHandle` below, implemented by the
-    rollout engine) and a reward function, and returns Experiences with `reward` and `metrics` set.
+  - A workflow gets a `Task` (buffer.py), a model handle (`ModelHandle` below, implemented by
+    engines.EngineHandle) and a reward function, and returns Experiences with `reward` and `metrics` set.
     It never touches the DB, the trainer or the weights. The runner stamps group_id, run_id,
     model_version, explorer and task_id afterwards. Eval tasks (`task.is_eval`) use the same run().
   - A reward function is `(response: str, reference: Any, **reward_fn_args) -> dict[str, float]`:
@@ -50,7 +50,9 @@ RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args
 
 
 class ModelHandle(Protocol):
-    """What a workflow may ask of the rollout engine (written elsewhere; tests use a fake).
+    """What a workflow may ask of the rollout engine (engines.EngineHandle implements it; tests use a fake). Multi-turn
+    episodes (workflows/episode.py) also use its tokenizer, max_model_len, eos_ids, encode, params and submit, and
+    the OpenAI-compatible API its openai_client and history (EngineHandle's docstrings).
 
     Sampling keys: temperature, top_p, top_k, max_tokens, min_tokens, stop (list[str]), seed.
     Each returned Experience has tokens (prompt + response ids), prompt_length, logprobs (one per
