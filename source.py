@@ -59,7 +59,7 @@ class Source:
                 self.db.check_advantages(advantage_origin(cfg.algorithm), "the trainer")
         a = cfg.algorithm
         self.strategy = (
-            algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
+            algos.lookup("sample_strategy", a.sample_strategy),
             configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args),
         )
         first = self.strategy[0](1, self.strategy[1])  # what the strategy asks of the reader (algos/sample.py)
