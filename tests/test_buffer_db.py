@@ -19,7 +19,7 @@ import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
-from conftest import raw
+from helpers import in_ci, raw
 
 
 def make(i: int = 0, **fields: object) -> Experience:
@@ -739,8 +739,6 @@ def test_a_transaction_rolled_back_for_a_deadlock_runs_again(postgres, caplog) -
 def test_ci_means_a_ci_variable_that_says_so(monkeypatch, value, ci) -> None:
     """Under CI a missing PostgreSQL server fails the PostgreSQL tests (the `postgres` fixture); CI=false is not CI.
     .ci/run sets CI itself (a CI service may not) before it runs the tests."""
-    from conftest import in_ci
-
     if value is None:
         monkeypatch.delenv("CI", raising=False)
     else:

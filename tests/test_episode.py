@@ -12,8 +12,8 @@ from algos import ADVANTAGE_FNS, step_wise_grpo
 from algos.utils import BatchError
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
-from conftest import plain_logprobs
 from engines import Completion, EngineHandle, HFEngine, PromptTooLong
+from helpers import plain_logprobs
 from models import group_advantages, load_model, load_tokenizer, step_batch
 from tasksets import Task
 from workflows import build_workflow

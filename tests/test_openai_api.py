@@ -6,8 +6,8 @@ import openai
 import pytest
 import torch
 
-from conftest import plain_logprobs
 from engines import EngineHandle, HFEngine
+from helpers import both_config, launch, plain_logprobs, rollout_logprob_gap, versions_by_step
 from models import load_model
 from openai_api import OpenAIServer
 from workflows.episode import MixedTemperatures
@@ -238,8 +238,6 @@ class ApiWorkflow(Workflow):
 def test_a_workflow_on_the_openai_client_trains_through_the_explorer(tmp_path, tiny_model_dir):
     """mode both: the explorer serves its engine, a user's workflow (named file.py:Class in the YAML) calls it
     with the openai client, its recorded calls become the experiences the trainer trains on."""
-    from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
-
     (tmp_path / "api_flow.py").write_text(API_WORKFLOW)
     config = both_config(
         tmp_path,

@@ -24,8 +24,8 @@ import explore
 import sync
 import vllm_engine
 from configs.schema import InferenceModelConfig
-from conftest import ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
 from engines import EngineHandle, SamplingParams, make_engine
+from helpers import ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
 from models import load_model, load_tokenizer
 from openai_api import OpenAIServer
 

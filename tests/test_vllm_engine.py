@@ -17,8 +17,8 @@ import torch
 import sync
 import vllm_engine
 from configs.schema import InferenceModelConfig
-from conftest import FAKE_VLLM, perturbed, use_fake_vllm
 from engines import EngineHandle, HFEngine, SamplingParams, make_engine
+from helpers import FAKE_VLLM, both_config, launch, perturbed, rollout_logprob_gap, use_fake_vllm, versions_by_step
 from models import load_tokenizer
 
 
@@ -318,8 +318,6 @@ def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny
     """The whole loop through the launcher with the fake vLLM in the explorer: one (pretend) GPU shared by
     explorer and trainer (cluster.colocate: the engine sleeps while the trainer steps), weights over the group into
     the vLLM worker at every step: the rollouts of step s come from exactly the trainer's weights of step s - 1."""
-    from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
-
     config = both_config(
         tmp_path,
         tiny_model_dir,

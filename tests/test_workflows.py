@@ -15,7 +15,7 @@ import torch
 from buffer import Experience
 from configs import ConfigError, from_dict
 from configs.schema import GenerationConfig
-from conftest import constant_judge
+from helpers import ROOT, constant_judge, write_config
 from tasksets import Task
 from workflows import (
     REWARD_FNS,
@@ -544,8 +544,6 @@ def test_user_code_outside_the_repository_runs_in_the_explorer(tmp_path, tiny_mo
     import subprocess
     import sys
 
-    from test_explore import ROOT, write_config
-
     from buffer import ExperienceDB
 
     (tmp_path / "ext" / "my_ext").mkdir(parents=True)
@@ -659,8 +657,6 @@ def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_
     via explore.with_extras), llm_judge_workflow runs on a runner (explore.run_task) and the judge, a real model
     trained to answer "Score: 7", grades every response: reward 0.7. The untrained model as the judge never gives a
     grade: the task fails, by name."""
-    from test_explore import write_config
-
     import explore
     from configs import cli, resolve_stages
     from engines import HFEngine, rollout_handle
