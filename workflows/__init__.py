@@ -17,9 +17,9 @@ The contract (Trinity-RFT's `Workflow`, cut down):
     ConfigError naming the key when the config is derived, and the workflow reads `self.args`. A user's workflow
     (`module:attr`) is checked against its Args when an explorer starts; one that declares none gets
     `task.workflow_args` unchecked.
-  - Registries are plain dicts, one line per entry; adding a task = one new file + one line here, or no
-    line at all: a workflow or reward function named `module:attr` / `path/file.py:attr` in the YAML is
-    imported from there (`load_object`).
+  - Registries are plain dicts, one line per entry, read through `lookup(kind, name)`; adding a task = one new
+    file + one line here, or no line at all: a workflow or reward function named `module:attr` /
+    `path/file.py:attr` in the YAML is imported from there (`load_object`).
 
 Multi-turn workflows keep each episode as token ids (workflows/episode.py: no re-rendering of history, action
 mask on the model's own tokens); `tool_workflow` (workflows/tool_use.py) runs tool calls between turns.
@@ -234,7 +234,8 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     python = (
         inspect.isfunction(base)
         or inspect.ismethod(base)
-        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004 (a Python __call__)
+        # an instance of a class with a Python __call__ (B004 would have callable(), which builtins pass)
+        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004
     )
     if not python:
         raise KeyError(
