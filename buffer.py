@@ -64,14 +64,9 @@ SCHEMA_VERSION = 2  # 2: experiences.dropped_step
 # back as torch.long, which is what embedding layers want; masks are bool; the rest float32.
 TENSOR_FIELDS = {
     "tokens": torch.int32,
-    "chosen": torch.int32,
-    "rejected": torch.int32,
     "action_mask": torch.bool,
     "logprobs": torch.float32,
-    "token_level_reward": torch.float32,
     "advantages": torch.float32,
-    "returns": torch.float32,
-    "teacher_logprobs": torch.float32,
 }
 COLUMNS = ("explorer", "model_version", "group_id", "run_id", "task_id", "reward", "prompt_length")
 SELECT_ROWS = (
@@ -84,21 +79,22 @@ SELECT_ROWS = (
 class Experience:
     """One response to one task: what an explorer writes and the trainer reads.
 
-    Shapes: L = len(tokens), R = L - prompt_length response tokens."""
+    Shapes: L = len(tokens), R = L - prompt_length response tokens.
 
-    tokens: torch.Tensor  # [L] long, prompt + response token ids (DPO: prompt only)
+    Trinity-RFT's Experience also has token_level_reward, returns, teacher_logprobs and chosen / rejected; they are
+    left out because nothing here reads them, and a workflow that set one would see it ignored (now: a TypeError).
+    The trainer places the scalar reward itself and computes the returns; a DPO pair is two experiences sharing a
+    group_id (models.dpo_experiences); no loss distils from a teacher. A DB written when they existed still reads:
+    deserialise drops the tensors it no longer knows."""
+
+    tokens: torch.Tensor  # [L] long, prompt + response token ids
     prompt_length: int  # number of prompt tokens at the start of `tokens`
     logprobs: torch.Tensor | None = None  # [R] float32, rollout engine log-probs of the response
     action_mask: torch.Tensor | None = None  # [R] bool, False = not an action (None: all are)
     reward: float | None = None  # scalar reward of the whole response
-    token_level_reward: torch.Tensor | None = None  # [R] float32
-    advantages: torch.Tensor | None = None  # [R] float32
-    returns: torch.Tensor | None = None  # [R] float32
-    teacher_logprobs: torch.Tensor | None = None  # [R] float32, for distillation
-    chosen: torch.Tensor | None = None  # [Rc] long, DPO preferred response ids (prompt in `tokens`)
-    rejected: torch.Tensor | None = None  # [Rr] long, DPO dispreferred response ids
+    advantages: torch.Tensor | None = None  # [R] float32, an explorer-side advantage fn's (step_wise_grpo)
     group_id: str = ""  # shared by the repeats of one task
-    run_id: int = 0  # repeat index within the group
+    run_id: int = 0  # repeat index within the group (like task_id: a DB column, for whoever reads the DB)
     task_id: str = ""
     model_version: int = 0  # weights version that generated the response
     explorer: str = ""  # name of the explorer that wrote it
@@ -136,15 +132,16 @@ def serialise(exp: Experience) -> tuple[bytes, str]:
 
 def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     """Inverse of `serialise`; `columns` are the plain columns (COLUMNS and id).
-    Token id tensors come back as torch.long, the others in their stored dtype."""
-    tensors = safetensors.torch.load(blob)
+    Token id tensors come back as torch.long, the others in their stored dtype. A tensor of a field that Experience
+    no longer has (token_level_reward, returns, teacher_logprobs, chosen, rejected: an older buffer.py's) is dropped."""
+    tensors = {name: t for name, t in safetensors.torch.load(blob).items() if name in TENSOR_FIELDS}
     for name, t in tensors.items():
         if TENSOR_FIELDS[name] == torch.int32:
             tensors[name] = t.long()
     return Experience(**tensors, **json.loads(meta), **columns)
 
 
-def pack(exps: list[Experience]) -> bytes:
+def serialise_many(exps: list[Experience]) -> bytes:
     """Experiences as one byte string (to send them between trainer ranks; no pickle): per experience the
     lengths of its safetensors blob and of its JSON (the other fields and the columns), then both."""
     parts = []
@@ -155,8 +152,8 @@ def pack(exps: list[Experience]) -> bytes:
     return b"".join(parts)
 
 
-def unpack(data: bytes) -> list[Experience]:
-    """Inverse of `pack`."""
+def deserialise_many(data: bytes) -> list[Experience]:
+    """Inverse of `serialise_many`."""
     out, at = [], 0
     while at < len(data):
         n_blob, n_head = int.from_bytes(data[at : at + 8], "little"), int.from_bytes(data[at + 8 : at + 16], "little")

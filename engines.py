@@ -1,19 +1,20 @@
 """Rollout engines: token ids in, sampled token ids and their log-probs out, behind one interface.
 
-    from engines import HFEngine, ModelHandle, SamplingParams, make_engine
+    from engines import EngineHandle, HFEngine, SamplingParams, make_engine
     engine = HFEngine("assets/tiny-qwen2")                      # or make_engine(cfg.explorer.rollout_model, ...)
     out = engine.generate([[1, 2, 3], [4, 5]], [SamplingParams(n=4, temperature=0.7, max_tokens=64),
                                                  SamplingParams(temperature=0.0, stop=["\\n"])])
     out[0][2].token_ids, out[0][2].logprobs, out[0][2].finish_reason     # request 0, sample 2
     future = engine.submit([1, 2, 3], SamplingParams(n=8))     # from any thread; batched with others
     engine.load_weights("checkpoints/step_10", version=10)     # or a state dict
-    handle = ModelHandle(engine, engine.tokenizer, {"temperature": 1.0, "max_tokens": 256})
+    handle = EngineHandle(engine, engine.tokenizer, {"temperature": 1.0, "max_tokens": 256})
     exps = handle.chat([{"role": "user", "content": "What is 2 + 3?"}], n=8)   # buffer.Experience
     engine.close()
 
 A request's SamplingParams and Completion, its checks and the Batcher that gathers requests into shared batches are
 sampling.py's (every engine's). Every engine has `generate(prompt_ids, params)`, `submit(prompt_ids, params) -> Future`,
-`load_weights(source, version)` and `model_version`. Workflows only see a `ModelHandle`.
+`load_weights(source, version)` and `model_version`. Workflows only see an `EngineHandle` (what it offers them:
+workflows.ModelHandle).
 - HFEngine (engine_type "hf") runs anywhere: its own decode loop over a left-padded batch with a KV
   cache, because one batch mixes requests with different sampling params (model.generate cannot).
 - vLLM (engine_type "vllm" / "vllm_async") is the GPU production path: vllm_engine.py, engine_num engines.
@@ -344,8 +345,9 @@ class PromptTooLong(ValueError):
     """A prompt over model.max_prompt_tokens with model.enable_prompt_truncation off (the runner does not retry it)."""
 
 
-class ModelHandle:
-    """What a workflow gets: chat / generate returning buffer.Experience, no access to the weights.
+class EngineHandle:
+    """What a workflow gets as its model (workflows.ModelHandle is the part it may call): an engine with its tokenizer
+    and request defaults; chat / generate return buffer.Experience, no access to the weights.
     `defaults`: sampling arguments of every request (e.g. min_tokens = model.min_response_tokens);
     `max_prompt_tokens`: longer prompts keep their last max_prompt_tokens tokens and are marked "prompt_truncated"
     (the trainer gives them no loss), or with `truncate` off fail with PromptTooLong; `ignore_eos`: sample to
@@ -369,7 +371,7 @@ class ModelHandle:
         self.template_kwargs = template_kwargs or {}
         self.max_model_len = max_model_len  # prompt + response tokens (a multi-turn episode's context limit)
         self.api: Any = None  # openai_api.OpenAIServer, when explorer.rollout_model.enable_openai_api
-        self.auxiliary: dict[str, ModelHandle] = {}  # explorer.auxiliary_models by name (auxiliary_handles)
+        self.auxiliary: dict[str, EngineHandle] = {}  # explorer.auxiliary_models by name (auxiliary_handles)
 
     def openai_client(self) -> Any:
         """An `openai.OpenAI` client of the explorer's OpenAI-compatible API (its model: `self.api.name`), in a
@@ -498,7 +500,7 @@ def experience(
     )
 
 
-def auxiliary_handles(cfg) -> dict[str, ModelHandle]:
+def auxiliary_handles(cfg) -> dict[str, EngineHandle]:
     """explorer.auxiliary_models, each on engines of its own (vLLM: on the explorer's GPUs after the rollout
     model's; HF: on the explorer's device), by name: the model folder's name (name#2, ... for repeats). Workflows
     reach them as `self.auxiliary_models[name]` (e.g. a judge, workflows/judge.py)."""
@@ -509,17 +511,17 @@ def auxiliary_handles(cfg) -> dict[str, ModelHandle]:
         tokenizer = with_template(tokenizer, aux.chat_template) if aux.chat_template else tokenizer
         name = Path(aux.model_path.rstrip("/")).name
         name = name if name not in handles else f"{name}#{sum(k.split('#')[0] == name for k in handles) + 1}"
-        handles[name] = ModelHandle(engine, tokenizer, {}, ignore_eos=aux.ignore_eos, max_model_len=aux.max_model_len)
+        handles[name] = EngineHandle(engine, tokenizer, {}, ignore_eos=aux.ignore_eos, max_model_len=aux.max_model_len)
     return handles
 
 
-def rollout_handle(cfg, engine: Any, tokenizer) -> ModelHandle:
+def rollout_handle(cfg, engine: Any, tokenizer) -> EngineHandle:
     """The handle every workflow of this explorer gets, with the config's prompt limits and template settings."""
     m, rm = cfg.model, cfg.explorer.rollout_model
     kwargs = {} if m.enable_thinking is None else {"enable_thinking": m.enable_thinking}
     if rm.chat_template:
         tokenizer = with_template(tokenizer, rm.chat_template)
-    return ModelHandle(
+    return EngineHandle(
         engine,
         tokenizer,
         {"min_tokens": m.min_response_tokens},

@@ -45,7 +45,7 @@ import lora
 import sync
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
-from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
+from engines import EngineHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
@@ -75,7 +75,7 @@ def check_experiences(exps: Any, task: Task) -> list[Experience]:
     return exps
 
 
-def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> tuple[list[Experience] | None, str]:
+def run_task(task: Task, handle: EngineHandle, timeout: float, retries: int) -> tuple[list[Experience] | None, str]:
     """Run a task's workflow with a timeout per attempt and retries: (experiences, "") or (None, last error)."""
     error = ""
     for attempt in range(retries + 1):
@@ -102,7 +102,7 @@ def run_task(task: Task, handle: ModelHandle, timeout: float, retries: int) -> t
     return None, error
 
 
-def run_tasks(pool: ThreadPoolExecutor, tasks: list[Task], handles: list[ModelHandle], cfg: configs.Config) -> list:
+def run_tasks(pool: ThreadPoolExecutor, tasks: list[Task], handles: list[EngineHandle], cfg: configs.Config) -> list:
     """Run tasks concurrently on the runner pool; [(task, experiences or None, error)] in task order."""
     e = cfg.explorer
     futures = [
@@ -117,7 +117,7 @@ def run_tasks(pool: ThreadPoolExecutor, tasks: list[Task], handles: list[ModelHa
 
 def evaluate(
     pool: ThreadPoolExecutor,
-    handles: list[ModelHandle],
+    handles: list[EngineHandle],
     cfg: configs.Config,
     eval_sets: list[tuple[Any, list[Task]]],
     prefix: str = "eval",
@@ -188,7 +188,7 @@ class Explorer:
     step: int  # the last finished step
     engine: Any  # engines.HFEngine | engines.VLLMEngine
     sync: sync.ExplorerSync  # the weight handshake with the trainer: resume, the sync points, close
-    handles: list[ModelHandle]
+    handles: list[EngineHandle]
     pool: ThreadPoolExecutor  # the workflow runners
     monitor: Monitor
     eval_sets: list[tuple[Any, list[Task]]]
@@ -248,7 +248,7 @@ def set_up(cfg: configs.Config) -> Explorer:
     )
 
 
-def with_extras(cfg: configs.Config, handle: ModelHandle) -> ModelHandle:
+def with_extras(cfg: configs.Config, handle: EngineHandle) -> EngineHandle:
     """The rollout handle's extras: explorer.auxiliary_models' engines (handle.auxiliary, by name), and with
     explorer.rollout_model.enable_openai_api the OpenAI-compatible API over it (openai_api.py), for workflows that
     call `handle.openai_client()`; its model name is model.model_path (as vLLM's server names it)."""

@@ -170,7 +170,7 @@ class Guard:
 
 
 class OpenAIServer:
-    """The API over `handle` (engines.ModelHandle) under the name `model_name`; `record`: keep each session's
+    """The API over `handle` (engines.EngineHandle) under the name `model_name`; `record`: keep each session's
     calls (enable_history); `api_key`: the bearer token every request must carry (required off loopback)."""
 
     def __init__(

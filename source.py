@@ -25,7 +25,7 @@ import torch.distributed as dist
 import algos
 import configs
 from algos.sample import tied_groups
-from buffer import Experience, ExperienceDB, pack, unpack
+from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from configs.resolve import advantage_origin
 from errors import DataError
 from models import file_units, fingerprint, pick
@@ -59,7 +59,7 @@ class Source:
                 self.db.check_advantages(advantage_origin(cfg.algorithm), "the trainer")
         a = cfg.algorithm
         self.strategy = (
-            algos.SAMPLE_STRATEGIES[a.sample_strategy][0],
+            algos.lookup("sample_strategy", a.sample_strategy),
             configs.piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args),
         )
         first = self.strategy[0](1, self.strategy[1])  # what the strategy asks of the reader (algos/sample.py)
@@ -113,9 +113,9 @@ class Source:
             )
 
     def share(self, got: list[Experience]) -> list[Experience]:
-        """Rank 0's batch on every rank, sent over the process group as bytes (buffer.pack: no pickle), with
-        `ended`: only rank 0 talks to the DB, wherever the other ranks run."""
-        data = pack(got) if self.rank == 0 else b""
+        """Rank 0's batch on every rank, sent over the process group as bytes (buffer.serialise_many: no
+        pickle), with `ended`: only rank 0 talks to the DB, wherever the other ranks run."""
+        data = serialise_many(got) if self.rank == 0 else b""
         head = torch.tensor([len(data), self.ended], dtype=torch.long, device=self.device)  # [bytes, ended]
         dist.broadcast(head, src=0)
         self.ended = bool(head[1])
@@ -128,7 +128,7 @@ class Source:
             else torch.empty(n, dtype=torch.uint8, device=self.device)
         )
         dist.broadcast(buf, src=0)
-        return got if self.rank == 0 else unpack(buf.cpu().numpy().tobytes())
+        return got if self.rank == 0 else deserialise_many(buf.cpu().numpy().tobytes())
 
     def claim(self, step: int, n: int) -> list[Experience]:
         """Rank 0: claim n experiences for `step` (waiting for them); dynamic sampling replaces tied groups."""

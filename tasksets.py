@@ -154,11 +154,11 @@ def bad_line(f: Path) -> str:
     return ""
 
 
-_ABSENT = object()  # what `lookup` gives for a column a row does not have (None is a null value)
+_ABSENT = object()  # what `row_value` gives for a column a row does not have (None is a null value)
 _NULL_NOTE = " (a JSON row that lacks a key other rows have reads as null too): give it a value or drop the row"
 
 
-def lookup(row: dict, key: str) -> Any:
+def row_value(row: dict, key: str) -> Any:
     """Column `key` of a row: the top-level column of that name if there is one, else a dotted path into nested dicts
     ("reward_model.ground_truth": a parquet struct column arrives as a dict); _ABSENT when neither exists."""
     if key in row:  # NOTE: first, so that a column whose name holds a literal dot keeps working
@@ -200,7 +200,7 @@ def _no_value(row: dict, key: str, where: str, what: str) -> str:
 def _column(row: dict, key: str, where: str, what: str, required: bool = True) -> Any:
     """Column `key` (dotted: into nested dicts) of a row; a DataError when it is missing or null, or None when the
     column is optional (`required` False)."""
-    value = lookup(row, key)
+    value = row_value(row, key)
     if value is _ABSENT or _is_null(value):
         if not required:
             return None
@@ -265,7 +265,7 @@ def _answer(row: dict, key: str, where: str, what: str) -> str | list[dict]:
 
 
 def format_row(row: dict, fmt: FormatConfig, where: str, kind: str = "task") -> dict:
-    """Pick the columns `fmt` names out of a row (a key may be a dotted path into nested dicts: `lookup`).
+    """Pick the columns `fmt` names out of a row (a key may be a dotted path into nested dicts: `row_value`).
 
     kind "task": {prompt, messages, reference, tools}; "sft": {messages} ending with the assistant turn;
     "dpo": {messages (the prompt), chosen, rejected} (strings, or message lists). Prompts, references and answers
@@ -312,7 +312,7 @@ def named(row: dict, key: str | None, listed: str | None, where: str, kind: str)
     this taskset, never code to import (`module:attr`, `path/file.py:attr`), which only the YAML may name."""
     if not key:
         return listed
-    value = lookup(row, key)
+    value = row_value(row, key)
     if value is _ABSENT or value is None:
         return None
     if not isinstance(value, str) or (value != listed and (":" in value or "/" in value or "\\" in value)):

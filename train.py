@@ -108,7 +108,7 @@ def lr_at(step: int, o: OptimizerConfig, total: int) -> float:
 
 def lookup(kind: str, name: str, args: dict) -> tuple[Callable, Any]:
     """(function, validated Config) of an algos/ piece named in the config."""
-    return algos.REGISTRIES[kind][name][0], configs.piece_config(kind, name, args)
+    return algos.lookup(kind, name), configs.piece_config(kind, name, args)
 
 
 # --- set-up: what every phase uses

@@ -1,8 +1,8 @@
 """Algorithm registry: presets (`algorithm_type`) and, per piece, name -> function.
 
-A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do.
-`configs.derive` fills every piece the YAML leaves
-empty from the preset. The trainer only ever looks pieces up by the names in the resolved config.
+A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do. `configs.derive` fills every piece
+the YAML leaves empty from the preset. The trainer only ever looks pieces up (`lookup(kind, name)`) by the names in
+the resolved config.
 
 Piece registries: name -> (function, Config class for its `*_args`), validated by `configs.piece_config`.
 This package imports nothing from the rest of the project: pure tensor functions and their registries.
@@ -163,3 +163,12 @@ REGISTRIES: dict[str, dict[str, tuple[Callable, type]]] = {
 }
 # the pieces a trainer builds from its config: kind (a REGISTRIES key) -> (function, the named piece's Config)
 Pieces = dict[str, tuple[Callable, Any]]
+
+
+def lookup(kind: str, name: str) -> Callable:
+    """The function of piece `name` of `kind` (a REGISTRIES key: the config field that names it, e.g.
+    "policy_loss_fn"). Every registry is read this way from outside its package (workflows.lookup: workflows and
+    reward functions); configs.piece_config validates the name and the piece's `*_args` first."""
+    if name not in REGISTRIES[kind]:
+        raise KeyError(f"unknown {kind} {name!r}; known: {', '.join(REGISTRIES[kind])}")
+    return REGISTRIES[kind][name][0]

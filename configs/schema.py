@@ -463,8 +463,8 @@ class InferenceModelConfig:
     max_model_len: int | None = None
     """Context length of this engine; unset = model.max_model_len."""
     enable_history: bool = False
-    """Record the calls a workflow makes through the OpenAI-compatible API (ModelHandle.openai_client), so that it
-    can turn them into experiences (ModelHandle.history); needs enable_openai_api."""
+    """Record the calls a workflow makes through the OpenAI-compatible API (EngineHandle.openai_client), so that it
+    can turn them into experiences (EngineHandle.history); needs enable_openai_api."""
     enable_openai_api: bool = False
     """Serve the rollout engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions, /v1/models)
     from the explorer, for workflows written against the `openai` client (openai_api.py)."""

@@ -370,6 +370,14 @@ def test_piece_config_defaults(kind):
         assert piece_config(kind, name, None, f"algorithm.{kind}_args") == cfg_cls()
 
 
+def test_lookup_gives_each_registered_function_and_refuses_unknown_names():
+    for kind, registry in algos.REGISTRIES.items():
+        for name, (fn, _) in registry.items():
+            assert algos.lookup(kind, name) is fn
+    with pytest.raises(KeyError, match="unknown policy_loss_fn 'ppx'; known: ppo"):
+        algos.lookup("policy_loss_fn", "ppx")
+
+
 def test_piece_config_values_and_errors():
     cfg = piece_config(
         "policy_loss_fn", "ppo", {"clip_range_high": "0.28", "clip_ratio_c": 4}, "algorithm.policy_loss_fn_args"

@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from buffer import ExperienceDB
-from conftest import raw, write_yaml
+from helpers import raw, write_yaml
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]

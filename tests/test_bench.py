@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import ROOT, real_vllm
+from helpers import ROOT, real_vllm
 
 
 def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):

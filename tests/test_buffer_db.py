@@ -18,8 +18,8 @@ import safetensors.torch
 import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
-from buffer import Experience, ExperienceDB, pack, unpack
-from conftest import raw
+from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
+from helpers import in_ci, raw
 
 
 def make(i: int = 0, **fields: object) -> Experience:
@@ -58,10 +58,7 @@ def test_round_trip_every_field(db: ExperienceDB) -> None:
         logprobs=torch.tensor([-0.1, -2.5, -0.0, -7.25]),
         action_mask=torch.tensor([True, False, True, True]),
         reward=0.75,
-        token_level_reward=torch.tensor([0.0, 0.0, 0.0, 0.75]),
         advantages=torch.tensor([1.5, 1.5, -1.5, 1.5]),
-        returns=torch.tensor([0.1, 0.2, 0.3, 0.4]),
-        teacher_logprobs=torch.tensor([-0.2, -0.3, -0.4, -0.5]),
         group_id="g-7",
         run_id=3,
         task_id="gsm8k/12",
@@ -73,24 +70,36 @@ def test_round_trip_every_field(db: ExperienceDB) -> None:
         prompt_text="Combien font 6×7 ? 你好 🙂",
         response_text="ß = 42\n",
     )
-    dpo = Experience(
-        tokens=torch.tensor([1, 2, 3]),
-        prompt_length=3,
-        chosen=torch.tensor([4, 5]),
-        rejected=torch.tensor([6, 7, 8]),
-        reward=None,
-        teacher_logprobs=torch.zeros(0),
-    )
-    written = db.write([full, dpo])
+    empty = Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=3, reward=None, advantages=torch.zeros(0))
+    written = db.write([full, empty])
     got = db.claim(2, step=0)
     assert ids(got) == written
     assert_same(full, got[0])
-    assert_same(dpo, got[1])
+    assert_same(empty, got[1])
     assert got[1].logprobs is None and got[1].action_mask is None and got[1].reward is None
     assert got[1].response_length == 0 and got[0].response_length == 4
     # Documented dtypes on read: ids long, masks bool, the rest float32.
-    assert got[0].tokens.dtype == torch.long and got[1].chosen.dtype == torch.long
+    assert got[0].tokens.dtype == torch.long and got[1].tokens.dtype == torch.long
     assert got[0].action_mask.dtype == torch.bool and got[0].logprobs.dtype == torch.float32
+
+
+def test_a_blob_of_an_older_buffer_py_with_fields_since_removed_reads(db: ExperienceDB) -> None:
+    """Experience lost token_level_reward, returns, teacher_logprobs, chosen and rejected (issue 26: never read); a
+    DB written before keeps them in its blobs, and reading it drops them."""
+    (i,) = db.write([make(0, reward=1.0)])
+    ((blob,),) = raw(db.url, "SELECT tensors FROM payloads WHERE id = ?", (i,))
+    old = {
+        **safetensors.torch.load(blob),
+        "token_level_reward": torch.tensor([0.0, 0.0, 0.0, 1.0]),
+        "returns": torch.ones(4),
+        "teacher_logprobs": torch.zeros(0),
+        "chosen": torch.tensor([4, 5], dtype=torch.int32),
+        "rejected": torch.tensor([6], dtype=torch.int32),
+    }
+    raw(db.url, "UPDATE payloads SET tensors = ? WHERE id = ?", (safetensors.torch.save(old), i))
+    (got,) = db.claim(1, step=0)
+    assert_same(make(0, reward=1.0), got)
+    assert not hasattr(got, "returns") and not hasattr(got, "chosen")
 
 
 def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:
@@ -438,7 +447,8 @@ def test_an_experience_db_path_that_cannot_be_one_is_named_and_nothing_changes(t
 
 
 def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
-    """buffer.pack / unpack (the trainer's rank 0 sends each batch to the others this way, no pickle)."""
+    """buffer.serialise_many / deserialise_many (the trainer's rank 0 sends each batch to the other ranks this way,
+    no pickle)."""
     exps = [
         Experience(
             tokens=torch.tensor([1, 2, 3, 4]),
@@ -458,8 +468,8 @@ def test_experiences_travel_between_ranks_as_bytes_exactly(tmp_path):
         ),
         Experience(tokens=torch.tensor([5, 6]), prompt_length=1, reward=0.0, id=8),
     ]
-    back = unpack(pack(exps))
-    assert len(back) == 2 and unpack(b"") == []
+    back = deserialise_many(serialise_many(exps))
+    assert len(back) == 2 and deserialise_many(b"") == []
     for a, b in zip(exps, back):
         for f in (
             "prompt_length",
@@ -729,8 +739,6 @@ def test_a_transaction_rolled_back_for_a_deadlock_runs_again(postgres, caplog) -
 def test_ci_means_a_ci_variable_that_says_so(monkeypatch, value, ci) -> None:
     """Under CI a missing PostgreSQL server fails the PostgreSQL tests (the `postgres` fixture); CI=false is not CI.
     .ci/run sets CI itself (a CI service may not) before it runs the tests."""
-    from conftest import in_ci
-
     if value is None:
         monkeypatch.delenv("CI", raising=False)
     else:

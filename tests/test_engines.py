@@ -1,5 +1,5 @@
 """engines.py: HFEngine against a plain forward pass of the same model, per-request sampling params
-in one batch, batching across threads, weight loading, make_engine, ModelHandle; the vLLM engines' contract
+in one batch, batching across threads, weight loading, make_engine, EngineHandle; the vLLM engines' contract
 runs on real vLLM in tests/test_vllm_contract.py (its CPU build here, vLLM on a GPU machine)."""
 
 import dataclasses
@@ -12,7 +12,7 @@ import torch
 
 import models
 from configs.schema import InferenceModelConfig, ModelConfig
-from engines import Completion, HFEngine, ModelHandle, PromptTooLong, SamplingParams, make_engine
+from engines import Completion, EngineHandle, HFEngine, PromptTooLong, SamplingParams, make_engine
 from models import config_tokenizer, load_model
 from tiny import CHAT_TEMPLATE as tiny_chat_template
 from tiny import build
@@ -276,7 +276,7 @@ def test_make_engine_picks_and_says_why(tiny_path, caplog):
 
 # --- the handle workflows get
 def test_model_handle_chat_returns_consistent_experiences(engine):
-    handle = ModelHandle(engine, engine.tokenizer, {"temperature": 1.0, "max_tokens": 8})
+    handle = EngineHandle(engine, engine.tokenizer, {"temperature": 1.0, "max_tokens": 8})
     messages = [{"role": "user", "content": "What is 2 + 3?"}]
     exps = handle.chat(messages, n=3, min_tokens=8, seed=5)
     prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -292,7 +292,7 @@ def test_model_handle_chat_returns_consistent_experiences(engine):
     with pytest.raises(TypeError, match="max_new_tokens"):
         handle.chat(messages, max_new_tokens=4)
     with pytest.raises(TypeError, match="do_sample"):
-        ModelHandle(engine, engine.tokenizer, {"do_sample": True})
+        EngineHandle(engine, engine.tokenizer, {"do_sample": True})
 
 
 def _model_cfg(tiny_path: str, **kw) -> ModelConfig:
@@ -316,7 +316,7 @@ def test_config_chat_templates_and_enable_thinking_reach_every_rendering(tiny_pa
 
 
 def test_handle_renders_tools_template_and_reply_prefix(engine):
-    handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 2})
+    handle = EngineHandle(engine, engine.tokenizer, {"max_tokens": 2})
     messages = [{"role": "user", "content": "hi"}]
     template = "{{ messages[0]['content'] }}|{{ tools | length if tools else 'none' }}|"
     (x, *_) = handle.chat(
@@ -329,7 +329,7 @@ def test_handle_renders_tools_template_and_reply_prefix(engine):
 
 def test_over_long_prompts_are_cut_and_masked_or_refused_once(engine):
     long = "a long prompt " * 20
-    handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 3, "temperature": 0.6}, max_prompt_tokens=16)
+    handle = EngineHandle(engine, engine.tokenizer, {"max_tokens": 3, "temperature": 0.6}, max_prompt_tokens=16)
     x, y = handle.generate([long, "short"], n=1)[0][0], handle.generate(["short"], n=1)[0][0]
     ids = engine.tokenizer.encode(long, add_special_tokens=False)
     assert x.truncate_status == "prompt_truncated" and x.tokens[:16].tolist() == ids[-16:]
@@ -337,7 +337,7 @@ def test_over_long_prompts_are_cut_and_masked_or_refused_once(engine):
     batch = models.step_batch([x, y], 3)
     assert not batch["response_mask"][0].any() and batch["response_mask"][1].any()  # no loss on the cut prompt
     assert batch["temperature"].tolist() == pytest.approx([0.6, 0.6])  # scored at the temperature it was sampled at
-    strict = ModelHandle(engine, engine.tokenizer, {"max_tokens": 3}, max_prompt_tokens=16, truncate=False)
+    strict = EngineHandle(engine, engine.tokenizer, {"max_tokens": 3}, max_prompt_tokens=16, truncate=False)
     with pytest.raises(PromptTooLong, match="exceeds model.max_prompt_tokens"):
         strict.generate([long])
 
@@ -348,9 +348,9 @@ def test_min_response_tokens_and_ignore_eos_defaults(tiny_path):
         state = {k: v.clone() for k, v in e.model.state_dict().items()}
         state["model.norm.weight"].zero_()
         e.load_weights(state, version=1)
-        free = ModelHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0}).generate(["hi"], n=64)[0]
-        held = ModelHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0, "min_tokens": 30}).generate(["hi"], n=64)[0]
-        to_end = ModelHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0}, ignore_eos=True).generate(["hi"], n=64)[0]
+        free = EngineHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0}).generate(["hi"], n=64)[0]
+        held = EngineHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0, "min_tokens": 30}).generate(["hi"], n=64)[0]
+        to_end = EngineHandle(e, e.tokenizer, {"max_tokens": 40, "seed": 0}, ignore_eos=True).generate(["hi"], n=64)[0]
     assert sum(x.response_length < 30 for x in free) >= 5
     assert all(x.response_length >= 30 for x in held)  # model.min_response_tokens is the handle's default min_tokens
     assert all(x.response_length == 40 for x in to_end)  # ignore_eos: every sample runs to max_tokens

@@ -12,8 +12,8 @@ from algos import ADVANTAGE_FNS, step_wise_grpo
 from algos.utils import BatchError
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
-from conftest import plain_logprobs
-from engines import Completion, HFEngine, ModelHandle, PromptTooLong
+from engines import Completion, EngineHandle, HFEngine, PromptTooLong
+from helpers import plain_logprobs
 from models import group_advantages, load_model, load_tokenizer, step_batch
 from tasksets import Task
 from workflows import build_workflow
@@ -60,8 +60,8 @@ def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
 
 
-def scripted(tokenizer, texts, **handle) -> ModelHandle:
-    return ModelHandle(ScriptedEngine(tokenizer, texts), tokenizer, {"max_tokens": 200}, **handle)
+def scripted(tokenizer, texts, **handle) -> EngineHandle:
+    return EngineHandle(ScriptedEngine(tokenizer, texts), tokenizer, {"max_tokens": 200}, **handle)
 
 
 def test_the_real_templates_render_as_their_models_do(tokenizer):
@@ -134,7 +134,7 @@ def test_a_turn_that_ends_on_any_eos_id_gets_the_closing_without_its_end_token(t
     after a turn ended by <|endoftext|> the template's <|im_end|> is not appended too."""
     other = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     engine = ScriptedEngine(tokenizer, [("first", other), "second"], eos_ids=[tokenizer.eos_token_id, other])
-    ep = Episode(ModelHandle(engine, tokenizer, {"max_tokens": 50}), [{"role": "user", "content": "hi"}])
+    ep = Episode(EngineHandle(engine, tokenizer, {"max_tokens": 50}), [{"role": "user", "content": "hi"}])
     ep.reply()
     ep.add([{"role": "user", "content": "more"}])
     ep.reply()
@@ -246,7 +246,7 @@ def test_a_real_episode_gives_the_trainer_the_engines_log_probs(tiny_model_dir):
     stop = list(string.ascii_letters + string.digits)  # the untrained model samples bytes, rarely EOS: end its
     # turns at the first ASCII letter or digit (deterministic with the seed)
     with HFEngine(tiny_model_dir) as engine:
-        model = ModelHandle(engine, engine.tokenizer, {"max_tokens": 12, "temperature": 0.8, "seed": 1, "stop": stop})
+        model = EngineHandle(engine, engine.tokenizer, {"max_tokens": 12, "temperature": 0.8, "seed": 1, "stop": stop})
         ep = Episode(model, [{"role": "user", "content": "What is 2 + 3?"}])
         ep.reply()
         ep.add([tool_message("5")])

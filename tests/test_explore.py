@@ -22,67 +22,12 @@ import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
 from configs.schema import GenerationConfig
-from conftest import write_yaml
-from engines import HFEngine, ModelHandle, PromptTooLong
+from engines import EngineHandle, HFEngine, PromptTooLong
+from helpers import run_explorer, write_config
 from models import load_tokenizer
 from tasksets import Task, TaskReader, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
-    data = Path(tiny_model_dir).parent / "arith"
-    cfg = {
-        "project": "p",
-        "name": "e",
-        "mode": "explore",
-        "checkpoint_root_dir": str(tmp_path / "ck"),
-        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
-        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
-        "buffer": {
-            "batch_size": 3,
-            "total_steps": 4,
-            "default_workflow_type": "math_workflow",
-            "default_reward_fn_type": "math_reward",
-            "explorer_input": {
-                "taskset": {
-                    "name": "arith",
-                    "path": str(data),
-                    "split": "train",
-                    "format": {"prompt_key": "question", "response_key": "answer"},
-                },
-                "eval_tasksets": [
-                    {
-                        "name": "arith_test",
-                        "path": str(data),
-                        "split": "test",
-                        "repeat_times": 2,
-                        "format": {"prompt_key": "question", "response_key": "answer"},
-                    }
-                ],
-            },
-        },
-        "explorer": {
-            "runner_per_model": 4,
-            "eval_interval": 100,
-            "eval_on_startup": False,
-            "rollout_model": {"engine_type": "hf"},
-        },
-        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 100},
-        "monitor": {"monitor_type": "none"},
-    }
-    return write_yaml(tmp_path / "explore.yaml", cfg, over)
-
-
-def run_explorer(config: Path, *args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "explore.py", "--config", str(config), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        **kw,
-    )
 
 
 def db_rows(tmp_path: Path) -> list[tuple]:
@@ -252,7 +197,7 @@ def test_an_abandoned_attempt_does_not_write_into_the_next_one(monkeypatch):
 @pytest.fixture(scope="module")
 def handle(tiny_model_dir):
     engine = HFEngine(tiny_model_dir)
-    yield ModelHandle(engine, load_tokenizer(tiny_model_dir))
+    yield EngineHandle(engine, load_tokenizer(tiny_model_dir))
     engine.close()
 
 

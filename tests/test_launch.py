@@ -22,85 +22,20 @@ import safetensors.torch
 import torch
 
 from buffer import ExperienceDB
-from conftest import plain_logprobs, write_yaml
-from models import load_model
+from helpers import (
+    both_config,
+    launch,
+    mlflow_runs,
+    rollout_logprob_gap,
+    run_train,
+    sft_config,
+    versions_by_step,
+    weights,
+    write_yaml,
+)
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
-    data = Path(tiny_model_dir).parent / "arith"
-    fmt = {"prompt_key": "question", "response_key": "answer"}
-    cfg = {
-        "project": "p",
-        "name": "run",
-        "mode": "both",
-        "checkpoint_root_dir": str(tmp_path / "ck"),
-        # an entropy bonus: the weights move every step even when every group's rewards are equal
-        "algorithm": {
-            "algorithm_type": "grpo",
-            "repeat_times": 2,
-            "optimizer": {"lr": 1e-3},
-            "entropy_loss_fn_args": {"entropy_coef": 0.01},
-        },
-        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
-        "buffer": {
-            "batch_size": 2,
-            "total_steps": 3,
-            "default_workflow_type": "math_workflow",
-            "default_reward_fn_type": "math_reward",
-            "explorer_input": {
-                "taskset": {"name": "arith", "path": str(data), "split": "train", "format": fmt},
-                "eval_tasksets": [
-                    {
-                        "name": "arith_test",
-                        "path": str(data),
-                        "split": "test",
-                        "format": fmt,
-                        "rollout_args": {"temperature": 0.0},
-                    }
-                ],
-            },
-            "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": 120}},
-        },
-        "explorer": {"runner_per_model": 4, "eval_interval": 2, "rollout_model": {"engine_type": "hf"}},
-        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 1, "sync_timeout": 120},
-        "trainer": {"save_interval": 0},
-        "monitor": {"monitor_type": "none"},
-    }
-    return write_yaml(tmp_path / "run.yaml", cfg, over)
-
-
-def launch(
-    config: Path, *args: str, script: str = "launch.py", timeout: float = 400, env: dict | None = None
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, script, "--config", str(config), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
-
-
-def versions_by_step(db: Path | str) -> list[int]:
-    """The model version of each experience, in DB order (`db`: a SQLite file or a DB URL)."""
-    with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
-        rows = d.query("SELECT id, model_version FROM experiences ORDER BY id")
-    return [v for _, v in rows]
-
-
-def rollout_logprob_gap(db: Path | str, version: int, weights: Path) -> float:
-    """Largest |rollout log-prob - log-prob under `weights`| over the experiences of `version`: the
-    engine's weights at rollout time were `weights` iff this is float rounding (~1e-6)."""
-    model = load_model(str(weights))
-    with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
-        ids = [i for (i,) in d.query("SELECT id FROM experiences WHERE model_version = ?", (version,))]
-        exps = d.get(ids)
-    assert exps
-    return max((plain_logprobs(model, x.tokens, x.prompt_length) - x.logprobs).abs().max().item() for x in exps)
 
 
 def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_dir):
@@ -212,8 +147,6 @@ def test_a_stage_an_error_ends_leaves_no_mlflow_run_running(tmp_path, tiny_model
     """run_in_process (how train.py and explore.py run their stages): a stage that raises after opening its monitor
     (a traceback, or a named error) ends its mlflow run FAILED; one that closes its monitor itself keeps its status
     (FINISHED)."""
-    from test_train import mlflow_runs
-
     import configs
     import launch
     from monitor import Monitor
@@ -246,8 +179,6 @@ def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_mon
     """run_in_process after a stage that a named error ended: one monitor's close raising (the tracking server
     gone) is a warning; the stage still returns its exit code 2 (not a traceback) and the other monitor's run ends
     FAILED (before, the exception replaced the result and the loop stopped)."""
-    from test_train import mlflow_runs
-
     import configs
     import launch
     from monitor import Monitor
@@ -552,8 +483,6 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
     """cluster.node_num 2 (one CPU rank per node): the launcher on node 0 prints the line for node 1 once; run as
     printed (from another directory), it joins, and the two SFT steps end at exactly the weights of one torchrun of
     two ranks on one node."""
-    from test_train import run_train, sft_config, weights
-
     port = free_port()
     config = sft_config(
         tmp_path / "nodes", tiny_model_dir, **{"cluster": {"node_num": 2, "gpu_per_node": 0, "master_port": port}}

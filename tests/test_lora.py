@@ -16,8 +16,6 @@ import torch
 import torch.distributed as dist
 from peft import PeftModel
 from peft.tuners.lora import LoraLayer
-from test_launch import ROOT, both_config, launch, rollout_logprob_gap, versions_by_step
-from test_train import experiences, run_train, sft_config, straight_and_resumed
 from transformers import AutoModelForCausalLM
 
 import explore
@@ -28,7 +26,20 @@ import train
 import wire
 from configs import Config, ConfigError, cli, from_dict, normalize, resolve_stages
 from configs.schema import LoRAConfig, OptimizerConfig, TrainerConfig
-from conftest import plain_logprobs
+from helpers import (
+    ROOT,
+    both_config,
+    experiences,
+    launch,
+    plain_logprobs,
+    rollout_logprob_gap,
+    run_explorer,
+    run_train,
+    sft_config,
+    straight_and_resumed,
+    versions_by_step,
+    write_config,
+)
 
 LORA = {"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}]}
 CPU = torch.device("cpu")
@@ -439,8 +450,6 @@ def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_mo
 def test_bench_evaluates_adapter_only_checkpoints_merged(tmp_path, tiny_model_dir):
     """Bench mode on a LoRA run: step 1's checkpoint holds the adapter alone, step 2's the merged folder too; both are
     evaluated, step 1 as model.model_path + its adapter (merged in a temporary folder, gone afterwards)."""
-    from test_explore import run_explorer, write_config
-
     out = run_train(sft_config(tmp_path, tiny_model_dir, **LORA, **{"trainer.save_interval": 1}))
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "t"

@@ -16,6 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from buffer import Experience
 from configs.schema import Config
+from helpers import both_config, launch, mlflow_runs
 from monitor import (
     CONSOLE,
     Console,
@@ -140,7 +141,6 @@ def test_an_mlflow_run_whose_config_cannot_be_logged_ends_failed(tmp_path, monke
     """MlflowSink made its run, then logging the config failed: the run ends FAILED (no Monitor holds the sink
     yet, so nothing else could end it: it stayed RUNNING), and the error reaches the caller."""
     from mlflow.tracking import MlflowClient
-    from test_train import mlflow_runs
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setattr(MlflowClient, "log_dict", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
@@ -396,7 +396,6 @@ def test_launcher_run_with_mlflow_one_store_one_experiment_every_run_finished(tm
     process with its metrics. A stage's config.yaml keeps the real secret (the processes need it) but only its owner
     may read it; mlflow's copy hides it."""
     from mlflow.tracking import MlflowClient
-    from test_launch import both_config, launch
 
     config = both_config(
         tmp_path,

@@ -6,8 +6,8 @@ import openai
 import pytest
 import torch
 
-from conftest import plain_logprobs
-from engines import HFEngine, ModelHandle
+from engines import EngineHandle, HFEngine
+from helpers import both_config, launch, plain_logprobs, rollout_logprob_gap, versions_by_step
 from models import load_model
 from openai_api import OpenAIServer
 from workflows.episode import MixedTemperatures
@@ -18,7 +18,7 @@ MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
     with HFEngine(tiny_model_dir) as engine:
-        handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 8}, max_model_len=256)
+        handle = EngineHandle(engine, engine.tokenizer, {"max_tokens": 8}, max_model_len=256)
         s = OpenAIServer(handle, "tiny", record=True)
         s.start()
         yield s
@@ -101,7 +101,7 @@ def test_a_request_without_max_tokens_may_fill_the_context(tiny_model_dir):
     """As vLLM's server: no max_tokens = max_model_len - prompt tokens, not the engine's 16 (nor a handle's default).
     min_tokens of all the room left makes the reply exactly that long."""
     with HFEngine(tiny_model_dir) as engine:
-        s = OpenAIServer(ModelHandle(engine, engine.tokenizer, max_model_len=64), "tiny")
+        s = OpenAIServer(EngineHandle(engine, engine.tokenizer, max_model_len=64), "tiny")
         s.start()
         try:
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0)
@@ -206,7 +206,9 @@ def test_an_ipv6_host_gets_a_url_with_brackets(tiny_model_dir):
     except OSError as e:
         pytest.skip(f"this machine has no IPv6 loopback: {e}")
     with HFEngine(tiny_model_dir) as engine:
-        s = OpenAIServer(ModelHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64), "tiny", host="::1")
+        s = OpenAIServer(
+            EngineHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64), "tiny", host="::1"
+        )
         try:
             assert s.start().startswith("http://[::1]:")
             client = openai.OpenAI(base_url=s.url + "/v1", api_key="EMPTY", max_retries=0)
@@ -236,8 +238,6 @@ class ApiWorkflow(Workflow):
 def test_a_workflow_on_the_openai_client_trains_through_the_explorer(tmp_path, tiny_model_dir):
     """mode both: the explorer serves its engine, a user's workflow (named file.py:Class in the YAML) calls it
     with the openai client, its recorded calls become the experiences the trainer trains on."""
-    from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
-
     (tmp_path / "api_flow.py").write_text(API_WORKFLOW)
     config = both_config(
         tmp_path,
@@ -399,7 +399,7 @@ def test_chat_template_kwargs_reach_the_template(tiny_model_dir):
     with HFEngine(tiny_model_dir) as engine:
         tok = copy.deepcopy(engine.tokenizer)
         tok.chat_template = "{% if greet %}hello {% endif %}" + tok.chat_template
-        s = OpenAIServer(ModelHandle(engine, tok, {"max_tokens": 2}, max_model_len=256), "tiny")
+        s = OpenAIServer(EngineHandle(engine, tok, {"max_tokens": 2}, max_model_len=256), "tiny")
         s.start()
         try:
             client = openai_client(s)
@@ -466,7 +466,7 @@ def test_tools_give_openai_tool_calls_from_the_projects_parser(tiny_model_dir, t
     from models import load_tokenizer
 
     tok = load_tokenizer(tiny_model_dir)
-    s = OpenAIServer(ModelHandle(ScriptedEngine(text), tok, max_model_len=256), "tiny")
+    s = OpenAIServer(EngineHandle(ScriptedEngine(text), tok, max_model_len=256), "tiny")
     s.start()
     try:
         client = openai_client(s)
@@ -495,7 +495,7 @@ def test_tools_give_openai_tool_calls_from_the_projects_parser(tiny_model_dir, t
 
 def test_off_loopback_the_api_needs_a_key_and_every_request_carries_it(tiny_model_dir):
     with HFEngine(tiny_model_dir) as engine:
-        handle = ModelHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64)
+        handle = EngineHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64)
         with pytest.raises(ValueError, match="needs an API key: set explorer.rollout_model.openai_api_key"):
             OpenAIServer(handle, "tiny", host="0.0.0.0").start()
         s = OpenAIServer(handle, "tiny", record=True, host="0.0.0.0", api_key="s3cret")
@@ -531,7 +531,7 @@ def test_a_failed_workflows_sessions_are_freed(server, monkeypatch):
             raise RuntimeError("the workflow's own bug")
 
     monkeypatch.setitem(workflows.WORKFLOWS, "crashes", Crashes)
-    handle = ModelHandle(server.handle.engine, server.handle.tokenizer, max_model_len=256)
+    handle = EngineHandle(server.handle.engine, server.handle.tokenizer, max_model_len=256)
     handle.api = server
     before = set(server.sessions)
     task = Task(

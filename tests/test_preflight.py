@@ -12,12 +12,11 @@ import types
 from pathlib import Path
 
 import pytest
-from test_launch import both_config
 
 from configs import cli, resolve_stages
 from configs.checks import ConfigError
 from configs.preflight import VLLM_SUPPORTED, preflight, vllm_problem
-from conftest import ROOT
+from helpers import ROOT, both_config
 
 NO_VLLM = (
     "import sys; sys.modules['vllm'] = None; sys.path.insert(0, sys.argv.pop(1)); import {0}; "

@@ -15,14 +15,13 @@ import pytest
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from test_launch import both_config, launch
 from transformers import AutoModelForTokenClassification
 
 import train
 from algos import PRESETS
 from buffer import Experience, ExperienceDB
 from configs import cli, derive
-from conftest import ROOT, write_yaml
+from helpers import ROOT, both_config, launch, run_train, write_yaml
 from models import load_tokenizer, sft_experience
 from monitor import read_history
 
@@ -339,8 +338,6 @@ def test_dynamic_sampling_drops_tied_groups_and_refills(tmp_path, tiny_model_dir
 def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
     """One PPO step (values, GAE over the whole batch, critic then actor update) on the same experiences:
     a plain process and torchrun with two FSDP2 ranks end at the same actor and critic weights."""
-    from test_train import run_train
-
     tok = load_tokenizer(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
     exps = [

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import in_ci
+from helpers import in_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,6 +121,27 @@ def import_graph() -> dict[str, set[str]]:
                 elif "." in x and "." in m:  # between two submodules of one package
                     graph[m].add(x)
     return graph
+
+
+def test_test_files_share_helpers_through_tests_helpers_only():
+    """What several test files need is tests/helpers.py's (and the fixtures conftest.py's): no test file imports
+    another test file or conftest, at the top or inside a function."""
+    import ast
+
+    bad = [
+        f"{f.name}:{node.lineno}: {name}"
+        for f in sorted((ROOT / "tests").glob("*.py"))
+        for node in ast.walk(ast.parse(f.read_text()))
+        for name in (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
+        if name == "conftest" or name.startswith("test_")
+    ]
+    assert not bad, bad
 
 
 def test_no_import_circles():

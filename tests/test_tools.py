@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from configs.schema import GenerationConfig
-from engines import Completion, ModelHandle
+from engines import Completion, EngineHandle
 from models import load_tokenizer
 from tasksets import Task
 from workflows import build_workflow
@@ -174,7 +174,7 @@ def test_a_process_whose_episode_calls_a_hung_tool_exits_promptly(tool_file, tmp
     code = textwrap.dedent(f"""
         import concurrent.futures, sys
         sys.path.insert(0, {str(ROOT)!r})
-        from engines import Completion, ModelHandle
+        from engines import Completion, EngineHandle
         from models import load_tokenizer
         from workflows.episode import Episode
         from workflows.tools import Tool, parse_tool_calls, run_tool, tool_message
@@ -192,7 +192,7 @@ def test_a_process_whose_episode_calls_a_hung_tool_exits_promptly(tool_file, tmp
 
         tok = load_tokenizer({tiny_model_dir!r})
         call = '<tool_call>{{"name": "sleep_forever", "arguments": {{"pid_file": "{tmp_path / "x.pid"}"}}}}</tool_call>'
-        model = ModelHandle(Engine(tok, [call, "#### 5"]), tok, {{"max_tokens": 200}})
+        model = EngineHandle(Engine(tok, [call, "#### 5"]), tok, {{"max_tokens": 200}})
         hang = Tool("sleep_forever", {str(tool_file)!r} + ":sleep_forever", "", {{}})
         ep = Episode(model, [{{"role": "user", "content": "2 + 3?"}}], [hang])
         (c,) = parse_tool_calls(ep.reply())
@@ -351,7 +351,7 @@ def test_a_group_whose_model_sends_deeply_nested_json_is_scored_not_lost(tiny_mo
     """tool_workflow, 2 episodes: one sends `[` * 100000 in a tool call, reads the error and answers; the other
     answers at once. Both are scored (the RecursionError used to end the task's whole group)."""
     tok = load_tokenizer(tiny_model_dir)
-    model = ModelHandle(
+    model = EngineHandle(
         Scripted(tok, ["<tool_call>" + "[" * 100000 + "</tool_call>", "#### 83", "#### 83"]),
         tok,
         {"max_tokens": 200000},

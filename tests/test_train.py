@@ -7,10 +7,8 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -27,7 +25,15 @@ import train
 from algos import ADVANTAGE_FNS
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
-from conftest import plain_logprobs, write_yaml
+from helpers import (
+    experiences,
+    mlflow_runs,
+    plain_logprobs,
+    run_train,
+    sft_config,
+    straight_and_resumed,
+    weights,
+)
 from models import load_model, load_tokenizer
 from monitor import read_history
 from tasksets import DataError
@@ -35,73 +41,7 @@ from tasksets import DataError
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def sft_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
-    data = Path(tiny_model_dir).parent / "arith"
-    cfg = {
-        "project": "p",
-        "name": "t",
-        "mode": "train",
-        "checkpoint_root_dir": str(tmp_path / "ck"),
-        "algorithm": {"algorithm_type": "sft", "optimizer": {"lr": 1e-3}},
-        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 64},
-        "buffer": {
-            "train_batch_size": 8,
-            "total_steps": 2,
-            "trainer_input": {
-                "experience_buffer": {
-                    "name": "sft",
-                    "storage_type": "file",
-                    "path": str(data / "sft.jsonl"),
-                    "format": {"prompt_type": "messages"},
-                }
-            },
-        },
-        "synchronizer": {"sync_interval": 100},
-        "trainer": {"save_interval": 1},
-        "monitor": {"monitor_type": "none"},
-    }
-    return write_yaml(tmp_path / "train.yaml", cfg, over)
-
-
-def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py as the launcher starts it: a plain process (ranks=0) or under torchrun."""
-    cmd = [sys.executable, "train.py", "--config", str(config)]
-    if ranks:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd[1:]]
-    out = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"},
-    )
-    return out
-
-
-def weights(job: Path, step: int) -> dict[str, torch.Tensor]:
-    return safetensors.torch.load_file(job / f"global_step_{step}" / "actor" / "huggingface" / "model.safetensors")
-
-
 # --- pieces
-
-
-def experiences(spec: list[tuple[int, list[int]]], seed: int = 0) -> list[Experience]:
-    """Random token ids: one group per (prompt length, [response lengths]) of `spec`, its members sharing the prompt."""
-    g, out = torch.Generator().manual_seed(seed), []
-    for k, (p, responses) in enumerate(spec):
-        prompt = torch.randint(0, 250, (p,), generator=g)
-        for r in responses:
-            out.append(
-                Experience(
-                    tokens=torch.cat([prompt, torch.randint(0, 250, (r,), generator=g)]),
-                    prompt_length=p,
-                    reward=0.0,
-                    group_id=f"g{k}",
-                    info={"taskset": "hot" if k % 2 else "cold"},
-                )
-            )
-    return out
 
 
 def test_units_and_micro_batches_respect_the_token_budget():
@@ -181,10 +121,10 @@ def test_rollout_and_trainer_logprobs_mean_the_same_thing_at_t_0_6(tiny_model_di
     """Issue 14: the HF engine's log-probs are of the full temperature-scaled distribution (top-k / top-p filter
     the sample only), and the trainer scores each experience at the temperature it was sampled at: the first
     token's importance ratio between trainer and rollout is 1 within 1e-4."""
-    from engines import HFEngine, ModelHandle
+    from engines import EngineHandle, HFEngine
 
     with HFEngine(tiny_model_dir) as engine:
-        handle = ModelHandle(engine, engine.tokenizer, {"temperature": 0.6, "top_p": 0.8, "top_k": 5, "max_tokens": 6})
+        handle = EngineHandle(engine, engine.tokenizer, {"temperature": 0.6, "top_p": 0.8, "top_k": 5, "max_tokens": 6})
         exps = handle.chat([{"role": "user", "content": "What is 3 + 4?"}], n=4, seed=3)
     batch = models.step_batch(exps, width=6)
     scorer = models.TokenScorer(load_model(tiny_model_dir))
@@ -372,45 +312,6 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
     assert cpu.engine_dtype == torch.float32
 
 
-def straight_and_resumed(tmp_path: Path, tiny_model_dir: str, **over) -> tuple[Path, Path, str]:
-    """Two SFT runs of 4 steps, checkpoints every 2: one straight through; one SIGKILLed after saving step 2 (it waits
-    there: sync.pause_for_test), then restarted. Returns their job directories and the restart's stderr."""
-    over = {"buffer.total_steps": 4, "trainer.save_interval": 2, **over}
-    straight = run_train(sft_config(tmp_path / "a", tiny_model_dir, **over))
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    config = sft_config(tmp_path / "b", tiny_model_dir, **over)
-    job = tmp_path / "b" / "ck" / "p" / "t"
-    marker = tmp_path / "paused"  # the trainer touches it after saving step 2, then waits
-    env = {
-        **os.environ,
-        "NANORFT_LAUNCHED": "1",
-        "OMP_NUM_THREADS": "1",
-        "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
-        "NANORFT_TEST_PAUSE_MARKER": str(marker),
-    }
-    with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the trainer
-        proc = subprocess.Popen(
-            [sys.executable, "train.py", "--config", str(config)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            text=True,
-        )
-    deadline = time.monotonic() + 240
-    while not marker.exists() and proc.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (job / "global_step_4").exists()
-    resumed = run_train(config)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from checkpoint step 2" in resumed.stderr
-    return tmp_path / "a" / "ck" / "p" / "t", job, resumed.stderr
-
-
 def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     """SIGKILL after the step-2 checkpoint, restart: the final weights equal an uninterrupted run's bitwise
     (model, optimizer, data position and RNG all restored)."""
@@ -535,19 +436,6 @@ def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(
                 "grpo_explorer), and the trainer has them from the explorer: step_wise_grpo {"
             ) in out.stderr
             assert not (tmp_path / "ck" / "p" / case / "global_step_1").exists()
-
-
-def mlflow_runs(uri: str) -> dict[str, str]:
-    """run name -> status of every run in the mlflow store at `uri`."""
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    return {
-        r.info.run_name: r.info.status
-        for e in client.search_experiments()
-        for r in client.search_runs([e.experiment_id])
-    }
 
 
 def test_a_set_up_failure_ends_the_mlflow_run_as_failed(tmp_path, tiny_model_dir):

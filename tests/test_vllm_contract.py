@@ -24,8 +24,8 @@ import sync
 import vllm_engine
 import wire
 from configs.schema import InferenceModelConfig
-from conftest import ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
-from engines import ModelHandle, SamplingParams, make_engine
+from engines import EngineHandle, SamplingParams, make_engine
+from helpers import ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
 from models import load_model, load_tokenizer
 from openai_api import OpenAIServer
 
@@ -369,7 +369,7 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
 def test_the_openai_api_over_vllm_engines_with_the_openai_client(backend, tiny_model_dir):
     """openai_api.py serves the pool: chat completions with n, token ids and the trainer's log-probs."""
     pool, tok, ref = backend.pool("vllm"), load_tokenizer(tiny_model_dir), load_model(tiny_model_dir)
-    server = OpenAIServer(ModelHandle(pool, tok, {}, max_model_len=256), "tiny")
+    server = OpenAIServer(EngineHandle(pool, tok, {}, max_model_len=256), "tiny")
     client = openai.OpenAI(base_url=server.start() + "/v1", api_key="EMPTY", max_retries=0)
     try:
         out = client.chat.completions.create(

@@ -9,11 +9,10 @@ trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch th
 from pathlib import Path
 
 import pytest
-from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
 
 import lora
 import models
-from conftest import constant_judge, real_vllm
+from helpers import both_config, constant_judge, launch, real_vllm, rollout_logprob_gap, versions_by_step
 from monitor import read_history
 
 STEPS, PER_STEP = 4, 4  # batch_size 2 x repeat_times 2

@@ -18,8 +18,8 @@ import sync
 import vllm_engine
 import wire
 from configs.schema import InferenceModelConfig
-from conftest import FAKE_VLLM, perturbed, use_fake_vllm
-from engines import HFEngine, ModelHandle, SamplingParams, make_engine
+from engines import EngineHandle, HFEngine, SamplingParams, make_engine
+from helpers import FAKE_VLLM, both_config, launch, perturbed, rollout_logprob_gap, use_fake_vllm, versions_by_step
 from models import load_tokenizer
 
 
@@ -103,7 +103,7 @@ def test_vllm_engines_end_a_response_on_the_ids_the_hf_engine_does(vllm, tiny_mo
     pool = make_engine(rollout_model(engine_type=kind), tiny_model_dir, 256)
     try:
         greedy = pool.generate(prompts(tiny_model_dir)[:1], [SamplingParams(temperature=0.0, max_tokens=8)])[0][0]
-        assert pool.eos_ids == hf.eos_ids == both and ModelHandle(pool, tok).eos_ids == both
+        assert pool.eos_ids == hf.eos_ids == both and EngineHandle(pool, tok).eos_ids == both
     finally:
         pool.close()
         hf.close()
@@ -317,8 +317,6 @@ def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny
     """The whole loop through the launcher with the fake vLLM in the explorer: one (pretend) GPU shared by
     explorer and trainer (cluster.colocate: the engine sleeps while the trainer steps), weights over the group into
     the vLLM worker at every step: the rollouts of step s come from exactly the trainer's weights of step s - 1."""
-    from test_launch import both_config, launch, rollout_logprob_gap, versions_by_step
-
     config = both_config(
         tmp_path,
         tiny_model_dir,

@@ -15,15 +15,15 @@ import torch
 from buffer import Experience
 from configs import ConfigError, from_dict
 from configs.schema import GenerationConfig
-from conftest import constant_judge
+from helpers import ROOT, constant_judge, write_config
 from tasksets import Task
 from workflows import (
     REWARD_FNS,
     WORKFLOWS,
     Workflow,
+    build_reward_fn,
     build_workflow,
-    get_reward_fn,
-    get_workflow,
+    lookup,
     sampling_kwargs,
 )
 from workflows.countdown import PROMPT, countdown_reward, evaluate, parse_equation
@@ -107,7 +107,7 @@ def test_extraction_order_and_last_number_fallback():
     assert extract_answer("it costs 12 and then 13", last_number_fallback=True) == "13"
     assert accuracy_reward("it is 13", 13)["accuracy"] == 1.0
     assert accuracy_reward("it is 13", 13, last_number_fallback=False)["accuracy"] == 0.0
-    assert get_reward_fn("math_reward", last_number_fallback=False)("it is 13", 13)["accuracy"] == 0.0
+    assert build_reward_fn("math_reward", last_number_fallback=False)("it is 13", 13)["accuracy"] == 0.0
 
 
 def test_format_and_math_reward_components():
@@ -221,27 +221,27 @@ def make_task(workflow: str = "math_workflow", reward_fn: str = "math_reward", *
 
 @pytest.mark.parametrize("name", sorted(WORKFLOWS))
 def test_every_workflow_is_constructible(name):
-    wf = get_workflow(name)(make_task(name, ""), FakeModel([]), get_reward_fn("math_reward"))
+    wf = lookup("workflow", name)(make_task(name, ""), FakeModel([]), build_reward_fn("math_reward"))
     assert isinstance(wf, Workflow)
 
 
 @pytest.mark.parametrize("name", sorted(REWARD_FNS))
 def test_every_reward_fn_returns_float_components(name):
     reference = NUMS if name == "countdown_reward" else "#### 16"
-    scores = get_reward_fn(name)("<answer> (3 + 5) * 2 </answer>", reference)
+    scores = build_reward_fn(name)("<answer> (3 + 5) * 2 </answer>", reference)
     assert scores and all(isinstance(v, float) for v in scores.values())
 
 
 def test_unknown_names_fail_listing_the_known_ones():
     with pytest.raises(KeyError, match="math_workflow") as err:
-        get_workflow("math_workflw")
+        lookup("workflow", "math_workflw")
     assert "Did you mean 'math_workflow'" in str(err.value) and "countdown_workflow" in str(err.value)
     with pytest.raises(KeyError, match="countdown_reward"):
-        get_reward_fn("no_such_reward")
+        build_reward_fn("no_such_reward")
     with pytest.raises(
         ConfigError, match="reward_fn_args.last_number_fallbak: unknown key; did you mean last_number_fallback"
     ):
-        get_reward_fn("math_reward", last_number_fallbak=False)
+        build_reward_fn("math_reward", last_number_fallbak=False)
 
 
 # --- workflows against a scripted fake model
@@ -304,7 +304,7 @@ def test_simple_workflow_uses_the_configured_reward_fn():
     assert [e.reward for e in exps] == pytest.approx([1.0, 0.1])
     assert model.calls[0]["messages"] == [{"role": "user", "content": "q"}]
     with pytest.raises(ValueError, match="reward"):
-        get_workflow("simple_workflow")(make_task("simple_workflow", ""), model, None).run()
+        lookup("workflow", "simple_workflow")(make_task("simple_workflow", ""), model, None).run()
 
 
 def test_countdown_workflow_builds_the_tinyzero_prompt():
@@ -348,7 +348,7 @@ def test_random_reward_repeats_exactly_per_seed_task_and_run():
     assert rewards(1) == first and 0 < sum(first) < 16  # the same responses, yet not one draw for the group
     assert rewards(2) != first and rewards(1, index=5) != first
     with pytest.raises(ConfigError, match=r"reward_fn_args.draw_key: unknown key; valid keys: p, seed"):
-        get_reward_fn("random_reward", draw_key="x")  # the workflow gives it, not the config
+        build_reward_fn("random_reward", draw_key="x")  # the workflow gives it, not the config
 
 
 def test_a_tasksets_args_are_checked_once_and_draw_key_looked_up_once(monkeypatch):
@@ -410,15 +410,15 @@ def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
     task = make_task(f"{path}:EchoWorkflow", f"{path}:shout_reward", reward_fn_args={"bonus": 0.5})
     exps = build_workflow(task, FakeModel(["HEY", "hey", "HO"])).run()
     assert [e.reward for e in exps] == [1.5, 0.5, 1.5] and exps[0].metrics == {"loud": 1.5}
-    assert get_reward_fn("workflows.math:math_reward")("#### 4", "#### 4") == {"accuracy": 1.0, "format_score": 0.1}
+    assert build_reward_fn("workflows.math:math_reward")("#### 4", "#### 4") == {"accuracy": 1.0, "format_score": 0.1}
     with pytest.raises(KeyError, match=r"cannot import .*nope\.py"):
-        get_workflow(f"{tmp_path}/nope.py:EchoWorkflow")
+        lookup("workflow", f"{tmp_path}/nope.py:EchoWorkflow")
     with pytest.raises(KeyError, match="has no 'Missing'"):
-        get_workflow(f"{path}:Missing")
+        lookup("workflow", f"{path}:Missing")
     with pytest.raises(KeyError, match="is not a subclass of workflows.Workflow"):
-        get_workflow(f"{path}:shout_reward")
+        lookup("workflow", f"{path}:shout_reward")
     with pytest.raises(ConfigError, match=r"reward_fn_args.loudness: unknown key; valid keys: bonus"):
-        get_reward_fn(f"{path}:shout_reward", loudness=2)
+        build_reward_fn(f"{path}:shout_reward", loudness=2)
 
 
 @pytest.mark.parametrize(
@@ -437,7 +437,7 @@ def test_a_reward_function_is_python_code_taking_response_and_reference(name, wh
     code taking (response, reference): builtins and classes are refused by name, so that a "reward" never runs the
     model's response (exec, eval) or passes it to a shell (os.system, subprocess.Popen)."""
     with pytest.raises(KeyError, match=f"reward function '{name}' {why}"):
-        get_reward_fn(name)
+        build_reward_fn(name)
     import functools
 
     from workflows import python_reward_fn
@@ -543,8 +543,6 @@ def test_user_code_outside_the_repository_runs_in_the_explorer(tmp_path, tiny_mo
     working directory); one explore step writes their experiences."""
     import subprocess
     import sys
-
-    from test_explore import ROOT, write_config
 
     from buffer import ExperienceDB
 
@@ -659,8 +657,6 @@ def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_
     via explore.with_extras), llm_judge_workflow runs on a runner (explore.run_task) and the judge, a real model
     trained to answer "Score: 7", grades every response: reward 0.7. The untrained model as the judge never gives a
     grade: the task fails, by name."""
-    from test_explore import write_config
-
     import explore
     from configs import cli, resolve_stages
     from engines import HFEngine, rollout_handle

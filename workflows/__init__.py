@@ -4,22 +4,22 @@
     exps = build_workflow(task, model).run()   # task.repeat_times Experiences, reward and metrics set
 
 The contract (Trinity-RFT's `Workflow`, cut down):
-  - A workflow gets a `Task` (buffer.py), a model handle (`ModelHandle` below, implemented by the
-    rollout engine) and a reward function, and returns Experiences with `reward` and `metrics` set.
+  - A workflow gets a `Task` (buffer.py), a model handle (`ModelHandle` below, implemented by
+    engines.EngineHandle) and a reward function, and returns Experiences with `reward` and `metrics` set.
     It never touches the DB, the trainer or the weights. The runner stamps group_id, run_id,
     model_version, explorer and task_id afterwards. Eval tasks (`task.is_eval`) use the same run().
   - A reward function is `(response: str, reference: Any, **reward_fn_args) -> dict[str, float]`:
     named components (e.g. {"accuracy": 1.0, "format_score": 0.1}); the reward is their sum and each
     component is also stored in `exp.metrics` so it gets logged. `reward_fn_args` from the config
-    are bound once (`get_reward_fn`), checked against the function's keyword arguments and their annotations.
+    are bound once (`build_reward_fn`), checked against the function's keyword arguments and their annotations.
   - A workflow declares the `workflow_args` it reads as a dataclass, `Args` (fields with docstrings, ranges in its
     RANGES), as algos/ pieces declare their `*_args`: an unknown key, a wrong type or a value out of range is a
     ConfigError naming the key when the config is derived, and the workflow reads `self.args`. A user's workflow
     (`module:attr`) is checked against its Args when an explorer starts; one that declares none gets
     `task.workflow_args` unchecked.
-  - Registries are plain dicts, one line per entry; adding a task = one new file + one line here, or no
-    line at all: a workflow or reward function named `module:attr` / `path/file.py:attr` in the YAML is
-    imported from there (`load_object`).
+  - Registries are plain dicts, one line per entry, read through `lookup(kind, name)`; adding a task = one new
+    file + one line here, or no line at all: a workflow or reward function named `module:attr` /
+    `path/file.py:attr` in the YAML is imported from there (`load_object`).
 
 Multi-turn workflows keep each episode as token ids (workflows/episode.py: no re-rendering of history, action
 mask on the model's own tokens); `tool_workflow` (workflows/tool_use.py) runs tool calls between turns.
@@ -50,7 +50,9 @@ RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args
 
 
 class ModelHandle(Protocol):
-    """What a workflow may ask of the rollout engine (written elsewhere; tests use a fake).
+    """What a workflow may ask of the rollout engine (engines.EngineHandle implements it; tests use a fake). Multi-turn
+    episodes (workflows/episode.py) also use its tokenizer, max_model_len, eos_ids, encode, params and submit, and
+    the OpenAI-compatible API its openai_client and history (EngineHandle's docstrings).
 
     Sampling keys: temperature, top_p, top_k, max_tokens, min_tokens, stop (list[str]), seed.
     Each returned Experience has tokens (prompt + response ids), prompt_length, logprobs (one per
@@ -98,7 +100,7 @@ class Workflow:
         self.args: Any = workflow_args(type(self), task.workflow_args, f"taskset {task.taskset}: workflow_args")
         self.auxiliary_models: dict[str, ModelHandle] = getattr(model, "auxiliary", {})  # e.g. a judge, by name
         if reward_fn is None and self.default_reward_fn is not None:
-            reward_fn = get_reward_fn(self.default_reward_fn, **task.reward_fn_args)
+            reward_fn = build_reward_fn(self.default_reward_fn, **task.reward_fn_args)
         self.reward_fn = reward_fn
 
     def run(self) -> list[Experience]:
@@ -184,7 +186,7 @@ def _unknown(kind: str, name: str, known: dict) -> KeyError:
     return KeyError(f"unknown {kind} {name!r}.{hint} Known: {', '.join(sorted(known))}")
 
 
-@functools.cache  # once per process: get_workflow runs for every task
+@functools.cache  # once per process: lookup runs for every task
 def load_object(spec: str, kind: str) -> Any:
     """`module:attr` or `path/to/file.py:attr`: a workflow or reward function of the user's own, named in the
     YAML, without editing the project (the module is imported as any Python module: the config is trusted)."""
@@ -205,27 +207,21 @@ def load_object(spec: str, kind: str) -> Any:
     return getattr(mod, attr)
 
 
-def get_workflow(name: str) -> type[Workflow]:
-    """The workflow class registered under `name`, or named `module:attr` (load_object); KeyError listing the
-    known names otherwise."""
-    if ":" in name:
-        cls = load_object(name, "workflow")
-        if not (isinstance(cls, type) and issubclass(cls, Workflow)):
-            raise KeyError(f"workflow {name!r} is not a subclass of workflows.Workflow")
-        return cls
-    if name not in WORKFLOWS:
-        raise _unknown("workflow", name, WORKFLOWS)
-    return WORKFLOWS[name]
-
-
-def find_reward_fn(name: str) -> RewardFn:
-    """The reward function registered under `name`, or named `module:attr` (python_reward_fn); KeyError listing the
-    known names."""
-    if ":" in name:
-        return python_reward_fn(load_object(name, "reward function"), name)
-    if name not in REWARD_FNS:
-        raise _unknown("reward function", name, REWARD_FNS)
-    return REWARD_FNS[name]
+def lookup(kind: str, name: str) -> Any:
+    """The workflow class (kind "workflow") or reward function (kind "reward_fn") registered under `name`, or named
+    `module:attr` (load_object; a reward function checked by python_reward_fn); KeyError listing the known names
+    otherwise. Every registry is read this way from outside its package (algos.lookup: the algorithm pieces)."""
+    what, registry = {"workflow": ("workflow", WORKFLOWS), "reward_fn": ("reward function", REWARD_FNS)}[kind]
+    if ":" not in name:
+        if name not in registry:
+            raise _unknown(what, name, registry)
+        return registry[name]
+    found = load_object(name, what)
+    if kind == "reward_fn":
+        return python_reward_fn(found, name)
+    if not (isinstance(found, type) and issubclass(found, Workflow)):
+        raise KeyError(f"workflow {name!r} is not a subclass of workflows.Workflow")
+    return found
 
 
 def python_reward_fn(fn: Any, name: str) -> RewardFn:
@@ -238,7 +234,8 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     python = (
         inspect.isfunction(base)
         or inspect.ismethod(base)
-        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004 (a Python __call__)
+        # an instance of a class with a Python __call__ (B004 would have callable(), which builtins pass)
+        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004
     )
     if not python:
         raise KeyError(
@@ -252,15 +249,15 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     return fn
 
 
-def get_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
+def build_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
     """The reward function `name` (registered, or `module:attr`) with `reward_fn_args` bound (checked and coerced:
     reward_args); unknown names (KeyError) or args (ConfigError) fail here, at construction, not at the first
     response."""
-    fn = find_reward_fn(name)
+    fn = lookup("reward_fn", name)
     return functools.partial(fn, **reward_args(fn, name, reward_fn_args, "reward_fn_args"))
 
 
 def build_workflow(task: Task, model: ModelHandle) -> Workflow:
     """The task's workflow, with its reward function (if named) built from task.reward_fn_args."""
-    reward_fn = get_reward_fn(task.reward_fn, **task.reward_fn_args) if task.reward_fn else None
-    return get_workflow(task.workflow)(task, model, reward_fn)
+    reward_fn = build_reward_fn(task.reward_fn, **task.reward_fn_args) if task.reward_fn else None
+    return lookup("workflow", task.workflow)(task, model, reward_fn)

@@ -135,7 +135,7 @@ def _takes_draw_key(fn: RewardFn) -> bool:
 
 
 def takes_draw_key(fn: RewardFn) -> bool:
-    """Whether reward function `fn` (bound by get_reward_fn or not) takes a draw_key (random_reward's seeded draw);
+    """Whether reward function `fn` (bound by build_reward_fn or not) takes a draw_key (random_reward's seeded draw);
     looked up once per function, not for every response."""
     base = fn.func if isinstance(fn, functools.partial) else fn  # NOTE: a partial's signature keeps every name
     try:
@@ -153,7 +153,7 @@ def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[d
     wf, rf = ts.default_workflow_type, ts.default_reward_fn_type
     wf = "" if ts.format.workflow_key or (":" in wf and not user_code) else wf
     try:
-        cls = workflows.get_workflow(wf) if wf else None
+        cls = workflows.lookup("workflow", wf) if wf else None
     except KeyError as e:
         raise ConfigError(f"{where}.default_workflow_type: {e.args[0]}") from None
     wargs, rargs = dict(ts.workflow_args), dict(ts.reward_fn_args)
@@ -169,7 +169,7 @@ def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[d
     rf = rf or ((cls.default_reward_fn or "") if cls is not None else "")
     if rf and not ts.format.reward_fn_key and (user_code or ":" not in rf):
         try:
-            fn = workflows.find_reward_fn(rf)
+            fn = workflows.lookup("reward_fn", rf)
         except KeyError as e:
             raise ConfigError(f"{where}.default_reward_fn_type: {e.args[0]}") from None
         rargs = reward_args(fn, rf, rargs, f"{where}.reward_fn_args")

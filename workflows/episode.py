@@ -232,7 +232,7 @@ def conversation_experience(
         raise MixedTemperatures(
             f"a conversation sampled at temperatures {temperatures} cannot be one experience: "
             "the trainer scores an experience at one temperature; sample every turn at one, or "
-            "make one experience per turn (Episode.turn_experiences, ModelHandle.history)"
+            "make one experience per turn (Episode.turn_experiences, EngineHandle.history)"
         )
     P, masked = prompt_length, truncated and mask_truncated
     return Experience(

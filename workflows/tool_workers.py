@@ -75,7 +75,7 @@ def get_attr(obj: Any, dotted: str) -> Any:
     return obj
 
 
-def resolve(ref: dict) -> Callable[..., Any]:
+def load_object(ref: dict) -> Callable[..., Any]:
     """The function `ref` ({"module", "file", "attr"}, tools.reference) names, in the worker: its module's file is
     loaded once, under the module's name when it has one (without importing its package first, so that a module
     of standard-library imports loads in milliseconds), else as a module of its own."""
@@ -129,7 +129,7 @@ def serve() -> None:
     for line in sys.stdin:
         try:  # NOTE: decoding the request in the try: arguments nested too deeply for this process are an error
             req = json.loads(line)
-            out = {"result": cut(str(resolve(req["ref"])(**req["arguments"])))}
+            out = {"result": cut(str(load_object(req["ref"])(**req["arguments"])))}
         except BaseException as e:  # the tool's own failure (bad arguments included) is the model's observation
             out = {"error": cut(f"{type(e).__name__}: {e}")}
         reply.write(json.dumps(out) + "\n")

@@ -135,7 +135,7 @@ def run_tool(tools: list[Tool], call: ToolCall, timeout: float = 10.0) -> str:
 
 
 def reference(fn: Callable[..., Any] | str, name: str) -> dict:
-    """How a worker finds `fn` (tool_workers.resolve): {"module", "file", "attr"}; "module" is "" for a file that
+    """How a worker finds `fn` (tool_workers.load_object): {"module", "file", "attr"}; "module" is "" for a file that
     was not imported by name (a `path/file.py:attr` of the YAML, a script run as __main__)."""
     if isinstance(fn, str):
         module, _, attr = fn.rpartition(":")

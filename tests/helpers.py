@@ -1,0 +1,435 @@
+"""Helpers that several test files share: configs of a run, the entry points run as processes, what a DB or a
+checkpoint holds, reference log-probs, vLLM switches. Plain functions; the fixtures are tests/conftest.py's (they may
+call these). No test file imports another test file or conftest: what two of them need lives here.
+
+Heavy modules (torch, transformers, the project's) are imported inside the functions that use them: a test file
+that needs only `in_ci` or `raw` does not pay for them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+    from buffer import Experience
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE_VLLM = ROOT / "tests" / "fake_vllm"
+
+
+# --- the environment: CI, vLLM (the fake of tests/fake_vllm, or the real one)
+
+
+def in_ci() -> bool:
+    """Whether these tests run under CI (the CI variable set, as CI services set it; CI=false, 0, no or empty: not)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def use_fake_vllm(monkeypatch):
+    """`import vllm` gives the fake (tests/fake_vllm) until the test ends, the real vLLM's modules (if loaded) set
+    aside meanwhile. Returns the fake module, its list of engines emptied."""
+    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)  # restored when the test ends
+    monkeypatch.syspath_prepend(str(FAKE_VLLM))
+    import vllm
+
+    assert vllm.__version__.endswith("+fake"), vllm.__file__
+    for name in ("vllm", "vllm.sampling_params"):  # set through monkeypatch: removed again when the test ends
+        monkeypatch.setitem(sys.modules, name, sys.modules.pop(name))
+    vllm.ENGINES.clear()
+    return vllm
+
+
+def real_vllm() -> None:
+    """Skip where vLLM (its CPU build, or vLLM on a GPU machine) is not installed, except under CI: CI installs it
+    (`bash run.sh test`), and there its tests must run."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None or "fake_vllm" in str(importlib.util.find_spec("vllm").origin):
+        why = "vLLM is not installed (bash run.sh vllm)"
+        if in_ci():
+            pytest.fail(f"CI must run the real-vLLM tests: {why}")
+        pytest.skip(why)
+
+
+# --- DBs and configs
+
+
+def raw(url: str, sql: str, args: tuple = ()) -> list:
+    """Run one statement (`?` placeholders) on a new connection of the DB's own driver, without buffer.py, and
+    commit; its rows ([] for a statement without)."""
+    if url.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            cur = conn.execute(sql.replace("?", "%s"), args)
+            return cur.fetchall() if cur.description else []
+    import sqlite3
+
+    conn = sqlite3.connect(url.removeprefix("sqlite:///"), timeout=30)
+    try:
+        with conn:  # commits
+            return conn.execute(sql, args).fetchall()
+    finally:
+        conn.close()
+
+
+def write_yaml(path: Path, cfg: dict, over: dict) -> Path:
+    """Write `cfg` as YAML after applying overrides {"a.b.c": value} (a value None deletes the key)."""
+    import copy
+
+    import yaml
+
+    cfg = copy.deepcopy(cfg)
+    for key, value in over.items():
+        *parents, last = key.split(".")
+        d = cfg
+        for p in parents:
+            d = d.setdefault(p, {})
+        if value is None:
+            d.pop(last, None)
+        else:
+            d[last] = value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def sft_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
+    data = Path(tiny_model_dir).parent / "arith"
+    cfg = {
+        "project": "p",
+        "name": "t",
+        "mode": "train",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
+        "algorithm": {"algorithm_type": "sft", "optimizer": {"lr": 1e-3}},
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 64},
+        "buffer": {
+            "train_batch_size": 8,
+            "total_steps": 2,
+            "trainer_input": {
+                "experience_buffer": {
+                    "name": "sft",
+                    "storage_type": "file",
+                    "path": str(data / "sft.jsonl"),
+                    "format": {"prompt_type": "messages"},
+                }
+            },
+        },
+        "synchronizer": {"sync_interval": 100},
+        "trainer": {"save_interval": 1},
+        "monitor": {"monitor_type": "none"},
+    }
+    return write_yaml(tmp_path / "train.yaml", cfg, over)
+
+
+def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
+    data = Path(tiny_model_dir).parent / "arith"
+    fmt = {"prompt_key": "question", "response_key": "answer"}
+    cfg = {
+        "project": "p",
+        "name": "run",
+        "mode": "both",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
+        # an entropy bonus: the weights move every step even when every group's rewards are equal
+        "algorithm": {
+            "algorithm_type": "grpo",
+            "repeat_times": 2,
+            "optimizer": {"lr": 1e-3},
+            "entropy_loss_fn_args": {"entropy_coef": 0.01},
+        },
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
+        "buffer": {
+            "batch_size": 2,
+            "total_steps": 3,
+            "default_workflow_type": "math_workflow",
+            "default_reward_fn_type": "math_reward",
+            "explorer_input": {
+                "taskset": {"name": "arith", "path": str(data), "split": "train", "format": fmt},
+                "eval_tasksets": [
+                    {
+                        "name": "arith_test",
+                        "path": str(data),
+                        "split": "test",
+                        "format": fmt,
+                        "rollout_args": {"temperature": 0.0},
+                    }
+                ],
+            },
+            "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": 120}},
+        },
+        "explorer": {"runner_per_model": 4, "eval_interval": 2, "rollout_model": {"engine_type": "hf"}},
+        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 1, "sync_timeout": 120},
+        "trainer": {"save_interval": 0},
+        "monitor": {"monitor_type": "none"},
+    }
+    return write_yaml(tmp_path / "run.yaml", cfg, over)
+
+
+def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
+    data = Path(tiny_model_dir).parent / "arith"
+    cfg = {
+        "project": "p",
+        "name": "e",
+        "mode": "explore",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
+        "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
+        "buffer": {
+            "batch_size": 3,
+            "total_steps": 4,
+            "default_workflow_type": "math_workflow",
+            "default_reward_fn_type": "math_reward",
+            "explorer_input": {
+                "taskset": {
+                    "name": "arith",
+                    "path": str(data),
+                    "split": "train",
+                    "format": {"prompt_key": "question", "response_key": "answer"},
+                },
+                "eval_tasksets": [
+                    {
+                        "name": "arith_test",
+                        "path": str(data),
+                        "split": "test",
+                        "repeat_times": 2,
+                        "format": {"prompt_key": "question", "response_key": "answer"},
+                    }
+                ],
+            },
+        },
+        "explorer": {
+            "runner_per_model": 4,
+            "eval_interval": 100,
+            "eval_on_startup": False,
+            "rollout_model": {"engine_type": "hf"},
+        },
+        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 100},
+        "monitor": {"monitor_type": "none"},
+    }
+    return write_yaml(tmp_path / "explore.yaml", cfg, over)
+
+
+# --- the entry points as processes, and what their runs left
+
+
+def launch(
+    config: Path, *args: str, script: str = "launch.py", timeout: float = 400, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, script, "--config", str(config), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    """train.py as the launcher starts it: a plain process (ranks=0) or under torchrun."""
+    cmd = [sys.executable, "train.py", "--config", str(config)]
+    if ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd[1:]]
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"},
+    )
+    return out
+
+
+def run_explorer(config: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "explore.py", "--config", str(config), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kw,
+    )
+
+
+def straight_and_resumed(tmp_path: Path, tiny_model_dir: str, **over) -> tuple[Path, Path, str]:
+    """Two SFT runs of 4 steps, checkpoints every 2: one straight through; one SIGKILLed after saving step 2 (it waits
+    there: sync.pause_for_test), then restarted. Returns their job directories and the restart's stderr."""
+    over = {"buffer.total_steps": 4, "trainer.save_interval": 2, **over}
+    straight = run_train(sft_config(tmp_path / "a", tiny_model_dir, **over))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    config = sft_config(tmp_path / "b", tiny_model_dir, **over)
+    job = tmp_path / "b" / "ck" / "p" / "t"
+    marker = tmp_path / "paused"  # the trainer touches it after saving step 2, then waits
+    env = {
+        **os.environ,
+        "NANORFT_LAUNCHED": "1",
+        "OMP_NUM_THREADS": "1",
+        "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
+        "NANORFT_TEST_PAUSE_MARKER": str(marker),
+    }
+    with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the trainer
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            text=True,
+        )
+    deadline = time.monotonic() + 240
+    while not marker.exists() and proc.poll() is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (job / "global_step_4").exists()
+    resumed = run_train(config)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint step 2" in resumed.stderr
+    return tmp_path / "a" / "ck" / "p" / "t", job, resumed.stderr
+
+
+def weights(job: Path, step: int) -> dict[str, torch.Tensor]:
+    """The actor weights that train step `step` saved under the job directory `job` (its HF safetensors)."""
+    import safetensors.torch
+
+    return safetensors.torch.load_file(job / f"global_step_{step}" / "actor" / "huggingface" / "model.safetensors")
+
+
+def versions_by_step(db: Path | str) -> list[int]:
+    """The model version of each experience, in DB order (`db`: a SQLite file or a DB URL)."""
+    from buffer import ExperienceDB
+
+    with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
+        rows = d.query("SELECT id, model_version FROM experiences ORDER BY id")
+    return [v for _, v in rows]
+
+
+def rollout_logprob_gap(db: Path | str, version: int, weights: Path) -> float:
+    """Largest |rollout log-prob - log-prob under `weights`| over the experiences of `version`: the
+    engine's weights at rollout time were `weights` iff this is float rounding (~1e-6)."""
+    from buffer import ExperienceDB
+    from models import load_model
+
+    model = load_model(str(weights))
+    with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
+        ids = [i for (i,) in d.query("SELECT id FROM experiences WHERE model_version = ?", (version,))]
+        exps = d.get(ids)
+    assert exps
+    return max((plain_logprobs(model, x.tokens, x.prompt_length) - x.logprobs).abs().max().item() for x in exps)
+
+
+def mlflow_runs(uri: str) -> dict[str, str]:
+    """run name -> status of every run in the mlflow store at `uri`."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    return {
+        r.info.run_name: r.info.status
+        for e in client.search_experiments()
+        for r in client.search_runs([e.experiment_id])
+    }
+
+
+# --- models, experiences and log-probs
+
+
+def experiences(spec: list[tuple[int, list[int]]], seed: int = 0) -> list[Experience]:
+    """Random token ids: one group per (prompt length, [response lengths]) of `spec`, its members sharing the prompt."""
+    import torch
+
+    from buffer import Experience
+
+    g, out = torch.Generator().manual_seed(seed), []
+    for k, (p, responses) in enumerate(spec):
+        prompt = torch.randint(0, 250, (p,), generator=g)
+        for r in responses:
+            out.append(
+                Experience(
+                    tokens=torch.cat([prompt, torch.randint(0, 250, (r,), generator=g)]),
+                    prompt_length=p,
+                    reward=0.0,
+                    group_id=f"g{k}",
+                    info={"taskset": "hot" if k % 2 else "cold"},
+                )
+            )
+    return out
+
+
+def perturbed(model_dir: str, scale: float = 0.05):
+    """The model of `model_dir` with Gaussian noise of std `scale` added to every weight (fixed seeds)."""
+    import torch
+
+    from models import load_model
+
+    model = load_model(model_dir)
+    with torch.no_grad():
+        for i, w in enumerate(model.parameters()):
+            w.add_(torch.randn(w.shape, generator=torch.Generator().manual_seed(i)) * scale)
+    return model
+
+
+def plain_logprobs(model, tokens, prompt_length: int, temperature: float = 1.0):
+    """log_softmax(logits / T) of a response's tokens from one plain forward pass of that sequence alone (no
+    padding, no packing): the reference the trainer's and the engines' log-probs are checked against."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.as_tensor(tokens)[None]).logits[0].float() / temperature  # [L,V]
+    targets = torch.as_tensor(tokens)[prompt_length:]  # [R]
+    return logits[prompt_length - 1 : -1].log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # [R]
+
+
+def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
+    """A copy of the tiny model trained (a few dozen steps, high lr) to answer every judge prompt with `reply`: an
+    honest real model whose output parses as a grade."""
+    import shutil
+
+    import torch
+
+    from models import load_model, load_tokenizer
+    from workflows.judge import PROMPT as JUDGE_PROMPT
+
+    shutil.copytree(tiny_model_dir, out)
+    tok, model = load_tokenizer(str(out)), load_model(str(out))
+    rows = []
+    for k in range(8):
+        text = JUDGE_PROMPT.format(
+            question=f"What is {k} + {k + 3}?",
+            reference=f"#### {2 * k + 3}",
+            response="x" * (k * 7 % 23) + f" #### {k}",
+            max_score="10",
+        )
+        prompt = tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
+    width = max(len(p) + len(r) for p, r in rows)
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for b, (p, r) in enumerate(rows):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[b, len(p) : len(p) + len(r)] = torch.tensor(r)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    return str(out)
