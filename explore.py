@@ -186,7 +186,7 @@ class Explorer:
     db: ExperienceDB
     reader: TaskReader  # the training tasksets, at the saved position
     step: int  # the last finished step
-    engine: Any  # engines.HFEngine | engines.VLLMEngine
+    engine: Any  # engines.HFEngine, or vllm_engine.EnginePool (of VLLMEngine / AsyncVLLMEngine)
     sync: sync.ExplorerSync  # the weight handshake with the trainer: resume, the sync points, close
     handles: list[EngineHandle]
     pool: ThreadPoolExecutor  # the workflow runners
