@@ -49,7 +49,7 @@ from engines import EngineHandle, PromptTooLong, auxiliary_handles, make_engine,
 from models import config_tokenizer, fingerprint, group_advantages, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
-from tasksets import Task, TaskReader, load_tasks
+from tasksets import Task, TaskReader, load_tasks, total_steps
 from workflows import build_workflow, check_args
 
 log = logging.getLogger("nanorft.explore")
@@ -170,11 +170,6 @@ def runners(cfg: configs.Config) -> int:
     return e.runner_per_model * e.rollout_model.engine_num if e.runner_per_model else max(cfg.buffer.batch_size, 256)
 
 
-def total_steps(cfg: configs.Config, reader: TaskReader) -> int:
-    per_epoch = math.ceil(len(reader) / cfg.buffer.batch_size)
-    return cfg.buffer.total_steps or per_epoch * cfg.buffer.total_epochs
-
-
 # --- main
 
 
@@ -244,7 +239,7 @@ def set_up(cfg: configs.Config) -> Explorer:
         ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
         monitor,
         [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
-        total_steps(cfg, reader),
+        total_steps(b, len(reader)),
     )
 
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 from errors import DataError
 
 if TYPE_CHECKING:  # annotations only: importing tasksets must not pull in the config loader and algos/
-    from configs.schema import FormatConfig, GenerationConfig, TasksetConfig
+    from configs.schema import BufferConfig, FormatConfig, GenerationConfig, TasksetConfig
 
 
 @dataclasses.dataclass
@@ -357,6 +357,15 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
     if not tasks:
         raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows")
     return tasks
+
+
+def total_steps(buffer: BufferConfig, tasks_per_epoch: int, per_task: int = 1, per_step: int | None = None) -> int:
+    """The run's steps: buffer.total_steps, else enough for every task of buffer.total_epochs epochs, read as one
+    stream (TaskReader.read fills a step across an epoch's end). Explore steps take buffer.batch_size tasks; train
+    steps take `per_step` (train_batch_size) of the `per_task` (repeat_times) experiences each task gives."""
+    if buffer.total_steps:
+        return buffer.total_steps
+    return math.ceil(tasks_per_epoch * buffer.total_epochs * per_task / (per_step or buffer.batch_size))
 
 
 class TaskReader:

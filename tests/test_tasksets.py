@@ -1,5 +1,6 @@
 """Tasksets: files in Hugging Face layout, formats, several tasksets, epochs, seeded order, saved position."""
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -8,7 +9,7 @@ import datasets
 import pytest
 
 from configs import derive, from_dict
-from configs.schema import Config, FormatConfig, TasksetConfig
+from configs.schema import BufferConfig, Config, FormatConfig, TasksetConfig
 from tasksets import (
     DataError,
     TaskReader,
@@ -16,6 +17,7 @@ from tasksets import (
     format_row,
     load_tasks,
     read_rows,
+    total_steps,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +166,19 @@ def test_epochs_shuffle_and_saved_position(tmp_path):
     assert [(t.epoch, t.index) for t in head + tail] == [(t.epoch, t.index) for t in all_tasks]
     with pytest.raises(DataError, match="sizes"):
         TaskReader([taskset(write_jsonl(tmp_path / "o/train.jsonl", rows(4)).parent)], 1).load_state(state)
+
+
+def test_the_step_count_is_the_steps_the_reader_fills(tmp_path):
+    """5 tasks, 2 per step, 2 epochs: 5 steps (a step fills across the epoch's end), as the reader gives them; the
+    trainer's count for 4 experiences per task, 8 per step, is the same. Before, the explorer counted ceil(5 / 2) per
+    epoch, 6 steps: it went to a sync point after its last step and could skip its final eval."""
+    ts = taskset(write_jsonl(tmp_path / "train.jsonl", rows(5)).parent)
+    buffer = BufferConfig(batch_size=2, train_batch_size=8, total_epochs=2)
+    reader, steps = TaskReader([ts], total_epochs=2), 0
+    while reader.read(2):
+        steps += 1
+    assert steps == total_steps(buffer, 5) == total_steps(buffer, 5, per_task=4, per_step=8) == 5
+    assert total_steps(dataclasses.replace(buffer, total_steps=3), 5) == 3
 
 
 def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
