@@ -776,7 +776,7 @@ def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
     cfg.trainer.critic.micro_batch_size_per_gpu = 4
     seen = {}
 
-    def optimize(p, model, optim, batch, plan, loss_fn, mode, lr, clip, prefix, step):
+    def optimize(p, *, model, optim, batch, plan, loss_fn, mode, lr, grad_clip, prefix, step):
         seen[prefix] = [[len(u) for micro in mini for u in micro] for mini in plan], [len(m) for m in plan[0]]
         return {}, [], 0
 

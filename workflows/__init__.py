@@ -238,7 +238,8 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     python = (
         inspect.isfunction(base)
         or inspect.ismethod(base)
-        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004 (a Python __call__)
+        # an instance of a class with a Python __call__
+        or (not isinstance(base, type) and inspect.isfunction(getattr(type(base), "__call__", None)))  # noqa: B004
     )
     if not python:
         raise KeyError(
