@@ -352,7 +352,14 @@ def make_engine(
             cfg_rollout_model.tensor_parallel_size,
         )
         rm = dataclasses.replace(cfg_rollout_model, engine_type=kind)
-        return vllm_engine.make_pool(rm, model_path, max_model_len, repetition_penalty, colocate, first_gpu)
+        return vllm_engine.make_pool(
+            rm,
+            model_path,
+            max_model_len=max_model_len,
+            repetition_penalty=repetition_penalty,
+            colocate=colocate,
+            first_gpu=first_gpu,
+        )
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
     log.info("rollout engine: HF on %s %s (%s)", device, dtype, why)
     if cfg_rollout_model.engine_num > 1:
@@ -545,10 +552,10 @@ def rollout_handle(cfg, engine: Any, tokenizer) -> ModelHandle:
     return ModelHandle(
         engine,
         tokenizer,
-        {"min_tokens": m.min_response_tokens},
-        m.max_prompt_tokens,
-        m.enable_prompt_truncation,
-        rm.ignore_eos,
-        kwargs,
-        rm.max_model_len,
+        defaults={"min_tokens": m.min_response_tokens},
+        max_prompt_tokens=m.max_prompt_tokens,
+        truncate=m.enable_prompt_truncation,
+        ignore_eos=rm.ignore_eos,
+        template_kwargs=kwargs,
+        max_model_len=rm.max_model_len,
     )

@@ -41,11 +41,12 @@ import configs
 import launch
 import lora
 import sync
+from batching import group_advantages
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
 from engines import ModelHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
 from errors import DataError
-from models import config_tokenizer, fingerprint, group_advantages, load_model
+from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks

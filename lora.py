@@ -2,7 +2,7 @@
 linear layers, W + (alpha / r) B A, instead of W itself; everything outside the trainer sees plain weights.
 
     spec = start(cfg, resume)             # (LoRAConfig, saved adapter or ""), or None: full fine-tuning
-    adapter = wrap(hf, *spec)             # models.build_model: peft's layers injected into the HF model, before
+    adapter = wrap(hf, *spec)             # scoring.build_model: peft's layers injected into the HF model, before
                                           # fully_shard; only A and B require grad (and go into the optimizer)
     weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
     send_model(link, actor, version)      # the same, over the process group (sync.send_weights)
@@ -57,7 +57,7 @@ WHERE = "model.lora_configs[0]"
 
 @dataclasses.dataclass
 class Adapter:
-    """The LoRA adapter inside a models.TokenScorer's HF model (peft's layers replace the adapted nn.Linear in place).
+    """The LoRA adapter inside a scoring.TokenScorer's HF model (peft's layers replace the adapted nn.Linear in place).
     A plain attribute of the scorer, not a submodule: the PeftModel wraps the same HF model."""
 
     peft: Any  # the peft.PeftModel: saves the adapter in peft's format; switches it off (the reference model)

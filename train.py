@@ -13,7 +13,7 @@ Launch lines:
 
 One train step, straight down `train()`, a phase function each:
     read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
-    batch       the step batch, dense tensors built once (models.step_batch) that every later phase reads and
+    batch       the step batch, dense tensors built once (batching.step_batch) that every later phase reads and
                 extends; this rank's share of it, cut into mini-batches of micro-batches of packed units
     score       old log-probs (not when the step makes one update: they are the current ones), reference
                 log-probs, critic values; each summed over ranks, so that every rank holds the whole batch
@@ -27,7 +27,7 @@ One train step, straight down `train()`, a phase function each:
 
 Deviations from veRL / Trinity-RFT:
 - Packing (trainer.use_remove_padding, on by default) lays each group's prompt out once, followed by each of
-  its responses, with an attention mask that lets a response see the prompt and itself (models.pack): the
+  its responses, with an attention mask that lets a response see the prompt and itself (batching.packed_inputs): the
   model runs on every distinct token once. veRL packs sequences but repeats a group's prompt n times. The
   micro-batch token budget counts packed tokens (veRL's default 16384 tokens per GPU).
 - The learning rate is a function of the step (warm-up, then constant or cosine down to min_lr_ratio), set
@@ -73,22 +73,12 @@ from algos.kl import loss as kl_loss
 from algos.kl import penalty as kl_penalty
 from algos.kl import place_scores
 from algos.utils import masked_mean
+from batching import micro_batch, micro_batches, pack_units, step_batch, unit_length
 from buffer import Experience
 from configs.schema import AlgorithmConfig, OptimizerConfig
-from models import (
-    TokenScorer,
-    build_model,
-    config_tokenizer,
-    micro_batch,
-    micro_batches,
-    pack_units,
-    score,
-    setup_distributed,
-    step_batch,
-    torch_dtype,
-    unit_length,
-)
+from models import config_tokenizer, torch_dtype
 from monitor import Monitor, preview, timer
+from scoring import TokenScorer, build_model, score, setup_distributed
 from source import Source
 
 log = logging.getLogger("nanorft.train")
@@ -289,14 +279,14 @@ def resume_state(p: Parts) -> None:
     job = p.cfg.checkpoint_job_dir
     if p.resume:
         critic = (p.critic, p.critic_optim) if p.critic else None
-        saved = checkpoint.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
+        saved = checkpoint.load_checkpoint(p.actor, p.optim, job_dir=job, step=p.resume, rank=p.rank, critic=critic)
         adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
         with checkpoint.publishing(job, p.resume):  # LoRA: the merged weights first, where missing
             lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)
         if p.rank == 0:
             log.info("resumed from checkpoint step %d of %s", p.resume, job)
-    if p.rank == 0 and not p.source.units:
+    if p.rank == 0 and not p.source.examples:
         # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
         if p.cfg.continue_from_checkpoint:
             log.info("%d experience claims of steps after %d released", p.source.db.release_after(p.resume), p.resume)
@@ -320,7 +310,7 @@ LOSS_KEYS = (
 
 
 def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[list[int]]]]]:
-    """The step batch (models.step_batch), and this rank's share of it as a plan: mini-batches of
+    """The step batch (batching.step_batch), and this rank's share of it as a plan: mini-batches of
     micro-batches of units (lists of batch rows laid out together: a group sharing its prompt, a DPO pair)."""
     t = p.cfg.trainer
     batch = step_batch(exps, p.cfg.model.max_response_tokens, p.temperatures)
@@ -640,14 +630,14 @@ def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
     checkpoint.save_checkpoint(
         p.actor,
         p.optim,
-        p.tokenizer,
-        p.cfg.checkpoint_job_dir,
-        step,
-        p.rank,
-        weights,
-        p.cfg.trainer.max_checkpoints_to_keep,
-        (p.critic, p.critic_optim) if p.critic else None,
-        p.kl_coef,
+        tokenizer=p.tokenizer,
+        job_dir=p.cfg.checkpoint_job_dir,
+        step=step,
+        rank=p.rank,
+        weights=weights,
+        keep=p.cfg.trainer.max_checkpoints_to_keep,
+        critic=(p.critic, p.critic_optim) if p.critic else None,
+        state=p.kl_coef,
     )
     sync.pause_for_test("train.after_save", step)
 
@@ -683,7 +673,7 @@ def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, f
             metrics["sample/dropped_tied_groups"] = p.source.dropped_groups
     if p.monitor is not None:
         p.monitor.log(metrics, step=step)
-    if p.rank == 0 and not p.source.units:
+    if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(step, "training")
 
 
@@ -718,7 +708,7 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
         if p.rank == 0:
             checkpoint.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
         save(p, done, weights)
-    if p.rank == 0 and not p.source.units:
+    if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")
     if p.sender is not None:
         sync.close_sender(p.sender, finished=code == 0)
