@@ -65,7 +65,7 @@ def save_checkpoint(
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
     trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
     then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
-    `model` (and the critic's) is the trainer's FSDP2 root, a models.TokenScorer: its `.model` is the HF model.
+    `model` (and the critic's) is the trainer's FSDP2 root, a scoring.TokenScorer: its `.model` is the HF model.
     `weights`: the full state when the sync phase just published this step's HF folder (else None);
     `keep`: delete older checkpoints beyond this many (prune_checkpoints: never one an explorer may be loading);
     `state`: small JSON trainer state (e.g. the adaptive KL coefficient) kept in actor/trainer_state.json. Every rank
@@ -75,8 +75,25 @@ def save_checkpoint(
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
     with storage(f"cannot save checkpoint step {step} in {job}", job, lambda: _checkpoint_kept(job)):
         if critic is not None:
-            _save_role(*critic, None, actor.parent / "critic", rank, None, {"global_step": step})
-        _save_role(model, optim, tokenizer, actor, rank, weights, {"global_step": step, "state": state or {}})
+            critic_model, critic_optim = critic
+            _save_role(
+                critic_model,
+                critic_optim,
+                tokenizer=None,
+                folder=actor.parent / "critic",
+                rank=rank,
+                weights=None,
+                meta={"global_step": step},
+            )
+        _save_role(
+            model,
+            optim,
+            tokenizer=tokenizer,
+            folder=actor,
+            rank=rank,
+            weights=weights,
+            meta={"global_step": step, "state": state or {}},
+        )
         rng = {"cpu": torch.get_rng_state()} | (
             {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
         )

@@ -205,10 +205,15 @@ class HFEngine:
         """One batch: prefill (shared per request), then sample token by token with the KV cache. Finished
         rows stay in the batch (their tokens are ignored) until an eighth of it has finished, then leave it."""
         self.num_batches += 1
-        dev, V, ps = self.device, self.model.config.vocab_size, [r[3] for r in rows]
-        B = len(rows)
+        dev, ps, B = self.device, [r[3] for r in rows], len(rows)
         s = Sampler(
-            ps, [r[1] for r in rows], [r[4] for r in rows], [len(r[2]) for r in rows], self.max_model_len, V, dev
+            ps,
+            sample_idx=[r[1] for r in rows],
+            seeds=[r[4] for r in rows],
+            prompt_lens=[len(r[2]) for r in rows],
+            max_model_len=self.max_model_len,
+            V=self.model.config.vocab_size,
+            dev=dev,
         )
         cache, logits, mask, pos = self.prefill(rows)
         tokens = torch.zeros(B, s.longest, dtype=torch.long, device=dev)  # [B, N] sampled ids
@@ -240,30 +245,48 @@ class HFEngine:
                 cache.batch_select_indices(keep_idx)
                 live, mask, pos, picked = live[keep_idx], mask[keep_idx], pos[keep_idx], picked[keep_idx]
             pos = pos + 1  # [b, 1]
-            logits = (
-                self.model(
-                    input_ids=picked[:, None],
-                    attention_mask=mask[:, : cache.get_seq_length() + 1],
-                    position_ids=pos,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-                .logits[:, -1]
-                .float()
-            )  # [b, V]
-        lengths = length.tolist()
+            logits = self.next_logits(picked, mask, pos, cache)  # [b, V]
+        return self.completions(tokens, logps, length.tolist(), texts, reason)
+
+    def next_logits(
+        self, picked: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """One decode step: the logits [b,V] after the tokens just sampled, picked [b] at positions pos [b,1],
+        attending to the cache slots that mask [b,C] allows; the cache grows by one slot."""
+        return (
+            self.model(
+                input_ids=picked[:, None],
+                attention_mask=mask[:, : cache.get_seq_length() + 1],
+                position_ids=pos,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            .logits[:, -1]
+            .float()
+        )  # [b, V]
+
+    def completions(
+        self,
+        tokens: torch.Tensor,
+        logps: torch.Tensor,
+        lengths: list[int],
+        texts: list[str | None],
+        reason: list[str | None],
+    ) -> list[Completion]:
+        """The decoded rows as Completions: the first lengths[r] sampled ids tokens [B,N] and log-probs logps [B,N]
+        of each row, its text (cut before a stop string, else decoded) and why it ended."""
         ids = [tokens[r, :n].tolist() for r, n in enumerate(lengths)]
         lps = [logps[r, :n].tolist() for r, n in enumerate(lengths)]
         decoded = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         return [
             Completion(
-                ids[r],
-                lps[r],
-                texts[r] if texts[r] is not None else decoded[r],
-                reason[r] or "length",
-                self.model_version,
+                token_ids=ids[r],
+                logprobs=lps[r],
+                text=texts[r] if texts[r] is not None else decoded[r],
+                finish_reason=reason[r] or "length",
+                model_version=self.model_version,
             )
-            for r in range(B)
+            for r in range(len(lengths))
         ]
 
     def stop_cut(self, tokens: list[int], p: SamplingParams) -> str | None:
@@ -330,7 +353,14 @@ def make_engine(
             cfg_rollout_model.tensor_parallel_size,
         )
         rm = dataclasses.replace(cfg_rollout_model, engine_type=kind)
-        return vllm_engine.make_pool(rm, model_path, max_model_len, repetition_penalty, colocate, first_gpu)
+        return vllm_engine.make_pool(
+            rm,
+            model_path,
+            max_model_len=max_model_len,
+            repetition_penalty=repetition_penalty,
+            colocate=colocate,
+            first_gpu=first_gpu,
+        )
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
     log.info("rollout engine: HF on %s %s (%s)", device, dtype, why)
     if cfg_rollout_model.engine_num > 1:
@@ -524,10 +554,10 @@ def rollout_handle(cfg, engine: Any, tokenizer) -> EngineHandle:
     return EngineHandle(
         engine,
         tokenizer,
-        {"min_tokens": m.min_response_tokens},
-        m.max_prompt_tokens,
-        m.enable_prompt_truncation,
-        rm.ignore_eos,
-        kwargs,
-        rm.max_model_len,
+        defaults={"min_tokens": m.min_response_tokens},
+        max_prompt_tokens=m.max_prompt_tokens,
+        truncate=m.enable_prompt_truncation,
+        ignore_eos=rm.ignore_eos,
+        template_kwargs=kwargs,
+        max_model_len=rm.max_model_len,
     )

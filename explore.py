@@ -43,10 +43,11 @@ import configs
 import launch
 import lora
 import sync
+from batching import group_advantages
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
 from engines import EngineHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
-from models import config_tokenizer, fingerprint, group_advantages, load_model
+from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks, total_steps
@@ -273,7 +274,7 @@ def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str,
             log.error("task %s dropped after %d attempts: %s", task.task_id, x.cfg.explorer.max_retry_times + 1, err)
         else:
             stamp(got, task, x.cfg.explorer.name)
-            group_advantages(got, x.cfg.algorithm)  # step_wise_grpo's, over the task's whole group (models.py)
+            group_advantages(got, x.cfg.algorithm)  # step_wise_grpo's, over the task's whole group (batching.py)
     return [exp for _, got, _ in results if got for exp in got], metrics
 
 

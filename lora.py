@@ -2,7 +2,7 @@
 linear layers, W + (alpha / r) B A, instead of W itself; everything outside the trainer sees plain weights.
 
     spec = start(cfg, resume)             # (LoRAConfig, saved adapter or ""), or None: full fine-tuning
-    adapter = wrap(hf, *spec)             # models.build_model: peft's layers injected into the HF model, before
+    adapter = wrap(hf, *spec)             # scoring.build_model: peft's layers injected into the HF model, before
                                           # fully_shard; only A and B require grad (and go into the optimizer)
     weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
     send_model(link, actor, version)      # the same, over the process group (wire.send_weights)
@@ -58,7 +58,7 @@ WHERE = "model.lora_configs[0]"
 
 @dataclasses.dataclass
 class Adapter:
-    """The LoRA adapter inside a models.TokenScorer's HF model (peft's layers replace the adapted nn.Linear in place).
+    """The LoRA adapter inside a scoring.TokenScorer's HF model (peft's layers replace the adapted nn.Linear in place).
     A plain attribute of the scorer, not a submodule: the PeftModel wraps the same HF model."""
 
     peft: Any  # the peft.PeftModel: saves the adapter in peft's format; switches it off (the reference model)
@@ -89,58 +89,9 @@ def is_adapter(name: str) -> bool:
 def wrap(hf: torch.nn.Module, c: LoRAConfig, saved: str) -> Adapter:
     """`hf` with a LoRA adapter injected in place: the saved one at `saved`, else a new one as `c` says; its own
     weights frozen, only the adapter's A and B trainable. ConfigError / DataError naming what peft cannot do here."""
-    # NOTE: peft is imported here, not at the top: the import costs about a second per process (accelerate and the
-    # rest), and only a LoRA trainer needs it
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from peft.tuners.lora import Linear as LoraLinear
-    from peft.tuners.lora import LoraLayer
-
     base = getattr(hf, "name_or_path", "")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)  # NOTE: a new A is drawn alike on every rank (FSDP2 keeps each rank's own shard)
-        try:
-            peft = (
-                PeftModel.from_pretrained(hf, saved, is_trainable=True)
-                if saved
-                else get_peft_model(
-                    hf,
-                    LoraConfig(
-                        r=c.lora_rank,
-                        lora_alpha=c.lora_alpha,
-                        target_modules=c.target_modules,
-                        exclude_modules=c.exclude_modules,
-                        lora_dropout=0.0,
-                        bias="none",
-                    ),
-                )
-            )
-        except ValueError as e:  # peft: no module matches target_modules, or a layer type it cannot adapt
-            raise (
-                DataError(f"{WHERE}: the adapter at {saved}: {e}")
-                if saved
-                else ConfigError(f"{WHERE}.target_modules / exclude_modules: {e}")
-            ) from e
-    what = f"the adapter at {saved}" if saved else f"{WHERE}.target_modules"
-    head = hf.get_output_embeddings()
-    scaling = {}
-    for name, m in hf.named_modules():
-        if not isinstance(m, LoraLayer):
-            continue
-        if (
-            not isinstance(m, LoraLinear)
-            or m.fan_in_fan_out
-            or m is head
-            or m.use_dora.get(ADAPTER)
-            or m.lora_bias.get(ADAPTER)
-        ):
-            raise (DataError if saved else ConfigError)(
-                f"{what}: {name} is not a plain LoRA on a linear layer (DoRA, LoRA bias, fan-in-fan-out, an embedding "
-                "or the LM head), which nanorft cannot merge for the engines"
-            )
-        scaling[name] = float(m.scaling[ADAPTER])
-    extra = [n for n, q in hf.named_parameters() if q.requires_grad and not is_adapter(n)]
-    if extra:
-        raise (DataError if saved else ConfigError)(f"{what}: it trains more than LoRA matrices ({extra[:3]}...)")
+    peft = inject(hf, c, saved)
+    scaling = mergeable_scaling(hf, saved)
     adapted = peft.peft_config[ADAPTER]
     if saved and adapted.base_model_name_or_path not in (None, base):
         log.warning(
@@ -158,6 +109,66 @@ def wrap(hf: torch.nn.Module, c: LoRAConfig, saved: str) -> Adapter:
             sum(q.numel() for q in hf.parameters()),
         )
     return Adapter(peft, scaling)
+
+
+def inject(hf: torch.nn.Module, c: LoRAConfig, saved: str) -> Any:
+    """peft's PeftModel around `hf`, its LoRA layers put into `hf` in place: the adapter saved at `saved`, else a new
+    one as `c` says. ConfigError (a new adapter) / DataError (a saved one) where peft refuses it."""
+    # NOTE: peft is imported here, not at the top: the import costs about a second per process (accelerate and the
+    # rest), and only a LoRA trainer needs it
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)  # NOTE: a new A is drawn alike on every rank (FSDP2 keeps each rank's own shard)
+        try:
+            if saved:
+                return PeftModel.from_pretrained(hf, saved, is_trainable=True)
+            config = LoraConfig(
+                r=c.lora_rank,
+                lora_alpha=c.lora_alpha,
+                target_modules=c.target_modules,
+                exclude_modules=c.exclude_modules,
+                lora_dropout=0.0,
+                bias="none",
+            )
+            return get_peft_model(hf, config)
+        except ValueError as e:  # peft: no module matches target_modules, or a layer type it cannot adapt
+            raise (
+                DataError(f"{WHERE}: the adapter at {saved}: {e}")
+                if saved
+                else ConfigError(f"{WHERE}.target_modules / exclude_modules: {e}")
+            ) from e
+
+
+def mergeable_scaling(hf: torch.nn.Module, saved: str) -> dict[str, float]:
+    """Each LoRA layer's scaling (alpha / r) by module name, once every one is a plain LoRA on a linear layer and
+    nothing but LoRA matrices trains: what merge() can fold into the weights the engines get. ConfigError (a new
+    adapter) / DataError (the one saved at `saved`) otherwise."""
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
+    what, refuse = (f"the adapter at {saved}", DataError) if saved else (f"{WHERE}.target_modules", ConfigError)
+    head = hf.get_output_embeddings()
+    scaling = {}
+    for name, m in hf.named_modules():
+        if not isinstance(m, LoraLayer):
+            continue
+        if (
+            not isinstance(m, LoraLinear)
+            or m.fan_in_fan_out
+            or m is head
+            or m.use_dora.get(ADAPTER)
+            or m.lora_bias.get(ADAPTER)
+        ):
+            raise refuse(
+                f"{what}: {name} is not a plain LoRA on a linear layer (DoRA, LoRA bias, fan-in-fan-out, an embedding "
+                "or the LM head), which nanorft cannot merge for the engines"
+            )
+        scaling[name] = float(m.scaling[ADAPTER])
+    extra = [n for n, q in hf.named_parameters() if q.requires_grad and not is_adapter(n)]
+    if extra:
+        raise refuse(f"{what}: it trains more than LoRA matrices ({extra[:3]}...)")
+    return scaling
 
 
 # --- what leaves the trainer: merged weights for the engines, the adapter alone for checkpoints

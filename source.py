@@ -3,12 +3,15 @@
     source = Source(cfg, tokenizer, rank, device)
     exps = source.read(step)      # train_batch_size experiences, the same on every rank; [] if none came
     source.ended                  # True once every explorer writing to the DB has finished
+    exp = sft_experience(messages, tokenizer, max_len=256)  # one SFT conversation as token ids + loss mask
 
 From the DB, rank 0 claims the batch (waiting for it, with a log line every 30 s and the explorers' states)
 and sends it to the other ranks over the process group: only rank 0 opens the DB. The sample strategy
 (algos/sample.py) says what a step's claim wants: a staleness bound (min_version), dynamic-sampling refills of
-groups whose rewards tie, expert rows from an auxiliary file (mix). File data (schema_type sft or dpo) is read
-in a seeded order per epoch, a pure function of the step, so that a resumed run continues exactly.
+groups whose rewards tie, expert rows from an auxiliary file (mix). File data (schema_type sft or dpo) is tokenized
+here, each row of the file an example: one conversation rendered with the chat template, the loss on its assistant
+turn(s) (sft_experience), or a DPO pair, chosen then rejected (dpo_experiences). Examples are read in a seeded order
+per epoch, a pure function of the step, so that a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -16,22 +19,107 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import random
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from transformers import PreTrainedTokenizerBase
 
 import algos
 import configs
 from algos.sample import tied_groups
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from configs.resolve import advantage_origin
+from configs.schema import ExperienceBufferConfig
 from errors import DataError
-from models import file_units, fingerprint, pick
-from tasksets import read_rows
+from models import fingerprint, with_template
+from tasksets import format_row, read_rows, total_steps
 
 log = logging.getLogger("nanorft.train")
+
+
+# --- offline data (SFT / DPO files) as experiences
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> list[int]:
+    """The token ids of `messages` in the tokenizer's chat template (and the assistant's header: generation_prompt)."""
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
+    )
+
+
+def sft_experience(
+    messages: list[dict], tokenizer: PreTrainedTokenizerBase, max_len: int, multi_turn: bool = False
+) -> Experience:
+    """One conversation as an Experience for SFT (or one side of a DPO pair): the chat-templated tokens,
+    with the loss on the last assistant turn up to and including its end-of-turn token, or on every
+    assistant turn (`multi_turn`, Trinity's enable_concatenated_multi_turn). The prompt is everything
+    before the first trained turn; tokens between trained turns (user turns) are masked out."""
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    turns = turns if multi_turn else turns[-1:]
+    full = render(tokenizer, messages)
+    spans = []
+    for i in turns:
+        before, upto = render(tokenizer, messages[:i], True), render(tokenizer, messages[: i + 1])
+        start = len(before)
+        if full[: len(upto)] != upto or upto[:start] != before:
+            raise DataError("the chat template renders a conversation's prefix differently from the whole conversation")
+        turn = upto[start:]
+        if tokenizer.eos_token_id in turn:  # drop what the template adds after the end of the turn
+            turn = turn[: turn.index(tokenizer.eos_token_id) + 1]
+        spans.append((start, start + len(turn)))
+    tokens = torch.tensor(full[: min(spans[-1][1], max_len)], dtype=torch.long)  # [L]
+    prompt = min(spans[0][0], max_len - 1, len(tokens) - 1)
+    mask = torch.zeros(len(tokens), dtype=torch.bool)  # [L]
+    for start, end in spans:
+        mask[start:end] = True
+    return Experience(tokens=tokens, prompt_length=prompt, action_mask=mask[prompt:], reward=0.0)
+
+
+def dpo_experiences(row: dict, tokenizer: PreTrainedTokenizerBase, max_len: int, pair: str) -> list[Experience]:
+    """A DPO row (prompt messages, chosen, rejected: strings or assistant message lists) as two
+    Experiences, chosen first, sharing group_id `pair` (the trainer keeps the two together, in order)."""
+    out = []
+    for run_id, key in enumerate(("chosen", "rejected")):
+        answer = row[key] if isinstance(row[key], list) else [{"role": "assistant", "content": str(row[key])}]
+        exp = sft_experience(row["messages"] + answer, tokenizer, max_len)
+        exp.group_id, exp.run_id = pair, run_id
+        out.append(exp)
+    return out
+
+
+def file_examples(eb: ExperienceBufferConfig, tokenizer, max_len: int) -> list[list[Experience]]:
+    """An SFT or DPO data file as examples, one per row: [one experience] per SFT conversation, [chosen, rejected]
+    per pair."""
+    if eb.schema_type not in ("sft", "dpo"):
+        raise DataError(
+            f"buffer {eb.name}: a file buffer for the trainer needs schema_type sft or dpo, got {eb.schema_type!r}"
+        )
+    examples, tokenizer = [], with_template(tokenizer, eb.format.chat_template)
+    for _, n, row in read_rows(eb.path, eb.subset_name, eb.split):
+        f = format_row(row, eb.format, f"{eb.path}: row {n}", kind=eb.schema_type)
+        examples.append(
+            dpo_experiences(f, tokenizer, max_len, f"pair/{n}")
+            if eb.schema_type == "dpo"
+            else [sft_experience(f["messages"], tokenizer, max_len, eb.format.enable_concatenated_multi_turn)]
+        )
+    if not examples:
+        raise DataError(f"buffer {eb.name}: {eb.path} has no rows")
+    return examples
+
+
+def pick(examples: list[list[Experience]], first: int, count: int, tag: str) -> list[Experience]:
+    """The experiences of examples first .. first + count - 1 of a seeded order of `examples` per epoch (tag/epoch
+    seeds it)."""
+    n = len(examples)
+    positions = [divmod(pos, n) for pos in range(first, first + count)] if examples else []  # (epoch, index)
+    orders = {e: random.Random(f"{tag}/{e}").sample(range(n), n) for e, _ in positions}
+    return [x for e, i in positions for x in examples[orders[e][i]]]
+
+
+# --- the source of the trainer's batches
 
 
 class Source:
@@ -43,13 +131,13 @@ class Source:
     def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
         self.cfg, self.rank, self.device, self.ended = cfg, rank, device, False
         eb, aux = cfg.buffer.trainer_input.experience_buffer, cfg.buffer.trainer_input.auxiliary_buffers
-        self.units: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
-        self.expert: list[list[Experience]] = []  # the auxiliary buffer's rows (mix)
+        self.examples: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
+        self.expert: list[list[Experience]] = []  # the auxiliary buffer's examples (mix)
         self.expert_ratio, self.refills, self.dropped_groups = 0.0, False, 0
         self.paired = eb.storage_type == "file" and eb.schema_type == "dpo"
         if eb.storage_type == "file":
-            self.units = file_units(eb, tokenizer, cfg.model.max_model_len)
-            self.per_step = max(cfg.buffer.train_batch_size // len(self.units[0]), 1)  # rows (pairs) per step
+            self.examples = file_examples(eb, tokenizer, cfg.model.max_model_len)
+            self.per_step = max(cfg.buffer.train_batch_size // len(self.examples[0]), 1)  # examples (pairs) per step
             return
         self.db: ExperienceDB | None = None  # NOTE: rank 0 only; the other ranks get each batch from it
         if rank == 0:
@@ -72,24 +160,25 @@ class Source:
                     f"buffer.trainer_input.auxiliary_buffers.{expert[0]}, which is not configured "
                     f"(have: {', '.join(aux) or 'none'})"
                 )
-            self.expert, self.expert_ratio = file_units(aux[expert[0]], tokenizer, cfg.model.max_model_len), expert[1]
-            for x in (x for unit in self.expert for x in unit):
+            self.expert = file_examples(aux[expert[0]], tokenizer, cfg.model.max_model_len)
+            self.expert_ratio = expert[1]
+            for x in (x for example in self.expert for x in example):
                 x.info["expert"] = True
 
     def total_steps(self) -> int:
         b = self.cfg.buffer
         if b.total_steps:
             return b.total_steps
-        if self.units:
-            return math.ceil(len(self.units) / self.per_step) * b.total_epochs
+        if self.examples:
+            return math.ceil(len(self.examples) / self.per_step) * b.total_epochs
         tasks = sum(len(read_rows(ts.path, ts.subset_name, ts.split)) for ts in b.explorer_input.tasksets)
-        return math.ceil(tasks * b.total_epochs * self.cfg.algorithm.repeat_times / b.train_batch_size)
+        return total_steps(b, tasks, per_task=self.cfg.algorithm.repeat_times, per_step=b.train_batch_size)
 
     def read(self, step: int) -> list[Experience]:
         """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
         n = self.cfg.buffer.train_batch_size
-        if self.units:  # a pure function of the step, so a resumed run continues exactly
-            return pick(self.units, (step - 1) * self.per_step, self.per_step, "sft")
+        if self.examples:  # a pure function of the step, so a resumed run continues exactly
+            return pick(self.examples, (step - 1) * self.per_step, self.per_step, "sft")
         # mix: expert rows on top of the train_batch_size RL experiences, `ratio` of the whole batch
         n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
         expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
@@ -108,7 +197,7 @@ class Source:
             who = ", ".join(sorted({x.explorer or "(unnamed)" for x in bad}))
             raise DataError(
                 f"{len(bad)} of {len(got)} experiences carry no advantages, which algorithm.advantage_fn "
-                f"{a.advantage_fn} computes in the explorer (models.group_advantages): explorer(s) {who} "
+                f"{a.advantage_fn} computes in the explorer (batching.group_advantages): explorer(s) {who} "
                 f"wrote them with another advantage_fn; give them {a.advantage_fn} too"
             )
 

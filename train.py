@@ -13,7 +13,7 @@ Launch lines:
 
 One train step, straight down `train()`, a phase function each:
     read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
-    batch       the step batch, dense tensors built once (models.step_batch) that every later phase reads and
+    batch       the step batch, dense tensors built once (batching.step_batch) that every later phase reads and
                 extends; this rank's share of it, cut into mini-batches of micro-batches of packed units
     score       old log-probs (not when the step makes one update: they are the current ones), reference
                 log-probs, critic values; each summed over ranks, so that every rank holds the whole batch
@@ -27,7 +27,7 @@ One train step, straight down `train()`, a phase function each:
 
 Deviations from veRL / Trinity-RFT:
 - Packing (trainer.use_remove_padding, on by default) lays each group's prompt out once, followed by each of
-  its responses, with an attention mask that lets a response see the prompt and itself (models.pack): the
+  its responses, with an attention mask that lets a response see the prompt and itself (batching.packed_inputs): the
   model runs on every distinct token once. veRL packs sequences but repeats a group's prompt n times. The
   micro-batch token budget counts packed tokens (veRL's default 16384 tokens per GPU).
 - The learning rate is a function of the step (warm-up, then constant or cosine down to min_lr_ratio), set
@@ -74,22 +74,12 @@ from algos.kl import loss as kl_loss
 from algos.kl import penalty as kl_penalty
 from algos.kl import place_scores
 from algos.utils import masked_mean
+from batching import micro_batch, micro_batches, pack_units, step_batch, unit_length
 from buffer import Experience
-from configs.schema import OptimizerConfig
-from models import (
-    TokenScorer,
-    build_model,
-    config_tokenizer,
-    micro_batch,
-    micro_batches,
-    pack_units,
-    score,
-    setup_distributed,
-    step_batch,
-    torch_dtype,
-    unit_length,
-)
+from configs.schema import AlgorithmConfig, OptimizerConfig
+from models import config_tokenizer, torch_dtype
 from monitor import Monitor, preview, timer
+from scoring import TokenScorer, build_model, score, setup_distributed
 from source import Source
 
 log = logging.getLogger("nanorft.train")
@@ -178,48 +168,28 @@ def set_up(cfg: configs.Config) -> Parts | None:
             monitor.close(failed=True)
         return None
     tokenizer = config_tokenizer(cfg.model)
-    pieces = {
-        k: lookup(k, getattr(a, k), getattr(a, k + "_args"))
-        for k in ("advantage_fn", "policy_loss_fn", "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
-        if not (k == "advantage_fn" and a.advantage_fn == "none")
-    }
-    adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
-    actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
-    actor = build_model(actor_path, t, device, True, adapter=adapter)
-    # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
-    needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
-    use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
-    critic_path = (
-        str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface")
-        if resume
-        else cfg.model.critic_model_path
-    )
-    critic = build_model(critic_path, t, device, True, critic=True) if "values" in needs else None
+    pieces = loss_pieces(a)
+    actor, ref, critic = trainer_models(cfg, pieces, resume, device)
     source = Source(cfg, tokenizer, rank, device)
-    ref = (
-        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False))
-        if use_ref
-        else None
-    )  # with LoRA, the actor with its adapter switched off: the base model
     p = Parts(
-        cfg,
-        rank,
-        world,
-        device,
-        tokenizer,
-        actor,
-        adamw(actor, a.optimizer.lr, a.optimizer),
-        ref,
-        critic,
-        adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
-        pieces,
-        {k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")},
-        source,
-        source.total_steps(),
-        resume,
-        {ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
-        None,
-        monitor,
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        device=device,
+        tokenizer=tokenizer,
+        actor=actor,
+        optim=adamw(actor, a.optimizer.lr, a.optimizer),
+        ref=ref,
+        critic=critic,
+        critic_optim=adamw(critic, t.critic.lr, a.optimizer, t.critic.weight_decay) if critic else None,
+        pieces=pieces,
+        kl_coef={k: pieces[k][1].kl_coef for k in ("kl_loss_fn", "kl_penalty_fn")},
+        source=source,
+        total=source.total_steps(),
+        resume=resume,
+        temperatures={ts.name: ts.rollout_args.temperature or 1.0 for ts in cfg.buffer.explorer_input.tasksets},
+        sender=None,
+        monitor=monitor,
     )
     resume_state(p)
     if p.rl and cfg.synchronizer.sync_method == "nccl" and rank == 0:
@@ -232,22 +202,64 @@ def set_up(cfg: configs.Config) -> Parts | None:
             p.resume,
         )  # a restarted explorer reads `resume`
     if rank == 0:
-        log.info(
-            "trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
-            "%d step(s), packing: %s",
-            world,
-            device.type,
-            resume + 1,
-            p.total,
-            a.advantage_fn,
-            a.policy_loss_fn,
-            p.ref is not None,
-            critic is not None,
-            cfg.synchronizer.sync_method,
-            cfg.synchronizer.sync_interval,
-            "shared prompts" if p.share else "off (padded rows)",
-        )
+        log_set_up(p)
     return p
+
+
+def loss_pieces(a: AlgorithmConfig) -> algos.Pieces:
+    """The algos/ pieces the config names (advantage fn, policy loss, entropy, KL loss and penalty), each as
+    (function, validated Config); no advantage fn for the offline losses (advantage_fn none)."""
+    return {
+        k: lookup(k, getattr(a, k), getattr(a, k + "_args"))
+        for k in ("advantage_fn", "policy_loss_fn", "entropy_loss_fn", "kl_loss_fn", "kl_penalty_fn")
+        if not (k == "advantage_fn" and a.advantage_fn == "none")
+    }
+
+
+def trainer_models(
+    cfg: configs.Config, pieces: algos.Pieces, resume: int, device: torch.device
+) -> tuple[TokenScorer, TokenScorer | None, TokenScorer | None]:
+    """The actor, the reference model (when a KL piece or a loss reads ref_logprobs) and the critic (when a piece
+    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one."""
+    a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
+    adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
+    actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
+    actor = build_model(actor_path, t, device, trainable=True, adapter=adapter)
+    # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
+    needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
+    use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
+    critic_path = (
+        str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface")
+        if resume
+        else cfg.model.critic_model_path
+    )
+    critic = build_model(critic_path, t, device, trainable=True, critic=True) if "values" in needs else None
+    ref = (
+        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, trainable=False))
+        if use_ref
+        else None
+    )  # with LoRA, the actor with its adapter switched off: the base model
+    return actor, ref, critic
+
+
+def log_set_up(p: Parts) -> None:
+    """Rank 0's line saying what this trainer runs."""
+    a, s = p.cfg.algorithm, p.cfg.synchronizer
+    log.info(
+        "trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
+        "%d step(s), packing: %s",
+        p.world,
+        p.device.type,
+        p.resume + 1,
+        p.total,
+        a.advantage_fn,
+        a.policy_loss_fn,
+        p.ref is not None,
+        p.critic is not None,
+        s.sync_method,
+        s.sync_interval,
+        "shared prompts" if p.share else "off (padded rows)",
+    )
 
 
 def adamw(
@@ -268,14 +280,14 @@ def resume_state(p: Parts) -> None:
     job = p.cfg.checkpoint_job_dir
     if p.resume:
         critic = (p.critic, p.critic_optim) if p.critic else None
-        saved = checkpoint.load_checkpoint(p.actor, p.optim, job, p.resume, p.rank, critic)
+        saved = checkpoint.load_checkpoint(p.actor, p.optim, job_dir=job, step=p.resume, rank=p.rank, critic=critic)
         adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
         with checkpoint.publishing(job, p.resume):  # LoRA: the merged weights first, where missing
             lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)
         if p.rank == 0:
             log.info("resumed from checkpoint step %d of %s", p.resume, job)
-    if p.rank == 0 and not p.source.units:
+    if p.rank == 0 and not p.source.examples:
         # NOTE: also with no checkpoint yet: a trainer killed before its first save claimed steps 1, 2, ...
         if p.cfg.continue_from_checkpoint:
             log.info("%d experience claims of steps after %d released", p.source.db.release_after(p.resume), p.resume)
@@ -299,7 +311,7 @@ LOSS_KEYS = (
 
 
 def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[list[int]]]]]:
-    """The step batch (models.step_batch), and this rank's share of it as a plan: mini-batches of
+    """The step batch (batching.step_batch), and this rank's share of it as a plan: mini-batches of
     micro-batches of units (lists of batch rows laid out together: a group sharing its prompt, a DPO pair)."""
     t = p.cfg.trainer
     batch = step_batch(exps, p.cfg.model.max_response_tokens, p.temperatures)
@@ -450,65 +462,27 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     """The critic (when there is one), then the actor (after critic_warmup steps): see optimize(). Returns the
     metrics averaged over ranks and updates; the adaptive KL controllers take their step."""
     a, t = p.cfg.algorithm, p.cfg.trainer
-    sums, norms, skipped = {}, [], 0
-    if p.critic is not None:
-        lr = lr_at(
-            step,
-            dataclasses.replace(
-                a.optimizer,
-                lr=t.critic.lr,
-                lr_warmup_steps=-1,
-                lr_scheduler_type="constant",
-                lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio,
-            ),
-            p.total,
-        )
-        # the same mini-batches in micro-batches of the critic's own size (the update is exact whatever the cut)
-        critic_plan = (
-            plan
-            if t.use_dynamic_bsz
-            else [
-                micro_batches(batch, [u for m in mini for u in m], 0, t.critic.micro_batch_size_per_gpu)
-                for mini in plan
-            ]
-        )
-        sums, critic_norms, _ = optimize(
-            p,
-            p.critic,
-            p.critic_optim,
-            batch,
-            critic_plan,
-            critic_loss,
-            a.loss_agg_mode,
-            lr,
-            t.critic.grad_clip,
-            "critic/",
-            step,
-        )
-        sums |= {"critic/grad_norm": sum(critic_norms) / max(len(critic_norms), 1) / p.world, "critic/lr": lr / p.world}
+    sums = update_critic(p, batch, plan, step) if p.critic is not None else {}
+    norms, skipped = [], 0
     if p.critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
-        mode = getattr(p.pieces["policy_loss_fn"][1], "AGG", a.loss_agg_mode)  # a loss with a fixed aggregation says so
         actor_sums, norms, skipped = optimize(
             p,
-            p.actor,
-            p.optim,
-            batch,
-            plan,
-            actor_loss,
-            mode,
-            lr_at(step, a.optimizer, p.total),
-            t.grad_clip,
-            "actor/",
-            step,
+            model=p.actor,
+            optim=p.optim,
+            batch=batch,
+            plan=plan,
+            loss_fn=actor_loss,
+            # a loss with a fixed aggregation says so
+            mode=getattr(p.pieces["policy_loss_fn"][1], "AGG", a.loss_agg_mode),
+            lr=lr_at(step, a.optimizer, p.total),
+            grad_clip=t.grad_clip,
+            prefix="actor/",
+            step=step,
         )
         sums |= actor_sums
     keys = sorted(sums)
     metrics = dict(zip(keys, reduce_sum([sums[k] for k in keys], p.device)))
-    for k in ("kl_loss_fn", "kl_penalty_fn"):  # the adaptive KL controller (Ziegler et al.)
-        measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
-        if p.pieces[k][1].adaptive and measured is not None:
-            p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, len(batch["rewards"]), p.pieces[k][1])
-            metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = p.kl_coef[k]
+    adapt_kl(p, metrics, len(batch["rewards"]))
     return metrics | {
         "actor/lr": lr_at(step, a.optimizer, p.total),
         "actor/skipped_steps": skipped,
@@ -516,8 +490,54 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     }
 
 
+def update_critic(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
+    """The critic's update over the actor's mini-batches (optimize()), at its own learning rate (constant after
+    trainer.critic.lr_warmup_steps_ratio's warm-up); this rank's metrics, grad_norm and lr divided by the world
+    size (update() sums them over ranks)."""
+    a, t = p.cfg.algorithm, p.cfg.trainer
+    schedule = dataclasses.replace(
+        a.optimizer,
+        lr=t.critic.lr,
+        lr_warmup_steps=-1,
+        lr_scheduler_type="constant",
+        lr_warmup_steps_ratio=t.critic.lr_warmup_steps_ratio,
+    )
+    lr = lr_at(step, schedule, p.total)
+    # the same mini-batches in micro-batches of the critic's own size (the update is exact whatever the cut)
+    critic_plan = (
+        plan
+        if t.use_dynamic_bsz
+        else [micro_batches(batch, [u for m in mini for u in m], 0, t.critic.micro_batch_size_per_gpu) for mini in plan]
+    )
+    sums, norms, _ = optimize(
+        p,
+        model=p.critic,
+        optim=p.critic_optim,
+        batch=batch,
+        plan=critic_plan,
+        loss_fn=critic_loss,
+        mode=a.loss_agg_mode,
+        lr=lr,
+        grad_clip=t.critic.grad_clip,
+        prefix="critic/",
+        step=step,
+    )
+    return sums | {"critic/grad_norm": sum(norms) / max(len(norms), 1) / p.world, "critic/lr": lr / p.world}
+
+
+def adapt_kl(p: Parts, metrics: dict[str, float], batch_size: int) -> None:
+    """The adaptive KL controllers' step (Ziegler et al.) on the KL measured this step; their new coefficients
+    go into p.kl_coef and the metrics."""
+    for k in ("kl_loss_fn", "kl_penalty_fn"):
+        measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
+        if p.pieces[k][1].adaptive and measured is not None:
+            p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, batch_size, p.pieces[k][1])
+            metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = p.kl_coef[k]
+
+
 def optimize(
     p: Parts,
+    *,
     model: TokenScorer,
     optim: torch.optim.Optimizer,
     batch: dict,
@@ -611,14 +631,14 @@ def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
     checkpoint.save_checkpoint(
         p.actor,
         p.optim,
-        p.tokenizer,
-        p.cfg.checkpoint_job_dir,
-        step,
-        p.rank,
-        weights,
-        p.cfg.trainer.max_checkpoints_to_keep,
-        (p.critic, p.critic_optim) if p.critic else None,
-        p.kl_coef,
+        tokenizer=p.tokenizer,
+        job_dir=p.cfg.checkpoint_job_dir,
+        step=step,
+        rank=p.rank,
+        weights=weights,
+        keep=p.cfg.trainer.max_checkpoints_to_keep,
+        critic=(p.critic, p.critic_optim) if p.critic else None,
+        state=p.kl_coef,
     )
     sync.pause_for_test("train.after_save", step)
 
@@ -654,7 +674,7 @@ def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, f
             metrics["sample/dropped_tied_groups"] = p.source.dropped_groups
     if p.monitor is not None:
         p.monitor.log(metrics, step=step)
-    if p.rank == 0 and not p.source.units:
+    if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(step, "training")
 
 
@@ -689,7 +709,7 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
         if p.rank == 0:
             checkpoint.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
         save(p, done, weights)
-    if p.rank == 0 and not p.source.units:
+    if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")
     if p.sender is not None:
         wire.close_sender(p.sender, finished=code == 0)

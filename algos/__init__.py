@@ -107,7 +107,7 @@ ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
     "rec": (rec.advantage, rec.AdvantageConfig),
 }
 
-# advantage fns computed in the explorer, over each task's whole group before it is written (models.group_advantages);
+# advantage fns computed in the explorer, over each task's whole group before it is written (batching.group_advantages);
 # their ADVANTAGE_FNS entry is the trainer's side, which reads the result back
 EXPLORER_ADVANTAGE_FNS: dict[str, Callable] = {
     "step_wise_grpo": step_wise_grpo.compute,

@@ -62,7 +62,7 @@ def from_explorer(batch: dict[str, torch.Tensor], cfg: Config) -> tuple[dict[str
     if not has.all():
         raise BatchError(
             f"step_wise_grpo: {int((~has).sum())} of {len(has)} experiences carry no advantages; they are "
-            "computed in the explorer (models.group_advantages), by an explorer whose "
+            "computed in the explorer (batching.group_advantages), by an explorer whose "
             "algorithm.advantage_fn is step_wise_grpo too"
         )
     adv = batch["stored_advantages"] * batch["response_mask"].to(torch.float32)  # [B,T]

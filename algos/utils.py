@@ -62,7 +62,7 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor
     seq-mean-token-sum:      mean over non-empty sequences b of sum_t m*l
     seq-mean-token-sum-norm: mean over non-empty sequences b of (sum_t m*l / T), T = mask.shape[-1]:
                              Dr.GRPO's constant, the maximum response length (the trainer's batches are
-                             that wide: models.step_batch), as TRL's dr_grpo: sum / (B * L_max).
+                             that wide: batching.step_batch), as TRL's dr_grpo: sum / (B * L_max).
     Deviations: the seq-mean modes average over sequences with at least one valid token (an empty
     sequence is not counted), so an all-padding row neither adds NaN nor dilutes the mean. veRL's and
     Trinity's seq-mean-token-sum-norm is sum_{b,t} m*l / T over a micro-batch, T its padded width, which

@@ -17,11 +17,11 @@ tiny.make_tokenizer, so every token id used here is a byte, < 256, and ids past 
 Built in bf16 on CUDA (fp32 on CPU) and saved as an HF folder; the trainer loads it in fp32, as train.py does.
 
 What is measured:
-  trainer   models.build_model (FSDP2 models.TokenScorer in a one-process group; bf16 compute with fp32 master
+  trainer   scoring.build_model (FSDP2 scoring.TokenScorer in a one-process group; bf16 compute with fp32 master
             weights on CUDA, fp32 on CPU) on one step batch of --groups GRPO groups of --group-size responses
-            sharing a prompt, all of --prompt-len / --response-len tokens: models.step_batch -> pack_units ->
+            sharing a prompt, all of --prompt-len / --response-len tokens: batching.step_batch -> pack_units ->
             micro_batches (--tokens-per-micro-batch packed tokens; trainer.max_token_len_per_gpu) -> per
-            micro-batch models.micro_batch, scorer(mb, entropy=True), a token-mean policy-gradient loss with
+            micro-batch batching.micro_batch, scorer(mb, entropy=True), a token-mean policy-gradient loss with
             random advantages, backward; then grad clip 1.0 and one AdamW step. 1 warm-up step, then --steps
             timed (median). Packed tokens: what the model runs on (each group's prompt once); sequence tokens:
             prompt + response of every sequence. Peak memory: torch.cuda.max_memory_allocated (GPU) or the
@@ -75,8 +75,10 @@ import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+import batching  # noqa: E402
 import configs  # noqa: E402
 import models  # noqa: E402
+import scoring  # noqa: E402
 import sync  # noqa: E402
 import train  # noqa: E402
 import wire  # noqa: E402
@@ -220,12 +222,12 @@ def grpo_batch(a: argparse.Namespace, cfg: configs.Config) -> tuple[dict, list[l
                     run_id=r,
                 )
             )
-    batch = models.step_batch(exps, cfg.model.max_response_tokens)
+    batch = batching.step_batch(exps, cfg.model.max_response_tokens)
     B, T = batch["responses"].shape
     batch["advantages"] = torch.randn(B, 1, generator=g).expand(B, T).contiguous()  # [B,T] one per sequence
     budget = cfg.trainer.max_token_len_per_gpu
-    units = models.pack_units(batch, list(range(B)), cfg.trainer.use_remove_padding, budget)
-    return batch, models.micro_batches(batch, units, budget, None)
+    units = batching.pack_units(batch, list(range(B)), cfg.trainer.use_remove_padding, budget)
+    return batch, batching.micro_batches(batch, units, budget, None)
 
 
 def step_flops(batch: dict, micro: list[list[list[int]]], facts: dict) -> dict[str, float]:
@@ -235,7 +237,7 @@ def step_flops(batch: dict, micro: list[list[list[int]]], facts: dict) -> dict[s
         for unit in units:
             p = int(batch["prompt_lengths"][unit[0]])
             rs = [int(batch["response_lengths"][i]) for i in unit]
-            packed += models.unit_length(batch, unit)
+            packed += batching.unit_length(batch, unit)
             pairs += p * (p + 1) // 2 + sum(r * p + r * (r + 1) // 2 for r in rs)
     seq = int((batch["prompt_lengths"] + batch["response_lengths"]).sum())
     scored = int(batch["response_mask"].sum())
@@ -249,7 +251,7 @@ def step_flops(batch: dict, micro: list[list[list[int]]], facts: dict) -> dict[s
 
 
 def train_step(
-    scorer: models.TokenScorer,
+    scorer: scoring.TokenScorer,
     optim: torch.optim.Optimizer,
     batch: dict,
     micro: list,
@@ -264,7 +266,7 @@ def train_step(
     optim.zero_grad(set_to_none=True)
     for units in micro:
         t0 = time.perf_counter()
-        mb = models.micro_batch(batch, units, share, device, ("advantages",))
+        mb = batching.micro_batch(batch, units, share, device, ("advantages",))
         pack_s += time.perf_counter() - t0
         logp, _ = scorer(mb, entropy=True)  # [n,T] (entropy: a metric in the trainer, no gradient)
         loss = -(mb["advantages"] * logp * mb["response_mask"]).sum() / total.to(device)  # []
@@ -286,11 +288,11 @@ def peak_memory(device: torch.device) -> int:
 
 def bench_trainer(
     a: argparse.Namespace, cfg: configs.Config, device: torch.device, facts: dict, peak: float | None
-) -> tuple[models.TokenScorer, torch.optim.Optimizer, dict]:
+) -> tuple[scoring.TokenScorer, torch.optim.Optimizer, dict]:
     """The trainer's model, optimizer and figures (see the module docstring)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    scorer = models.build_model(cfg.model.model_path, cfg.trainer, device, trainable=True)
+    scorer = scoring.build_model(cfg.model.model_path, cfg.trainer, device, trainable=True)
     optim = train.adamw(scorer, 1e-6, cfg.algorithm.optimizer)
     batch, micro = grpo_batch(a, cfg)
     n = step_flops(batch, micro, facts)
@@ -324,7 +326,7 @@ def sync_backend(device: torch.device) -> str:
 
 
 def bench_group(
-    a: argparse.Namespace, scorer: models.TokenScorer, work: Path, device: torch.device, dtype: torch.dtype
+    a: argparse.Namespace, scorer: scoring.TokenScorer, work: Path, device: torch.device, dtype: torch.dtype
 ) -> dict:
     """The process-group method: this process sends in `dtype` (train.py's: the engine's), a second one (--role
     receiver) receives and loads."""
@@ -397,7 +399,7 @@ def receiver(a: argparse.Namespace) -> None:
 
 
 def bench_checkpoint(
-    a: argparse.Namespace, scorer: models.TokenScorer, engine: HFEngine, cfg: configs.Config, dtype: torch.dtype
+    a: argparse.Namespace, scorer: scoring.TokenScorer, engine: HFEngine, cfg: configs.Config, dtype: torch.dtype
 ) -> dict:
     """The checkpoint method: gather the full state, publish the HF folder in `dtype` (train.publish's, for a step
     that is not also a checkpoint), load it into the engine."""
@@ -492,7 +494,7 @@ def report(a: argparse.Namespace, record: dict) -> None:
 
 
 def main(a: argparse.Namespace) -> None:
-    _, world, device = models.setup_distributed()
+    _, world, device = scoring.setup_distributed()
     if world != 1:
         raise SystemExit("run it as one plain process (no torchrun)")
     work = Path(a.workdir or tempfile.mkdtemp(prefix="bench_gpu_"))

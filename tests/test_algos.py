@@ -231,7 +231,7 @@ def random_batch(seed=0, B=3, T=5):
         "group_index": torch.arange(B) // 2,  # [0, 0, 1] for B = 3
         "episode_index": torch.arange(B),  # single-turn rows: each its own episode
         "expert_mask": torch.zeros(B, T),  # no expert SFT rows (mix)
-        # an explorer-side advantage fn's (step_wise_grpo), as models.step_batch lays them out
+        # an explorer-side advantage fn's (step_wise_grpo), as batching.step_batch lays them out
         "stored_advantages": torch.randn(B, T, generator=g),
         "has_stored_advantages": torch.ones(B, dtype=torch.bool),
     }

@@ -10,7 +10,8 @@ import threading
 import pytest
 import torch
 
-import models
+import batching
+import source
 from configs.schema import InferenceModelConfig, ModelConfig
 from engines import Completion, EngineHandle, HFEngine, PromptTooLong, SamplingParams, make_engine
 from models import config_tokenizer, load_model
@@ -311,7 +312,7 @@ def test_config_chat_templates_and_enable_thinking_reach_every_rendering(tiny_pa
     assert tok.apply_chat_template(messages, tokenize=False) == "FILEhi"  # the file wins
     tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom, enable_thinking=True))
     assert tok.apply_chat_template(messages, tokenize=False) == "<hi>[think]"
-    assert models.render(tok, messages) == tok.encode("<hi>[think]", add_special_tokens=False)  # SFT rendering too
+    assert source.render(tok, messages) == tok.encode("<hi>[think]", add_special_tokens=False)  # SFT rendering too
     assert config_tokenizer(_model_cfg(tiny_path)).chat_template == tiny_chat_template  # others untouched
 
 
@@ -334,7 +335,7 @@ def test_over_long_prompts_are_cut_and_masked_or_refused_once(engine):
     ids = engine.tokenizer.encode(long, add_special_tokens=False)
     assert x.truncate_status == "prompt_truncated" and x.tokens[:16].tolist() == ids[-16:]
     assert y.truncate_status in (None, "response_truncated") and y.info["temperature"] == 0.6
-    batch = models.step_batch([x, y], 3)
+    batch = batching.step_batch([x, y], 3)
     assert not batch["response_mask"][0].any() and batch["response_mask"][1].any()  # no loss on the cut prompt
     assert batch["temperature"].tolist() == pytest.approx([0.6, 0.6])  # scored at the temperature it was sampled at
     strict = EngineHandle(engine, engine.tokenizer, {"max_tokens": 3}, max_prompt_tokens=16, truncate=False)

@@ -10,11 +10,12 @@ import torch
 
 from algos import ADVANTAGE_FNS, step_wise_grpo
 from algos.utils import BatchError
+from batching import group_advantages, step_batch
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
 from engines import Completion, EngineHandle, HFEngine, PromptTooLong
 from helpers import plain_logprobs
-from models import group_advantages, load_model, load_tokenizer, step_batch
+from models import load_model, load_tokenizer
 from tasksets import Task
 from workflows import build_workflow
 from workflows.episode import Episode, MixedTemperatures, reply_all, tool_message

@@ -18,9 +18,11 @@ from peft import PeftModel
 from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
+import batching
 import explore
 import lora
 import models
+import scoring
 import sync
 import train
 import wire
@@ -56,8 +58,8 @@ def one_rank():
 def micro(seed: int = 0) -> tuple[list, dict]:
     """Three random sequences (two sharing a prompt) and their packed micro-batch."""
     exps = experiences([(9, [6, 4]), (5, [7])], seed=seed)
-    batch = models.step_batch(exps, width=7)
-    return exps, models.micro_batch(batch, models.pack_units(batch, [0, 1, 2], True, 10**6), True, CPU)
+    batch = batching.step_batch(exps, width=7)
+    return exps, batching.micro_batch(batch, batching.pack_units(batch, [0, 1, 2], True, 10**6), True, CPU)
 
 
 def gap(scorer: torch.nn.Module, model: torch.nn.Module) -> float:
@@ -206,7 +208,7 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, t
     steps the base weights are bitwise those of the file, B has moved, the merged weights the trainer publishes give
     its log-probs, and the reference (the actor with its adapter off) scores exactly as the base model. The
     reference runs first: gradients still reach A and B after it."""
-    actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
     optim = train.adamw(actor, 1e-2, OptimizerConfig())
     adapter = {name: q for name, q in actor.named_parameters() if lora.is_adapter(name)}
     assert [q for g in optim.param_groups for q in g["params"]] == list(adapter.values())
@@ -214,7 +216,7 @@ def test_only_the_adapter_trains_and_the_reference_is_the_base(tiny_model_dir, t
     assert not [n for n, q in actor.named_parameters() if q.requires_grad and n not in adapter]
     base = safetensors.torch.load_file(Path(tiny_model_dir, "model.safetensors"))
     assert all(torch.equal(lora.full_state(actor)[k], base[k]) for k in base)  # B = 0: W + s B A == W bitwise
-    ref, plain_base = lora.WithoutAdapter(actor), models.build_model(tiny_model_dir, TrainerConfig(), CPU, False)
+    ref, plain_base = lora.WithoutAdapter(actor), scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, False)
     mb = micro()[1]
     with torch.no_grad():
         assert torch.equal(ref(mb)[0], plain_base(mb)[0])  # the first pass of the actor: with its adapter off
@@ -244,7 +246,7 @@ def test_the_process_group_sends_the_merged_weights_under_the_plain_names(tiny_m
 
     from engines import HFEngine
 
-    actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
     with torch.no_grad():
         for name, q in actor.named_parameters():
             if ".lora_B." in name:
@@ -276,7 +278,7 @@ def test_an_explorer_starts_where_the_trainer_does_from_a_saved_adapter(tiny_mod
     cfg.model.lora_configs = [LoRAConfig(path=str(tmp_path / "saved"), lora_rank=32)]  # the saved rank wins (4)
     folder = explore.base_weights(cfg)
     assert folder == str(tmp_path / "job" / "lora_start" / "explorer")
-    actor = models.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=lora.start(cfg, 0))
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=lora.start(cfg, 0))
     assert actor.adapter.peft.peft_config["default"].r == 4
     assert gap(actor, plain(folder)) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
 

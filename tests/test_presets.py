@@ -22,8 +22,9 @@ from algos import PRESETS
 from buffer import Experience, ExperienceDB
 from configs import cli, derive
 from helpers import ROOT, both_config, launch, run_train, write_yaml
-from models import load_tokenizer, sft_experience
+from models import load_tokenizer
 from monitor import read_history
+from source import sft_experience
 
 RL_PRESETS = [name for name, p in PRESETS.items() if not p.train_only]
 

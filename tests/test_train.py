@@ -17,9 +17,10 @@ import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM
 
+import batching
 import checkpoint
 import configs
-import models
+import scoring
 import sync
 import train
 from algos import ADVANTAGE_FNS
@@ -45,40 +46,40 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_units_and_micro_batches_respect_the_token_budget():
-    batch = models.step_batch(experiences([(10, [5, 7, 3]), (20, [30]), (4, [2, 2])]), width=8)
+    batch = batching.step_batch(experiences([(10, [5, 7, 3]), (20, [30]), (4, [2, 2])]), width=8)
     assert batch["responses"].shape == (6, 30)  # T = max(width, the longest response)
     rows = list(range(6))
     # shared prompts: a unit per group (its prompt once, then each response); a group that would pass the budget
     # is split, each part repeating the prompt; without sharing, one sequence per unit
-    assert models.pack_units(batch, rows, True, 1000) == [[0, 1, 2], [3], [4, 5]]
-    assert [models.unit_length(batch, u) for u in models.pack_units(batch, rows, True, 1000)] == [25, 50, 8]
-    assert models.pack_units(batch, rows, True, 20) == [[0, 1], [2], [3], [4, 5]]
-    assert models.pack_units(batch, rows, False, 1000) == [[i] for i in rows]
-    assert models.pack_units(batch, rows, False, 1000, paired=True) == [[0, 1], [2, 3], [4, 5]]
-    units = models.pack_units(batch, rows, True, 1000)
+    assert batching.pack_units(batch, rows, True, 1000) == [[0, 1, 2], [3], [4, 5]]
+    assert [batching.unit_length(batch, u) for u in batching.pack_units(batch, rows, True, 1000)] == [25, 50, 8]
+    assert batching.pack_units(batch, rows, True, 20) == [[0, 1], [2], [3], [4, 5]]
+    assert batching.pack_units(batch, rows, False, 1000) == [[i] for i in rows]
+    assert batching.pack_units(batch, rows, False, 1000, paired=True) == [[0, 1], [2, 3], [4, 5]]
+    units = batching.pack_units(batch, rows, True, 1000)
     # largest first; a micro-batch holds at most the budget of packed tokens, a larger unit goes alone
-    assert models.micro_batches(batch, units, 60, None) == [[[3]], [[0, 1, 2], [4, 5]]]
-    assert models.micro_batches(batch, units, 40, None) == [[[3]], [[0, 1, 2], [4, 5]]]
-    assert models.micro_batches(batch, units, 30, None) == [[[3]], [[0, 1, 2]], [[4, 5]]]
-    assert models.micro_batches(batch, units, 10**6, None) == [[[3], [0, 1, 2], [4, 5]]]
-    assert models.micro_batches(batch, units, 0, 3) == [[[3]], [[0, 1, 2]], [[4, 5]]]  # fixed: 3 sequences at most
+    assert batching.micro_batches(batch, units, 60, None) == [[[3]], [[0, 1, 2], [4, 5]]]
+    assert batching.micro_batches(batch, units, 40, None) == [[[3]], [[0, 1, 2], [4, 5]]]
+    assert batching.micro_batches(batch, units, 30, None) == [[[3]], [[0, 1, 2]], [[4, 5]]]
+    assert batching.micro_batches(batch, units, 10**6, None) == [[[3], [0, 1, 2], [4, 5]]]
+    assert batching.micro_batches(batch, units, 0, 3) == [[[3]], [[0, 1, 2]], [[4, 5]]]  # fixed: 3 sequences at most
 
 
 def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
     """step_batch builds the [B,T] stored_advantages (an explorer-side advantage fn's: step_wise_grpo) only when
     some experience carries advantages: every other algorithm's step allocates and fills nothing for them."""
     exps = experiences([(4, [3, 2])])
-    batch = models.step_batch(exps, width=4)
+    batch = batching.step_batch(exps, width=4)
     assert "stored_advantages" not in batch and batch["has_stored_advantages"].tolist() == [False, False]
     exps[1].advantages = torch.tensor([0.5, -0.5])
-    batch = models.step_batch(exps, width=4)
+    batch = batching.step_batch(exps, width=4)
     assert batch["has_stored_advantages"].tolist() == [False, True]
     assert batch["stored_advantages"].tolist() == [[0.0] * 4, [0.5, -0.5, 0.0, 0.0]]
     # the trainer's advantage phase with either batch: grpo without them, step_wise_grpo reading them back
     for name, rows in (("grpo", experiences([(4, [3, 2])])), ("step_wise_grpo", exps)):
         for x in rows:
             x.advantages = None if name == "grpo" else torch.full((x.response_length,), 0.25)
-        batch = models.step_batch(rows, width=4)
+        batch = batching.step_batch(rows, width=4)
         batch["token_level_rewards"] = torch.zeros(2, 4)
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
@@ -92,17 +93,17 @@ def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatc
     """Shared prompts and bin-packed rows, or one padded row per sequence, cut into micro-batches any way: each
     response token's log-prob (at its taskset's temperature) equals a forward pass of that sequence alone;
     padding is 0, the entropy positive; a response without a prompt has no score for its first token."""
-    model = models.TokenScorer(load_model(tiny_model_dir))
+    model = scoring.TokenScorer(load_model(tiny_model_dir))
     exps = experiences([(12, [8, 0, 5]), (4, [9]), (30, [1, 6]), (7, [3])]) + [
         Experience(tokens=torch.arange(60, 66), prompt_length=0, reward=0.0)
     ]
-    batch = models.step_batch(exps, width=4, temperatures={"hot": 1.3, "cold": 0.7})
+    batch = batching.step_batch(exps, width=4, temperatures={"hot": 1.3, "cold": 0.7})
     for share in (True, False):
         for budget in (10**6, 25):
-            units = models.pack_units(batch, list(range(len(exps))), share, budget)
+            units = batching.pack_units(batch, list(range(len(exps))), share, budget)
             seen = []
-            for micro in models.micro_batches(batch, units, budget, None):
-                mb = models.micro_batch(batch, micro, share, torch.device("cpu"))
+            for micro in batching.micro_batches(batch, units, budget, None):
+                mb = batching.micro_batch(batch, micro, share, torch.device("cpu"))
                 with torch.no_grad():
                     logp, ent = model(mb, entropy=True)
                 for k, b in enumerate(mb["rows"].tolist()):
@@ -126,11 +127,11 @@ def test_rollout_and_trainer_logprobs_mean_the_same_thing_at_t_0_6(tiny_model_di
     with HFEngine(tiny_model_dir) as engine:
         handle = EngineHandle(engine, engine.tokenizer, {"temperature": 0.6, "top_p": 0.8, "top_k": 5, "max_tokens": 6})
         exps = handle.chat([{"role": "user", "content": "What is 3 + 4?"}], n=4, seed=3)
-    batch = models.step_batch(exps, width=6)
-    scorer = models.TokenScorer(load_model(tiny_model_dir))
-    units = models.pack_units(batch, list(range(len(exps))), True, 10**6)
-    [micro] = models.micro_batches(batch, units, 10**6, None)
-    mb = models.micro_batch(batch, micro, True, torch.device("cpu"))
+    batch = batching.step_batch(exps, width=6)
+    scorer = scoring.TokenScorer(load_model(tiny_model_dir))
+    units = batching.pack_units(batch, list(range(len(exps))), True, 10**6)
+    [micro] = batching.micro_batches(batch, units, 10**6, None)
+    mb = batching.micro_batch(batch, micro, True, torch.device("cpu"))
     with torch.no_grad():
         logp, _ = scorer(mb, entropy=False)
     ratios = [(logp[k, 0] - exps[b].logprobs[0]).exp().item() for k, b in enumerate(mb["rows"].tolist())]
@@ -143,14 +144,14 @@ def test_packed_gradients_match_one_sequence_at_a_time(tiny_model_dir):
     per-segment attention, with one padded row per sequence, and with each sequence run alone through the plain
     model (groups of different prompt lengths, cut into two micro-batches)."""
     exps = experiences([(17, [6, 9, 4, 8]), (23, [7, 5]), (11, [9, 3, 6])])
-    batch = models.step_batch(exps, width=10)
+    batch = batching.step_batch(exps, width=10)
     weights = torch.randn(batch["responses"].shape, generator=torch.Generator().manual_seed(1))  # [B,T]
 
     def packed(share: bool) -> dict[str, torch.Tensor]:
-        scorer = models.TokenScorer(load_model(tiny_model_dir))
-        units = models.pack_units(batch, list(range(len(exps))), share, 10**6)
-        for micro in models.micro_batches(batch, units, 45, None):
-            mb = models.micro_batch(batch, micro, share, torch.device("cpu"))
+        scorer = scoring.TokenScorer(load_model(tiny_model_dir))
+        units = batching.pack_units(batch, list(range(len(exps))), share, 10**6)
+        for micro in batching.micro_batches(batch, units, 45, None):
+            mb = batching.micro_batch(batch, micro, share, torch.device("cpu"))
             (scorer(mb)[0] * weights[mb["rows"]]).sum().backward()
         return {n.removeprefix("model."): q.grad for n, q in scorer.named_parameters()}
 
@@ -168,12 +169,12 @@ def test_packed_gradients_match_one_sequence_at_a_time(tiny_model_dir):
 def test_chunked_vocabulary_projection_gives_the_same_values_and_gradients(tiny_model_dir, monkeypatch):
     """Chunks of the [tokens, V] logits, recomputed in the backward pass, change neither log-probs, entropy nor
     gradients (up to float rounding)."""
-    batch = models.step_batch(experiences([(10, [20, 17, 5]), (6, [25])]), width=25)
-    mb = models.micro_batch(batch, models.pack_units(batch, [0, 1, 2, 3], True, 10**6), True, torch.device("cpu"))
+    batch = batching.step_batch(experiences([(10, [20, 17, 5]), (6, [25])]), width=25)
+    mb = batching.micro_batch(batch, batching.pack_units(batch, [0, 1, 2, 3], True, 10**6), True, torch.device("cpu"))
     grads, outs = [], []
-    for elements in (models.CHUNK_ELEMENTS, 264 * 7):  # all at once; 7 tokens a chunk (10 chunks)
-        monkeypatch.setattr(models, "CHUNK_ELEMENTS", elements)
-        model = models.TokenScorer(load_model(tiny_model_dir))
+    for elements in (scoring.CHUNK_ELEMENTS, 264 * 7):  # all at once; 7 tokens a chunk (10 chunks)
+        monkeypatch.setattr(scoring, "CHUNK_ELEMENTS", elements)
+        model = scoring.TokenScorer(load_model(tiny_model_dir))
         logp, ent = model(mb, entropy=True, entropy_grad=True)
         (logp.sum() + 0.1 * ent.sum()).backward()
         outs.append((logp.detach(), ent.detach()))
@@ -427,7 +428,7 @@ def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(
         if case == "rows":
             assert (
                 "4 of 4 experiences carry no advantages, which algorithm.advantage_fn step_wise_grpo computes in "
-                "the explorer (models.group_advantages): explorer(s) grpo_explorer wrote them with another "
+                "the explorer (batching.group_advantages): explorer(s) grpo_explorer wrote them with another "
                 "advantage_fn"
             ) in out.stderr
         else:
@@ -656,15 +657,15 @@ def test_only_rank_0_reads_the_db_and_every_rank_gets_its_batch(tmp_path, tiny_m
 def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
     """use_dynamic_bsz off: the critic's update runs micro-batches of trainer.critic.micro_batch_size_per_gpu
     sequences, the actor's of trainer.micro_batch_size_per_gpu (veRL's critic.ppo_micro_batch_size_per_gpu)."""
-    batch = models.step_batch(experiences([(4, [3, 3, 3, 3, 3, 3])]), width=8)
-    units = models.pack_units(batch, list(range(6)), False, 1000)
-    plan = [models.micro_batches(batch, units, 0, 1)]  # the actor's: 1 sequence each
+    batch = batching.step_batch(experiences([(4, [3, 3, 3, 3, 3, 3])]), width=8)
+    units = batching.pack_units(batch, list(range(6)), False, 1000)
+    plan = [batching.micro_batches(batch, units, 0, 1)]  # the actor's: 1 sequence each
     cfg = configs.Config()
     cfg.trainer.use_dynamic_bsz, cfg.trainer.micro_batch_size_per_gpu = False, 1
     cfg.trainer.critic.micro_batch_size_per_gpu = 4
     seen = {}
 
-    def optimize(p, model, optim, batch, plan, loss_fn, mode, lr, clip, prefix, step):
+    def optimize(p, *, model, optim, batch, plan, loss_fn, mode, lr, grad_clip, prefix, step):
         seen[prefix] = [[len(u) for micro in mini for u in micro] for mini in plan], [len(m) for m in plan[0]]
         return {}, [], 0
 

@@ -175,14 +175,14 @@ class Episode:
         return conversation_experience(
             self.model.tokenizer,
             self.ids,
-            self.prompt_length,
-            self.logprobs,
-            self.mask,
-            self.temperatures,
-            self.versions,
-            self.truncated,
-            self.prompt_truncated,
-            mask_truncated,
+            prompt_length=self.prompt_length,
+            logprobs=self.logprobs,
+            mask=self.mask,
+            temperatures=self.temperatures,
+            versions=self.versions,
+            truncated=self.truncated,
+            prompt_truncated=self.prompt_truncated,
+            mask_truncated=mask_truncated,
         )
 
     def turn_experiences(self, mask_truncated: bool = True) -> list[Experience]:

@@ -1,0 +1,167 @@
+"""The trainer's models and what runs them: the process group (setup_distributed), an HF causal LM or critic
+sharded with FSDP2 (build_model) inside a TokenScorer, which turns a packed micro-batch (batching.micro_batch) into
+per-token log-probs and entropies (actor, reference) or values (critic); `score` runs it over a step's micro-batches
+without gradients (old and reference log-probs, values).
+
+    rank, world, device = setup_distributed()
+    actor = build_model(cfg.model.model_path, cfg.trainer, device, trainable=True)
+    logprobs, entropy = actor(micro_batch(batch, units, share, device), entropy=True)  # [n,T] each
+    old_logprobs = score(actor, batch, mine, share, device)  # [B,T], this rank's rows
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
+
+import lora
+from batching import micro_batch
+from configs.schema import LoRAConfig, TrainerConfig
+from models import load_critic, load_model, loading
+
+
+def setup_distributed() -> tuple[int, int, torch.device]:
+    """torchrun's process group (or a one-process group); this rank, world size and device."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:  # under torchrun
+        dist.init_process_group(backend)
+    else:  # a plain process: a group of one, no rendezvous needed
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def build_model(
+    path: str,
+    t: TrainerConfig,
+    device: torch.device,
+    trainable: bool,
+    critic: bool = False,
+    adapter: tuple[LoRAConfig, str] | None = None,
+) -> TokenScorer:
+    """An HF causal LM (or, `critic`, the value model) in a TokenScorer, sharded with FSDP2: each decoder
+    layer, then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA adapter is put
+    into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and its A and B."""
+    with loading(path):
+        hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+    lora_adapter = lora.wrap(hf, *adapter) if adapter else None
+    if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    cuda = device.type == "cuda"
+    # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 throughout on CPU.
+    policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
+    if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
+        policy["offload_policy"] = CPUOffloadPolicy()
+    model = TokenScorer(hf, critic=critic, adapter=lora_adapter)
+    for layer in hf.base_model.layers:
+        fully_shard(layer, **policy)
+    fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
+    model.train(trainable)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+CHUNK_ELEMENTS = 2**25  # logits materialised at once: [tokens, V] fp32 of at most 128 MB
+
+
+class TokenScorer(torch.nn.Module):
+    """What the trainer shards with FSDP2 (its root): an HF causal LM, or a critic, run on a packed micro-batch
+    (batching.micro_batch), returning a value per response token of the micro-batch's sequences, as dense [n,T] tensors
+    (0 on masked tokens): the log-prob of each token at `temperature` and, if asked, the entropy of the distribution it
+    was drawn from (causal LM); the value of the state before it (critic, veRL's convention). NOTE: the vocabulary
+    projection runs on the scored positions only, in chunks of CHUNK_ELEMENTS logits, each recomputed in the backward
+    pass (activation checkpointing): Qwen's 152k vocabulary at 16k tokens would be ~10 GB per fp32 tensor otherwise. A
+    model whose head does more than a linear map (soft-capping, scaling) is refused rather than scored wrongly.
+    `adapter`: the model's LoRA adapter (lora.wrap), or None."""
+
+    def __init__(self, model: PreTrainedModel, critic: bool = False, adapter: lora.Adapter | None = None) -> None:
+        super().__init__()
+        self.model, self.critic, self.adapter = model, critic, adapter
+        extras = [
+            k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)
+        ]
+        if extras and not critic:
+            raise ValueError(
+                f"{model.config.model_type}: the trainer's scorer supports a plain linear LM head; "
+                f"this model also applies {extras}"
+            )
+
+    def forward(
+        self, mb: dict, entropy: bool = False, entropy_grad: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        n, T = len(mb["rows"]), mb["width"]
+        inputs = {
+            "input_ids": mb["input_ids"],
+            "attention_mask": mb.get("attention_mask"),
+            "position_ids": mb["position_ids"],
+            "use_cache": False,
+            "segments": mb.get("segments"),
+        }
+        if self.critic:
+            values = self.model(**inputs).logits.flatten(0, 1)[mb["index"], 0].float()  # [N]
+            return scatter(values, mb["dest"], n, T), None
+        hidden = self.model.base_model(**inputs).last_hidden_state.flatten(0, 1)[mb["index"]]  # [N,H]
+        targets, temperature = mb["targets"], mb["temperature"]  # [N], [N]
+        head, step = self.model.get_output_embeddings(), max(1, CHUNK_ELEMENTS // self.model.config.vocab_size)
+        chunks = [
+            (hidden[i : i + step], targets[i : i + step], temperature[i : i + step])
+            for i in range(0, max(len(targets), 1), step)
+        ]
+        how = {"head": head, "entropy": entropy, "entropy_grad": entropy_grad}
+        parts = [
+            checkpoint(head_logprobs, *c, **how, use_reentrant=False) if len(chunks) > 1 else head_logprobs(*c, **how)
+            for c in chunks
+        ]
+        logp = scatter(torch.cat([p[0] for p in parts]), mb["dest"], n, T)  # [n,T]
+        ent = scatter(torch.cat([p[1] for p in parts]), mb["dest"], n, T) if entropy else None  # [n,T]
+        return logp, ent
+
+
+def head_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    head: torch.nn.Module,
+    entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(head(hidden [N,H]) / temperature [N]) at the targets [N], and the entropy [N] (no gradient
+    unless entropy_grad: an entropy term with coefficient 0 is a metric only)."""
+    logits = head(hidden).float() / temperature[:, None]  # [N,V]
+    lse = logits.logsumexp(-1)  # [N]
+    logp = logits.gather(-1, targets[:, None])[:, 0] - lse  # [N]
+    if not entropy:
+        return logp, logp.new_zeros(0)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        ent = lse - (logits.softmax(-1) * logits).sum(-1)  # [N]
+    return logp, ent
+
+
+def scatter(values: torch.Tensor, dest: torch.Tensor, n: int, T: int) -> torch.Tensor:
+    """[n,T] zeros with values [N] at the flat positions dest [N] (differentiable in values). NOTE: not a view of
+    a flat tensor: FSDP2 warns that an in-place op on a view returned by its root would skip its hooks."""
+    return values.new_zeros(n, T).index_put((dest // T, dest % T), values)
+
+
+@torch.no_grad()
+def score(
+    scorer: TokenScorer, batch: dict[str, torch.Tensor], mine: list[list[list[int]]], share: bool, device: torch.device
+) -> torch.Tensor:
+    """log-probs (or values) [B,T] of this rank's micro-batches `mine`, zero on the other ranks' rows."""
+    out = torch.zeros(batch["responses"].shape)  # [B,T]
+    was_training = scorer.training
+    scorer.eval()
+    for units in mine:
+        mb = micro_batch(batch, units, share, device)
+        out[mb["rows"]] = scorer(mb)[0].float().cpu()
+    scorer.train(was_training)
+    return out
