@@ -43,7 +43,7 @@ from configs.resolve import explorer_gpu_plan
 from models import load_model, load_tokenizer, with_template
 from sampling import Batcher, Completion, SamplingParams, collect, eos_ids
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nanorft.engines")
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 #   bash run.sh [CONFIG] [--section.key VALUE ...]   set up .venv on first use, build the embedded default, then run
 #                                                    the experiment CONFIG (default: configs/tiny.yaml) via launch.py
 #   bash run.sh test [PYTEST ARGS]                   set up .venv with what the tests need (vLLM included), then run
-#                                                    the test suite
+#                                                    the test suite on every core (-m "not slow": the quick subset)
 #   bash run.sh vllm                                 set up .venv with vLLM (for engine_type: vllm / vllm_async): its
 #                                                    CPU build on a machine without CUDA, the `gpu` extra with CUDA
 # Set-up happens once: later calls reuse .venv until pyproject.toml changes or they need an extra it lacks.
@@ -59,7 +59,8 @@ fi
 if [ "${1:-}" = "test" ]; then
   setup "$TEST_EXTRAS"
   shift
-  exec "$PY" -m pytest -q "$@"
+  # one pytest-xdist worker per core, each taking the next test when it is free (-n 0: in this process alone)
+  exec "$PY" -m pytest -q -n auto --dist worksteal "$@"
 fi
 setup ""
 CONFIG="${1:-configs/tiny.yaml}"

@@ -27,7 +27,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from configs.checks import MIN_TEMPERATURE  # below it (but 0, greedy) logits / T overflow: NaN log-probs
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nanorft.sampling")
 
 
 @dataclass

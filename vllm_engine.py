@@ -47,7 +47,7 @@ import wire
 from models import load_tokenizer
 from sampling import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nanorft.vllm_engine")
 EXTENSION = "vllm_engine.WeightReceiver"
 SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy back, no reload
 

@@ -139,9 +139,9 @@ def rows(work: Path, split: str) -> list[dict]:
     return [json.loads(line) for line in (work / "assets" / "arith" / f"{split}.jsonl").read_text().splitlines()]
 
 
-def accuracy(weights: str, work: Path) -> float:
+def accuracy(weights: str, work: Path, limit: int | None = None) -> float:
     """Held-out greedy accuracy with plain transformers (the evaluator for both frameworks): batched, left-padded
-    `generate`, scored by math_reward's accuracy part."""
+    `generate`, scored by math_reward's accuracy part; on the first `limit` test problems (None: all)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,7 +150,7 @@ def accuracy(weights: str, work: Path) -> float:
 
     tok, model = load_tokenizer(weights), AutoModelForCausalLM.from_pretrained(weights).eval()
     tok.padding_side = "left"
-    test, right = rows(work, "test"), 0
+    test, right = rows(work, "test")[:limit], 0
     for start in range(0, len(test), 250):
         part = test[start : start + 250]
         text = [
@@ -416,6 +416,7 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=600)
     ap.add_argument("--no-offset", action="store_true", help="skip the sync_offset 1 runs")
     ap.add_argument("--json", help="also write every result here")
+    ap.add_argument("--eval-limit", type=int, help="score the first N test problems only (a quick check; default: all)")
     ap.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--start", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
@@ -425,7 +426,7 @@ def main() -> None:
     if args.trl_worker:
         return trl_worker(work, Path(args.start), args.seed, args.steps, Path(args.out))
     start = build_workload(work, args.sft_steps)
-    before = accuracy(str(start), work)
+    before = accuracy(str(start), work, args.eval_limit)
     print(f"starting policy: held-out greedy accuracy {before:.3f} ({start})", flush=True)
     runs = {
         "nanorft": lambda s: run_nanorft(work, start, s, args.steps, 0),
@@ -438,7 +439,7 @@ def main() -> None:
         names = list(runs)
         for name in names[k % len(names) :] + names[: k % len(names)]:  # a rotating order
             r = runs[name](seed)
-            r |= {"before": before, "after": accuracy(r["weights"], work)}
+            r |= {"before": before, "after": accuracy(r["weights"], work, args.eval_limit)}
             results.append(r)
             print(json.dumps(r), flush=True)
     show(results)

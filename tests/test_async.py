@@ -93,6 +93,7 @@ def wait_for(predicate, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     """Trainer before any explorer (it waits and says so); explorer joins; a second explorer (another name,
     another task order) joins while they run; the trainer ends after its steps and the explorers stop at
@@ -142,6 +143,7 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
 
 
 @pytest.mark.parametrize("style", ["fixed", "explorer_driven"])
+@pytest.mark.slow
 def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir, style, url):
     """Explorer first: it waits at its first sync point (saying for what) until the trainer comes. A
     second start of the finished trainer does nothing: it resumes at its last step. explorer_driven:
@@ -171,6 +173,7 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
     assert versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 4, versions
 
 
+@pytest.mark.slow
 def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(tmp_path, tiny_model_dir, url):
     """trainer_driven: the explorer loads new weights whenever the trainer has published some and never
     waits, so a fast explorer runs ahead; staleness_control (max_staleness 1 here) then drops what is too
@@ -201,6 +204,7 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
     assert json.loads(meta(url, "trainer"))["status"] == "finished"
 
 
+@pytest.mark.slow
 def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, url):
     """scripts/soak_async.py with a fixed schedule: SIGKILL the explorer, the trainer, then both, each at a
     pause point (NANORFT_TEST_PAUSE_AT: never a clock delay, so the run cannot end before a kill), restart
@@ -247,6 +251,7 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
     assert "experience claims of steps after" in trainer_log  # every restart gave back what later steps took
 
 
+@pytest.mark.slow
 def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
     files = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_timeout": 4})
     out = subprocess.run(
@@ -263,6 +268,7 @@ def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
     ) in out.stderr
 
 
+@pytest.mark.slow
 def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url):
     files = pair(tmp_path, tiny_model_dir, url)
     with ExperienceDB(url) as d:
@@ -295,6 +301,7 @@ def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url)
     assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 2" in out.stderr
 
 
+@pytest.mark.slow
 def test_an_explorer_whose_advantages_the_trainer_would_not_read_is_refused(tmp_path, tiny_model_dir):
     """A trainer of step_wise_grpo (advantages computed in the explorer) stored that in the DB; an explorer whose
     config has grpo (its experiences would carry none) is refused at start with both sides named, no traceback."""

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import ROOT, real_vllm
 
 
+@pytest.mark.slow
 def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
     out = subprocess.run(
         [
@@ -26,6 +29,8 @@ def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
             "4",
             "--json",
             str(tmp_path / "bench.json"),
+            "--eval-limit",
+            "50",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -44,6 +49,7 @@ def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
     assert "| TRL | 0 |" in out.stdout and "TRL / this, seed by seed" in out.stdout
 
 
+@pytest.mark.slow
 def test_bench_vllm_reports_every_figure(tmp_path):
     real_vllm()
     out = subprocess.run(

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 import sync
@@ -64,6 +65,7 @@ MEASURED = (
 )
 
 
+@pytest.mark.slow
 def test_bench_gpu_tiny_shape_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run(
@@ -93,6 +95,7 @@ def test_bench_gpu_tiny_shape_reports_every_figure(tmp_path):
     assert "| trainer/step_s |" in run.stdout and record["command"].endswith(" ".join(TINY + ["--json", str(out)]))
 
 
+@pytest.mark.slow
 def test_the_bench_sends_and_publishes_in_the_dtype_it_is_given(tiny_model_dir, tmp_path, monkeypatch):
     """main() gives both sync benchmarks train.engine_dtype (bf16 on CUDA, as train.publish sends and publishes);
     here on the CPU with bf16 given: half the bytes of fp32 over the group and in the published folder."""

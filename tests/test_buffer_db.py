@@ -360,6 +360,7 @@ def reader_process(url: str, reader: int, out: str, deadline: float) -> None:
     Path(out).write_text(json.dumps(seen))
 
 
+@pytest.mark.slow
 def test_three_writer_processes_two_readers(db_url: str, tmp_path: Path) -> None:
     """Every process opens the fresh DB at once (set-up races), the writers write while both readers claim: each
     experience is claimed exactly once, by one reader."""
@@ -598,6 +599,7 @@ def test_a_server_back_within_the_busy_timeout_is_waited_for(restartable) -> Non
     db.close()
 
 
+@pytest.mark.slow
 def test_a_server_that_stays_down_is_named_after_the_busy_timeout(restartable) -> None:
     pg, url = restartable
     db = ExperienceDB(url, busy_timeout=2)
@@ -652,6 +654,7 @@ def test_lost_before_commit_runs_again_lost_at_commit_is_named_and_not_repeated(
     db.close()
 
 
+@pytest.mark.slow
 def test_a_lock_held_past_the_busy_timeout_is_named(restartable) -> None:
     """Another session holds a lock the write needs (lock_timeout = the busy timeout): a named error after it, not a
     process that hangs."""

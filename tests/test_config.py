@@ -442,6 +442,7 @@ def test_mode_both_on_one_gpu_colocates(tmp_path, caplog, monkeypatch):
     assert (cfg.cluster.colocate, cfg.cluster.trainer_gpu_num) == (False, 1)
 
 
+@pytest.mark.slow
 def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):
     code = (
         "import os, sys, configs; configs.entry(sys.argv[1:], 'x'); print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
@@ -585,6 +586,7 @@ def test_help_lists_every_field_with_its_docstring():
 
 
 @pytest.mark.parametrize("script", ["train.py", "explore.py"])
+@pytest.mark.slow
 def test_dry_run(script, tmp_path):
     ok = subprocess.run(
         [sys.executable, script, "--config", "tiny.yaml", "--dry-run", "--buffer.batch_size", "3"],

@@ -707,6 +707,7 @@ def mutate(raw: dict, path: str, value) -> dict:
 
 
 @pytest.mark.parametrize("path", REFERENCE + OURS, ids=lambda p: p.name)
+@pytest.mark.slow
 def test_mutating_any_key_of_a_config_is_refused_by_name_or_accepted(path, tmp_path, monkeypatch):
     """Every leaf of the YAML, set to each of MUTATIONS or deleted: either a ConfigError that names the key (its
     last part at least, or a key it conflicts with) or a config that resolves and that the launcher's children load
@@ -804,6 +805,7 @@ def set_at(raw: dict, path: tuple, value: Any) -> dict:
 
 
 @pytest.mark.parametrize("path", REFERENCE + [ROOT / "configs/tiny.yaml"], ids=lambda p: p.name)
+@pytest.mark.slow
 def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children(path, tmp_path, monkeypatch, caplog):
     """Each key path of the file (sections, leaves, list items) set to each of FILE_MUTATIONS, and an unknown key
     added to each mapping, written as YAML (yaml.dump: dates, binary, sets as YAML writes them) and loaded as a
@@ -868,6 +870,7 @@ def _names_a_related_key(message: str) -> bool:
     )
 
 
+@pytest.mark.slow
 def test_every_override_the_launcher_accepts_its_children_accept(tmp_path, monkeypatch, capsys):
     """The command line on top of a file with veRL trainer_config keys (ppo_example.yaml): `--key value` for every
     leaf of the file outside lists and every field the veRL keys and Trinity's old names map onto, with a number and

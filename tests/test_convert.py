@@ -91,6 +91,7 @@ def merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, wo
 
 
 @pytest.mark.parametrize("world", [2, 3])  # 3: uneven shards (the hidden size is not a multiple of 3)
+@pytest.mark.slow
 def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, world):
     actor = tmp_path / "global_step_5" / "actor"
     actor.mkdir(parents=True)
@@ -99,6 +100,7 @@ def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, w
     merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world)
 
 
+@pytest.mark.slow
 def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model_dir):
     """fsdp_size < world size (veRL / Trinity's hybrid sharding): a (ddp, fsdp) mesh of 2 x 2 ranks saved with
     (Replicate, Shard(0)); the first 2 ranks' files make the exact model; the replica's files are not needed.
@@ -120,6 +122,7 @@ def run_convert(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_a_lora_adapter_alone_is_merged_into_the_base(tmp_path, tiny_model_dir):
     """A nanorft LoRA checkpoint without merged weights (global_step_N/actor/lora_adapter): without --base a named
     error; with it, the weights lora.merge computes for the engines (W + s B A), loadable by plain transformers."""
@@ -180,6 +183,7 @@ def test_a_lora_adapter_alone_is_merged_into_the_base(tmp_path, tiny_model_dir):
     assert load_tokenizer(str(tmp_path / "from_hub")).encode("2 + 3") == load_tokenizer(tiny_model_dir).encode("2 + 3")
 
 
+@pytest.mark.slow
 def test_weights_that_do_not_fit_the_model_are_named_and_nothing_is_written(tmp_path, tiny_model_dir):
     """An extra tensor, or a missing one, in the checkpoint: the command names it and exits 2 (load_state_dict with
     strict=False would drop the one and leave the other uninitialised)."""

@@ -261,7 +261,7 @@ def test_load_weights_from_a_folder_and_a_state_dict(tiny_path, ref, prompts, tm
 
 # --- choosing an engine
 def test_make_engine_picks_and_says_why(tiny_path, caplog):
-    caplog.set_level(logging.INFO, logger="engines")
+    caplog.set_level(logging.INFO, logger="nanorft.engines")
     e = make_engine(InferenceModelConfig(engine_type="auto"), tiny_path, max_model_len=256)
     try:
         assert (e.engine_type == "vllm") if HAVE_VLLM_GPU else isinstance(e, HFEngine)

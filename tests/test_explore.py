@@ -39,6 +39,7 @@ def db_rows(tmp_path: Path) -> list[tuple]:
     )
 
 
+@pytest.mark.slow
 def test_explore_mode_fills_the_db(tiny_model_dir, tmp_path):
     out = run_explorer(write_config(tmp_path, tiny_model_dir))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -60,6 +61,7 @@ def expected_groups(config: Path, steps: int, batch: int) -> list[str]:
     return [f"explorer/{t.epoch}/{t.task_id}" for t in reader.read(steps * batch)]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir, tmp_path):
     config = write_config(
         tmp_path,
@@ -97,6 +99,7 @@ def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir,
     assert len(db_rows(tmp_path)) == 5 * 3 * 2
 
 
+@pytest.mark.slow
 def test_bench_prints_accuracy_and_throughput(tiny_model_dir, tmp_path):
     out = run_explorer(write_config(tmp_path, tiny_model_dir), "--mode", "bench")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -282,6 +285,7 @@ def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):
     assert seen == ["42"] * 3
 
 
+@pytest.mark.slow
 def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     """sync_method nccl (gloo on CPU) with a fake trainer process: each step's experiences carry the version
     received at the previous sync point; when the trainer sends stop, the explorer exits 1 with one clear line."""
@@ -323,6 +327,7 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     assert len(errors) == 1 and "the trainer finished and sent stop" in errors[0], errors
 
 
+@pytest.mark.slow
 def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny_model_dir, tmp_path):
     data = tmp_path / "data"
     data.mkdir()

@@ -38,6 +38,7 @@ from monitor import read_history
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_dir):
     data = Path(tiny_model_dir).parent / "arith"
     config = both_config(
@@ -204,6 +205,7 @@ def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_mon
     assert "could not close the broken monitor: server gone" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_failed_stage_ends_the_mlflow_runs_of_the_processes_the_launcher_stopped(
     tmp_path, tiny_model_dir, monkeypatch
 ):
@@ -265,6 +267,7 @@ def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeyp
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+@pytest.mark.slow
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, request):
     run = tmp_path / "ck" / "p" / "run"
     db = (
@@ -300,6 +303,7 @@ def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, re
     assert len(steps) >= 6 and max(map(len, steps)) <= 120, steps
 
 
+@pytest.mark.slow
 def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
     """The trainer fails at set-up (PPO's critic model does not exist; the explorer does not load it); the
     explorer, waiting for weights, is stopped by the launcher long before its 120 s sync timeout, and the exit
@@ -362,6 +366,7 @@ def on_a_terminal(cmd: list[str], timeout: float = 400) -> tuple[int, str]:
     return p.wait(), shown.decode("utf-8", errors="replace")
 
 
+@pytest.mark.slow
 def test_mode_both_on_one_gpu_colocates_the_hf_engine(tmp_path, tiny_model_dir):
     """cluster.gpu_per_node 1: explorer and trainer share the GPU (here the CPU: the engine's sleep moves nothing);
     the engine sleeps before every sync point and the weights come over the group through host memory."""
@@ -380,6 +385,7 @@ def test_mode_both_on_one_gpu_colocates_the_hf_engine(tmp_path, tiny_model_dir):
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
 
 
+@pytest.mark.slow
 def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_model_dir):
     config = both_config(tmp_path, tiny_model_dir)
     code, shown = on_a_terminal([sys.executable, "launch.py", "--config", str(config)])
@@ -394,9 +400,9 @@ def test_on_a_terminal_a_progress_bar_per_process_and_no_chatter(tmp_path, tiny_
         shown,
     )
     # the processes' own INFO records and per-step lines go to their log files only
-    assert "nanorft.explore" not in shown and "nanorft.train" not in shown and "] step 1/3" not in shown, shown
+    assert "nanorft.sync" not in shown and "nanorft.train" not in shown and "] step 1/3" not in shown, shown
     run = tmp_path / "ck" / "p" / "run"
-    assert "INFO nanorft.explore: " in (run / "log" / "explorer.log").read_text()
+    assert "INFO nanorft.sync: sync point after step 1" in (run / "log" / "explorer.log").read_text()
     assert "[trainer] step 1/3 " in (run / "log" / "trainer.log").read_text()
     # step 1's published weights were deleted once step 3's came (no checkpoint there, no explorer to load them)
     assert sorted(p.name for p in run.glob("global_step_*")) == ["global_step_2", "global_step_3"]
@@ -419,6 +425,7 @@ class AskTheJudge(Workflow):
 '''
 
 
+@pytest.mark.slow
 def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_path, tiny_model_dir):
     (tmp_path / "aux_flow.py").write_text(AUX_WORKFLOW)
     config = both_config(
@@ -479,6 +486,7 @@ def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, 
     return code, (out / "node0.err").read_text(), node1
 
 
+@pytest.mark.slow
 def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model_dir):
     """cluster.node_num 2 (one CPU rank per node): the launcher on node 0 prints the line for node 1 once; run as
     printed (from another directory), it joins, and the two SFT steps end at exactly the weights of one torchrun of
@@ -504,6 +512,7 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
     assert max((apart[k] - start[k]).abs().max().item() for k in start) > 1e-3  # and they moved
 
 
+@pytest.mark.slow
 def test_two_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
     """On the CPU, node 0 runs the explorer beside trainer rank 0 (the DB and the weight store stay on one host),
     node 1 the second trainer rank: on-policy GRPO gets every step's weights over the group."""

@@ -290,6 +290,7 @@ def adapter_of(job: Path, step: int) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(job / f"global_step_{step}/actor/lora_adapter/adapter_model.safetensors")
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model_dir):
     """global_step_N/actor/lora_adapter in peft's format and the adapter's optimizer state, listed in the manifest;
     the merged HF folder only where the step was published (the last); PeftModel.from_pretrained(base, adapter)
@@ -336,6 +337,7 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model
     )
 
 
+@pytest.mark.slow
 def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     """SIGKILL after the step-2 checkpoint, restart from base + the step-2 adapter: step 4's adapter, optimizer
     state and published weights equal an uninterrupted run's bitwise."""
@@ -348,6 +350,7 @@ def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     assert not all(torch.equal(two[k], four[k]) for k in two)  # steps 3 and 4 did train
 
 
+@pytest.mark.slow
 def test_two_fsdp_ranks_train_the_adapter_as_one_does(tmp_path, tiny_model_dir):
     final = {}
     for ranks in (0, 2):
@@ -360,6 +363,7 @@ def test_two_fsdp_ranks_train_the_adapter_as_one_does(tmp_path, tiny_model_dir):
     assert max((final[2][k] - final[0][k]).abs().max().item() for k in final[0]) < moved / 100
 
 
+@pytest.mark.slow
 def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_model_dir):
     """GRPO with a KL loss to the reference (the actor without its adapter), the merged weights sent over the process
     group: the engine samples step 3 from exactly base + step-2 adapter; the KL is 0 at step 1 (B = 0) and not after."""
@@ -393,6 +397,7 @@ def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_mode
     assert abs(kl[0]) < 1e-7 and kl[2] > 1e-6, kl
 
 
+@pytest.mark.slow
 def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_model_dir):
     """Process-group sync publishes no HF folder until the last step, so checkpoint step 2 holds the adapter alone.
     The whole run (launcher, trainer, explorer) is SIGKILLed while the trainer waits right after saving step 2, then
@@ -449,6 +454,7 @@ def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_mo
     assert rollout_logprob_gap(db, 2, Path(tiny_model_dir)) > 1e-3
 
 
+@pytest.mark.slow
 def test_bench_evaluates_adapter_only_checkpoints_merged(tmp_path, tiny_model_dir):
     """Bench mode on a LoRA run: step 1's checkpoint holds the adapter alone, step 2's the merged folder too; both are
     evaluated, step 1 as model.model_path + its adapter (merged in a temporary folder, gone afterwards)."""

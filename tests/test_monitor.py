@@ -347,6 +347,7 @@ def _create(uri: str, name: str, barrier) -> str:
     return mlflow_experiment(MlflowClient(uri), uri, name)
 
 
+@pytest.mark.slow
 def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatch):
     """A file store checks names without a lock: four processes that get-or-create one experiment at the same moment
     must find one experiment, the same id in each."""
@@ -390,6 +391,7 @@ def test_a_create_that_loses_the_race_takes_the_winners_experiment():
     assert mlflow_experiment(Server(), "http://127.0.0.1:5000", "p") == "7"
 
 
+@pytest.mark.slow
 def test_launcher_run_with_mlflow_one_store_one_experiment_every_run_finished(tmp_path, tiny_model_dir, monkeypatch):
     """Two stages (a bench, then GRPO in mode both) with monitor_type mlflow and no tracking URI: one file store for
     the run (<run dir>/monitor/mlruns, none per stage), one experiment made by the launcher, a FINISHED run per

@@ -235,6 +235,7 @@ class ApiWorkflow(Workflow):
 '''
 
 
+@pytest.mark.slow
 def test_a_workflow_on_the_openai_client_trains_through_the_explorer(tmp_path, tiny_model_dir):
     """mode both: the explorer serves its engine, a user's workflow (named file.py:Class in the YAML) calls it
     with the openai client, its recorded calls become the experiences the trainer trains on."""

@@ -41,6 +41,7 @@ def run(script: str, config: Path, cwd: Path, env: dict | None = None, hide_vllm
     )
 
 
+@pytest.mark.slow
 def test_the_gpu_example_on_a_cpu_machine_without_vllm_starts_nothing(tmp_path):
     """configs/gsm8k.yaml (2 GPUs, a vLLM engine) here: one error naming both problems and the way out, within
     seconds, and no run directory (no process started)."""
@@ -57,6 +58,7 @@ def test_the_gpu_example_on_a_cpu_machine_without_vllm_starts_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["launch", "explore"])
+@pytest.mark.slow
 def test_a_vllm_of_another_version_is_refused_by_name(tmp_path, tiny_model_dir, script):
     """A `vllm` of version 0.31.2 ahead on the path (as a stale install would be): refused by the launcher and by an
     explorer started on its own, naming the version and the tested range."""
@@ -178,6 +180,7 @@ def test_a_missing_or_damaged_model_folder_is_refused_before_anything_starts(tmp
     assert says in str(info.value) and str(info.value).endswith("; fix model.model_path")
 
 
+@pytest.mark.slow
 def test_the_launcher_names_a_missing_model_folder_in_one_line_and_starts_nothing(tmp_path, tiny_model_dir):
     config = both_config(tmp_path, tiny_model_dir, **{"model.model_path": str(tmp_path / "gone" / "tiny-qwen2")})
     out = run("launch", config, tmp_path)

@@ -90,6 +90,7 @@ def preset_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[subprocess.
 
 
 @pytest.mark.parametrize("preset", RL_PRESETS)
+@pytest.mark.slow
 def test_rl_preset_runs_end_to_end(preset, preset_runs):
     out, tmp_path = preset_runs[preset]
     assert out.returncode == 0, out.stderr[-3000:]
@@ -168,6 +169,7 @@ def sft_files(tmp_path: Path, data: Path) -> dict[str, tuple[Path, dict]]:
 
 
 @pytest.mark.parametrize("layout", ["messages", "plaintext", "multi_turn"])
+@pytest.mark.slow
 def test_sft_train_mode_on_each_data_layout(layout, tmp_path, tiny_model_dir):
     path, fmt = sft_files(tmp_path, Path(tiny_model_dir).parent / "arith")[layout]
     out = launch(offline_config(tmp_path, tiny_model_dir, "sft", path, fmt), script="train.py")
@@ -195,6 +197,7 @@ def test_sft_multi_turn_masks_every_assistant_turn(tiny_model_dir):
     assert "2+2?" in tok.decode(both.tokens[both.prompt_length :][~both.action_mask])
 
 
+@pytest.mark.slow
 def test_dpo_train_mode_learns_the_preference(tmp_path, tiny_model_dir):
     data = Path(tiny_model_dir).parent / "arith"
     config = offline_config(
@@ -242,6 +245,7 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
 '''
 
 
+@pytest.mark.slow
 def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path, tiny_model_dir):
     """The README's "Add your own loss": one new file in algos/, one registry line, then the YAML names it."""
     repo = tmp_path / "repo"
@@ -280,6 +284,7 @@ def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path,
     assert rows[1]["actor/grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_ppo_resumes_with_its_critic(tmp_path, tiny_model_dir):
     """A PPO run stopped after step 2 continues at step 3 with the critic's weights and optimizer state."""
     over = {
@@ -336,6 +341,7 @@ def test_dynamic_sampling_drops_tied_groups_and_refills(tmp_path, tiny_model_dir
     assert db.counts()["pending"] == 0  # the dropped groups were consumed by their step, not left behind
 
 
+@pytest.mark.slow
 def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
     """One PPO step (values, GAE over the whole batch, critic then actor update) on the same experiences:
     a plain process and torchrun with two FSDP2 ranks end at the same actor and critic weights."""

@@ -54,6 +54,7 @@ def test_function_budgets_from_style_guide():
     assert not over, over
 
 
+@pytest.mark.slow
 def test_run_sh_builds_the_embedded_default_and_hands_the_config_to_the_launcher():
     # .venv exists here (this suite runs through `bash run.sh test`), so run.sh skips set-up. The whole
     # experiment takes ~10 minutes (docs/LOG.md); tests/test_launch.py runs the same stages, shorter.

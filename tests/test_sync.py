@@ -104,6 +104,7 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_group_sync_is_bitwise(tiny_model_dir, tmp_path):
     """Trainer and explorer processes over gloo: the engine ends with the trainer's tensors, bit for bit,
     version 3, and it generates differently; then "stop" reaches the explorer as finished."""
@@ -122,6 +123,7 @@ def test_group_sync_is_bitwise(tiny_model_dir, tmp_path):
     assert not (tmp_path / wire.GROUP_FILE).exists()  # the trainer removed its file
 
 
+@pytest.mark.slow
 def test_stop_reports_finished(tmp_path):
     trainer = peer("stop", str(tmp_path))
     link = wire.open_receiver(tmp_path, timeout=20)
@@ -165,6 +167,7 @@ def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
 
 
 @pytest.mark.parametrize("when", ["before_header", "mid_transfer"])
+@pytest.mark.slow
 def test_trainer_death_is_a_clear_error(tmp_path, when):
     """The trainer dies while the explorer waits for a header, or halfway through the tensors: the explorer
     gets SyncError at once (the timeout here is far longer), not a hang. NOTE: the trainer dies at a point the

@@ -98,6 +98,7 @@ def test_missing_column_names_file_row_and_key(tmp_path):
         load_tasks(taskset(tmp_path, format={"response_key": "answer"}))
 
 
+@pytest.mark.slow
 def test_hub_name_offline_says_what_was_tried(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")

@@ -212,6 +212,7 @@ def test_tokenizer_round_trips_and_chat_template(built):
 
 
 # --- the CLI, as a user runs it
+@pytest.mark.slow
 def test_cli(tmp_path):
     cmd = [
         sys.executable,

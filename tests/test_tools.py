@@ -168,6 +168,7 @@ def test_concurrent_calls_share_a_bounded_pool(tool_file):
     assert not any(alive(int(p)) for p in set(pids))
 
 
+@pytest.mark.slow
 def test_a_process_whose_episode_calls_a_hung_tool_exits_promptly(tool_file, tmp_path, tiny_model_dir):
     """An episode in a child process: the model calls a tool that never returns; the episode goes on after the
     timeout, and the process exits at once when it is done (a thread running the tool kept it alive forever)."""
@@ -273,6 +274,7 @@ def test_the_calculator_tool_answers_from_many_threads_at_once():
     assert results == [str(k + 1) for k in range(50)]
 
 
+@pytest.mark.slow
 def test_the_tool_call_benchmark_runs():
     """scripts/bench_tools.py (the README's and docs/LOG.md's figures) in a tiny shape: each figure a median."""
     out = subprocess.run(

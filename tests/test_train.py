@@ -139,6 +139,7 @@ def test_rollout_and_trainer_logprobs_mean_the_same_thing_at_t_0_6(tiny_model_di
     assert min(x.logprobs[0].item() for x in exps) < -1e-3  # not a token the filters made certain
 
 
+@pytest.mark.slow
 def test_packed_gradients_match_one_sequence_at_a_time(tiny_model_dir):
     """The backward pass too: the gradient of a weighted sum of log-probs is the same with shared prompts and
     per-segment attention, with one padded row per sequence, and with each sequence run alone through the plain
@@ -204,6 +205,7 @@ def test_learning_rate_warmup_and_cosine():
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.slow
 def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_dir, mode):
     """Gradient accumulation is scaled right for every loss_agg_mode: one micro-batch, many small micro-batches
     (packed, or padded rows without packing), two FSDP2 ranks and activation checkpointing all end at the same
@@ -232,6 +234,7 @@ def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_
     assert [r["step"] for r in history] == [1, 2] and history[1]["actor/sft_loss"] < history[0]["actor/sft_loss"]
 
 
+@pytest.mark.slow
 def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir):
     out = run_train(sft_config(tmp_path, tiny_model_dir, **{"trainer.save_interval": 1}))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -313,6 +316,7 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
     assert cpu.engine_dtype == torch.float32
 
 
+@pytest.mark.slow
 def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
     """SIGKILL after the step-2 checkpoint, restart: the final weights equal an uninterrupted run's bitwise
     (model, optimizer, data position and RNG all restored)."""
@@ -354,6 +358,7 @@ def response_logprob(model, tokenizer, answer: str) -> float:
     return plain_logprobs(model, prompt + resp, len(prompt)).sum().item()
 
 
+@pytest.mark.slow
 def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     db = tmp_path / "exp.db"
@@ -394,6 +399,7 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, ti
         assert d.counts()["pending"] == 0
 
 
+@pytest.mark.slow
 def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(tmp_path, tiny_model_dir):
     """A trainer of multi_step_grpo (step_wise_grpo: advantages computed in the explorer) on experiences without
     stored advantages (an explorer whose config has grpo wrote them; the DB recorded nothing of it, as a DB of an
@@ -472,6 +478,7 @@ def test_a_set_up_failure_ends_the_mlflow_run_as_failed(tmp_path, tiny_model_dir
     assert mlflow_runs(uri) == {"t_trainer": "FAILED"}
 
 
+@pytest.mark.slow
 def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_model_dir):
     config = sft_config(
         tmp_path,
@@ -492,6 +499,7 @@ def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_m
         assert json.loads(d.get_meta("trainer"))["status"] == "stopped" and d.counts()["claims"] == 0
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path, tiny_model_dir, caplog):
     out = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3, "trainer.save_interval": 1}))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -637,6 +645,7 @@ def read_on_rank(rank: int, world: int, port: int, db_url: str, model_dir: str, 
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_only_rank_0_reads_the_db_and_every_rank_gets_its_batch(tmp_path, tiny_model_dir):
     import socket
 
@@ -707,6 +716,7 @@ runpy.run_path("train.py", run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_saving_a_checkpoint_is_named_and_the_last_one_resumes(tmp_path, tiny_model_dir):
     """The disk fills up in step 2's checkpoint: the trainer stops with one named line (exit 2, no traceback) that
     says which checkpoint is whole and what to do; the pointer still names step 1, whose files match their manifest,

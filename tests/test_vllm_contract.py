@@ -106,6 +106,7 @@ def gap(model: torch.nn.Module, prompt: list[int], samples: list, temperature: f
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.slow
 def test_n_samples_each_with_the_trainers_logprobs(backend, kind, temperature, tiny_model_dir):
     """n samples per request, all of them (vllm_async asks for FINAL_ONLY), each token's log-prob the trainer's
     log_softmax(logits / T) within 1e-4 in fp32."""
@@ -126,6 +127,7 @@ def test_top_p_logprobs_are_renormalised_over_the_nucleus(backend, tiny_model_di
         assert (torch.tensor(c.logprobs) - plain_logprobs(ref, ids[0] + c.token_ids, len(ids[0]), 0.6) > 1e-2).all()
 
 
+@pytest.mark.slow
 def test_eos_ends_a_sample_and_min_tokens_masks_it(backend, tiny_model_dir):
     """A sample ends on any of the engine's eos_ids (the tokenizer's and the generation config's, as the HF
     engine's), which stays its last token; min_tokens masks them all, and the masked positions' log-probs are the
@@ -149,6 +151,7 @@ def test_eos_ends_a_sample_and_min_tokens_masks_it(backend, tiny_model_dir):
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_stop_string_ends_the_text_before_it(backend, tiny_model_dir):
     """A stop string ends a sample once its text holds it: the text is cut before it, the tokens end with the one
     that completed it (vLLM's behaviour, and the HF engine's), the sample is "stop"."""
@@ -183,6 +186,7 @@ def test_a_requests_seed_decides_its_samples_and_engines_differ_without_one(back
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_seeded_requests_over_the_token_budget(backend, kind, tiny_model_dir):
     """16 seeded requests x n 8 of ~95-token prompts: more prompt tokens than one engine step takes (4,096). NOTE:
     with chunked prefill, vLLM 0.32's CPU backend split such a batch's prefills and failed the seeded ones ("CPU
@@ -327,6 +331,7 @@ def send_in_thread(job_dir: Path, model: torch.nn.Module, version: int) -> threa
     return threading.Thread(target=send, daemon=True)
 
 
+@pytest.mark.slow
 def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model_dir, tmp_path, monkeypatch):
     """Weights received over the trainer's group (gloo here, NCCL on GPUs: the same code) by both engines' workers,
     bucket by bucket through vLLM's in-place reload: greedy tokens and log-probs equal those of an engine started
@@ -413,6 +418,7 @@ wire.send_weights(link, 1, specs, tensors())
 """
 
 
+@pytest.mark.slow
 def test_a_trainer_killed_mid_transfer_gives_the_restart_message(backend, tiny_model_dir, tmp_path, caplog):
     """The trainer dies after the first of many buckets: the explorer (sync.ExplorerSync.receive) logs that no
     weights of the step came, why, and to restart, and returns exit code 1; no traceback, no hang."""

@@ -56,6 +56,7 @@ def needs_vllm():
     real_vllm()
 
 
+@pytest.mark.slow
 def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
     """engine_type vllm, published folders read by the vLLM worker; the reward comes from an auxiliary judge that
     is a vLLM engine too (a model trained to answer "Score: 7": every reward 0.7)."""
@@ -85,6 +86,7 @@ def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
     assert rewards == pytest.approx([0.7] * STEPS * PER_STEP)
 
 
+@pytest.mark.slow
 def test_vllm_async_two_engines_with_the_process_group(tmp_path, tiny_model_dir):
     """engine_type vllm_async, engine_num 2: both engines' workers join the trainer's group (gloo here) and take
     every step's weights."""
@@ -99,6 +101,7 @@ def test_vllm_async_two_engines_with_the_process_group(tmp_path, tiny_model_dir)
     assert "rollout engine 2/2: vllm_async on the CPU" in (run / "log" / "explorer.log").read_text()
 
 
+@pytest.mark.slow
 def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
     """A LoRA adapter trains; the merged weights go over the group into the vLLM worker: step 3 was sampled from
     exactly base + the step-2 adapter, not from the base."""
@@ -125,6 +128,7 @@ def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
 
 
+@pytest.mark.slow
 def test_vllm_async_with_checkpoint_sync(tmp_path, tiny_model_dir):
     config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "checkpoint")
     check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))

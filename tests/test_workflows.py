@@ -652,6 +652,7 @@ def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
         build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
 
 
+@pytest.mark.slow
 def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_path):
     """The explorer's path: explorer.auxiliary_models starts an HF engine for the judge (engines.auxiliary_handles,
     via explore.with_extras), llm_judge_workflow runs on a runner (explore.run_task) and the judge, a real model

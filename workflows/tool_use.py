@@ -31,7 +31,7 @@ from workflows.calculator import calculate
 from workflows.episode import Episode, reply_all
 from workflows.tools import Tool, parse_tool_calls, run_tool, tool_message
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("nanorft.tool_use")
 _WARNED: set[str] = set()  # tool names warned about, once per process
 
 CALCULATOR = Tool(
