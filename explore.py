@@ -230,17 +230,17 @@ def set_up(cfg: configs.Config) -> Explorer:
     )
     engine.model_version = version
     return Explorer(
-        cfg,
-        db,
-        reader,
-        step,
-        engine,
-        sync.ExplorerSync(cfg, db, engine),
-        [with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
-        ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
-        monitor,
-        [(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
-        total_steps(b, len(reader)),
+        cfg=cfg,
+        db=db,
+        reader=reader,
+        step=step,
+        engine=engine,
+        sync=sync.ExplorerSync(cfg, db, engine),
+        handles=[with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
+        pool=ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
+        monitor=monitor,
+        eval_sets=[(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
+        steps=total_steps(b, len(reader)),
     )
 
 
@@ -252,7 +252,12 @@ def with_extras(cfg: configs.Config, handle: EngineHandle) -> EngineHandle:
     rm = cfg.explorer.rollout_model
     if rm.enable_openai_api:
         handle.api = OpenAIServer(
-            handle, cfg.model.model_path, rm.enable_history, rm.openai_api_host, rm.openai_api_port, rm.openai_api_key
+            handle,
+            cfg.model.model_path,
+            record=rm.enable_history,
+            host=rm.openai_api_host,
+            port=rm.openai_api_port,
+            api_key=rm.openai_api_key,
         )
         log.info(
             "explorer %s: OpenAI-compatible API at %s/v1 (model %r, history %s)",

@@ -283,11 +283,11 @@ class OpenAIServer:
         return conversation_experience(
             self.handle.tokenizer,
             ids,
-            len(calls[0].prompt_ids),
-            logprobs,
-            mask,
-            [c.temperature for c in calls],
-            [r.model_version for r in replies],
+            prompt_length=len(calls[0].prompt_ids),
+            logprobs=logprobs,
+            mask=mask,
+            temperatures=[c.temperature for c in calls],
+            versions=[r.model_version for r in replies],
             truncated=replies[-1].truncated,
             mask_truncated=mask_truncated,
         )

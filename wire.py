@@ -144,7 +144,9 @@ def open_sender(
     }
     _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
     log.info("weight sync: %s group served on %s:%d (%s)", backend, host, port, Path(job_dir, GROUP_FILE))
-    return WeightLink(store, 0, backend, device, _timeout(timeout), Path(job_dir), resumed=resumed)
+    return WeightLink(
+        store, rank=0, backend=backend, device=device, timeout=_timeout(timeout), job_dir=Path(job_dir), resumed=resumed
+    )
 
 
 BUCKET_BYTES = 256 * 2**20  # tensors travel packed into buffers of up to this size (a larger tensor: its own)
@@ -301,7 +303,13 @@ def open_receiver(
                 if receivers is not None:
                     store.set(WORLD_KEY, str(1 + receivers))
                 return WeightLink(
-                    store, rank, backend, dev, _timeout(timeout), Path(job_dir), resumed=int(info.get("resumed", 0))
+                    store,
+                    rank=rank,
+                    backend=backend,
+                    device=dev,
+                    timeout=_timeout(timeout),
+                    job_dir=Path(job_dir),
+                    resumed=int(info.get("resumed", 0)),
                 )
             except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
                 why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]
