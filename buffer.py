@@ -84,7 +84,7 @@ class Experience:
     Trinity-RFT's Experience also has token_level_reward, returns, teacher_logprobs and chosen / rejected; they are
     left out because nothing here reads them, and a workflow that set one would see it ignored (now: a TypeError).
     The trainer places the scalar reward itself and computes the returns; a DPO pair is two experiences sharing a
-    group_id (models.dpo_experiences); no loss distils from a teacher. A DB written when they existed still reads:
+    group_id (source.dpo_experiences); no loss distils from a teacher. A DB written when they existed still reads:
     deserialise drops the tensors it no longer knows."""
 
     tokens: torch.Tensor  # [L] long, prompt + response token ids
