@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from buffer import Experience
+    from tasksets import Task
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_VLLM = ROOT / "tests" / "fake_vllm"
@@ -344,7 +345,49 @@ def mlflow_runs(uri: str) -> dict[str, str]:
     }
 
 
-# --- models, experiences and log-probs
+# --- tasks, models, experiences and log-probs
+
+
+def make_task(**fields) -> Task:
+    """A task with plain values (prompt "x", no messages, no workflow), `fields` replacing them."""
+    from configs.schema import GenerationConfig
+    from tasksets import Task
+
+    plain = dict(
+        taskset="t",
+        index=0,
+        epoch=0,
+        raw={},
+        prompt="x",
+        messages=None,
+        reference=None,
+        tools=None,
+        workflow="",
+        reward_fn="",
+        workflow_args={},
+        reward_fn_args={},
+        rollout_args=GenerationConfig(),
+        repeat_times=1,
+    )
+    return Task(**{**plain, **fields})
+
+
+def tool_task(**fields) -> Task:
+    """A tool_workflow task whose answer needs the calculator: 37 + 58 - 12 = 83, three turns at most."""
+    from configs.schema import GenerationConfig
+
+    question = "What is 37 + 58 - 12?"
+    tool = dict(
+        prompt=question,
+        messages=[{"role": "user", "content": question}],
+        reference="#### 83",
+        workflow="tool_workflow",
+        reward_fn="math_reward",
+        workflow_args={"max_turns": 3},
+        rollout_args=GenerationConfig(temperature=1.0),
+        repeat_times=3,
+    )
+    return make_task(**{**tool, **fields})
 
 
 def experiences(spec: list[tuple[int, list[int]]], seed: int = 0) -> list[Experience]:

@@ -14,9 +14,8 @@ from batching import group_advantages, step_batch
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
 from engines import Completion, EngineHandle, HFEngine, PromptTooLong
-from helpers import plain_logprobs
+from helpers import plain_logprobs, tool_task
 from models import load_model, load_tokenizer
-from tasksets import Task
 from workflows import build_workflow
 from workflows.episode import Episode, MixedTemperatures, reply_all, tool_message
 
@@ -261,26 +260,6 @@ def test_a_real_episode_gives_the_trainer_the_engines_log_probs(tiny_model_dir):
 
 
 # --- tool_workflow
-
-
-def tool_task(**over) -> Task:
-    fields = dict(
-        taskset="t",
-        index=0,
-        epoch=0,
-        raw={},
-        prompt="What is 37 + 58 - 12?",
-        messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}],
-        reference="#### 83",
-        tools=None,
-        workflow="tool_workflow",
-        reward_fn="math_reward",
-        workflow_args={"max_turns": 3},
-        reward_fn_args={},
-        rollout_args=GenerationConfig(temperature=1.0),
-        repeat_times=3,
-    )
-    return Task(**{**fields, **over})
 
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "37 + 58 - 12"}}</tool_call>'

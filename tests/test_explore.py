@@ -21,11 +21,10 @@ import wire
 import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
-from configs.schema import GenerationConfig
 from engines import EngineHandle, HFEngine, PromptTooLong
-from helpers import run_explorer, write_config
+from helpers import make_task, run_explorer, write_config
 from models import load_tokenizer
-from tasksets import Task, TaskReader, load_tasks
+from tasksets import TaskReader, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,27 +143,9 @@ class TooLong(workflows.Workflow):
         raise PromptTooLong("a prompt of 999 tokens exceeds model.max_prompt_tokens (16)")
 
 
-TASK = Task(
-    taskset="t",
-    index=0,
-    epoch=0,
-    raw={},
-    prompt="x",
-    messages=None,
-    reference=None,
-    tools=None,
-    workflow="",
-    reward_fn="",
-    workflow_args={},
-    reward_fn_args={},
-    rollout_args=GenerationConfig(),
-    repeat_times=1,
-)
-
-
 def test_an_over_long_prompt_fails_once_without_retries(monkeypatch):
     monkeypatch.setitem(workflows.WORKFLOWS, "too_long", TooLong)
-    exps, error = explore.run_task(dataclasses.replace(TASK, workflow="too_long"), None, timeout=10, retries=3)
+    exps, error = explore.run_task(make_task(workflow="too_long"), None, timeout=10, retries=3)
     assert (
         exps is None and "exceeds model.max_prompt_tokens" in error and TooLong.calls == 1
     )  # the same input: no retry
@@ -192,7 +173,7 @@ def test_an_abandoned_attempt_does_not_write_into_the_next_one(monkeypatch):
     attempt's closure binds its own result box; before, the late error landed in the next attempt's box and failed
     an attempt that had succeeded)."""
     monkeypatch.setitem(workflows.WORKFLOWS, "late_then_good", LateThenGood)
-    task = dataclasses.replace(TASK, workflow="late_then_good")
+    task = make_task(workflow="late_then_good")
     exps, error = explore.run_task(task, None, timeout=2, retries=1)
     assert LateThenGood.calls == 2 and error == "" and [x.reward for x in exps] == [1.0]
 

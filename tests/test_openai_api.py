@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines import EngineHandle, HFEngine
-from helpers import both_config, launch, plain_logprobs, rollout_logprob_gap, versions_by_step
+from helpers import both_config, launch, make_task, plain_logprobs, rollout_logprob_gap, versions_by_step
 from models import load_model
 from openai_api import OpenAIServer
 from workflows.episode import MixedTemperatures
@@ -522,8 +522,6 @@ def test_a_failed_workflows_sessions_are_freed(server, monkeypatch):
     history: the server keeps nothing of them."""
     import explore
     import workflows
-    from configs.schema import GenerationConfig
-    from tasksets import Task
 
     class Crashes(workflows.Workflow):
         def run(self):
@@ -535,22 +533,7 @@ def test_a_failed_workflows_sessions_are_freed(server, monkeypatch):
     handle = EngineHandle(server.handle.engine, server.handle.tokenizer, max_model_len=256)
     handle.api = server
     before = set(server.sessions)
-    task = Task(
-        taskset="t",
-        index=0,
-        epoch=0,
-        raw={},
-        prompt="x",
-        messages=None,
-        reference=None,
-        tools=None,
-        workflow="crashes",
-        reward_fn="",
-        workflow_args={},
-        reward_fn_args={},
-        rollout_args=GenerationConfig(),
-        repeat_times=1,
-    )
+    task = make_task(workflow="crashes")
     exps, error = explore.run_task(task, handle, timeout=60, retries=1)
     assert exps is None and "the workflow's own bug" in error
     assert set(server.sessions) == before and set(server.owners) <= before

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from configs.schema import GenerationConfig
 from engines import Completion, EngineHandle
+from helpers import tool_task
 from models import load_tokenizer
-from tasksets import Task
 from workflows import build_workflow
 from workflows.calculator import calculate
 from workflows.tool_use import CALCULATOR
@@ -358,22 +357,7 @@ def test_a_group_whose_model_sends_deeply_nested_json_is_scored_not_lost(tiny_mo
         tok,
         {"max_tokens": 200000},
     )
-    task = Task(
-        taskset="t",
-        index=0,
-        epoch=0,
-        raw={},
-        prompt="What is 37 + 58 - 12?",
-        messages=[{"role": "user", "content": "What is 37 + 58 - 12?"}],
-        reference="#### 83",
-        tools=None,
-        workflow="tool_workflow",
-        reward_fn="math_reward",
-        workflow_args={"max_turns": 3},
-        reward_fn_args={},
-        rollout_args=GenerationConfig(temperature=1.0),
-        repeat_times=2,
-    )
+    task = tool_task(repeat_times=2)
     exps = build_workflow(task, model).run()
     assert [e.reward for e in exps] == pytest.approx([1.1, 1.1])
     assert [(e.metrics["turns"], e.metrics["tool_calls"]) for e in exps] == [(2, 1), (1, 0)]

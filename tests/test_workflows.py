@@ -15,7 +15,7 @@ import torch
 from buffer import Experience
 from configs import ConfigError, from_dict
 from configs.schema import GenerationConfig
-from helpers import ROOT, constant_judge, write_config
+from helpers import ROOT, constant_judge, make_task, write_config
 from tasksets import Task
 from workflows import (
     REWARD_FNS,
@@ -199,29 +199,23 @@ def test_countdown_evaluator():
 # --- registries
 
 
-def make_task(workflow: str = "math_workflow", reward_fn: str = "math_reward", **overrides) -> Task:
+def math_task(workflow: str = "math_workflow", reward_fn: str = "math_reward", **overrides) -> Task:
     fields = dict(
-        taskset="t",
-        index=0,
-        epoch=0,
         raw={"question": "q", "answer": "#### 42"},
         prompt="q",
         messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}],
         reference="#### 42",
-        tools=None,
         workflow=workflow,
         reward_fn=reward_fn,
-        workflow_args={},
-        reward_fn_args={},
         rollout_args=GenerationConfig(temperature=0.7, top_p=0.9, max_tokens=64),
         repeat_times=3,
     )
-    return Task(**{**fields, **overrides})
+    return make_task(**{**fields, **overrides})
 
 
 @pytest.mark.parametrize("name", sorted(WORKFLOWS))
 def test_every_workflow_is_constructible(name):
-    wf = lookup("workflow", name)(make_task(name, ""), FakeModel([]), build_reward_fn("math_reward"))
+    wf = lookup("workflow", name)(math_task(name, ""), FakeModel([]), build_reward_fn("math_reward"))
     assert isinstance(wf, Workflow)
 
 
@@ -275,7 +269,7 @@ class FakeModel:
 
 def test_math_workflow_scores_each_response_and_passes_rollout_args():
     model = FakeModel(["6 * 7 = 42\n#### 42", "\\boxed{41}", "I think it is 42 or so"])
-    task = make_task(workflow_args={"system_prompt": "Think step by step."})
+    task = math_task(workflow_args={"system_prompt": "Think step by step."})
     exps = build_workflow(task, model).run()
     assert [e.reward for e in exps] == pytest.approx([1.1, 0.1, 0.9])
     assert [e.metrics for e in exps] == [
@@ -291,7 +285,7 @@ def test_math_workflow_scores_each_response_and_passes_rollout_args():
 
 
 def test_math_workflow_defaults_and_last_number_fallback_workflow_arg():
-    task = make_task(reward_fn="", workflow_args={"last_number_fallback": False})
+    task = math_task(reward_fn="", workflow_args={"last_number_fallback": False})
     exps = build_workflow(task, FakeModel(["I think it is 42"])).run()  # no reward_fn named: math_reward
     assert exps[0].metrics == {"accuracy": 0.0, "format_score": -0.1}
     assert task.messages[0] == {"role": "system", "content": "be brief"}  # the task is not mutated
@@ -299,17 +293,17 @@ def test_math_workflow_defaults_and_last_number_fallback_workflow_arg():
 
 def test_simple_workflow_uses_the_configured_reward_fn():
     model = FakeModel(["<answer>(3 + 5) * 2</answer>", "<answer>3 + 5 + 2</answer>"])
-    task = make_task("simple_workflow", "countdown_reward", reference=NUMS, repeat_times=2, messages=None)
+    task = math_task("simple_workflow", "countdown_reward", reference=NUMS, repeat_times=2, messages=None)
     exps = build_workflow(task, model).run()
     assert [e.reward for e in exps] == pytest.approx([1.0, 0.1])
     assert model.calls[0]["messages"] == [{"role": "user", "content": "q"}]
     with pytest.raises(ValueError, match="reward"):
-        lookup("workflow", "simple_workflow")(make_task("simple_workflow", ""), model, None).run()
+        lookup("workflow", "simple_workflow")(math_task("simple_workflow", ""), model, None).run()
 
 
 def test_countdown_workflow_builds_the_tinyzero_prompt():
     model = FakeModel(["<answer>(3 + 5) * 2</answer>", "<answer>3 * 5 + 2</answer>", "no idea"])
-    task = make_task(
+    task = math_task(
         "countdown_workflow",
         "countdown_reward",
         raw=dict(NUMS),
@@ -341,7 +335,7 @@ def test_random_reward_repeats_exactly_per_seed_task_and_run():
     the runs of one group draw their own, and another seed draws others."""
 
     def rewards(seed: int, index: int = 0) -> list[float]:
-        task = make_task("math_workflow", "random_reward", reward_fn_args={"seed": seed}, repeat_times=16, index=index)
+        task = math_task("math_workflow", "random_reward", reward_fn_args={"seed": seed}, repeat_times=16, index=index)
         return [e.reward for e in build_workflow(task, FakeModel(["#### 42"] * 16)).run()]
 
     first = rewards(1)
@@ -366,7 +360,7 @@ def test_a_tasksets_args_are_checked_once_and_draw_key_looked_up_once(monkeypatc
     args = {"system_prompt": f"be brief {os.getpid()} {time.time()}"}  # args this process has not checked yet
     built = [
         build_workflow(
-            make_task(
+            math_task(
                 "math_workflow",
                 "random_reward",
                 workflow_args=args,
@@ -384,9 +378,9 @@ def test_a_tasksets_args_are_checked_once_and_draw_key_looked_up_once(monkeypatc
     built[0].args.system_prompt = "changed"
     assert built[1].args.system_prompt == args["system_prompt"]  # a copy each
     with pytest.raises(ConfigError, match="workflow_args.max_turn: unknown key"):  # errors are not kept
-        build_workflow(make_task("tool_workflow", workflow_args={"max_turn": 2}), FakeModel([]))
+        build_workflow(math_task("tool_workflow", workflow_args={"max_turn": 2}), FakeModel([]))
     with pytest.raises(ConfigError, match="workflow_args.max_turn: unknown key"):
-        build_workflow(make_task("tool_workflow", workflow_args={"max_turn": 2}), FakeModel([]))
+        build_workflow(math_task("tool_workflow", workflow_args={"max_turn": 2}), FakeModel([]))
 
 
 # --- a user's own workflow and reward function, named in the YAML (no edit of the project)
@@ -407,7 +401,7 @@ class EchoWorkflow(Workflow):
 def test_a_workflow_and_reward_fn_from_the_users_own_file(tmp_path):
     path = tmp_path / "my_task.py"
     path.write_text(USER_FILE)
-    task = make_task(f"{path}:EchoWorkflow", f"{path}:shout_reward", reward_fn_args={"bonus": 0.5})
+    task = math_task(f"{path}:EchoWorkflow", f"{path}:shout_reward", reward_fn_args={"bonus": 0.5})
     exps = build_workflow(task, FakeModel(["HEY", "hey", "HO"])).run()
     assert [e.reward for e in exps] == [1.5, 0.5, 1.5] and exps[0].metrics == {"loud": 1.5}
     assert build_reward_fn("workflows.math:math_reward")("#### 4", "#### 4") == {"accuracy": 1.0, "format_score": 0.1}
@@ -511,13 +505,13 @@ def test_a_users_workflow_is_checked_against_the_args_it_declares_when_an_explor
         check_workflows(cfg)
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"times": "3"}
     check_workflows(cfg)
-    assert build_workflow(make_task(f"{path}:Declared", workflow_args={"times": "3"}), FakeModel([])).args.times == 3
+    assert build_workflow(math_task(f"{path}:Declared", workflow_args={"times": "3"}), FakeModel([])).args.times == 3
     with pytest.raises(ConfigError, match=r"^taskset t: workflow_args\.tims: unknown key"):  # a task row's workflow
-        build_workflow(make_task(f"{path}:Declared", workflow_args={"tims": 3}), FakeModel([]))
+        build_workflow(math_task(f"{path}:Declared", workflow_args={"tims": 3}), FakeModel([]))
     cfg.buffer.explorer_input.tasksets[0].default_workflow_type = f"{path}:Free"
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"anything": [1, 2]}
     check_workflows(cfg)
-    assert build_workflow(make_task(f"{path}:Free", workflow_args={"anything": [1]}), FakeModel([])).args == {
+    assert build_workflow(math_task(f"{path}:Free", workflow_args={"anything": [1]}), FakeModel([])).args == {
         "anything": [1]
     }
 
@@ -637,7 +631,7 @@ class Judge(FakeModel):
 def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
     model = FakeModel(["#### 42", "#### 41"])
     model.auxiliary = {"judge-7b": Judge(["ok. Score: 10", "hmm", "wrong. Score: 2"])}
-    exps = build_workflow(make_task("llm_judge_workflow", "", repeat_times=2), model).run()
+    exps = build_workflow(math_task("llm_judge_workflow", "", repeat_times=2), model).run()
     assert [e.reward for e in exps] == [1.0, 0.2] and exps[1].metrics == {"judge": 0.2}
     calls = model.auxiliary["judge-7b"].calls
     # the group's responses in one generate() call; "hmm" had no grade: asked again, alone, sampled
@@ -646,10 +640,10 @@ def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
     assert calls[1]["prompts"] == calls[0]["prompts"][1:]
     model.auxiliary = {"judge-7b": Judge(["fine", "fine", "fine"])}
     with pytest.raises(JudgeError, match=r"after 3 replies: no `Score: N` in the judge's reply 'fine'"):
-        build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
+        build_workflow(math_task("llm_judge_workflow", "", repeat_times=1), model).run()
     model.auxiliary = {}
     with pytest.raises(ValueError, match="needs a judge in explorer.auxiliary_models"):
-        build_workflow(make_task("llm_judge_workflow", "", repeat_times=1), model).run()
+        build_workflow(math_task("llm_judge_workflow", "", repeat_times=1), model).run()
 
 
 @pytest.mark.slow
@@ -702,5 +696,5 @@ def test_the_judge_reads_the_question_of_a_messages_taskset():
         {"role": "assistant", "content": "#### 2"},
         {"role": "user", "content": "And 6 x 7?"},
     ]
-    build_workflow(make_task("llm_judge_workflow", "", repeat_times=1, prompt=None, messages=messages), model).run()
+    build_workflow(math_task("llm_judge_workflow", "", repeat_times=1, prompt=None, messages=messages), model).run()
     assert "Question: And 6 x 7?\n" in model.auxiliary["judge"].calls[0]["prompts"][0]
