@@ -45,6 +45,31 @@ ROOT = Path(__file__).resolve().parents[1]
 # --- pieces
 
 
+def bare_parts(cfg, device: torch.device, tokenizer, actor) -> train.Parts:
+    """Parts of a 4-step run on rank 0 of 1 with `actor` and nothing else built (no optimizer, reference, critic,
+    data source, sender or monitor): what publish / engine_dtype / saves read."""
+    return train.Parts(
+        cfg=cfg,
+        rank=0,
+        world=1,
+        device=device,
+        tokenizer=tokenizer,
+        actor=actor,
+        optim=None,
+        ref=None,
+        critic=None,
+        critic_optim=None,
+        pieces={"advantage_fn": None},
+        kl_coef={},
+        source=None,
+        total=4,
+        resume=0,
+        temperatures={},
+        sender=None,
+        monitor=None,
+    )
+
+
 def test_units_and_micro_batches_respect_the_token_budget():
     batch = batching.step_batch(experiences([(10, [5, 7, 3]), (20, [30]), (4, [2, 2])]), width=8)
     assert batch["responses"].shape == (6, 30)  # T = max(width, the longest response)
@@ -279,26 +304,7 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
     monkeypatch.setattr(train.sync, "full_state", lambda m: dict(m.state_dict()))  # no process group here
     cfg.synchronizer.sync_method = "checkpoint"
     actor = types.SimpleNamespace(model=model)
-    p = train.Parts(
-        cfg,
-        0,
-        1,
-        torch.device("cuda"),
-        load_tokenizer(tiny_model_dir),
-        actor,
-        None,
-        None,
-        None,
-        None,
-        {"advantage_fn": None},
-        {},
-        None,
-        4,
-        0,
-        {},
-        None,
-        None,
-    )
+    p = bare_parts(cfg, torch.device("cuda"), load_tokenizer(tiny_model_dir), actor)
     assert p.engine_dtype == torch.bfloat16 and [s for s in range(1, 5) if p.saves(s)] == [2, 4]
     for step in (1, 2):
         assert train.publish(p, step) is not None
@@ -761,26 +767,7 @@ def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weig
     cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, 128  # publishes 1..3
     model = load_model(tiny_model_dir)
     monkeypatch.setattr(train.sync, "full_state", lambda m: dict(m.state_dict()))  # no process group here
-    p = train.Parts(
-        cfg,
-        0,
-        1,
-        torch.device("cpu"),
-        load_tokenizer(tiny_model_dir),
-        types.SimpleNamespace(model=model),
-        None,
-        None,
-        None,
-        None,
-        {"advantage_fn": None},
-        {},
-        None,
-        4,
-        0,
-        {},
-        None,
-        None,
-    )
+    p = bare_parts(cfg, torch.device("cpu"), load_tokenizer(tiny_model_dir), types.SimpleNamespace(model=model))
     assert train.publish(p, 1) is not None and sync.latest_version(tmp_path) == 1
 
     def failing(folder, **kwargs):
