@@ -51,7 +51,8 @@ from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from openai_api import OpenAIServer
 from tasksets import Task, TaskReader, load_tasks, total_steps
-from workflows import build_workflow, check_args
+from workflows import build_workflow
+from workflows.args import check_tasksets
 
 log = logging.getLogger("nanorft.explore")
 
@@ -191,28 +192,11 @@ class Explorer:
     steps: int  # the last step
 
 
-def check_workflows(cfg: configs.Config) -> None:
-    """Each taskset's workflow and reward function exist, and take its workflow_args and reward_fn_args, before any
-    work is done: a ConfigError naming the key otherwise (a name in a task row, format.workflow_key, is checked per
-    task). The user's own code (`module:attr`) is imported and checked here; the config loader checked the rest."""
-    for key in ("tasksets", "eval_tasksets"):
-        for i, ts in enumerate(getattr(cfg.buffer.explorer_input, key)):
-            where = f"buffer.explorer_input.{key}[{i}]"
-            runs = cfg.mode != "bench" or key == "eval_tasksets"
-            if runs and not ts.default_workflow_type and not ts.format.workflow_key:
-                raise configs.ConfigError(
-                    f"{where} ({ts.name}): no workflow runs these tasks: set "
-                    "buffer.default_workflow_type, the taskset's default_workflow_type (e.g. "
-                    "math_workflow), or a format.workflow_key column"
-                )
-            check_args(ts, where)
-
-
 def set_up(cfg: configs.Config) -> Explorer:
     """DB and saved position, engine (with the newest published weights), runners, monitor, eval tasks."""
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     monitor = Monitor(cfg, role=name)  # first: it opens the log file that set-up's records go to
-    check_workflows(cfg)
+    check_tasksets(cfg)
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
     tokenizer = config_tokenizer(cfg.model)
@@ -388,7 +372,7 @@ def bench(cfg: configs.Config) -> int:
     """Evaluate the starting model, or every checkpoint (the newest only with bench_on_latest_checkpoint)."""
     monitor = Monitor(cfg, role=f"{cfg.explorer.name}_bench")  # first: it opens the log file set-up's records go to
     targets = bench_targets(cfg)
-    check_workflows(cfg)
+    check_tasksets(cfg)
     rm = cfg.explorer.rollout_model
     with bench_weights(cfg, targets[0][1]) as first:
         engine = make_engine(rm, first, rm.max_model_len, cfg.model.repetition_penalty)

@@ -60,6 +60,7 @@ from monitor import (
     prepare_mlflow,
     read_history,
 )
+from workflows.args import check_tasksets
 
 log = logging.getLogger("nanorft.launch")
 HERE = Path(__file__).resolve().parent
@@ -489,6 +490,7 @@ def run(cfg: configs.Config) -> int:
         cfg = fresh_name(cfg)
         resolved = configs.resolve_stages(cfg)
         for stage in resolved:  # every stage valid, with the GPUs it needs, before anything starts
+            check_tasksets(stage, user_code=False)  # workflow_args / reward_fn_args (the explorer checks user code)
             commands(stage, Path())
         # monitor_type mlflow: one store for the run, its experiment created once, before any process starts
         prepare_mlflow(resolved, run_dir(cfg, resolved))

@@ -187,16 +187,11 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
     runs = c.mode in ("both", "explore") or (c.mode == "bench" and kind == "eval_taskset")
     if runs and not ts.default_workflow_type and not ts.format.workflow_key:
         # NOTE: a warning here (Trinity's grpo / ppo examples name no workflow and must load); explore.py refuses
-        # to start with it (check_workflows)
+        # to start with it (workflows.args.check_tasksets)
         _warn_once(
             f"config: {where}.default_workflow_type is empty, as are buffer.default_workflow_type and "
             f"{where}.format.workflow_key: no workflow runs these tasks, and an explorer refuses to start"
         )
-    if runs:
-        # NOTE: imported here: workflows/ imports the engines (transformers, ~1.5 s) and configs/ itself
-        from workflows.args import check_args
-
-        ts.workflow_args, ts.reward_fn_args = check_args(ts, where, user_code=False)
     r = ts.rollout_args
     r.temperature = m.temperature if r.temperature is None else r.temperature
     r.top_p = m.top_p if r.top_p is None else r.top_p
@@ -205,36 +200,14 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
     r.max_tokens = m.max_response_tokens if r.max_tokens is None else r.max_tokens
 
 
-def _check_step_wise(c: Config) -> None:
-    """A step-wise taskset (workflow_args.step_wise: one experience per turn) and the advantage fn must match: turns
-    normalised as responses of their own weigh an episode by its number of turns. step_wise_grpo's advantages are
-    computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS), where the trainer's reward shaping cannot reach them."""
-    a, sets = c.algorithm, c.buffer.explorer_input.tasksets
-    step_wise = [
-        f"buffer.explorer_input.tasksets[{i}] ({ts.name})"
-        for i, ts in enumerate(sets)
-        if ts.workflow_args.get("step_wise")
-    ]
-    if step_wise and a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
-        raise ConfigError(
-            f"{', '.join(step_wise)}: workflow_args.step_wise writes one experience per turn, which "
-            f"algorithm.advantage_fn {a.advantage_fn} would normalise as responses of their own (an "
-            "episode weighing as many times as it has turns); use algorithm_type multi_step_grpo "
-            "(advantage_fn step_wise_grpo)"
-        )
-    if a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
-        return
-    if a.kl_penalty_fn != "none" or a.overlong_reward.enable:
+def _check_explorer_advantages(a: AlgorithmConfig) -> None:
+    """step_wise_grpo's advantages are computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS), where the trainer's
+    reward shaping cannot reach them (workflows.args.check_step_wise: the tasksets that must match it)."""
+    if a.advantage_fn in EXPLORER_ADVANTAGE_FNS and (a.kl_penalty_fn != "none" or a.overlong_reward.enable):
         raise ConfigError(
             f"algorithm.advantage_fn {a.advantage_fn} is computed in the explorer from the rewards, "
             "where the trainer's reward shaping cannot reach it: algorithm.kl_penalty_fn must be none "
             "and algorithm.overlong_reward.enable false (a KL loss, kl_loss_fn, is fine)"
-        )
-    if sets and not step_wise and c.mode in ("both", "explore"):
-        _warn_once(
-            f"config: algorithm.advantage_fn {a.advantage_fn} with no taskset setting workflow_args.step_wise: "
-            "unless the workflow writes one experience per turn itself (info['episode']), this is GRPO over "
-            "whole episodes"
         )
 
 
@@ -468,7 +441,7 @@ def derive(cfg: Config) -> Config:
     _derive_token_limits(c.model)
     _derive_synchronizer(c, preset)
     _derive_tasksets(c)
-    _check_step_wise(c)
+    _check_explorer_advantages(c.algorithm)
     _derive_paths(c, preset)
     _derive_trainer_explorer(c)
     _derive_cluster(c)

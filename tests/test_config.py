@@ -16,6 +16,7 @@ import configs
 import launch
 from configs import ConfigError, cli, derive, from_dict, normalize, read_yaml, resolve_stages, to_yaml
 from configs.schema import Config
+from workflows.args import check_step_wise, check_tasksets
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
@@ -269,6 +270,13 @@ def test_a_vllm_auxiliary_model_starts_after_the_gpus_the_split_gave_the_rollout
 
 
 def test_step_wise_workflows_and_the_advantage_fn_must_match(tmp_path, caplog):
+    """Checked with the workflow args (workflows.args.check_tasksets, as the launcher and the explorer start)."""
+
+    def derive(cfg):
+        (stage,) = resolve_stages(cfg)
+        check_step_wise(stage)
+        return stage
+
     step_wise = MINIMAL.replace("path: data/x", "path: data/x\n      workflow_args: {step_wise: true}")
     assert "step_wise: true" in step_wise
     with pytest.raises(
@@ -927,7 +935,6 @@ def test_what_the_launcher_accepts_its_children_accept(tmp_path):
 
 
 def test_a_taskset_without_a_workflow_is_warned_at_load_and_refused_when_an_explorer_starts(tmp_path, caplog):
-    from explore import check_workflows
 
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", write(tmp_path, MINIMAL)])[0])
@@ -936,8 +943,8 @@ def test_a_taskset_without_a_workflow_is_warned_at_load_and_refused_when_an_expl
         "and buffer.explorer_input.taskset.format.workflow_key"
     ) in caplog.text
     with pytest.raises(ConfigError, match=r"tasksets\[0\] \(taskset_0\): no workflow runs these tasks"):
-        check_workflows(cfg)
+        check_tasksets(cfg)
     (cfg,) = resolve_stages(
         cli(["--config", write(tmp_path, MINIMAL), "--buffer.default_workflow_type", "math_workflow"])[0]
     )
-    check_workflows(cfg)
+    check_tasksets(cfg)

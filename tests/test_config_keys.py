@@ -23,6 +23,7 @@ from configs.loader import ALIASES, IGNORED, VERL_MAP
 from configs.schema import Config
 from schema_reads import ARG_FIELD_PATHS, FIELD_PATHS, args_path, read_paths
 from workflows import WORKFLOWS
+from workflows.args import check_tasksets
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = sorted((ROOT / "tests/data/reference_configs").glob("*.yaml"))
@@ -616,6 +617,7 @@ def test_large_values_a_real_run_uses_are_accepted():
 def load_workflow(name: str, **taskset: Any) -> Config:
     overrides = {"buffer": {"default_workflow_type": name, "explorer_input": {"taskset": taskset}}}
     (stage,) = resolve_stages(from_dict(Config, normalize(merged(overrides))))
+    check_tasksets(stage, user_code=False)  # as the launcher does before any process starts
     return stage
 
 
@@ -636,7 +638,7 @@ def test_each_workflows_args_are_checked_by_name_when_the_config_loads(name):
     unknown key with the closest valid one, a value of another type, out of range or of 2**31 and more; the defaults
     load, and values are coerced to the field's type (the processes read them typed)."""
     cls = WORKFLOWS[name].Args
-    where = r"^buffer\.explorer_input\.taskset\.workflow_args\."
+    where = r"^buffer\.explorer_input\.tasksets\[0\]\.workflow_args\."  # `taskset:` is tasksets[0] once derived
     fields = dataclasses.fields(cls)
     last = fields[-1].name
     with pytest.raises(ConfigError, match=where + rf"{last}s: unknown key; did you mean {last}\?"):
@@ -664,7 +666,7 @@ def test_reward_fn_args_are_checked_by_name_when_the_config_loads(caplog):
     """A taskset's reward_fn_args against its reward function's keyword arguments and their annotations (the named one,
     or its workflow's default): unknown keys, types, non-finite numbers; a judge's taskset is told that a reward
     function has no effect there."""
-    where = r"^buffer\.explorer_input\.taskset\."
+    where = r"^buffer\.explorer_input\.tasksets\[0\]\."
     for reward in ("math_reward", ""):  # "": math_workflow's default, math_reward
         with pytest.raises(ConfigError, match=where + "reward_fn_args.format_scor: unknown key; did you mean format_s"):
             load_workflow("math_workflow", default_reward_fn_type=reward, reward_fn_args={"format_scor": 0.2})
@@ -682,7 +684,8 @@ def test_reward_fn_args_are_checked_by_name_when_the_config_loads(caplog):
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         load_workflow("llm_judge_workflow", default_reward_fn_type="math_reward")
     assert (
-        "taskset.default_reward_fn_type = 'math_reward': has no effect: llm_judge_workflow grades the responses itself"
+        "tasksets[0].default_reward_fn_type = 'math_reward': has no effect: llm_judge_workflow grades the responses "
+        "itself"
     ) in caplog.text
 
 
@@ -812,7 +815,6 @@ def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children
     user's --config is: a ConfigError naming the key, or a config that every process the launcher starts loads back
     identically from the YAML the launcher writes (every tenth through the real cli(): tyro included). An unknown
     key that loads is named by a warning (trainer_config, monitor_args) or sits in a free-form mapping."""
-    from explore import check_workflows  # an explorer's own refusals at start (reward_fn_args)
 
     monkeypatch.setenv("HOME", "/home/user")
     raw, f = yaml.safe_load(path.read_text()), tmp_path / "mutated.yaml"
@@ -828,7 +830,7 @@ def test_mutating_a_config_file_is_refused_by_name_or_loads_back_in_the_children
                     stages = resolve_stages(from_dict(Config, normalize(read_yaml(f))))
                     for stage in stages:
                         if stage.mode != "train":
-                            check_workflows(stage)
+                            check_tasksets(stage)
                 if value is UNKNOWN and UNKNOWN not in caplog.text and where[-1] not in FREE_FORM:
                     silent.append(f"{name}: {UNKNOWN} accepted without a word")
             except ConfigError as e:

@@ -480,7 +480,7 @@ def test_a_users_workflow_is_checked_against_the_args_it_declares_when_an_explor
     when an explorer starts (the config loader imports no user code) and as each task's workflow is built; one that
     declares none gets task.workflow_args as they are."""
     import configs
-    from explore import check_workflows
+    from workflows.args import check_tasksets
 
     path = tmp_path / "declared.py"
     path.write_text(ARGS_FILE)
@@ -499,18 +499,18 @@ def test_a_users_workflow_is_checked_against_the_args_it_declares_when_an_explor
         match=r"^buffer\.explorer_input\.tasksets\[0\]\.workflow_args\.tims: unknown key; "
         "did you mean times",
     ):
-        check_workflows(cfg)
+        check_tasksets(cfg)
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"times": 0}
     with pytest.raises(ConfigError, match=r"workflow_args\.times: 0 is out of range; allowed: >= 1"):
-        check_workflows(cfg)
+        check_tasksets(cfg)
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"times": "3"}
-    check_workflows(cfg)
+    check_tasksets(cfg)
     assert build_workflow(math_task(f"{path}:Declared", workflow_args={"times": "3"}), FakeModel([])).args.times == 3
     with pytest.raises(ConfigError, match=r"^taskset t: workflow_args\.tims: unknown key"):  # a task row's workflow
         build_workflow(math_task(f"{path}:Declared", workflow_args={"tims": 3}), FakeModel([]))
     cfg.buffer.explorer_input.tasksets[0].default_workflow_type = f"{path}:Free"
     cfg.buffer.explorer_input.tasksets[0].workflow_args = {"anything": [1, 2]}
-    check_workflows(cfg)
+    check_tasksets(cfg)
     assert build_workflow(math_task(f"{path}:Free", workflow_args={"anything": [1]}), FakeModel([])).args == {
         "anything": [1]
     }
@@ -575,28 +575,28 @@ def test_user_code_outside_the_repository_runs_in_the_explorer(tmp_path, tiny_mo
 
 def test_the_explorer_names_a_workflow_or_reward_fn_that_does_not_exist_before_any_work():
     import configs
-    from explore import check_workflows
+    from workflows.args import check_tasksets
 
     cfg = configs.Config()
     ts = configs.TasksetConfig(
         name="arith", default_workflow_type="math_workflow", default_reward_fn_type="math_reward"
     )
     cfg.buffer.explorer_input.tasksets = [ts]
-    check_workflows(cfg)
+    check_tasksets(cfg)
     ts.default_workflow_type = "math_workflw"
     with pytest.raises(
         configs.ConfigError,
         match=r"tasksets\[0\].default_workflow_type: unknown workflow "
         r"'math_workflw'\. Did you mean 'math_workflow'\?",
     ):
-        check_workflows(cfg)
+        check_tasksets(cfg)
     ts.default_workflow_type, ts.reward_fn_args = "math_workflow", {"last_number_fallbak": False}
     with pytest.raises(
         configs.ConfigError,
         match=r"tasksets\[0\].reward_fn_args.last_number_fallbak: unknown key; "
         "did you mean last_number_fallback",
     ):
-        check_workflows(cfg)
+        check_tasksets(cfg)
 
 
 # --- an auxiliary model as a judge

@@ -11,9 +11,9 @@ naming the key:
     buffer.explorer_input.taskset.workflow_args.max_turn: unknown key; did you mean max_turns?
 
 A reward function declares its args by its keyword arguments and their annotations (reward_args_class).
-Checked once when the config is derived (configs/resolve.py: the registered workflows and reward functions; the config
-loader imports none of the user's code), again when an explorer starts (explore.check_workflows: the user's own
-`module:attr` too), and as each task's workflow is built (a task row may name its workflow: format.workflow_key); the
+Checked by `check_tasksets` before any process starts (launch.py: the registered workflows and reward functions; the
+launcher imports none of the user's code), again when an explorer starts (the user's own `module:attr` too), and as
+each task's workflow is built (a task row may name its workflow: format.workflow_key); the
 same args are checked once per process (`memo`), so the tasks of a taskset pay nothing for it.
 A user's workflow that declares no Args, or a reward function that takes **kwargs, gets its args unchecked.
 """
@@ -29,9 +29,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import workflows  # NOTE: the package, still being initialised when it imports this module: used at call time only
+from algos import EXPLORER_ADVANTAGE_FNS
 from configs.checks import _warn_once, check_ranges
 from configs.loader import from_dict
-from configs.schema import TasksetConfig
+from configs.schema import Config, TasksetConfig
 from errors import ConfigError
 
 RewardFn = Callable[..., dict[str, float]]
@@ -174,3 +175,49 @@ def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[d
             raise ConfigError(f"{where}.default_reward_fn_type: {e.args[0]}") from None
         rargs = reward_args(fn, rf, rargs, f"{where}.reward_fn_args")
     return wargs, rargs
+
+
+def check_tasksets(cfg: Config, user_code: bool = True) -> None:
+    """Each taskset that runs has a workflow, and its workflow and reward function exist and take its workflow_args and
+    reward_fn_args (coerced in place to their types): a ConfigError naming the key otherwise. A name in a task row
+    (format.workflow_key) is checked per task. With `user_code` False (the launcher) the user's own `module:attr` is
+    not imported; the explorer checks it as it starts.
+    NOTE: here, not in configs/resolve.py: configs/ imports nothing of workflows/ (which imports configs/)."""
+    for key in ("tasksets", "eval_tasksets"):
+        for i, ts in enumerate(getattr(cfg.buffer.explorer_input, key)):
+            where = f"buffer.explorer_input.{key}[{i}]"
+            runs = cfg.mode in ("both", "explore") or (cfg.mode == "bench" and key == "eval_tasksets")
+            if not runs:
+                continue
+            if not ts.default_workflow_type and not ts.format.workflow_key:
+                raise ConfigError(
+                    f"{where} ({ts.name}): no workflow runs these tasks: set buffer.default_workflow_type, the "
+                    "taskset's default_workflow_type (e.g. math_workflow), or a format.workflow_key column"
+                )
+            ts.workflow_args, ts.reward_fn_args = check_args(ts, where, user_code)
+    check_step_wise(cfg)
+
+
+def check_step_wise(c: Config) -> None:
+    """A step-wise taskset (workflow_args.step_wise: one experience per turn) and the advantage fn must match: turns
+    normalised as responses of their own weigh an episode by its number of turns. step_wise_grpo's advantages are
+    computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS)."""
+    a, sets = c.algorithm, c.buffer.explorer_input.tasksets
+    step_wise = [
+        f"buffer.explorer_input.tasksets[{i}] ({ts.name})"
+        for i, ts in enumerate(sets)
+        if ts.workflow_args.get("step_wise")
+    ]
+    if step_wise and a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
+        raise ConfigError(
+            f"{', '.join(step_wise)}: workflow_args.step_wise writes one experience per turn, which "
+            f"algorithm.advantage_fn {a.advantage_fn} would normalise as responses of their own (an "
+            "episode weighing as many times as it has turns); use algorithm_type multi_step_grpo "
+            "(advantage_fn step_wise_grpo)"
+        )
+    if sets and a.advantage_fn in EXPLORER_ADVANTAGE_FNS and not step_wise and c.mode in ("both", "explore"):
+        _warn_once(
+            f"config: algorithm.advantage_fn {a.advantage_fn} with no taskset setting workflow_args.step_wise: "
+            "unless the workflow writes one experience per turn itself (info['episode']), this is GRPO over "
+            "whole episodes"
+        )
