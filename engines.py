@@ -40,8 +40,8 @@ from transformers import DynamicCache
 
 from buffer import Experience
 from configs.resolve import explorer_gpu_plan
-from models import load_model, load_tokenizer, with_template
-from sampling import Batcher, Completion, SamplingParams, collect, eos_ids
+from models import eos_ids, load_model, load_tokenizer, with_template
+from sampling import Batcher, Completion, PromptTooLong, SamplingParams, collect, scored_temperature
 
 log = logging.getLogger("nanorft.engines")
 
@@ -371,10 +371,6 @@ def make_engine(
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed")
 
 
-class PromptTooLong(ValueError):
-    """A prompt over model.max_prompt_tokens with model.enable_prompt_truncation off (the runner does not retry it)."""
-
-
 class EngineHandle:
     """What a workflow gets as its model (workflows.ModelHandle is the part it may call): an engine with its tokenizer
     and request defaults; chat / generate return buffer.Experience, no access to the weights.
@@ -506,12 +502,6 @@ class EngineHandle:
             [experience(x, c, scored_temperature(params), p, cut) for c in f.result()]
             for p, (x, cut), f in zip(prompts, encoded, futures)
         ]
-
-
-def scored_temperature(params: SamplingParams) -> float:
-    """The temperature the trainer scores a response at: its sampling temperature, 1.0 for greedy requests (whose
-    log-probs the engines take at 1.0)."""
-    return params.temperature if params.temperature > 0 else 1.0
 
 
 def experience(

@@ -46,10 +46,10 @@ import sync
 from batching import group_advantages
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
-from engines import EngineHandle, PromptTooLong, auxiliary_handles, make_engine, rollout_handle
+from engines import EngineHandle, auxiliary_handles, make_engine, rollout_handle
 from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
-from openai_api import OpenAIServer
+from sampling import PromptTooLong
 from tasksets import Task, TaskReader, load_tasks, total_steps
 from workflows import build_workflow
 from workflows.args import check_tasksets
@@ -235,6 +235,9 @@ def with_extras(cfg: configs.Config, handle: EngineHandle) -> EngineHandle:
     handle.auxiliary = auxiliary_handles(cfg)
     rm = cfg.explorer.rollout_model
     if rm.enable_openai_api:
+        # NOTE: imported here: fastapi and uvicorn cost ~0.5 s of CPU at import, for the explorers that serve the API
+        from openai_api import OpenAIServer
+
         handle.api = OpenAIServer(
             handle,
             cfg.model.model_path,

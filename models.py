@@ -37,6 +37,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForTokenClassification,
     AutoTokenizer,
+    GenerationConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
@@ -240,3 +241,23 @@ def fingerprint(path: str, tokenizer: PreTrainedTokenizerBase) -> dict:
         ensure_ascii=False,
     )
     return {**{k: config.get(k) for k in ARCH_KEYS}, "tokenizer_sha256": hashlib.sha256(text.encode()).hexdigest()[:16]}
+
+
+def eos_ids(tokenizer: PreTrainedTokenizerBase, generation_config: GenerationConfig | None) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and the generation config's eos_token_id (an id or a list;
+    Qwen2.5-Instruct's are <|im_end|> and <|endoftext|>), on any of which transformers' generate and vLLM stop."""
+    gen_eos = getattr(generation_config, "eos_token_id", None)
+    gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
+    return sorted({tokenizer.eos_token_id, *gen_eos} - {None})
+
+
+def generation_config(path: str) -> GenerationConfig | None:
+    """The generation config a model folder loads with, in transformers as in vLLM (generation_config "auto"): its
+    generation_config.json, else one made from its config.json; None when neither reads."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        try:
+            return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
+        except (OSError, ValueError):
+            return None

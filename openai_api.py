@@ -56,7 +56,8 @@ from pydantic import BaseModel, ConfigDict
 
 from buffer import Experience
 from configs.checks import MIN_TEMPERATURE, loopback
-from engines import experience, scored_temperature
+from engines import experience
+from sampling import scored_temperature
 from workflows.episode import conversation_experience
 from workflows.tools import parse_tool_calls
 

@@ -23,8 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import AutoConfig, GenerationConfig
-
 from configs.checks import MIN_TEMPERATURE  # below it (but 0, greedy) logits / T overflow: NaN log-probs
 
 log = logging.getLogger("nanorft.sampling")
@@ -199,21 +197,11 @@ def collect(batcher: Batcher, prompt_ids: list[list[int]], params: list[Sampling
     return [f.result() for f in [batcher.submit(x, p) for x, p in zip(prompt_ids, params)]]
 
 
-def eos_ids(tokenizer: Any, generation_config: GenerationConfig | None) -> list[int]:
-    """The ids that end a response: the tokenizer's EOS and the generation config's eos_token_id (an id or a list;
-    Qwen2.5-Instruct's are <|im_end|> and <|endoftext|>), on any of which transformers' generate and vLLM stop."""
-    gen_eos = getattr(generation_config, "eos_token_id", None)
-    gen_eos = [] if gen_eos is None else [gen_eos] if isinstance(gen_eos, int) else list(gen_eos)
-    return sorted({tokenizer.eos_token_id, *gen_eos} - {None})
+class PromptTooLong(ValueError):
+    """A prompt over model.max_prompt_tokens with model.enable_prompt_truncation off (the runner does not retry it)."""
 
 
-def generation_config(path: str) -> GenerationConfig | None:
-    """The generation config a model folder loads with, in transformers as in vLLM (generation_config "auto"): its
-    generation_config.json, else one made from its config.json; None when neither reads."""
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:
-        try:
-            return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path))
-        except (OSError, ValueError):
-            return None
+def scored_temperature(params: SamplingParams) -> float:
+    """The temperature the trainer scores a response at: its sampling temperature, 1.0 for greedy requests (whose
+    log-probs the engines take at 1.0)."""
+    return params.temperature if params.temperature > 0 else 1.0

@@ -44,8 +44,8 @@ import torch
 from safetensors import safe_open
 
 import wire
-from models import load_tokenizer
-from sampling import Batcher, Completion, SamplingParams, check_request, eos_ids, generation_config
+from models import eos_ids, generation_config, load_tokenizer
+from sampling import Batcher, Completion, SamplingParams, check_request
 
 log = logging.getLogger("nanorft.vllm_engine")
 EXTENSION = "vllm_engine.WeightReceiver"

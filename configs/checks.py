@@ -149,7 +149,7 @@ HOST = (lambda v: isinstance(v, str) and v != "" and not any(ch.isspace() for ch
 # fail past ~9.2e9 s).
 INT_LIMIT, MAX_SECONDS = 2**31, 1e9
 SECONDS = _num(lambda v: 0 < v <= MAX_SECONDS, f"> 0 and <= {MAX_SECONDS:g} (seconds)")
-# NOTE: 0 samples greedily (both engines; the trainer then scores at 1.0: engines.scored_temperature). Below
+# NOTE: 0 samples greedily (both engines; the trainer then scores at 1.0: sampling.scored_temperature). Below
 # MIN_TEMPERATURE, vLLM samples at 0.01 whatever is asked (its _MAX_TEMP: logits / temperature overflow below it)
 # while the trainer would score at the asked temperature, and the HF engine's and the trainer's logits / 1e-40 are
 # inf and NaN: every step warned about, nothing trained.

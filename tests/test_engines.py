@@ -13,8 +13,9 @@ import torch
 import batching
 import source
 from configs.schema import InferenceModelConfig, ModelConfig
-from engines import Completion, EngineHandle, HFEngine, PromptTooLong, SamplingParams, make_engine
+from engines import Completion, EngineHandle, HFEngine, make_engine
 from models import config_tokenizer, load_model
+from sampling import PromptTooLong, SamplingParams
 from tiny import CHAT_TEMPLATE as tiny_chat_template
 from tiny import build
 

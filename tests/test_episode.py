@@ -13,9 +13,10 @@ from algos.utils import BatchError
 from batching import group_advantages, step_batch
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
-from engines import Completion, EngineHandle, HFEngine, PromptTooLong
+from engines import Completion, EngineHandle, HFEngine
 from helpers import plain_logprobs, tool_task
 from models import load_model, load_tokenizer
+from sampling import PromptTooLong
 from workflows import build_workflow
 from workflows.episode import Episode, MixedTemperatures, reply_all, tool_message
 

@@ -21,9 +21,10 @@ import wire
 import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
-from engines import EngineHandle, HFEngine, PromptTooLong
+from engines import EngineHandle, HFEngine
 from helpers import make_task, run_explorer, write_config
 from models import load_tokenizer
+from sampling import PromptTooLong
 from tasksets import TaskReader, load_tasks
 
 ROOT = Path(__file__).resolve().parents[1]

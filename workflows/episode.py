@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from buffer import Experience
-from engines import PromptTooLong, scored_temperature
+from sampling import PromptTooLong, scored_temperature
 from workflows.tools import Tool, ToolCall, parse_tool_calls, run_tool, tool_message  # noqa: F401 (re-exported)
 
 _PROBE = [{"role": "user", "content": "?"}]  # a conversation to render new messages after
@@ -78,7 +78,7 @@ class Episode:
         self.mask: list[bool] = []  # True where the model sampled the token
         self.turns: list[tuple[int, int]] = []  # [start, end) of each assistant turn's sampled tokens in self.ids
         self.texts: list[str] = []  # each assistant turn's text, as sampled
-        self.temperatures: list[float] = []  # each turn's scoring temperature (engines.scored_temperature)
+        self.temperatures: list[float] = []  # each turn's scoring temperature (sampling.scored_temperature)
         self.versions: list[int] = []
         self.done, self.truncated, self.pending = False, False, 1.0
         self.closing, self.eos = self._closing(), set(model.eos_ids)
