@@ -157,7 +157,8 @@ def cpu_split() -> tuple[int, int]:
     NOTE: each process would otherwise start a thread per core, and two OpenMP thread teams on the same cores
     fight (a team's parallel region waits for its slowest thread): docs/LOG.md has the measurements. On-policy
     runs take turns, so each keeps every core."""
-    cores = len(os.sched_getaffinity(0))
+    # NOTE: the cores this process may run on (Linux); macOS has no affinity masks: every core
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     explorer = max(1, cores // 3)
     return explorer, max(1, cores - explorer)
 

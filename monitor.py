@@ -53,6 +53,7 @@ from dbconn import shown
 from errors import ConfigError
 
 log = logging.getLogger("nanorft.monitor")
+RSS_PER_GB = 2**30 if sys.platform == "darwin" else 2**20  # getrusage's ru_maxrss: bytes on macOS, KiB on Linux
 _OPEN: list[Monitor] = []  # this process's monitors not closed yet (close_monitors)
 
 
@@ -98,7 +99,7 @@ class Monitor:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
         metrics = {
             **metrics,
-            "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+            "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RSS_PER_GB,
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
