@@ -7,8 +7,8 @@
 #   bash run.sh vllm                                 set up .venv with vLLM (for engine_type: vllm / vllm_async): its
 #                                                    CPU build on a machine without CUDA, the `gpu` extra with CUDA
 # Set-up happens once: later calls reuse .venv until pyproject.toml changes or they need an extra it lacks.
-# NOTE: portable: bash 3.2 (macOS's) and POSIX utilities with POSIX options only (no sha256sum, nproc, readlink -f,
-# sed -i, find -delete, GNU long options); tests/test_repo.py runs the set-up with nothing else on PATH.
+# NOTE: portable: bash (no feature past macOS's 3.2) and POSIX utilities with POSIX options only (no sha256sum, nproc,
+# readlink -f, sed -i, find -delete, GNU long options); tests/test_repo.py runs the set-up with nothing else on PATH.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
