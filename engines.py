@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import importlib.util
 import logging
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from transformers import DynamicCache
 
 from buffer import Experience
 from configs.resolve import explorer_gpu_plan
+from errors import ConfigError
 from models import eos_ids, load_model, load_tokenizer, with_template
 from sampling import Batcher, Completion, PromptTooLong, SamplingParams, collect, scored_temperature
 
@@ -493,6 +495,11 @@ class EngineHandle:
             )
         return ids[-self.max_prompt :], True
 
+    def replies(self, conversations: list[list[dict]], **sampling) -> list[str]:
+        """One reply's text per conversation (chat messages, through the chat template), all in one engine batch:
+        what a judge asks of an auxiliary model (ExternalHandle.replies: the same from an endpoint)."""
+        return [exps[0].response_text for exps in self.generate([self.render(m) for m in conversations], **sampling)]
+
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
         """n experiences per prompt text (already templated; encoded without special tokens)."""
         params = self.params(n, **sampling)
@@ -520,19 +527,96 @@ def experience(
     )
 
 
-def auxiliary_handles(cfg) -> dict[str, EngineHandle]:
-    """explorer.auxiliary_models, each on engines of its own (vLLM: on the explorer's GPUs after the rollout
-    model's; HF: on the explorer's device), by name: the model folder's name (name#2, ... for repeats). Workflows
-    reach them as `self.auxiliary_models[name]` (e.g. a judge, workflows/judge.py)."""
+def auxiliary_handles(cfg) -> dict[str, EngineHandle | ExternalHandle]:
+    """explorer.auxiliary_models, each on engines of its own (vLLM: on the explorer's GPUs after the rollout model's;
+    HF: on the explorer's device) or, engine_type external, an OpenAI-compatible endpoint (ExternalHandle), by name:
+    the model folder's name, or the endpoint's model_name (name#2, ... for repeats). Workflows reach them as
+    `self.auxiliary_models[name]` (e.g. a judge, workflows/judge.py)."""
     handles, (_, starts) = {}, explorer_gpu_plan(cfg.explorer)  # the GPU split the config resolved
-    for aux, first in zip(cfg.explorer.auxiliary_models, starts):
+    for i, (aux, first) in enumerate(zip(cfg.explorer.auxiliary_models, starts)):
+        external = aux.engine_type == "external"
+        name = aux.external_model_config.model_name if external else Path(aux.model_path.rstrip("/")).name
+        name = name if name not in handles else f"{name}#{sum(k.split('#')[0] == name for k in handles) + 1}"
+        if external:
+            handles[name] = ExternalHandle(aux.external_model_config, f"explorer.auxiliary_models[{i}]")
+            continue
         engine = make_engine(aux, aux.model_path, aux.max_model_len, first_gpu=first)
         tokenizer = load_tokenizer(aux.model_path)
         tokenizer = with_template(tokenizer, aux.chat_template) if aux.chat_template else tokenizer
-        name = Path(aux.model_path.rstrip("/")).name
-        name = name if name not in handles else f"{name}#{sum(k.split('#')[0] == name for k in handles) + 1}"
         handles[name] = EngineHandle(engine, tokenizer, {}, ignore_eos=aux.ignore_eos, max_model_len=aux.max_model_len)
     return handles
+
+
+class ExternalModelError(RuntimeError):
+    """A call to an external auxiliary model failed: the endpoint unreachable, too slow, an error status, or a reply
+    that is not a chat completion with text. It fails the workflow run that made the call (the runner retries it,
+    then drops the task with this message), never the explorer."""
+
+
+class ExternalHandle:
+    """An auxiliary model that is an OpenAI-compatible endpoint nanorft does not run (engine_type external), called
+    through the `openai` client's chat completions. It offers what a judge needs of a handle, `replies` (text in,
+    text out): no token ids, log-probs or weights, so it can grade or advise but is never trained on. The API key
+    comes from the environment variable the config names (api_key_env), never from the config. The requests of one
+    `replies` call run concurrently (MAX_CONCURRENT of this handle's at once at most), each bounded by `timeout`
+    seconds and retried `max_retries` times by the client."""
+
+    MAX_CONCURRENT = 16
+    # sampling keys the chat completions API takes as they are; top_k and min_tokens (vLLM's) go in its body
+    OPENAI_KEYS = ("temperature", "top_p", "max_tokens", "stop", "seed")
+
+    def __init__(self, ext, where: str) -> None:
+        import openai
+
+        key = os.environ.get(ext.api_key_env) if ext.api_key_env else "EMPTY"
+        if not key:
+            raise ConfigError(
+                f"{where}.external_model_config.api_key_env = {ext.api_key_env!r}: that environment variable is not "
+                "set (it holds the endpoint's API key; for an endpoint without keys set api_key_env: '')"
+            )
+        self.url, self.model, self.timeout = ext.base_url, ext.model_name, ext.timeout
+        self.client = openai.OpenAI(
+            base_url=ext.base_url, api_key=key, timeout=ext.timeout, max_retries=ext.max_retries
+        )
+        self.pool = concurrent.futures.ThreadPoolExecutor(self.MAX_CONCURRENT, thread_name_prefix="external")
+        self.model_version = 0  # an endpoint's model never changes here
+
+    def replies(self, conversations: list[list[dict]], **sampling) -> list[str]:
+        """The endpoint's reply text to each conversation (chat messages), one request each, sent concurrently;
+        ExternalModelError (naming the endpoint and the cause) when any fails."""
+        unknown = sorted(set(sampling) - set(SAMPLING_KEYS))
+        if unknown:
+            raise TypeError(f"unknown sampling argument(s) {unknown}; accepted: {list(SAMPLING_KEYS)}")
+        futures = [self.pool.submit(self.reply, messages, sampling) for messages in conversations]
+        return [f.result() for f in futures]
+
+    def reply(self, messages: list[dict], sampling: dict) -> str:
+        """One chat completion's text."""
+        import openai
+
+        body = {k: v for k, v in sampling.items() if k not in self.OPENAI_KEYS}
+        where = f"external model {self.model!r} at {self.url}"
+        try:
+            out = self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                n=1,
+                **{k: v for k, v in sampling.items() if k in self.OPENAI_KEYS},
+                **({"extra_body": body} if body else {}),
+            )
+        except openai.APITimeoutError:
+            raise ExternalModelError(f"{where}: no reply within {self.timeout:g} s") from None
+        except openai.APIConnectionError as e:
+            raise ExternalModelError(f"{where}: cannot connect ({e.__cause__ or e})") from None
+        except openai.APIStatusError as e:
+            raise ExternalModelError(f"{where}: HTTP {e.status_code}: {str(e)[:300]}") from None
+        except (openai.APIError, ValueError) as e:  # e.g. a body that is no JSON (json's ValueError)
+            raise ExternalModelError(f"{where}: a bad reply ({type(e).__name__}: {str(e)[:300]})") from None
+        choices = getattr(out, "choices", None)
+        text = choices[0].message.content if choices else None
+        if not isinstance(text, str):
+            raise ExternalModelError(f"{where}: a reply without text: {str(out)[:300]!r}")
+        return text
 
 
 def rollout_handle(cfg, engine: Any, tokenizer) -> EngineHandle:

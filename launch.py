@@ -158,7 +158,8 @@ def cpu_split() -> tuple[int, int]:
     NOTE: each process would otherwise start a thread per core, and two OpenMP thread teams on the same cores
     fight (a team's parallel region waits for its slowest thread): docs/LOG.md has the measurements. On-policy
     runs take turns, so each keeps every core."""
-    cores = len(os.sched_getaffinity(0))
+    # NOTE: the cores this process may run on (Linux); macOS has no affinity masks: every core
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     explorer = max(1, cores // 3)
     return explorer, max(1, cores - explorer)
 
@@ -217,7 +218,7 @@ def run_dir(cfg: configs.Config, stages: list[configs.Config]) -> Path:
 
 def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float) -> dict:
     """summary.json's content: accuracy before/after SFT and after RFT, the eval and reward history."""
-    evals, rewards, offset, steps, sft_at = [], [], 0, 0, None
+    evals, rewards, spans, offset, steps, sft_at = [], [], [], 0, 0, None
     for i, st in enumerate(stages):
         job = Path(st.checkpoint_job_dir)
         stage_steps = 0
@@ -236,16 +237,14 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
                             "metrics": {k: v for k, v in rec.items() if k.startswith(("eval/", "bench/"))},
                         }
                     )
+                row = {"stage": st.name, "stage_index": i, "global_step": offset + rec["step"]}
                 if "rollout/reward/mean" in rec:
-                    rewards.append(
-                        {"stage": st.name, "global_step": offset + rec["step"], "reward": rec["rollout/reward/mean"]}
-                    )
+                    rewards.append(row | {"reward": rec["rollout/reward/mean"]})
                 if "actor/sft_loss" in rec:
-                    rewards.append(
-                        {"stage": st.name, "global_step": offset + rec["step"], "sft_loss": rec["actor/sft_loss"]}
-                    )
+                    rewards.append(row | {"sft_loss": rec["actor/sft_loss"]})
         if st.mode == "train" and st.algorithm.algorithm_type == "sft" and sft_at is None:
             sft_at = i
+        spans.append({"first_step": offset, "steps": stage_steps})
         offset += stage_steps
         steps += stage_steps if st.mode != "bench" else 0
     evals.sort(key=lambda e: (e["stage_index"], e["step"]))
@@ -263,15 +262,33 @@ def summarize(cfg: configs.Config, stages: list[configs.Config], seconds: float)
         "wall_seconds": round(seconds, 1),
         "steps": steps,
         "checkpoint": str(weights) if weights else None,
-        "stages": [{"name": st.name, "mode": st.mode, "algorithm": st.algorithm.algorithm_type} for st in stages],
+        "stages": [
+            {"name": st.name, "mode": st.mode, "algorithm": st.algorithm.algorithm_type, **span}
+            for st, span in zip(stages, spans)
+        ],
         "eval_history": evals,
         "reward_history": rewards,
     }
 
 
 def plot(summary: dict, path: Path) -> bool:
-    """SFT loss, train reward and held-out accuracy over the run's steps (all stages on one axis); False (and no
+    """SFT loss, train reward and held-out accuracy over the run's stages (`draw`), saved to `path`; False (and no
     file) when the run recorded none of them, e.g. a stage that failed at start."""
+    fig = draw(summary)
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def draw(summary: dict):
+    """The plot's figure (None when there is nothing to draw): a panel per recorded series, all on one x axis where
+    each stage (summary["stages"]: first_step, steps) gets a segment of its own width, whatever its number of steps,
+    so that 60 RFT steps after 600 SFT steps are not squashed (`stage_segments`); the accuracy points labelled with
+    their value where a label fits (`label_points`: no label overprints another)."""
     panels = [
         ("SFT loss", "sft_loss", summary["reward_history"]),
         ("train reward (rollout mean)", "reward", summary["reward_history"]),
@@ -280,37 +297,111 @@ def plot(summary: dict, path: Path) -> bool:
     panels = [(title, key, [x for x in rows if key in x]) for title, key, rows in panels]
     panels = [p for p in panels if p[2]]
     if not panels:
-        return False
+        return None
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.6), squeeze=False)
+    segments = stage_segments(summary)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, (title, key, rows) in zip(axes[0], panels):
-        ax.plot([x["global_step"] for x in rows], [x[key] for x in rows], "o-" if key == "accuracy" else "-", ms=4)
-        ax.set(title=title, xlabel="step (all stages)")
+        for stage in dict.fromkeys(r.get("stage_index", 0) for r in rows):  # a line per stage: none between two
+            part = [r for r in rows if r.get("stage_index", 0) == stage]
+            ax.plot([x_of(segments, r) for r in part], [r[key] for r in part], "o-" if key == "accuracy" else "-", ms=4)
+            ax.lines[-1].set_color("C0")
+        ax.set_title(title, pad=16 if segments else 6)
         ax.grid(alpha=0.3)
         if key == "accuracy":
-            ax.set_ylim(0, 1)
-            for x in rows:
-                ax.annotate(
-                    f"{x['accuracy']:.2f}",
-                    (x["global_step"], x["accuracy"]),
-                    textcoords="offset points",
-                    xytext=(0, 6),
-                    ha="center",
-                    fontsize=7,
-                )
+            ax.set_ylim(0, 1.05)
+        mark_stages(ax, segments)
     fig.suptitle(
         f"{summary['config']}: accuracy {summary['accuracy_before_sft']} before SFT, "
         f"{summary['accuracy_after_sft']} after SFT, {summary['accuracy_after_rft']} after RFT",
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    for ax, (_, key, rows) in zip(axes[0], panels):
+        if key == "accuracy":
+            label_points(ax, rows, [x_of(segments, r) for r in rows])
+    return fig
+
+
+# a stage of at most one step (a bench stage's evaluation) gets this share of the width of a stage that trains
+POINT_STAGE_WIDTH = 0.35
+
+
+def stage_segments(summary: dict) -> list[dict]:
+    """Each stage's segment of the x axis: its global steps [first_step, first_step + steps] drawn over [x0, x0 +
+    width], width 1 (POINT_STAGE_WIDTH for a stage of one step or none); [] for a summary without stage spans (every
+    point at its global step)."""
+    out, x0 = [], 0.0
+    for st in summary.get("stages", []):
+        if "first_step" not in st:
+            return []
+        width = 1.0 if st["steps"] > 1 else POINT_STAGE_WIDTH
+        out.append({**st, "x0": x0, "width": width, "short": st["name"].rsplit("/", 1)[-1]})
+        x0 += width
+    return out
+
+
+def x_of(segments: list[dict], row: dict) -> float:
+    """Where a history row (its global_step, stage_index) sits on the x axis of `segments`."""
+    if not segments:
+        return row["global_step"]
+    seg = segments[row["stage_index"]]
+    frac = (row["global_step"] - seg["first_step"]) / seg["steps"] if seg["steps"] > 1 else 0.5
+    return seg["x0"] + seg["width"] * frac
+
+
+def mark_stages(ax, segments: list[dict]) -> None:
+    """The stages on `ax`: a dotted line between two, each one's name above its segment, and x ticks at a few
+    global steps of each stage that trains (a shared boundary once)."""
+    from matplotlib.ticker import MaxNLocator
+
+    if not segments:
+        ax.set_xlabel("step (all stages)")
+        return
+    ticks: dict[float, int] = {}
+    for seg in segments:
+        if seg["x0"] > 0:
+            ax.axvline(seg["x0"], color="0.6", ls=":", lw=1)
+        centre = seg["x0"] + seg["width"] / 2
+        ax.text(centre, 1.01, seg["short"], transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7)
+        steps = MaxNLocator(nbins=3, integer=True).tick_values(0, seg["steps"]) if seg["steps"] > 1 else []
+        for v in (v for v in steps if 0 <= v <= seg["steps"]):
+            ticks.setdefault(round(seg["x0"] + seg["width"] * v / seg["steps"], 6), seg["first_step"] + int(v))
+    ax.set_xticks(list(ticks), [str(v) for v in ticks.values()], fontsize=8)
+    end = segments[-1]["x0"] + segments[-1]["width"]
+    ax.set_xlim(-0.04 * end, 1.04 * end)  # room for the labels of the first and last points
+    ax.set_xlabel("global step (each stage drawn at its own scale)")
+
+
+def label_points(ax, rows: list[dict], xs: list[float]) -> None:
+    """Each accuracy point's value, above it or else below it, where the label overlaps no label already placed nor
+    the stage names: the first point, each stage's last and the best placed first, then the rest left to right."""
+    renderer = ax.figure.canvas.get_renderer()
+    placed = [t.get_window_extent(renderer) for t in ax.texts]  # the stage names
+    last_of_stage = {r.get("stage_index", 0): i for i, r in enumerate(rows)}
+    best = max(range(len(rows)), key=lambda i: rows[i]["accuracy"])
+    first = [0, *sorted(last_of_stage.values()), best]
+    order = list(dict.fromkeys(first + list(range(len(rows)))))
+    for i in order:
+        for dy, va in ((6, "bottom"), (-7, "top")):
+            label = ax.annotate(
+                f"{rows[i]['accuracy']:.2f}",
+                (xs[i], rows[i]["accuracy"]),
+                textcoords="offset points",
+                xytext=(0, dy),
+                ha="center",
+                va=va,
+                fontsize=7,
+            )
+            box = label.get_window_extent(renderer)
+            if not any(box.overlaps(other) for other in placed):
+                placed.append(box)
+                break
+            label.remove()
 
 
 # --- main

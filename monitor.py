@@ -12,12 +12,13 @@ Every metric goes to three places:
   (`role_log_file`), with every log record;
 - `<job dir>/monitor/<role>.jsonl`, one JSON object per step: the run's history, which plots and
   `summary.json` are made from, and which survives without tensorboard or wandb;
-- `monitor.monitor_type`: tensorboard (`<job dir>/monitor/tensorboard/<role>/`), wandb (project =
-  `project`, run = `<name>_<role>`, as Trinity-RFT names them; offline in `<job dir>/monitor/` when no
-  API key is set, so a run never blocks on a login), mlflow (experiment = `project`, run = `<name>_<role>`; a
-  local file store unless a tracking URI is given: `MlflowSink`), or none. wandb and mlflow get the resolved
-  config with its secrets hidden (`redacted`: every env_vars value, every monitor_args value but the harmless ones,
-  passwords, keys and tokens, URL passwords); tensorboard gets no config.
+- `monitor.monitor_type`, one sink or several side by side (`[tensorboard, wandb]`, as TRL's report_to): tensorboard
+  (`<job dir>/monitor/tensorboard/<role>/`), wandb (project = `project`, run = `<name>_<role>`, as Trinity-RFT names
+  them; online or not as wandb decides from its own credentials and WANDB_MODE, offline in `<job dir>/monitor/`
+  only when it has none, so a run never blocks on a login: `wandb_run`), mlflow (experiment = `project`, run =
+  `<name>_<role>`; a local file store unless a tracking URI is given: `MlflowSink`), or none. wandb and mlflow get
+  the resolved config with its secrets hidden (`redacted`: every env_vars value, every monitor_args value but the
+  harmless ones, passwords, keys and tokens, URL passwords); tensorboard gets no config.
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
 perf/max_memory_allocated_gb). An explore step's rollout/ and an evaluation's eval/ metrics are computed here from
@@ -31,6 +32,7 @@ import fcntl
 import json
 import logging
 import math
+import netrc
 import os
 import re
 import resource
@@ -38,7 +40,7 @@ import statistics
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -53,11 +55,12 @@ from dbconn import shown
 from errors import ConfigError
 
 log = logging.getLogger("nanorft.monitor")
+RSS_PER_GB = 2**30 if sys.platform == "darwin" else 2**20  # getrusage's ru_maxrss: bytes on macOS, KiB on Linux
 _OPEN: list[Monitor] = []  # this process's monitors not closed yet (close_monitors)
 
 
 class Monitor:
-    """Console + JSONL history + the configured sink (tensorboard, wandb or none)."""
+    """Console + JSONL history + the configured sinks (tensorboard, wandb, mlflow: any of them, or none)."""
 
     def __init__(self, cfg: Config, role: str) -> None:
         self.role, self.total = role, cfg.buffer.total_steps or cfg.trainer.total_steps  # shown as step/total
@@ -68,37 +71,21 @@ class Monitor:
         self.console: Console | None = None
         self.tb = self.wandb = self.mlflow = None
         _OPEN.append(self)
-        kind, args = cfg.monitor.monitor_type, cfg.monitor.monitor_args
-        if kind == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
+        for kind in cfg.monitor.monitor_type:  # every sink listed, side by side ([none]: none)
+            if kind == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
-        elif kind == "wandb":
-            import wandb
-
-            key = args.get("api_key") or os.environ.get("WANDB_API_KEY")
-            mode = "online" if key else "offline"  # NOTE: no key -> offline files, never a login prompt
-            if key:
-                os.environ["WANDB_API_KEY"] = key
-            if args.get("base_url"):
-                os.environ["WANDB_BASE_URL"] = args["base_url"]
-            self.wandb = wandb.init(
-                project=cfg.project,
-                name=f"{cfg.name}_{role}".replace("/", "_"),
-                dir=str(self.dir),
-                mode=mode,
-                config=redacted(cfg),
-                reinit="create_new",
-            )
-            log.info("wandb run %s (%s) in %s", self.wandb.name, mode, self.dir)
-        elif kind == "mlflow":
-            self.mlflow = MlflowSink(cfg, role, self.dir)
+                self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
+            elif kind == "wandb":
+                self.wandb = wandb_run(cfg, role, self.dir)
+            elif kind == "mlflow":
+                self.mlflow = MlflowSink(cfg, role, self.dir)
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
         metrics = {
             **metrics,
-            "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # KiB on Linux
+            "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RSS_PER_GB,
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
@@ -156,8 +143,66 @@ def close_monitors(failed: bool) -> None:
             log.warning("could not close the %s monitor: %s", monitor.role, " ".join(str(e).split())[:300])
 
 
+# wandb's default server (WANDB_BASE_URL or monitor_args.base_url: another): api.wandb.ai, or since wandb 0.22 the
+# CoreWeave Forge host in front of it, whose netrc entry wandb also accepts for api.wandb.ai's (and the other way)
+WANDB_HOSTS = ("api.wandb.ai", "api.forge.coreweave.com")
+
+
+def wandb_run(cfg: Config, role: str, folder: Path) -> Any:
+    """monitor_type wandb: a run named <name>_<role> in project `project`, files in `folder`, with the resolved
+    config (`redacted`). monitor_args (Trinity's): api_key (else WANDB_API_KEY), base_url (else WANDB_BASE_URL). The
+    mode is wandb's own choice (WANDB_MODE, its settings, the credentials it finds: `wandb_credentials`); only when
+    no credentials are found does the run go offline, so that a run never waits on a login prompt."""
+    import wandb
+
+    args = cfg.monitor.monitor_args
+    if args.get("api_key"):
+        os.environ["WANDB_API_KEY"] = str(args["api_key"])
+    if args.get("base_url"):
+        os.environ["WANDB_BASE_URL"] = str(args["base_url"])
+    found = wandb_credentials(os.environ)
+    mode = None if found else "offline"  # None: wandb decides (online unless WANDB_MODE or its settings say not)
+    run = wandb.init(
+        project=cfg.project,
+        name=run_name(cfg, role),
+        dir=str(folder),
+        mode=mode,
+        config=redacted(cfg),
+        reinit="create_new",
+    )
+    why = found or "no W&B credentials found (WANDB_API_KEY, monitor_args.api_key, `wandb login`'s netrc entry)"
+    log.info("wandb run %s (%s: %s) in %s", run.name, run.settings.mode, why, folder)
+    return run
+
+
+def wandb_credentials(env: Mapping[str, str]) -> str:
+    """Where wandb would find what lets it run online, as a few words ("" = nowhere, a run must go offline):
+    WANDB_MODE (wandb honours it: online, offline, disabled), an API key in WANDB_API_KEY, an identity token file
+    (WANDB_IDENTITY_TOKEN_FILE), or a key for the server's host (WANDB_BASE_URL, else api.wandb.ai) in the netrc
+    file that `wandb login` writes (NETRC, else ~/.netrc, else ~/_netrc), as wandb reads them; not a key kept
+    in wandb's own settings files (none of its commands writes one there). Reads files only:
+    nothing here reaches the network."""
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if env.get(name):
+            return f"{name}={env[name]}" if name == "WANDB_MODE" else name
+    host = urllib.parse.urlsplit(env.get("WANDB_BASE_URL", "")).netloc
+    hosts = WANDB_HOSTS if not host or host.endswith("forge.coreweave.com") or host in WANDB_HOSTS else (host,)
+    home = Path(env.get("HOME") or Path.home())
+    files = [Path(env["NETRC"]).expanduser()] if env.get("NETRC") else [home / ".netrc", home / "_netrc"]
+    path = next((f for f in files if f.is_file()), None)
+    if path is None:
+        return ""
+    try:
+        entries = netrc.netrc(str(path))
+    except (netrc.NetrcParseError, OSError) as e:
+        log.warning("wandb: cannot read %s (%s); looking for no key there", path, " ".join(str(e).split()))
+        return ""
+    found = [h for h in hosts if (entry := entries.authenticators(h)) and entry[2]]
+    return f"a key for {found[0]} in {path}" if found else ""
+
+
 def run_name(cfg: Config, role: str) -> str:
-    """A process's mlflow run: <name>_<role> (a `/` of a stage's name made `_`)."""
+    """A process's wandb or mlflow run: <name>_<role> (a `/` of a stage's name made `_`)."""
     return f"{cfg.name}_{role}".replace("/", "_")
 
 
@@ -166,7 +211,7 @@ def fail_left_runs(stage: Config, roles: list[str], since: float) -> None:
     monitors, and their mlflow runs (MlflowSink's <stage name>_<role> for these Monitor `roles`, started since
     `since`, a time.time()) would stay RUNNING: they end FAILED here (an error of the tracking store is a warning).
     NOTE: wandb runs of killed processes are left as wandb finds them."""
-    if stage.monitor.monitor_type != "mlflow":
+    if "mlflow" not in stage.monitor.monitor_type:
         return
     try:
         client, _ = mlflow_client(stage, Path(stage.checkpoint_job_dir, "monitor"))
@@ -268,7 +313,7 @@ def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
     MLFLOW_TRACKING_URI) every stage logs to one local file store, <run dir>/monitor/mlruns, which the processes are
     given in MLFLOW_TRACKING_URI. ConfigError when mlflow is not installed or its tracking store cannot be used."""
     for stage in stages:
-        if stage.monitor.monitor_type != "mlflow":
+        if "mlflow" not in stage.monitor.monitor_type:
             continue
         try:
             client, uri = mlflow_client(stage, Path(run_dir, "monitor"))

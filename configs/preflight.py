@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -100,6 +101,14 @@ def stage_problems(stage: Config, present: int) -> list[str]:
             f"cluster.gpu_per_node = {gpus}, but this machine has {present} GPU(s) (CUDA_VISIBLE_DEVICES "
             f"applies): {fix}"
         )
+    problems += [
+        f"{path}.external_model_config.api_key_env = {m.external_model_config.api_key_env!r}: that environment "
+        "variable is not set here (it holds the endpoint's API key; an endpoint without keys: set api_key_env: '')"
+        for path, m in engines_of(stage)
+        if m.engine_type == "external"
+        and m.external_model_config.api_key_env
+        and not os.environ.get(m.external_model_config.api_key_env)
+    ]
     vllm = [(path, m) for path, m in engines_of(stage) if m.engine_type in ("vllm", "vllm_async")]
     if vllm and (why := vllm_problem()):
         problems += [f"{path}.engine_type = {m.engine_type!r}: {why}" for path, m in vllm]

@@ -37,7 +37,15 @@ from configs.checks import (
 )
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.preflight import preflight
-from configs.schema import AlgorithmConfig, Config, ExperienceBufferConfig, ExplorerConfig, ModelConfig, TasksetConfig
+from configs.schema import (
+    AlgorithmConfig,
+    Config,
+    ExperienceBufferConfig,
+    ExplorerConfig,
+    InferenceModelConfig,
+    ModelConfig,
+    TasksetConfig,
+)
 
 log = logging.getLogger("nanorft.config")
 
@@ -45,7 +53,7 @@ log = logging.getLogger("nanorft.config")
 
 
 def _engine_type(requested: str, gpus: int) -> str:
-    if requested in ("vllm", "vllm_async", "hf"):
+    if requested in ("vllm", "vllm_async", "hf", "external"):
         return requested
     return "vllm" if gpus > 0 and importlib.util.find_spec("vllm") is not None else "hf"
 
@@ -266,10 +274,14 @@ def _derive_trainer_explorer(c: Config) -> None:
     # says nothing, and a later stage's model.model_path becomes the earlier stage's weights (launch.stages_in_order)
     rm.model_path = "" if rm.model_path == c.model.model_path else rm.model_path
     for i, aux in enumerate(c.explorer.auxiliary_models):
+        if aux.engine_type == "external":  # an endpoint: nothing to load, nothing to size
+            _check_external(aux, f"explorer.auxiliary_models[{i}]")
+            continue
         aux.max_model_len = aux.max_model_len or c.model.max_model_len
         if not aux.model_path:
             raise ConfigError(
-                f"explorer.auxiliary_models[{i}].model_path is empty: an auxiliary model serves its own model"
+                f"explorer.auxiliary_models[{i}].model_path is empty: an auxiliary model serves its own model "
+                "(or set engine_type: external and its external_model_config: an OpenAI-compatible endpoint)"
             )
     if rm.max_model_len < c.model.max_model_len:
         raise ConfigError(
@@ -282,6 +294,20 @@ def _derive_trainer_explorer(c: Config) -> None:
         e.eval_interval = rounded
 
 
+def _check_external(aux: InferenceModelConfig, where: str) -> None:
+    """An external auxiliary model names its endpoint: base_url (http or https) and model_name."""
+    ext = aux.external_model_config
+    for key in ("base_url", "model_name"):
+        if not getattr(ext, key):
+            raise ConfigError(f"{where}.external_model_config.{key} is empty: engine_type external needs the endpoint")
+    if not ext.base_url.startswith(("http://", "https://")):
+        raise ConfigError(
+            f"{where}.external_model_config.base_url = {ext.base_url!r}: not an http(s) URL "
+            "(e.g. http://127.0.0.1:8000/v1)"
+        )
+
+
+VLLM_TYPES = ("vllm", "vllm_async")  # engine types that run vLLM engines on GPUs of their own
 VLLM_MEMORY = 0.9  # unset gpu_memory_utilization of a vLLM engine on GPUs (Trinity's default)
 # ... and without GPUs, where vLLM's CPU backend takes this share of the host's memory for its worker (weights + KV
 # cache: ~0.6 GiB of it for the worker itself; 0.9 would not fit beside the trainer)
@@ -300,11 +326,13 @@ def _derive_cluster(c: Config) -> None:
     for aux in e.auxiliary_models:  # vLLM: GPUs of its own after the rollout model's; HF: the explorer's device
         aux.engine_type = _engine_type(aux.engine_type, gpus)
     for m in (rm, *e.auxiliary_models):  # the unset vLLM options whose default depends on GPUs
-        if m.engine_type != "hf" and m.gpu_memory_utilization is None:
+        if m.engine_type in VLLM_TYPES and m.gpu_memory_utilization is None:
             m.gpu_memory_utilization = VLLM_MEMORY if gpus else CPU_VLLM_MEMORY
-        if m.engine_type != "hf" and m.enable_chunked_prefill is None:
+        if m.engine_type in VLLM_TYPES and m.enable_chunked_prefill is None:
             m.enable_chunked_prefill = bool(gpus)  # off on vLLM's CPU backend (schema.py says why)
-    vllm_gpus = [m.engine_num * m.tensor_parallel_size if m.engine_type != "hf" else 0 for m in e.auxiliary_models]
+    vllm_gpus = [
+        m.engine_num * m.tensor_parallel_size if m.engine_type in VLLM_TYPES else 0 for m in e.auxiliary_models
+    ]
     explorer_gpus, _ = explorer_gpu_plan(e)
     if gpus == 0 or c.mode == "train":
         explorer_gpus = 0
@@ -335,10 +363,10 @@ def explorer_gpu_plan(e: ExplorerConfig) -> tuple[int, list[int]]:
     each vLLM auxiliary model's in turn; an HF auxiliary model takes none (it runs on the explorer's first device).
     _derive_cluster counts these and engines.auxiliary_handles places the engines by them: one rule for both."""
     rm = e.rollout_model
-    first, starts = rm.engine_num * rm.tensor_parallel_size if rm.engine_type != "hf" else 1, []
+    first, starts = rm.engine_num * rm.tensor_parallel_size if rm.engine_type in VLLM_TYPES else 1, []
     for aux in e.auxiliary_models:
         starts.append(first)
-        first += aux.engine_num * aux.tensor_parallel_size if aux.engine_type != "hf" else 0
+        first += aux.engine_num * aux.tensor_parallel_size if aux.engine_type in VLLM_TYPES else 0
     return first, starts
 
 
@@ -379,17 +407,17 @@ def _derive_colocation(c: Config) -> None:
     trainer steps, explore.py); weights over the process group travel through host memory (gloo: NCCL cannot join
     two ranks on one GPU)."""
     rm = c.explorer.rollout_model
-    if any(m.engine_type != "hf" for m in c.explorer.auxiliary_models):
+    if any(m.engine_type in VLLM_TYPES for m in c.explorer.auxiliary_models):
         raise ConfigError(
             "explorer.auxiliary_models: a vLLM auxiliary model needs GPUs of its own; on one GPU shared "
             "by the explorer and the trainer, give it engine_type: hf"
         )
-    if rm.engine_type != "hf" and (rm.engine_num, rm.tensor_parallel_size) != (1, 1):
+    if rm.engine_type in VLLM_TYPES and (rm.engine_num, rm.tensor_parallel_size) != (1, 1):
         raise ConfigError(
             f"explorer.rollout_model: engine_num {rm.engine_num} x tensor_parallel_size "
             f"{rm.tensor_parallel_size} on one GPU shared with the trainer: both must be 1"
         )
-    if rm.engine_type != "hf" and rm.gpu_memory_utilization > COLOCATED_VLLM_MEMORY:
+    if rm.engine_type in VLLM_TYPES and rm.gpu_memory_utilization > COLOCATED_VLLM_MEMORY:
         log.info(
             "explorer.rollout_model.gpu_memory_utilization %g capped to %g: the trainer shares the GPU",
             rm.gpu_memory_utilization,
@@ -404,7 +432,7 @@ def _derive_dtypes(c: Config) -> None:
     engine and the trainer on the CPU use float32 whatever the name). NOTE: not the model config's torch_dtype,
     which vLLM's own auto would read: one rule, known before any model file is opened."""
     gpus = c.cluster.gpu_per_node > 0
-    for m in (c.explorer.rollout_model, *c.explorer.auxiliary_models):
+    for m in (c.explorer.rollout_model, *(a for a in c.explorer.auxiliary_models if a.engine_type != "external")):
         m.dtype = ("bfloat16" if gpus else "float32") if m.dtype == "auto" else DTYPE_NAMES.get(m.dtype, m.dtype)
 
 

@@ -433,12 +433,31 @@ class BufferConfig:
 
 
 @dataclasses.dataclass
+class ExternalModelConfig:
+    base_url: str = ""
+    """The endpoint's base URL as the `openai` client takes it (e.g. https://api.openai.com/v1,
+    http://127.0.0.1:8000/v1 for a vLLM server); required with engine_type external."""
+    model_name: str = ""
+    """The model the endpoint serves (each request's `model`), and the auxiliary model's name for workflows
+    (self.auxiliary_models[model_name], a judge's workflow_args.judge); required with engine_type external."""
+    api_key_env: str = "OPENAI_API_KEY"
+    """Name of the environment variable that holds the endpoint's API key (the key itself is never written in a
+    config); empty = an endpoint without keys (the client sends "EMPTY")."""
+    timeout: float = 60.0
+    """Seconds one request may take before it fails (and with it that judgement, not the explorer)."""
+    max_retries: int = 2
+    """Retries of a request the `openai` client deems transient (connection error, timeout, 429, 5xx)."""
+
+
+@dataclasses.dataclass
 class InferenceModelConfig:
     model_path: str = ""
     """Auxiliary models only: the model to serve (the rollout model serves model.model_path; this key set to it is
     dropped when the config is derived, any other value refused)."""
-    engine_type: Literal["auto", "vllm", "vllm_async", "hf"] = "auto"
-    """auto = vLLM when importable and a GPU is present, else the HF engine (Trinity's default: vllm)."""
+    engine_type: Literal["auto", "vllm", "vllm_async", "hf", "external"] = "auto"
+    """auto = vLLM when importable and a GPU is present, else the HF engine (Trinity's default: vllm). external
+    (auxiliary models only): an OpenAI-compatible endpoint that nanorft does not run (external_model_config), e.g. a
+    judge served elsewhere."""
     engine_num: int = 1
     """Number of rollout engines."""
     tensor_parallel_size: int = 1
@@ -480,6 +499,8 @@ class InferenceModelConfig:
     """Chat template of the rollout prompts (a taskset's format.chat_template wins); empty = the model's."""
     ignore_eos: bool = False
     """Keep sampling past EOS up to max_tokens (benchmarks; EOS is suppressed, as min_tokens = max_tokens)."""
+    external_model_config: ExternalModelConfig = _field(ExternalModelConfig)
+    """engine_type external: the endpoint (base_url, model_name, api_key_env, timeout, max_retries)."""
 
 
 @dataclasses.dataclass
@@ -500,7 +521,8 @@ class ExplorerConfig:
     rollout_model: InferenceModelConfig = _field(InferenceModelConfig)
     """The rollout engines."""
     auxiliary_models: list[InferenceModelConfig] = _field(list)
-    """Extra models workflows may call (judges, reward models); each needs model_path."""
+    """Extra models workflows may call (judges, reward models); each needs model_path, or with engine_type external
+    its external_model_config (an OpenAI-compatible endpoint)."""
     eval_interval: int = 100
     """Evaluate every this many explorer steps (rounded to a multiple of sync_interval, derived)."""
     eval_on_startup: bool = True
@@ -610,8 +632,10 @@ class TrainerConfig:
 
 @dataclasses.dataclass
 class MonitorConfig:
-    monitor_type: Literal["tensorboard", "wandb", "mlflow", "none"] = "tensorboard"
-    """Where metrics go besides the console (wandb runs offline when no API key is set)."""
+    monitor_type: list[Literal["tensorboard", "wandb", "mlflow", "none"]] = _field(lambda: ["tensorboard"])
+    """Where metrics go besides the console and the run's JSONL history: one sink or several at once (`[tensorboard,
+    wandb]`; Trinity's single name is read as a list of one); none (alone) or [] = no sink. wandb runs online or
+    offline as wandb decides from its credentials (`wandb login`, WANDB_API_KEY, WANDB_MODE); offline without any."""
     monitor_args: ArgsDict = _field(dict)
     """Monitor options: wandb base_url / api_key; mlflow uri / username / password. Values are *** in --dry-run,
     messages and the monitors' copy of the config, but those of configs/checks.py SHOWN_MONITOR_ARGS (uri, base_url,

@@ -345,8 +345,61 @@ REFUSAL_CASES = {
         {"model": {"lora_configs": [{"path": "tests"}]}},
         "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter",
     ),
+    ("explorer.rollout_model", "engine_type"): (
+        {"explorer": {"rollout_model": {"engine_type": "external"}}},
+        "explorer.rollout_model.engine_type = 'external' is refused: the rollout model must return token ids",
+    ),
+    **{
+        ("explorer.rollout_model.external_model_config", key): (
+            {"explorer": {"rollout_model": {"external_model_config": {key: value}}}},
+            f"explorer.rollout_model.external_model_config.{key} = {value!r} is refused: the rollout model cannot be",
+        )
+        for key, value in (
+            ("base_url", "http://127.0.0.1:1/v1"),
+            ("model_name", "judge"),
+            ("api_key_env", "JUDGE_KEY"),
+            ("timeout", 5.0),
+            ("max_retries", 0),
+        )
+    },
+    ("MonitorConfig", "monitor_type"): (
+        {"monitor": {"monitor_type": ["wandb", "none"]}},
+        "monitor.monitor_type = ['wandb', 'none'] is refused: each sink once, or none alone",
+    ),
+}
+EXTERNAL = {
+    "engine_type": "external",
+    "external_model_config": {"base_url": "http://127.0.0.1:1/v1", "model_name": "j"},
 }
 WARNING_CASES = {
+    **{
+        ("explorer.auxiliary_models[]", key): (
+            {"explorer": {"auxiliary_models": [{**EXTERNAL, key: value}]}},
+            f"explorer.auxiliary_models[0].{key} = {value!r}: has no effect on an external model",
+        )
+        for key, value in (
+            ("model_path", "judge"),
+            ("engine_num", 2),
+            ("tensor_parallel_size", 2),
+            ("gpu_memory_utilization", 0.5),
+            ("enable_prefix_caching", False),
+            ("enable_chunked_prefill", True),
+            ("enforce_eager", True),
+            ("dtype", "bfloat16"),
+            ("seed", 1),
+            ("max_model_len", 512),
+            ("chat_template", "{{ x }}"),
+            ("ignore_eos", True),
+        )
+    },
+    ("explorer.auxiliary_models[]", "external_model_config"): (
+        {
+            "explorer": {
+                "auxiliary_models": [{"model_path": "judge", "engine_type": "hf", **EXTERNAL | {"engine_type": "hf"}}]
+            }
+        },
+        "explorer.auxiliary_models[0].external_model_config = {'base_url': 'http://127.0.0.1:1/v1', 'model_name': 'j'",
+    ),
     ("InferenceModelConfig", "engine_num"): (
         {
             "explorer": {

@@ -5,6 +5,8 @@ runs on real vLLM in tests/test_vllm_contract.py (its CPU build here, vLLM on a 
 import dataclasses
 import importlib.util
 import logging
+import os
+import re
 import threading
 
 import pytest
@@ -14,6 +16,7 @@ import batching
 import source
 from configs.schema import InferenceModelConfig, ModelConfig
 from engines import Completion, EngineHandle, HFEngine, make_engine
+from helpers import both_config, constant_judge, launch, raw, run_explorer, write_config
 from models import config_tokenizer, load_model
 from sampling import PromptTooLong, SamplingParams
 from tiny import CHAT_TEMPLATE as tiny_chat_template
@@ -407,3 +410,165 @@ def test_a_request_that_breaks_a_shared_batch_fails_alone_and_bad_values_are_ref
         with pytest.raises(ValueError, match=message):
             check_request([1, 2], SamplingParams(**{field: value}), 64)
     check_request([1, 2], SamplingParams(temperature=0, seed=-1, top_k=0, min_tokens=100), 64)  # all valid
+
+
+# --- an external auxiliary model: an OpenAI-compatible endpoint (engines.ExternalHandle)
+
+
+class Scripted:
+    """An HTTP server on loopback that answers every POST after `delay` seconds with `body` (status `status`): a
+    stand-in for a broken or slow endpoint. Its URL: `.url` (with /v1); `.requests`: the bodies it got."""
+
+    def __init__(self, body: bytes, status: int = 200, delay: float = 0.0) -> None:
+        import http.server
+        import json
+
+        requests = self.requests = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                requests.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                threading.Event().wait(delay)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up waiting (a timeout)
+                    pass
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def external(url: str, **over):
+    from configs.schema import ExternalModelConfig
+
+    return ExternalModelConfig(**{"base_url": url, "model_name": "judge", "api_key_env": "", **over})
+
+
+def test_an_external_handle_sends_chat_messages_and_reads_the_reply():
+    """What reaches the endpoint: the model name, the messages, n = 1 and the sampling keys (OpenAI's as fields,
+    vLLM's top_k in the body), with the key from the environment variable the config names; the reply's text comes
+    back, one per conversation, in order."""
+    from engines import ExternalHandle
+
+    reply = b'{"id": "c", "object": "chat.completion", "created": 0, "model": "judge", "choices": [{"index": 0, '
+    reply += b'"message": {"role": "assistant", "content": "Score: 7"}, "finish_reason": "stop"}]}'
+    server = Scripted(reply)
+    try:
+        handle = ExternalHandle(external(server.url), "explorer.auxiliary_models[0]")
+        conversations = [[{"role": "user", "content": f"grade {k}"}] for k in range(3)]
+        assert handle.replies(conversations, temperature=0.0, max_tokens=16, top_k=5) == ["Score: 7"] * 3
+        got = sorted(server.requests, key=lambda r: r["messages"][0]["content"])
+        assert [r["messages"] for r in got] == conversations
+        assert {(r["model"], r["n"], r["temperature"], r["max_tokens"], r["top_k"]) for r in got} == {
+            ("judge", 1, 0.0, 16, 5)
+        }
+        with pytest.raises(TypeError, match="unknown sampling argument"):
+            handle.replies(conversations, presence_penalty=1.0)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "body, status, delay, says",
+    [
+        (b'{"error": {"message": "model overloaded"}}', 503, 0.0, "HTTP 503: "),
+        (b'{"id": "c", "object": "chat.completion", "created": 0, "model": "j", "choices": []}', 200, 0.0, "a reply w"),
+        (b"<html>not json</html>", 200, 0.0, "a bad reply \\(JSONDecodeError: Expecting value"),
+        (b"{}", 200, 2.0, "no reply within 0.5 s"),
+    ],
+    ids=["error-status", "no-choices", "not-json", "timeout"],
+)
+def test_an_external_endpoints_failure_is_a_named_error(body, status, delay, says):
+    """An error status, a reply with no text, a body that is no JSON, a reply later than `timeout`: each is an
+    ExternalModelError naming the endpoint and what went wrong (the judgement fails; nothing else does)."""
+    from engines import ExternalHandle, ExternalModelError
+
+    server = Scripted(body, status, delay)
+    try:
+        handle = ExternalHandle(external(server.url, timeout=0.5, max_retries=0), "explorer.auxiliary_models[0]")
+        with pytest.raises(ExternalModelError, match=f"external model 'judge' at {server.url}: {says}"):
+            handle.replies([[{"role": "user", "content": "hi"}]], temperature=0.0)
+    finally:
+        server.close()
+
+
+def test_an_external_endpoint_that_is_down_or_without_its_key(monkeypatch):
+    """A closed port: "cannot connect", at once (no retries); the API key's variable unset: a ConfigError naming the
+    key and the variable, before any request."""
+    import socket
+
+    from configs import ConfigError
+    from engines import ExternalHandle, ExternalModelError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"  # closed once the block ends
+    handle = ExternalHandle(external(url, max_retries=0), "explorer.auxiliary_models[0]")
+    with pytest.raises(ExternalModelError, match=f"external model 'judge' at {url}: cannot connect"):
+        handle.replies([[{"role": "user", "content": "hi"}]])
+    monkeypatch.delenv("NANORFT_NO_SUCH_KEY", raising=False)
+    with pytest.raises(ConfigError, match=r"auxiliary_models\[1\].external_model_config.api_key_env = 'NANORFT_NO_SU"):
+        ExternalHandle(external(url, api_key_env="NANORFT_NO_SUCH_KEY"), "explorer.auxiliary_models[1]")
+
+
+@pytest.mark.slow
+def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir):
+    """A real run (launch.py, mode both: explorer and trainer processes) whose llm_judge_workflow grades with an
+    external auxiliary model: nanorft's own OpenAI-compatible API (openai_api.py) started here on loopback over a
+    model trained to answer "Score: 7", behind an API key that the config names by its environment variable only.
+    Every experience's reward is the judge's 0.7, and the key is in no file of the run. Then an explorer (mode
+    explore) whose judge is down: each task fails by name (ExternalModelError, cannot connect) and is dropped,
+    and the explorer runs its steps to the end."""
+    from openai_api import OpenAIServer
+
+    judge_dir = constant_judge(tiny_model_dir, tmp_path / "judge-model")
+    aux = {"engine_type": "external", "external_model_config": {"model_name": "judge-7b"}}
+    aux["external_model_config"]["api_key_env"] = "NANORFT_TEST_JUDGE_KEY"
+    judged = {
+        "buffer.default_workflow_type": "llm_judge_workflow",
+        "buffer.default_reward_fn_type": None,
+        "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
+        "buffer.explorer_input.eval_tasksets": [],
+        "explorer.max_retry_times": 0,
+    }
+    with HFEngine(judge_dir) as engine:
+        handle = EngineHandle(engine, engine.tokenizer, max_model_len=512)
+        server = OpenAIServer(handle, "judge-7b", api_key="k-secret-judge")
+        url = server.start() + "/v1"
+        try:
+            aux["external_model_config"]["base_url"] = url
+            config = both_config(tmp_path / "both", tiny_model_dir, **judged, **{"explorer.auxiliary_models": [aux]})
+            out = launch(config, env={"NANORFT_TEST_JUDGE_KEY": "k-secret-judge"})
+        finally:
+            server.stop()
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "both" / "ck" / "p" / "run"
+    rewards = raw(f"sqlite:///{run / 'buffer' / 'exp.db'}", "SELECT reward FROM experiences")
+    assert len(rewards) == 3 * 2 * 2 and {r for (r,) in rewards} == {0.7}  # 3 steps x 2 tasks x 2 responses
+    written = [p for p in run.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".log")]
+    assert written and not [p for p in written if b"k-secret-judge" in p.read_bytes()]
+    # the same endpoint, now down (the server stopped): each task fails by name, the explorer carries on
+    aux["external_model_config"]["api_key_env"] = ""
+    config = write_config(tmp_path / "down", tiny_model_dir, **judged, **{"explorer.auxiliary_models": [aux]})
+    out = run_explorer(config, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-4000:]
+    dropped = re.findall(
+        r"task (\S+) dropped after 1 attempts: ExternalModelError: external model 'judge-7b' at "
+        + re.escape(url)
+        + ": cannot connect",
+        out.stderr,
+    )
+    assert len(dropped) == 4 * 3, out.stderr[-3000:]  # 4 steps x 3 tasks

@@ -79,6 +79,9 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
     stages = [e["stage"] for e in summary["eval_history"]]
     assert stages[0] == "run/eval_base" and stages[-1] == "run/rft" and "run/sft" not in stages
     assert [e["step"] for e in summary["eval_history"] if e["stage"] == "run/rft"] == [0, 2, 3]
+    # each stage's span of global steps (the plot gives each its own segment), its rows' stage
+    assert [(s["first_step"], s["steps"]) for s in summary["stages"]] == [(0, 0), (0, 2), (2, 3)]
+    assert {(r["stage_index"], r["stage"]) for r in summary["reward_history"]} == {(1, "run/sft"), (2, "run/rft")}
     # the GRPO stage started from the SFT stage's weights, in both processes
     rft_cfg = (run / "rft" / "config.yaml").read_text()
     assert str(run / "sft" / "global_step_2" / "actor" / "huggingface") in rft_cfg
@@ -564,3 +567,70 @@ def test_a_stage_config_is_written_for_its_owner_only_whatever_it_holds(tmp_path
         assert "DB_PASS: dbp-2" in path.read_text() and "earlier" not in path.read_text()
         (again,) = resolve_stages(cli(["--config", str(path)])[0])
         assert again == stage
+
+
+def three_stage_summary(evals_every: int) -> dict:
+    """A summary as summarize() writes it for configs/tiny.yaml's stages: a bench stage (one evaluation), 600 SFT
+    steps, 60 GRPO steps evaluated every `evals_every` steps."""
+    stages = [
+        {"name": "tiny/eval_base", "mode": "bench", "algorithm": "grpo", "first_step": 0, "steps": 0},
+        {"name": "tiny/sft_warmup", "mode": "train", "algorithm": "sft", "first_step": 0, "steps": 600},
+        {"name": "tiny/rft", "mode": "both", "algorithm": "grpo", "first_step": 600, "steps": 60},
+    ]
+    evals = [{"stage_index": 0, "step": 0, "global_step": 0, "accuracy": 0.0}] + [
+        {"stage_index": 2, "step": k, "global_step": 600 + k, "accuracy": round(0.6 + 0.004 * k + 0.02 * (k % 3), 3)}
+        for k in range(0, 61, evals_every)
+    ]
+    rewards = [{"stage_index": 1, "global_step": k, "sft_loss": 5.0 / k} for k in range(1, 601)]
+    rewards += [{"stage_index": 2, "global_step": 600 + k, "reward": 0.6 + 0.002 * k} for k in range(1, 61)]
+    return {
+        "config": "tiny",
+        "accuracy_before_sft": 0.0,
+        "accuracy_after_sft": 0.6,
+        "accuracy_after_rft": evals[-1]["accuracy"],
+        "stages": stages,
+        "eval_history": evals,
+        "reward_history": rewards,
+    }
+
+
+@pytest.mark.parametrize("evals_every", [10, 2])
+def test_the_plot_of_a_three_stage_run_is_readable(evals_every):
+    """The accuracy panel of a bench + 600 SFT steps + 60 RFT steps run: no two of its texts (the values, the stage
+    names, the x tick labels) overlap, as matplotlib lays them out; the first and the last values are labelled, and
+    most others; the RFT stage spans over a third of the axis (on a plain step axis: 60 of 660, a tenth). With
+    evaluations every 2 steps, labels placed naively above each point would overprint: the check is not vacuous."""
+    import launch as launcher
+
+    summary = three_stage_summary(evals_every)
+    fig = launcher.draw(summary)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (ax,) = [a for a in fig.axes if a.get_title() == "held-out accuracy (greedy)"]
+    texts = [t for t in ax.texts if t.get_visible()] + [t for t in ax.get_xticklabels() if t.get_text()]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts]
+    overlaps = [(a, b) for i, (a, p) in enumerate(boxes) for b, q in boxes[i + 1 :] if p.overlaps(q)]
+    assert not overlaps, overlaps
+    values = [t.get_text() for t in ax.texts if t.get_text()[:1].isdigit()]
+    evals = summary["eval_history"]
+    assert f"{evals[0]['accuracy']:.2f}" in values and f"{evals[-1]['accuracy']:.2f}" in values
+    assert len(values) >= 0.6 * len(evals), (len(values), len(evals))
+    assert {"eval_base", "sft_warmup", "rft"} <= {t.get_text() for t in ax.texts}
+    x0, x1 = ax.transData.transform([(1.35, 0), (2.35, 0)])[:, 0]  # the RFT segment (after a 0.35 + 1 wide start)
+    assert (x1 - x0) / ax.get_window_extent(renderer).width > 1 / 3
+    naive = [
+        ax.annotate(
+            f"{e['accuracy']:.2f}",
+            (launcher.x_of(launcher.stage_segments(summary), e), e["accuracy"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=7,
+        )
+        for e in evals
+    ]
+    crowded = [a.get_window_extent(renderer) for a in naive]
+    assert any(p.overlaps(q) for i, p in enumerate(crowded) for q in crowded[i + 1 :]) == (evals_every == 2)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -33,7 +33,7 @@ from monitor import (
 def config(tmp_path, kind: str) -> Config:
     cfg = Config(name="t")
     cfg.checkpoint_job_dir = str(tmp_path / "job")
-    cfg.monitor.monitor_type = kind
+    cfg.monitor.monitor_type = [kind]
     return cfg
 
 
@@ -102,16 +102,109 @@ def test_history_appends_across_restarts(tmp_path):
     assert [h["actor/pg_loss"] for h in read_history(tmp_path / "job/monitor/trainer.jsonl")] == [1.0, 2.0]
 
 
-def test_wandb_runs_offline_without_a_key(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+WANDB_ENV = ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_CONFIG_DIR", "NETRC")
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch) -> Path:
+    """A HOME of the test's own (no ~/.netrc: no `wandb login`) and none of wandb's variables: nothing reaches the
+    network. Returns that HOME."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in WANDB_ENV:
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    return home
+
+
+def test_wandb_runs_offline_without_a_key(tmp_path, no_wandb_login):
+    pytest.importorskip("wandb")
     mon = Monitor(config(tmp_path, "wandb"), role="trainer")
     assert mon.wandb is not None and mon.wandb.settings.mode == "offline"
     mon.log({"actor/grad_norm": 1.25}, step=1)
     mon.close()
     runs = list((tmp_path / "job/monitor/wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+
+
+def test_wandb_credentials_are_found_where_wandb_looks(tmp_path):
+    """`wandb login`'s netrc entry (~/.netrc, else ~/_netrc, or the file NETRC names) for the server's host
+    (api.wandb.ai, or WANDB_BASE_URL's), WANDB_API_KEY, an identity token file, WANDB_MODE; nothing else (an entry
+    for another host, one without a key, a file that does not parse). Files only: no network."""
+    from monitor import wandb_credentials
+
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {"HOME": str(home)}
+    assert wandb_credentials(env) == ""
+    (home / ".netrc").write_text("machine github.com login me password ghp-1\n")
+    assert wandb_credentials(env) == ""
+    (home / ".netrc").write_text(
+        "machine github.com login me password ghp-1\nmachine api.wandb.ai login user password k1\n"
+    )
+    assert wandb_credentials(env) == f"a key for api.wandb.ai in {home / '.netrc'}"
+    assert wandb_credentials(env | {"WANDB_BASE_URL": "https://wandb.example.com"}) == ""  # another server
+    other = tmp_path / "netrc"
+    other.write_text("machine wandb.example.com login user password k2\n")
+    server = {"WANDB_BASE_URL": "https://wandb.example.com", "NETRC": str(other)}
+    assert wandb_credentials(env | server) == f"a key for wandb.example.com in {other}"
+    assert wandb_credentials(env | {"NETRC": str(tmp_path / "missing")}) == ""  # NETRC wins over ~/.netrc
+    (home / ".netrc").unlink()
+    (home / "_netrc").write_text("machine api.wandb.ai login user password k3\n")
+    assert wandb_credentials(env) == f"a key for api.wandb.ai in {home / '_netrc'}"
+    (home / "_netrc").write_text("machine api.wandb.ai login user\n")  # no key
+    assert wandb_credentials(env) == ""
+    (home / "_netrc").write_text("machine api.wandb.ai login user password k3 bogus\n")  # does not parse
+    assert wandb_credentials(env) == ""
+    assert wandb_credentials(env | {"WANDB_API_KEY": "k4"}) == "WANDB_API_KEY"
+    assert wandb_credentials(env | {"WANDB_IDENTITY_TOKEN_FILE": "/t"}) == "WANDB_IDENTITY_TOKEN_FILE"
+    assert wandb_credentials(env | {"WANDB_MODE": "online"}) == "WANDB_MODE=online"
+
+
+def test_wandb_finds_the_same_netrc_key(no_wandb_login):
+    """Where the installed wandb has its own netrc reader (wbauth, in recent wandb), it finds a key for its default
+    server exactly when we find one (an entry for api.wandb.ai or for its CoreWeave Forge front); where it has
+    none, this is skipped (our reader is the documented netrc lookup either way)."""
+    wandb = pytest.importorskip("wandb")
+    wbauth = pytest.importorskip("wandb.sdk.lib.wbauth")
+    from monitor import wandb_credentials
+
+    default = wandb.Settings().base_url  # the installed wandb's own server: api.wandb.ai, or its Forge front
+    for host in ("api.wandb.ai", "api.forge.coreweave.com"):
+        (no_wandb_login / ".netrc").write_text(f"machine {host} login user password " + "a" * 40 + "\n")
+        assert wandb_credentials(os.environ) == f"a key for {host} in {no_wandb_login / '.netrc'}"
+        assert wbauth.read_netrc_auth(host=default) == "a" * 40, (host, default)
+    (no_wandb_login / ".netrc").write_text("machine wandb.example.com login user password " + "a" * 40 + "\n")
+    assert wandb_credentials(os.environ) == "" and wbauth.read_netrc_auth(host=default) is None
+
+
+def test_wandb_decides_the_mode_when_it_has_credentials(tmp_path, no_wandb_login, monkeypatch):
+    """With `wandb login`'s key in ~/.netrc the run is left to wandb (mode None: online, or what WANDB_MODE or its
+    settings say); with none, offline. wandb.init is replaced here (an online run would reach the network); then a
+    real run with WANDB_MODE=disabled and that key: disabled, as wandb was told, not offline."""
+    wandb = pytest.importorskip("wandb")
+    real_init, asked = wandb.init, []
+
+    class Run:
+        name, settings = "r", type("Settings", (), {"mode": "as wandb decides"})
+
+        def finish(self, exit_code: int = 0) -> None:
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kw: asked.append(kw["mode"]) or Run())
+    Monitor(config(tmp_path / "a", "wandb"), role="trainer").close()
+    (no_wandb_login / ".netrc").write_text("machine api.wandb.ai login user password " + "b" * 40 + "\n")
+    Monitor(config(tmp_path / "b", "wandb"), role="trainer").close()
+    assert asked == ["offline", None]
+    monkeypatch.setattr(wandb, "init", real_init)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # NOTE: were wandb to go online after all: no network
+    wandb.teardown()  # NOTE: wandb reads its environment once per process (its first setup): read it again
+    mon = Monitor(config(tmp_path / "c", "wandb"), role="trainer")
+    assert mon.wandb.settings.mode == "disabled"
+    mon.log({"actor/grad_norm": 1.0}, step=1)
+    mon.close()
 
 
 def test_mlflow_logs_every_number_under_a_name_it_accepts(tmp_path, monkeypatch):
@@ -312,7 +405,7 @@ def test_redacted_hides_every_env_var_monitor_args_but_harmless_keys_passwords_k
     assert holds_secret(cfg) and cfg.monitor.monitor_args["password"] == "hunter2"  # the config itself unchanged
 
 
-def test_the_config_that_mlflow_and_wandb_get_has_its_secrets_hidden(tmp_path, monkeypatch):
+def test_the_config_that_mlflow_and_wandb_get_has_its_secrets_hidden(tmp_path, monkeypatch, no_wandb_login):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -327,8 +420,6 @@ def test_the_config_that_mlflow_and_wandb_get_has_its_secrets_hidden(tmp_path, m
     assert '"PLAIN": "***"' in saved and '"username": "me"' in saved
     assert not [secret for secret in HIDDEN if secret in saved]
     pytest.importorskip("wandb")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
     mon = Monitor(with_secrets(tmp_path / "w", "wandb"), role="trainer")
     assert mon.wandb.config["monitor"]["monitor_args"]["password"] == "***"
     assert mon.wandb.config["explorer"]["env_vars"]["DB_PASS"] == "***"
@@ -427,3 +518,39 @@ def test_launcher_run_with_mlflow_one_store_one_experiment_every_run_finished(tm
     assert '"HF_TOKEN": "***"' in saved.read_text() and "hf_abc" not in saved.read_text()
     stage_config = run / "rl" / "config.yaml"
     assert "HF_TOKEN: hf_abc" in stage_config.read_text() and stage_config.stat().st_mode & 0o777 == 0o600
+
+
+@pytest.mark.slow
+def test_several_sinks_at_once_and_trinitys_single_name(tmp_path, monkeypatch):
+    """monitor_type [tensorboard, mlflow]: every number reaches both (as TRL's report_to list); a Trinity YAML's
+    single `monitor_type: wandb` loads as [wandb], the command line takes several names, the resolved config keeps
+    the list, and none beside a sink (or a sink twice) is refused by name."""
+    import configs
+    from configs import ConfigError, cli, resolve_stages
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = config(tmp_path, "tensorboard")
+    cfg.monitor.monitor_type = ["tensorboard", "mlflow"]
+    mon = Monitor(cfg, role="trainer")
+    mon.log({"actor/pg_loss": 0.5}, step=1)
+    mon.close()
+    events = EventAccumulator(str(tmp_path / "job/monitor/tensorboard/trainer"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 0.5)]
+    assert mlflow_runs((tmp_path / "job/monitor/mlruns").as_uri()) == {"t_trainer": "FINISHED"}
+    yaml_file = tmp_path / "trinity.yaml"
+    yaml_file.write_text(
+        "model: {model_path: m, max_model_len: 256}\nbuffer: {batch_size: 4, explorer_input: {taskset: {path: x}}}\n"
+        "monitor:\n  monitor_type: wandb\n  monitor_args: {base_url: 'http://127.0.0.1:9'}\n"
+    )
+    assert cli(["--config", str(yaml_file)])[0].monitor.monitor_type == ["wandb"]
+    both = cli(["--config", str(yaml_file), "--monitor.monitor_type", "tensorboard", "wandb"])[0]
+    assert both.monitor.monitor_type == ["tensorboard", "wandb"]
+    again = tmp_path / "resolved.yaml"
+    again.write_text(configs.to_yaml(both))
+    assert cli(["--config", str(again)])[0].monitor.monitor_type == ["tensorboard", "wandb"]
+    for bad in (["none", "wandb"], ["wandb", "wandb"]):
+        with pytest.raises(ConfigError, match=r"monitor.monitor_type = \[.*\] is refused: each sink once, or none"):
+            resolve_stages(
+                cli(["--config", str(yaml_file), "--model.model_path", "m", "--monitor.monitor_type", *bad])[0]
+            )

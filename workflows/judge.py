@@ -3,10 +3,12 @@ rubric_judge_workflow, cut down).
 
 The group's `repeat_times` responses come from one `chat(n=...)` call; each is shown to the judge
 (`explorer.auxiliary_models`, named by `workflow_args.judge`, default the first) with the question (the task's last
-user message) and the reference answer, all of them in one `generate()` call (one engine batch), greedily; a
-reply must contain `Score: N` with N in [0, max_score]. The responses whose reply has none are asked again, at
-temperature 0.7, up to `judge_retries` more times; then the task fails with the judge's reply in the message
-(never a silent 0: an ungraded response is no data point).
+user message) and the reference answer, all of them in one `replies()` call (one engine batch; an external judge,
+engine_type external: concurrent requests to its OpenAI-compatible endpoint), greedily; a reply must contain
+`Score: N` with N in [0, max_score]. The responses whose reply has none are asked again, at temperature 0.7, up to
+`judge_retries` more times; then the task fails with the judge's reply in the message (never a silent 0: an
+ungraded response is no data point). An external judge that cannot be reached, times out or sends no text fails the
+task too (engines.ExternalModelError), which the runner retries and then drops with that message.
 
 Worked example (max_score 10):
     question "What is 6 x 7?", reference "#### 42", response "#### 42"
@@ -89,20 +91,18 @@ class JudgeWorkflow(Workflow):
         return exps
 
     def grade(self, judge: Any, question: str, responses: list[str]) -> list[float]:
-        """The judge's grade of each response: one generate() call for all, then again (sampled) for those whose
-        reply had none."""
+        """The judge's grade of each response: one replies() call for all (one engine batch, or concurrent requests
+        to an external endpoint), then again (sampled) for those whose reply had none."""
         args, max_score = self.args, self.args.max_score
-        prompts = [
-            judge.render(
-                [
-                    {
-                        "role": "user",
-                        "content": PROMPT.format(
-                            question=question, reference=self.task.reference, response=r, max_score=f"{max_score:g}"
-                        ),
-                    }
-                ]
-            )
+        conversations = [
+            [
+                {
+                    "role": "user",
+                    "content": PROMPT.format(
+                        question=question, reference=self.task.reference, response=r, max_score=f"{max_score:g}"
+                    ),
+                }
+            ]
             for r in responses
         ]
         grades: list[float | None] = [None] * len(responses)
@@ -112,15 +112,14 @@ class JudgeWorkflow(Workflow):
             todo = [i for i, g in enumerate(grades) if g is None]
             if not todo:
                 break
-            replies = judge.generate(
-                [prompts[i] for i in todo],
-                n=1,
+            replies = judge.replies(
+                [conversations[i] for i in todo],
                 temperature=0.0 if attempt == 0 else 0.7,
                 max_tokens=args.judge_max_tokens,
             )
-            for i, (reply,) in zip(todo, replies):
+            for i, reply in zip(todo, replies):
                 try:
-                    grades[i] = parse_grade(reply.response_text, max_score)
+                    grades[i] = parse_grade(reply, max_score)
                 except JudgeError as e:
                     errors[i] = e
         missing = [i for i, g in enumerate(grades) if g is None]
