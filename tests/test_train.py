@@ -90,6 +90,72 @@ def test_units_and_micro_batches_respect_the_token_budget():
     assert batching.micro_batches(batch, units, 0, 3) == [[[3]], [[0, 1, 2]], [[4, 5]]]  # fixed: 3 sequences at most
 
 
+def plans(spec: list, mini_batch_size: int, world: int, paired: bool = False) -> list[list]:
+    """make_batch's plan on each rank of `world` for the groups of `spec` (helpers.experiences), with
+    trainer.ppo_mini_batch_size `mini_batch_size`: [rank][mini-batch] -> the rows of that rank's micro-batches."""
+    cfg = configs.Config()
+    cfg.trainer.max_token_len_per_gpu, cfg.trainer.ppo_mini_batch_size = 16384, mini_batch_size
+    cfg.model.max_response_tokens = 8
+    exps = experiences(spec)
+    out = []
+    for rank in range(world):
+        p = types.SimpleNamespace(
+            cfg=cfg, temperatures={}, share=True, source=types.SimpleNamespace(paired=paired), rank=rank, world=world
+        )
+        out.append([sorted(i for micro in mini for u in micro for i in u) for mini in train.make_batch(p, exps)[1]])
+    return out
+
+
+def test_mini_batches_hold_ppo_mini_batch_size_experiences_over_all_ranks():
+    """trainer.ppo_mini_batch_size cuts the whole step batch into mini-batches, each then shared by the ranks: every
+    optimizer step sees that many experiences, whatever the ranks and group sizes. (The ranks cut their own shares
+    before: on 2 ranks with a group each, mini-batch 1 was the whole batch and 2 was empty; a mini-batch smaller than
+    a group left mini-batches empty, and metrics averaged over them.)"""
+    two_groups = [(4, [3, 3]), (5, [2, 2])]
+    assert plans(two_groups, 2, 1) == [[[0, 1], [2, 3]]]
+    one, two = plans(two_groups, 2, 2)  # each mini-batch: 2 experiences, one on each rank
+    assert [sorted(a + b) for a, b in zip(one, two)] == [[0, 1], [2, 3]] and all(one + two)
+    assert plans(two_groups, 1, 1) == [[[0], [1], [2], [3]]]  # a group larger than a mini-batch is cut
+    one, two = plans(two_groups, 1, 2)
+    assert [a + b for a, b in zip(one, two)] == [[0], [1], [2], [3]] and one[0] == [0] and two[1] == [1]
+    # 3 groups of 4 in mini-batches of 6: 6 and 6 (one group cut), not 8 and 4
+    assert plans([(4, [3] * 4), (5, [2] * 4), (6, [1] * 4)], 6, 1) == [[[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]]]
+    assert plans(two_groups, 3, 1) == [[[0, 1, 2, 3]]]  # 4 / 3 rounds to 1 mini-batch
+    # DPO pairs (chosen, rejected) stay whole: 4 pairs in mini-batches of 2 rows, and of 1 (still a pair each)
+    pairs = [(4, [3, 3]), (5, [2, 2]), (6, [1, 1]), (7, [1, 1])]
+    assert plans(pairs, 2, 1, paired=True) == plans(pairs, 1, 1, paired=True) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    assert batching.mini_batches([[0, 1, 2, 3, 4, 5], [6, 7]], 2, True) == [[[0, 1, 2, 3]], [[4, 5], [6, 7]]]
+    assert train.n_mini_batches(8, 1, paired=True) == 4 and train.n_mini_batches(3, 8) == 1
+
+
+def test_update_metrics_average_over_the_updates_that_ran(monkeypatch):
+    """A mini-batch whose rows all left the loss (a group filtered out by std_threshold) makes no update and does not
+    dilute the step's metrics: a loss metric of 1.0 on every micro-batch averages to 1.0 (it was 0.5)."""
+    batch = batching.step_batch(experiences([(4, [3, 3]), (5, [2, 2])]), width=4)
+    batch["response_mask"][2:] = False  # the second group filtered out
+    plan = [[[[0, 1]]], [[[2, 3]]]]
+    monkeypatch.setattr(train, "reduce_sum", lambda values, device: values)
+    monkeypatch.setattr(train, "reduce_max", lambda value, device: value)
+    model = torch.nn.Linear(2, 1)
+    cfg = configs.Config()
+    cfg.trainer.ppo_epochs = 2
+    p = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), share=True)
+    sums, norms, skipped = train.optimize(
+        p,
+        model=model,
+        optim=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        batch=batch,
+        plan=plan,
+        loss_fn=lambda p, mb: (model.weight.sum(), {"one": 1.0}),
+        mode="token-mean",
+        lr=1e-3,
+        grad_clip=1.0,
+        prefix="actor/",
+        step=1,
+    )
+    assert sums == {"actor/one": 1.0} and len(norms) == 2 and skipped == 0  # 2 epochs x the one mini-batch with tokens
+
+
 def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
     """step_batch builds the [B,T] stored_advantages (an explorer-side advantage fn's: step_wise_grpo) only when
     some experience carries advantages: every other algorithm's step allocates and fills nothing for them."""
