@@ -4,6 +4,7 @@ scaling, checkpoints and exact resume, a GRPO step checked against hand-computed
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -27,7 +28,9 @@ from algos import ADVANTAGE_FNS
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from helpers import (
+    both_config,
     experiences,
+    launch,
     mlflow_runs,
     plain_logprobs,
     run_train,
@@ -469,6 +472,133 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, ti
     assert response_logprob(after, tok, "5") > response_logprob(before, tok, "5")
     with ExperienceDB(f"sqlite:///{db}") as d:
         assert d.counts()["pending"] == 0
+
+
+# --- ppo_epochs with mini-batches, the reward KL penalty and DAPO's overlong shaping: one mode-both run, hand-checked
+
+KL_START, KL_TARGET, KL_HORIZON = 0.5, 0.01, 8  # the penalty's adaptive beta
+OVERLONG_BUFFER, OVERLONG_FACTOR, MAX_RESPONSE = 6, 0.5, 12  # max_response_tokens: both_config's
+
+
+@pytest.fixture(scope="module")
+def settings_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """A GRPO run in mode both through the launcher (3 steps of 2 tasks x 2 responses, on-policy) with what no other
+    run sets: ppo_epochs 2 over mini-batches of 2 experiences (4 optimizer steps a train step), a reward KL penalty (k3,
+    adaptive beta) and DAPO's overlong shaping; a checkpoint every step. Its job directory."""
+    tmp = tmp_path_factory.mktemp("settings")
+    config = both_config(
+        tmp,
+        tiny_model_dir,
+        **{
+            "trainer.ppo_epochs": 2,
+            "trainer.ppo_mini_batch_size": 2,
+            "trainer.save_interval": 1,
+            "algorithm.kl_penalty_fn": "k3",
+            "algorithm.kl_penalty_fn_args": {
+                "kl_coef": KL_START,
+                "adaptive": True,
+                "target_kl": KL_TARGET,
+                "horizon": KL_HORIZON,
+            },
+            "algorithm.overlong_reward": {
+                "enable": True,
+                "buffer_len": OVERLONG_BUFFER,
+                "penalty_factor": OVERLONG_FACTOR,
+            },
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp / "ck" / "p" / "run"
+
+
+@pytest.fixture(scope="module")
+def step_logprobs(settings_run, tiny_model_dir) -> dict[int, list[tuple[Experience, torch.Tensor, torch.Tensor]]]:
+    """train step -> (experience, log-probs under the weights the step started from, under the reference model) of
+    each experience the step claimed in the DB; plain forward passes, one sequence at a time, not the trainer's code."""
+    base = load_model(tiny_model_dir)  # the reference model, and the actor of step 1
+    out = {}
+    with ExperienceDB(f"sqlite:///{settings_run / 'buffer' / 'exp.db'}") as d:
+        for step in (1, 2, 3):
+            ids = [i for (i,) in d.query("SELECT exp_id FROM claims WHERE step = ? ORDER BY exp_id", (step,))]
+            start = base if step == 1 else load_model(str(sync.weights_path(settings_run, step - 1)))
+            out[step] = [
+                (x, plain_logprobs(start, x.tokens, x.prompt_length), plain_logprobs(base, x.tokens, x.prompt_length))
+                for x in d.get(ids)
+            ]
+    return out
+
+
+@pytest.mark.slow
+def test_ppo_epochs_over_mini_batches_step_from_the_old_logprobs_of_the_steps_start(
+    settings_run, step_logprobs, tiny_model_dir
+):
+    """ppo_epochs 2 x 2 mini-batches: 4 AdamW steps per train step (the optimizer state's step counter), every one on
+    the old log-probs of the step's starting weights (what the old-log-prob pass computes before the update: every
+    other test makes one update per step, where that pass is skipped), while the weights move within the step."""
+    log_text = (settings_run / "log" / "trainer.log").read_text()
+    assert "4 optimizer step(s) per train step (ppo_epochs 2 x 2 mini-batch(es))" in log_text
+    history = read_history(settings_run / "monitor" / "trainer.jsonl")
+    assert [m["step"] for m in history] == [1, 2, 3]
+    before = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
+    for m in history:
+        step = m["step"]
+        optimizer = safetensors.torch.load_file(
+            settings_run / f"global_step_{step}" / "actor" / "optimizer.safetensors"
+        )
+        counters = {v.item() for k, v in optimizer.items() if k.endswith("/step")}
+        assert counters == {4.0 * step}, counters  # 2 epochs x 2 mini-batches a step, none skipped
+        assert m["actor/skipped_steps"] == 0 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+        after = weights(settings_run, step)
+        assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3  # 4 AdamW steps at lr 1e-3
+        before = after
+        # on-policy: the rollout log-probs are those of the step's starting weights (a plain forward pass) ...
+        gap = max((start - x.logprobs).abs().max().item() for x, start, _ in step_logprobs[step])
+        assert gap < 1e-4, gap
+        # ... and the old log-probs every update used are the rollout ones: mean |old - rollout| over the 4 updates
+        assert m["rollout_corr/abs_diff"] < 1e-5, m["rollout_corr/abs_diff"]
+        # the later updates of the step saw weights the earlier ones moved: their ratios are not 1
+        assert abs(m["actor/ppo_kl"]) > 1e-4 and m["actor/pg_clipfrac"] > 0
+
+
+@pytest.mark.slow
+def test_kl_penalty_and_overlong_shaping_hand_checked_against_the_db(settings_run, step_logprobs):
+    """Each step's shaped rewards recomputed by hand from the experiences it claimed in the DB (rewards, response
+    lengths) and independent log-probs under its starting weights and the reference model: DAPO's overlong term
+    0.5 x min(0, (12 - 6 - L) / 6), minus beta x sum_t k3 with k3 = exp(ref - logp) - 1 - (ref - logp); beta adapted
+    after every step from the KL measured (Ziegler et al.); then GRPO's advantages of the shaped rewards."""
+    history = read_history(settings_run / "monitor" / "trainer.jsonl")
+    lengths = [x.response_length for rows in step_logprobs.values() for x, _, _ in rows]
+    start = MAX_RESPONSE - OVERLONG_BUFFER
+    # responses under the threshold, on the slope and past it: the check means something
+    assert min(lengths) <= start and any(start < n < MAX_RESPONSE for n in lengths) and max(lengths) == MAX_RESPONSE
+    beta = KL_START
+    for m in history:
+        rows = step_logprobs[m["step"]]
+        d = [logp - ref for _, logp, ref in rows]  # [R] each: logp - ref_logp
+        k3 = [torch.exp(-x) - 1 + x for x in d]  # [R] each
+        seq_kl = torch.tensor([k.mean().item() for k in k3])  # [B]
+        shaping = torch.tensor(
+            [OVERLONG_FACTOR * min(0.0, (start - x.response_length) / OVERLONG_BUFFER) for x, *_ in rows]
+        )
+        score = torch.tensor([x.reward for x, *_ in rows]) + shaping - beta * torch.tensor([k.sum().item() for k in k3])
+        assert m["critic/kl_coef"] == pytest.approx(beta, rel=1e-9)
+        assert m["critic/kl"] == pytest.approx(seq_kl.mean().item(), rel=1e-4, abs=1e-7)
+        assert m["critic/overlong_penalty/mean"] == pytest.approx(shaping.mean().item(), abs=1e-6)
+        for stat in ("mean", "max", "min"):
+            assert m[f"critic/score/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
+        groups = [x.group_id for x, *_ in rows]
+        adv = torch.zeros(len(rows))
+        for g in set(groups):
+            idx = [i for i, h in enumerate(groups) if h == g]
+            adv[idx] = (score[idx] - score[idx].mean()) / (score[idx].std() + 1e-6)
+        length = torch.tensor([float(x.response_length) for x, *_ in rows])
+        assert m["critic/advantages/mean"] == pytest.approx((adv * length).sum().item() / length.sum().item(), abs=1e-4)
+        assert m["critic/advantages/max"] == pytest.approx(adv.max().item(), abs=1e-4)
+        beta *= 1 + min(max(seq_kl.mean().item() / KL_TARGET - 1, -0.2), 0.2) * len(rows) / KL_HORIZON
+    assert history[0]["critic/kl"] == 0.0  # step 1: the actor is the reference
+    assert history[1]["critic/kl_coef"] != KL_START  # the coefficient adapted
 
 
 @pytest.mark.slow
