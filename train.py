@@ -14,7 +14,8 @@ Launch lines:
 One train step, straight down `train()`, a phase function each:
     read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
     batch       the step batch, dense tensors built once (batching.step_batch) that every later phase reads and
-                extends; this rank's share of it, cut into mini-batches of micro-batches of packed units
+                extends; cut into mini-batches (ppo_mini_batch_size), this rank's share of each as micro-batches of
+                packed units
     score       old log-probs (not when the step makes one update: they are the current ones), reference
                 log-probs, critic values; each summed over ranks, so that every rank holds the whole batch
     rewards     scores (+ DAPO's overlong shaping) on each response's last token, minus the KL penalty
