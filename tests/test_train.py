@@ -329,6 +329,26 @@ def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_
 
 
 @pytest.mark.slow
+def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(tmp_path, tiny_model_dir):
+    """ppo_epochs 2 over 2 mini-batches of 4 of the step's 8 experiences: a plain process and torchrun with two FSDP2
+    ranks make the same 4 AdamW steps on the same mini-batches, and end at the same weights (each rank used to cut its
+    own share into mini-batches: 2 ranks trained other mini-batches than 1)."""
+    over = {"buffer.total_steps": 1, "trainer.ppo_epochs": 2, "trainer.ppo_mini_batch_size": 4}
+    final = {}
+    for ranks in (0, 2):
+        out = run_train(sft_config(tmp_path / f"ranks{ranks}", tiny_model_dir, **over), ranks=ranks)
+        assert out.returncode == 0, out.stderr[-3000:]
+        job = tmp_path / f"ranks{ranks}" / "ck" / "p" / "t"
+        final[ranks] = weights(job, 1)
+        optimizer = safetensors.torch.load_file(job / "global_step_1" / "actor" / "optimizer.safetensors")
+        assert {v.item() for k, v in optimizer.items() if k.endswith("/step")} == {4.0}
+    start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
+    moved = max((final[0][k] - start[k]).abs().max().item() for k in start)
+    diff = max((final[2][k] - final[0][k]).abs().max().item() for k in start)
+    assert moved > 1e-3 and diff < moved / 100, (diff, moved)
+
+
+@pytest.mark.slow
 def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir):
     out = run_train(sft_config(tmp_path, tiny_model_dir, **{"trainer.save_interval": 1}))
     assert out.returncode == 0, out.stderr[-3000:]
