@@ -145,6 +145,7 @@ def mini_batches(units: list[list[int]], n: int, paired: bool = False) -> list[l
     step = 2 if paired else 1  # rows come in pairs
     whole = rows // step
     target = [step * (whole // n + (k < whole % n)) for k in range(n)]  # rows of each mini-batch
+    target[0] += rows - sum(target)  # an odd row of `paired` rows (none should be): never left over
     out: list[list[list[int]]] = [[] for _ in range(n)]
     for u in sorted(units, key=len, reverse=True):
         while u:
