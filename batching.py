@@ -1,13 +1,14 @@
 """The trainer's step batch and its packing: a step's experiences as dense tensors, built once (step_batch), cut
-into units (the sequences laid out together: a group sharing its prompt, a DPO pair) and micro-batches, each packed
-into model inputs (packed_inputs) that segment attention (models.segment_attention) reads; and the advantages an
-explorer-side advantage fn computes over a task's whole group before it is written (group_advantages), on a step
-batch of that group.
+into units (the sequences laid out together: a group sharing its prompt, a DPO pair), mini-batches (mini_batches) and
+micro-batches, each packed into model inputs (packed_inputs) that segment attention (models.segment_attention) reads;
+and the advantages an explorer-side advantage fn computes over a task's whole group before it is written
+(group_advantages), on a step batch of that group.
 
     batch = step_batch(exps, width=cfg.model.max_response_tokens)  # [B] / [B,P] / [B,T] tensors
     units = pack_units(batch, list(range(B)), share=True, budget=4096)
-    for micro in micro_batches(batch, units, budget=4096, fixed=None):
-        mb = micro_batch(batch, micro, share=True, device=device, keys=("advantages",))  # a scorer's input
+    for mini in mini_batches(units, n=2):  # ppo_mini_batch_size B / 2
+        for micro in micro_batches(batch, mini, budget=4096, fixed=None):
+            mb = micro_batch(batch, micro, share=True, device=device, keys=("advantages",))  # a scorer's input
 """
 
 from __future__ import annotations
@@ -134,6 +135,26 @@ def pack_units(
 def unit_length(batch: dict[str, torch.Tensor], unit: list[int]) -> int:
     """Tokens of a unit laid out by packed_inputs(): its prompt once, then each member's response."""
     return int(batch["prompt_lengths"][unit[0]]) + int(batch["response_lengths"][unit].sum())
+
+
+def mini_batches(units: list[list[int]], n: int, paired: bool = False) -> list[list[list[int]]]:
+    """Units dealt to n mini-batches (trainer.ppo_mini_batch_size) of as equal a number of rows as can be: largest unit
+    first, each to the mini-batch with the most room left; a unit larger than that room is cut (a group, whose prompt is
+    then laid out once per part), at an even row with `paired` (a DPO pair stays whole). Every rank cuts alike."""
+    rows = sum(len(u) for u in units)
+    step = 2 if paired else 1  # rows come in pairs
+    whole = rows // step
+    target = [step * (whole // n + (k < whole % n)) for k in range(n)]  # rows of each mini-batch
+    target[0] += rows - sum(target)  # an odd row of `paired` rows (none should be): never left over
+    out: list[list[list[int]]] = [[] for _ in range(n)]
+    for u in sorted(units, key=len, reverse=True):
+        while u:
+            k = max(range(n), key=lambda k: target[k])  # the most room left (the first such)
+            take = min(len(u), target[k])
+            out[k].append(u[:take])
+            target[k] -= take
+            u = u[take:]
+    return out
 
 
 def micro_batches(

@@ -14,7 +14,8 @@ Launch lines:
 One train step, straight down `train()`, a phase function each:
     read        train_batch_size experiences: rank 0 claims them in the DB, the other ranks read the same ids
     batch       the step batch, dense tensors built once (batching.step_batch) that every later phase reads and
-                extends; this rank's share of it, cut into mini-batches of micro-batches of packed units
+                extends; cut into mini-batches (ppo_mini_batch_size), this rank's share of each as micro-batches of
+                packed units
     score       old log-probs (not when the step makes one update: they are the current ones), reference
                 log-probs, critic values; each summed over ranks, so that every rank holds the whole batch
     rewards     scores (+ DAPO's overlong shaping) on each response's last token, minus the KL penalty
@@ -74,7 +75,7 @@ from algos.kl import loss as kl_loss
 from algos.kl import penalty as kl_penalty
 from algos.kl import place_scores
 from algos.utils import masked_mean
-from batching import micro_batch, micro_batches, pack_units, step_batch, unit_length
+from batching import micro_batch, micro_batches, mini_batches, pack_units, step_batch, unit_length
 from buffer import Experience
 from configs.schema import AlgorithmConfig, OptimizerConfig
 from models import config_tokenizer, torch_dtype
@@ -244,10 +245,11 @@ def trainer_models(
 
 def log_set_up(p: Parts) -> None:
     """Rank 0's line saying what this trainer runs."""
-    a, s = p.cfg.algorithm, p.cfg.synchronizer
+    a, s, t = p.cfg.algorithm, p.cfg.synchronizer, p.cfg.trainer
+    n_mini = n_mini_batches(p.cfg.buffer.train_batch_size, t.ppo_mini_batch_size, p.source.paired)
     log.info(
         "trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
-        "%d step(s), packing: %s",
+        "%d step(s), packing: %s, %d optimizer step(s) per train step (ppo_epochs %d x %d mini-batch(es))",
         p.world,
         p.device.type,
         p.resume + 1,
@@ -259,6 +261,9 @@ def log_set_up(p: Parts) -> None:
         s.sync_method,
         s.sync_interval,
         "shared prompts" if p.share else "off (padded rows)",
+        t.ppo_epochs * n_mini,
+        t.ppo_epochs,
+        n_mini,
     )
 
 
@@ -311,22 +316,30 @@ LOSS_KEYS = (
 
 
 def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[list[int]]]]]:
-    """The step batch (batching.step_batch), and this rank's share of it as a plan: mini-batches of
-    micro-batches of units (lists of batch rows laid out together: a group sharing its prompt, a DPO pair)."""
-    t = p.cfg.trainer
+    """The step batch (batching.step_batch), and this rank's share of it as a plan: mini-batches of the whole batch
+    (n_mini_batches: ppo_mini_batch_size experiences each, over all ranks), each as this rank's micro-batches of units
+    (lists of batch rows laid out together: a group sharing its prompt, a DPO pair)."""
+    t, paired = p.cfg.trainer, p.source.paired
     batch = step_batch(exps, p.cfg.model.max_response_tokens, p.temperatures)
     rows = list(range(len(exps)))
-    units = pack_units(batch, rows, p.share, t.max_token_len_per_gpu, p.source.paired)
-    if len(units) < p.world:  # too few groups for the ranks: share them out sequence by sequence
-        units = pack_units(batch, rows, False, t.max_token_len_per_gpu, p.source.paired)
-    if len(units) < p.world:
+    if len(pack_units(batch, rows, False, t.max_token_len_per_gpu, paired)) < p.world:
         raise RuntimeError(f"{len(exps)} experiences cannot be shared by {p.world} ranks")
-    units.sort(key=lambda u: -unit_length(batch, u))  # dealt round-robin, largest first: balanced ranks
-    mine = units[p.rank :: p.world]
-    n_mini = max(1, round(len(exps) / t.ppo_mini_batch_size))
+    units = pack_units(batch, rows, p.share, t.max_token_len_per_gpu, paired)
     fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
-    plan = [micro_batches(batch, mine[k::n_mini], t.max_token_len_per_gpu, fixed) for k in range(n_mini)]
+    plan = []
+    for k, mini in enumerate(mini_batches(units, n_mini_batches(len(exps), t.ppo_mini_batch_size, paired), paired)):
+        if len(mini) < p.world:  # too few units for the ranks: share them out sequence by sequence (pairs whole)
+            mini = pack_units(batch, [i for u in mini for i in u], False, t.max_token_len_per_gpu, paired)
+        mini.sort(key=lambda u: -unit_length(batch, u))  # dealt round-robin, largest first: balanced ranks
+        mine = [u for j, u in enumerate(mini) if (j + k) % p.world == p.rank]  # from rank k: not always rank 0 first
+        plan.append(micro_batches(batch, mine, t.max_token_len_per_gpu, fixed))
     return batch, plan
+
+
+def n_mini_batches(rows: int, mini_batch_size: int, paired: bool = False) -> int:
+    """Optimizer steps per epoch of a step of `rows` experiences: rows / ppo_mini_batch_size rounded, at least 1, at
+    most one per experience (per pair)."""
+    return min(max(1, round(rows / mini_batch_size)), max(rows // (2 if paired else 1), 1))
 
 
 def all_sum(x: torch.Tensor, p: Parts) -> torch.Tensor:
@@ -378,6 +391,8 @@ def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
     kl_cfg = dataclasses.replace(p.pieces["kl_penalty_fn"][1], kl_coef=p.kl_coef["kl_penalty_fn"])
     inputs = {k: batch[k] for k in ("response_mask", "old_logprobs", "ref_logprobs")} | {"rewards": scores}
     batch["token_level_rewards"], kl_metrics = kl_penalty(inputs, kl_cfg, a.kl_penalty_fn)  # [B,T]
+    if kl_cfg.adaptive:  # the next step's beta, from the KL measured now (veRL's apply_kl_penalty); logged: this one's
+        p.kl_coef["kl_penalty_fn"] = kl_adapt(kl_cfg.kl_coef, kl_metrics["kl"], len(scores), kl_cfg)
     return metrics | {f"critic/{k}": v for k, v in kl_metrics.items()}
 
 
@@ -526,13 +541,12 @@ def update_critic(p: Parts, batch: dict, plan: list, step: int) -> dict[str, flo
 
 
 def adapt_kl(p: Parts, metrics: dict[str, float], batch_size: int) -> None:
-    """The adaptive KL controllers' step (Ziegler et al.) on the KL measured this step; their new coefficients
-    go into p.kl_coef and the metrics."""
-    for k in ("kl_loss_fn", "kl_penalty_fn"):
-        measured = metrics.get({"kl_loss_fn": "actor/kl_loss", "kl_penalty_fn": "critic/kl"}[k])
-        if p.pieces[k][1].adaptive and measured is not None:
-            p.kl_coef[k] = kl_adapt(p.kl_coef[k], measured, batch_size, p.pieces[k][1])
-            metrics[f"{'actor' if k == 'kl_loss_fn' else 'critic'}/kl_coef"] = p.kl_coef[k]
+    """The adaptive KL loss controller's step (Ziegler et al.) on the KL loss measured this step; its new coefficient
+    goes into p.kl_coef and the metrics. (The KL penalty's takes its step in shape_rewards, where it is measured.)"""
+    measured = metrics.get("actor/kl_loss")
+    if p.pieces["kl_loss_fn"][1].adaptive and measured is not None:
+        p.kl_coef["kl_loss_fn"] = kl_adapt(p.kl_coef["kl_loss_fn"], measured, batch_size, p.pieces["kl_loss_fn"][1])
+        metrics["actor/kl_coef"] = p.kl_coef["kl_loss_fn"]
 
 
 def optimize(
@@ -552,11 +566,11 @@ def optimize(
     """ppo_epochs x the plan's mini-batches x their micro-batches of loss_fn(p, micro-batch) -> (loss, metrics):
     gradients accumulated with each micro-batch's share of the mini-batch's tokens (token-mean `mode`) or of its
     sequences with tokens (the seq-mean modes), so that any cut (micro-batches, ranks) gives the gradient of the
-    whole mini-batch; clipped, then one AdamW step at `lr`. Returns (this rank's metrics averaged over updates,
-    gradient norms, skipped steps)."""
-    sums, norms, skipped, epochs = {}, [], 0, p.cfg.trainer.ppo_epochs
+    whole mini-batch; clipped, then one AdamW step at `lr`. Returns (this rank's metrics averaged over the updates
+    (mini-batches with tokens), gradient norms, skipped steps)."""
+    sums, norms, skipped, updates = {}, [], 0, 0
     keys = tuple(k for k in LOSS_KEYS if k in batch)
-    for _ in range(epochs):
+    for _ in range(p.cfg.trainer.ppo_epochs):
         for mini in plan:
             masks = [batch["response_mask"][[i for u in micro for i in u]] for micro in mini]  # [n,T] each
             count = [float(m.sum()) if mode == "token-mean" else float(m.any(-1).sum()) for m in masks]
@@ -566,6 +580,7 @@ def optimize(
             n_micro = int(max(reduce_max(len(mini), p.device), 1))
             if total_count == 0:  # every row of this mini-batch was filtered out, on every rank
                 continue
+            updates += 1
             optim.zero_grad(set_to_none=True)
             for k in range(n_micro):
                 units, share = (mini[k], count[k] / total_count) if k < len(mini) else (filler(plan), 0.0)
@@ -575,7 +590,7 @@ def optimize(
                 (loss * share * p.world).backward()
                 for key, v in m.items():
                     key = key if key.startswith("rollout_corr/") else prefix + key
-                    sums[key] = sums.get(key, 0.0) + v * share / (epochs * len(plan))
+                    sums[key] = sums.get(key, 0.0) + v * share
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
             if not math.isfinite(norm):  # veRL skips such steps too
@@ -586,7 +601,7 @@ def optimize(
             for g in optim.param_groups:
                 g["lr"] = lr
             optim.step()
-    return sums, norms, skipped
+    return {k: v / max(updates, 1) for k, v in sums.items()}, norms, skipped
 
 
 def filler(plan: list) -> list[list[int]]:

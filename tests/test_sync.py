@@ -3,6 +3,7 @@ process group (real trainer/explorer processes over gloo: bitwise load, stop, an
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,7 +23,9 @@ import configs
 import sync
 import wire
 from engines import HFEngine, SamplingParams
+from helpers import both_config, launch, rollout_logprob_gap, versions_by_step
 from models import load_model, load_tokenizer
+from monitor import read_history
 
 
 def test_publish_then_load_exact_weights(tiny_model_dir, tmp_path):
@@ -415,6 +418,58 @@ def test_the_trainer_publishes_exactly_what_explorer_steps_wait_for(train_batch,
         assert [sync.weights_needed(e, cfg) for e in range(1, 5)] == [
             max(e - offset, 0) if (e - offset) % interval == 0 else 0 for e in range(1, 5)
         ]
+
+
+def documented_versions() -> dict[tuple[int, int], list[int]]:
+    """docs/checkpoints.md's table: (sync_interval, sync_offset) -> the weights version of explorer steps 1, 2, ..."""
+    rows = {}
+    for line in (ROOT / "docs" / "checkpoints.md").read_text().splitlines():
+        if m := re.fullmatch(r"\| (\d+), (\d+)[^|]*\|((?: \d+ \|)+)", line):
+            rows[int(m[1]), int(m[2])] = [int(v) for v in m[3].replace("|", " ").split()]
+    return rows
+
+
+def test_the_documented_versions_of_each_explorer_step_follow_weights_needed():
+    """Each row of the docs' table: explorer step e rolls out with the weights its last sync point before it got
+    (sync.weights_needed of steps e - 1, e - 2, ...; 0 before any), one explorer step per train step."""
+    rows = documented_versions()
+    assert set(rows) == {(1, 0), (1, 1), (2, 0), (2, 1)}
+    cfg = configs.Config()
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 2, 2, 4
+    for (interval, offset), versions in rows.items():
+        cfg.synchronizer.sync_interval, cfg.synchronizer.sync_offset = interval, offset
+        rule = [next((w for k in range(e - 1, 0, -1) if (w := sync.weights_needed(k, cfg))), 0) for e in range(1, 8)]
+        assert versions == rule, (interval, offset)
+
+
+@pytest.mark.slow
+def test_sync_interval_2_offset_1_in_mode_both_rolls_out_with_the_documented_versions(tmp_path, tiny_model_dir):
+    """Mode both, sync_interval 2, sync_offset 1 (checkpoint sync), 6 steps: the version each experience records is the
+    docs' table's for its explorer step; the engine really held those weights (its rollout log-probs are theirs); the
+    trainer's staleness is train step - 1 - that version."""
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "synchronizer.sync_interval": 2,
+            "synchronizer.sync_offset": 1,
+            "buffer.total_steps": 6,
+            "trainer.save_interval": 2,  # steps 2, 4 and 6 kept: the weights the explorer loaded
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run, table = tmp_path / "ck" / "p" / "run", documented_versions()[2, 1][:6]
+    db = run / "buffer" / "exp.db"
+    assert table == [0, 0, 0, 2, 2, 4] and versions_by_step(db) == [v for v in table for _ in range(4)]
+    for version in (2, 4):
+        assert rollout_logprob_gap(db, version, sync.weights_path(run, version)) < 1e-4
+    assert rollout_logprob_gap(db, 2, Path(tiny_model_dir)) > 1e-3  # not the weights it started with
+    history = read_history(run / "monitor" / "trainer.jsonl")
+    assert (
+        [m["batch/staleness/max"] for m in history] == [s - 1 - v for s, v in enumerate(table, 1)] == [0, 1, 2, 1, 2, 1]
+    )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ scaling, checkpoints and exact resume, a GRPO step checked against hand-computed
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -27,7 +28,9 @@ from algos import ADVANTAGE_FNS
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from helpers import (
+    both_config,
     experiences,
+    launch,
     mlflow_runs,
     plain_logprobs,
     run_train,
@@ -88,6 +91,72 @@ def test_units_and_micro_batches_respect_the_token_budget():
     assert batching.micro_batches(batch, units, 30, None) == [[[3]], [[0, 1, 2]], [[4, 5]]]
     assert batching.micro_batches(batch, units, 10**6, None) == [[[3], [0, 1, 2], [4, 5]]]
     assert batching.micro_batches(batch, units, 0, 3) == [[[3]], [[0, 1, 2]], [[4, 5]]]  # fixed: 3 sequences at most
+
+
+def plans(spec: list, mini_batch_size: int, world: int, paired: bool = False) -> list[list]:
+    """make_batch's plan on each rank of `world` for the groups of `spec` (helpers.experiences), with
+    trainer.ppo_mini_batch_size `mini_batch_size`: [rank][mini-batch] -> the rows of that rank's micro-batches."""
+    cfg = configs.Config()
+    cfg.trainer.max_token_len_per_gpu, cfg.trainer.ppo_mini_batch_size = 16384, mini_batch_size
+    cfg.model.max_response_tokens = 8
+    exps = experiences(spec)
+    out = []
+    for rank in range(world):
+        p = types.SimpleNamespace(
+            cfg=cfg, temperatures={}, share=True, source=types.SimpleNamespace(paired=paired), rank=rank, world=world
+        )
+        out.append([sorted(i for micro in mini for u in micro for i in u) for mini in train.make_batch(p, exps)[1]])
+    return out
+
+
+def test_mini_batches_hold_ppo_mini_batch_size_experiences_over_all_ranks():
+    """trainer.ppo_mini_batch_size cuts the whole step batch into mini-batches, each then shared by the ranks: every
+    optimizer step sees that many experiences, whatever the ranks and group sizes. (The ranks cut their own shares
+    before: on 2 ranks with a group each, mini-batch 1 was the whole batch and 2 was empty; a mini-batch smaller than
+    a group left mini-batches empty, and metrics averaged over them.)"""
+    two_groups = [(4, [3, 3]), (5, [2, 2])]
+    assert plans(two_groups, 2, 1) == [[[0, 1], [2, 3]]]
+    one, two = plans(two_groups, 2, 2)  # each mini-batch: 2 experiences, one on each rank
+    assert [sorted(a + b) for a, b in zip(one, two)] == [[0, 1], [2, 3]] and all(one + two)
+    assert plans(two_groups, 1, 1) == [[[0], [1], [2], [3]]]  # a group larger than a mini-batch is cut
+    one, two = plans(two_groups, 1, 2)
+    assert [a + b for a, b in zip(one, two)] == [[0], [1], [2], [3]] and one[0] == [0] and two[1] == [1]
+    # 3 groups of 4 in mini-batches of 6: 6 and 6 (one group cut), not 8 and 4
+    assert plans([(4, [3] * 4), (5, [2] * 4), (6, [1] * 4)], 6, 1) == [[[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]]]
+    assert plans(two_groups, 3, 1) == [[[0, 1, 2, 3]]]  # 4 / 3 rounds to 1 mini-batch
+    # DPO pairs (chosen, rejected) stay whole: 4 pairs in mini-batches of 2 rows, and of 1 (still a pair each)
+    pairs = [(4, [3, 3]), (5, [2, 2]), (6, [1, 1]), (7, [1, 1])]
+    assert plans(pairs, 2, 1, paired=True) == plans(pairs, 1, 1, paired=True) == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    assert batching.mini_batches([[0, 1, 2, 3, 4, 5], [6, 7]], 2, True) == [[[0, 1, 2, 3]], [[4, 5], [6, 7]]]
+    assert train.n_mini_batches(8, 1, paired=True) == 4 and train.n_mini_batches(3, 8) == 1
+
+
+def test_update_metrics_average_over_the_updates_that_ran(monkeypatch):
+    """A mini-batch whose rows all left the loss (a group filtered out by std_threshold) makes no update and does not
+    dilute the step's metrics: a loss metric of 1.0 on every micro-batch averages to 1.0 (it was 0.5)."""
+    batch = batching.step_batch(experiences([(4, [3, 3]), (5, [2, 2])]), width=4)
+    batch["response_mask"][2:] = False  # the second group filtered out
+    plan = [[[[0, 1]]], [[[2, 3]]]]
+    monkeypatch.setattr(train, "reduce_sum", lambda values, device: values)
+    monkeypatch.setattr(train, "reduce_max", lambda value, device: value)
+    model = torch.nn.Linear(2, 1)
+    cfg = configs.Config()
+    cfg.trainer.ppo_epochs = 2
+    p = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), share=True)
+    sums, norms, skipped = train.optimize(
+        p,
+        model=model,
+        optim=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        batch=batch,
+        plan=plan,
+        loss_fn=lambda p, mb: (model.weight.sum(), {"one": 1.0}),
+        mode="token-mean",
+        lr=1e-3,
+        grad_clip=1.0,
+        prefix="actor/",
+        step=1,
+    )
+    assert sums == {"actor/one": 1.0} and len(norms) == 2 and skipped == 0  # 2 epochs x the one mini-batch with tokens
 
 
 def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
@@ -260,6 +329,26 @@ def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_
 
 
 @pytest.mark.slow
+def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(tmp_path, tiny_model_dir):
+    """ppo_epochs 2 over 2 mini-batches of 4 of the step's 8 experiences: a plain process and torchrun with two FSDP2
+    ranks make the same 4 AdamW steps on the same mini-batches, and end at the same weights (each rank used to cut its
+    own share into mini-batches: 2 ranks trained other mini-batches than 1)."""
+    over = {"buffer.total_steps": 1, "trainer.ppo_epochs": 2, "trainer.ppo_mini_batch_size": 4}
+    final = {}
+    for ranks in (0, 2):
+        out = run_train(sft_config(tmp_path / f"ranks{ranks}", tiny_model_dir, **over), ranks=ranks)
+        assert out.returncode == 0, out.stderr[-3000:]
+        job = tmp_path / f"ranks{ranks}" / "ck" / "p" / "t"
+        final[ranks] = weights(job, 1)
+        optimizer = safetensors.torch.load_file(job / "global_step_1" / "actor" / "optimizer.safetensors")
+        assert {v.item() for k, v in optimizer.items() if k.endswith("/step")} == {4.0}
+    start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
+    moved = max((final[0][k] - start[k]).abs().max().item() for k in start)
+    diff = max((final[2][k] - final[0][k]).abs().max().item() for k in start)
+    assert moved > 1e-3 and diff < moved / 100, (diff, moved)
+
+
+@pytest.mark.slow
 def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir):
     out = run_train(sft_config(tmp_path, tiny_model_dir, **{"trainer.save_interval": 1}))
     assert out.returncode == 0, out.stderr[-3000:]
@@ -403,6 +492,133 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, ti
     assert response_logprob(after, tok, "5") > response_logprob(before, tok, "5")
     with ExperienceDB(f"sqlite:///{db}") as d:
         assert d.counts()["pending"] == 0
+
+
+# --- ppo_epochs with mini-batches, the reward KL penalty and DAPO's overlong shaping: one mode-both run, hand-checked
+
+KL_START, KL_TARGET, KL_HORIZON = 0.5, 0.01, 8  # the penalty's adaptive beta
+OVERLONG_BUFFER, OVERLONG_FACTOR, MAX_RESPONSE = 6, 0.5, 12  # max_response_tokens: both_config's
+
+
+@pytest.fixture(scope="module")
+def settings_run(tmp_path_factory, tiny_model_dir) -> Path:
+    """A GRPO run in mode both through the launcher (3 steps of 2 tasks x 2 responses, on-policy) with what no other
+    run sets: ppo_epochs 2 over mini-batches of 2 experiences (4 optimizer steps a train step), a reward KL penalty (k3,
+    adaptive beta) and DAPO's overlong shaping; a checkpoint every step. Its job directory."""
+    tmp = tmp_path_factory.mktemp("settings")
+    config = both_config(
+        tmp,
+        tiny_model_dir,
+        **{
+            "trainer.ppo_epochs": 2,
+            "trainer.ppo_mini_batch_size": 2,
+            "trainer.save_interval": 1,
+            "algorithm.kl_penalty_fn": "k3",
+            "algorithm.kl_penalty_fn_args": {
+                "kl_coef": KL_START,
+                "adaptive": True,
+                "target_kl": KL_TARGET,
+                "horizon": KL_HORIZON,
+            },
+            "algorithm.overlong_reward": {
+                "enable": True,
+                "buffer_len": OVERLONG_BUFFER,
+                "penalty_factor": OVERLONG_FACTOR,
+            },
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return tmp / "ck" / "p" / "run"
+
+
+@pytest.fixture(scope="module")
+def step_logprobs(settings_run, tiny_model_dir) -> dict[int, list[tuple[Experience, torch.Tensor, torch.Tensor]]]:
+    """train step -> (experience, log-probs under the weights the step started from, under the reference model) of
+    each experience the step claimed in the DB; plain forward passes, one sequence at a time, not the trainer's code."""
+    base = load_model(tiny_model_dir)  # the reference model, and the actor of step 1
+    out = {}
+    with ExperienceDB(f"sqlite:///{settings_run / 'buffer' / 'exp.db'}") as d:
+        for step in (1, 2, 3):
+            ids = [i for (i,) in d.query("SELECT exp_id FROM claims WHERE step = ? ORDER BY exp_id", (step,))]
+            start = base if step == 1 else load_model(str(sync.weights_path(settings_run, step - 1)))
+            out[step] = [
+                (x, plain_logprobs(start, x.tokens, x.prompt_length), plain_logprobs(base, x.tokens, x.prompt_length))
+                for x in d.get(ids)
+            ]
+    return out
+
+
+@pytest.mark.slow
+def test_ppo_epochs_over_mini_batches_step_from_the_old_logprobs_of_the_steps_start(
+    settings_run, step_logprobs, tiny_model_dir
+):
+    """ppo_epochs 2 x 2 mini-batches: 4 AdamW steps per train step (the optimizer state's step counter), every one on
+    the old log-probs of the step's starting weights (what the old-log-prob pass computes before the update: every
+    other test makes one update per step, where that pass is skipped), while the weights move within the step."""
+    log_text = (settings_run / "log" / "trainer.log").read_text()
+    assert "4 optimizer step(s) per train step (ppo_epochs 2 x 2 mini-batch(es))" in log_text
+    history = read_history(settings_run / "monitor" / "trainer.jsonl")
+    assert [m["step"] for m in history] == [1, 2, 3]
+    before = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
+    for m in history:
+        step = m["step"]
+        optimizer = safetensors.torch.load_file(
+            settings_run / f"global_step_{step}" / "actor" / "optimizer.safetensors"
+        )
+        counters = {v.item() for k, v in optimizer.items() if k.endswith("/step")}
+        assert counters == {4.0 * step}, counters  # 2 epochs x 2 mini-batches a step, none skipped
+        assert m["actor/skipped_steps"] == 0 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
+        after = weights(settings_run, step)
+        assert max((after[k] - before[k]).abs().max().item() for k in before) > 1e-3  # 4 AdamW steps at lr 1e-3
+        before = after
+        # on-policy: the rollout log-probs are those of the step's starting weights (a plain forward pass) ...
+        gap = max((start - x.logprobs).abs().max().item() for x, start, _ in step_logprobs[step])
+        assert gap < 1e-4, gap
+        # ... and the old log-probs every update used are the rollout ones: mean |old - rollout| over the 4 updates
+        assert m["rollout_corr/abs_diff"] < 1e-5, m["rollout_corr/abs_diff"]
+        # the later updates of the step saw weights the earlier ones moved: their ratios are not 1
+        assert abs(m["actor/ppo_kl"]) > 1e-4 and m["actor/pg_clipfrac"] > 0
+
+
+@pytest.mark.slow
+def test_kl_penalty_and_overlong_shaping_hand_checked_against_the_db(settings_run, step_logprobs):
+    """Each step's shaped rewards recomputed by hand from the experiences it claimed in the DB (rewards, response
+    lengths) and independent log-probs under its starting weights and the reference model: DAPO's overlong term
+    0.5 x min(0, (12 - 6 - L) / 6), minus beta x sum_t k3 with k3 = exp(ref - logp) - 1 - (ref - logp); beta adapted
+    after every step from the KL measured (Ziegler et al.); then GRPO's advantages of the shaped rewards."""
+    history = read_history(settings_run / "monitor" / "trainer.jsonl")
+    lengths = [x.response_length for rows in step_logprobs.values() for x, _, _ in rows]
+    start = MAX_RESPONSE - OVERLONG_BUFFER
+    # responses under the threshold, on the slope and past it: the check means something
+    assert min(lengths) <= start and any(start < n < MAX_RESPONSE for n in lengths) and max(lengths) == MAX_RESPONSE
+    beta = KL_START
+    for m in history:
+        rows = step_logprobs[m["step"]]
+        d = [logp - ref for _, logp, ref in rows]  # [R] each: logp - ref_logp
+        k3 = [torch.exp(-x) - 1 + x for x in d]  # [R] each
+        seq_kl = torch.tensor([k.mean().item() for k in k3])  # [B]
+        shaping = torch.tensor(
+            [OVERLONG_FACTOR * min(0.0, (start - x.response_length) / OVERLONG_BUFFER) for x, *_ in rows]
+        )
+        score = torch.tensor([x.reward for x, *_ in rows]) + shaping - beta * torch.tensor([k.sum().item() for k in k3])
+        assert m["critic/kl_coef"] == pytest.approx(beta, rel=1e-9)
+        assert m["critic/kl"] == pytest.approx(seq_kl.mean().item(), rel=1e-4, abs=1e-7)
+        assert m["critic/overlong_penalty/mean"] == pytest.approx(shaping.mean().item(), abs=1e-6)
+        for stat in ("mean", "max", "min"):
+            assert m[f"critic/score/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
+        groups = [x.group_id for x, *_ in rows]
+        adv = torch.zeros(len(rows))
+        for g in set(groups):
+            idx = [i for i, h in enumerate(groups) if h == g]
+            adv[idx] = (score[idx] - score[idx].mean()) / (score[idx].std() + 1e-6)
+        length = torch.tensor([float(x.response_length) for x, *_ in rows])
+        assert m["critic/advantages/mean"] == pytest.approx((adv * length).sum().item() / length.sum().item(), abs=1e-4)
+        assert m["critic/advantages/max"] == pytest.approx(adv.max().item(), abs=1e-4)
+        beta *= 1 + min(max(seq_kl.mean().item() / KL_TARGET - 1, -0.2), 0.2) * len(rows) / KL_HORIZON
+    assert history[0]["critic/kl"] == 0.0  # step 1: the actor is the reference
+    assert history[1]["critic/kl_coef"] != KL_START  # the coefficient adapted
 
 
 @pytest.mark.slow
