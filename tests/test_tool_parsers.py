@@ -324,3 +324,66 @@ def test_an_explorer_refuses_a_tool_that_does_not_load_when_it_starts(tool_file)
         stage(["calculator"], "llama")
     with pytest.raises(ConfigError, match=r"workflow_args: tool_parser 'none\.json': not a response template file"):
         check_workflows(stage(["calculator"], "none.json"))
+
+
+USER_WORKFLOW = '''
+from workflows import Workflow, apply_reward, chat_messages
+from workflows.episode import Episode
+from workflows.tool_parsers import tool_parser
+from workflows.tool_use import load_tools, tool_results
+
+
+class Weather(Workflow):
+    """One episode with the tools of workflow_args["tools"], as workflows/episode.py's docstring writes it."""
+
+    default_reward_fn = "math_reward"
+
+    def run(self):
+        tools, template = load_tools(tuple(self.task.workflow_args["tools"])), self.task.chat_template or None
+        ep = Episode(self.model, chat_messages(self.task), tools, max_turns=3, chat_template=template)
+        parser = tool_parser(self.model.tokenizer, template, "auto", ep.tools)
+        while not ep.done:
+            ep.reply(max_tokens=64)
+            calls = parser.parse_turn(ep).calls
+            if not calls:
+                break
+            ep.add(*tool_results(calls, tools, timeout=10.0))
+        exp = ep.experience()
+        return [apply_reward(exp, self.reward(parser.parse_turn(ep).content, 0))]
+'''
+
+
+def test_a_workflow_of_ones_own_reads_and_runs_tool_calls_in_the_templates_format(tokenizer, tool_file, tmp_path):
+    """A workflow outside the repository (`file.py:Class`) written with the public pieces (Episode, tool_parser,
+    load_tools, tool_results), a tool outside it too, Mistral's template: the call is read, run and rendered."""
+    (tmp_path / "weather_workflow.py").write_text(USER_WORKFLOW)
+    task = tool_task(
+        workflow=f"{tmp_path / 'weather_workflow.py'}:Weather",
+        workflow_args={"tools": [f"{tool_file}:get_weather"]},
+        chat_template=TEMPLATES["mistral-v11"],
+        repeat_times=1,
+    )
+    model = scripted(tokenizer, ['[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}', "#### 83"])
+    (exp,) = build_workflow(task, model).run()
+    assert exp.reward == pytest.approx(1.1)
+    assert "[TOOL_RESULTS]call00000[TOOL_CONTENT]Paris: sunny for 3 days[/TOOL_RESULTS]" in exp.response_text
+
+
+def test_a_tool_file_named_in_a_yaml_is_read_from_the_yamls_directory(tmp_path):
+    """As a workflow's `file.py:Class`: a relative `my_tools.py:get_weather` (and a tool_parser .json file) in a YAML
+    file is resolved against that file's directory, not the working directory; a module name stays as it is."""
+    import yaml
+
+    import configs
+
+    (tmp_path / "cfg").mkdir()
+    args = {"tools": ["calculator", "my_tools.py:get_weather", "pkg.mod:f"], "tool_parser": "mine.json"}
+    taskset = {"path": "x", "default_workflow_type": "tool_workflow", "workflow_args": args}
+    raw = {"model": {"model_path": "m", "max_model_len": 256}, "buffer": {"explorer_input": {"taskset": taskset}}}
+    (tmp_path / "cfg" / "run.yaml").write_text(yaml.safe_dump(raw))
+    (stage,) = configs.resolve_stages(configs.cli(["--config", str(tmp_path / "cfg" / "run.yaml")])[0])
+    (ts,) = stage.buffer.explorer_input.tasksets
+    assert ts.workflow_args == {
+        "tools": ["calculator", f"{tmp_path / 'cfg' / 'my_tools.py'}:get_weather", "pkg.mod:f"],
+        "tool_parser": str(tmp_path / "cfg" / "mine.json"),
+    }

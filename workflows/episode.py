@@ -1,12 +1,13 @@
 """Multi-turn episodes, token in / token out, and tool calls.
 
     ep = Episode(model, messages, tools=[CALCULATOR], max_turns=4)
+    parser = tool_parser(model.tokenizer, None, "auto", ep.tools)   # tool calls in the chat template's format
     while not ep.done:
-        text = ep.reply(temperature=1.0, max_tokens=64)      # one assistant turn, sampled from the exact ids so far
-        calls = parse_tool_calls(text)
+        ep.reply(temperature=1.0, max_tokens=64)             # one assistant turn, sampled from the exact ids so far
+        calls = parser.parse_turn(ep).calls
         if not calls:
             break                                             # an answer: the episode ends
-        ep.add([tool_message(run_tool([CALCULATOR], c)) for c in calls])
+        ep.add(*tool_results(calls, [CALCULATOR], timeout=10.0))   # the results, after the turn that made the calls
     exp = ep.experience()           # one experience: the first prompt, then every turn; action_mask = the model's
     turns = ep.turn_experiences()   # or one per assistant turn (step-wise algorithms)
 
@@ -23,10 +24,10 @@ max_model_len): a turn cut at its max_tokens or a message that does not fit ends
 its experience then has no action tokens (`mask_truncated`, on by default: DAPO's overlong filtering; its reward
 still counts in its group) and the metric truncated = 1. The first prompt is cut to max_prompt_tokens as a
 single-turn prompt is (marked "prompt_truncated": no loss), or fails with PromptTooLong.
-Tool calls (workflows/tools.py) are Qwen / Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-JSON in the model's text outside its `<think>` blocks, run by registered Python functions in worker processes
-with a timeout; model text is parsed, never evaluated, and a malformed or failing call becomes an error message
-for the model, not an exception.
+Tool calls are read in the chat template's format (workflows/tool_parsers.py: Hermes / Qwen `<tool_call>`, Llama
+3, Mistral, gpt-oss, Qwen3-Coder; tool_use.tool_results runs them) outside the model's reasoning, and run by Python
+functions in worker processes with a timeout (workflows/tools.py); model text is parsed, never evaluated, and a
+malformed or failing call becomes an error message for the model, not an exception.
 """
 
 from __future__ import annotations

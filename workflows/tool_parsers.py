@@ -2,6 +2,7 @@
 
     parser = tool_parser(tokenizer, chat_template, "auto", schemas)   # once per task: the format of the template
     reply = parser.parse(text, raw, prefix)    # Reply(calls=[ToolCall(name, arguments, error)], content="...")
+    reply = parser.parse_turn(episode)         # the same for an Episode's last turn (workflows/episode.py)
 
 The formats, by the names of vLLM's `--tool-call-parser`:
   hermes       Qwen2.5, Qwen3, Hermes   <tool_call>{"name": "f", "arguments": {...}}</tool_call>
@@ -163,6 +164,13 @@ class ToolParser:
             return Reply(calls, "")
         content = parsed.get("content") or ""
         return Reply(calls, content if isinstance(content, str) else json.dumps(content))
+
+    def parse_turn(self, episode: Any, k: int = -1) -> Reply:
+        """The calls of assistant turn k of a workflows.episode.Episode (its text, or its ids decoded with their
+        special tokens after what came before it)."""
+        if self.template is None:
+            return self.parse(episode.texts[k])
+        return self.parse(episode.texts[k], *episode.raw_text(k))
 
 
 def tool_parser(tokenizer: Any, chat_template: str | None, setting: str, tools: list[dict]) -> ToolParser:

@@ -49,7 +49,7 @@ from configs.checks import AT_LEAST_1, SECONDS
 from workflows import Workflow, WorkflowArgs, apply_reward, chat_messages, sampling_kwargs
 from workflows.calculator import calculate
 from workflows.episode import Episode, reply_all
-from workflows.tool_parsers import FORMATS, Reply, file_template, known_parser, tool_parser
+from workflows.tool_parsers import FORMATS, file_template, known_parser, tool_parser
 from workflows.tools import Tool, ToolCall, ToolError, run_tool, tool_message
 
 log = logging.getLogger("nanorft.tool_use")
@@ -124,26 +124,16 @@ class ToolWorkflow(Workflow):
             for k, (e, text) in enumerate(zip(episodes, reply_all(episodes, **sampling_kwargs(task.rollout_args)))):
                 if text is None:
                     continue
-                reply = parser.parse(text) if parser.template is None else parser.parse(text, *e.raw_text(-1))
+                reply = parser.parse_turn(e)
                 answers[k] = "" if reply.calls else reply.content  # the numbers of a call are no answer
                 if e.done:  # at max_turns or cut off: its calls are not run
                     continue
                 if not reply.calls:
                     e.finish()  # the answer
                     continue
-                e.add(*self.results(reply, tools, calls[k]))
+                e.add(*tool_results(reply.calls, tools, args.tool_timeout, calls[k]))
                 calls[k] += len(reply.calls)
         return [exp for k, e in enumerate(episodes) for exp in self.score(e, answers[k], calls[k], k)]
-
-    def results(self, reply: Reply, tools: list[Tool], before: int) -> tuple[list[dict], list[dict]]:
-        """The tool messages of a reply's calls, each run in a worker process, and the calls as the assistant turn's
-        tool_calls (OpenAI's shape); ids "call00000", "call00001", ... by the episode's count of calls `before`
-        (nine characters: Mistral's templates refuse others)."""
-        ids = [f"call{before + i:05d}" for i in range(len(reply.calls))]
-        messages = [
-            tool_message(run_tool(tools, c, self.args.tool_timeout), i, c.name) for c, i in zip(reply.calls, ids)
-        ]
-        return messages, [assistant_call(c, i) for c, i in zip(reply.calls, ids)]
 
     def score(self, episode: Episode, answer: str, calls: int, k: int) -> list[Experience]:
         """Episode k's experience(s), rewarded for its answer ("" if it ended on a tool call); info["episode"] = k
@@ -159,8 +149,16 @@ class ToolWorkflow(Workflow):
         return exps
 
 
-def assistant_call(call: ToolCall, call_id: str) -> dict:
-    return {"id": call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+def tool_results(calls: list[ToolCall], tools: list[Tool], timeout: float, before: int = 0) -> tuple[list, list]:
+    """A reply's calls run, each in a worker process: (the tool messages, the calls as the assistant turn's
+    tool_calls in OpenAI's shape), Episode.add's two arguments. Ids "call00000", "call00001", ... counted from the
+    episode's calls `before` (nine characters: Mistral's templates refuse others)."""
+    ids = [f"call{before + i:05d}" for i in range(len(calls))]
+    messages = [tool_message(run_tool(tools, c, timeout), i, c.name) for c, i in zip(calls, ids)]
+    return messages, [
+        {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c, i in zip(calls, ids)
+    ]
 
 
 # --- the tools
