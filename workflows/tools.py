@@ -1,5 +1,5 @@
-"""Tools a model may call in a multi-turn episode: parsing its `<tool_call>` blocks, and running each call in a
-worker process with a real timeout.
+"""Tools a model may call in a multi-turn episode: parsing its `<tool_call>` blocks (the Hermes / Qwen format; the
+other families': workflows/tool_parsers.py), and running each call in a worker process with a real timeout.
 
     calc = Tool("calculator", calculate, "Computes + - * /", {"type": "object", ...})   # calculate: module-level
     for call in parse_tool_calls(text):              # Qwen / Hermes `<tool_call>{"name":..,"arguments":{..}}`
@@ -132,7 +132,10 @@ def run_tool(tools: list[Tool], call: ToolCall, timeout: float = 10.0) -> str:
     start = time.monotonic()
     result = _run(tools, call, timeout)
     if log.isEnabledFor(logging.DEBUG):  # explore.py --debug shows them
-        what = f"{call.name}({json.dumps(call.arguments)})" if not call.error else "(unreadable call)"
+        try:
+            what = f"{call.name}({json.dumps(call.arguments)[:2000]})" if not call.error else "(unreadable call)"
+        except (ValueError, TypeError, RecursionError):  # the model's arguments: nested too deeply to write back
+            what = f"{call.name}(...)"
         log.debug("%s -> %s (%.2f s)", what, json.dumps(result[:2000]), time.monotonic() - start)
     return result
 
