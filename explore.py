@@ -5,6 +5,8 @@ Launch lines:
     python explore.py --config tiny.yaml --mode explore   # fill the experience DB (pair it with train.py)
     python explore.py --config tiny.yaml --mode bench     # evaluate the model and every checkpoint
     python explore.py --config tiny.yaml --dry-run        # print the resolved config
+    python explore.py --config tiny.yaml --debug [--task N] [--taskset NAME] [--stage NAME]
+        # one task through its workflow, printed: turns, tool calls, tokens, reward, the rows it would write
 
 What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
@@ -24,6 +26,7 @@ retried; explore steps do not overlap; best@k / worst@k are exact over the k run
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -34,6 +37,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +50,9 @@ import sync
 from batching import group_advantages
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin
+from configs.schema import TasksetConfig
 from engines import EngineHandle, auxiliary_handles, make_engine, rollout_handle
+from errors import DataError
 from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from sampling import PromptTooLong
@@ -397,9 +403,127 @@ def bench(cfg: configs.Config) -> int:
     return 0
 
 
+# --- debug: one task through its workflow, printed; no DB, no trainer, no weight sync, no monitor
+
+
+def debug(cfg: configs.Config, flags: argparse.Namespace) -> int:
+    """`--debug`: run one task (`--task`, its row in file order, of `--taskset`, by default the first training
+    taskset, of `--stage`, by default the first stage that runs workflows) through its workflow with the configured
+    model (a stage's weights are those an earlier run of its source stage published, as when launched), and print
+    what it did: the tool calls as they run, then each experience's turns (the model's tokens and the others), reward,
+    metrics and the row the explorer would write. Returns 1 if the workflow fails (its traceback printed)."""
+    named = [s for s in launch.stages_in_order(cfg) if flags.stage in ("", s.name, s.name.rsplit("/", 1)[-1])]
+    stage = next((s for s in named if s.mode in ("explore", "both", "bench")), None)
+    if stage is None:
+        modes = ", ".join(f"{s.name}: {s.mode}" for s in named)
+        raise configs.ConfigError(
+            f"--stage {flags.stage}: no such stage" if not named else f"--debug: no stage runs workflows ({modes})"
+        )
+    ts, task = debug_task(stage, flags.taskset, flags.task)
+    check_tasksets(stage)
+    tokenizer = config_tokenizer(stage.model)
+    rm = stage.explorer.rollout_model
+    engine = make_engine(rm, base_weights(stage), rm.max_model_len, stage.model.repetition_penalty)
+    handle = with_extras(stage, rollout_handle(stage, engine, tokenizer))
+    tools = logging.getLogger("nanorft.tools")  # run_tool's calls (DEBUG) and the tool parser's choice
+    shown = logging.StreamHandler(sys.stdout)
+    shown.setFormatter(logging.Formatter("  [tools] %(message)s"))
+    tools.addHandler(shown)
+    tools.setLevel(logging.DEBUG)
+    print(
+        f"=== stage {stage.name or '-'}, taskset {ts.name}, task {flags.task} ({task.task_id}): workflow "
+        f"{task.workflow}, reward function {task.reward_fn or '(the workflow default)'}, repeat_times "
+        f"{task.repeat_times}, model {stage.model.model_path}\nmessages: {json.dumps(task.messages)}\n"
+        f"reference: {json.dumps(task.reference, default=str)}",
+        flush=True,
+    )
+    try:
+        exps = check_experiences(build_workflow(task, handle).run(), task)
+    except Exception:  # the user's workflow: its whole traceback is what a debug run is for
+        traceback.print_exc(file=sys.stdout)
+        return 1
+    finally:
+        tools.removeHandler(shown)
+        if handle.api is not None:
+            handle.api.stop()
+    stamp(exps, task, stage.explorer.name)
+    group_advantages(exps, stage.algorithm)
+    for k, exp in enumerate(exps):
+        print(shown_experience(exp, k, len(exps), tokenizer), flush=True)
+    return 0
+
+
+def debug_task(cfg: configs.Config, name: str, index: int) -> tuple[TasksetConfig, Task]:
+    """The taskset named `name` (a training or eval taskset; "": the first training taskset, else the first eval
+    one) and its task `index` (0-based, file order); a ConfigError naming what is missing."""
+    inp = cfg.buffer.explorer_input
+    found = [(ts, False) for ts in inp.tasksets] + [(ts, True) for ts in inp.eval_tasksets]
+    chosen = next(((ts, ev) for ts, ev in found if ts.name == name or not name), None)
+    if chosen is None:
+        known = ", ".join(ts.name for ts, _ in found) or "none"
+        raise configs.ConfigError(f"--taskset {name}: no such taskset in stage {cfg.name} (its tasksets: {known})")
+    tasks = load_tasks(chosen[0], is_eval=chosen[1])
+    if not 0 <= index < len(tasks):
+        raise configs.ConfigError(f"--task {index}: taskset {chosen[0].name} has tasks 0 to {len(tasks) - 1}")
+    return chosen[0], tasks[index]
+
+
+def shown_experience(exp: Experience, k: int, n: int, tokenizer: Any) -> str:
+    """Experience k of n as `--debug` prints it: reward and its components, the prompt, the response in runs of
+    tokens in the action mask ("action": the model's, trained on) and not ("masked": template text, tool results,
+    and a truncated episode's own turns), then the row the explorer would write (the token ids in full, the other
+    tensors summarised)."""
+    response, mask = exp.tokens[exp.prompt_length :].tolist(), exp.action_mask
+    acting = [True] * len(response) if mask is None else mask.tolist()
+    lines = [
+        f"--- experience {k + 1} of {n}: reward {exp.reward:g}, {json.dumps(exp.metrics)}",
+        f"prompt ({exp.prompt_length} tokens): {json.dumps(tokenizer.decode(exp.tokens[: exp.prompt_length]))}",
+        f"response ({len(response)} tokens, {sum(acting)} in the action mask):",
+    ]
+    start = 0
+    for end in range(1, len(response) + 1):
+        if end == len(response) or acting[end] != acting[start]:
+            who = "action" if acting[start] else "masked"
+            lines.append(f"  [{who} {end - start}] {json.dumps(tokenizer.decode(response[start:end]))}")
+            start = end
+    logprobs = exp.logprobs.tolist() if exp.logprobs is not None else []
+    row = {
+        **{f: getattr(exp, f) for f in ("group_id", "run_id", "task_id", "explorer", "model_version", "reward")},
+        **{"prompt_length": exp.prompt_length, "truncate_status": exp.truncate_status, "info": exp.info},
+        "tokens": exp.tokens.tolist(),
+        "logprobs": {"n": len(logprobs), "mean": sum(logprobs) / len(logprobs) if logprobs else None},
+        "advantages": None if exp.advantages is None else exp.advantages.tolist()[:1],
+    }
+    lines.append(f"row: {json.dumps(row, default=str)}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
-    cfg = configs.entry(argv, "nanorft explorer")
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--debug", action="store_true")
+    pre.add_argument("--task", type=int, default=None)
+    pre.add_argument("--taskset", default=None)
+    pre.add_argument("--stage", default=None)
+    flags, rest = pre.parse_known_args(argv)
+    given = [f"--{k}" for k in ("task", "taskset", "stage") if getattr(flags, k) is not None]
+    if given and not flags.debug:
+        print(f"{', '.join(given)}: only with --debug", file=sys.stderr)
+        return 2
+    cfg = configs.entry(rest, DESCRIPTION)
+    if flags.debug:
+        flags.task, flags.taskset, flags.stage = flags.task or 0, flags.taskset or "", flags.stage or ""
+        try:
+            return debug(cfg, flags)
+        except (configs.ConfigError, DataError) as e:
+            print(f"debug: {e}", file=sys.stderr)
+            return 2
     return launch.run_in_process(cfg, {"bench": bench, "explore": explore, "both": explore}, "explorer")
+
+
+DESCRIPTION = (
+    "nanorft explorer. --debug [--task N] [--taskset NAME] [--stage NAME]: run one task through its workflow and "
+    "print its turns, tool calls, tokens, reward and the rows it would write (no DB, no trainer)."
+)
 
 
 if __name__ == "__main__":

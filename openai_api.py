@@ -19,7 +19,8 @@ token ids: a multi-turn client continues from the exact ids it was given (prompt
 messages' ids), and `episode()` turns such a session into one experience. Sampling keys: n, temperature, top_p,
 top_k, max_tokens / max_completion_tokens (unset: whatever max_model_len leaves, as vLLM does), min_tokens, stop,
 seed; only max_model_len limits the rest (as in Trinity). `tools` are rendered by the chat template and the reply's
-`<tool_call>` blocks (workflows/tools.py's parser) come back as OpenAI `tool_calls` (finish_reason "tool_calls";
+tool calls, read in that template's format (workflows/tool_parsers.py: Hermes / Qwen `<tool_call>` blocks, Llama 3,
+Mistral, gpt-oss, Qwen3-Coder), come back as OpenAI `tool_calls` (finish_reason "tool_calls";
 tool_choice "auto" or "none", parallel_tool_calls honoured); `chat_template_kwargs` (vLLM's) reach the template.
 
 Its callers are untrusted (a workflow's code, or anyone who can reach the port): the handlers are async (a
@@ -59,7 +60,7 @@ from configs.checks import MIN_TEMPERATURE, loopback
 from engines import experience
 from sampling import scored_temperature
 from workflows.episode import conversation_experience
-from workflows.tools import parse_tool_calls
+from workflows.tool_parsers import Reply, ToolParser, tool_parser
 
 MAX_BODY_BYTES = 8 * 2**20  # a request body's size at most (a prompt of 8 MiB is ~2M tokens)
 MAX_N = 128  # choices of one request at most (OpenAI's limit): they hold the engine that the workflows share
@@ -363,8 +364,9 @@ class OpenAIServer:
             for i, c in enumerate(call.completions)
         ]
         if body.tools and tool_choice == "auto":
-            for choice in choices:
-                with_tool_calls(choice, body.parallel_tool_calls is not False)
+            parser = tool_parser(self.handle.tokenizer, None, "auto", body.tools)
+            for choice, c in zip(choices, call.completions):
+                with_tool_calls(choice, self.read_calls(parser, c, prompt), body.parallel_tool_calls is not False)
         return self.reply(body, call, "chat.completion", choices)
 
     async def completions(self, body: Request, session: str = "") -> dict:
@@ -495,6 +497,18 @@ class OpenAIServer:
                     self.sessions[session].append(call)
         return call
 
+    def read_calls(self, parser: ToolParser, c: Any, prompt: str) -> Reply | None:
+        """The tool calls of completion `c` in the format of the handle's chat template (workflows/tool_parsers.py):
+        the text for hermes, the ids decoded with their special tokens after the prompt for the others; None if the
+        parser fails (model output: this request must still be answered)."""
+        try:
+            if parser.template is None:
+                return parser.parse(c.text)
+            ids = c.token_ids[:-1] if c.token_ids and c.token_ids[-1] in self.handle.eos_ids else c.token_ids
+            return parser.parse(c.text, self.handle.tokenizer.decode(ids, skip_special_tokens=False), prompt)
+        except Exception:
+            return None
+
     def extras(self, body: Request, c: Any, chat: bool) -> dict:
         """A choice's log-probs (logprobs) and token ids (return_token_ids)."""
         out: dict[str, Any] = {"token_ids": c.token_ids} if body.return_token_ids else {}
@@ -567,25 +581,20 @@ def with_dict_argument(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
-def with_tool_calls(choice: dict, parallel: bool) -> None:
-    """An assistant reply's `<tool_call>` blocks as OpenAI tool_calls (the text before the first one stays the
-    content; finish_reason "tool_calls"), as vLLM's Hermes parser returns them. A reply whose calls do not all
-    parse stays text, so the client sees what the model wrote."""
-    message = choice["message"]
-    text = message["content"]
-    try:
-        calls = parse_tool_calls(text)
-    except Exception:  # model output: whatever the parser makes of it, this request must still be answered
+def with_tool_calls(choice: dict, reply: Reply | None, parallel: bool) -> None:
+    """An assistant reply's tool calls (`reply`: read in its chat template's format, read_calls) as OpenAI tool_calls:
+    the text before them (the answer's region for a response template) stays the content; finish_reason
+    "tool_calls", as vLLM's parsers return them. A reply whose calls do not all parse stays text, so the client sees
+    what the model wrote."""
+    if reply is None or not reply.calls or any(c.error for c in reply.calls):
         return
-    if not calls or any(c.error for c in calls):
-        return
-    message["content"] = text[: text.find("<tool_call>")].strip() or None
-    message["tool_calls"] = [
+    choice["message"]["content"] = reply.content.strip() or None
+    choice["message"]["tool_calls"] = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
             "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
         }
-        for c in calls[: None if parallel else 1]
+        for c in reply.calls[: None if parallel else 1]
     ]
     choice["finish_reason"] = "tool_calls"

@@ -442,19 +442,32 @@ _SPEC_KEYS = ("default_workflow_type", "default_eval_workflow_type", "default_re
 
 
 def anchor_files(raw: Any, base: Path) -> Any:
-    """A workflow or reward function named `path/file.py:attr` in a YAML file, with a relative path: resolved against
-    the YAML file's directory `base` (in every section and stage), not the process's working directory (run.sh and
-    the launcher's children run elsewhere); the resolved config then holds the absolute path."""
+    """A workflow, reward function or tool (workflow_args.tools) named `path/file.py:attr` in a YAML file, and a
+    tool_parser `.json` file, with a relative path: resolved against the YAML file's directory `base` (in every
+    section and stage), not the process's working directory (run.sh and the launcher's children run elsewhere); the
+    resolved config then holds the absolute path."""
     if isinstance(raw, list):
         return [anchor_files(v, base) for v in raw]
     if not isinstance(raw, dict):
         return raw
     out = {k: anchor_files(v, base) for k, v in raw.items()}
     for key in _SPEC_KEYS:
-        m = _FILE_SPEC.fullmatch(str(out.get(key) or ""))
-        if m and not Path(m["file"]).is_absolute():
-            out[key] = f"{base / m['file']}:{m['attr']}"
+        if key in out:
+            out[key] = _anchored(out[key], base)
+    args = out.get("workflow_args")
+    if isinstance(args, dict):
+        args = out["workflow_args"] = dict(args)
+        if isinstance(args.get("tools"), list):
+            args["tools"] = [_anchored(t, base) for t in args["tools"]]
+        parser = args.get("tool_parser")
+        if isinstance(parser, str) and parser.endswith(".json") and not Path(parser).is_absolute():
+            args["tool_parser"] = str(base / parser)
     return out
+
+
+def _anchored(spec: Any, base: Path) -> Any:
+    m = _FILE_SPEC.fullmatch(str(spec or ""))
+    return f"{base / m['file']}:{m['attr']}" if m and not Path(m["file"]).is_absolute() else spec
 
 
 def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:

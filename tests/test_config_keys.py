@@ -677,6 +677,7 @@ def load_workflow(name: str, **taskset: Any) -> Config:
 # A value out of range for each range a workflow's Args declare (a new range needs its case here)
 BAD_WORKFLOW_ARGS = {
     "tools": ["search"],
+    "tool_parser": "llama",
     "max_turns": 0,
     "tool_timeout": 0.0,
     "max_score": -1.0,

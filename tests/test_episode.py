@@ -1,7 +1,6 @@
 """workflows/episode.py and tool_use.py: multi-turn episodes kept as the exact token ids, tool calls parsed and run
 safely, the calculator, tool_workflow."""
 
-import concurrent.futures
 import string
 from pathlib import Path
 
@@ -13,8 +12,8 @@ from algos.utils import BatchError
 from batching import group_advantages, step_batch
 from buffer import ExperienceDB
 from configs.schema import AlgorithmConfig, GenerationConfig
-from engines import Completion, EngineHandle, HFEngine
-from helpers import plain_logprobs, tool_task
+from engines import EngineHandle, HFEngine
+from helpers import ScriptedEngine, plain_logprobs, scripted, tool_task
 from models import load_model, load_tokenizer
 from sampling import PromptTooLong
 from workflows import build_workflow
@@ -33,36 +32,9 @@ CALC_SCHEMA = {
 }
 
 
-class ScriptedEngine:
-    """Plays the model: each request gets the next scripted text's ids (+ EOS, or the id given with the text as
-    (text, end id)), log-prob -0.5 per token."""
-
-    def __init__(self, tokenizer, texts: list, eos_ids: list[int] | None = None) -> None:
-        self.tokenizer, self.texts, self.requests = tokenizer, list(texts), []
-        self.model_version = 3
-        if eos_ids:
-            self.eos_ids = eos_ids
-
-    def submit(self, ids, params) -> concurrent.futures.Future:
-        self.requests.append((list(ids), params))
-        text, end = self.texts.pop(0), self.tokenizer.eos_token_id
-        if isinstance(text, tuple):
-            text, end = text
-        out = self.tokenizer.encode(text, add_special_tokens=False)[: params.max_tokens]
-        cut = len(out) == params.max_tokens
-        out += [] if cut else [end]
-        f = concurrent.futures.Future()
-        f.set_result([Completion(out, [-0.5] * len(out), text, "length" if cut else "stop", self.model_version)])
-        return f
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
-
-
-def scripted(tokenizer, texts, **handle) -> EngineHandle:
-    return EngineHandle(ScriptedEngine(tokenizer, texts), tokenizer, {"max_tokens": 200}, **handle)
 
 
 def test_the_real_templates_render_as_their_models_do(tokenizer):

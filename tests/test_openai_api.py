@@ -494,6 +494,52 @@ def test_tools_give_openai_tool_calls_from_the_projects_parser(tiny_model_dir, t
         s.stop()
 
 
+class TextEngine(ScriptedEngine):
+    """As ScriptedEngine, with its text's own token ids and EOS (what a response template's parser reads)."""
+
+    def __init__(self, text, tokenizer):
+        self.text, self.tokenizer, self.eos_ids = text, tokenizer, [tokenizer.eos_token_id]
+
+    def submit(self, ids, params):
+        import concurrent.futures
+
+        from engines import Completion
+
+        out = self.tokenizer.encode(self.text, add_special_tokens=False) + self.eos_ids
+        future = concurrent.futures.Future()
+        future.set_result([Completion(out, [-0.5] * len(out), self.text, "stop") for _ in range(params.n)])
+        return future
+
+
+@pytest.mark.parametrize(
+    "template,text,content",
+    [
+        ("llama3.1", '{"name": "calculate", "parameters": {"expression": "2 + 3"}}', None),
+        ("mistral-v11", 'Sure.[TOOL_CALLS]calculate[ARGS]{"expression": "2 + 3"}', "Sure."),
+    ],
+)
+def test_tool_calls_come_back_in_the_format_of_the_chat_template(tiny_model_dir, template, text, content):
+    """A handle whose chat template is Llama 3.1's or Mistral's: the reply's call in that family's format comes back
+    as OpenAI tool_calls (workflows/tool_parsers.py, the format told by the template)."""
+    import json
+    from pathlib import Path
+
+    from models import load_tokenizer, with_template
+
+    path = Path(__file__).parent / "data" / "chat_templates" / f"{template}.jinja"
+    tok = with_template(load_tokenizer(tiny_model_dir), path.read_text())
+    s = OpenAIServer(EngineHandle(TextEngine(text, tok), tok, max_model_len=2048), "tiny")
+    s.start()
+    try:
+        out = openai_client(s).chat.completions.create(model="tiny", messages=MESSAGES, tools=[CALC], max_tokens=8)
+        (choice,) = out.choices
+        got = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+        assert got == [("calculate", {"expression": "2 + 3"})] and choice.finish_reason == "tool_calls"
+        assert choice.message.content == content
+    finally:
+        s.stop()
+
+
 def test_off_loopback_the_api_needs_a_key_and_every_request_carries_it(tiny_model_dir):
     with HFEngine(tiny_model_dir) as engine:
         handle = EngineHandle(engine, engine.tokenizer, {"max_tokens": 2}, max_model_len=64)

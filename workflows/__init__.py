@@ -108,6 +108,13 @@ class Workflow:
             reward_fn = build_reward_fn(self.default_reward_fn, **task.reward_fn_args)
         self.reward_fn = reward_fn
 
+    @classmethod
+    def load_user_code(cls, args: Any) -> None:
+        """Load the user's own code that `args` (its checked workflow_args) name, e.g. tool_workflow's tools named
+        `module:function`, raising KeyError / ValueError naming it: called when an explorer starts (check_args), so
+        that a name that does not load fails then, not at the first task. The config loader does not call it (it
+        imports none of the user's code)."""
+
     def run(self) -> list[Experience]:
         raise NotImplementedError
 

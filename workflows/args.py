@@ -160,6 +160,11 @@ def check_args(ts: TasksetConfig, where: str, user_code: bool = True) -> tuple[d
     wargs, rargs = dict(ts.workflow_args), dict(ts.reward_fn_args)
     if cls is not None and cls.Args is not None:
         checked = workflow_args(cls, wargs, f"{where}.workflow_args")
+        if user_code:
+            try:
+                cls.load_user_code(checked)
+            except (KeyError, ValueError) as e:
+                raise ConfigError(f"{where}.workflow_args: {e.args[0] if e.args else e}") from None
         wargs = {k: getattr(checked, k) for k in wargs}
     if cls is not None and not cls.uses_reward_fn and (rf or rargs):
         key = "default_reward_fn_type" if rf else "reward_fn_args"

@@ -1,12 +1,13 @@
 """Multi-turn episodes, token in / token out, and tool calls.
 
     ep = Episode(model, messages, tools=[CALCULATOR], max_turns=4)
+    parser = tool_parser(model.tokenizer, None, "auto", ep.tools)   # tool calls in the chat template's format
     while not ep.done:
-        text = ep.reply(temperature=1.0, max_tokens=64)      # one assistant turn, sampled from the exact ids so far
-        calls = parse_tool_calls(text)
+        ep.reply(temperature=1.0, max_tokens=64)             # one assistant turn, sampled from the exact ids so far
+        calls = parser.parse_turn(ep).calls
         if not calls:
             break                                             # an answer: the episode ends
-        ep.add([tool_message(run_tool([CALCULATOR], c)) for c in calls])
+        ep.add(*tool_results(calls, [CALCULATOR], timeout=10.0))   # the results, after the turn that made the calls
     exp = ep.experience()           # one experience: the first prompt, then every turn; action_mask = the model's
     turns = ep.turn_experiences()   # or one per assistant turn (step-wise algorithms)
 
@@ -23,10 +24,10 @@ max_model_len): a turn cut at its max_tokens or a message that does not fit ends
 its experience then has no action tokens (`mask_truncated`, on by default: DAPO's overlong filtering; its reward
 still counts in its group) and the metric truncated = 1. The first prompt is cut to max_prompt_tokens as a
 single-turn prompt is (marked "prompt_truncated": no loss), or fails with PromptTooLong.
-Tool calls (workflows/tools.py) are Qwen / Hermes-style `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-JSON in the model's text outside its `<think>` blocks, run by registered Python functions in worker processes
-with a timeout; model text is parsed, never evaluated, and a malformed or failing call becomes an error message
-for the model, not an exception.
+Tool calls are read in the chat template's format (workflows/tool_parsers.py: Hermes / Qwen `<tool_call>`, Llama
+3, Mistral, gpt-oss, Qwen3-Coder; tool_use.tool_results runs them) outside the model's reasoning, and run by Python
+functions in worker processes with a timeout (workflows/tools.py); model text is parsed, never evaluated, and a
+malformed or failing call becomes an error message for the model, not an exception.
 """
 
 from __future__ import annotations
@@ -140,25 +141,44 @@ class Episode:
             return self.closing[1:]
         return self.closing
 
-    def add(self, messages: list[dict]) -> None:
+    def add(self, messages: list[dict], tool_calls: list[dict] | None = None) -> None:
         """Append tool / user / environment messages, rendered by the template after the conversation, with the
         next assistant turn's generation prompt; an episode they would push past the context limit ends
-        truncated instead. NOTE: give a turn's tool results in one call (templates such as Qwen's join
-        consecutive tool messages into one user turn)."""
+        truncated instead. `tool_calls`: the calls (OpenAI's shape, with ids) of the assistant turn whose results
+        `messages` are: templates that render a tool result by its call (Mistral's ids, gpt-oss's tool name) or
+        refuse a tool message after a user one get that turn before them. NOTE: give a turn's tool results in one
+        call (templates such as Qwen's join consecutive tool messages into one user turn)."""
         if self.done:
             raise RuntimeError("the episode is over")
-        before, after = self._render(_PROBE, generation=False), self._render(_PROBE + list(messages))
-        if not after.startswith(before):
-            raise ValueError(
-                "the chat template renders earlier messages differently once new ones follow; "
-                "multi-turn episodes need a template that only appends"
-            )
-        ids = self.model.tokenizer.encode(after[len(before) :], add_special_tokens=False)
+        ids = self.model.tokenizer.encode(self._rendered_after(list(messages), tool_calls), add_special_tokens=False)
         if len(ids) >= self.room():  # no token left for the model's reply
             self.done = self.truncated = True
             return
         self.messages += messages
         self._append(ids)
+
+    def _rendered_after(self, messages: list[dict], tool_calls: list[dict] | None) -> str:
+        """What the template writes for `messages` (and the next generation prompt) after the conversation: the
+        difference between its rendering of a probe and of the probe followed by them. The probe is [user "?"],
+        after an assistant turn with `tool_calls` when they are given and the template renders that turn as a
+        prefix of what follows (Qwen3's rewrites its last assistant turn once a tool message follows it)."""
+        probes = [_PROBE + [{"role": "assistant", "content": "", "tool_calls": tool_calls}]] if tool_calls else []
+        first: Exception | None = None
+        for probe in [*probes, _PROBE]:
+            try:
+                before, after = self._render(probe, generation=False), self._render(probe + messages)
+            except Exception as e:  # a template that refuses this probe (jinja's raise_exception): the next one
+                first = first or e
+                continue
+            if after.startswith(before):
+                return after[len(before) :]
+        if first is not None and not probes:
+            raise first
+        raise ValueError(
+            "the chat template renders earlier messages differently once new ones follow"
+            + (f" or refuses them ({first})" if first else "")
+            + "; multi-turn episodes need a template that only appends"
+        )
 
     def _append(self, ids: list[int]) -> None:
         self.ids += ids
@@ -208,6 +228,14 @@ class Episode:
     def messages_text(self, k: int) -> str:
         """The text of assistant turn k (as sampled; an initial few-shot assistant message is not a turn)."""
         return self.texts[k]
+
+    def raw_text(self, k: int) -> tuple[str, str]:
+        """Assistant turn k with its special tokens (without the end-of-turn id it ended on), and everything before
+        it: the text and prefix a response template reads (workflows/tool_parsers.py)."""
+        a, b = self.turns[k]
+        b -= 1 if b > a and self.ids[b - 1] in self.eos else 0
+        decode = self.model.tokenizer.decode
+        return decode(self.ids[a:b], skip_special_tokens=False), decode(self.ids[:a], skip_special_tokens=False)
 
 
 def conversation_experience(

@@ -1,5 +1,5 @@
-"""Tools a model may call in a multi-turn episode: parsing its `<tool_call>` blocks, and running each call in a
-worker process with a real timeout.
+"""Tools a model may call in a multi-turn episode: parsing its `<tool_call>` blocks (the Hermes / Qwen format; the
+other families': workflows/tool_parsers.py), and running each call in a worker process with a real timeout.
 
     calc = Tool("calculator", calculate, "Computes + - * /", {"type": "object", ...})   # calculate: module-level
     for call in parse_tool_calls(text):              # Qwen / Hermes `<tool_call>{"name":..,"arguments":{..}}`
@@ -22,13 +22,17 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import re
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from workflows.tool_workers import WORKERS, get_attr
+
+log = logging.getLogger("nanorft.tools")
 
 
 class ToolError(ValueError):
@@ -110,14 +114,33 @@ def unreadable(e: Exception) -> str:
     return f"the tool call's JSON cannot be read ({type(e).__name__}: {str(e)[:200]})"
 
 
-def tool_message(content: str) -> dict:
-    return {"role": "tool", "content": content}
+def tool_message(content: str, call_id: str = "", name: str = "") -> dict:
+    """A tool's result as a chat message; `call_id` and `name`: the call it answers (Mistral's template renders the
+    id, gpt-oss's the name of the last call)."""
+    return {
+        "role": "tool",
+        "content": content,
+        **({"tool_call_id": call_id} if call_id else {}),
+        **({"name": name} if name else {}),
+    }
 
 
 def run_tool(tools: list[Tool], call: ToolCall, timeout: float = 10.0) -> str:
     """The result of one call as the text the model reads next, cut to MAX_RESULT_BYTES; every failure (a malformed
     call, an unknown tool, wrong arguments, an exception, no answer within `timeout` s, after which its worker's
     process group is killed) is an "error: ..." text."""
+    start = time.monotonic()
+    result = _run(tools, call, timeout)
+    if log.isEnabledFor(logging.DEBUG):  # explore.py --debug shows them
+        try:
+            what = f"{call.name}({json.dumps(call.arguments)[:2000]})" if not call.error else "(unreadable call)"
+        except (ValueError, TypeError, RecursionError):  # the model's arguments: nested too deeply to write back
+            what = f"{call.name}(...)"
+        log.debug("%s -> %s (%.2f s)", what, json.dumps(result[:2000]), time.monotonic() - start)
+    return result
+
+
+def _run(tools: list[Tool], call: ToolCall, timeout: float) -> str:
     if call.error:
         return f"error: {call.error}"
     known = {t.name: t for t in tools}
