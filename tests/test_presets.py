@@ -356,11 +356,12 @@ def claimed_groups(url: str) -> dict[int, dict[str, list[float]]]:
 
 @pytest.mark.slow
 def test_dynamic_sampling_over_samples_in_the_explorer_in_mode_both(tmp_path, tiny_model_dir):
-    """DAPO's dynamic sampling, mode both (real processes, on-policy): the groups of tasks 0-7 tie, the others' are
+    """DAPO's dynamic sampling, mode both (real processes, on-policy): the groups of tasks 0-9 tie, the others' are
     coin flips (tests/data/dapo_reward.py); 2 tasks x 4 responses a step. Step 1 runs the tasks in 4 batches (0-1,
     2-3, 4-5, 6-7), hits max_num_gen_batches 4 (logged) and is filled with the tied groups of tasks 0 and 1, which
-    the trainer keeps (nothing to replace them with); steps 2 and 3 run extra tasks until both groups vary. Every
-    batch trained is 2 whole groups of 4; the explorer's saved position is past every task it ran."""
+    the trainer keeps (nothing to replace them with); step 2 drops tasks 8 and 9 and runs extra tasks until both
+    groups vary, as does step 3 when a group ties. Every batch trained is 2 whole groups of 4; the explorer's saved
+    position is past every task it ran."""
     config = both_config(
         tmp_path,
         tiny_model_dir,
@@ -369,6 +370,7 @@ def test_dynamic_sampling_over_samples_in_the_explorer_in_mode_both(tmp_path, ti
             "algorithm.sample_strategy": "dynamic_sampling",
             "algorithm.sample_strategy_args": {"max_num_gen_batches": 4},
             "buffer.default_reward_fn_type": DAPO_REWARD,
+            "buffer.explorer_input.taskset.reward_fn_args": {"tied_below": 10},
             "buffer.explorer_input.eval_tasksets": [],
         },
     )
@@ -385,6 +387,7 @@ def test_dynamic_sampling_over_samples_in_the_explorer_in_mode_both(tmp_path, ti
         " max_num_gen_batches reached; 2 tied groups fill it" in (job / "log" / "explorer.log").read_text()
     )
     assert all(dapo[s]["cap_hit"] == 0 and dapo[s]["tied_groups_kept"] == 0 for s in (2, 3)), dapo
+    assert dapo[2]["extra_tasks"] >= 2 and dapo[2]["dropped_groups"] >= 2  # tasks 8 and 9, at least
     url = derive(cli(["--config", str(config)])[0]).buffer.trainer_input.experience_buffer.path
     with ExperienceDB(url) as db:
         assert db.counts()["total"] == 3 * 2 * 4  # only the groups of the steps: the dropped ones are not written
