@@ -18,6 +18,8 @@ under a running process: dbconn.py). Schema (version SCHEMA_VERSION, stored in `
     everything else (info, metrics, texts, truncate_status). No pickle anywhere.
   - claims(exp_id, step, claimed): which train step used which experience, one row per use; this
     is what lets a trainer resumed at step S give back the experiences that steps > S had taken.
+  - replays(exp_id, step, advantages): with reuse (the priority queue with a cooldown), the advantages the trainer
+    computed at an experience's first use (train step `step`), safetensors bytes; a reuse trains on them again.
   - meta(key, value): schema_version plus free key/values: the model fingerprint (`check_identity`),
     each explorer's position and state (`explorer/<name>`), the trainer's state (`trainer`).
 Every experience is written once and is then pending, claimed (used by >= 1 train step) or dropped.
@@ -58,7 +60,7 @@ T = TypeVar("T")
 
 # --- experiences
 
-SCHEMA_VERSION = 2  # 2: experiences.dropped_step
+SCHEMA_VERSION = 3  # 2: experiences.dropped_step; 3: replays (a version 2 DB is upgraded in place: `_upgrade`)
 
 # Stored dtype of each tensor field. Token ids go in as int32 (vocabularies are < 2**31) and come
 # back as torch.long, which is what embedding layers want; masks are bool; the rest float32.
@@ -70,8 +72,8 @@ TENSOR_FIELDS = {
 }
 COLUMNS = ("explorer", "model_version", "group_id", "run_id", "task_id", "reward", "prompt_length")
 SELECT_ROWS = (
-    f"SELECT e.id, p.tensors, p.meta, {', '.join('e.' + c for c in COLUMNS)}"
-    " FROM experiences e JOIN payloads p ON p.id = e.id WHERE e.id IN ({})"
+    f"SELECT e.id, p.tensors, p.meta, {', '.join('e.' + c for c in COLUMNS)}, r.advantages"
+    " FROM experiences e JOIN payloads p ON p.id = e.id LEFT JOIN replays r ON r.exp_id = e.id WHERE e.id IN ({})"
 )
 
 
@@ -141,6 +143,16 @@ def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     return Experience(**tensors, **json.loads(meta), **columns)
 
 
+def from_rows(rows: list) -> dict[int, Experience]:
+    """SELECT_ROWS' rows as experiences by id; one with a replays row carries the advantages of its first use."""
+    out = {}
+    for id, blob, meta, *cols, replay in rows:
+        out[id] = deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols)))
+        if replay is not None:
+            out[id].advantages = safetensors.torch.load(bytes(replay))["advantages"]
+    return out
+
+
 def serialise_many(exps: list[Experience]) -> bytes:
     """Experiences as one byte string (to send them between trainer ranks; no pickle): per experience the
     lengths of its safetensors blob and of its JSON (the other fields and the columns), then both."""
@@ -179,7 +191,13 @@ CREATE TABLE IF NOT EXISTS claims (
     exp_id {int} NOT NULL, step INTEGER NOT NULL, claimed {real} NOT NULL);
 CREATE INDEX IF NOT EXISTS experiences_pending ON experiences (id) WHERE use_count = 0 AND dropped_step IS NULL;
 CREATE INDEX IF NOT EXISTS claims_step ON claims (step);
-CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id)
+CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id);
+{replays}
+"""
+# Version 3's table (and all that upgrading a version 2 DB adds).
+REPLAYS = """
+CREATE TABLE IF NOT EXISTS replays (exp_id {int} PRIMARY KEY, step INTEGER NOT NULL, advantages {blob} NOT NULL);
+CREATE INDEX IF NOT EXISTS replays_step ON replays (step)
 """
 TYPES = {
     "sqlite": {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "int": "INTEGER", "real": "REAL", "blob": "BLOB"},
@@ -208,6 +226,7 @@ class _Eligible:
     reuse_cooldown: float | None
     decay: float
     min_version: int | None
+    groups: bool  # whole groups (see ExperienceDB.claim)
 
     def sql(self, now: float) -> tuple[str, str, list]:
         """(WHERE predicate, ORDER BY, its parameters)."""
@@ -222,6 +241,21 @@ class _Eligible:
             eligible += " AND model_version >= ?"
             args.append(self.min_version)
         return eligible, order, args
+
+
+def whole_groups(picked: list[tuple[int, str]], members: dict[str, list[int]], n: int) -> tuple[list[int], bool]:
+    """Claim order by whole groups: the groups of `picked` ((id, group_id) in claim order; "" is a group of its
+    own), each as all its `members`, while they fit in n. (ids, full): full when n are taken or the next group does
+    not fit (a first group larger than n is taken whole, alone)."""
+    units = {g or f"#{i}": members.get(g, [i]) if g else [i] for i, g in picked}  # NOTE: first-seen order
+    ids: list[int] = []
+    for unit in units.values():
+        if ids and len(ids) + len(unit) > n:
+            return ids, True
+        ids += unit
+        if len(ids) >= n:
+            return ids, True
+    return ids, False
 
 
 class ExperienceDB:
@@ -261,6 +295,9 @@ class ExperienceDB:
             self._refuse_foreign(cur)
         cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
         row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is not None and row[0] == "2":
+            self._upgrade(cur)
+            return
         if row is not None and row[0] != str(SCHEMA_VERSION):
             raise DBMismatch(
                 f"{self.path}: experience DB has schema version {row[0]}, this "
@@ -272,11 +309,21 @@ class ExperienceDB:
             # its table even when the index exists: an explorer opening the DB beside a trainer's release_after
             # (claims, then experiences) deadlocked on the two tables in the other order.
             return
-        for statement in SCHEMA.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
+        types = TYPES["postgresql" if self.postgres else "sqlite"]
+        for statement in SCHEMA.format(**types, replays=REPLAYS.format(**types)).split(";"):
             cur.execute(statement)
         cur.execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key) DO NOTHING",
             (str(SCHEMA_VERSION),),
+        )
+
+    def _upgrade(self, cur: Any) -> None:
+        """A version 2 DB to version 3: the replays table; nothing else changed (its rows stay as they are)."""
+        for statement in REPLAYS.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
+            cur.execute(statement)
+        cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
+        log.info(
+            "%s: experience DB upgraded from schema version 2 to %d (the replays table)", self.path, SCHEMA_VERSION
         )
 
     def _refuse_foreign(self, cur: Any) -> None:
@@ -400,6 +447,7 @@ class ExperienceDB:
         decay: float = 2.0,
         min_version: int | None = None,
         partial: bool = True,
+        groups: bool = False,
         waiting: Callable[[int, float], bool] | None = None,
     ) -> list[Experience]:
         """Atomically take up to n experiences for train step `step`; wait up to `timeout` s for n.
@@ -407,23 +455,24 @@ class ExperienceDB:
         Queue order (default): oldest unclaimed first. priority=True (Trinity's linear_decay):
         highest model_version - decay * use_count first, newest first on ties; a used experience is
         eligible again `reuse_cooldown` seconds after its last claim (never, if None).
+        Whole groups (`groups`, and always with priority): the order picks groups, each claimed with all its
+        eligible experiences (those sharing its group_id; one without a group_id is a group of its own) in the
+        order they were written, as Trinity's priority queue holds one task's experiences as one item; groups are
+        taken while they fit in n, and the claim is full when n are taken or the next group does not fit (a first
+        group larger than n alone is taken whole). So a group is claimed, reused and released together.
         min_version (staleness control): pending experiences of older versions are marked dropped by
         this step (counted, never trained on) and only versions >= min_version are taken.
         While fewer than n are there, `waiting(available, waited_seconds)` is called at each poll;
         True means "no more will come": take what is there now. When the timeout runs out, take what
-        is there if `partial`, else nothing. Returns the experiences in claim order with `id` set."""
+        is there if `partial`, else nothing. Returns the experiences in claim order with `id` set; one
+        reused after its first use with reuse on carries the advantages that use stored (`keep_advantages`)."""
         if reuse_cooldown is not None and not priority:
             raise ValueError("reuse_cooldown needs priority=True (queue order never reuses)")
+        which = _Eligible(priority, reuse_cooldown, decay, min_version, groups or priority)
         start, pause, take = time.monotonic(), 0.005, False  # take: waiting() said no more will come
         while True:
             waited = time.monotonic() - start
-            ids, rows = self._claim_once(
-                n,
-                step,
-                _Eligible(priority, reuse_cooldown, decay, min_version),
-                final=take or waited >= timeout,
-                keep_partial=take or partial,
-            )
+            ids, rows = self._claim_once(n, step, which, final=take or waited >= timeout, keep_partial=take or partial)
             if rows is not None:
                 break
             # NOTE: outside the transaction: the callback may write to the DB itself (the trainer's status)
@@ -437,7 +486,7 @@ class ExperienceDB:
         if 0 < len(ids) < n:
             log.warning(f"read incomplete batch: {len(ids)} of {n} experiences after {waited:.1f} s")
         # Deserialise after COMMIT so that the write lock is held only for the SQL.
-        by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols))) for id, blob, meta, *cols in rows}
+        by_id = from_rows(rows)
         return [by_id[i] for i in ids]
 
     def _claim_once(
@@ -463,15 +512,16 @@ class ExperienceDB:
                     (step, which.min_version),
                 )
             # Ids first (a scan of small rows), payloads second, for the chosen ids only.
-            ids = [
-                row[0]
-                for row in cur.execute(
-                    f"SELECT id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?{lock}", (*args, n)
-                )
-            ]
-            if len(ids) < n and not final:
+            picked = cur.execute(
+                f"SELECT id, group_id FROM experiences WHERE {eligible} ORDER BY {order} LIMIT ?{lock}", (*args, n)
+            ).fetchall()
+            if which.groups:
+                ids, full = whole_groups(picked, self._members(cur, picked, eligible, args, lock), n)
+            else:
+                ids, full = [row[0] for row in picked], len(picked) >= n
+            if not full and not final:
                 return ids, None
-            if len(ids) < n and not keep_partial:
+            if not full and not keep_partial:
                 ids = []
             cur.executemany(
                 "UPDATE experiences SET use_count = use_count + 1, last_claimed = ? WHERE id = ?",
@@ -485,26 +535,54 @@ class ExperienceDB:
 
         return self._atomic(body)
 
+    def _members(self, cur: Any, picked: list, eligible: str, args: list, lock: str) -> dict[str, list[int]]:
+        """The eligible experiences of the groups among `picked` (id, group_id), by group_id, in written order."""
+        names = list(dict.fromkeys(g for _, g in picked if g))
+        members: dict[str, list[int]] = {}
+        if names:  # NOTE: `IN ()` is an error in PostgreSQL
+            rows = cur.execute(
+                f"SELECT id, group_id FROM experiences WHERE {eligible} AND group_id IN "
+                f"({', '.join('?' * len(names))}) ORDER BY id{lock}",
+                (*args, *names),
+            )
+            for i, g in rows:
+                members.setdefault(g, []).append(i)
+        return members
+
     def get(self, ids: list[int]) -> list[Experience]:
         """The experiences with these row ids, in that order, without claiming them (the trainer's
         other ranks read what rank 0 claimed)."""
         rows = self.query(SELECT_ROWS.format(", ".join("?" * len(ids))), ids) if ids else []
-        by_id = {id: deserialise(blob, meta, id=id, **dict(zip(COLUMNS, cols))) for id, blob, meta, *cols in rows}
+        by_id = from_rows(rows)
         missing = [i for i in ids if i not in by_id]
         if missing:
             raise KeyError(f"{self.path}: no experiences with ids {missing[:5]}")
         return [by_id[i] for i in ids]
 
+    def keep_advantages(self, step: int, advantages: dict[int, torch.Tensor]) -> None:
+        """Replay: the advantages [R] that train step `step` computed for experiences (by id) at their first use, which
+        their reuses then claim with them (a first use's stay: a later call for the same id changes nothing)."""
+        rows = [
+            (i, step, safetensors.numpy.save({"advantages": a.detach().to("cpu", torch.float32).contiguous().numpy()}))
+            for i, a in advantages.items()
+        ]
+        self._atomic(
+            lambda cur: cur.executemany(
+                "INSERT INTO replays (exp_id, step, advantages) VALUES (?, ?, ?) ON CONFLICT (exp_id) DO NOTHING", rows
+            )
+        )
+
     def release_after(self, step: int) -> int:
-        """Undo the claims (and staleness drops) of train steps > `step`, for a trainer resumed from
-        checkpoint `step`: those experiences become claimable again as if never used. Returns the
-        claims released."""
+        """Undo the claims (and staleness drops, and the replay advantages stored) of train steps > `step`, for a
+        trainer resumed from checkpoint `step`: those experiences become claimable again as if never used. Returns
+        the claims released."""
 
         def body(cur: Any) -> int:
             released = cur.execute(
                 "SELECT exp_id, COUNT(*) FROM claims WHERE step > ? GROUP BY exp_id", (step,)
             ).fetchall()
             cur.execute("DELETE FROM claims WHERE step > ?", (step,))
+            cur.execute("DELETE FROM replays WHERE step > ?", (step,))  # those uses are undone: first uses again
             cur.execute("UPDATE experiences SET dropped_step = NULL WHERE dropped_step > ?", (step,))
             # last_claimed goes back to the latest remaining claim, or NULL if none is left.
             cur.executemany(

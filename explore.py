@@ -10,7 +10,8 @@ Launch lines:
 
 What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
-    one group) -> stamp group/run ids and versions -> write the step's experiences AND the explorer's
+    one group) -> stamp group/run ids and versions -> (dynamic sampling: drop the groups whose rewards all tie and
+    run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
     position in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
     group) -> evaluate every eval_interval steps.
@@ -47,9 +48,10 @@ import configs
 import launch
 import lora
 import sync
+from algos.sample import tied_groups
 from batching import group_advantages
 from buffer import Experience, ExperienceDB
-from configs.resolve import advantage_origin
+from configs.resolve import advantage_origin, gen_batches
 from configs.schema import TasksetConfig
 from engines import EngineHandle, auxiliary_handles, make_engine, rollout_handle
 from errors import DataError
@@ -195,7 +197,8 @@ class Explorer:
     pool: ThreadPoolExecutor  # the workflow runners
     monitor: Monitor
     eval_sets: list[tuple[Any, list[Task]]]
-    steps: int  # the last step
+    steps: int  # the last step (the tasksets may run out before it with dynamic sampling: reader.exhausted)
+    gen_batches: int  # the most batches of tasks a step runs: 1, or dynamic sampling's max_num_gen_batches
 
 
 def set_up(cfg: configs.Config) -> Explorer:
@@ -231,6 +234,7 @@ def set_up(cfg: configs.Config) -> Explorer:
         monitor=monitor,
         eval_sets=[(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
         steps=total_steps(b, len(reader)),
+        gen_batches=gen_batches(cfg.algorithm),
     )
 
 
@@ -262,18 +266,77 @@ def with_extras(cfg: configs.Config, handle: EngineHandle) -> EngineHandle:
     return handle
 
 
-def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
-    """Run the step's tasks on the runners; their experiences, stamped, and the rollout metrics."""
-    start = time.monotonic()
+def run_batch(x: Explorer, tasks: list[Task]) -> list:
+    """Run tasks on the runners: [(task, its experiences stamped, or None, error)] in task order."""
     results = run_tasks(x.pool, tasks, x.handles, x.cfg)
-    metrics = rollout_metrics(results, time.monotonic() - start)
     for task, got, err in results:
         if got is None:
             log.error("task %s dropped after %d attempts: %s", task.task_id, x.cfg.explorer.max_retry_times + 1, err)
         else:
             stamp(got, task, x.cfg.explorer.name)
             group_advantages(got, x.cfg.algorithm)  # step_wise_grpo's, over the task's whole group (batching.py)
+    return results
+
+
+def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
+    """Run the step's tasks on the runners (and more, with dynamic sampling: `fill_groups`); the experiences to
+    write, stamped, and the rollout metrics (of every task run)."""
+    start = time.monotonic()
+    results = ran = run_batch(x, tasks)
+    more: dict[str, float] = {}
+    if x.gen_batches > 1:
+        results, ran, more = fill_groups(x, results)
+    metrics = rollout_metrics(ran, time.monotonic() - start) | more
     return [exp for _, got, _ in results if got for exp in got], metrics
+
+
+def varied(got: list[Experience] | None) -> bool:
+    """A group (a task's experiences) whose rewards do not all tie: GRPO's advantages are not all zero. A group of
+    one experience never ties; a failed task (None) has no group."""
+    return bool(got) and not tied_groups([x.group_id for x in got], [x.reward for x in got])
+
+
+def fill_groups(x: Explorer, results: list) -> tuple[list, list, dict[str, float]]:
+    """DAPO's dynamic sampling, the explorer's side (algos/sample.py): run more tasks, each batch as many as the
+    groups still missing, until the step has buffer.batch_size groups whose rewards do not all tie, running at most
+    max_num_gen_batches batches. (The results to write: those groups in reading order, filled up with tied ones at
+    the cap; every result run; the rollout/dynamic_sampling/* metrics.) Tied groups not written are dropped: their
+    tasks were read (the saved position moves past them), so a restart neither repeats nor skips them."""
+    want, ran, batches = x.cfg.buffer.batch_size, list(results), 1
+    while (missing := want - sum(varied(got) for _, got, _ in ran)) > 0 and batches < x.gen_batches:
+        more = x.reader.read(missing)
+        if not more:  # the tasksets ran out
+            break
+        ran += run_batch(x, more)
+        batches += 1
+    keep = [r for r in ran if varied(r[1])]
+    tied = [r for r in ran if r[1] and not varied(r[1])]
+    fill = tied[: want - len(keep)]
+    if len(keep) < want:
+        why = "the tasksets ran out" if batches < x.gen_batches else "max_num_gen_batches reached"
+        log.warning(
+            "dynamic sampling: step %d has %d of %d groups with reward variance after %d batches of tasks "
+            "(%d extra tasks): %s; %d tied groups fill it (zero advantage)",
+            x.step + 1,
+            len(keep),
+            want,
+            batches,
+            len(ran) - len(results),
+            why,
+            len(fill),
+        )
+    chosen = {id(r) for r in keep + fill}
+    return (
+        [r for r in ran if id(r) in chosen],
+        ran,
+        {
+            "rollout/dynamic_sampling/num_gen_batches": batches,
+            "rollout/dynamic_sampling/extra_tasks": len(ran) - len(results),
+            "rollout/dynamic_sampling/dropped_groups": len(tied) - len(fill),
+            "rollout/dynamic_sampling/tied_groups_kept": len(fill),
+            "rollout/dynamic_sampling/cap_hit": float(len(keep) < want and batches >= x.gen_batches),
+        },
+    )
 
 
 def write(x: Explorer, exps: list[Experience]) -> None:
@@ -335,16 +398,17 @@ def explore(cfg: configs.Config) -> int:
         # --- write: the step's experiences and the position, in one transaction
         x.step += 1
         write(x, exps)
+        last = x.step == x.steps or x.reader.exhausted  # over-sampling (dynamic sampling) may end the tasks first
         # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files;
         # colocated, the engine sleeps during the trainer's turn on the GPU
-        if x.step < x.steps:
+        if not last:
             stop, more = x.sync.after_step(x.step)
             metrics |= more
             if stop is not None:
                 code = stop
                 break
         # --- eval and log
-        if x.eval_sets and (x.step % cfg.explorer.eval_interval == 0 or x.step == x.steps):
+        if x.eval_sets and (x.step % cfg.explorer.eval_interval == 0 or last):
             metrics.update(evaluate(x.pool, x.handles, cfg, x.eval_sets))
         x.monitor.log(metrics, step=x.step)
     return finish(x, code)

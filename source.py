@@ -8,10 +8,12 @@
 From the DB, rank 0 claims the batch (waiting for it, with a log line every 30 s and the explorers' states)
 and sends it to the other ranks over the process group: only rank 0 opens the DB. The sample strategy
 (algos/sample.py) says what a step's claim wants: a staleness bound (min_version), dynamic-sampling refills of
-groups whose rewards tie, expert rows from an auxiliary file (mix). File data (schema_type sft or dpo) is tokenized
-here, each row of the file an example: one conversation rendered with the chat template, the loss on its assistant
-turn(s) (sft_experience), or a DPO pair, chosen then rejected (dpo_experiences). Examples are read in a seeded order
-per epoch, a pure function of the step, so that a resumed run continues exactly.
+groups whose rewards tie, expert rows from an auxiliary file (mix). The priority queue and dynamic sampling claim
+whole groups; with reuse, the advantages of each experience's first use are stored for its reuses
+(keep_advantages). File data (schema_type sft or dpo) is tokenized here, each row of the file an example: one
+conversation rendered with the chat template, the loss on its assistant turn(s) (sft_experience), or a DPO pair,
+chosen then rejected (dpo_experiences). Examples are read in a seeded order per epoch, a pure function of the step,
+so that a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -134,6 +136,12 @@ class Source:
         self.examples: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
         self.expert: list[list[Experience]] = []  # the auxiliary buffer's examples (mix)
         self.expert_ratio, self.refills, self.dropped_groups = 0.0, False, 0
+        # replay (reuse on): the advantages of an experience's first use are stored for its reuses
+        self.replays = (
+            eb.use_priority_queue
+            and eb.reuse_cooldown_time is not None
+            and cfg.algorithm.advantage_fn not in ("none", *algos.EXPLORER_ADVANTAGE_FNS)
+        )
         self.paired = eb.storage_type == "file" and eb.schema_type == "dpo"
         if eb.storage_type == "file":
             self.examples = file_examples(eb, tokenizer, cfg.model.max_model_len)
@@ -201,6 +209,19 @@ class Source:
                 f"wrote them with another advantage_fn; give them {a.advantage_fn} too"
             )
 
+    def keep_advantages(self, exps: list[Experience], advantages: torch.Tensor | None, step: int) -> None:
+        """Replay (rank 0, reuse on): the advantages [B,T] step `step` computed for the batch's first uses (rows
+        without stored ones), stored in the DB for their reuses (ExperienceDB.keep_advantages)."""
+        if not self.replays or self.rank != 0 or advantages is None:
+            return
+        first = {
+            x.id: advantages[b, : x.response_length]  # [R]
+            for b, x in enumerate(exps)
+            if x.id is not None and x.advantages is None and not x.info.get("expert")
+        }
+        if first:
+            self.db.keep_advantages(step, first)
+
     def share(self, got: list[Experience]) -> list[Experience]:
         """Rank 0's batch on every rank, sent over the process group as bytes (buffer.serialise_many: no
         pickle), with `ended`: only rank 0 talks to the DB, wherever the other ranks run."""
@@ -220,7 +241,8 @@ class Source:
         return got if self.rank == 0 else deserialise_many(buf.cpu().numpy().tobytes())
 
     def claim(self, step: int, n: int) -> list[Experience]:
-        """Rank 0: claim n experiences for `step` (waiting for them); dynamic sampling replaces tied groups."""
+        """Rank 0: claim n experiences for `step` (waiting for them); dynamic sampling replaces tied groups. Claims
+        take whole groups with the priority queue (replay) or dynamic sampling (ExperienceDB.claim)."""
         eb = self.cfg.buffer.trainer_input.experience_buffer
         fn, strategy_cfg = self.strategy
         want = fn(step, strategy_cfg)
@@ -232,6 +254,7 @@ class Source:
             reuse_cooldown=eb.reuse_cooldown_time,
             decay=eb.priority_decay,
             partial=False,
+            groups=self.refills,  # and always with the priority queue
             waiting=self.waiting(step),
             min_version=want.get("min_version", 0),
         )

@@ -416,6 +416,11 @@ class TaskReader:
                 self.epoch, self.index = self.epoch + 1, 0
         return out
 
+    @property
+    def exhausted(self) -> bool:
+        """Every epoch read: read() gives nothing more."""
+        return self.epoch >= self.total_epochs
+
     def state(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "sizes": [len(t) for _, t in self.sets]}
 

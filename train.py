@@ -414,6 +414,10 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
     adv, adv_metrics = fn(sub, adv_cfg)
+    if "stored_advantages" in sub:  # a reuse's rows (or step_wise_grpo's): the advantages stored at their first use
+        has = sub["has_stored_advantages"][:, None]  # [B_rl,1]
+        stored = sub["stored_advantages"] * sub["response_mask"]  # [B_rl,T]
+        adv["advantages"] = torch.where(has, stored, adv["advantages"])  # [B_rl,T]
     batch["advantages"], batch["returns"] = (
         torch.zeros_like(batch["rollout_logprobs"]),
         torch.zeros_like(batch["rollout_logprobs"]),
@@ -760,6 +764,7 @@ def train(cfg: configs.Config) -> int:
                 score_batch(p, batch, plan)
             # --- rewards, advantages
             metrics = shape_rewards(p, batch) | compute_advantages(p, batch)
+            p.source.keep_advantages(exps, batch.get("advantages"), step)  # replay: for their reuses
             # --- update
             with timer(timing, "time/update"):
                 metrics |= update(p, batch, plan, step)

@@ -1,16 +1,22 @@
 """Sample strategies: what a train step takes from the experience DB (Trinity-RFT's
 SAMPLE_STRATEGY).
 
-A strategy is fn(step, cfg) -> a dict the trainer's reader (train.Source) follows; keys it may hold:
-    min_version     claim only experiences of this weights version or newer (staler ones are dropped)
-    refill_rounds   drop claimed groups whose rewards all tie and claim replacements, up to this many times
-    expert          (auxiliary buffer name, fraction of the batch): expert SFT rows added to the batch
+A strategy is fn(step, cfg) -> a dict the trainer's reader (train.Source) and the explorer follow; keys it may hold:
+    min_version          claim only experiences of this weights version or newer (staler ones are dropped)
+    max_num_gen_batches  the explorer: run more tasks until a step has batch_size groups whose rewards do not all
+                         tie, running at most this many batches of tasks per step (explore.py's dynamic_sampling)
+    refill_rounds        the trainer: drop claimed groups whose rewards all tie and claim replacements, up to this
+                         many times
+    expert               (auxiliary buffer name, fraction of the batch): expert SFT rows added to the batch
 Strategies:
     default            {}                       oldest pending first (or the priority queue)
     staleness_control  {"min_version": v_min}   v_min = max(step - 1 - max_staleness, 0)
-    dynamic_sampling   {"refill_rounds": n}     DAPO's dynamic sampling (Yu et al., arXiv 2503.14476,
-                       §3.2): a group whose rewards all tie has zero GRPO advantage, so it is dropped
-                       (claimed by the step, never trained on) and the batch refilled with fresh groups
+    dynamic_sampling   {"max_num_gen_batches": m, "refill_rounds": n}   DAPO's dynamic sampling (Yu et al.,
+                       arXiv 2503.14476, §3.2, Algorithm 1): a group whose rewards all tie has zero GRPO advantage
+                       and only dilutes the batch, so the explorer over-samples: it drops such groups and runs
+                       more tasks until the step holds batch_size groups with reward variance (veRL's
+                       filter_groups loop, its max_num_gen_batches cap); the trainer drops any tied group it still
+                       claims and refills from what is written
     mix                {"expert": (sft_dataset_name, expert_data_ratio)}   Trinity-RFT's MIX: expert
                        rows (marked expert; their loss is the mix loss's SFT part) make up
                        expert_data_ratio of the batch
@@ -28,11 +34,15 @@ Deviations from Trinity-RFT:
   round(train_batch_size * r / (1 - r)) expert rows, so experts are the fraction r of the whole
   batch; Trinity takes both out of train_batch_size, which leaves the explorer's output unconsumed
   in synchronous runs.
-- dynamic_sampling refills only from what the explorers have already written, without waiting (it
-  cannot ask the explorer for more rollouts, as DAPO's generation loop does): with a synchronous
-  explorer (sync_offset 0) nothing is there, and the tied groups are dropped, leaving a smaller batch;
-  with an explorer ahead (sync_offset >= 1, or asynchronous) they are replaced. Tied groups left after
-  refill_rounds stay in the batch with zero advantage, as does a batch in which every group tied.
+- dynamic_sampling, explorer side: an extra batch of tasks is only as large as the groups still missing (veRL
+  generates whole gen_batch_size batches and discards the surplus); tasks are read from the taskset in its order,
+  so an epoch ends in fewer steps. At the cap (max_num_gen_batches batches run) veRL stops the run; here the step is
+  filled up with tied groups (a warning, rollout/dynamic_sampling/cap_hit), so that every step still writes
+  batch_size groups and a synchronous trainer is never left waiting. Groups of one experience never tie.
+- dynamic_sampling, trainer side: it refills from what the explorers have already written, without waiting;
+  synchronously (sync_offset 0) nothing is there, so the tied groups of a capped step are dropped, leaving a
+  smaller batch; with an explorer ahead (sync_offset >= 1, or asynchronous) they are replaced. Tied groups left
+  after refill_rounds stay in the batch with zero advantage, as does a batch in which every group tied.
 """
 
 from __future__ import annotations
@@ -47,8 +57,12 @@ class Config:
 
     max_staleness: int = 4
     """staleness_control: the most versions an experience may lag the weights being trained (>= 0)."""
+    max_num_gen_batches: int = 10
+    """dynamic_sampling, the explorer: the most batches of tasks one explore step runs, the first included, to find
+    buffer.batch_size groups whose rewards do not all tie (veRL's algorithm.filter_groups.max_num_gen_batches, but
+    >= 1: unbounded over-sampling could run forever once every task is solved); 1 = no over-sampling."""
     refill_rounds: int = 4
-    """dynamic_sampling: how many times tied groups are dropped and replaced in one step."""
+    """dynamic_sampling, the trainer: how many times tied groups it claims are dropped and replaced in one step."""
     expert_data_ratio: float = 0.5
     """mix: r, the fraction of each batch that is expert SFT rows (0 <= r < 1)."""
     sft_dataset_name: str = "sft_dataset"
@@ -66,7 +80,7 @@ def staleness_control(step: int, cfg: Config) -> dict[str, Any]:
 
 
 def dynamic_sampling(step: int, cfg: Config) -> dict[str, Any]:
-    return {"refill_rounds": max(cfg.refill_rounds, 0)}
+    return {"max_num_gen_batches": cfg.max_num_gen_batches, "refill_rounds": max(cfg.refill_rounds, 0)}
 
 
 def mix(step: int, cfg: Config) -> dict[str, Any]:

@@ -270,6 +270,9 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (kl.Config, "horizon"): AT_LEAST_1,
     (sample.Config, "max_staleness"): NON_NEGATIVE,
     (sample.Config, "refill_rounds"): NON_NEGATIVE,
+    (sample.Config, "max_num_gen_batches"): _num(
+        lambda v: v >= 1, ">= 1 (veRL's 0, no cap, is not offered: over-sampling could run forever)"
+    ),
     (sample.Config, "expert_data_ratio"): FRACTION,
     (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
 }

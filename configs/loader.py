@@ -127,10 +127,13 @@ ALIASES = {
     "buffer.explorer_input.default_workflow_type": "buffer.default_workflow_type",
     "buffer.explorer_input.default_eval_workflow_type": "buffer.default_eval_workflow_type",
     "buffer.explorer_input.default_reward_fn_type": "buffer.default_reward_fn_type",
-    f"{_EB}.replay_buffer.enable": f"{_EB}.use_priority_queue",
-    f"{_EB}.replay_buffer.reuse_cooldown_time": f"{_EB}.reuse_cooldown_time",
-    f"{_EB}.replay_buffer.priority_fn_args.decay": f"{_EB}.priority_decay",
     "algorithm.optimizer.clip_grad": "trainer.grad_clip",
+}
+# Trinity-RFT's experience_buffer.replay_buffer block (ReplayBufferConfig) -> the experience_buffer keys beside it.
+REPLAY_BUFFER = {
+    "enable": "use_priority_queue",
+    "reuse_cooldown_time": "reuse_cooldown_time",
+    "priority_fn_args.decay": "priority_decay",
 }
 # Trinity-RFT keys that only make sense with Ray or services nanorft does not have.
 IGNORED = {
@@ -145,7 +148,6 @@ IGNORED = {
     "trainer.save_strategy": "one process saves (trainer rank 0 writes the HF copy)",
     "explorer.rollout_model.use_v1": "vLLM's V1 engine is the only one",
     "synchronizer.wait_for_checkpoint": "unused in Trinity-RFT too",
-    "buffer.trainer_input.experience_buffer.replay_buffer.priority_fn": "linear_decay is the only priority fn",
     "buffer.trainer_input.experience_buffer.capacity": "the SQLite DB has no capacity limit",
     "trainer.save_hf_checkpoint": "nanorft's checkpoints hold their weights as an HF folder "
     "(global_step_<N>/actor/huggingface) at every save; there is no separate copy to "
@@ -253,9 +255,40 @@ def _leaves(d: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+def replay_buffer(raw: dict[str, Any]) -> None:
+    """Trinity-RFT's experience_buffer.replay_buffer block, in place: its keys set as the experience_buffer's own
+    (REPLAY_BUFFER); a priority_fn other than linear_decay, or any other key, refused by name."""
+    eb = _get(raw, _EB)
+    block = eb.pop("replay_buffer", None) if isinstance(eb, dict) else None
+    if block is None:
+        return
+    where = f"{_EB}.replay_buffer"
+    if not isinstance(block, dict):
+        raise ConfigError(f"{where}: expected a mapping (enable, priority_fn, reuse_cooldown_time, priority_fn_args)")
+    fn = block.pop("priority_fn", "linear_decay")
+    if fn != "linear_decay":
+        raise ConfigError(
+            f"{where}.priority_fn = {fn!r}: nanorft's priority queue is Trinity's linear_decay only (model_version - "
+            f"decay x use_count: {_EB}.use_priority_queue, priority_decay); the noise and use_count_limit of "
+            "decay_limit_randomization are not implemented"
+        )
+    for key, value in _leaves(block):
+        if value == {}:  # an empty mapping (priority_fn_args: {}) sets nothing
+            continue
+        if key not in REPLAY_BUFFER:
+            known = ", ".join(f"{k} (-> {v})" for k, v in REPLAY_BUFFER.items())
+            raise ConfigError(f"{where}.{key}: not a key nanorft has; its replay_buffer keys: priority_fn, {known}")
+        target = REPLAY_BUFFER[key]
+        if target in eb and not _same(eb[target], value, _field_type(f"{_EB}.{target}")):
+            raise ConfigError(f"{where}.{key} = {value!r} and {_EB}.{target} = {eb[target]!r} disagree: set one")
+        eb[target] = value
+
+
 def normalize(raw: dict[str, Any]) -> dict[str, Any]:
-    """Aliases -> current keys, Ray-only keys dropped, veRL trainer_config mapped (all with warnings)."""
+    """Aliases -> current keys, Trinity's replay_buffer block mapped, Ray-only keys dropped, veRL trainer_config
+    mapped (all with warnings)."""
     raw = copy.deepcopy(raw)
+    replay_buffer(raw)
     for old, new in ALIASES.items():
         value = _pop(raw, old)
         if value is not _MISSING:

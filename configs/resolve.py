@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, Preset
+from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, SAMPLE_STRATEGIES, Preset
 from configs.checks import (
     DTYPE_NAMES,
     ConfigError,
@@ -216,6 +216,27 @@ def _check_explorer_advantages(a: AlgorithmConfig) -> None:
             f"algorithm.advantage_fn {a.advantage_fn} is computed in the explorer from the rewards, "
             "where the trainer's reward shaping cannot reach it: algorithm.kl_penalty_fn must be none "
             "and algorithm.overlong_reward.enable false (a KL loss, kl_loss_fn, is fine)"
+        )
+
+
+def gen_batches(a: AlgorithmConfig) -> int:
+    """The most batches of tasks one explore step runs: what the sample strategy asks (dynamic_sampling's
+    max_num_gen_batches: algos/sample.py), else 1 (no over-sampling)."""
+    fn = SAMPLE_STRATEGIES[a.sample_strategy][0]
+    return fn(1, piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args)).get(
+        "max_num_gen_batches", 1
+    )
+
+
+def _check_gen_batches(c: Config) -> None:
+    """Over-sampling (gen_batches > 1) makes the tasks a step takes vary: in mode both, where the explorer and the
+    trainer take turns over a number of steps they must agree on, buffer.total_epochs cannot give it."""
+    if gen_batches(c.algorithm) > 1 and c.mode == "both" and not c.buffer.total_steps:
+        raise ConfigError(
+            f"algorithm.sample_strategy {c.algorithm.sample_strategy} over-samples in the explorer (up to "
+            f"max_num_gen_batches = {gen_batches(c.algorithm)} batches of tasks per step): in mode both set "
+            "buffer.total_steps, since a step takes a varying number of tasks and total_epochs cannot give the "
+            "number of steps (or set sample_strategy_args.max_num_gen_batches: 1, the trainer-side refill only)"
         )
 
 
@@ -470,6 +491,7 @@ def derive(cfg: Config) -> Config:
     _derive_synchronizer(c, preset)
     _derive_tasksets(c)
     _check_explorer_advantages(c.algorithm)
+    _check_gen_batches(c)
     _derive_paths(c, preset)
     _derive_trainer_explorer(c)
     _derive_cluster(c)

@@ -382,9 +382,11 @@ class ExperienceBufferConfig:
     max_read_timeout: float = 1800.0
     """Seconds the trainer waits for a full batch before it takes what exists."""
     use_priority_queue: bool = False
-    """Claim by priority (model_version - decay x use_count, Trinity's linear_decay) instead of FIFO."""
+    """Claim whole groups by priority (model_version - decay x use_count, Trinity's linear_decay) instead of FIFO
+    (Trinity's replay_buffer.enable)."""
     reuse_cooldown_time: float | None = None
-    """Priority queue: seconds before a claimed experience may be claimed again; unset = never reused."""
+    """Priority queue: seconds before a claimed group may be claimed again, trained on the advantages of its first
+    use; unset = never reused."""
     priority_decay: float = 2.0
     """Priority queue: decay per previous use (Trinity's priority_fn_args.decay)."""
 

@@ -452,7 +452,7 @@ def test_sample_strategies():
     assert sample.staleness_control(2, sample.Config(max_staleness=4)) == {"min_version": 0}
     with pytest.raises(ValueError, match="max_staleness must be >= 0"):
         sample.staleness_control(3, sample.Config(max_staleness=-1))
-    assert sample.dynamic_sampling(3, sample.Config(refill_rounds=2)) == {"refill_rounds": 2}
+    assert sample.dynamic_sampling(3, sample.Config(refill_rounds=2)) == {"max_num_gen_batches": 10, "refill_rounds": 2}
     assert sample.mix(3, sample.Config(expert_data_ratio=0.25)) == {"expert": ("sft_dataset", 0.25)}
     with pytest.raises(ValueError, match="expert_data_ratio must be in"):
         sample.mix(3, sample.Config(expert_data_ratio=1.0))

@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import safetensors.torch
+import torch
 import yaml
 
 from buffer import ExperienceDB
-from helpers import raw, write_yaml
+from helpers import both_config, raw, write_yaml
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -298,7 +300,7 @@ def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url)
         text=True,
         timeout=300,
     )
-    assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 2" in out.stderr
+    assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 3" in out.stderr
 
 
 @pytest.mark.slow
@@ -346,3 +348,86 @@ def test_wait_for_trainer_returns_the_version_or_says_why_not(tmp_path, tiny_mod
     db.set_meta("trainer", json.dumps({"step": 5, "status": "finished", "time": time.time(), "pid": 1}))
     version, why, code = sync.wait_for_trainer(str(tmp_path), db, 6, step=7, timeout=30)
     assert (version, code) == (0, 0) and why == "the trainer finished at step 5 (newest weights: step 2)"
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_and_replay_by_group_with_separate_processes(tmp_path, tiny_model_dir):
+    """Explorer (mode explore, never waiting: trainer_driven) and trainer (mode train) as separate processes on one
+    SQLite DB. The explorer over-samples (dynamic_sampling; tests/data/dapo_reward.py: tasks 0 and 1 tie, the
+    others' 2 responses flip coins), is SIGKILLed before writing step 2 and restarted: every step holds 2 groups
+    that vary, and its saved position is past every task run, none written twice. Then the trainer replays with the
+    priority queue (cooldown 0) for 5 steps on the 6 groups: each step claims 2 whole groups (the newest first, then
+    the reused), and stores each experience's GRPO advantages of its first use (over its whole group) for reuse."""
+    base = yaml.safe_load(
+        both_config(
+            tmp_path,
+            tiny_model_dir,
+            **{
+                "continue_from_checkpoint": True,
+                "algorithm.sample_strategy": "dynamic_sampling",
+                "buffer.default_reward_fn_type": f"{ROOT}/tests/data/dapo_reward.py:tie_or_coin",
+                "buffer.explorer_input.taskset.reward_fn_args": {"tied_below": 2},
+                "buffer.explorer_input.eval_tasksets": [],
+                "buffer.trainer_input.experience_buffer.use_priority_queue": True,
+                "buffer.trainer_input.experience_buffer.reuse_cooldown_time": 0.0,
+                "synchronizer.sync_style": "trainer_driven",
+            },
+        ).read_text()
+    )
+    explorer = write_yaml(tmp_path / "explorer.yaml", base, {"mode": "explore"})
+    trainer = write_yaml(tmp_path / "trainer.yaml", base, {"mode": "train", "buffer.total_steps": 5})
+    job, marker = tmp_path / "ck/p/run", tmp_path / "paused"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    killed = subprocess.Popen(
+        [sys.executable, "explore.py", "--config", str(explorer)],
+        cwd=ROOT,
+        env={**env, **pause},
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for(lambda: marker.exists() or killed.poll() is not None, "the explorer's pause before writing step 2")
+    killed.kill()
+    assert killed.wait() != 0 and marker.exists()
+    for script, config in (("explore.py", explorer), ("train.py", trainer)):
+        out = subprocess.run(
+            [sys.executable, script, "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+    # the explorer: 3 steps of 2 varied groups; the position counts every task run, the dropped ones too
+    dapo = {r["step"]: r for r in read_history(job / "monitor/explorer.jsonl")}  # the killed run logged step 1 only
+    assert sorted(dapo) == [1, 2, 3] and dapo[1]["rollout/dynamic_sampling/extra_tasks"] >= 2
+    assert all(r["rollout/dynamic_sampling/cap_hit"] == 0 for r in dapo.values())
+    url = f"sqlite:///{job}/buffer/exp.db"
+    with ExperienceDB(url) as d:
+        groups = d.query("SELECT group_id, COUNT(*), MIN(reward) < MAX(reward) FROM experiences GROUP BY group_id")
+        index = d.explorer_states()["explorer"]["reader"]["index"]
+        claims = d.query(
+            "SELECT c.step, e.group_id, e.id, e.reward FROM claims c JOIN experiences e ON e.id = c.exp_id"
+        )
+        replays = d.query("SELECT exp_id, step, advantages FROM replays")
+    assert len(groups) == 6 and all(n == 2 and varied for _, n, varied in groups), groups
+    assert index == sum(2 + r["rollout/dynamic_sampling/extra_tasks"] for r in dapo.values())
+    # the trainer: each step 2 whole groups; steps 1-3 the 6 fresh ones, newest first; 4-5 reuse steps 1-2's
+    by_step: dict[int, dict[str, list[int]]] = {}
+    for step, group, exp, _ in claims:
+        by_step.setdefault(step, {}).setdefault(group, []).append(exp)
+    assert sorted(by_step) == [1, 2, 3, 4, 5] and all(
+        len(g) == 2 and all(len(ids) == 2 for ids in g.values()) for g in by_step.values()
+    ), by_step
+    assert len({g for s in (1, 2, 3) for g in by_step[s]}) == 6
+    assert by_step[4].keys() == by_step[1].keys() and by_step[5].keys() == by_step[2].keys()
+    first = {exp: min(s for s, _, e, _ in claims if e == exp) for _, _, exp, _ in claims}
+    reward = {exp: r for _, _, exp, r in claims}
+    assert len(replays) == 12
+    for exp, step, blob in replays:  # GRPO over the whole group of 2 rewards 0 and 1: (r - 0.5) / 0.7071 = +-0.7071
+        advantages = safetensors.torch.load(bytes(blob))["advantages"]
+        assert step == first[exp] and torch.allclose(
+            advantages, torch.full_like(advantages, (reward[exp] - 0.5) / 0.5**0.5), atol=1e-5
+        )
+    trainer_rows = read_history(job / "monitor/trainer.jsonl")
+    assert [(r["batch/size"], r["sample/dropped_tied_groups"]) for r in trainer_rows] == [(4, 0)] * 5

@@ -227,6 +227,72 @@ def test_decay_weight(db: ExperienceDB) -> None:
     assert ids(db.claim(2, step=3, priority=True, reuse_cooldown=0.0, decay=0.5)) == [a, c]
 
 
+# --- whole groups (replay by group)
+
+
+def group(name: str, version: int, rewards: list[float]) -> list[Experience]:
+    return [make(k, group_id=name, run_id=k, model_version=version, reward=r) for k, r in enumerate(rewards)]
+
+
+def test_priority_claims_and_reuses_whole_groups(db: ExperienceDB) -> None:
+    """The priority queue takes groups, each with all its experiences in written order, while they fit; a claim
+    that would cut a group stops before it; a reuse takes the group again whole."""
+    db.write(group("a", 0, [0, 1]) + group("b", 2, [1, 0]) + group("c", 1, [0, 1]))  # ids a 1,2 b 3,4 c 5,6
+    # priority b (2) > c (1) > a (0); a group's experiences in written order (the old order was 4, 3, 6, 5)
+    assert ids(db.claim(4, step=1, priority=True, reuse_cooldown=0.0)) == [3, 4, 5, 6]
+    # a 0 = b 2 - 2 x 1 > c 1 - 2 x 1; a tie goes to the newest row (b's 4): b again, whole
+    assert ids(db.claim(2, step=2, priority=True, reuse_cooldown=0.0)) == [3, 4]
+    # 3 wanted, groups of 2: a (0) fits, then c (-1) would cut: the claim stops at a
+    assert ids(db.claim(3, step=3, priority=True, reuse_cooldown=0.0)) == [1, 2]
+    assert dict(raw(db.url, "SELECT id, use_count FROM experiences")) == {1: 1, 2: 1, 3: 2, 4: 2, 5: 1, 6: 1}
+    claims = raw(db.url, "SELECT step, exp_id FROM claims ORDER BY step, exp_id")
+    assert claims == [(1, 3), (1, 4), (1, 5), (1, 6), (2, 3), (2, 4), (3, 1), (3, 2)]
+    # experiences without a group_id are groups of one (the order of test_priority_order)
+    db.write([make(i, model_version=v) for i, v in enumerate([7, 9])])  # ids 7, 8
+    assert ids(db.claim(2, step=4, priority=True)) == [8, 7]
+
+
+def test_groups_in_queue_order_and_a_group_larger_than_the_claim(db: ExperienceDB) -> None:
+    """groups=True in FIFO order (the trainer's dynamic sampling): whole groups; a claim waits (or, final, takes
+    what is there) while the groups written do not fill it; a first group larger than n is taken whole."""
+    db.write(group("a", 0, [0, 1]) + group("b", 0, [1, 0, 1]) + group("c", 0, [1, 1]))  # a 1,2 b 3-5 c 6,7
+    assert ids(db.claim(4, step=1, groups=True)) == [1, 2]  # b would pass 4: full as whole groups make it
+    assert ids(db.claim(2, step=2, groups=True)) == [3, 4, 5]  # b alone is larger than 2: taken whole
+    assert db.claim(4, step=3, groups=True, timeout=0.05, partial=False) == []  # c (2) does not fill 4
+    assert ids(db.claim(4, step=3, groups=True, timeout=0.0)) == [6, 7]  # partial: what is there
+    assert db.counts()["pending"] == 0
+
+
+def test_reuse_trains_on_the_advantages_of_the_first_use(db: ExperienceDB) -> None:
+    """keep_advantages stores a first use's advantages; a reuse claims them with its experiences (a first use
+    claims none); a trainer resumed before that first use drops them, and the use is a first one again."""
+    a, b = db.write(group("g", 0, [0.0, 1.0]))
+    assert [x.advantages for x in db.claim(2, step=1, priority=True, reuse_cooldown=0.0)] == [None, None]
+    first = {a: torch.full((4,), -0.7071), b: torch.full((4,), 0.7071)}  # GRPO over the whole group
+    db.keep_advantages(1, first)
+    db.keep_advantages(2, {a: torch.zeros(4)})  # a later use's changes nothing
+    reused = db.claim(2, step=2, priority=True, reuse_cooldown=0.0)
+    assert ids(reused) == [a, b] and all(torch.equal(x.advantages, first[x.id]) for x in reused)
+    assert db.release_after(1) == 2 and raw(db.url, "SELECT exp_id, step FROM replays ORDER BY exp_id") == [
+        (a, 1),
+        (b, 1),
+    ]
+    assert db.release_after(0) == 2 and raw(db.url, "SELECT COUNT(*) FROM replays") == [(0,)]
+    assert [x.advantages for x in db.claim(2, step=1, priority=True, reuse_cooldown=0.0)] == [None, None]
+
+
+def test_a_version_2_db_is_upgraded_in_place(db_url: str) -> None:
+    """A DB of schema version 2 (no replays table) opens as version 3, its rows kept."""
+    with ExperienceDB(db_url) as db:
+        db.write([make(0, group_id="g")])
+    raw(db_url, "DROP TABLE replays")
+    raw(db_url, "UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+    with ExperienceDB(db_url) as db:
+        assert db.get_meta("schema_version") == "3" and db.counts()["total"] == 1
+        db.keep_advantages(1, {1: torch.ones(4)})
+        assert torch.equal(db.get([1])[0].advantages, torch.ones(4))
+
+
 # --- resume
 
 
@@ -522,7 +588,9 @@ def test_a_postgresql_database_of_another_program_is_named_and_left_alone(postgr
         "SELECT table_schema, table_name FROM information_schema.tables"
         " WHERE table_schema IN ('public', 'run1') ORDER BY 1, 2",
     )
-    assert tables == [("public", "users")] + [("run1", t) for t in ("claims", "experiences", "meta", "payloads")]
+    assert tables == [("public", "users")] + [
+        ("run1", t) for t in ("claims", "experiences", "meta", "payloads", "replays")
+    ]
 
 
 def test_a_postgresql_user_without_create_rights_is_named(postgres) -> None:

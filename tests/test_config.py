@@ -543,6 +543,53 @@ def test_aliases_and_ignored_keys_warn(tmp_path, caplog):
     assert "ray_namespace is ignored" in caplog.text and "monitor.enable_ray_timeline is ignored" in caplog.text
 
 
+REPLAY = """
+  trainer_input:
+    experience_buffer:
+      name: exp
+      storage_type: queue
+      replay_buffer:
+        enable: true
+        priority_fn: linear_decay
+        reuse_cooldown_time: 30
+        priority_fn_args:
+          decay: 1.5
+"""
+
+
+def test_trinitys_replay_buffer_block_loads_or_each_key_is_refused_by_name(tmp_path):
+    """Trinity-RFT's nested experience_buffer.replay_buffer block sets use_priority_queue, reuse_cooldown_time and
+    priority_decay (derived, too); another priority_fn, a key of its args nanorft lacks, or a value that contradicts
+    the key beside it, is refused naming the key."""
+    cfg = derive(cli(["--config", write(tmp_path, MINIMAL + REPLAY)])[0])
+    eb = cfg.buffer.trainer_input.experience_buffer
+    assert (eb.use_priority_queue, eb.reuse_cooldown_time, eb.priority_decay) == (True, 30.0, 1.5)
+    where = "buffer.trainer_input.experience_buffer.replay_buffer"
+    for old, new, error in [
+        ("linear_decay", "decay_limit_randomization", f"{where}.priority_fn = 'decay_limit_randomization': "),
+        ("decay: 1.5", "decay: 1.5\n          sigma: 0.1", f"{where}.priority_fn_args.sigma: not a key nanorft has"),
+        ("name: exp", "name: exp\n      use_priority_queue: false", f"{where}.enable = True and .*disagree"),
+    ]:
+        with pytest.raises(ConfigError, match=error):
+            cli(["--config", write(tmp_path, MINIMAL + REPLAY.replace(old, new))])
+
+
+def test_dynamic_sampling_over_sampling_needs_total_steps_in_mode_both(tmp_path):
+    """The explorer's over-sampling makes a step's tasks vary: mode both (explorer and trainer taking turns) needs
+    buffer.total_steps; max_num_gen_batches 1 (no over-sampling) or total_steps is fine; 0 (veRL's no cap) is out of
+    range."""
+    text = MINIMAL + "algorithm:\n  sample_strategy: dynamic_sampling\n"
+    with pytest.raises(ConfigError, match="over-samples in the explorer .* in mode both set buffer.total_steps"):
+        derive(cli(["--config", write(tmp_path, text)])[0])
+    for fixed in (
+        text + "  sample_strategy_args: {max_num_gen_batches: 1}\n",
+        text.replace("  batch_size", "  total_steps: 5\n  batch_size"),
+    ):
+        derive(cli(["--config", write(tmp_path, fixed)])[0])
+    with pytest.raises(ConfigError, match="max_num_gen_batches: 0 is out of range; allowed: >= 1"):
+        derive(cli(["--config", write(tmp_path, text + "  sample_strategy_args: {max_num_gen_batches: 0}\n")])[0])
+
+
 def test_every_schema_field_has_a_docstring():
     tree = ast.parse((ROOT / "configs/schema.py").read_text())
     missing = []

@@ -551,3 +551,66 @@ def test_a_full_disk_under_the_explorers_meta_file_warns_and_the_step_is_in_the_
     assert "could not write" in caplog.text and "the explorer's position is in the DB" in caplog.text
     assert x.db.explorer_states()["explorer"]["step"] == 3
     assert not list(tmp_path.glob(".*tmp-*")) and not (tmp_path / "explorer_meta.json").exists()
+
+
+# --- dynamic sampling (DAPO): the explorer over-samples
+
+
+# each task's group rewards: "tie" (all 1.0), "vary" ([0, 1]), None (the task failed)
+KINDS = ["tie", "vary", "tie", None, "vary", "tie", "vary", "vary"]
+
+
+class Reader:
+    """A taskset of len(KINDS) tasks, each its index, read in order."""
+
+    def __init__(self, size: int = len(KINDS)) -> None:
+        self.index, self.size = 0, size
+
+    def read(self, n: int) -> list[int]:
+        out = list(range(self.index, min(self.index + n, self.size)))
+        self.index += len(out)
+        return out
+
+
+def fake_batch(x, tasks: list[int]) -> list:
+    """explore.run_batch without runners: each task's group by KINDS."""
+    x.batches.append(tasks)
+    rewards = {"tie": [1.0, 1.0], "vary": [0.0, 1.0]}
+    return [
+        (t, None, "boom")
+        if KINDS[t] is None
+        else (t, [Experience(torch.arange(3), 1, reward=r, group_id=f"g{t}") for r in rewards[KINDS[t]]], "")
+        for t in tasks
+    ]
+
+
+@pytest.mark.parametrize(
+    "cap, size, written, metrics, note",
+    [
+        # 3 batches: [0 1 2] gives 1 varied group, [3 4] 1 more (3 failed), [5] none: the cap; tied 0 fills the step
+        (3, 8, [0, 1, 4], (3, 3, 2, 1, 1.0), "max_num_gen_batches reached; 1 tied groups fill it"),
+        # a fourth batch [6] completes it: no tied group is written
+        (4, 8, [1, 4, 6], (4, 4, 3, 0, 0.0), None),
+        # the taskset ends after task 3: the step is what there is, filled with the tied 0 and 2; not the cap
+        (10, 4, [0, 1, 2], (2, 1, 0, 2, 0.0), "the tasksets ran out; 2 tied groups fill it"),
+    ],
+)
+def test_dynamic_sampling_runs_more_tasks_until_the_step_has_varied_groups(
+    monkeypatch, caplog, cap, size, written, metrics, note
+):
+    """fill_groups by hand: each extra batch is as many tasks as the varied groups still missing (batch_size 3);
+    written are the varied groups, filled up with tied ones at the cap, in reading order; the metrics count the
+    batches, extra tasks, dropped and kept tied groups and whether the cap was hit; the reader has moved past
+    every task run."""
+    monkeypatch.setattr(explore, "run_batch", fake_batch)
+    cfg = cli(["--config", str(ROOT / "configs/tiny.yaml")])[0]
+    cfg.buffer.batch_size = 3
+    x = type("X", (), {"cfg": cfg, "reader": Reader(size), "step": 6, "gen_batches": cap, "batches": []})()
+    first = explore.run_batch(x, x.reader.read(3))
+    with caplog.at_level("WARNING", logger="nanorft.explore"):
+        results, ran, got = explore.fill_groups(x, first)
+    assert [t for t, _, _ in results] == written and [t for t, _, _ in ran] == [t for b in x.batches for t in b]
+    keys = ("num_gen_batches", "extra_tasks", "dropped_groups", "tied_groups_kept", "cap_hit")
+    assert tuple(got[f"rollout/dynamic_sampling/{k}"] for k in keys) == metrics
+    assert x.reader.index == len(ran)
+    assert (note is None and not caplog.text) or "dynamic sampling: step 7 has" in caplog.text and note in caplog.text

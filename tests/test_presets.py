@@ -341,6 +341,66 @@ def test_dynamic_sampling_drops_tied_groups_and_refills(tmp_path, tiny_model_dir
     assert db.counts()["pending"] == 0  # the dropped groups were consumed by their step, not left behind
 
 
+DAPO_REWARD = f"{ROOT}/tests/data/dapo_reward.py:tie_or_coin"  # tasks 0-7 tie, the others' responses flip coins
+
+
+def claimed_groups(url: str) -> dict[int, dict[str, list[float]]]:
+    """Train step -> the groups it claimed -> their rewards (every experience of the group that step claimed)."""
+    with ExperienceDB(url) as db:
+        rows = db.query("SELECT c.step, e.group_id, e.reward FROM claims c JOIN experiences e ON e.id = c.exp_id")
+    out: dict[int, dict[str, list[float]]] = {}
+    for step, group, reward in rows:
+        out.setdefault(step, {}).setdefault(group, []).append(reward)
+    return out
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_over_samples_in_the_explorer_in_mode_both(tmp_path, tiny_model_dir):
+    """DAPO's dynamic sampling, mode both (real processes, on-policy): the groups of tasks 0-9 tie, the others' are
+    coin flips (tests/data/dapo_reward.py); 2 tasks x 4 responses a step. Step 1 runs the tasks in 4 batches (0-1,
+    2-3, 4-5, 6-7), hits max_num_gen_batches 4 (logged) and is filled with the tied groups of tasks 0 and 1, which
+    the trainer keeps (nothing to replace them with); step 2 drops tasks 8 and 9 and runs extra tasks until both
+    groups vary, as does step 3 when a group ties. Every batch trained is 2 whole groups of 4; the explorer's saved
+    position is past every task it ran."""
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "algorithm.repeat_times": 4,
+            "algorithm.sample_strategy": "dynamic_sampling",
+            "algorithm.sample_strategy_args": {"max_num_gen_batches": 4},
+            "buffer.default_reward_fn_type": DAPO_REWARD,
+            "buffer.explorer_input.taskset.reward_fn_args": {"tied_below": 10},
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
+    out = launch(config)
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "run"
+    dapo = {
+        r["step"]: {k.split("/")[-1]: v for k, v in r.items() if k.startswith("rollout/dynamic_sampling/")}
+        for r in read_history(job / "monitor" / "explorer.jsonl")
+    }
+    assert dapo[1] == {"num_gen_batches": 4, "extra_tasks": 6, "dropped_groups": 6, "tied_groups_kept": 2, "cap_hit": 1}
+    assert (
+        "dynamic sampling: step 1 has 0 of 2 groups with reward variance after 4 batches of tasks (6 extra tasks):"
+        " max_num_gen_batches reached; 2 tied groups fill it" in (job / "log" / "explorer.log").read_text()
+    )
+    assert all(dapo[s]["cap_hit"] == 0 and dapo[s]["tied_groups_kept"] == 0 for s in (2, 3)), dapo
+    assert dapo[2]["extra_tasks"] >= 2 and dapo[2]["dropped_groups"] >= 2  # tasks 8 and 9, at least
+    url = derive(cli(["--config", str(config)])[0]).buffer.trainer_input.experience_buffer.path
+    with ExperienceDB(url) as db:
+        assert db.counts()["total"] == 3 * 2 * 4  # only the groups of the steps: the dropped ones are not written
+        index = db.explorer_states()["explorer"]["reader"]["index"]
+    assert index == sum(2 + dapo[s]["extra_tasks"] for s in (1, 2, 3))
+    claims = claimed_groups(url)
+    assert {g.rsplit("/", 1)[1]: r for g, r in claims[1].items()} == {"0": [0.0] * 4, "1": [0.0] * 4}
+    for step in (2, 3):  # the trainer's batches: 2 whole groups, each with reward variance
+        assert len(claims[step]) == 2 and all(len(r) == 4 and min(r) < max(r) for r in claims[step].values())
+    trainer = read_history(job / "monitor" / "trainer.jsonl")
+    assert [(r["batch/size"], r["sample/dropped_tied_groups"]) for r in trainer] == [(8, 0)] * 3
+
+
 @pytest.mark.slow
 def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
     """One PPO step (values, GAE over the whole batch, critic then actor update) on the same experiences:

@@ -1018,3 +1018,30 @@ def test_a_launched_trainer_whose_model_folder_is_gone_stops_with_a_named_error(
         f"trainer of stage t stops: cannot load a model from {gone}: {gone} does not exist; fix the key that "
         "names it (model.model_path, model.critic_model_path, explorer.auxiliary_models[].model_path)"
     ) in out.stderr
+
+
+def test_reused_rows_train_on_the_advantages_of_their_first_use():
+    """compute_advantages: a row that carries the advantages stored at its first use (a reuse, claimed with them:
+    buffer.ExperienceDB.claim) trains on them; the other rows get the advantage fn's. Here REINFORCE++ whitens over
+    the batch, so the reused row's recomputed value (another batch) would differ from its first use's."""
+    cfg = configs.Config()
+    a = cfg.algorithm
+    a.advantage_fn, a.policy_loss_fn, a.entropy_loss_fn = "reinforceplusplus", "ppo", "default"
+    a.kl_loss_fn, a.kl_penalty_fn = "none", "none"
+    p = dataclasses.replace(bare_parts(cfg, torch.device("cpu"), None, None), pieces=train.loss_pieces(a))
+    exps = experiences([(3, [4, 4]), (2, [3, 5])])
+    for x, r in zip(exps, [1.0, 0.0, 1.0, 1.0]):
+        x.reward = r
+
+    def advantages() -> torch.Tensor:
+        batch = batching.step_batch(exps, width=6)
+        train.shape_rewards(p, batch)
+        train.compute_advantages(p, batch)
+        return batch["advantages"]  # [B,T]
+
+    fresh = advantages()
+    exps[2].advantages = torch.tensor([0.5, -0.5, 0.25])  # [R] its first use's
+    reused = advantages()
+    assert torch.equal(reused[2], torch.tensor([0.5, -0.5, 0.25, 0.0, 0.0, 0.0]))
+    assert not torch.allclose(fresh[2, :3], reused[2, :3])
+    assert torch.equal(reused[[0, 1, 3]], fresh[[0, 1, 3]])
