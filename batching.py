@@ -38,7 +38,8 @@ def step_batch(
     [B,T]: responses (the token ids), response_mask (action tokens; the first token of a response without a prompt has
     no logit to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows).
     has_stored_advantages [B], and only when some row carries them, stored_advantages [B,T] (an explorer-side advantage
-    fn's, step_wise_grpo: no other algorithm pays for them).
+    fn's, step_wise_grpo: no other algorithm pays for them); so too has_teacher_logprobs [B] and teacher_logprobs [B,T]
+    (a teacher's log-probs of the response tokens: on-policy distillation).
     NOTE: T = max(width, the longest response): the trainer passes model.max_response_tokens, so that
     seq-mean-token-sum-norm divides by Dr.GRPO's constant whatever the batch holds."""
     B, P = len(exps), max(max(x.prompt_length for x in exps), 1)
@@ -79,13 +80,22 @@ def step_batch(
         ),  # [B]
     }
     batch["expert_mask"] = batch["expert"][:, None].float().expand(B, T).contiguous()  # [B,T]
-    batch["has_stored_advantages"] = torch.tensor([x.advantages is not None for x in exps])  # [B]
-    if batch["has_stored_advantages"].any():  # only an explorer-side advantage fn's rows carry them (step_wise_grpo)
-        batch["stored_advantages"] = torch.zeros(B, T)  # [B,T] (group_advantages)
-        for b, x in enumerate(exps):
-            if x.advantages is not None:
-                batch["stored_advantages"][b, : x.response_length] = x.advantages
+    for field, key in (("advantages", "stored_advantages"), ("teacher_logprobs", "teacher_logprobs")):
+        batch |= carried(exps, field, key, T)
     return batch
+
+
+def carried(exps: list[Experience], field: str, key: str, T: int) -> dict[str, torch.Tensor]:
+    """has_<key> [B]: which experiences carry the per-token tensor `field`; and only when some do, <key> [B,T] (0
+    elsewhere). Only an explorer-side advantage fn's rows carry advantages (step_wise_grpo: group_advantages), only a
+    distillation workflow's teacher_logprobs: no other algorithm pays for them."""
+    out = {f"has_{key}": torch.tensor([getattr(x, field) is not None for x in exps])}  # [B]
+    if out[f"has_{key}"].any():
+        out[key] = torch.zeros(len(exps), T)  # [B,T]
+        for b, x in enumerate(exps):
+            if getattr(x, field) is not None:
+                out[key][b, : x.response_length] = getattr(x, field)
+    return out
 
 
 def group_advantages(exps: list[Experience], algorithm: AlgorithmConfig) -> None:

@@ -69,6 +69,7 @@ TENSOR_FIELDS = {
     "action_mask": torch.bool,
     "logprobs": torch.float32,
     "advantages": torch.float32,
+    "teacher_logprobs": torch.float32,
 }
 COLUMNS = ("explorer", "model_version", "group_id", "run_id", "task_id", "reward", "prompt_length")
 SELECT_ROWS = (
@@ -83,11 +84,12 @@ class Experience:
 
     Shapes: L = len(tokens), R = L - prompt_length response tokens.
 
-    Trinity-RFT's Experience also has token_level_reward, returns, teacher_logprobs and chosen / rejected; they are
-    left out because nothing here reads them, and a workflow that set one would see it ignored (now: a TypeError).
-    The trainer places the scalar reward itself and computes the returns; a DPO pair is two experiences sharing a
-    group_id (source.dpo_experiences); no loss distils from a teacher. A DB written when they existed still reads:
-    deserialise drops the tensors it no longer knows."""
+    Trinity-RFT's Experience also has token_level_reward, returns and chosen / rejected; they are left out because
+    nothing here reads them, and a workflow that set one would see it ignored (now: a TypeError). The trainer places
+    the scalar reward itself and computes the returns; a DPO pair is two experiences sharing a group_id
+    (source.dpo_experiences). A DB written when they existed still reads: deserialise drops the tensors it no longer
+    knows. teacher_logprobs (on-policy distillation) was among them once and is back: a blob without it reads as
+    None."""
 
     tokens: torch.Tensor  # [L] long, prompt + response token ids
     prompt_length: int  # number of prompt tokens at the start of `tokens`
@@ -95,6 +97,8 @@ class Experience:
     action_mask: torch.Tensor | None = None  # [R] bool, False = not an action (None: all are)
     reward: float | None = None  # scalar reward of the whole response
     advantages: torch.Tensor | None = None  # [R] float32, an explorer-side advantage fn's (step_wise_grpo)
+    # [R] float32, a teacher's log-probs of the response tokens (on_policy_distill_workflow; algos/on_policy_distill)
+    teacher_logprobs: torch.Tensor | None = None
     group_id: str = ""  # shared by the repeats of one task
     run_id: int = 0  # repeat index within the group (like task_id: a DB column, for whoever reads the DB)
     task_id: str = ""
@@ -135,7 +139,7 @@ def serialise(exp: Experience) -> tuple[bytes, str]:
 def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     """Inverse of `serialise`; `columns` are the plain columns (COLUMNS and id).
     Token id tensors come back as torch.long, the others in their stored dtype. A tensor of a field that Experience
-    no longer has (token_level_reward, returns, teacher_logprobs, chosen, rejected: an older buffer.py's) is dropped."""
+    no longer has (token_level_reward, returns, chosen, rejected: an older buffer.py's) is dropped."""
     tensors = {name: t for name, t in safetensors.torch.load(blob).items() if name in TENSOR_FIELDS}
     for name, t in tensors.items():
         if TENSOR_FIELDS[name] == torch.int32:

@@ -13,6 +13,7 @@
 
 A request's SamplingParams and Completion, its checks and the Batcher that gathers requests into shared batches are
 sampling.py's (every engine's). Every engine has `generate(prompt_ids, params)`, `submit(prompt_ids, params) -> Future`,
+`score(sequences, temperature)` (each token's log-prob given those before it: a teacher scoring a student's tokens),
 `load_weights(source, version)` and `model_version`. Workflows only see an `EngineHandle` (what it offers them:
 workflows.ModelHandle).
 - HFEngine (engine_type "hf") runs anywhere: its own decode loop over a left-padded batch with a KV
@@ -43,9 +44,10 @@ from buffer import Experience
 from configs.resolve import explorer_gpu_plan
 from errors import ConfigError
 from models import eos_ids, load_model, load_tokenizer, with_template
-from sampling import Batcher, Completion, PromptTooLong, SamplingParams, collect, scored_temperature
+from sampling import Batcher, Completion, PromptTooLong, SamplingParams, check_scoring, collect, scored_temperature
 
 log = logging.getLogger("nanorft.engines")
+SCORE_ELEMENTS = 2**26  # logits per scoring pass (HFEngine.score; 256 MB of float32): a 152k vocabulary at ~440 tokens
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -298,6 +300,32 @@ class HFEngine:
         cut = min((i for s in p.stop if (i := text.find(s)) >= 0), default=-1)
         return text[:cut] if cut >= 0 else None
 
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """log_softmax(logits / temperature) of each token of each sequence after its first, given the tokens
+        before it: len(seq) - 1 log-probs per sequence (vLLM's prompt_logprobs; a teacher scoring a student's
+        response). On the worker, between batches; check_scoring refuses what no engine can score."""
+        check_scoring(sequences, temperature, self.max_model_len)
+        return self.batcher.call(lambda: self.score_now(sequences, temperature))
+
+    @torch.no_grad()
+    def score_now(self, sequences: list[list[int]], temperature: float) -> list[list[float]]:
+        """score() on the worker: right-padded rows of about SCORE_ELEMENTS logits at a time (a longer sequence
+        alone), one forward pass each."""
+        out: list[list[float]] = [[] for _ in sequences]
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        V, pad = self.model.config.vocab_size, self.tokenizer.pad_token_id or 0
+        while order:
+            L = len(sequences[order[0]])
+            take = order[: max(1, SCORE_ELEMENTS // (L * V))]
+            order = order[len(take) :]
+            ids = torch.tensor([sequences[i] + [pad] * (L - len(sequences[i])) for i in take], device=self.device)
+            mask = torch.tensor([[1] * len(sequences[i]) + [0] * (L - len(sequences[i])) for i in take])
+            logits = self.model(input_ids=ids, attention_mask=mask.to(self.device)).logits[:, :-1].float()  # [b,L-1,V]
+            logp = (logits / temperature).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]  # [b,L-1]
+            for row, i in enumerate(take):
+                out[i] = logp[row, : len(sequences[i]) - 1].tolist()
+        return out
+
     def sleep(self) -> None:
         """On a GPU shared with the trainer (cluster.colocate): the model waits in host memory; a no-op on the CPU."""
         if str(self.device).startswith("cuda"):
@@ -499,6 +527,14 @@ class EngineHandle:
         """One reply's text per conversation (chat messages, through the chat template), all in one engine batch:
         what a judge asks of an auxiliary model (ExternalHandle.replies: the same from an endpoint)."""
         return [exps[0].response_text for exps in self.generate([self.render(m) for m in conversations], **sampling)]
+
+    def score(self, sequences: list[list[int]] | list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
+        """The engine's log-prob of each token of each sequence after the first, given the tokens before it:
+        [L - 1] float32 per sequence of L token ids, log_softmax(logits / temperature) over the full vocabulary.
+        A teacher (an auxiliary model) scoring a student's experience: score([exp.tokens])[0][exp.prompt_length - 1:]
+        are its log-probs of the response tokens (on_policy_distill_workflow)."""
+        ids = [[int(t) for t in seq] for seq in sequences]
+        return [torch.tensor(lp, dtype=torch.float32) for lp in self.engine.score(ids, temperature)]
 
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
         """n experiences per prompt text (already templated; encoded without special tokens)."""

@@ -3,6 +3,7 @@ part that every engine (engines.HFEngine, vllm_engine's) shares.
 
     params = SamplingParams(n=8, temperature=1.0, max_tokens=256, seed=7)   # vLLM's fields and meanings
     check_request(prompt_ids, params, max_model_len)   # ValueError naming the field, before a shared batch
+    check_scoring(sequences, temperature, max_len)     # the same for a scoring request (an engine's score())
     batcher = Batcher(run_batch, max_model_len)        # run_batch(prompts, params) -> [[Completion]] per request
     future = batcher.submit(prompt_ids, params)        # from any thread; gathered with others into one batch
     future.result()[0].token_ids, .logprobs, .finish_reason
@@ -187,6 +188,18 @@ def check_request(prompt: list[int], p: SamplingParams, max_model_len: int) -> N
         raise ValueError("empty stop string")
     if p.logprobs != 0:
         raise ValueError("only logprobs=0 (the sampled token's log-prob) is supported")
+
+
+def check_scoring(sequences: list[list[int]], temperature: float, limit: int, why: str = "its max_model_len") -> None:
+    """ValueError, naming what is wrong, for a scoring request (an engine's score()) it cannot serve: a temperature
+    that is not a finite number > 0, a sequence with no token to score, or one longer than `limit` tokens (`why`)."""
+    if not 0 < temperature < float("inf"):
+        raise ValueError(f"scoring temperature = {temperature!r}: a finite number > 0")
+    for seq in sequences:
+        if len(seq) < 2:
+            raise ValueError(f"a sequence of {len(seq)} token(s) has no token to score (2 at least)")
+        if len(seq) > limit:
+            raise ValueError(f"a sequence of {len(seq)} tokens is longer than this engine scores: {limit} ({why})")
 
 
 def collect(batcher: Batcher, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:

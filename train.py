@@ -226,8 +226,7 @@ def trainer_models(
     adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
     actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
     actor = build_model(actor_path, t, device, trainable=True, adapter=adapter)
-    # A piece's Config may list batch keys it needs beyond the defaults (NEEDS): ref_logprobs, values.
-    needs = {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
+    needs = piece_needs(pieces)
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
     critic_path = (
         str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface")
@@ -241,6 +240,12 @@ def trainer_models(
         else None
     )  # with LoRA, the actor with its adapter switched off: the base model
     return actor, ref, critic
+
+
+def piece_needs(pieces: algos.Pieces) -> set[str]:
+    """The batch keys the pieces need beyond the defaults (their Config's NEEDS): ref_logprobs (a reference model),
+    values (a critic), old_logprobs (scored before the advantages), teacher_logprobs (written by the explorer)."""
+    return {k for fn, c in pieces.values() for k in getattr(c, "NEEDS", ())}
 
 
 def log_set_up(p: Parts) -> None:
@@ -312,15 +317,18 @@ LOSS_KEYS = (
     "expert_mask",
     "rewards",
     "group_index",
+    "step",
 )  # step batch keys a loss may read
 
 
-def make_batch(p: Parts, exps: list[Experience]) -> tuple[dict, list[list[list[list[int]]]]]:
-    """The step batch (batching.step_batch), and this rank's share of it as a plan: mini-batches of the whole batch
-    (n_mini_batches: ppo_mini_batch_size experiences each, over all ranks), each as this rank's micro-batches of units
-    (lists of batch rows laid out together: a group sharing its prompt, a DPO pair)."""
+def make_batch(p: Parts, exps: list[Experience], step: int) -> tuple[dict, list[list[list[list[int]]]]]:
+    """The step batch (batching.step_batch, and the train step as step [B]: mix_chord's schedule reads it), and this
+    rank's share of it as a plan: mini-batches of the whole batch (n_mini_batches: ppo_mini_batch_size experiences
+    each, over all ranks), each as this rank's micro-batches of units (lists of batch rows laid out together: a group
+    sharing its prompt, a DPO pair)."""
     t, paired = p.cfg.trainer, p.source.paired
     batch = step_batch(exps, p.cfg.model.max_response_tokens, p.temperatures)
+    batch["step"] = torch.full((len(exps),), step)  # [B]
     rows = list(range(len(exps)))
     if len(pack_units(batch, rows, False, t.max_token_len_per_gpu, paired)) < p.world:
         raise RuntimeError(f"{len(exps)} experiences cannot be shared by {p.world} ranks")
@@ -363,8 +371,9 @@ def score_batch(p: Parts, batch: dict, plan: list) -> None:
     mine += [filler(plan)] * (int(reduce_max(len(mine), p.device)) - len(mine))
     # NOTE: with one update per step (one epoch, one mini-batch, no KL penalty reading them) the weights have
     # not moved when a micro-batch's loss is computed: old log-probs are the current ones, detached; no pass.
+    # (unless a piece reads them before the update: on_policy_distill's advantages)
     one_update = t.ppo_epochs == 1 and len(plan) == 1 and a.kl_penalty_fn == "none"
-    if p.rl and not one_update:
+    if p.rl and (not one_update or "old_logprobs" in piece_needs(p.pieces)):
         batch["old_logprobs"] = all_sum(score(p.actor, batch, mine, p.share, p.device), p)
     if p.ref is not None:
         batch["ref_logprobs"] = all_sum(score(p.ref, batch, mine, p.share, p.device), p)
@@ -396,6 +405,9 @@ def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
     return metrics | {f"critic/{k}": v for k, v in kl_metrics.items()}
 
 
+DISTILL_KEYS = ("old_logprobs", "teacher_logprobs", "has_teacher_logprobs")  # on_policy_distill, jsd
+
+
 def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
     """advantages / returns [B,T] of the RL rows (expert rows keep 0); groups that the advantage function
     filters out (std_threshold) leave the loss: their rows keep their place with an empty response_mask."""
@@ -408,8 +420,8 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         "response_mask": batch["response_mask"][rl],
         "group_index": batch["group_index"][rl].unique(return_inverse=True)[1],  # groups numbered 0..G-1
         "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
-        **{k: batch[k][rl] for k in ("stored_advantages", "has_stored_advantages") if k in batch},
-    }  # step_wise
+        **{k: batch[k][rl] for k in DISTILL_KEYS + ("stored_advantages", "has_stored_advantages") if k in batch},
+    }  # step_wise_grpo's stored advantages; the distillation advantage fns' log-probs
     sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
@@ -758,7 +770,7 @@ def train(cfg: configs.Config) -> int:
                 code = no_batch(p, step, done)
                 break
             # --- batch: built once; this rank's share as mini-batches of micro-batches
-            batch, plan = make_batch(p, exps)
+            batch, plan = make_batch(p, exps, step)
             # --- score: old and reference log-probs, values
             with timer(timing, "time/old_ref_logprobs"):
                 score_batch(p, batch, plan)

@@ -45,7 +45,7 @@ from safetensors import safe_open
 
 import wire
 from models import eos_ids, generation_config, load_tokenizer
-from sampling import Batcher, Completion, SamplingParams, check_request
+from sampling import Batcher, Completion, SamplingParams, check_request, check_scoring
 
 log = logging.getLogger("nanorft.vllm_engine")
 EXTENSION = "vllm_engine.WeightReceiver"
@@ -106,6 +106,26 @@ def completions(outputs: list[Any], version: int) -> list[Completion]:
     ]
 
 
+def scoring_params(vllm: Any, sequences: list[list[int]], temperature: float, max_model_len: int, **extra: Any) -> Any:
+    """vllm.SamplingParams of a scoring request (engines.HFEngine.score's meaning): the prompt's own log-probs
+    (prompt_logprobs=0: each token's, given those before it) and one sampled token, which is dropped. vLLM's
+    prompt_logprobs skip its sampling processors, temperature included, so it scores at 1.0 only; it skips reading
+    the prefix cache for them by itself. ValueError for what it cannot score. `extra`: more SamplingParams fields."""
+    check_scoring(sequences, temperature, max_model_len - 1, "max_model_len - 1: vLLM samples one token after it")
+    if temperature != 1.0:
+        raise ValueError(
+            f"scoring temperature {temperature:g}: vLLM's prompt log-probs are taken at temperature 1.0 (prompt tokens "
+            "skip its sampling processors); score at 1.0, or with the HF engine (engine_type: hf)"
+        )
+    return vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, **extra)
+
+
+def prompt_logprobs(out: Any, sequence: list[int]) -> list[float]:
+    """The log-probs of a scored sequence's tokens after the first (a RequestOutput's prompt_logprobs: None for the
+    first token, then {token id: Logprob} holding at least the token's own)."""
+    return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], sequence[1:])]
+
+
 def reset_prefix_cache(reset: Any, tries: int = 50) -> None:
     """reset() (an engine's reset_prefix_cache) until it returns True. NOTE: vLLM returns False, resetting nothing,
     while requests hold cached blocks; KV blocks of the old weights must not serve the new ones."""
@@ -140,6 +160,13 @@ class VLLMEngine:
         sps = [vllm_params(self.vllm, ids, p, self.max_model_len, self.penalty) for ids, p in zip(prompt_ids, params)]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
         return [completions(out.outputs, self.model_version) for out in outs]
+
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Each token's log-prob given those before it (engines.HFEngine.score), on the worker between batches."""
+        sp = scoring_params(self.vllm, sequences, temperature, self.max_model_len)
+        prompts = [{"prompt_token_ids": seq} for seq in sequences]
+        outs = self.batcher.call(lambda: self.llm.generate(prompts, sampling_params=sp, use_tqdm=False))
+        return [prompt_logprobs(out, seq) for out, seq in zip(outs, sequences)]
 
     def rpc(self, method: str, *args: Any) -> list:
         """A WeightReceiver method on every worker of this engine, between batches; the workers' results."""
@@ -202,6 +229,18 @@ class AsyncVLLMEngine:
             raise RuntimeError(f"vLLM returned samples {sorted(samples)} of a request for n={sp.n}")
         return completions([samples[i] for i in range(sp.n)], self.model_version)
 
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Each token's log-prob given those before it (engines.HFEngine.score): one request per sequence."""
+        sp = scoring_params(self.vllm, sequences, temperature, self.max_model_len, output_kind=self.final_only)
+        futures = [asyncio.run_coroutine_threadsafe(self._score(seq, sp), self.loop) for seq in sequences]
+        return [f.result() for f in futures]
+
+    async def _score(self, sequence: list[int], sp: Any) -> list[float]:
+        last = None
+        async for out in self.llm.generate({"prompt_token_ids": sequence}, sp, request_id=f"s{next(self.ids)}"):
+            last = out
+        return prompt_logprobs(last, sequence)
+
     def rpc(self, method: str, *args: Any) -> list:
         return self.call(self.llm.collective_rpc(method, args=args))
 
@@ -261,6 +300,16 @@ class EnginePool:
     def generate(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
         futures = [self.submit(ids, p) for ids, p in zip(prompt_ids, params)]
         return [f.result() for f in futures]
+
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Each token's log-prob given those before it (engines.HFEngine.score), on the least busy engine."""
+        with self.mutex:
+            i = min(range(len(self.engines)), key=self.in_flight.__getitem__)
+            self.in_flight[i] += 1
+        try:
+            return self.engines[i].score(sequences, temperature)
+        finally:
+            self._done(i)
 
     def all(self, fn: Any) -> list:
         """fn(engine) on every engine at once (threads); their results in engine order."""

@@ -16,8 +16,9 @@ This package imports nothing from the rest of the project: pure tensor functions
 
 A piece that needs more than the default batch keys says so in its Config: `NEEDS: ClassVar =
 ("values",)` makes the trainer build a critic (gae.py), ("ref_logprobs",) the reference model (dpo.py;
-a KL loss or penalty also does). `AGG: ClassVar = "seq-mean-token-mean"` marks a loss whose aggregation is
-fixed (gspo, dpo), so the trainer weighs micro-batches by sequences. The Preset's use_critic /
+a KL loss or penalty also does), ("old_logprobs",) old log-probs before the advantages (on_policy_distill.py,
+whose "teacher_logprobs" the explorer's workflow writes). `AGG: ClassVar = "seq-mean-token-mean"` marks a loss whose
+aggregation is fixed (gspo, dpo), so the trainer weighs micro-batches by sequences. The Preset's use_critic /
 use_reference document Trinity's table.
 
 Not registries (one function each, used by the trainer for every algorithm):
@@ -43,10 +44,14 @@ from algos import (
     grpo,
     gspo,
     importance_sampling,
+    jsd,
     kl,
     mix,
+    mix_chord,
+    on_policy_distill,
     opmd,
     ppo_loss,
+    raft,
     rec,
     reinforce,
     reinforceplusplus,
@@ -90,6 +95,12 @@ PRESETS: dict[str, Preset] = {
     "rec": Preset(2, "rec", "rec", "k2"),
     "multi_step_grpo": Preset(8, "step_wise_grpo", "ppo", "k2"),  # one experience per turn (step_wise)
     "mix": Preset(8, "grpo", "mix", "k2", entropy_loss_fn="mix", sample_strategy="mix"),
+    "mix_chord": Preset(8, "grpo", "mix_chord", "k2", entropy_loss_fn="mix", sample_strategy="mix"),  # CHORD
+    # RAFT: best-of-K by reward, then SFT (Trinity leaves repeat_times unset; best-of-K needs K > 1)
+    "raft": Preset(4, "raft", "sft", "none", entropy_loss_fn="none", use_reference=False),
+    # on-policy distillation: the teacher's log-probs come from the explorer (workflows/distill.py)
+    "on_policy_distill": Preset(8, "on_policy_distill", "ppo", "none", entropy_loss_fn="none", use_reference=False),
+    "jsd": Preset(8, "jsd", "ppo", "none", entropy_loss_fn="none", use_reference=False),
     "sft": Preset(1, "none", "sft", "none", entropy_loss_fn="none", use_reference=False, train_only=True, schema="sft"),
     "dpo": Preset(2, "none", "dpo", "k2", entropy_loss_fn="none", train_only=True, schema="dpo"),
 }
@@ -105,6 +116,9 @@ ADVANTAGE_FNS: dict[str, tuple[Callable, type]] = {
     "opmd": (opmd.advantage, opmd.AdvantageConfig),
     "asymre": (asymre.compute, asymre.Config),
     "rec": (rec.advantage, rec.AdvantageConfig),
+    "raft": (raft.compute, raft.Config),
+    "on_policy_distill": (on_policy_distill.compute, on_policy_distill.Config),
+    "jsd": (jsd.compute, jsd.Config),
 }
 
 # advantage fns computed in the explorer, over each task's whole group before it is written (batching.group_advantages);
@@ -128,6 +142,7 @@ POLICY_LOSS_FNS: dict[str, tuple[Callable, type]] = {
     "sft_phi": (sft_loss.compute_phi, sft_loss.PhiConfig),
     "dpo": (dpo.compute, dpo.Config),
     "mix": (mix.compute, mix.Config),
+    "mix_chord": (mix_chord.compute, mix_chord.Config),
 }
 
 KL_FNS: dict[str, tuple[Callable, type]] = {

@@ -25,6 +25,8 @@ Deviations from Trinity-RFT's MIXPolicyLossFn:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,6 +53,19 @@ def compute(
     logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config, loss_agg_mode: str
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Scalar MIX loss from logprobs [B,T] and batch old_logprobs / advantages / response_mask / expert_mask [B,T]."""
+    return mixed(logprobs, batch, cfg, (sft_loss.compute, sft_loss.Config()), cfg.mu, loss_agg_mode)
+
+
+def mixed(
+    logprobs: torch.Tensor,
+    batch: dict[str, torch.Tensor],
+    cfg: Config,
+    sft: tuple[Callable, Any],
+    mu: float,
+    loss_agg_mode: str,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(1 - mu) PPO(usual rows' tokens) + mu SFT(expert rows' tokens), `sft` = (an sft_loss function, its Config):
+    the MIX objective (mix_chord's too, with its mu and sft_phi)."""
     mask = batch["response_mask"].to(logprobs.dtype)  # [B,T]
     expert = batch["expert_mask"].to(logprobs.dtype)  # [B,T]
     ppo_cfg = ppo_loss.Config(
@@ -62,7 +77,8 @@ def compute(
     usual, um = ppo_loss.compute(
         logprobs, {**batch, "response_mask": mask * (1.0 - expert)}, ppo_cfg, loss_agg_mode
     )  # []
-    sft, sm = sft_loss.compute(logprobs, {"response_mask": mask * expert}, sft_loss.Config(), loss_agg_mode)  # []
-    loss = (1.0 - cfg.mu) * usual + cfg.mu * sft  # []
-    metrics = {f"usual/{k}": v for k, v in um.items()} | {f"expert/{k}": v for k, v in sm.items()} | {"mu": cfg.mu}
+    sft_fn, sft_cfg = sft
+    sft_value, sm = sft_fn(logprobs, {"response_mask": mask * expert}, sft_cfg, loss_agg_mode)  # []
+    loss = (1.0 - mu) * usual + mu * sft_value  # []
+    metrics = {f"usual/{k}": v for k, v in um.items()} | {f"expert/{k}": v for k, v in sm.items()} | {"mu": mu}
     return loss, metrics

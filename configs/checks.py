@@ -23,13 +23,17 @@ from pathlib import Path
 from typing import Any
 
 from algos import (
+    ADVANTAGE_FNS,
     asymre,
     cispo,
     dpo,
     gae,
     grpo,
+    jsd,
     kl,
     mix,
+    mix_chord,
+    on_policy_distill,
     opmd,
     ppo_loss,
     rec,
@@ -275,6 +279,18 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     ),
     (sample.Config, "expert_data_ratio"): FRACTION,
     (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
+    (on_policy_distill.Config, "kl_coef"): NON_NEGATIVE,
+    (jsd.Config, "kl_coef"): NON_NEGATIVE,
+    (jsd.Config, "lambda_coef"): FRACTION,
+    (jsd.Config, "temperature"): POSITIVE,
+    (mix_chord.Config, "mu_warmup_steps"): NON_NEGATIVE,
+    (mix_chord.Config, "mu_decay_steps"): NON_NEGATIVE,
+    (mix_chord.Config, "mu_peak"): FRACTION,
+    (mix_chord.Config, "mu_valley"): FRACTION,
+    (mix_chord.Config, "clip_range"): POSITIVE,
+    (mix_chord.Config, "clip_range_low"): NON_NEGATIVE,
+    (mix_chord.Config, "clip_range_high"): NON_NEGATIVE,
+    (mix_chord.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
 }
 
 # (where, field, applies(value, cfg, section), why): `where` is a schema class (the rule holds wherever the class
@@ -448,6 +464,13 @@ REFUSED: list[Rule] = [
         "FSDP2 keeps the optimizer state wherever the parameters are (its CPU offload moves both): "
         "set trainer.critic.param_offload: true as well",
     ),
+    (
+        AlgorithmConfig,
+        "advantage_fn",
+        lambda v, c, s: needs_teacher(v) and c.mode in ("both", "explore") and not c.explorer.auxiliary_models,
+        "its teacher log-probs come from a teacher scoring the student's tokens in the explorer: set the teacher in "
+        "explorer.auxiliary_models and buffer.default_workflow_type: on_policy_distill_workflow (workflows/distill.py)",
+    ),
     (ModelConfig, "lora_configs", lambda v, c, s: len(v) > 1, "one LoRA adapter at most (as in Trinity-RFT)"),
     (
         MonitorConfig,
@@ -462,6 +485,11 @@ REFUSED: list[Rule] = [
         "not a saved peft adapter (a folder with adapter_config.json and adapter_model.safetensors)",
     ),
 ]
+
+
+def needs_teacher(advantage_fn: str) -> bool:
+    """Whether the advantage fn reads teacher log-probs (its Config NEEDS them: on_policy_distill, jsd)."""
+    return advantage_fn in ADVANTAGE_FNS and "teacher_logprobs" in getattr(ADVANTAGE_FNS[advantage_fn][1], "NEEDS", ())
 
 
 def loopback(host: str) -> bool:

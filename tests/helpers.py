@@ -473,6 +473,51 @@ def plain_logprobs(model, tokens, prompt_length: int, temperature: float = 1.0):
     return logits[prompt_length - 1 : -1].log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # [R]
 
 
+def perturbed_copy(model_dir: str, out: Path, scale: float = 0.05) -> str:
+    """A copy of the model folder `model_dir` (tokenizer included) with `perturbed` weights: a teacher that differs
+    from the student a little."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    perturbed(model_dir, scale).save_pretrained(out)
+    return str(out)
+
+
+def sft_teacher(tiny_model_dir: str, out: Path, steps: int = 60, lr: float = 3e-3, rows: int = 16) -> str:
+    """A copy of the tiny model trained by plain SFT (full batches of the first `rows` embedded SFT demonstrations next
+    to it, `steps` AdamW steps): a teacher that puts its mass on the demonstrations' layout ("4 * 2 = 8\\n#### 8")."""
+    import json
+    import shutil
+
+    import torch
+
+    from models import load_model, load_tokenizer
+
+    shutil.copytree(tiny_model_dir, out)
+    tok, model = load_tokenizer(str(out)), load_model(str(out))
+    demos = []
+    for line in (Path(tiny_model_dir).parent / "arith" / "sft.jsonl").read_text().splitlines()[:rows]:
+        messages = json.loads(line)["messages"]
+        text = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+        prompt = tok.encode(text, add_special_tokens=False)
+        demos.append((prompt, tok.encode(messages[-1]["content"], add_special_tokens=False) + [tok.eos_token_id]))
+    width = max(len(p) + len(r) for p, r in demos)
+    ids = torch.full((len(demos), width), tok.pad_token_id)
+    labels = torch.full((len(demos), width), -100)
+    for b, (p, r) in enumerate(demos):
+        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
+        labels[b, len(p) : len(p) + len(r)] = torch.tensor(r)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.save_pretrained(out)
+    return str(out)
+
+
 def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
     """A copy of the tiny model trained (a few dozen steps, high lr) to answer every judge prompt with `reply`: an
     honest real model whose output parses as a grade."""

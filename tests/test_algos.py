@@ -209,10 +209,30 @@ POLICY_METRICS = {
     "sft_phi": {"sft_phi_loss"},
     "dpo": {"dpo_loss", "chosen_reward", "rejected_reward", "accuracy_mean", "reward_margin"},
     "mix": {"usual/pg_loss", "usual/pg_clipfrac", "usual/ppo_kl", "usual/pg_clipfrac_lower", "expert/sft_loss", "mu"},
+    "mix_chord": {
+        "usual/pg_loss",
+        "usual/pg_clipfrac",
+        "usual/ppo_kl",
+        "usual/pg_clipfrac_lower",
+        "expert/sft_phi_loss",
+        "mu",
+    },
 }
 # zero advantage -> zero gradient (default configs; mix: random_batch has no expert rows). Not: sft, sft_is,
 # sft_phi (no advantage), dpo (preference pairs, no advantage)
-NEEDS_ADVANTAGE = {"ppo", "gspo", "cispo", "sapo", "topr", "sppo", "rec", "opmd", "importance_sampling", "mix"}
+NEEDS_ADVANTAGE = {
+    "ppo",
+    "gspo",
+    "cispo",
+    "sapo",
+    "topr",
+    "sppo",
+    "rec",
+    "opmd",
+    "importance_sampling",
+    "mix",
+    "mix_chord",
+}
 ENTROPY_METRICS = {"default": {"entropy_loss"}, "none": set(), "mix": {"entropy_loss"}}
 POLICY_B = 4  # the policy-loss tests use 4 rows: dpo needs interleaved (chosen, rejected) pairs, B even
 
@@ -234,6 +254,10 @@ def random_batch(seed=0, B=3, T=5):
         # an explorer-side advantage fn's (step_wise_grpo), as batching.step_batch lays them out
         "stored_advantages": torch.randn(B, T, generator=g),
         "has_stored_advantages": torch.ones(B, dtype=torch.bool),
+        # a teacher's log-probs of the response tokens (on-policy distillation), as batching.step_batch lays them out
+        "teacher_logprobs": -torch.rand(B, T, generator=g) * 2,
+        "has_teacher_logprobs": torch.ones(B, dtype=torch.bool),
+        "step": torch.full((B,), 3),  # the train step (mix_chord's mu schedule)
     }
 
 
@@ -271,6 +295,9 @@ def test_registries_cover_expected_names():
         "asymre",
         "rec",
         "step_wise_grpo",
+        "raft",
+        "on_policy_distill",
+        "jsd",
     }
 
 

@@ -6,8 +6,21 @@ import math
 import pytest
 import torch
 
-from algos import ADVANTAGE_FNS, asymre, gae, grpo, opmd, reinforce, reinforceplusplus, rloo, step_wise_grpo
-from algos.utils import group_mean, masked_whiten
+from algos import (
+    ADVANTAGE_FNS,
+    asymre,
+    gae,
+    grpo,
+    jsd,
+    on_policy_distill,
+    opmd,
+    raft,
+    reinforce,
+    reinforceplusplus,
+    rloo,
+    step_wise_grpo,
+)
+from algos.utils import BatchError, group_mean, masked_whiten
 
 
 def group_batch(rewards, groups, T=3, mask=None):
@@ -231,6 +244,10 @@ def full_batch(mask, groups, seed=0):
         "episode_index": torch.arange(B),  # single-turn rows: each its own episode
         "stored_advantages": torch.randn(B, T, generator=g),  # an explorer-side fn's (step_wise_grpo)
         "has_stored_advantages": torch.ones(B, dtype=torch.bool),
+        # the student's and a teacher's log-probs (on-policy distillation), garbage on padding: must be masked
+        "old_logprobs": -torch.rand(B, T, generator=g) * 3,
+        "teacher_logprobs": torch.where(mask, -torch.rand(B, T, generator=g) * 3, torch.full((B, T), float("nan"))),
+        "has_teacher_logprobs": torch.ones(B, dtype=torch.bool),
     }
 
 
@@ -260,3 +277,115 @@ def test_advantage_zero_on_padding_and_finite(name, case):
         assert out["keep"].shape == (B,) and out["keep"].dtype == torch.bool
     assert all(math.isfinite(v) for v in metrics.values())
     assert set(metrics) == set(fn(full_batch(*EDGE_CASES["padded"], seed=1), cfg_cls())[1])  # same keys every call
+
+
+# --- on-policy distillation (on_policy_distill, jsd) and RAFT's selection
+
+
+def distill_batch(old, teacher, mask=None):
+    old, teacher = torch.tensor(old), torch.tensor(teacher)
+    return {
+        "old_logprobs": old,
+        "teacher_logprobs": teacher,
+        "has_teacher_logprobs": torch.ones(len(old), dtype=torch.bool),
+        "response_mask": torch.ones_like(old, dtype=torch.bool) if mask is None else torch.tensor(mask).bool(),
+    }
+
+
+def test_on_policy_distill_hand_computed():
+    # row 0: student [-0.5, -1.0, -0.2], teacher [-0.7, -0.4, -0.2] -> A = 2 x [-0.2, 0.6, 0.0]
+    # row 1: one valid token, student -2, teacher -1 -> A = 2 x 1; padding (garbage) -> 0
+    b = distill_batch(
+        [[-0.5, -1.0, -0.2], [-2.0, -9.0, 5.0]], [[-0.7, -0.4, -0.2], [-1.0, 7.0, -3.0]], [[1, 1, 1], [1, 0, 0]]
+    )
+    out, m = on_policy_distill.compute(b, on_policy_distill.Config(kl_coef=2.0))
+    assert torch.allclose(out["advantages"], torch.tensor([[-0.4, 1.2, 0.0], [2.0, 0.0, 0.0]]), atol=1e-6)
+    assert torch.equal(out["returns"], out["advantages"])
+    # sequence reverse-KL estimates sum_t (student - teacher): 0.2 - 0.6 + 0 = -0.4 ; -1.0 -> mean -0.7, std (unbiased)
+    assert m["kl/mean"] == pytest.approx(-0.7) and m["kl/std"] == pytest.approx(0.3 * math.sqrt(2), abs=1e-6)
+
+
+def test_distillation_refuses_rows_without_teacher_logprobs():
+    b = distill_batch([[-0.5, -1.0]], [[-0.7, -0.4]])
+    for fn, cfg in ((on_policy_distill.compute, on_policy_distill.Config()), (jsd.compute, jsd.Config())):
+        with pytest.raises(BatchError, match="1 of 1 have none: .*on_policy_distill_workflow"):
+            fn(b | {"has_teacher_logprobs": torch.tensor([False])}, cfg)
+        no_key = {k: v for k, v in b.items() if k != "teacher_logprobs"}
+        with pytest.raises(BatchError, match="needs teacher log-probs"):
+            fn(no_key, cfg)
+
+
+def test_jsd_hand_computed():
+    # one token: student p 0.2, teacher 0.6. beta 0.5: m = 0.4, j = 0.5 log(0.6/0.4) + 0.5 log(0.2/0.4) = -0.143841
+    b = distill_batch([[math.log(0.2)]], [[math.log(0.6)]])
+    out, m = jsd.compute(b, jsd.Config(estimator="trinity"))
+    assert out["advantages"].item() == pytest.approx(0.143841, abs=1e-6) and m["jsd/mean"] == pytest.approx(-0.143841)
+    out, m = jsd.compute(b, jsd.Config(kl_coef=2.0))  # the default, "gradient": 2 x (1 - 0.5) log(0.4 / 0.2)
+    assert out["advantages"].item() == pytest.approx(math.log(2), abs=1e-6) and m["jsd/mean"] == pytest.approx(
+        -0.143841
+    )
+    # beta 0 (Trinity: KL(student || teacher)): j = s - t = log(1/3), A = log 3 by either estimator
+    for est in ("trinity", "gradient"):
+        out, _ = jsd.compute(b, jsd.Config(lambda_coef=0.0, estimator=est))
+        assert out["advantages"].item() == pytest.approx(math.log(3), abs=1e-6)
+    # beta 1: Trinity's j = t - s, A = -log 3; the gradient estimator's forward-KL weight p_T / p_S = 3
+    assert jsd.compute(b, jsd.Config(lambda_coef=1.0, estimator="trinity"))[0]["advantages"].item() == pytest.approx(
+        -math.log(3)
+    )
+    assert jsd.compute(b, jsd.Config(lambda_coef=1.0))[0]["advantages"].item() == pytest.approx(3)
+    # temperature 2 divides both log-probs (Trinity's): beta 0 -> (t - s) / 2
+    assert jsd.compute(b, jsd.Config(lambda_coef=0.0, temperature=2.0))[0]["advantages"].item() == pytest.approx(
+        math.log(3) / 2, abs=1e-6
+    )
+    with pytest.raises(ValueError, match="estimator must be"):
+        jsd.compute(b, jsd.Config(estimator="exact"))
+
+
+def divergence_gradient(beta: float, student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """d D_beta / d student logits, exactly (autograd over the whole vocabulary): D_0 = KL(S||T), D_1 = KL(T||S), else
+    the generalised JSD with M = beta T + (1 - beta) S."""
+    z = student.clone().requires_grad_()
+    ls, lt = z.log_softmax(-1), teacher.log_softmax(-1)
+    if beta == 0.0:
+        d = (ls.exp() * (ls - lt)).sum()
+    elif beta == 1.0:
+        d = (lt.exp() * (lt - ls)).sum()
+    else:
+        lm = torch.logaddexp(ls + math.log(1 - beta), lt + math.log(beta))
+        d = beta * (lt.exp() * (lt - lm)).sum() + (1 - beta) * (ls.exp() * (ls - lm)).sum()
+    return torch.autograd.grad(d, z)[0]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_jsd_gradient_estimator_is_the_divergence_gradient_and_trinitys_is_not(beta):
+    """E_{y ~ S}[A(y) grad log S(y)] (the policy gradient the advantages give, summed exactly over a vocabulary of 6)
+    equals -grad D_beta for estimator "gradient"; Trinity's plug-in does not, with the opposite sign in places."""
+    g = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(6, generator=g), torch.randn(6, generator=g) * 2
+    ls, lt = student.log_softmax(-1), teacher.log_softmax(-1)
+    p = ls.exp()
+    expected = -divergence_gradient(beta, student, teacher)
+    pg = {}
+    for est in ("gradient", "trinity"):
+        out, _ = jsd.compute(distill_batch(ls[:, None].tolist(), lt[:, None].tolist()), jsd.Config(beta, estimator=est))
+        A = out["advantages"][:, 0]  # [V]: each token y as a one-token row
+        pg[est] = (p[:, None] * A[:, None] * (torch.eye(6) - p[None, :])).sum(0)  # sum_y p(y) A(y) grad_z log p(y)
+    assert torch.allclose(pg["gradient"], expected, atol=1e-6)
+    if beta not in (0.0,):  # at beta 0 both are the reverse KL's t - s
+        assert (pg["trinity"] * expected < 0).any()
+
+
+def test_raft_keeps_each_groups_first_best_response():
+    # group 0: rewards [0.1, 1.1, 1.1, -0.1] -> the first 1.1 ; group 1: a singleton ; group 2: [0.0, 0.5] -> 0.5
+    b = group_batch([0.1, 1.1, 1.1, -0.1, 0.3, 0.0, 0.5], [0, 0, 0, 0, 1, 2, 2], T=2)
+    b["response_mask"][6, 1] = 0
+    out, m = raft.compute(b, raft.Config())
+    assert out["keep"].tolist() == [False, True, False, False, True, False, True]
+    assert out["advantages"].tolist() == [[0, 0], [1, 1], [0, 0], [0, 0], [1, 1], [0, 0], [1, 0]]
+    assert m["kept_fraction"] == pytest.approx(3 / 7) and m["kept_reward_mean"] == pytest.approx((1.1 + 0.3 + 0.5) / 3)
+    # reward_threshold 0.4: group 1's best (0.3) is not good enough
+    out, m = raft.compute(b, raft.Config(reward_threshold=0.4))
+    assert out["keep"].tolist() == [False, True, False, False, False, False, True]
+    assert m["kept_reward_mean"] == pytest.approx(0.8) and m["reward_mean"] == pytest.approx(
+        3.0 / 7
+    )  # (0.1 + 1.1 + 1.1 - 0.1 + 0.3 + 0 + 0.5) / 7

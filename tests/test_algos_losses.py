@@ -17,6 +17,7 @@ from algos import (
     gspo,
     importance_sampling,
     mix,
+    mix_chord,
     opmd,
     ppo_loss,
     rec,
@@ -25,7 +26,7 @@ from algos import (
     sppo,
     topr,
 )
-from algos.utils import AGG_MODES, aggregate
+from algos.utils import AGG_MODES, BatchError, aggregate
 
 
 def batch_of(ratios, adv, mask=None):
@@ -364,6 +365,46 @@ def test_mix_reduces_to_ppo_and_to_sft(mode):
     assert loss.item() == pytest.approx(0.3 * ref.item(), abs=1e-6) and m["usual/pg_loss"] == 0.0
 
 
+def test_mix_chord_mu_schedule_hand_computed():
+    # W = 2 warm-up steps to 0.5, then a cosine over D = 4 steps to 0.1: 0.1 + 0.4 (1 + cos(pi k / 4)) / 2
+    cfg = mix_chord.Config(mu_warmup_steps=2, mu_decay_steps=4, mu_peak=0.5, mu_valley=0.1)
+    expected = [0.0, 0.25, 0.5, 0.1 + 0.2 * (1 + math.sqrt(0.5)), 0.3, 0.1 + 0.2 * (1 - math.sqrt(0.5)), 0.1, 0.1]
+    assert [mix_chord.mu_at(s, cfg) for s in range(8)] == pytest.approx(expected)
+    assert mix_chord.mu_at(5, mix_chord.Config()) == 0.1  # Trinity's defaults: a constant 0.1
+    assert mix_chord.mu_at(0, mix_chord.Config(mu_decay_steps=2, mu_peak=0.3, mu_valley=0.0)) == pytest.approx(0.3)
+
+
+def test_mix_chord_hand_computed():
+    lp, b = mix_inputs({1})
+    cfg = mix_chord.Config(mu_warmup_steps=2, mu_decay_steps=4, mu_peak=0.5, mu_valley=0.1)
+    loss, m = mix_chord.compute(lp, b | {"step": torch.full((2,), 4)}, cfg, "token-mean")  # mu(4) = 0.3
+    # RL row 0: r = 1.1, A = 1 -> PPO -1.1 ; expert row 1: p = (0.5, 0.2), phi = p (1 - p) = (0.25, 0.16),
+    # SFT_phi = mean(0.25 log 2, 0.16 log 5)
+    phi_sft = (0.25 * math.log(2) + 0.16 * math.log(5)) / 2
+    assert loss.item() == pytest.approx(0.7 * -1.1 + 0.3 * phi_sft, abs=1e-6)
+    assert m["mu"] == pytest.approx(0.3) and m["expert/sft_phi_loss"] == pytest.approx(phi_sft)
+    loss.backward()
+    # expert tokens: d/dlogp = -0.3 phi / 2 (phi is not differentiated); RL row 0: -(1 - mu) A r / 2 at r = 1.1
+    assert close(lp.grad, [[-0.7 * 1.1 / 2, -0.7 * 1.1 / 2], [-0.3 * 0.25 / 2, -0.3 * 0.16 / 2]])
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_mix_chord_without_phi_is_mix_at_its_mu(mode):
+    cfg = mix_chord.Config(mu_peak=0.4, mu_valley=0.4, enable_phi_function=False)
+    lp, b = mix_inputs({1})
+    loss, m = mix_chord.compute(lp, b | {"step": torch.full((2,), 9)}, cfg, mode)
+    ref, rm = mix.compute(lp, b, mix.Config(mu=0.4), mode)
+    assert loss.item() == pytest.approx(ref.item(), abs=1e-7) and m == rm
+
+
+def test_mix_chord_needs_one_step_per_batch():
+    lp, b = mix_inputs({1})
+    with pytest.raises(BatchError, match="needs batch\\['step'\\]"):
+        mix_chord.compute(lp, b, mix_chord.Config(), "token-mean")
+    with pytest.raises(BatchError, match="one value for the whole batch"):
+        mix_chord.compute(lp, b | {"step": torch.tensor([1, 2])}, mix_chord.Config(), "token-mean")
+
+
 def test_entropy_mix_skips_expert_rows():
     ent = torch.tensor([[1.0, 2.0], [30.0, 40.0]])
     b = {"response_mask": torch.ones(2, 2), "expert_mask": torch.tensor([[0.0, 0.0], [1.0, 1.0]])}
@@ -390,6 +431,7 @@ AT_RATIO_ONE = {
     "opmd": 0.5,
     "importance_sampling": 1.0,
     "mix": 0.9,
+    "mix_chord": 0.9,  # mu = mu_valley = 0.1 (no warm-up, no decay)
 }
 # Does not hold: sft, sft_is, sft_phi (ignore A: -w grad logp whatever A is), dpo (a preference loss over
 # (chosen, rejected) pairs against ref_logprobs, no advantage), rec with weight "advantage" (A exp(A/temp))
@@ -413,6 +455,7 @@ def test_at_ratio_one_gradient_is_reinforce(name, mode):
         "advantages": torch.randn(4, 5, generator=g),
         "response_mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 0]]),
         "expert_mask": torch.zeros(4, 5),
+        "step": torch.full((4,), 7),
     }
     fn, cfg_cls = POLICY_LOSS_FNS[name]
     lp = old.clone().requires_grad_()

@@ -59,6 +59,7 @@ def test_round_trip_every_field(db: ExperienceDB) -> None:
         action_mask=torch.tensor([True, False, True, True]),
         reward=0.75,
         advantages=torch.tensor([1.5, 1.5, -1.5, 1.5]),
+        teacher_logprobs=torch.tensor([-0.2, -1.0, -3.5, -0.01]),
         group_id="g-7",
         run_id=3,
         task_id="gsm8k/12",
@@ -84,22 +85,26 @@ def test_round_trip_every_field(db: ExperienceDB) -> None:
 
 
 def test_a_blob_of_an_older_buffer_py_with_fields_since_removed_reads(db: ExperienceDB) -> None:
-    """Experience lost token_level_reward, returns, teacher_logprobs, chosen and rejected (issue 26: never read); a
-    DB written before keeps them in its blobs, and reading it drops them."""
-    (i,) = db.write([make(0, reward=1.0)])
+    """Experience lost token_level_reward, returns, chosen and rejected (issue 26: never read); a DB written before
+    keeps them in its blobs, and reading it drops them. teacher_logprobs, removed then too, is back (on-policy
+    distillation): a blob of that time without it reads as None, one with it keeps it."""
+    i, j = db.write([make(0, reward=1.0), make(1, reward=0.0)])
     ((blob,),) = raw(db.url, "SELECT tensors FROM payloads WHERE id = ?", (i,))
     old = {
         **safetensors.torch.load(blob),
         "token_level_reward": torch.tensor([0.0, 0.0, 0.0, 1.0]),
         "returns": torch.ones(4),
-        "teacher_logprobs": torch.zeros(0),
         "chosen": torch.tensor([4, 5], dtype=torch.int32),
         "rejected": torch.tensor([6], dtype=torch.int32),
     }
     raw(db.url, "UPDATE payloads SET tensors = ? WHERE id = ?", (safetensors.torch.save(old), i))
-    (got,) = db.claim(1, step=0)
+    ((blob,),) = raw(db.url, "SELECT tensors FROM payloads WHERE id = ?", (j,))
+    with_teacher = {**safetensors.torch.load(blob), "teacher_logprobs": torch.full((4,), -0.25)}
+    raw(db.url, "UPDATE payloads SET tensors = ? WHERE id = ?", (safetensors.torch.save(with_teacher), j))
+    got, got_teacher = db.claim(2, step=0)
     assert_same(make(0, reward=1.0), got)
-    assert not hasattr(got, "returns") and not hasattr(got, "chosen")
+    assert not hasattr(got, "returns") and not hasattr(got, "chosen") and got.teacher_logprobs is None
+    assert_same(make(1, reward=0.0, teacher_logprobs=torch.full((4,), -0.25)), got_teacher)
 
 
 def test_blob_is_safetensors_and_meta_is_json(db: ExperienceDB) -> None:

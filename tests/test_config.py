@@ -868,6 +868,22 @@ def test_temperatures_below_the_floor_are_refused_when_the_config_loads(tmp_path
         assert stage.buffer.explorer_input.tasksets[0].rollout_args.temperature == float(fine)
 
 
+@pytest.mark.parametrize("algorithm", ["on_policy_distill", "jsd"])
+def test_a_distillation_preset_without_a_teacher_is_refused_where_an_explorer_runs(tmp_path, algorithm):
+    """Its advantages need teacher log-probs, which an auxiliary model writes in the explorer: mode both (or explore)
+    without explorer.auxiliary_models is refused by name; a trainer alone (mode train, reading a DB) is not."""
+    path = write(tmp_path, MINIMAL + f"algorithm: {{algorithm_type: {algorithm}}}\n")
+    with pytest.raises(ConfigError, match=rf"^algorithm.advantage_fn = '{algorithm}' is refused: .*auxiliary_models"):
+        resolve_stages(cli(["--config", path])[0])
+    (stage,) = resolve_stages(cli(["--config", path, "--mode", "train"])[0])
+    assert stage.algorithm.advantage_fn == algorithm and stage.algorithm.kl_loss_fn == "none"
+    taught = (
+        MINIMAL + f"algorithm: {{algorithm_type: {algorithm}}}\nexplorer: {{auxiliary_models: [{{model_path: t}}]}}\n"
+    )
+    (stage,) = resolve_stages(cli(["--config", write(tmp_path, taught, "t.yaml")])[0])
+    assert stage.explorer.auxiliary_models[0].model_path == "t"
+
+
 # --- bad input named (issue 13)
 
 

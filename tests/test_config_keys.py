@@ -337,6 +337,10 @@ REFUSAL_CASES = {
         {"trainer": {"critic": {"optimizer_offload": True}}},
         "trainer.critic.optimizer_offload = True is refused",
     ),
+    ("AlgorithmConfig", "advantage_fn"): (
+        {"algorithm": {"algorithm_type": "on_policy_distill"}},
+        "algorithm.advantage_fn = 'on_policy_distill' is refused: its teacher log-probs come from a teacher",
+    ),
     ("ModelConfig", "lora_configs"): (
         {"model": {"lora_configs": [{}, {"lora_rank": 8}]}},
         "model.lora_configs = [2 sections] is refused: one LoRA adapter at most",
@@ -683,6 +687,7 @@ BAD_WORKFLOW_ARGS = {
     "max_score": -1.0,
     "judge_retries": -1,
     "judge_max_tokens": 0,
+    "temperature": 0.0,
 }
 
 

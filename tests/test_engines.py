@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import batching
+import engines
 import source
 from configs.schema import InferenceModelConfig, ModelConfig
 from engines import Completion, EngineHandle, HFEngine, make_engine
@@ -298,6 +299,29 @@ def test_model_handle_chat_returns_consistent_experiences(engine):
         handle.chat(messages, max_new_tokens=4)
     with pytest.raises(TypeError, match="do_sample"):
         EngineHandle(engine, engine.tokenizer, {"do_sample": True})
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_score_is_each_tokens_logprob_given_those_before_it(engine, ref, temperature, monkeypatch):
+    """score(): a teacher's view of sequences of different lengths (right-padded into one pass, or several passes when
+    SCORE_ELEMENTS is small) is a plain forward pass over each alone; the handle's slice at prompt_length - 1 is the
+    response's log-probs, the ones sampling reported."""
+    handle = EngineHandle(engine, engine.tokenizer, {"temperature": temperature, "max_tokens": 10})
+    exps = handle.chat([{"role": "user", "content": "What is 2 + 3?"}], n=2, seed=3) + handle.generate(["hi"])[0]
+    for elements in (engines.SCORE_ELEMENTS, 1):  # one pass for all; one pass per sequence
+        monkeypatch.setattr(engines, "SCORE_ELEMENTS", elements)
+        scored = handle.score([x.tokens for x in exps], temperature=temperature)
+        for x, lp in zip(exps, scored):
+            assert lp.dtype == torch.float32 and lp.shape == (len(x.tokens) - 1,)
+            full = x.tokens.tolist()
+            assert torch.allclose(lp, ref_logprobs(ref, full[:1], full[1:], temperature), atol=1e-5)
+            assert torch.allclose(lp[x.prompt_length - 1 :], x.logprobs, atol=1e-4)  # what sampling reported
+    with pytest.raises(ValueError, match="no token to score"):
+        engine.score([[5]])
+    with pytest.raises(ValueError, match="longer than this engine scores: 2048 \\(its max_model_len\\)"):
+        engine.score([[5] * 2049])
+    with pytest.raises(ValueError, match="scoring temperature = 0"):
+        engine.score([[5, 6]], temperature=0)
 
 
 def _model_cfg(tiny_path: str, **kw) -> ModelConfig:

@@ -21,7 +21,7 @@ import train
 from algos import PRESETS
 from buffer import Experience, ExperienceDB
 from configs import cli, derive
-from helpers import ROOT, both_config, launch, run_train, write_yaml
+from helpers import ROOT, both_config, launch, perturbed_copy, run_train, sft_teacher, write_yaml
 from models import load_tokenizer
 from monitor import read_history
 from source import sft_experience
@@ -39,7 +39,7 @@ def finite(rows: list[dict]) -> None:
         assert not bad, bad
 
 
-def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.CompletedProcess:
+def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str) -> subprocess.CompletedProcess:
     data = Path(tiny_model_dir).parent / "arith"
     over = {
         "algorithm.algorithm_type": preset,
@@ -52,7 +52,7 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.C
         over["trainer.critic_warmup"] = 1  # step 1 trains the critic alone, step 2 both
     if preset == "grpo":  # with the adaptive KL coefficient
         over["algorithm.kl_loss_fn_args"] = {"kl_coef": 0.01, "adaptive": True, "target_kl": 0.001, "horizon": 100}
-    if preset == "mix":
+    if preset in ("mix", "mix_chord"):
         over["buffer.trainer_input.auxiliary_buffers"] = {
             "sft_dataset": {
                 "storage_type": "file",
@@ -61,6 +61,11 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str) -> subprocess.C
             }
         }
         over["algorithm.sample_strategy_args"] = {"expert_data_ratio": 0.5}
+    if preset == "mix_chord":  # mu: step 1 the peak (the decay's start), step 2 the valley
+        over["algorithm.policy_loss_fn_args"] = {"mu_warmup_steps": 1, "mu_decay_steps": 1, "mu_peak": 0.5}
+    if preset in ("on_policy_distill", "jsd"):  # the teacher scores the student's tokens in the explorer
+        over["buffer.default_workflow_type"] = "on_policy_distill_workflow"
+        over["explorer.auxiliary_models"] = [{"model_path": teacher, "engine_type": "hf"}]
     if preset == "multi_step_grpo":  # tool_workflow, one experience per turn
         tools = {
             "name": "arith_tools",
@@ -84,8 +89,10 @@ def preset_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[subprocess.
     """Every RL preset run once, two runs at a time: in mode both the explorer and trainer take turns, so
     one run keeps about one core busy (the machine has two)."""
     dirs = {p: tmp_path_factory.mktemp(p) for p in RL_PRESETS}
+    teacher = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("teacher") / "teacher", scale=0.05)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        outs = dict(zip(RL_PRESETS, pool.map(lambda p: run_preset(p, dirs[p], tiny_model_dir), RL_PRESETS)))
+        runs = pool.map(lambda p: run_preset(p, dirs[p], tiny_model_dir, teacher), RL_PRESETS)
+        outs = dict(zip(RL_PRESETS, runs))
     return {p: (outs[p], dirs[p]) for p in RL_PRESETS}
 
 
@@ -97,9 +104,13 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
     rows = history(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
     finite(rows)
-    loss_key = {"mix": "actor/usual/pg_loss", "opmd": "actor/opmd_loss", "asymre": "actor/opmd_loss"}.get(
-        preset, "actor/pg_loss"
-    )
+    loss_key = {
+        "mix": "actor/usual/pg_loss",
+        "mix_chord": "actor/usual/pg_loss",
+        "opmd": "actor/opmd_loss",
+        "asymre": "actor/opmd_loss",
+        "raft": "actor/sft_loss",
+    }.get(preset, "actor/pg_loss")
     assert loss_key in rows[1], sorted(rows[1])
     # the actor took a step, unless every group's rewards tied (presets without an entropy bonus, e.g. sppo)
     assert rows[1]["actor/grad_norm"] > 0 or rows[1]["critic/advantages/max"] == rows[1]["critic/advantages/min"] == 0
@@ -113,9 +124,18 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
     if preset == "grpo":  # step 1: the policy is the reference, KL 0 -> error -0.2 -> beta x (1 - 0.2 x 4 / 100)
         assert rows[0]["actor/kl_coef"] == pytest.approx(0.01 * (1 - 0.2 * 4 / 100))
         assert rows[1]["actor/kl_coef"] != rows[0]["actor/kl_coef"]
-    if preset == "mix":  # 2 tasks x 2 rollouts of RL, plus as many expert rows (ratio 0.5)
+    if preset in ("mix", "mix_chord"):  # 2 tasks x 2 rollouts of RL, plus as many expert rows (ratio 0.5)
         assert rows[1]["sample/expert_count"] == 4 and rows[1]["batch/size"] == 8
-        assert "actor/expert/sft_loss" in rows[1]
+        assert "actor/expert/sft_loss" in rows[1] if preset == "mix" else "actor/expert/sft_phi_loss" in rows[1]
+    if preset == "mix_chord":
+        assert [r["actor/mu"] for r in rows] == pytest.approx([0.5, 0.1])
+    if preset == "raft":  # the better of each task's 2 responses (the first on a tie): half the rows
+        assert all(r["critic/kept_fraction"] == 0.5 for r in rows) and "reference model: False" in out.stderr
+    if preset in ("on_policy_distill", "jsd"):  # the perturbed teacher's log-probs differ from the student's
+        key = "critic/kl/mean" if preset == "on_policy_distill" else "critic/jsd/mean"
+        assert all(r[key] != 0 for r in rows) and rows[1]["actor/grad_norm"] > 0
+        explored = read_history(tmp_path / "ck" / "p" / "run" / "monitor" / "explorer.jsonl")
+        assert any("rollout/kl_per_token/mean" in r for r in explored)
 
 
 def offline_config(tmp_path: Path, tiny_model_dir: str, algorithm: str, path: Path, fmt: dict, **over) -> Path:
@@ -460,3 +480,38 @@ def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
     for role in ("actor", "critic"):
         diff = max((final[2][role][k] - final[0][role][k]).abs().max().item() for k in final[0][role])
         assert diff < moved / 100, (role, diff, moved)
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_moves_the_student_to_its_teacher(tmp_path, tiny_model_dir):
+    """on_policy_distill in mode both: the untrained tiny model (the student) samples, a teacher (a copy SFT-trained
+    for 20 steps on 16 demonstrations: it puts its mass on the answers' layout) scores the student's tokens in the
+    explorer, and the trainer follows the per-token reverse-KL signal. Over 12 steps the student's per-token KL to
+    the teacher on its own samples (rollout/kl_per_token: mean of student - teacher log-prob) falls to less than half
+    of the first steps' (measured: 3.8 -> 0.2, docs/LOG.md), and the teacher's log-likelihood of the student's tokens
+    rises."""
+    teacher = sft_teacher(tiny_model_dir, tmp_path / "teacher", steps=20)
+    over = {
+        "algorithm.algorithm_type": "on_policy_distill",
+        "algorithm.repeat_times": 4,
+        "algorithm.optimizer.lr": 5e-3,
+        "buffer.batch_size": 4,
+        "buffer.total_steps": 12,
+        "buffer.default_workflow_type": "on_policy_distill_workflow",
+        "explorer.auxiliary_models": [{"model_path": teacher, "engine_type": "hf"}],
+        "explorer.eval_interval": 100,
+        "explorer.eval_on_startup": False,
+        "model.max_response_tokens": 16,
+    }
+    out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+    assert out.returncode == 0, out.stderr[-3000:]
+    explored = read_history(tmp_path / "ck" / "p" / "run" / "monitor" / "explorer.jsonl")
+    kl = [r["rollout/kl_per_token/mean"] for r in explored if "rollout/kl_per_token/mean" in r]
+    teacher_lp = [r["rollout/teacher_logprob/mean"] for r in explored if "rollout/teacher_logprob/mean" in r]
+    assert len(kl) == 12
+    print("per-token KL by step:", [round(k, 3) for k in kl])
+    assert kl[0] > 1.0  # the untrained student is far from its teacher
+    assert sum(kl[-2:]) / 2 < 0.5 * sum(kl[:2]) / 2
+    assert sum(teacher_lp[-2:]) / 2 > sum(teacher_lp[:2]) / 2 + 1.0  # nats per token
+    rows = history(tmp_path)
+    assert rows[-1]["critic/kl/mean"] < 0.5 * rows[0]["critic/kl/mean"]  # the trainer's view: sum_t (old - teacher)

@@ -105,7 +105,7 @@ def plans(spec: list, mini_batch_size: int, world: int, paired: bool = False) ->
         p = types.SimpleNamespace(
             cfg=cfg, temperatures={}, share=True, source=types.SimpleNamespace(paired=paired), rank=rank, world=world
         )
-        out.append([sorted(i for micro in mini for u in micro for i in u) for mini in train.make_batch(p, exps)[1]])
+        out.append([sorted(i for micro in mini for u in micro for i in u) for mini in train.make_batch(p, exps, 1)[1]])
     return out
 
 

@@ -118,6 +118,25 @@ def test_n_samples_each_with_the_trainers_logprobs(backend, kind, temperature, t
         assert gap(ref, prompt, samples, temperature) < 1e-4
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_score_gives_each_tokens_logprob_at_temperature_one(backend, kind, tiny_model_dir):
+    """score() (prompt_logprobs; a teacher scoring a student's tokens): each token's log-prob given those before it,
+    the trainer's at temperature 1 within 1e-4 in fp32, for sequences of different lengths; sampled with top-p and a
+    repetition penalty, a sample's scores are still the raw ones (prompt tokens skip vLLM's processors), and any other
+    temperature, or a sequence with no room for the one token vLLM samples after it, is refused by name."""
+    pool, ref, ids = backend.pool(kind), load_model(tiny_model_dir), prompts(tiny_model_dir)
+    (samples,) = pool.generate(ids[:1], [SamplingParams(n=2, temperature=0.6, top_p=0.5, max_tokens=8, seed=2)])
+    sequences = [ids[1], *(ids[0] + c.token_ids for c in samples)]
+    for seq, lp in zip(sequences, pool.score(sequences)):
+        assert len(lp) == len(seq) - 1
+        want = plain_logprobs(ref, seq, 1)  # every token after the first
+        torch.testing.assert_close(torch.tensor(lp), want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="vLLM's prompt log-probs are taken at temperature 1.0"):
+        pool.score(sequences, temperature=0.7)
+    with pytest.raises(ValueError, match="longer than this engine scores: 255 \\(max_model_len - 1"):
+        pool.score([[5] * 256])
+
+
 def test_top_p_logprobs_are_renormalised_over_the_nucleus(backend, tiny_model_dir):
     """processed_logprobs: after top-p the log-probs are those of the renormalised nucleus, not the trainer's (why
     configs/checks.py refuses the off-policy correction with top-p on vLLM)."""

@@ -696,3 +696,46 @@ def test_the_judge_reads_the_question_of_a_messages_taskset():
     ]
     build_workflow(math_task("llm_judge_workflow", "", repeat_times=1, prompt=None, messages=messages), model).run()
     assert "Question: And 6 x 7?\n" in model.auxiliary["judge"].calls[0]["prompts"][0]
+
+
+# --- an auxiliary model as a teacher (on-policy distillation)
+
+
+class Teacher(FakeModel):
+    """A teacher whose log-prob of token k of any sequence is -0.1 k; records each score() call."""
+
+    def score(self, sequences, temperature=1.0):
+        self.calls.append({"sequences": [list(map(int, s)) for s in sequences], "temperature": temperature})
+        return [-0.1 * torch.arange(1, len(s), dtype=torch.float32) for s in sequences]
+
+
+def test_on_policy_distill_workflow_stores_the_teachers_logprobs_of_each_response():
+    """The group's responses (tokens 0..9, prompt 6, student log-probs 0) scored in one call: the teacher's log-probs of
+    tokens 6..9 are -0.6..-0.9; kl_divergence = sum(0 - teacher) = 3.0 per response, 0.75 per token. With a reward
+    function its components are the reward (logged); without one the reward is 0. Eval tasks are not scored."""
+    model = FakeModel(["#### 42", "#### 41"])
+    model.auxiliary = {"teacher-7b": Teacher([])}
+    task = math_task("on_policy_distill_workflow", "math_reward", repeat_times=2, workflow_args={"temperature": 0.5})
+    exps = build_workflow(task, model).run()
+    (call,) = model.auxiliary["teacher-7b"].calls
+    assert call == {"sequences": [list(range(10))] * 2, "temperature": 0.5}
+    for exp, reward in zip(exps, [1.1, 0.1]):
+        assert torch.allclose(exp.teacher_logprobs, torch.tensor([-0.6, -0.7, -0.8, -0.9]))
+        assert exp.reward == pytest.approx(reward) and exp.metrics["accuracy"] in (0.0, 1.0)
+        assert exp.metrics["kl_divergence"] == pytest.approx(3.0) and exp.metrics["kl_per_token"] == pytest.approx(0.75)
+        assert exp.metrics["teacher_logprob"] == pytest.approx(-0.75)
+    (exp,) = build_workflow(math_task("on_policy_distill_workflow", "", repeat_times=1), model).run()
+    assert exp.reward == 0.0 and exp.teacher_logprobs is not None and "accuracy" not in exp.metrics
+    (exp,) = build_workflow(math_task("on_policy_distill_workflow", "", repeat_times=1, is_eval=True), model).run()
+    assert exp.teacher_logprobs is None and len(model.auxiliary["teacher-7b"].calls) == 2
+
+
+def test_on_policy_distill_workflow_names_a_missing_or_unknown_teacher():
+    model = FakeModel(["#### 42"])
+    model.auxiliary = {}
+    with pytest.raises(ValueError, match="needs a teacher in explorer.auxiliary_models"):
+        build_workflow(math_task("on_policy_distill_workflow", "", repeat_times=1), model).run()
+    model.auxiliary = {"teacher-7b": Teacher([])}
+    task = math_task("on_policy_distill_workflow", "", repeat_times=1, workflow_args={"teacher": "teacher-70b"})
+    with pytest.raises(ValueError, match="no auxiliary model 'teacher-70b'; there are \\['teacher-7b'\\]"):
+        build_workflow(task, model).run()

@@ -26,7 +26,8 @@ mask on the model's own tokens); `tool_workflow` (workflows/tool_use.py) runs to
 
 Departures from Trinity: no async twins, no `can_reset` / `can_repeat` flags (single-turn workflows ask for all
 `repeat_times` responses in one `chat(n=...)` call). Auxiliary models (`explorer.auxiliary_models`, e.g. a
-judge: workflows/judge.py) are `self.auxiliary_models[name]`, handles like `self.model`.
+judge: workflows/judge.py, a teacher: workflows/distill.py) are `self.auxiliary_models[name]`, handles like
+`self.model`.
 """
 
 from __future__ import annotations
@@ -87,6 +88,11 @@ class ModelHandle(Protocol):
     def replies(self, conversations: list[list[dict]], **sampling: Any) -> list[str]:
         """One reply's text per conversation, sampled together: what a judge asks of an auxiliary model (an
         external endpoint's handle, engines.ExternalHandle, offers this only)."""
+        ...
+
+    def score(self, sequences: list, temperature: float = 1.0) -> list:
+        """Each token's log-prob given those before it, [L - 1] float32 tensors per sequence of L token ids (a teacher
+        scoring a student's tokens: workflows/distill.py)."""
         ...
 
 
@@ -169,6 +175,7 @@ def apply_reward(exp: Experience, components: dict[str, float]) -> Experience:
 # NOTE: imported here, below the base class, because each workflow file subclasses `Workflow`
 # from this module (a circular import that works only in this order).
 from workflows.countdown import CountdownWorkflow, countdown_reward  # noqa: E402
+from workflows.distill import DistillWorkflow  # noqa: E402
 from workflows.judge import JudgeWorkflow  # noqa: E402
 from workflows.math import MathWorkflow, accuracy_reward, format_reward, math_reward, random_reward  # noqa: E402
 from workflows.simple import SimpleWorkflow  # noqa: E402
@@ -181,6 +188,7 @@ WORKFLOWS: dict[str, type[Workflow]] = {
     "countdown": CountdownWorkflow,  # the name TinyZero users know
     "tool_workflow": ToolWorkflow,  # multi-turn, with tools (workflows/tool_use.py)
     "llm_judge_workflow": JudgeWorkflow,  # graded by an auxiliary model (workflows/judge.py)
+    "on_policy_distill_workflow": DistillWorkflow,  # a teacher (an auxiliary model) scores the student's tokens
 }
 
 REWARD_FNS: dict[str, RewardFn] = {

@@ -6,7 +6,7 @@ each behaviour below runs on both: `LLM(**engine args)` with `generate`, `collec
 `generate(prompt, sampling_params, request_id)` (an async generator whose last output is the finished request), async
 `collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`, and `shutdown`; `SamplingParams` and
 `sampling_params.RequestOutputKind`; outputs with `.outputs[i].index / .token_ids / .logprobs ({token: Logprob}) /
-.text / .finish_reason`; the worker's `reload_weights(weights_iterator=...)`.
+.text / .finish_reason` and `.prompt_logprobs`; the worker's `reload_weights(weights_iterator=...)`.
 
 What it models, so that the adapter's use of it is checked:
 - engine arguments: only vLLM's names are accepted (a TypeError otherwise); logprobs_mode must be one of vLLM's;
@@ -16,6 +16,8 @@ What it models, so that the adapter's use of it is checked:
   Exception naming it (vLLM's "Call to collective_rpc method failed: Worker failed with error ...");
 - weights go in through the worker's reload_weights (vLLM's in-place reload); the model's own load_weights outside
   a reload fails, as on vLLM's CPU build (its weights are repacked after loading);
+- prompt_logprobs (a request's SamplingParams.prompt_logprobs): each prompt token's raw log-prob given those before
+  it, None for the first, not processed (no temperature, penalty or filtering), as vLLM's;
 - "processed_logprobs": log-probs after the repetition penalty (on the prompt's and the response's tokens), the
   EOS masking of min_tokens, temperature, top-k and top-p (the filtered distribution renormalised);
 - stopping (generation_config "auto", vLLM's default): a sample ends on the tokenizer's EOS or any eos_token_id of
@@ -78,6 +80,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 @dataclasses.dataclass
@@ -224,10 +227,11 @@ class LLM:
             model = self.workers[0].model_runner.model.hf
             gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self.rng
             outs = [self._sample(model, prompt, sp, gen, i) for i in range(sp.n)]
+            scored = None if sp.prompt_logprobs is None else prompt_logprobs(model, prompt, sp.prompt_logprobs)
         finally:
             with self.lock:
                 self.running -= 1
-        return RequestOutput(request_id, list(prompt), outs, finished=True)
+        return RequestOutput(request_id, list(prompt), outs, finished=True, prompt_logprobs=scored)
 
     def _sample(
         self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator, index: int
@@ -287,6 +291,19 @@ class LLM:
             raise ValueError(f"wake_up tags {sorted(unknown)}: vLLM's are {SLEEP_TAGS}")
         for w in self.workers:
             w.sleeping.difference_update(tags or SLEEP_TAGS)
+
+
+def prompt_logprobs(model: torch.nn.Module, prompt: list[int], top: int) -> list[dict[int, Logprob] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then each token's log-prob given those before it, with the
+    `top` most likely tokens too; raw log_softmax of the logits (prompt tokens skip the sampling processors:
+    temperature, penalties, top-k / top-p do not apply)."""
+    with torch.no_grad():
+        logp = model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)  # [L-1,V]
+    out: list[dict[int, Logprob] | None] = [None]
+    for t, row in zip(prompt[1:], logp):
+        best = row.topk(top).indices.tolist() if top > 0 else []
+        out.append({k: Logprob(float(row[k])) for k in (t, *best)})
+    return out
 
 
 def processed(logits: torch.Tensor, sp: SamplingParams, seen: list[int], masked: Any = ()) -> torch.Tensor:

@@ -24,5 +24,6 @@ class SamplingParams:
     stop: list[str] | None = None
     seed: int | None = None
     logprobs: int | None = None  # 0: the sampled token's log-prob only
+    prompt_logprobs: int | None = None  # 0: each prompt token's own log-prob (at temperature 1, unprocessed)
     repetition_penalty: float = 1.0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
