@@ -521,16 +521,10 @@ def sft_teacher(tiny_model_dir: str, out: Path, steps: int = 60, lr: float = 3e-
 def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
     """A copy of the tiny model trained (a few dozen steps, high lr) to answer every judge prompt with `reply`: an
     honest real model whose output parses as a grade."""
-    import shutil
-
-    import torch
-
-    from models import load_model, load_tokenizer
+    from models import load_tokenizer
     from workflows.judge import PROMPT as JUDGE_PROMPT
 
-    shutil.copytree(tiny_model_dir, out)
-    tok, model = load_tokenizer(str(out)), load_model(str(out))
-    rows = []
+    tok, rows = load_tokenizer(tiny_model_dir), []
     for k in range(8):
         text = JUDGE_PROMPT.format(
             question=f"What is {k} + {k + 3}?",
@@ -543,21 +537,7 @@ def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", step
             add_special_tokens=False,
         )
         rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
-    width = max(len(p) + len(r) for p, r in rows)
-    ids = torch.full((len(rows), width), tok.pad_token_id)
-    labels = torch.full((len(rows), width), -100)
-    for b, (p, r) in enumerate(rows):
-        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        labels[b, len(p) : len(p) + len(r)] = torch.tensor(r)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    return str(out)
+    return trained_to_reply(tiny_model_dir, out, rows, steps)
 
 
 def trained_to_reply(tiny_model_dir: str, out: Path, rows: list[tuple[list[int], list[int]]], steps: int = 80) -> str:
