@@ -487,35 +487,16 @@ def sft_teacher(tiny_model_dir: str, out: Path, steps: int = 60, lr: float = 3e-
     """A copy of the tiny model trained by plain SFT (full batches of the first `rows` embedded SFT demonstrations next
     to it, `steps` AdamW steps): a teacher that puts its mass on the demonstrations' layout ("4 * 2 = 8\\n#### 8")."""
     import json
-    import shutil
 
-    import torch
+    from models import load_tokenizer
 
-    from models import load_model, load_tokenizer
-
-    shutil.copytree(tiny_model_dir, out)
-    tok, model = load_tokenizer(str(out)), load_model(str(out))
-    demos = []
+    tok, demos = load_tokenizer(tiny_model_dir), []
     for line in (Path(tiny_model_dir).parent / "arith" / "sft.jsonl").read_text().splitlines()[:rows]:
         messages = json.loads(line)["messages"]
         text = tok.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
         prompt = tok.encode(text, add_special_tokens=False)
         demos.append((prompt, tok.encode(messages[-1]["content"], add_special_tokens=False) + [tok.eos_token_id]))
-    width = max(len(p) + len(r) for p, r in demos)
-    ids = torch.full((len(demos), width), tok.pad_token_id)
-    labels = torch.full((len(demos), width), -100)
-    for b, (p, r) in enumerate(demos):
-        ids[b, : len(p) + len(r)] = torch.tensor(p + r)
-        labels[b, len(p) : len(p) + len(r)] = torch.tensor(r)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    return str(out)
+    return trained_to_reply(tiny_model_dir, out, demos, steps, lr)
 
 
 def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
@@ -540,7 +521,9 @@ def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", step
     return trained_to_reply(tiny_model_dir, out, rows, steps)
 
 
-def trained_to_reply(tiny_model_dir: str, out: Path, rows: list[tuple[list[int], list[int]]], steps: int = 80) -> str:
+def trained_to_reply(
+    tiny_model_dir: str, out: Path, rows: list[tuple[list[int], list[int]]], steps: int = 80, lr: float = 3e-3
+) -> str:
     """A copy of the tiny model trained (high lr) to continue each (context ids, reply ids) row with its reply, and
     with 2048 positions (its config's max_position_embeddings: RoPE has no weights for it) for long chat templates:
     an honest real model that writes what a test needs (a tool call in a family's format, then the answer)."""
@@ -562,7 +545,7 @@ def trained_to_reply(tiny_model_dir: str, out: Path, rows: list[tuple[list[int],
         ids[b, : len(p) + len(r)] = torch.tensor(p + r)
         labels[b, len(p) : len(p) + len(r)] = torch.tensor(r)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     # NOTE: one thread: on 2 busy cores, two made a step of this tiny model ~10x the CPU time (0.5 s against 0.05 s
     # at 2 x 128 tokens), spinning
     threads = torch.get_num_threads()
