@@ -386,12 +386,15 @@ def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tin
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", VersionEngine(), colocate)
-    publish = [threading.Timer(0.3 * k, lambda k=k: sync.publish_hf(model, tok, tmp_path, step=k)) for k in (1, 2)]
-    for t in publish:
-        t.start()
+    def trainer() -> None:  # one after the other, as a trainer publishes (two threads could finish 2 before 1)
+        for k in (1, 2):
+            time.sleep(0.3)
+            sync.publish_hf(model, tok, tmp_path, step=k)
+
+    publisher = threading.Thread(target=trainer)
+    publisher.start()
     assert x.sync.resume(x.step) is None
-    for t in publish:
-        t.join()
+    publisher.join()
     assert x.engine.model_version == 2
     assert x.engine.loaded == (["sleep", (2, "folder"), "wake_up"] if colocate else [(2, "folder")])
     x.engine = x.sync.engine = VersionEngine(2)  # already there: nothing to wait for or load
