@@ -386,6 +386,7 @@ def test_a_restarted_explorer_waits_for_the_weights_its_step_needs(tmp_path, tin
 
     model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
     x = restarted(tmp_path, f"sqlite:///{tmp_path}/exp.db", 2, "checkpoint", VersionEngine(), colocate)
+
     def trainer() -> None:  # one after the other, as a trainer publishes (two threads could finish 2 before 1)
         for k in (1, 2):
             time.sleep(0.3)
