@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The dependency floors of pyproject.toml, exercised: a second virtual environment with the lowest version each
 # floor allows (`pip install --resolution lowest-direct`-style, by hand: pip has no such flag), then the tests that
-# touch those libraries. Run by .ci/run after the README's test command; about 5 minutes.
+# touch those libraries, one pytest-xdist worker per core. Run by .ci/run after the README's test command.
 #   bash scripts/check_floors.sh [PYTEST ARGS]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +22,7 @@ FLOORS=(
 "$PY" -m pip install -q --disable-pip-version-check --no-deps -e .
 "$PY" -m pip check
 "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy|fastapi|uvicorn|openai|pydantic|mlflow-skinny|protobuf|psycopg|psycopg-binary|peft) "
-exec "$PY" -m pytest -q -p no:cacheprovider tests/test_config.py tests/test_config_keys.py tests/test_workflows.py \
-  tests/test_engines.py tests/test_tasksets.py tests/test_train.py tests/test_monitor.py tests/test_launch.py \
-  tests/test_openai_api.py tests/test_buffer_db.py tests/test_lora.py -x "$@"
+exec "$PY" -m pytest -q -p no:cacheprovider -n auto --dist worksteal \
+  tests/test_config.py tests/test_config_keys.py tests/test_workflows.py tests/test_engines.py tests/test_tasksets.py \
+  tests/test_train.py tests/test_monitor.py tests/test_launch.py tests/test_openai_api.py tests/test_buffer_db.py \
+  tests/test_lora.py -x "$@"
