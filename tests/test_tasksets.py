@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import datasets
+import huggingface_hub
 import pytest
 
 from configs import derive, from_dict
@@ -102,6 +103,11 @@ def test_missing_column_names_file_row_and_key(tmp_path):
 def test_hub_name_offline_says_what_was_tried(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    # NOTE: both libraries read the variable once, when imported (above): without these the hub is tried, and its
+    # retries wait ~20 s for a network that is not there
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     t0 = time.time()
     with pytest.raises(DataError, match=r"'no-such-org/no-such-set' is not a local file or folder.*hub.*subset 'main'"):
         read_rows("no-such-org/no-such-set", "main", "train")
