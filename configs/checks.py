@@ -765,8 +765,9 @@ def _matches(where: type | str, obj: Any, section: str) -> bool:
 
 def check_support(cfg: Config) -> None:
     """REFUSED values fail; WARNED values are logged (once per process that derives the config)."""
+    refused, warned = _by_field(REFUSED), _by_field(WARNED)  # NOTE: each field meets its own rules only, in order
     for path, obj, name, value, section in walk(cfg):
-        for where, field, applies, why in REFUSED:
+        for where, field, applies, why in refused.get(name, ()):
             if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 text = (
                     f"[{len(value)} sections]"
@@ -774,9 +775,16 @@ def check_support(cfg: Config) -> None:
                     else shown_value(path, value)
                 )
                 raise ConfigError(f"{path} = {text} is refused: {why}")
-        for where, field, applies, why in WARNED:
+        for where, field, applies, why in warned.get(name, ()):
             if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 _warn_once(f"config: {path} = {shown_value(path, value)}: {why}")
+
+
+def _by_field(rules: list[Rule]) -> dict[str, list[Rule]]:
+    out: dict[str, list[Rule]] = {}
+    for rule in rules:
+        out.setdefault(rule[1], []).append(rule)
+    return out
 
 
 _WARNED_ALREADY: set[str] = set()

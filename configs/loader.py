@@ -23,6 +23,7 @@ import argparse
 import copy
 import dataclasses
 import difflib
+import functools
 import logging
 import re
 import types
@@ -62,8 +63,8 @@ class _Duplicate(Exception):
     """A key written twice in one YAML mapping (key, its line, the line of the first)."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a key written twice in one mapping (plain PyYAML keeps the last silently).
+class _UniqueKeys:
+    """A YAML loader that refuses a key written twice in one mapping (plain PyYAML keeps the last silently).
     Keys brought in by a merge (`<<: *anchor`) may be overridden, as YAML allows."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
@@ -71,14 +72,32 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             if key_node.tag == "tag:yaml.org,2002:merge":
                 continue
-            key = self.construct_object(key_node, deep=False)
+            key = self.construct_object(key_node, deep=False)  # type: ignore[attr-defined]
             try:
                 first = seen.setdefault(key, key_node.start_mark.line + 1)
             except TypeError:  # an unhashable key: SafeLoader's own error names it
                 continue
             if first != key_node.start_mark.line + 1:
                 raise _Duplicate(key, key_node.start_mark.line + 1, first)
-        return super().construct_mapping(node, deep=deep)
+        return super().construct_mapping(node, deep=deep)  # type: ignore[misc]
+
+
+class _UniqueKeyLoader(_UniqueKeys, yaml.SafeLoader):
+    """yaml.SafeLoader with _UniqueKeys."""
+
+
+class _CUniqueKeyLoader(_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """_UniqueKeyLoader on libyaml's parser (PyYAML's own, where it was built without it): the same constructor and
+    resolver, ~5x faster."""
+
+
+def load_yaml(text: str) -> Any:
+    """yaml.load with _UniqueKeyLoader. NOTE: libyaml's parser first, and what it refuses again with PyYAML's: an
+    error (or a document only PyYAML reads) is PyYAML's, as it always was."""
+    try:
+        return yaml.load(text, Loader=_CUniqueKeyLoader)  # NOTE: SafeLoaders: no Python objects built
+    except (yaml.YAMLError, _Duplicate, UnicodeError):
+        return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -94,7 +113,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except OSError as e:  # a directory, no permission, ...
         raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # NOTE: a SafeLoader: no Python objects built
+        raw = load_yaml(text) or {}
     except _Duplicate as e:
         key, line, first = e.args
         raise ConfigError(
@@ -106,6 +125,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
     check_plain(raw, f"{path}: ")
+    if not _omegaconf_reads(raw):
+        return _fresh(raw)  # NOTE: OmegaConf would give the same, ~50x slower (every process reads its config)
     try:
         return OmegaConf.to_container(
             OmegaConf.create(raw),
@@ -116,6 +137,26 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: {e.full_key} is ??? (a mandatory value left unset): set it") from None
     except Exception as e:  # omegaconf raises several error classes; all mean a bad interpolation
         raise ConfigError(f"{path}: cannot resolve an interpolation: {' '.join(str(e).split())}") from e
+
+
+def _omegaconf_reads(value: Any) -> bool:
+    """Whether OmegaConf changes anything of this plain YAML data: a string (key or value) holding `${` (an
+    interpolation, or one escaped) or `???` (a missing value, or one escaped)."""
+    if isinstance(value, dict):
+        return any(_omegaconf_reads(k) or _omegaconf_reads(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_omegaconf_reads(v) for v in value)
+    return isinstance(value, str) and ("${" in value or "???" in value)
+
+
+def _fresh(value: Any) -> Any:
+    """Plain YAML data with a new mapping / list at each place, as OmegaConf.to_container gives: a YAML alias
+    (`*name`) read twice is two objects, not one shared."""
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fresh(v) for v in value]
+    return value
 
 
 # --- 2. normalize: aliases, ignored keys, veRL trainer_config
@@ -213,12 +254,20 @@ def _pop(d: dict, dotted: str) -> Any:
     return d.pop(last, _MISSING)
 
 
+@functools.cache
 def _field_type(dotted: str) -> Any:
     """The type of the schema field at `dotted` (e.g. trainer.critic.lr)."""
     tp: Any = Config
     for k in dotted.split("."):
-        tp = typing.get_type_hints(tp, include_extras=True)[k]
+        tp = type_hints(tp)[k]
     return tp
+
+
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """typing.get_type_hints(cls, include_extras=True), once per class (a pure function of the schema; every config
+    load asks it for each section). NOTE: read it, never change it."""
+    return typing.get_type_hints(cls, include_extras=True)
 
 
 def _same(a: Any, b: Any, tp: Any = None) -> bool:
@@ -419,8 +468,7 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
         raise ConfigError(
             f"{path or 'config'}: expected a mapping for {cls.__name__}, got {shown_value(path or 'config', data)}"
         )
-    hints = typing.get_type_hints(cls, include_extras=True)
-    names = [f.name for f in dataclasses.fields(cls)]
+    hints, names = type_hints(cls), _field_names(cls)
     kwargs = {}
     for key, value in data.items():
         where = f"{path}.{key}" if path else str(key)
@@ -430,6 +478,11 @@ def from_dict(cls: type, data: Any, path: str = "") -> Any:
             raise ConfigError(f"{where}: unknown key; {hint}")
         kwargs[key] = _coerce(value, hints[key], where)
     return cls(**kwargs)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
 
 
 # --- 4. the command line
@@ -513,23 +566,30 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     if known.config:
         path = find_config_file(known.config)
         cfg = from_dict(Config, anchor_files(normalize(read_yaml(path)), path.resolve().parent))
+    # NOTE: no option to apply (a launched process's `--config FILE`): tyro would give back `cfg` (tests/
+    # test_config_keys.py checks it on the fuzzed configs), after ~0.1 s of building its parser
+    after = command_line(cfg, rest, description) if rest else cfg
+    if after.trainer.trainer_config != cfg.trainer.trainer_config:
+        after = cli_trainer_config(cfg, after)
+    return after, known.dry_run
+
+
+def command_line(cfg: Config, args: list[str], description: str = "") -> Config:
+    """The options `args` (`--section.key VALUE`, --help) applied by tyro on top of `cfg`."""
     text = (
         f"{description}\n\n--config FILE: a YAML config (a bare name is looked up in configs/). "
         "--dry-run: load, validate and print the resolved config, then exit.\n\n"
         "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
     )
     with CLI_TYPES:
-        after = tyro.cli(
+        return tyro.cli(
             Config,
             default=cfg,
-            args=rest,
+            args=args,
             description=text,
             use_underscores=True,
             config=(tyro.conf.FlagConversionOff,),
         )
-    if after.trainer.trainer_config != cfg.trainer.trainer_config:
-        after = cli_trainer_config(cfg, after)
-    return after, known.dry_run
 
 
 def cli_trainer_config(before: Config, after: Config) -> Config:
