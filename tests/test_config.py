@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import OmegaConf
 
 import configs
+import configs.loader as loader
 import launch
 from configs import ConfigError, cli, derive, from_dict, normalize, read_yaml, resolve_stages, to_yaml
 from configs.schema import Config
@@ -452,24 +454,22 @@ def test_mode_both_on_one_gpu_colocates(tmp_path, caplog, monkeypatch):
 
 @pytest.mark.slow
 def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):
+    """One process (for time) loads a config of gpu_per_node 4 (default), then one of 0."""
     code = (
-        "import os, sys, configs; configs.entry(sys.argv[1:], 'x'); print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
+        "import os, sys, configs\nfor c in sys.argv[1:]:\n    configs.entry(['--config', c], 'x')\n"
+        "    print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
     )
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     cpu = write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")
     out = subprocess.run(
-        [sys.executable, "-c", code, "--config", cpu], cwd=ROOT, env=env, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "''"
-    out = subprocess.run(
-        [sys.executable, "-c", code, "--config", write(tmp_path, MINIMAL, "d.yaml")],
+        [sys.executable, "-c", code, write(tmp_path, MINIMAL, "d.yaml"), cpu],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         check=True,
     )
-    assert out.stdout.strip() == "None"  # unset: torch sees what the machine has
+    assert out.stdout.split() == ["None", "''"]  # unset: torch sees what the machine has; then hidden
 
 
 def test_stages_inherit_the_global_config(tmp_path):
@@ -624,8 +624,8 @@ def _flags(cls: type, prefix: str = "") -> list[str]:
 
 def test_help_lists_every_field_with_its_docstring():
     env = {**os.environ, "COLUMNS": "120"}  # one column: tyro 0.9 cuts long flags short in a multi-column layout
-    out = subprocess.run(
-        [sys.executable, "train.py", "--config", "tiny.yaml", "--help"],
+    out = subprocess.run(  # NOTE: launch.py's --help is every script's (configs.cli), and it starts in half the time
+        [sys.executable, "launch.py", "--config", "tiny.yaml", "--help"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -653,13 +653,14 @@ def test_dry_run(script, tmp_path):
     docs = list(yaml.safe_load_all(ok.stdout))
     assert [d["name"] for d in docs] == ["tiny/eval_base", "tiny/sft_warmup", "tiny/rft"]
     assert docs[2]["buffer"]["batch_size"] == 3 and docs[2]["buffer"]["train_batch_size"] == 24
-    bad = subprocess.run(
-        [sys.executable, script, "--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    assert bad.returncode == 2 and "bufferr: unknown key; did you mean buffer?" in bad.stderr
+
+
+def test_a_bad_config_exits_2_naming_the_key(tmp_path, capsys):
+    """What train.py and explore.py do first, configs.entry (test_dry_run runs both through it), on a bad config: its
+    error on stderr and exit status 2, before anything else."""
+    with pytest.raises(SystemExit) as e:
+        configs.entry(["--config", write(tmp_path, MINIMAL + "bufferr: {}\n"), "--dry-run"], "d")
+    assert e.value.code == 2 and "bufferr: unknown key; did you mean buffer?" in capsys.readouterr().err
 
 
 # explorer.env_vars whose names no pattern of secret names knew (issue 25): every env_vars value is hidden
@@ -688,8 +689,9 @@ def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path
         "batch_size: 4\n",
         "batch_size: 4\n  trainer_input: {experience_buffer: {path: 'postgresql://rft:s3@cret@db/rft'}}\n",
     )
+    # NOTE: launch.py's --dry-run is every script's (configs.entry), and it starts in half the time
     out = subprocess.run(
-        [sys.executable, "train.py", "--config", write(tmp_path, text), "--dry-run"],
+        [sys.executable, "launch.py", "--config", write(tmp_path, text), "--dry-run"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -914,6 +916,33 @@ def test_a_merge_key_may_be_overridden_in_yaml(tmp_path):
     """`<<: *anchor` then the same key: YAML's override, not a duplicate."""
     cfg = read_yaml(write(tmp_path, "a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  x: 3\n"))
     assert cfg["b"] == {"x": 3, "y": 2}
+
+
+# Plain values of every kind a config file holds (tests/test_config_keys.py's mutations among them), in a mapping,
+# a list, under number and boolean keys, and one mapping twice through a YAML alias
+ODD_VALUES = [None, -1, 0, 0.5, 10**9, 2**40, -1e-3, float("inf"), "x", "", "yes", "a\x00b", "a\\b", "$x", "{a}", True]
+ODD_DOC = {"s": {str(i): v for i, v in enumerate(ODD_VALUES)}, "l": [ODD_VALUES, [{}], {}], 1: 2, 1.5: {True: [1]}}
+
+
+def test_read_yaml_gives_what_pyyaml_and_omegaconf_give(tmp_path):
+    """read_yaml's short cuts are exact: libyaml's parser reads what PyYAML's does (every YAML of the repo, and
+    odd values as yaml.dump writes them), and where no string holds `${` or `???` the data comes back as OmegaConf
+    gives it (fresh containers, an alias's two places not one object) without OmegaConf."""
+    texts = [p.read_text() for p in REFERENCE + OURS + sorted((ROOT / "tests/data").rglob("*.yaml"))]
+    texts += [yaml.dump(ODD_DOC), yaml.dump(ODD_DOC, Dumper=yaml.CDumper), "a: &x [1, {b: 2}]\nc: *x\n"]
+    for text in texts:
+        assert yaml.load(text, Loader=loader._CUniqueKeyLoader) == yaml.load(text, Loader=loader._UniqueKeyLoader)
+    assert loader._CUniqueKeyLoader.__mro__[2] is getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    for text in texts[-3:] + [yaml.dump(read_yaml(p)) for p in REFERENCE + OURS]:
+        raw = loader.load_yaml(text)
+        assert not loader._omegaconf_reads(raw)
+        got = read_yaml(write(tmp_path, text))
+        assert repr(got) == repr(OmegaConf.to_container(OmegaConf.create(raw), resolve=True))  # repr: nan, types
+    got = read_yaml(write(tmp_path, texts[-1]))  # the alias
+    assert got["c"] == got["a"] and got["c"] is not got["a"] and got["c"][1] is not got["a"][1]
+    # a string OmegaConf reads otherwise (an interpolation, an escaped one, ???, an escaped ???) goes through it
+    for value in ("${oc.env:HOME}", "\\${x}", "???", "\\???", "a???"):
+        assert loader._omegaconf_reads({"k": [value]}) and loader._omegaconf_reads({value: 1})
 
 
 @pytest.mark.parametrize(
