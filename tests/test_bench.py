@@ -4,6 +4,7 @@ so that the benchmark cannot rot; scripts/bench_vllm.py on a small workload, lik
 in docs/LOG.md (the full runs take ~20 and ~8 minutes)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,9 @@ def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
+        # one thread a process, as helpers.launch runs the entry points: on busy cores, torch's second thread spins
+        # (measured: an eval of 50 problems took 6-12 s of CPU with 2 threads at load ~6, 0.7 s with one)
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "bench.json").read_text())["results"]

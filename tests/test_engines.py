@@ -5,7 +5,6 @@ runs on real vLLM in tests/test_vllm_contract.py (its CPU build here, vLLM on a 
 import dataclasses
 import importlib.util
 import logging
-import os
 import re
 import threading
 
@@ -17,7 +16,7 @@ import engines
 import source
 from configs.schema import InferenceModelConfig, ModelConfig
 from engines import Completion, EngineHandle, HFEngine, make_engine
-from helpers import both_config, constant_judge, launch, raw, run_explorer, write_config
+from helpers import both_config, constant_judge, launch, raw, write_config
 from models import config_tokenizer, load_model
 from sampling import PromptTooLong, SamplingParams
 from tiny import CHAT_TEMPLATE as tiny_chat_template
@@ -549,13 +548,15 @@ def test_an_external_endpoint_that_is_down_or_without_its_key(monkeypatch):
 
 
 @pytest.mark.slow
-def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir):
+def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir, caplog):
     """A real run (launch.py, mode both: explorer and trainer processes) whose llm_judge_workflow grades with an
     external auxiliary model: nanorft's own OpenAI-compatible API (openai_api.py) started here on loopback over a
     model trained to answer "Score: 7", behind an API key that the config names by its environment variable only.
     Every experience's reward is the judge's 0.7, and the key is in no file of the run. Then an explorer (mode
     explore) whose judge is down: each task fails by name (ExternalModelError, cannot connect) and is dropped,
     and the explorer runs its steps to the end."""
+    import explore
+    from configs import cli, resolve_stages
     from openai_api import OpenAIServer
 
     judge_dir = constant_judge(tiny_model_dir, tmp_path / "judge-model")
@@ -574,25 +575,28 @@ def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir):
         url = server.start() + "/v1"
         try:
             aux["external_model_config"]["base_url"] = url
-            config = both_config(tmp_path / "both", tiny_model_dir, **judged, **{"explorer.auxiliary_models": [aux]})
+            both = {"explorer.auxiliary_models": [aux], "buffer.total_steps": 2}
+            config = both_config(tmp_path / "both", tiny_model_dir, **judged, **both)
             out = launch(config, env={"NANORFT_TEST_JUDGE_KEY": "k-secret-judge"})
         finally:
             server.stop()
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "both" / "ck" / "p" / "run"
     rewards = raw(f"sqlite:///{run / 'buffer' / 'exp.db'}", "SELECT reward FROM experiences")
-    assert len(rewards) == 3 * 2 * 2 and {r for (r,) in rewards} == {0.7}  # 3 steps x 2 tasks x 2 responses
+    assert len(rewards) == 2 * 2 * 2 and {r for (r,) in rewards} == {0.7}  # 2 steps x 2 tasks x 2 responses
     written = [p for p in run.rglob("*") if p.is_file() and p.suffix in (".yaml", ".json", ".jsonl", ".log")]
     assert written and not [p for p in written if b"k-secret-judge" in p.read_bytes()]
-    # the same endpoint, now down (the server stopped): each task fails by name, the explorer carries on
+    # the same endpoint, now down (the server stopped): each task fails by name, the explorer carries on (in this
+    # process: the explorer as a process is the run above's)
     aux["external_model_config"]["api_key_env"] = ""
     config = write_config(tmp_path / "down", tiny_model_dir, **judged, **{"explorer.auxiliary_models": [aux]})
-    out = run_explorer(config, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-4000:]
+    (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
+    with caplog.at_level(logging.ERROR, logger="nanorft.explore"):
+        assert explore.explore(cfg) == 0
     dropped = re.findall(
         r"task (\S+) dropped after 1 attempts: ExternalModelError: external model 'judge-7b' at "
         + re.escape(url)
         + ": cannot connect",
-        out.stderr,
+        caplog.text,
     )
-    assert len(dropped) == 4 * 3, out.stderr[-3000:]  # 4 steps x 3 tasks
+    assert len(dropped) == 4 * 3, caplog.text[-3000:]  # 4 steps x 3 tasks

@@ -1,9 +1,11 @@
 """explore.py --debug (one task through its workflow, printed; no DB, no trainer) and tool_workflow end to end with a
 tool written outside the repository and named only in the YAML, with the chat templates of other families than the
 tiny model's (Mistral's: a model trained to call the tool in its format; gpt-oss's): the entry points run as
-processes, as a user runs them. tests/test_tool_parsers.py has the five families' formats in-process."""
+processes, as a user runs them (the other --debug cases call explore.main in this process). tests/test_tool_parsers.py
+has the five families' formats in-process."""
 
 import json
+import os
 import sqlite3
 from pathlib import Path
 
@@ -134,28 +136,54 @@ def test_debug_runs_one_task_of_a_tool_workflow_and_prints_what_it_did(tool_call
     assert not list((tmp_path / "ck").rglob("*.db"))
 
 
+def debug_here(config: Path, *args: str, capsys) -> tuple[int, str]:
+    """`explore.py --config X --debug ARGS` in this process (the process itself: test_debug_runs_one_task_of_a_tool_\
+    workflow_and_prints_what_it_did): its exit code and stdout. What `configs.entry` and `--debug` set for a process
+    (environment variables, logger levels) is put back afterwards."""
+    import logging
+
+    from explore import main
+
+    env = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "TRANSFORMERS_VERBOSITY")}
+    loggers = [logging.getLogger(), logging.getLogger("nanorft.tools")]
+    levels = [logger.level for logger in loggers]
+    capsys.readouterr()
+    try:
+        code = main(["--config", str(config), "--debug", *args])
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return code, capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_debug_runs_a_tool_workflow_with_gpt_oss_template_and_an_outside_tool(tiny_model_dir, tmp_path):
+def test_debug_runs_a_tool_workflow_with_gpt_oss_template_and_an_outside_tool(tiny_model_dir, tmp_path, capsys):
     """The same command with another family's template (gpt-oss's harmony format), the tiny model untrained: the tool
     named in the YAML loads, its schema from its docstring reaches the template, replies are read as gpt-oss's
     (`openai`); this model makes no call."""
     caller = {**outside_tool(tmp_path), "model": tiny_model_dir, "template": str(TEMPLATES / "gpt-oss.jinja")}
-    out = run_explorer(tool_config(tmp_path, caller), "--debug")
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "  [tools] tool calls are read as openai (workflow_args.tool_parser: auto)" in out.stdout
-    assert "// Adds two whole numbers.\\ntype add = (_: {\\n// The first number.\\na: number" in out.stdout
-    assert out.stdout.count("--- experience ") == 2 and not list((tmp_path / "ck").rglob("*.db"))
+    code, stdout = debug_here(tool_config(tmp_path, caller), capsys=capsys)
+    assert code == 0, stdout[-3000:]
+    assert "  [tools] tool calls are read as openai (workflow_args.tool_parser: auto)" in stdout
+    assert "// Adds two whole numbers.\\ntype add = (_: {\\n// The first number.\\na: number" in stdout
+    assert stdout.count("--- experience ") == 2 and not list((tmp_path / "ck").rglob("*.db"))
 
 
 @pytest.mark.slow
-def test_debug_picks_a_task_of_the_taskset_it_is_told(tiny_model_dir, tmp_path):
+def test_debug_picks_a_task_of_the_taskset_it_is_told(tiny_model_dir, tmp_path, capsys):
     """--task N of --taskset NAME (an eval one here), with the tiny model and math_workflow."""
-    out = run_explorer(write_config(tmp_path, tiny_model_dir), "--debug", "--taskset", "arith_test", "--task", "2")
-    assert out.returncode == 0, out.stderr[-3000:]
+    config = write_config(tmp_path, tiny_model_dir)
+    code, stdout = debug_here(config, "--taskset", "arith_test", "--task", "2", capsys=capsys)
+    assert code == 0, stdout[-3000:]
     rows = (Path(tiny_model_dir).parent / "arith" / "test.jsonl").read_text().splitlines()
-    assert out.stdout.startswith("=== stage e, taskset arith_test, task 2 (arith_test/2): workflow math_workflow")
-    assert json.dumps(json.loads(rows[2])["question"]) in out.stdout
-    assert out.stdout.count("--- experience ") == 2  # the eval taskset's repeat_times
+    assert stdout.startswith("=== stage e, taskset arith_test, task 2 (arith_test/2): workflow math_workflow")
+    assert json.dumps(json.loads(rows[2])["question"]) in stdout
+    assert stdout.count("--- experience ") == 2  # the eval taskset's repeat_times
     assert not list((tmp_path / "ck").rglob("*.db"))
 
 

@@ -1,5 +1,6 @@
 """Every algorithm preset end to end, as a user runs it: `train.py --config X.yaml` on the tiny model.
-RL presets run mode both (explorer + trainer processes, checkpoint sync); sft and dpo run mode train
+RL presets run mode both (explorer + trainer processes, checkpoint sync), except those that differ from grpo in the
+trainer alone: they train as the stages of one mode-train process on an experience DB; sft and dpo run mode train
 on data files the project makes (assets/arith/sft.jsonl, dpo.jsonl) or the test writes. Plus the
 "Add your own loss" recipe from the README, done on a copy of the repository."""
 
@@ -8,7 +9,6 @@ import math
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,8 +21,17 @@ import train
 from algos import PRESETS
 from buffer import Experience, ExperienceDB
 from configs import cli, derive
-from helpers import ROOT, both_config, launch, perturbed_copy, run_train, sft_teacher, write_yaml
-from models import load_tokenizer
+from helpers import (
+    ROOT,
+    both_config,
+    launch,
+    perturbed_copy,
+    plain_logprobs,
+    run_train,
+    sft_teacher,
+    write_yaml,
+)
+from models import load_model, load_tokenizer
 from monitor import read_history
 from source import sft_experience
 
@@ -39,7 +48,8 @@ def finite(rows: list[dict]) -> None:
         assert not bad, bad
 
 
-def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str) -> subprocess.CompletedProcess:
+def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str, **extra) -> subprocess.CompletedProcess:
+    """train.py on the preset in mode both, 2 steps (`extra`: more overrides, applied last)."""
     data = Path(tiny_model_dir).parent / "arith"
     over = {
         "algorithm.algorithm_type": preset,
@@ -47,6 +57,8 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str) -
         "buffer.total_steps": 2,
         "buffer.batch_size": 3 if preset == "ppo" else 2,
         "explorer.eval_interval": 100,
+        "explorer.eval_on_startup": False,
+        "buffer.explorer_input.eval_tasksets": [],  # no eval: nothing here reads one
     }
     if preset == "ppo":
         over["trainer.critic_warmup"] = 1  # step 1 trains the critic alone, step 2 both
@@ -81,28 +93,21 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str) -
             "buffer.explorer_input.taskset": tools,
             "buffer.explorer_input.eval_tasksets": [],
         }
-    return launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+    return launch(both_config(tmp_path, tiny_model_dir, **over | extra), script="train.py")
 
 
-@pytest.fixture(scope="module")
-def preset_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Every RL preset run once, two runs at a time: in mode both the explorer and trainer take turns, so
-    one run keeps about one core busy (the machine has two)."""
-    dirs = {p: tmp_path_factory.mktemp(p) for p in RL_PRESETS}
-    teacher = perturbed_copy(tiny_model_dir, tmp_path_factory.mktemp("teacher") / "teacher", scale=0.05)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        runs = pool.map(lambda p: run_preset(p, dirs[p], tiny_model_dir, teacher), RL_PRESETS)
-        outs = dict(zip(RL_PRESETS, runs))
-    return {p: (outs[p], dirs[p]) for p in RL_PRESETS}
+# The presets that act in the explorer too (a workflow, a teacher, explorer-side advantages) or whose checks read the
+# explorer's side (raft's log line, mix's batch of rollouts and expert rows): each its own mode-both run. PPO runs in
+# test_ppo_runs_end_to_end_and_resumes_with_its_critic.
+BOTH_PRESETS = ["grpo", "multi_step_grpo", "mix", "mix_chord", "raft", "on_policy_distill", "jsd"]
+# The others differ from grpo in the trainer alone (advantage fn, policy loss, KL, entropy, reference model); their
+# mode-both run would repeat grpo's explorer and sync: they train as stages of one trainer process (mode train).
+TRAINER_PRESETS = [p for p in RL_PRESETS if p not in BOTH_PRESETS and p != "ppo"]
 
 
-@pytest.mark.parametrize("preset", RL_PRESETS)
-@pytest.mark.slow
-def test_rl_preset_runs_end_to_end(preset, preset_runs):
-    out, tmp_path = preset_runs[preset]
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = history(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2]
+def check_preset_run(preset: str, rows: list[dict], job: Path, stderr: str) -> None:
+    """What every RL preset's run of 2 steps must show (`rows`: its trainer history; `job`: its job directory)."""
+    assert [r["step"] for r in rows] == [1, 2], preset
     finite(rows)
     loss_key = {
         "mix": "actor/usual/pg_loss",
@@ -111,11 +116,10 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
         "asymre": "actor/opmd_loss",
         "raft": "actor/sft_loss",
     }.get(preset, "actor/pg_loss")
-    assert loss_key in rows[1], sorted(rows[1])
+    assert loss_key in rows[1], (preset, sorted(rows[1]))
     # the actor took a step, unless every group's rewards tied (presets without an entropy bonus, e.g. sppo)
     assert rows[1]["actor/grad_norm"] > 0 or rows[1]["critic/advantages/max"] == rows[1]["critic/advantages/min"] == 0
-    job = tmp_path / "ck" / "p" / "run"
-    assert (job / "global_step_2" / "actor" / "huggingface" / "model.safetensors").is_file()
+    assert (job / "global_step_2" / "actor" / "huggingface" / "model.safetensors").is_file(), preset
     if preset == "ppo":  # the critic: trained from step 1, the actor from step 2 (critic_warmup 1)
         assert rows[0]["actor/grad_norm"] == 0 and rows[0]["critic/grad_norm"] > 0
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean"} <= set(rows[1])
@@ -130,12 +134,75 @@ def test_rl_preset_runs_end_to_end(preset, preset_runs):
     if preset == "mix_chord":
         assert [r["actor/mu"] for r in rows] == pytest.approx([0.5, 0.1])
     if preset == "raft":  # the better of each task's 2 responses (the first on a tie): half the rows
-        assert all(r["critic/kept_fraction"] == 0.5 for r in rows) and "reference model: False" in out.stderr
+        assert all(r["critic/kept_fraction"] == 0.5 for r in rows) and "reference model: False" in stderr
     if preset in ("on_policy_distill", "jsd"):  # the perturbed teacher's log-probs differ from the student's
         key = "critic/kl/mean" if preset == "on_policy_distill" else "critic/jsd/mean"
         assert all(r[key] != 0 for r in rows) and rows[1]["actor/grad_norm"] > 0
-        explored = read_history(tmp_path / "ck" / "p" / "run" / "monitor" / "explorer.jsonl")
+        explored = read_history(job / "monitor" / "explorer.jsonl")
         assert any("rollout/kl_per_token/mean" in r for r in explored)
+
+
+@pytest.mark.parametrize("preset", BOTH_PRESETS)
+@pytest.mark.slow
+def test_rl_preset_runs_end_to_end(preset, tmp_path, tiny_model_dir):
+    """One run per case (xdist spreads them over its workers), no eval (nothing here reads one)."""
+    teacher = ""
+    if preset in ("on_policy_distill", "jsd"):
+        teacher = perturbed_copy(tiny_model_dir, tmp_path / "teacher", scale=0.05)
+    out = run_preset(preset, tmp_path, tiny_model_dir, teacher)
+    assert out.returncode == 0, out.stderr[-3000:]
+    check_preset_run(preset, history(tmp_path), tmp_path / "ck" / "p" / "run", out.stderr)
+
+
+def trainer_preset_stages(tmp_path: Path, tiny_model_dir: str) -> Path:
+    """A mode-train experiment of one stage per preset of TRAINER_PRESETS (2 steps of 4 experiences, grpo's
+    optimizer and entropy bonus), each on a DB of its own that holds the same 8 experiences: the tiny model's prompt +
+    response tokens (random ids), its log-probs as an engine would return them, rewards that vary in 3 of 4 groups."""
+    model = load_model(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    rewards = [[1.0, 0.0], [0.0, 0.0], [0.5, 1.0], [1.0, 0.2]]  # group 1 ties
+    exps = []
+    for k, rs in enumerate(rewards):
+        prompt = torch.randint(3, 200, (9 + k,), generator=g)
+        for i, r in enumerate(rs):
+            tokens = torch.cat([prompt, torch.randint(3, 200, (5 + 3 * i + k,), generator=g)])
+            lp = plain_logprobs(model, tokens, len(prompt))
+            exps.append(Experience(tokens=tokens, prompt_length=len(prompt), logprobs=lp, reward=r, group_id=f"g{k}"))
+    stages = []
+    for preset in TRAINER_PRESETS:
+        url = f"sqlite:///{tmp_path}/{preset}.db"
+        with ExperienceDB(url) as db:
+            db.write(exps)
+        algorithm = {
+            "algorithm_type": preset,
+            "repeat_times": 2,
+            "optimizer": {"lr": 1e-3},
+            "entropy_loss_fn_args": {"entropy_coef": 0.01},
+        }
+        buffer = {"trainer_input": {"experience_buffer": {"name": preset, "path": url, "max_read_timeout": 10}}}
+        stages.append({"stage_name": preset, "algorithm": algorithm, "buffer": buffer})
+    cfg = {
+        "project": "p",
+        "name": "run",
+        "mode": "train",
+        "checkpoint_root_dir": str(tmp_path / "ck"),
+        "model": {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12},
+        "buffer": {"train_batch_size": 4, "total_steps": 2},
+        "trainer": {"save_interval": 0},
+        "monitor": {"monitor_type": "none"},
+        "stages": stages,
+    }
+    return write_yaml(tmp_path / "stages.yaml", cfg, {})
+
+
+@pytest.mark.slow
+def test_trainer_side_presets_train_as_stages_of_one_trainer(tmp_path, tiny_model_dir):
+    """Every preset of TRAINER_PRESETS: 2 steps each (a stage each, train.py as the launcher starts it), with the
+    checks of test_rl_preset_runs_end_to_end."""
+    out = run_train(trainer_preset_stages(tmp_path, tiny_model_dir))
+    assert out.returncode == 0, out.stderr[-3000:]
+    for preset in TRAINER_PRESETS:
+        check_preset_run(preset, history(tmp_path, f"run/{preset}"), tmp_path / "ck" / "p" / "run" / preset, "")
 
 
 def offline_config(tmp_path: Path, tiny_model_dir: str, algorithm: str, path: Path, fmt: dict, **over) -> Path:
@@ -188,16 +255,26 @@ def sft_files(tmp_path: Path, data: Path) -> dict[str, tuple[Path, dict]]:
     }
 
 
-@pytest.mark.parametrize("layout", ["messages", "plaintext", "multi_turn"])
 @pytest.mark.slow
-def test_sft_train_mode_on_each_data_layout(layout, tmp_path, tiny_model_dir):
-    path, fmt = sft_files(tmp_path, Path(tiny_model_dir).parent / "arith")[layout]
-    out = launch(offline_config(tmp_path, tiny_model_dir, "sft", path, fmt), script="train.py")
+def test_sft_train_mode_on_each_data_layout(tmp_path, tiny_model_dir):
+    """A stage per layout, in one trainer process (train.py as the launcher starts it): each stage 3 steps."""
+    files = sft_files(tmp_path, Path(tiny_model_dir).parent / "arith")
+    stages = [
+        {"stage_name": layout, "buffer": {"trainer_input": {"experience_buffer": {"path": str(path), "format": fmt}}}}
+        for layout, (path, fmt) in files.items()
+    ]
+    path, fmt = files["messages"]
+    out = run_train(offline_config(tmp_path, tiny_model_dir, "sft", path, fmt, stages=stages))
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = history(tmp_path)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    finite(rows)
-    assert rows[-1]["actor/sft_loss"] < rows[0]["actor/sft_loss"]  # lr 1e-3 from an untrained model: NLL falls
+    for layout in files:
+        rows = history(tmp_path, f"run/{layout}")
+        assert [r["step"] for r in rows] == [1, 2, 3], layout
+        finite(rows)
+        # lr 1e-3 from an untrained model (the first stage) or from the previous stage's 3 steps: NLL falls
+        assert rows[-1]["actor/sft_loss"] < rows[0]["actor/sft_loss"], layout
+    # each stage read its own file: a multi-turn row trains on both assistant turns of two tasks
+    lengths = {layout: history(tmp_path, f"run/{layout}")[0]["response_length/mean"] for layout in files}
+    assert lengths["multi_turn"] > 2 * lengths["plaintext"] and lengths["plaintext"] == lengths["messages"], lengths
 
 
 def test_sft_multi_turn_masks_every_assistant_turn(tiny_model_dir):
@@ -292,6 +369,7 @@ def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path,
             "algorithm.policy_loss_fn": "my_pg",
             "buffer.total_steps": 2,
             "algorithm.policy_loss_fn_args": {"scale": 2.0},
+            "buffer.explorer_input.eval_tasksets": [],  # no eval: nothing here reads one
         },
     )
     out = subprocess.run(
@@ -305,22 +383,16 @@ def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path,
 
 
 @pytest.mark.slow
-def test_ppo_resumes_with_its_critic(tmp_path, tiny_model_dir):
-    """A PPO run stopped after step 2 continues at step 3 with the critic's weights and optimizer state."""
-    over = {
-        "algorithm.algorithm_type": "ppo",
-        "algorithm.repeat_times": 1,
-        "buffer.batch_size": 3,
-        "buffer.total_steps": 2,
-        "explorer.eval_interval": 100,
-        "trainer.save_interval": 1,
-        "continue_from_checkpoint": True,
-    }
-    out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
+def test_ppo_runs_end_to_end_and_resumes_with_its_critic(tmp_path, tiny_model_dir):
+    """The ppo preset (test_rl_preset_runs_end_to_end's checks), saving every step; stopped after step 2, it continues
+    at step 3 with the critic's weights and optimizer state."""
+    resumable = {"trainer.save_interval": 1, "continue_from_checkpoint": True}
+    out = run_preset("ppo", tmp_path, tiny_model_dir, "", **resumable)
     assert out.returncode == 0, out.stderr[-3000:]
     job = tmp_path / "ck" / "p" / "run"
+    check_preset_run("ppo", history(tmp_path), job, out.stderr)
     critic2 = (job / "global_step_2" / "critic" / "huggingface" / "model.safetensors").read_bytes()
-    out = launch(both_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 3}), script="train.py")
+    out = run_preset("ppo", tmp_path, tiny_model_dir, "", **resumable, **{"buffer.total_steps": 3})
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from checkpoint step 2" in out.stderr
     rows = history(tmp_path)
@@ -501,6 +573,7 @@ def test_on_policy_distillation_moves_the_student_to_its_teacher(tmp_path, tiny_
         "explorer.auxiliary_models": [{"model_path": teacher, "engine_type": "hf"}],
         "explorer.eval_interval": 100,
         "explorer.eval_on_startup": False,
+        "buffer.explorer_input.eval_tasksets": [],  # nor at the last step
         "model.max_response_tokens": 16,
     }
     out = launch(both_config(tmp_path, tiny_model_dir, **over), script="train.py")
