@@ -12,6 +12,15 @@ import pytest
 import pgserver
 
 
+def pytest_configure(config):
+    """One torch thread in each test process: pytest-xdist already runs a worker per core, and torch's second thread
+    spins on a core that is busy (the processes the tests start get OMP_NUM_THREADS=1 from tests/helpers.py; an eval
+    of 50 problems took 6-12 s of CPU with two threads at load ~6, 0.7 s with one)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def fresh_config_warnings():
     """configs/checks.py says each warning once per process; each test is a fresh start (caplog sees it)."""
