@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from buffer import ExperienceDB
-from helpers import both_config, raw, write_yaml
+from helpers import both_config, explorer_in_process, raw, write_yaml
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,26 +281,19 @@ def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
 
 def refusal(script: str, config: Path, url: str, caplog) -> tuple[int, str]:
     """(exit code, what it wrote) of `script` refusing to start on the DB. NOTE: on PostgreSQL the explorer's refusal
-    runs in this process, through the same launch.run_in_process as explore.py's (a process start costs ~5 s of CPU);
-    the trainer's and every SQLite one through the real entry point, a process."""
-    if script == "train.py" or url.startswith("sqlite"):
-        out = subprocess.run(
-            [sys.executable, script, "--config", str(config)],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED},
-        )
-        return out.returncode, out.stderr
-    import explore
-    import launch
-    from configs import cli
-
-    caplog.clear()
-    with caplog.at_level("ERROR", logger="nanorft.launch"):  # an exception instead would fail the test here
-        code = launch.run_in_process(cli(["--config", str(config)])[0], {"explore": explore.explore}, "explorer")
-    return code, caplog.text
+    runs in this process (helpers.explorer_in_process); the trainer's and every SQLite one through the real entry
+    point, a process."""
+    if script == "explore.py" and url.startswith("postgresql://"):
+        return explorer_in_process(config, caplog)
+    out = subprocess.run(
+        [sys.executable, script, "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED},
+    )
+    return out.returncode, out.stderr
 
 
 @pytest.mark.slow
