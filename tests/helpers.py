@@ -560,3 +560,19 @@ def trained_to_reply(
         torch.set_num_threads(threads)
     model.save_pretrained(out)
     return str(out)
+
+
+def explorer_in_process(config: Path, caplog) -> tuple[int, str]:
+    """explore.py's run of `config` in this process, through the same launch.run_in_process as its main (a process
+    start costs ~5 s of CPU): (exit code, the ERROR records of nanorft.launch: what a refusal says). An exception
+    other than the named errors (a traceback in a process) fails the calling test."""
+    import explore
+    import launch
+    from configs import cli
+
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="nanorft.launch"):
+        code = launch.run_in_process(
+            cli(["--config", str(config)])[0], {"bench": explore.bench, "explore": explore.explore}, "explorer"
+        )
+    return code, caplog.text

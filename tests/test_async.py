@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from buffer import ExperienceDB
-from helpers import both_config, raw, write_yaml
+from helpers import both_config, explorer_in_process, raw, write_yaml
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,13 +65,18 @@ def pair(tmp_path: Path, tiny_model_dir: str, url: str = "", **over) -> dict[str
     return files
 
 
-def start(config: Path, script: str, log: Path) -> subprocess.Popen:
+# train.py as the launcher starts it: the trainer itself. NOTE: without it, train.py hands over to the launcher, which
+# starts the trainer as a second process (~5 s of CPU more); test_trainer_first_then_two_explorers keeps that way in
+LAUNCHED = {"NANORFT_LAUNCHED": "1"}
+
+
+def start(config: Path, script: str, log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, script, "--config", str(config)],
         cwd=ROOT,
         stdout=log.open("w"),
         stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
     )
 
 
@@ -103,7 +108,8 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     rollout-vs-trainer mismatch."""
     files, job = pair(tmp_path, tiny_model_dir, url), tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in files}
-    trainer = start(files["trainer"], "train.py", logs["trainer"])
+    # SQLite: through the launcher, as a user starts it (configs/async/tiny_trainer.yaml); PostgreSQL: the trainer alone
+    trainer = start(files["trainer"], "train.py", logs["trainer"], None if url.startswith("sqlite") else LAUNCHED)
     wait_for(
         lambda: "waiting for experiences: 0 of 6 ready" in logs["trainer"].read_text(), "the trainer's waiting note"
     )
@@ -144,7 +150,8 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     assert "the trainer finished at step 6" in text or "explorer explorer finished at step 6" in text
 
 
-@pytest.mark.parametrize("style", ["fixed", "explorer_driven"])
+# NOTE: each back-end with one style (not all four pairs): the DB holds the same rows in either style
+@pytest.mark.parametrize("url, style", [("sqlite", "fixed"), ("postgresql", "explorer_driven")], indirect=["url"])
 @pytest.mark.slow
 def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, tiny_model_dir, style, url):
     """Explorer first: it waits at its first sync point (saying for what) until the trainer comes. A
@@ -160,7 +167,7 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
         lambda: "waiting for the trainer's weights of step 1" in logs["explorer"].read_text(), "the explorer's note"
     )
     assert "no trainer has used this DB yet" in logs["explorer"].read_text()
-    trainer = start(files["trainer"], "train.py", logs["trainer"])
+    trainer = start(files["trainer"], "train.py", logs["trainer"], LAUNCHED)
     assert [p.wait(timeout=300) for p in (trainer, explorer)] == [0, 0], {r: logs[r].read_text()[-2000:] for r in logs}
     again = subprocess.run(
         [sys.executable, "train.py", "--config", str(files["trainer"])],
@@ -168,6 +175,7 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED},
     )
     assert again.returncode == 0 and "resumed from checkpoint step 6" in again.stderr, again.stderr[-2000:]
     assert [r["step"] for r in read_history(job / "monitor/trainer.jsonl")] == list(range(1, 7))
@@ -193,7 +201,7 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
     explorer = start(files["explorer"], "explore.py", logs["explorer"])
     assert explorer.wait(timeout=300) == 0, logs["explorer"].read_text()[-2000:]
     assert "waiting for the trainer's weights" not in logs["explorer"].read_text()
-    trainer = start(files["trainer"], "train.py", logs["trainer"])
+    trainer = start(files["trainer"], "train.py", logs["trainer"], LAUNCHED)
     assert trainer.wait(timeout=300) == 0, logs["trainer"].read_text()[-2000:]
     # all 36 experiences are version 0: steps 1 and 2 may use them (staleness 0, 1); step 3 drops the rest
     with ExperienceDB(url) as d:
@@ -224,7 +232,7 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
             "--schedule",
             "explorer,trainer,both",
             "--steps",
-            "6",
+            "5",  # the fewest the schedule allows (cycles + 2)
             "--out",
             str(tmp_path / "soak"),
             *db,
@@ -233,6 +241,7 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
         capture_output=True,
         text=True,
         timeout=900,
+        env={**os.environ, **LAUNCHED},  # its trainer starts are the trainer itself, not a launcher starting it
     )
     result = json.loads((tmp_path / "soak/soak_result.json").read_text())
     assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
@@ -245,8 +254,8 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
     assert result["starts"] == {"trainer": 3, "explorer": 3}
     inv = result["invariants"]
     assert (
-        inv["train_steps"] == 6
-        and inv["claimed"] == 6 * 6
+        inv["train_steps"] == 5
+        and inv["claimed"] == 5 * 6
         and inv["experiences"] == inv["claimed"] + inv["pending"] + inv["dropped"]
     )
     trainer_log = (tmp_path / "soak/logs/trainer.log").read_text()
@@ -255,7 +264,7 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
 
 @pytest.mark.slow
 def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
-    files = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_timeout": 4})
+    files = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_timeout": 1})
     out = subprocess.run(
         [sys.executable, "explore.py", "--config", str(files["explorer"])],
         cwd=ROOT,
@@ -265,42 +274,46 @@ def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
     )
     assert out.returncode == 1
     assert (
-        "explorer explorer stops after step 2: no weights of step 1 after 4 s (synchronizer.sync_timeout); "
+        "explorer explorer stops after step 2: no weights of step 1 after 1 s (synchronizer.sync_timeout); "
         "no trainer has used this DB yet. Restart to continue after step 2."
     ) in out.stderr
 
 
-@pytest.mark.slow
-def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url):
-    files = pair(tmp_path, tiny_model_dir, url)
-    with ExperienceDB(url) as d:
-        d.check_identity({"model_type": "llama", "vocab_size": 32000}, "another explorer")
-    for script, role in (("explore.py", "explorer"), ("train.py", "trainer")):
-        out = subprocess.run(
-            [sys.executable, script, "--config", str(files[role])],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env={**os.environ, "NANORFT_LAUNCHED": "1"},
-        )
-        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-        assert "this experience DB was written for another model or tokenizer (" in out.stderr
-        assert (
-            "model_type: DB has 'llama', "
-            + ("explorer explorer" if role == "explorer" else "the trainer")
-            + " has 'qwen2'"
-            in out.stderr
-        )
-    raw(url, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+def refusal(script: str, config: Path, url: str, caplog) -> tuple[int, str]:
+    """(exit code, what it wrote) of `script` refusing to start on the DB. NOTE: on PostgreSQL the explorer's refusal
+    runs in this process (helpers.explorer_in_process); the trainer's and every SQLite one through the real entry
+    point, a process."""
+    if script == "explore.py" and url.startswith("postgresql://"):
+        return explorer_in_process(config, caplog)
     out = subprocess.run(
-        [sys.executable, "explore.py", "--config", str(files["explorer"])],
+        [sys.executable, script, "--config", str(config)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED},
     )
-    assert out.returncode == 2 and "experience DB has schema version 1, this buffer.py expects 3" in out.stderr
+    return out.returncode, out.stderr
+
+
+@pytest.mark.slow
+def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url, caplog):
+    files = pair(tmp_path, tiny_model_dir, url)
+    with ExperienceDB(url) as d:
+        d.check_identity({"model_type": "llama", "vocab_size": 32000}, "another explorer")
+    for script, role in (("explore.py", "explorer"), ("train.py", "trainer")):
+        code, err = refusal(script, files[role], url, caplog)
+        assert code == 2 and "Traceback" not in err, err[-2000:]
+        assert "this experience DB was written for another model or tokenizer (" in err
+        assert (
+            "model_type: DB has 'llama', "
+            + ("explorer explorer" if role == "explorer" else "the trainer")
+            + " has 'qwen2'"
+            in err
+        )
+    raw(url, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
+    code, err = refusal("explore.py", files["explorer"], url, caplog)
+    assert code == 2 and "experience DB has schema version 1, this buffer.py expects 3" in err
 
 
 @pytest.mark.slow
@@ -392,7 +405,7 @@ def test_dynamic_sampling_and_replay_by_group_with_separate_processes(tmp_path, 
         out = subprocess.run(
             [sys.executable, script, "--config", str(config)],
             cwd=ROOT,
-            env=env,
+            env={**env, **LAUNCHED},
             capture_output=True,
             text=True,
             timeout=300,

@@ -22,7 +22,7 @@ import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
-from helpers import make_task, run_explorer, write_config
+from helpers import explorer_in_process, make_task, run_explorer, write_config
 from models import load_tokenizer
 from sampling import PromptTooLong
 from tasksets import TaskReader, load_tasks
@@ -41,15 +41,15 @@ def db_rows(tmp_path: Path) -> list[tuple]:
 
 @pytest.mark.slow
 def test_explore_mode_fills_the_db(tiny_model_dir, tmp_path):
-    out = run_explorer(write_config(tmp_path, tiny_model_dir))
+    out = run_explorer(write_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 2}))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = db_rows(tmp_path)
-    assert len(rows) == 4 * 3 * 2  # steps x tasks x repeat_times
+    assert len(rows) == 2 * 3 * 2  # steps x tasks x repeat_times
     groups = [g for g, *_ in rows]
-    assert len(set(groups)) == 12 and all(groups.count(g) == 2 for g in groups)  # one group per task
+    assert len(set(groups)) == 6 and all(groups.count(g) == 2 for g in groups)  # one group per task
     assert {(r, v, e) for _, r, v, e in rows} == {(0, 0, "explorer"), (1, 0, "explorer")}
     meta = json.loads((tmp_path / "ck/p/e/explorer_meta.json").read_text())
-    assert meta["latest_iteration"] == 4 and meta["reader"]["index"] == 12
+    assert meta["latest_iteration"] == 2 and meta["reader"]["index"] == 6
     logged = next((tmp_path / "ck").rglob("log/explorer.log")).read_text()
     assert "eval/arith_test/accuracy/mean@2" in logged  # the final evaluation, in the role's log file
     assert "acc " in out.stderr  # and its accuracy on the console's short line
@@ -66,11 +66,7 @@ def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir,
     config = write_config(
         tmp_path,
         tiny_model_dir,
-        **{
-            "buffer.total_steps": 5,
-            "model.max_response_tokens": 48,
-            "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"},
-        },
+        **{"buffer.total_steps": 4, "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"}},
     )
     marker = tmp_path / "paused"
     env = {**os.environ, "NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
@@ -95,15 +91,16 @@ def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir,
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"resuming explorer explorer after step {killed_at}" in out.stderr
     groups = list(dict.fromkeys(g for g, *_ in db_rows(tmp_path)))
-    assert groups == expected_groups(config, steps=5, batch=3)  # every task once, in reading order
-    assert len(db_rows(tmp_path)) == 5 * 3 * 2
+    assert groups == expected_groups(config, steps=4, batch=3)  # every task once, in reading order
+    assert len(db_rows(tmp_path)) == 4 * 3 * 2
 
 
 @pytest.mark.slow
-def test_bench_prints_accuracy_and_throughput(tiny_model_dir, tmp_path):
-    out = run_explorer(write_config(tmp_path, tiny_model_dir), "--mode", "bench")
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("bench step 0"))
+def test_bench_prints_accuracy_and_throughput(tiny_model_dir, tmp_path, caplog, capsys):
+    """In this process (test_launch's stages test runs a bench stage through explore.py)."""
+    code, errors = explorer_in_process(write_config(tmp_path, tiny_model_dir, mode="bench"), caplog)
+    assert code == 0, errors
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("bench step 0"))
     shown = json.loads(line.split(": ", 1)[1])
     assert 0.0 <= shown["bench/arith_test/accuracy/mean@2"] <= 1.0 and shown["bench/tokens_per_s"] > 0
 
@@ -310,7 +307,7 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny_model_dir, tmp_path):
+def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny_model_dir, tmp_path, caplog):
     data = tmp_path / "data"
     data.mkdir()
     lines = (Path(tiny_model_dir).parent / "arith" / "train.jsonl").read_bytes().splitlines(keepends=True)
@@ -320,11 +317,11 @@ def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny
     assert f"{data / 'train.jsonl'}: line 5: not valid JSON" in out.stderr
     db = tmp_path / "other.db"
     db.write_bytes(b"some notes\n")
-    out = run_explorer(
-        write_config(tmp_path, tiny_model_dir, **{"buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"})
+    code, err = explorer_in_process(  # in this process: the same exit path as explore.py's (the process: above)
+        write_config(tmp_path, tiny_model_dir, **{"buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"}),
+        caplog,
     )
-    assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert f"{db} is not a SQLite database" in out.stderr and db.read_bytes() == b"some notes\n"
+    assert code == 2 and f"{db} is not a SQLite database" in err and db.read_bytes() == b"some notes\n"
 
 
 # --- a restart in mode both: the weights of the interrupted sync point first (sync.ExplorerSync.resume)

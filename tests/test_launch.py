@@ -272,6 +272,10 @@ def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeyp
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 @pytest.mark.slow
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, request):
+    """PostgreSQL: entered through train.py, which hands over to the launcher. SQLite: on one GPU (cluster.gpu_per_node
+    1), explorer and trainer colocated (here the CPU: the engine's sleep moves nothing); the engine sleeps before every
+    sync point and the weights come over the group through host memory. NOTE: one run for both (not a run more):
+    where the DB is and whether the GPU is shared are independent."""
     run = tmp_path / "ck" / "p" / "run"
     db = (
         f"sqlite:///{run / 'buffer' / 'exp.db'}"
@@ -281,8 +285,13 @@ def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, re
     over = {"synchronizer.sync_method": "nccl", "trainer.save_interval": 2}
     if backend == "postgresql":
         over["buffer.trainer_input.experience_buffer.path"] = db
+    else:
+        over["cluster"] = {"gpu_per_node": 1}
     config = both_config(tmp_path, tiny_model_dir, **over)
-    out = launch(config, script="train.py")  # the other documented way in: train.py hands over to the launcher
+    if backend == "postgresql":
+        out = launch(config, script="train.py")  # the other documented way in: train.py hands over to the launcher
+    else:
+        out = launch(config, env={"NANORFT_LAUNCHED": "1"})  # a pretend GPU: the pre-flight would (rightly) refuse it
     assert out.returncode == 0, out.stderr[-4000:]
     assert versions_by_step(db) == [0] * 4 + [1] * 4 + [2] * 4
     explorer = read_history(run / "monitor" / "explorer.jsonl")
@@ -304,6 +313,10 @@ def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, backend, re
     assert "[explorer] eval step 2: arith_test accuracy " in out.stderr and "rollout/reward/mean=" not in out.stderr
     steps = [line for line in out.stderr.splitlines() if "] step " in line]
     assert len(steps) >= 6 and max(map(len, steps)) <= 120, steps
+    slept = [s for s in (1, 2, 3) if f"step {s}: the engine sleeps while the trainer" in logs["explorer"]]
+    assert ("colocate: true" in (run / "config.yaml").read_text(), slept) == (
+        (True, [1, 2]) if backend == "sqlite" else (False, [])
+    )
 
 
 @pytest.mark.slow
@@ -367,25 +380,6 @@ def on_a_terminal(cmd: list[str], timeout: float = 400) -> tuple[int, str]:
     os.close(master)
     p.kill()
     return p.wait(), shown.decode("utf-8", errors="replace")
-
-
-@pytest.mark.slow
-def test_mode_both_on_one_gpu_colocates_the_hf_engine(tmp_path, tiny_model_dir):
-    """cluster.gpu_per_node 1: explorer and trainer share the GPU (here the CPU: the engine's sleep moves nothing);
-    the engine sleeps before every sync point and the weights come over the group through host memory."""
-    config = both_config(
-        tmp_path,
-        tiny_model_dir,
-        **{"synchronizer.sync_method": "nccl", "trainer.save_interval": 2, "cluster": {"gpu_per_node": 1}},
-    )
-    out = launch(config, env={"NANORFT_LAUNCHED": "1"})  # a pretend GPU: the pre-flight would (rightly) refuse it
-    assert out.returncode == 0, out.stderr[-4000:]
-    run = tmp_path / "ck" / "p" / "run"
-    assert "colocate: true" in (run / "config.yaml").read_text()
-    log = (run / "log" / "explorer.log").read_text()
-    assert [s for s in (1, 2, 3) if f"step {s}: the engine sleeps while the trainer" in log] == [1, 2]
-    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
-    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
 
 
 @pytest.mark.slow
