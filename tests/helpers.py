@@ -266,12 +266,20 @@ def run_explorer(config: Path, *args: str, **kw) -> subprocess.CompletedProcess:
     )
 
 
-def straight_and_resumed(tmp_path: Path, tiny_model_dir: str, **over) -> tuple[Path, Path, str]:
-    """Two SFT runs of 4 steps, checkpoints every 2: one straight through; one SIGKILLed after saving step 2 (it waits
-    there: sync.pause_for_test), then restarted. Returns their job directories and the restart's stderr."""
-    over = {"buffer.total_steps": 4, "trainer.save_interval": 2, **over}
-    straight = run_train(sft_config(tmp_path / "a", tiny_model_dir, **over))
-    assert straight.returncode == 0, straight.stderr[-3000:]
+STRAIGHT = {"buffer.total_steps": 4, "trainer.save_interval": 2}  # straight_and_resumed's runs
+
+
+def straight_and_resumed(
+    tmp_path: Path, tiny_model_dir: str, straight: Path | None = None, **over
+) -> tuple[Path, Path, str]:
+    """Two SFT runs of 4 steps, checkpoints every 2: one straight through (or `straight`: the job directory of one that
+    ran already, sft_config with STRAIGHT and `over`); one SIGKILLed after saving step 2 (it waits there:
+    sync.pause_for_test), then restarted. Returns their job directories and the restart's stderr."""
+    over = {**STRAIGHT, **over}
+    if straight is None:
+        out = run_train(sft_config(tmp_path / "a", tiny_model_dir, **over))
+        assert out.returncode == 0, out.stderr[-3000:]
+        straight = tmp_path / "a" / "ck" / "p" / "t"
     config = sft_config(tmp_path / "b", tiny_model_dir, **over)
     job = tmp_path / "b" / "ck" / "p" / "t"
     marker = tmp_path / "paused"  # the trainer touches it after saving step 2, then waits
@@ -302,7 +310,7 @@ def straight_and_resumed(tmp_path: Path, tiny_model_dir: str, **over) -> tuple[P
     resumed = run_train(config)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 2" in resumed.stderr
-    return tmp_path / "a" / "ck" / "p" / "t", job, resumed.stderr
+    return straight, job, resumed.stderr
 
 
 def weights(job: Path, step: int) -> dict[str, torch.Tensor]:
@@ -576,3 +584,80 @@ def explorer_in_process(config: Path, caplog) -> tuple[int, str]:
             cli(["--config", str(config)])[0], {"bench": explore.bench, "explore": explore.explore}, "explorer"
         )
     return code, caplog.text
+
+
+# --- several trainer runs in one process (or one torchrun launch)
+
+# train.py's main for each (config, stderr file) pair, in turn, in this one process (under torchrun: on each rank). The
+# exit codes go to a JSON file (rank 0's). NOTE: each run's process group rendezvouses under its own key prefix: a
+# second init on torchrun's store would read the first run's keys (stale addresses: the ranks hung in their first
+# all-reduce); and a run that stops in set-up leaves its group, which a process's exit would have ended
+TRAIN_MANY = """import json, os, sys, traceback
+sys.path.insert(0, os.getcwd())
+import torch.distributed as dist
+import train
+init, runs, codes = dist.init_process_group, [0], []
+rank = int(os.environ.get("RANK", "0"))
+def own_keys(backend, **kw):
+    if "RANK" in os.environ and "store" not in kw:
+        env = os.environ
+        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False)
+        kw.update(store=dist.PrefixStore(f"run{runs[0]}/", store), rank=rank, world_size=int(env["WORLD_SIZE"]))
+    return init(backend, **kw)
+dist.init_process_group = own_keys
+out, pairs = sys.argv[1], sys.argv[2:]
+for config, err in zip(pairs[::2], pairs[1::2]):
+    sys.stdout.flush(), sys.stderr.flush()
+    with open(err if rank == 0 else f"{err}.rank{rank}", "w") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        code = train.main(["--config", config])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stderr.flush()
+    codes.append(code)
+    runs[0] += 1
+if rank == 0:
+    open(out, "w").write(json.dumps(codes))
+sys.stdout.flush(), sys.stderr.flush()
+os._exit(0)
+"""
+
+
+def run_trains(
+    configs: list[Path], ranks: int = 0, timeout: float = 600, env: dict | None = None
+) -> list[subprocess.CompletedProcess]:
+    """run_train for each of `configs`, one after another in ONE process (ranks=0) or one torchrun launch of `ranks`
+    ranks: each run sets up (seed, process group, models), trains and closes down as train.py does, without paying
+    another start (~5 s of imports a process). Each run's exit code and stderr (rank 0's), as run_train gives them."""
+    import json
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script, codes = Path(tmp, "train_many.py"), Path(tmp, "codes.json")
+        script.write_text(TRAIN_MANY)
+        errs = [Path(tmp, f"stderr{i}.txt") for i in range(len(configs))]
+        args = [str(script), str(codes), *(str(x) for pair in zip(configs, errs) for x in pair)]
+        if ranks:
+            args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *args]
+        out = subprocess.run(
+            [sys.executable, *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        assert out.returncode == 0 and codes.is_file(), (
+            out.stderr[-3000:],
+            [e.read_text()[-2000:] for e in errs if e.is_file()],
+        )
+        return [
+            subprocess.CompletedProcess(str(c), code, "", e.read_text())
+            for c, code, e in zip(configs, json.loads(codes.read_text()), errs)
+        ]

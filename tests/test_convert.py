@@ -78,6 +78,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SHARDS = {"world2": (2, 1), "world3": (3, 1), "hybrid": (4, 2)}  # case -> (world size, replicas)
+
+
+def save_every_case(rank: int, ports: list[int], model_dir: str, root: str) -> None:
+    """Rank `rank` of each case of SHARDS it belongs to (rank < its world size), one case after another, each its
+    own gloo group (its own port): what save_rank_shards writes, into root/<case>/global_step_5/actor."""
+    for (case, (world, replicas)), port in zip(SHARDS.items(), ports):
+        if rank < world:
+            save_rank_shards(rank, world, port, model_dir, str(Path(root, case, "global_step_5", "actor")), replicas)
+
+
+@pytest.fixture(scope="module")
+def rank_shards(tmp_path_factory, tiny_model_dir) -> Path:
+    """The folder of each case of SHARDS (<case>/global_step_5/actor: the ranks' files, and the model's config and
+    tokenizer in huggingface/), written by ONE set of 4 processes (4 process starts, not 2 + 3 + 4)."""
+    root = tmp_path_factory.mktemp("shards")
+    for case in SHARDS:
+        (root / case / "global_step_5" / "actor").mkdir(parents=True)
+    ports = [free_port() for _ in SHARDS]
+    world = max(w for w, _ in SHARDS.values())
+    mp.spawn(save_every_case, args=(ports, tiny_model_dir, str(root)), nprocs=world, join=True)
+    for case in SHARDS:
+        actor = root / case / "global_step_5" / "actor"
+        shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    return root
+
+
 def merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world: int) -> None:
     """The shards in `actor` convert to the tiny model's exact weights; without rank 1's file, a named error."""
     convert(actor, tmp_path / "hf")
@@ -92,25 +119,21 @@ def merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, wo
 
 @pytest.mark.parametrize("world", [2, 3])  # 3: uneven shards (the hidden size is not a multiple of 3)
 @pytest.mark.slow
-def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, world):
-    actor = tmp_path / "global_step_5" / "actor"
-    actor.mkdir(parents=True)
-    mp.spawn(save_rank_shards, args=(world, free_port(), tiny_model_dir, str(actor)), nprocs=world, join=True)
-    shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+def test_fsdp_rank_shards_merge_into_the_exact_model(tmp_path, tiny_model_dir, world, rank_shards):
+    actor = rank_shards / f"world{world}" / "global_step_5" / "actor"
+    assert sorted(p.name for p in actor.glob("*.pt")) == [f"model_world_size_{world}_rank_{r}.pt" for r in range(world)]
     merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world)
 
 
 @pytest.mark.slow
-def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model_dir):
+def test_hybrid_sharding_2d_mesh_merges_from_the_first_copy(tmp_path, tiny_model_dir, rank_shards):
     """fsdp_size < world size (veRL / Trinity's hybrid sharding): a (ddp, fsdp) mesh of 2 x 2 ranks saved with
     (Replicate, Shard(0)); the first 2 ranks' files make the exact model; the replica's files are not needed.
     (Uneven shards: the 1-D test's world 3; the same concatenation.)"""
     fsdp = 2
     world = 2 * fsdp
-    actor = tmp_path / "global_step_5" / "actor"
-    actor.mkdir(parents=True)
-    mp.spawn(save_rank_shards, args=(world, free_port(), tiny_model_dir, str(actor), 2), nprocs=world, join=True)
-    shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))
+    assert SHARDS["hybrid"] == (world, 2)
+    actor = rank_shards / "hybrid" / "global_step_5" / "actor"
     for r in range(fsdp, world):  # the second copy
         (actor / f"model_world_size_{world}_rank_{r}.pt").unlink()
     merges_exactly_then_names_a_missing_rank(actor, tmp_path, tiny_model_dir, world)

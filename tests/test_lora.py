@@ -30,13 +30,14 @@ from configs import Config, ConfigError, cli, from_dict, normalize, resolve_stag
 from configs.schema import LoRAConfig, OptimizerConfig, TrainerConfig
 from helpers import (
     ROOT,
+    STRAIGHT,
     both_config,
     experiences,
     launch,
     plain_logprobs,
     rollout_logprob_gap,
     run_explorer,
-    run_train,
+    run_trains,
     sft_config,
     straight_and_resumed,
     versions_by_step,
@@ -290,14 +291,44 @@ def adapter_of(job: Path, step: int) -> dict[str, torch.Tensor]:
     return safetensors.torch.load_file(job / f"global_step_{step}/actor/lora_adapter/adapter_model.safetensors")
 
 
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """name -> (job directory, exit code and stderr) of the LoRA SFT runs of the slow tests below: those of one rank
+    in ONE train.py process, in this order, and the one of two ranks in a torchrun launch (helpers.run_trains):
+    "saved" (2 steps, a checkpoint each), "saved_full" (the same run directory, 3 steps, no LoRA: refused), "bench"
+    (as "saved"), "straight" (STRAIGHT: straight_and_resumed's) and "ranks0" / "ranks2" (as "saved")."""
+    tmp = tmp_path_factory.mktemp("lora")
+    saved_ck = str(tmp / "saved" / "ck")
+    runs = {
+        "saved": ({**LORA, "trainer.save_interval": 1}, 0),
+        "saved_full": ({"buffer.total_steps": 3, "checkpoint_root_dir": saved_ck}, 0),
+        "bench": ({**LORA, "trainer.save_interval": 1}, 0),
+        "straight": ({**LORA, **STRAIGHT}, 0),
+        "ranks0": (LORA, 0),
+        "ranks2": (LORA, 2),
+    }
+    out = {}
+    for ranks in (0, 2):
+        names = [n for n, (_, r) in runs.items() if r == ranks]
+        configs = [sft_config(tmp / n, tiny_model_dir, **runs[n][0]) for n in names]
+        for name, result in zip(names, run_trains(configs, ranks=ranks)):
+            out[name] = Path(runs[name][0].get("checkpoint_root_dir", tmp / name / "ck")) / "p" / "t", result
+    return out
+
+
+def finished(runs: dict, name: str) -> Path:
+    """The job directory of the run `name` of `runs`, which ended well."""
+    job, out = runs[name]
+    assert out.returncode == 0, (name, out.stderr[-3000:])
+    return job
+
+
 @pytest.mark.slow
-def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model_dir):
+def test_checkpoints_hold_the_adapter_that_plain_peft_loads(lora_runs, tiny_model_dir):
     """global_step_N/actor/lora_adapter in peft's format and the adapter's optimizer state, listed in the manifest;
     the merged HF folder only where the step was published (the last); PeftModel.from_pretrained(base, adapter)
-    gives that folder's logits."""
-    out = run_train(sft_config(tmp_path, tiny_model_dir, **LORA, **{"trainer.save_interval": 1}))
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = tmp_path / "ck" / "p" / "t"
+    gives that folder's logits. The same run continued without LoRA ("saved_full"): refused by name."""
+    job = finished(lora_runs, "saved")
     one, two = job / "global_step_1" / "actor", job / "global_step_2" / "actor"
     assert {p.name for p in one.iterdir()} == {
         "lora_adapter",
@@ -328,8 +359,8 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model
     assert set(merged) == set(base) and torch.equal(
         merged["model.embed_tokens.weight"], base["model.embed_tokens.weight"]
     )
-    full = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3}))  # the same run, no LoRA
-    assert (
+    full_job, full = lora_runs["saved_full"]  # the same run, no LoRA
+    assert full_job == job and (
         full.returncode == 2
         and "checkpoint step 2 of" in full.stderr
         and "was written with LoRA and model.lora_configs is empty: resume with the config it was written with"
@@ -338,10 +369,11 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(tmp_path, tiny_model
 
 
 @pytest.mark.slow
-def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir):
+def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir, lora_runs):
     """SIGKILL after the step-2 checkpoint, restart from base + the step-2 adapter: step 4's adapter, optimizer
     state and published weights equal an uninterrupted run's bitwise."""
-    straight, resumed, stderr = straight_and_resumed(tmp_path, tiny_model_dir, **LORA)
+    straight = finished(lora_runs, "straight")
+    straight, resumed, stderr = straight_and_resumed(tmp_path, tiny_model_dir, straight=straight, **LORA)
     assert "LoRA (" in stderr and "lora_adapter" in stderr  # the restart loaded the checkpoint's adapter
     for name in ("lora_adapter/adapter_model.safetensors", "optimizer.safetensors", "huggingface/model.safetensors"):
         a, b = (safetensors.torch.load_file(job / "global_step_4" / "actor" / name) for job in (straight, resumed))
@@ -351,12 +383,9 @@ def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_two_fsdp_ranks_train_the_adapter_as_one_does(tmp_path, tiny_model_dir):
-    final = {}
-    for ranks in (0, 2):
-        out = run_train(sft_config(tmp_path / str(ranks), tiny_model_dir, **LORA), ranks=ranks)
-        assert out.returncode == 0, out.stderr[-3000:]
-        final[ranks] = adapter_of(tmp_path / str(ranks) / "ck" / "p" / "t", 2)
+def test_two_fsdp_ranks_train_the_adapter_as_one_does(lora_runs):
+    final = {ranks: adapter_of(finished(lora_runs, f"ranks{ranks}"), 2) for ranks in (0, 2)}
+    assert (lora_runs["ranks2"][0] / "global_step_2" / "actor" / "rng_state_rank1.safetensors").is_file()  # 2 ranks
     b = [k for k in final[0] if ".lora_B." in k]
     moved = max(final[0][k].abs().max().item() for k in b)  # B starts at 0
     assert moved > 1e-3
@@ -455,12 +484,11 @@ def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_mo
 
 
 @pytest.mark.slow
-def test_bench_evaluates_adapter_only_checkpoints_merged(tmp_path, tiny_model_dir):
+def test_bench_evaluates_adapter_only_checkpoints_merged(lora_runs, tiny_model_dir):
     """Bench mode on a LoRA run: step 1's checkpoint holds the adapter alone, step 2's the merged folder too; both are
     evaluated, step 1 as model.model_path + its adapter (merged in a temporary folder, gone afterwards)."""
-    out = run_train(sft_config(tmp_path, tiny_model_dir, **LORA, **{"trainer.save_interval": 1}))
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = tmp_path / "ck" / "p" / "t"
+    job = finished(lora_runs, "bench")
+    tmp_path = job.parents[2]  # the run's folder: the explorer's config next to the trainer's
     adapter = job / "global_step_1" / "actor" / "lora_adapter"
     assert not (adapter.parent / "huggingface").exists()
     config = write_config(tmp_path, tiny_model_dir, name="t")

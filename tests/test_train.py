@@ -28,12 +28,14 @@ from algos import ADVANTAGE_FNS
 from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from helpers import (
+    STRAIGHT,
     both_config,
     experiences,
     launch,
     mlflow_runs,
     plain_logprobs,
     run_train,
+    run_trains,
     sft_config,
     straight_and_resumed,
     weights,
@@ -295,50 +297,117 @@ def test_learning_rate_warmup_and_cosine():
     )  # half way: the cosine's midpoint
 
 
-# --- whole runs
+# --- whole runs: the slow tests' trainer runs, in two launches
+
+# the runs of test_micro_batches_and_fsdp_ranks_give_the_same_update, for each loss_agg_mode: name -> (keys, ranks)
+AGG_RUNS = {
+    "one": ({"trainer.max_token_len_per_gpu": 100000}, 0),
+    "many": ({"trainer.max_token_len_per_gpu": 200}, 0),
+    "many_padded": ({"trainer.max_token_len_per_gpu": 200, "trainer.use_remove_padding": False}, 0),
+    "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2),
+}
+PPO_EPOCHS = {"buffer.total_steps": 1, "trainer.ppo_epochs": 2, "trainer.ppo_mini_batch_size": 4}
+THREE_STEPS = {"buffer.total_steps": 3, "trainer.save_interval": 1}
+
+
+def from_db(db: Path, algorithm: dict, **over) -> dict:
+    """sft_config's keys for a one-step run of `algorithm` on the 4 experiences of grpo_db's DB `db`."""
+    queue = {"name": "exp", "storage_type": "queue", "path": f"sqlite:///{db}", "max_read_timeout": 5}
+    return {
+        "algorithm": algorithm,
+        "buffer.train_batch_size": 4,
+        "buffer.total_steps": 1,
+        "buffer.trainer_input.experience_buffer": queue,
+        **over,
+    }
+
+
+def slow_runs(tmp: Path, tiny_model_dir: str) -> dict[str, tuple[dict, int]]:
+    """name -> (sft_config's keys, ranks) of each whole trainer run the slow tests below read; the experience DBs they
+    read, written into `tmp`."""
+    runs = {
+        f"{mode}/{name}": ({**over, "algorithm.loss_agg_mode": mode}, ranks)
+        for mode in AGG_MODES
+        for name, (over, ranks) in AGG_RUNS.items()
+    }
+    runs["token-mean/recompute"] = (
+        {"trainer.max_token_len_per_gpu": 100000, "trainer.gradient_checkpointing": True},
+        0,
+    )
+    runs |= {"ppo_epochs/0": (PPO_EPOCHS, 0), "ppo_epochs/2": (PPO_EPOCHS, 2), "straight": (STRAIGHT, 0)}
+    runs["damaged"] = (THREE_STEPS, 0)
+    tok = load_tokenizer(tiny_model_dir)
+    for name in ("grpo", "step_wise/rows", "step_wise/record"):  # their DBs: tmp/<name>/exp.db
+        (tmp / name).mkdir(parents=True)
+        grpo_db(tmp / name / "exp.db", tok, explorer="grpo_explorer" if name.startswith("step_wise") else "")
+    grpo = {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-2}}
+    runs["grpo"] = (from_db(tmp / "grpo" / "exp.db", grpo), 0)
+    for case in ("rows", "record"):  # the step-wise trainer's DBs: without and with the explorer's record
+        db = tmp / "step_wise" / case / "exp.db"
+        if case == "record":
+            with ExperienceDB(f"sqlite:///{db}") as d:
+                d.check_advantages("the trainer", "explorer grpo_explorer")  # what explore.set_up stores
+        runs[f"step_wise/{case}"] = (
+            from_db(db, {"algorithm_type": "multi_step_grpo", "repeat_times": 4}, name=case),
+            0,
+        )
+    empty = {"name": "exp", "storage_type": "queue", "max_read_timeout": 7}
+    grpo = {"algorithm_type": "grpo", "repeat_times": 2}
+    runs["no_experiences"] = ({"algorithm": grpo, "buffer.trainer_input.experience_buffer": empty}, 0)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """name -> (job directory, exit code and stderr) of each of slow_runs: those of one rank in ONE train.py process,
+    those of two ranks in ONE torchrun launch (helpers.run_trains: each run sets up and closes down as its own process
+    would; ~0.7 s a run instead of a process start's ~5 s, or a torchrun launch's ~15 s)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    runs, out = slow_runs(tmp, tiny_model_dir), {}
+    for ranks in (0, 2):
+        names = [n for n, (_, r) in runs.items() if r == ranks]
+        configs = [sft_config(tmp / n, tiny_model_dir, **runs[n][0]) for n in names]
+        for name, result in zip(names, run_trains(configs, ranks=ranks)):
+            out[name] = tmp / name / "ck" / "p" / runs[name][0].get("name", "t"), result
+    return out
+
+
+def finished(trained: dict, name: str) -> Path:
+    """The job directory of the run `name` of `trained`, which ended well."""
+    job, out = trained[name]
+    assert out.returncode == 0, (name, out.stderr[-3000:])
+    return job
 
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 @pytest.mark.slow
-def test_micro_batches_and_fsdp_ranks_give_the_same_update(tmp_path, tiny_model_dir, mode):
+def test_micro_batches_and_fsdp_ranks_give_the_same_update(trained, tiny_model_dir, mode):
     """Gradient accumulation is scaled right for every loss_agg_mode: one micro-batch, many small micro-batches
     (packed, or padded rows without packing), two FSDP2 ranks and activation checkpointing all end at the same
     weights (up to float rounding, far below the size of the update)."""
-    runs = {
-        "one": ({"trainer.max_token_len_per_gpu": 100000}, 0),
-        "many": ({"trainer.max_token_len_per_gpu": 200}, 0),
-        "many_padded": ({"trainer.max_token_len_per_gpu": 200, "trainer.use_remove_padding": False}, 0),
-        "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2),
-    }
-    if mode == "token-mean":
-        runs["recompute"] = ({"trainer.max_token_len_per_gpu": 100000, "trainer.gradient_checkpointing": True}, 0)
-    final = {}
-    for name, (over, ranks) in runs.items():
-        config = sft_config(tmp_path / name, tiny_model_dir, **over, **{"algorithm.loss_agg_mode": mode})
-        out = run_train(config, ranks=ranks)
-        assert out.returncode == 0, out.stderr[-3000:]
-        final[name] = weights(tmp_path / name / "ck" / "p" / "t", 2)
+    runs = [f"{mode}/{name}" for name in AGG_RUNS] + (["token-mean/recompute"] if mode == "token-mean" else [])
+    final = {name: weights(finished(trained, name), 2) for name in runs}
+    two = trained[f"{mode}/ranks2"][0] / "global_step_2" / "actor"
+    assert (two / "rng_state_rank1.safetensors").is_file()  # it did run on 2 ranks (run_trains under torchrun)
+    one = final[f"{mode}/one"]
     start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
-    moved = max((final["one"][k] - start[k]).abs().max().item() for k in start)
+    moved = max((one[k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-3  # two AdamW steps at lr 1e-3 move the weights by about 2e-3
-    for other in set(runs) - {"one"}:
-        diff = max((final[other][k] - final["one"][k]).abs().max().item() for k in start)
+    for other in set(runs) - {f"{mode}/one"}:
+        diff = max((final[other][k] - one[k]).abs().max().item() for k in start)
         assert diff < moved / 100, (other, diff, moved)
-    history = read_history(tmp_path / "many" / "ck" / "p" / "t" / "monitor" / "trainer.jsonl")
+    history = read_history(trained[f"{mode}/many"][0] / "monitor" / "trainer.jsonl")
     assert [r["step"] for r in history] == [1, 2] and history[1]["actor/sft_loss"] < history[0]["actor/sft_loss"]
 
 
 @pytest.mark.slow
-def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(tmp_path, tiny_model_dir):
+def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(trained, tiny_model_dir):
     """ppo_epochs 2 over 2 mini-batches of 4 of the step's 8 experiences: a plain process and torchrun with two FSDP2
     ranks make the same 4 AdamW steps on the same mini-batches, and end at the same weights (each rank used to cut its
     own share into mini-batches: 2 ranks trained other mini-batches than 1)."""
-    over = {"buffer.total_steps": 1, "trainer.ppo_epochs": 2, "trainer.ppo_mini_batch_size": 4}
     final = {}
     for ranks in (0, 2):
-        out = run_train(sft_config(tmp_path / f"ranks{ranks}", tiny_model_dir, **over), ranks=ranks)
-        assert out.returncode == 0, out.stderr[-3000:]
-        job = tmp_path / f"ranks{ranks}" / "ck" / "p" / "t"
+        job = finished(trained, f"ppo_epochs/{ranks}")
         final[ranks] = weights(job, 1)
         optimizer = safetensors.torch.load_file(job / "global_step_1" / "actor" / "optimizer.safetensors")
         assert {v.item() for k, v in optimizer.items() if k.endswith("/step")} == {4.0}
@@ -349,10 +418,8 @@ def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(
 
 
 @pytest.mark.slow
-def test_checkpoint_layout_and_plain_transformers_load(tmp_path, tiny_model_dir):
-    out = run_train(sft_config(tmp_path, tiny_model_dir, **{"trainer.save_interval": 1}))
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = tmp_path / "ck" / "p" / "t"
+def test_checkpoint_layout_and_plain_transformers_load(trained, tiny_model_dir):
+    job = finished(trained, "token-mean/one")  # 2 steps, a checkpoint each (sft_config's save_interval 1)
     assert (job / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     assert (job / "latest_state_dict_iteration.txt").read_text().strip() == "2"
     assert json.loads((job / "trainer_meta.json").read_text())["latest_iteration"] == 2
@@ -412,10 +479,10 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
 
 
 @pytest.mark.slow
-def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir):
+def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir, trained):
     """SIGKILL after the step-2 checkpoint, restart: the final weights equal an uninterrupted run's bitwise
     (model, optimizer, data position and RNG all restored)."""
-    straight, resumed, _ = straight_and_resumed(tmp_path, tiny_model_dir)
+    straight, resumed, _ = straight_and_resumed(tmp_path, tiny_model_dir, straight=finished(trained, "straight"))
     a, b = weights(straight, 4), weights(resumed, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -454,28 +521,11 @@ def response_logprob(model, tokenizer, answer: str) -> float:
 
 
 @pytest.mark.slow
-def test_grpo_step_hand_checked_and_moves_probability_toward_reward(tmp_path, tiny_model_dir):
+def test_grpo_step_hand_checked_and_moves_probability_toward_reward(trained, tiny_model_dir):
+    """One GRPO step on grpo_db's group (slow_runs' "grpo": lr 1e-2)."""
     tok = load_tokenizer(tiny_model_dir)
-    db = tmp_path / "exp.db"
-    grpo_db(db, tok)
-    config = sft_config(
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "algorithm": {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-2}},
-            "buffer.train_batch_size": 4,
-            "buffer.total_steps": 1,
-            "buffer.trainer_input.experience_buffer": {
-                "name": "exp",
-                "storage_type": "queue",
-                "path": f"sqlite:///{db}",
-                "max_read_timeout": 5,
-            },
-        },
-    )
-    out = run_train(config)
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = tmp_path / "ck" / "p" / "t"
+    job = finished(trained, "grpo")
+    db = job.parents[2] / "exp.db"  # slow_runs wrote it next to the run's config
     [m] = read_history(job / "monitor" / "trainer.jsonl")
     # rewards [1, 0, 1, 0]: mean 0.5, unbiased std 0.5774 -> advantages +-0.866
     assert abs(m["critic/advantages/max"] - 0.8660) < 1e-3 and abs(m["critic/advantages/min"] + 0.8660) < 1e-3
@@ -622,36 +672,14 @@ def test_kl_penalty_and_overlong_shaping_hand_checked_against_the_db(settings_ru
 
 
 @pytest.mark.slow
-def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(tmp_path, tiny_model_dir):
+def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(trained):
     """A trainer of multi_step_grpo (step_wise_grpo: advantages computed in the explorer) on experiences without
     stored advantages (an explorer whose config has grpo wrote them; the DB recorded nothing of it, as a DB of an
     earlier nanorft): a named error with the explorer's name at the first step, no traceback (it raised a bare
     ValueError). With the DB's record (every explorer stores where its advantages come from), the trainer is
-    refused at start, before any model is loaded."""
-    tok = load_tokenizer(tiny_model_dir)
+    refused at start, before any model is loaded (slow_runs' "step_wise/rows" and "step_wise/record")."""
     for case in ("rows", "record"):
-        db = tmp_path / f"{case}.db"
-        grpo_db(db, tok, explorer="grpo_explorer")
-        if case == "record":
-            with ExperienceDB(f"sqlite:///{db}") as d:
-                d.check_advantages("the trainer", "explorer grpo_explorer")  # what explore.set_up stores
-        config = sft_config(
-            tmp_path,
-            tiny_model_dir,
-            **{
-                "algorithm": {"algorithm_type": "multi_step_grpo", "repeat_times": 4},
-                "buffer.train_batch_size": 4,
-                "buffer.total_steps": 1,
-                "name": case,
-                "buffer.trainer_input.experience_buffer": {
-                    "name": "exp",
-                    "storage_type": "queue",
-                    "path": f"sqlite:///{db}",
-                    "max_read_timeout": 5,
-                },
-            },
-        )
-        out = run_train(config)
+        job, out = trained[f"step_wise/{case}"]
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
         if case == "rows":
             assert (
@@ -664,68 +692,36 @@ def test_a_step_wise_trainer_names_the_explorers_whose_rows_carry_no_advantages(
                 "the advantages of this DB's experiences come from the trainer (stored by explorer "
                 "grpo_explorer), and the trainer has them from the explorer: step_wise_grpo {"
             ) in out.stderr
-            assert not (tmp_path / "ck" / "p" / case / "global_step_1").exists()
+            assert job.name == case and job.parent.is_dir() and not (job / "global_step_1").exists()
 
 
-def test_a_set_up_failure_ends_the_mlflow_run_as_failed(tmp_path, tiny_model_dir):
+def test_a_set_up_failure_ends_the_mlflow_run_as_failed(quick_runs):
     """The trainer opens its monitor first (its log file gets set-up's records), and with monitor_type mlflow that
     creates the run; a set-up refusal (a DB of another model) then ended the process with the run still RUNNING.
     It ends FAILED (launch.run_in_process closes what a stage left open)."""
-    db = tmp_path / "exp.db"
-    with ExperienceDB(f"sqlite:///{db}") as d:
-        d.check_identity({"model_type": "llama"}, "another explorer")
-    config = sft_config(
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
-            "monitor.monitor_type": "mlflow",
-            "buffer.trainer_input.experience_buffer": {
-                "name": "exp",
-                "storage_type": "queue",
-                "path": f"sqlite:///{db}",
-            },
-        },
-    )
-    uri = (tmp_path / "mlruns").as_uri()
-    out = subprocess.run(
-        [sys.executable, "train.py", "--config", str(config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NANORFT_LAUNCHED": "1", "MLFLOW_TRACKING_URI": uri},
-    )
+    job, out = quick_runs["mlflow"]
+    uri = (job.parents[2] / "mlruns").as_uri()
     assert out.returncode == 2 and "written for another model or tokenizer" in out.stderr, out.stderr[-2000:]
     assert mlflow_runs(uri) == {"t_trainer": "FAILED"}
 
 
 @pytest.mark.slow
-def test_trainer_without_experiences_stops_with_a_clear_message(tmp_path, tiny_model_dir):
-    config = sft_config(
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
-            "buffer.trainer_input.experience_buffer": {"name": "exp", "storage_type": "queue", "max_read_timeout": 7},
-        },
-    )
-    out = run_train(config)
+def test_trainer_without_experiences_stops_with_a_clear_message(trained):
+    """slow_runs' "no_experiences": a GRPO trainer on an empty DB, max_read_timeout 7 s."""
+    job, out = trained["no_experiences"]
     assert out.returncode == 1
     assert "train step 1: waiting for experiences: 0 of 8 ready after 5 s" in out.stderr  # the note while waiting
     assert (
         "no full batch for train step 1 after 7 s (buffer.trainer_input.experience_buffer.max_read_timeout); "
         "explorers: none has written to this DB yet. Stopping"
     ) in out.stderr
-    with ExperienceDB(f"sqlite:///{tmp_path / 'ck' / 'p' / 't' / 'buffer' / 'exp.db'}") as d:
+    with ExperienceDB(f"sqlite:///{job / 'buffer' / 'exp.db'}") as d:
         assert json.loads(d.get_meta("trainer"))["status"] == "stopped" and d.counts()["claims"] == 0
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path, tiny_model_dir, caplog):
-    out = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3, "trainer.save_interval": 1}))
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = tmp_path / "ck" / "p" / "t"
+def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(trained, tiny_model_dir, caplog):
+    job = finished(trained, "damaged")  # slow_runs': 3 steps, a checkpoint each
     manifest = json.loads((job / "global_step_3" / "manifest.json").read_text())
     assert {
         "actor/huggingface/model.safetensors",
@@ -743,7 +739,7 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(tmp_path
     assert "global_step_2/actor/optimizer.safetensors is missing" in caplog.text
     assert "resuming from checkpoint step 1, the newest undamaged one (not 3)" in caplog.text
     assert weights_3.is_file() and (job / "global_step_2").is_dir()  # nothing deleted
-    resumed = run_train(sft_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 3, "trainer.save_interval": 1}))
+    resumed = run_train(job.parents[2] / "train.yaml")  # its config again
     assert resumed.returncode == 0 and "resumed from checkpoint step 1" in resumed.stderr, resumed.stderr[-3000:]
     assert checkpoint.latest_checkpoint(job) == 3  # steps 2 and 3 written again, whole
     for step in (1, 2, 3):  # every one damaged: a named error, not a silent fresh start
@@ -826,22 +822,46 @@ def test_damaged_pointers_manifests_and_renamed_folders_are_named(tmp_path, case
     assert manifest.is_file() and manifest2.exists()
 
 
-def test_a_trainer_with_a_garbage_pointer_stops_with_a_named_error_in_its_log(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """name -> (job directory, exit code and stderr) of the quick tests' trainer runs, in ONE train.py process
+    (helpers.run_trains): 3 steps keeping 2 checkpoints; one resuming from a garbage pointer; one whose model folder
+    is gone; one refused at set-up (a DB of another model) with monitor_type mlflow."""
+    tmp = tmp_path_factory.mktemp("quick")
+    (tmp / "garbage" / "ck" / "p" / "t").mkdir(parents=True)
+    (tmp / "garbage" / "ck" / "p" / "t" / checkpoint.CKPT_POINTER).write_text("abc\n")
+    (tmp / "mlflow").mkdir()
+    with ExperienceDB(f"sqlite:///{tmp / 'mlflow' / 'exp.db'}") as d:
+        d.check_identity({"model_type": "llama"}, "another explorer")
+    runs = {
+        "max_checkpoints": {**THREE_STEPS, "trainer.max_checkpoints_to_keep": 2},
+        "garbage": {},
+        "gone": {"model.model_path": str(tmp / "gone" / "moved_away")},
+        "mlflow": {  # last: the only run with an mlflow monitor
+            "algorithm": {"algorithm_type": "grpo", "repeat_times": 2},
+            "monitor.monitor_type": "mlflow",
+            "buffer.trainer_input.experience_buffer": {
+                "name": "exp",
+                "storage_type": "queue",
+                "path": f"sqlite:///{tmp / 'mlflow' / 'exp.db'}",
+            },
+        },
+    }
+    configs = [sft_config(tmp / name, tiny_model_dir, **over) for name, over in runs.items()]
+    outs = run_trains(configs, env={"MLFLOW_TRACKING_URI": (tmp / "mlflow" / "mlruns").as_uri()})
+    return {name: (tmp / name / "ck" / "p" / "t", out) for name, out in zip(runs, outs)}
+
+
+def test_a_trainer_with_a_garbage_pointer_stops_with_a_named_error_in_its_log(quick_runs):
     """The role log opens first: the error of set-up (here: resuming) is in log/trainer.log too."""
-    job = tmp_path / "ck" / "p" / "t"
-    job.mkdir(parents=True)
-    (job / checkpoint.CKPT_POINTER).write_text("abc\n")
-    out = run_train(sft_config(tmp_path, tiny_model_dir))
+    job, out = quick_runs["garbage"]
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     says = f"{job / checkpoint.CKPT_POINTER}: holds 'abc', not a step number"
     assert says in out.stderr and says in (job / "log" / "trainer.log").read_text()
 
 
-def test_max_checkpoints_to_keep_prunes_the_oldest(tmp_path, tiny_model_dir):
-    over = {"buffer.total_steps": 3, "trainer.save_interval": 1, "trainer.max_checkpoints_to_keep": 2}
-    out = run_train(sft_config(tmp_path, tiny_model_dir, **over))
-    assert out.returncode == 0, out.stderr[-3000:]
-    job = tmp_path / "ck" / "p" / "t"
+def test_max_checkpoints_to_keep_prunes_the_oldest(quick_runs):
+    job = finished(quick_runs, "max_checkpoints")  # 3 steps, a checkpoint each, 2 kept
     assert sorted(checkpoint.checkpoint_steps(job)) == [2, 3] and checkpoint.latest_checkpoint(job) == 3
 
 
@@ -1008,11 +1028,11 @@ def test_a_full_or_failing_disk_while_publishing_is_named_and_the_explorers_weig
     assert load_model(str(tmp_path / "global_step_1" / "actor" / "huggingface")) is not None
 
 
-def test_a_launched_trainer_whose_model_folder_is_gone_stops_with_a_named_error(tmp_path, tiny_model_dir):
+def test_a_launched_trainer_whose_model_folder_is_gone_stops_with_a_named_error(quick_runs):
     """The launcher's pre-flight found the folder; a launched trainer (which skips it) finds it gone: one named line
     and exit 2, not transformers' traceback (which takes a missing folder for a malformed hub id)."""
-    gone = tmp_path / "moved_away"
-    out = run_train(sft_config(tmp_path, tiny_model_dir, **{"model.model_path": str(gone)}))
+    job, out = quick_runs["gone"]
+    gone = job.parents[2] / "moved_away"
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert (
         f"trainer of stage t stops: cannot load a model from {gone}: {gone} does not exist; fix the key that "
