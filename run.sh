@@ -69,8 +69,9 @@ fi
 if [ "${1:-}" = "test" ]; then
   setup "$TEST_EXTRAS"
   shift
-  # one pytest-xdist worker per core, each taking the next test when it is free (-n 0: in this process alone)
-  exec "$PY" -m pytest -q -n auto --dist worksteal "$@"
+  # one pytest-xdist worker per core, each taking the next test when it is free, the tests that share a module-scoped
+  # fixture on one worker (tests/conftest.py; -n 0: in this process alone)
+  exec "$PY" -m pytest -q -n auto --dist loadgroup "$@"
 fi
 setup ""
 CONFIG="${1:-configs/tiny.yaml}"

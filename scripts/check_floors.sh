@@ -22,7 +22,7 @@ FLOORS=(
 "$PY" -m pip install -q --disable-pip-version-check --no-deps -e .
 "$PY" -m pip check
 "$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy|fastapi|uvicorn|openai|pydantic|mlflow-skinny|protobuf|psycopg|psycopg-binary|peft) "
-exec "$PY" -m pytest -q -p no:cacheprovider -n auto --dist worksteal \
+exec "$PY" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup \
   tests/test_config.py tests/test_config_keys.py tests/test_workflows.py tests/test_engines.py tests/test_tasksets.py \
   tests/test_train.py tests/test_monitor.py tests/test_launch.py tests/test_openai_api.py tests/test_buffer_db.py \
   tests/test_lora.py -x "$@"

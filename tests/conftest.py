@@ -21,6 +21,31 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
+def pytest_collection_modifyitems(config, items):
+    """Tests that share a module-scoped fixture (one run several tests read, an engine) get one xdist_group, so that
+    `--dist loadgroup` (`bash run.sh test`) runs them on one worker and the fixture is paid once, not once per worker
+    (tests linked through a chain of such fixtures share the group)."""
+    uses = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        names = [n for n, defs in (info.name2fixturedefs.items() if info else []) if defs[-1].scope == "module"]
+        uses[item] = [f"{item.module.__name__}::{n}" for n in names]
+    group = {}  # fixture -> its group's representative (union-find)
+
+    def find(x):
+        while group.setdefault(x, x) != x:
+            x = group[x]
+        return x
+
+    for names in uses.values():
+        for n in names[1:]:
+            group[find(n)] = find(names[0])
+    for item, names in uses.items():
+        if names:
+            item.add_marker(pytest.mark.xdist_group(find(names[0])))
+
+
 @pytest.fixture(autouse=True)
 def fresh_config_warnings():
     """configs/checks.py says each warning once per process; each test is a fresh start (caplog sees it)."""

@@ -330,14 +330,14 @@ def test_run_sh_sets_up_with_posix_tools_only(tmp_path, machine):
     assert out.returncode == 0, out.stdout + out.stderr
     calls = record.read_text().splitlines()
     pip = "-m pip install -q --disable-pip-version-check"
-    assert calls[-1] == "-m pytest -q -n auto --dist worksteal -k x"
+    assert calls[-1] == "-m pytest -q -n auto --dist loadgroup -k x"
     assert (f"{pip} torch==2.13.0" in calls) == (machine != "cuda") and f"{pip} -e .[{extras}]" in calls
     assert ("-m pip uninstall -q -y torchvision torchaudio torchcodec" in calls) == (machine == "linux")
     (stamp,) = (repo / ".venv").glob(".setup-*")
     assert stamp.name != ".setup-0123456789abcdef" and stamp.read_text() == extras + "\n"
     record.unlink()
     assert (
-        run_sh(repo, bin_, "test").returncode == 0 and record.read_text() == "-m pytest -q -n auto --dist worksteal\n"
+        run_sh(repo, bin_, "test").returncode == 0 and record.read_text() == "-m pytest -q -n auto --dist loadgroup\n"
     )
     record.unlink()
     assert run_sh(repo, bin_).returncode == 0
