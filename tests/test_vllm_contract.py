@@ -30,6 +30,7 @@ from models import load_model, load_tokenizer
 from openai_api import OpenAIServer
 
 KINDS = ["vllm", "vllm_async"]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rollout_model(kind: str, **over) -> InferenceModelConfig:
@@ -52,25 +53,35 @@ def rollout_model(kind: str, **over) -> InferenceModelConfig:
 
 @pytest.fixture(scope="module")
 def real_pools(tiny_model_dir):
-    """kind -> the module's real engine pool, started at its first use, closed at the end of the module."""
+    """kind -> the module's real engine pool, started at its first use, closed at the end of the module; and what the
+    "vllm" pool answered at its start (`answers`), on the base weights."""
     real_vllm()
-    pools = {}
+    pools, fresh = {}, {}
 
     def pool(kind: str) -> vllm_engine.EnginePool:
         if kind not in pools:
             pools[kind] = make_engine(rollout_model(kind), tiny_model_dir, 256)
+            if kind == "vllm":
+                fresh[kind] = answers(pools[kind], prompts(tiny_model_dir))
         return pools[kind]
 
-    yield pool
+    def started() -> list[list[list]]:
+        pool("vllm")
+        return fresh["vllm"]
+
+    yield pool, started
     for p in pools.values():
         p.close()
 
 
 @pytest.fixture(params=["fake", "real"])
 def backend(request, monkeypatch, tiny_model_dir):
-    """.pool(kind): the engine pool of this backend; .name: "fake" or "real"."""
+    """.pool(kind): the engine pool of this backend; .name: "fake" or "real"; .fresh(): what the "vllm" pool answers
+    (`answers`) as it starts, on the base weights (the real one's, recorded at its start; the fake's pools start
+    with each test, so that a test asks before it changes their weights)."""
     if request.param == "real":
-        yield SimpleNamespace(name="real", pool=request.getfixturevalue("real_pools"))
+        pool, fresh = request.getfixturevalue("real_pools")
+        yield SimpleNamespace(name="real", pool=pool, fresh=fresh)
         return
     use_fake_vllm(monkeypatch)
     pools = {}
@@ -80,7 +91,7 @@ def backend(request, monkeypatch, tiny_model_dir):
             pools[kind] = make_engine(rollout_model(kind), tiny_model_dir, 256)
         return pools[kind]
 
-    yield SimpleNamespace(name="fake", pool=pool)
+    yield SimpleNamespace(name="fake", pool=pool, fresh=lambda: answers(pool("vllm"), prompts(tiny_model_dir)))
     for p in pools.values():
         p.close()
 
@@ -99,6 +110,14 @@ def gap(model: torch.nn.Module, prompt: list[int], samples: list, temperature: f
         .item()
         for c in samples
     )
+
+
+ANSWERS = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(n=3, max_tokens=12, seed=9)]
+
+
+def answers(pool: vllm_engine.EnginePool, ids: list[list[int]]) -> list[list[list]]:
+    """The pool's greedy answers to `ids`, then 3 seeded samples of each: the samples of each request, per params."""
+    return [pool.generate(ids, [p] * len(ids)) for p in ANSWERS]
 
 
 # --- sampling
@@ -353,13 +372,18 @@ def send_in_thread(job_dir: Path, model: torch.nn.Module, version: int) -> threa
 @pytest.mark.slow
 def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model_dir, tmp_path, monkeypatch):
     """Weights received over the trainer's group (gloo here, NCCL on GPUs: the same code) by both engines' workers,
-    bucket by bucket through vLLM's in-place reload: greedy tokens and log-probs equal those of an engine started
-    on the same weights."""
+    bucket by bucket through vLLM's in-place reload, into engines that held other weights (from a folder, checked):
+    greedy tokens and log-probs equal those of an engine started on the same weights (the pool itself as it
+    started, on the base weights: the trainer sends those)."""
     pool, ids, tok = backend.pool("vllm"), prompts(tiny_model_dir), load_tokenizer(tiny_model_dir)
-    new = perturbed(tiny_model_dir, 0.3)
+    started, base = backend.fresh(), load_model(tiny_model_dir)
     monkeypatch.setattr(wire, "BUCKET_BYTES", 8192)
-    sender = send_in_thread(tmp_path, new, 5)
+    sender = send_in_thread(tmp_path, base, 5)
     try:
+        held = perturbed(tiny_model_dir, 0.3)
+        pool.load_weights(str(sync.save_hf(held, tok, tmp_path / "held")), version=4)
+        other = pool.generate(ids, [ANSWERS[0]] * 2)
+        assert max(gap(held, p, cs) for p, cs in zip(ids, other)) < 1e-4  # every weight was another's
         link = wire.open_receiver(tmp_path, timeout=60, receivers=pool.join_ranks())
         pool.join_group(str(tmp_path), 60)
         sender.start()
@@ -367,17 +391,12 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
         assert len(header["buckets"]) > 10 and pool.receive(header) == len(header["names"])
         wire.ack(link)
         assert wire.receive_header(link) is None  # the trainer's stop
-        params = [SamplingParams(temperature=0.0, max_tokens=12), SamplingParams(n=3, max_tokens=12, seed=9)]
-        received = [pool.generate(ids, [p] * 2) for p in params]
-        fresh = make_engine(rollout_model("vllm", engine_num=1), str(sync.save_hf(new, tok, tmp_path / "new")), 256)
-        try:
-            started = [fresh.generate(ids, [p] * 2) for p in params]
-        finally:
-            fresh.close()
+        received = answers(pool, ids)
     finally:
         pool.load_weights(tiny_model_dir, version=6)
         sender.join(timeout=60)
     assert pool.model_version == 6
+    assert [c.token_ids for cs in other for c in cs] != [c.token_ids for cs in started[0] for c in cs]
     for got, want in zip(received, started):
         for a, b in zip(got, want):
             assert [c.token_ids for c in a] == [c.token_ids for c in b]
@@ -387,7 +406,7 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
                 atol=1e-5,
                 rtol=0,
             )
-    assert gap(new, ids[0], received[1][0]) < 1e-4
+    assert gap(base, ids[0], received[1][0]) < 1e-4
 
 
 def test_the_openai_api_over_vllm_engines_with_the_openai_client(backend, tiny_model_dir):
@@ -418,12 +437,12 @@ def test_the_openai_api_over_vllm_engines_with_the_openai_client(backend, tiny_m
 # --- last: this test leaves the engines' weights half-updated, as a trainer's death mid-transfer does
 
 TRAINER = """
-import os, sys, torch
+import os, sys
+from safetensors.torch import load_file
 import wire
-from models import load_model
 wire.BUCKET_BYTES = 8192
 link = wire.open_sender(sys.argv[1], "cpu", timeout=60)
-params = dict(load_model(sys.argv[2]).named_parameters())
+params = load_file(os.path.join(sys.argv[2], "model.safetensors"))  # the model's weights (transformers unimported)
 specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
 first = wire.buckets(specs)[0]
 
@@ -431,7 +450,7 @@ def tensors():
     for i, p in enumerate(params.values()):
         if i == len(first):  # the first bucket went out: die before the second
             os._exit(3)
-        yield p.detach()
+        yield p
 
 wire.send_weights(link, 1, specs, tensors())
 """

@@ -1,5 +1,5 @@
 """mode both end to end on real vLLM (its CPU build; `bash run.sh test` installs it), through the launcher as a user
-runs it: `engine_type` vllm and vllm_async, each with checkpoint sync and with the process group, 4 steps, weights
+runs it: `engine_type` vllm and vllm_async, each with checkpoint sync and with the process group, 3 steps, weights
 synced after every step. Each run also carries one more part on vLLM: an auxiliary judge, two engines receiving over
 the group, a LoRA adapter trained and its merged weights synced. Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
@@ -15,11 +15,13 @@ import models
 from helpers import both_config, constant_judge, launch, real_vllm, rollout_logprob_gap, versions_by_step
 from monitor import read_history
 
-STEPS, PER_STEP = 4, 4  # batch_size 2 x repeat_times 2
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
 
 
 def vllm_config(tmp_path: Path, tiny_model_dir: str, kind: str, sync_method: str, **over) -> Path:
-    """both_config on vLLM: 4 steps, a checkpoint at step 2 (its weights kept to check step 3's rollouts against),
+    """both_config on vLLM: 3 steps, a checkpoint at step 2 (its weights kept to check step 3's rollouts against),
     no min_tokens (vLLM's log-probs under it are of the EOS-masked distribution: configs/checks.py), eager engines
     (they start in ~20 s on the CPU; gpu_memory_utilization left to the CPU default)."""
     return both_config(
@@ -37,7 +39,7 @@ def vllm_config(tmp_path: Path, tiny_model_dir: str, kind: str, sync_method: str
 
 
 def check_run(tmp_path: Path, out, weights_of_step_2: Path) -> Path:
-    """The run finished; its rollouts by step carry versions 0, 1, 2, 3 and step 3's log-probs are the trainer's
+    """The run finished; its rollouts by step carry versions 0, 1, 2 and step 3's log-probs are the trainer's
     forward pass of the step-2 weights; the trainer's own logged mismatch is float rounding. Returns the run dir."""
     assert out.returncode == 0, out.stderr[-4000:]
     run = tmp_path / "ck" / "p" / "run"
@@ -60,7 +62,7 @@ def needs_vllm():
 def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
     """engine_type vllm, published folders read by the vLLM worker; the reward comes from an auxiliary judge that
     is a vLLM engine too (a model trained to answer "Score: 7": every reward 0.7)."""
-    judge = constant_judge(tiny_model_dir, tmp_path / "judge-model")
+    judge = constant_judge(tiny_model_dir, tmp_path / "judge-model", steps=25)  # 20 were enough, 15 not
     config = vllm_config(
         tmp_path,
         tiny_model_dir,

@@ -22,6 +22,8 @@ from engines import EngineHandle, HFEngine, SamplingParams, make_engine
 from helpers import FAKE_VLLM, both_config, launch, perturbed, rollout_logprob_gap, use_fake_vllm, versions_by_step
 from models import load_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture
 def vllm(monkeypatch):
@@ -177,8 +179,11 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         wire.ack(link)
         sent.join(timeout=60)
         assert pool.model_version == 5
-        wire.close_sender(sender, finished=True, grace=5)
+        closing = threading.Thread(target=wire.close_sender, args=(sender,), kwargs={"finished": True, "grace": 30})
+        closing.start()  # the trainer waits for the explorer to read its stop (as they run: at once)
         assert wire.receive_header(link) is None  # the trainer finished
+        closing.join(timeout=30)
+        assert not closing.is_alive()
     finally:
         pool.close()
     assert all(w.nanorft_link is None for e in vllm.ENGINES for w in e.workers)  # each left the group at close

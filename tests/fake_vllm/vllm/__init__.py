@@ -34,7 +34,8 @@ What it models, so that the adapter's use of it is checked:
   part; loading weights into sleeping weights is an error; reset_prefix_cache() is False while requests run;
 - the environment each engine was built in (CUDA_VISIBLE_DEVICES, VLLM_WORKER_MULTIPROC_METHOD), and the
   requests each engine ran; engine arguments' dtype among vLLM's names.
-Generation is a plain loop of full forward passes of the tiny model (no KV cache): slow, but exact.
+Generation is a plain loop over the tiny model, a request's n samples in one batch on HF's KV cache: slow, but exact
+(fp32).
 """
 
 from __future__ import annotations
@@ -226,34 +227,54 @@ class LLM:
         try:
             model = self.workers[0].model_runner.model.hf
             gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else self.rng
-            outs = [self._sample(model, prompt, sp, gen, i) for i in range(sp.n)]
+            outs = self._samples(model, prompt, sp, gen)
             scored = None if sp.prompt_logprobs is None else prompt_logprobs(model, prompt, sp.prompt_logprobs)
         finally:
             with self.lock:
                 self.running -= 1
         return RequestOutput(request_id, list(prompt), outs, finished=True, prompt_logprobs=scored)
 
-    def _sample(
-        self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator, index: int
-    ) -> CompletionOutput:
-        ids, lps, reason, text = list(prompt), [], "length", None
+    def _samples(
+        self, model: torch.nn.Module, prompt: list[int], sp: SamplingParams, gen: torch.Generator
+    ) -> list[CompletionOutput]:
+        """The n samples of a request, a token a step for all of them at once: one forward pass of the prompt, then
+        one of the n new tokens a step on the KV cache (a sample that ended is carried on, its tokens ignored)."""
+        ids, lps = [list(prompt) for _ in range(sp.n)], [[] for _ in range(sp.n)]
+        reasons, texts, running = ["length"] * sp.n, [None] * sp.n, list(range(sp.n))
+        with torch.no_grad():
+            out = model(torch.tensor([prompt] * sp.n), use_cache=True)
         for step in range(sp.max_tokens):
+            logits = out.logits[:, -1].float()  # [n,V]
+            for i in list(running):
+                logp = processed(logits[i], sp, ids[i], self.stop_ids if step < sp.min_tokens else ())
+                tok = (
+                    int(logp.argmax()) if sp.temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
+                )
+                ids[i].append(tok)
+                lps[i].append({tok: Logprob(float(logp[tok]))})
+                if tok in self.stop_ids:
+                    reasons[i] = "stop"
+                    running.remove(i)
+                elif sp.stop and (text := self._stopped(ids[i][len(prompt) :], sp.stop)) is not None:
+                    reasons[i], texts[i] = "stop", text
+                    running.remove(i)
+            if not running or step == sp.max_tokens - 1:
+                break
             with torch.no_grad():
-                logits = model(torch.tensor([ids])).logits[0, -1].float()
-            logp = processed(logits, sp, ids, self.stop_ids if step < sp.min_tokens else ())
-            tok = int(logp.argmax()) if sp.temperature == 0 else int(torch.multinomial(logp.exp(), 1, generator=gen))
-            ids.append(tok)
-            lps.append({tok: Logprob(float(logp[tok]))})
-            if tok in self.stop_ids:
-                reason = "stop"
-                break
-            decoded = self.tokenizer.decode(ids[len(prompt) :], skip_special_tokens=True)
-            if cut := [decoded.find(s) for s in sp.stop or () if s in decoded]:
-                reason, text = "stop", decoded[: min(cut)]
-                break
-        out = ids[len(prompt) :]
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if text is None else text
-        return CompletionOutput(index, text, out, lps, reason)
+                new = torch.tensor([[seq[-1]] for seq in ids])  # [n,1]
+                out = model(new, past_key_values=out.past_key_values, use_cache=True)
+        outs = []
+        for i in range(sp.n):
+            out = ids[i][len(prompt) :]
+            text = self.tokenizer.decode(out, skip_special_tokens=True) if texts[i] is None else texts[i]
+            outs.append(CompletionOutput(i, text, out, lps[i], reasons[i]))
+        return outs
+
+    def _stopped(self, out: list[int], stop: list[str]) -> str | None:
+        """The text cut before the first stop string in the decoded `out`; None while there is none."""
+        decoded = self.tokenizer.decode(out, skip_special_tokens=True)
+        cut = [decoded.find(s) for s in stop if s in decoded]
+        return decoded[: min(cut)] if cut else None
 
     # --- the engine's control surface
     def collective_rpc(
