@@ -83,16 +83,3 @@ def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/buffer.db"
     return request.getfixturevalue("postgres").database()
-
-
-@pytest.fixture
-def one_torch_thread():
-    """torch on one thread in the test's own process while it runs (the processes tests start get OMP_NUM_THREADS=1
-    already). NOTE: on 2 busy cores, two threads spin: the fake vLLM's 48 samples x 40 tokens of the tiny model took
-    ~6 s CPU on two threads, 0.6 s on one."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -30,7 +30,6 @@ from models import load_model, load_tokenizer
 from openai_api import OpenAIServer
 
 KINDS = ["vllm", "vllm_async"]
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def rollout_model(kind: str, **over) -> InferenceModelConfig:
@@ -74,7 +73,8 @@ def real_pools(tiny_model_dir):
         p.close()
 
 
-@pytest.fixture(params=["fake", "real"])
+# the real cases share real_pools (requested at run time, unseen by tests/conftest.py's grouping): one worker, one start
+@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.xdist_group("test_vllm_contract::real_pools"))])
 def backend(request, monkeypatch, tiny_model_dir):
     """.pool(kind): the engine pool of this backend; .name: "fake" or "real"; .fresh(): what the "vllm" pool answers
     (`answers`) as it starts, on the base weights (the real one's, recorded at its start; the fake's pools start

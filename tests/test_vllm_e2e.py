@@ -15,8 +15,6 @@ import models
 from helpers import both_config, constant_judge, launch, real_vllm, rollout_logprob_gap, versions_by_step
 from monitor import read_history
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
 
 

@@ -22,8 +22,6 @@ from engines import EngineHandle, HFEngine, SamplingParams, make_engine
 from helpers import FAKE_VLLM, both_config, launch, perturbed, rollout_logprob_gap, use_fake_vllm, versions_by_step
 from models import load_tokenizer
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture
 def vllm(monkeypatch):
