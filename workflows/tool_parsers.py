@@ -210,11 +210,22 @@ def file_template(path: str) -> str:
 
 @functools.cache
 def compiled(key: str) -> ResponseTemplate | None:
-    """A FORMATS name's template, or a template given as JSON text, loaded (its regexes compiled) once."""
-    from transformers.utils.chat_parsing.response_templates import load_response_template
-
+    """A FORMATS name's template, or a template given as JSON text, loaded (its regexes compiled) once; None for
+    hermes, which needs nothing of transformers (and so works with any version pyproject.toml allows)."""
     spec = FORMATS[key] if key in FORMATS else json.loads(key)
-    return None if spec is None else load_response_template(spec)
+    if spec is None:
+        return None
+    try:
+        from transformers.utils.chat_parsing.response_templates import load_response_template
+    except ImportError:
+        import transformers
+
+        raise ValueError(
+            f"tool_parser {key if key in FORMATS else 'of the tokenizer'}: reading this format needs transformers' "
+            f"response templates (transformers.utils.chat_parsing), which transformers {transformers.__version__} "
+            "does not have: upgrade transformers, or use tool_parser: hermes"
+        ) from None
+    return load_response_template(spec)
 
 
 @functools.cache
