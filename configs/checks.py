@@ -767,16 +767,16 @@ def check_support(cfg: Config) -> None:
     """REFUSED values fail; WARNED values are logged (once per process that derives the config)."""
     refused, warned = _by_field(REFUSED), _by_field(WARNED)  # NOTE: each field meets its own rules only, in order
     for path, obj, name, value, section in walk(cfg):
-        for where, field, applies, why in refused.get(name, ()):
-            if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
+        for where, _, applies, why in refused.get(name, ()):
+            if _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 text = (
                     f"[{len(value)} sections]"
                     if isinstance(value, list) and dataclasses.is_dataclass(value[0])
                     else shown_value(path, value)
                 )
                 raise ConfigError(f"{path} = {text} is refused: {why}")
-        for where, field, applies, why in warned.get(name, ()):
-            if name == field and _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
+        for where, _, applies, why in warned.get(name, ()):
+            if _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 _warn_once(f"config: {path} = {shown_value(path, value)}: {why}")
 
 
