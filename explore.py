@@ -34,6 +34,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -591,4 +592,8 @@ DESCRIPTION = (
 
 
 if __name__ == "__main__":
+    # NOTE: SIGTERM (e.g. the launcher stopping this explorer because its trainer failed) leaves through SystemExit,
+    # so the engines close and vLLM's exit hooks stop its engine-core processes. Its default action ended this
+    # process alone: they lived on, holding the launcher's output pipe open.
+    signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
     sys.exit(main(sys.argv[1:]))

@@ -1,6 +1,7 @@
 """House rules: the README's two commands, CI running the README's test command, file budgets, run.sh."""
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -360,3 +361,40 @@ def test_the_posix_check_refuses_gnu_options_and_other_commands(tmp_path):
         "sort -V /dev/null: option -V not recognized",
         "paste --serial /dev/null: option --serial not recognized",
     ]
+
+
+def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
+    """`--dist loadgroup` with tests/conftest.py's grouping: the tests that share a module-scoped fixture run on one
+    worker, which builds the fixture once, however the other tests spread. (With pytest 9.2 and pytest-xdist 3.8 the
+    groups were silently dropped: each worker built the suite's shared runs and engines again.)"""
+    tests = ROOT / "tests"
+    (tmp_path / "conftest.py").write_text(  # the suite's grouping hook, loaded under another module name
+        f"import importlib.util, sys\nsys.path.insert(0, {str(tests)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(tests / 'conftest.py')!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n"
+    )
+    (tmp_path / "test_group.py").write_text(
+        "import os, time, pytest\n"
+        "@pytest.fixture(scope='module')\n"
+        "def shared(tmp_path_factory):\n"
+        "    with open(os.environ['BUILT'], 'a') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_shared(shared, i):\n"
+        "    time.sleep(0.2)\n"
+        "@pytest.mark.parametrize('i', range(6))\n"
+        "def test_alone(i):\n"
+        "    time.sleep(0.2)\n"
+    )
+    built = tmp_path / "built"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-rN"],
+        cwd=tmp_path,
+        env={**os.environ, "BUILT": str(built)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "12 passed" in out.stdout, out.stdout + out.stderr
+    assert len(built.read_text().split()) == 1, built.read_text()
