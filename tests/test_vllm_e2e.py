@@ -4,15 +4,21 @@ synced after every step. Each run also carries one more part on vLLM: an auxilia
 the group, a LoRA adapter trained and its merged weights synced. Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
 trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
-(rollout_corr/abs_diff) is as small. Where vLLM is not installed these skip, except under CI, where they fail."""
+(rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
+Where vLLM is not installed these skip, except under CI, where they fail."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 import lora
 import models
-from helpers import both_config, constant_judge, launch, real_vllm, rollout_logprob_gap, versions_by_step
+from helpers import ROOT, both_config, constant_judge, launch, real_vllm, rollout_logprob_gap, versions_by_step
 from monitor import read_history
 
 STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
@@ -132,6 +138,39 @@ def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
 def test_vllm_async_with_checkpoint_sync(tmp_path, tiny_model_dir):
     config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "checkpoint")
     check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))
+
+
+@pytest.mark.slow
+def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir):
+    """The launcher stops an explorer with SIGTERM when its trainer fails: the explorer's vLLM engine-core processes
+    end with it. (Killed outright they outlived it, and one kept the launcher's output pipe open: a test waited out
+    its timeout.) Here the explorer has written step 1 and waits for a trainer that never comes."""
+    import psutil  # vLLM's dependency
+
+    from buffer import ExperienceDB
+
+    config = vllm_config(tmp_path, tiny_model_dir, "vllm", "checkpoint", mode="explore")
+    db = tmp_path / "ck" / "p" / "run" / "buffer" / "exp.db"
+    with (tmp_path / "explorer.err").open("w") as log:
+        command = [sys.executable, "explore.py", "--config", str(config)]
+        proc = subprocess.Popen(command, cwd=ROOT, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if db.exists():
+            with ExperienceDB(f"sqlite:///{db}") as read:
+                if read.query("SELECT COUNT(*) FROM experiences")[0][0]:
+                    break
+        time.sleep(1)
+    children = psutil.Process(proc.pid).children(recursive=True) if proc.poll() is None else []
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    assert children, (tmp_path / "explorer.err").read_text()[-3000:]
+    _, alive = psutil.wait_procs(children, timeout=30)
+    running = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]  # a zombie ended (nobody reaped it)
+    for p in running:
+        p.kill()
+    assert not running, f"still running after the explorer ended: {[p.pid for p in running]}"
+    assert code == 128 + signal.SIGTERM
 
 
 def run_weights(tmp_path: Path, step: int) -> Path:
