@@ -218,9 +218,12 @@ def set_up(cfg: configs.Config) -> Explorer:
         reader.load_state(saved["reader"])
         step = saved["step"]
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
-    path, version = sync.start_weights(cfg) or (base_weights(cfg), 0)
-    engine = make_engine(
-        e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty, cfg.cluster.colocate
+    engine, version = sync.start_engine(
+        cfg,
+        base_weights(cfg),
+        lambda path: make_engine(
+            e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty, cfg.cluster.colocate
+        ),
     )
     engine.model_version = version
     return Explorer(

@@ -21,7 +21,7 @@ When weights move, the one rule both sides follow: `weights_needed` (the explore
 
 The explorer's side of the handshake, `ExplorerSync`, built once at the explorer's set-up (explore.py):
 
-    path, version = start_weights(cfg) or (base, 0)    # before the engine exists: the newest usable published weights
+    engine, version = start_engine(cfg, base, make)    # make(folder): the engine, on the newest published weights
     weights = ExplorerSync(cfg, db, engine)
     stop = weights.resume(step)                        # mode both, restarted after `step`: the weights it needs first
     stop, metrics = weights.after_step(step)           # the sync point after `step`: wait, load or receive
@@ -315,6 +315,23 @@ def start_weights(cfg: Any) -> tuple[str, int] | None:
             "the explorer starts from the published weights of step %d, the newest undamaged (not %d)", found[1], newest
         )
     return str(found[0]), found[1]
+
+
+def start_engine(cfg: Any, base: str, make: Callable[[str], Any]) -> tuple[Any, int]:
+    """The explorer's engine, `make(folder)`, on the newest usable published weights (start_weights) or on `base`
+    when none are published: (engine, the version it has). NOTE: a restarted explorer starts while the trainer runs
+    on, and publishing prunes all but the folder before the pointer (prune_published): when the folder is deleted as
+    the engine loads it (two more steps published meanwhile), the engine starts again on the newest."""
+    while True:
+        path, version = start_weights(cfg) or (base, 0)
+        try:
+            return make(path), version
+        except Exception as e:
+            if not version or Path(path).exists():
+                raise
+            log.warning(
+                "the weights of step %d were deleted as the engine loaded them (%s): loading the newest", version, e
+            )
 
 
 def trainer_state(db: Any) -> str:

@@ -517,6 +517,40 @@ def test_the_explorer_falls_back_to_the_newest_undamaged_published_weights(
     assert "goes on with its weights" in caplog.text
 
 
+def test_an_engine_whose_start_weights_are_pruned_as_it_loads_starts_on_the_newest(tmp_path, tiny_model_dir, caplog):
+    """A restarted explorer picks the pointer's folder (step 1); before its engine has read it, the trainer publishes
+    steps 2 and 3, and publishing 3 prunes step 1. The engine starts again on step 3. Seen in the kill-and-restart
+    soak under load: the explorer died with an HFValidationError for the vanished folder. Any other failure is
+    raised as it is."""
+    import types
+
+    from models import load_model
+
+    model, tok = load_model(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    cfg = types.SimpleNamespace(checkpoint_job_dir=str(tmp_path))
+    sync.publish_hf(model, tok, tmp_path, step=1)
+    tried = []
+
+    def make(path: str) -> str:
+        tried.append(path)
+        if len(tried) == 1:  # the trainer moves on while this engine starts
+            for k in (2, 3):
+                sync.publish_hf(model, tok, tmp_path, step=k)
+            return str(load_model(path))  # the folder is gone: transformers' HFValidationError (an OSError)
+        return "engine"
+
+    with caplog.at_level("WARNING"):
+        assert sync.start_engine(cfg, tiny_model_dir, make) == ("engine", 3)
+    assert tried == [str(sync.weights_path(tmp_path, k)) for k in (1, 3)]
+    assert "the weights of step 1 were deleted as the engine loaded them" in caplog.text
+
+    def broken(path: str) -> str:
+        raise RuntimeError("engine core failed")
+
+    with pytest.raises(RuntimeError, match="engine core failed"):  # the folder is there: not the pruning
+        sync.start_engine(cfg, tiny_model_dir, broken)
+
+
 def test_a_pointer_naming_a_step_without_usable_weights_is_a_named_error(tmp_path, tiny_model_dir):
     import types
 
