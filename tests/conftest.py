@@ -13,11 +13,14 @@ import pgserver
 
 
 def pytest_configure(config):
-    """One torch thread in each test process: pytest-xdist already runs a worker per core, and torch's second thread
-    spins on a core that is busy (the processes the tests start get OMP_NUM_THREADS=1 from tests/helpers.py; an eval
-    of 50 problems took 6-12 s of CPU with two threads at load ~6, 0.7 s with one)."""
+    """One torch thread in each test process and in every process a test starts (OMP_NUM_THREADS, inherited):
+    pytest-xdist already runs a worker per core, and torch's second thread spins on a core that is busy (an eval of 50
+    problems took 6-12 s of CPU with two threads at load ~6, 0.7 s with one)."""
+    import os
+
     import torch
 
+    os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
 

@@ -143,7 +143,9 @@ def debug_here(config: Path, *args: str, capsys) -> tuple[int, str]:
     import logging
 
     from explore import main
+    from workflows import tool_parsers
 
+    tool_parsers._log_once.cache_clear()  # said once per process: this run says it again
     env = {name: os.environ.get(name) for name in ("CUDA_VISIBLE_DEVICES", "TRANSFORMERS_VERBOSITY")}
     loggers = [logging.getLogger(), logging.getLogger("nanorft.tools")]
     levels = [logger.level for logger in loggers]

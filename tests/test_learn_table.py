@@ -72,32 +72,33 @@ def test_a_teacher_preset_without_a_teacher_is_a_failed_row_not_a_run(tmp_path, 
 
 
 @pytest.mark.slow
-def test_the_fastest_presets_gain_more_than_their_random_reward_controls(tmp_path):
-    """grpo and rloo, each beside its random-reward control, through the script as a user runs it. From the untrained
-    tiny model, rewarded by tests/data/sevens_reward.py (the fraction of 7s in the response, which a few steps
-    teach), not the embedded task's math_reward: that needs the 600-step SFT first, ~10 minutes on 2 cores
-    (docs/LOG.md has the table on it). NOTE: the assertion can fail: a control that gains as much as its preset (a
-    reward that teaches nothing, or the control trained on the real reward) leaves the gain over control near 0."""
+def test_grpo_gains_more_than_its_random_reward_control(tmp_path):
+    """grpo beside its random-reward control, through the script as a user runs it (one preset: each run is a launch
+    of three processes, ~25 s of CPU). From the untrained tiny model, rewarded by tests/data/sevens_reward.py (the
+    fraction of 7s in the response, which a few steps teach), not the embedded task's math_reward: that needs the
+    600-step SFT first, ~10 minutes on 2 cores (docs/LOG.md has the table on it). NOTE: the assertion can fail: a
+    control that gains as much as its preset (a reward that teaches nothing, or the control trained on the real
+    reward) leaves the gain over control near 0."""
     base = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
     base["buffer"]["default_reward_fn_type"] = f"{ROOT / 'tests' / 'data' / 'sevens_reward.py'}:score"
     base["algorithm"]["optimizer"]["lr"] = 2e-3
     base["model"]["max_response_tokens"] = 16  # the untrained model never stops: every response and eval this long
     config = tmp_path / "sevens.yaml"
     config.write_text(yaml.safe_dump(base))
-    args = ["--config", str(config), "--sft-weights", "assets/tiny-qwen2", "--presets", "grpo,rloo", "--steps", "4"]
+    args = ["--config", str(config), "--sft-weights", "assets/tiny-qwen2", "--presets", "grpo", "--steps", "4"]
     out = subprocess.run(
-        [sys.executable, "scripts/learn_table.py", *args, "--jobs", "4", "--out", str(tmp_path / "out")],
+        [sys.executable, "scripts/learn_table.py", *args, "--jobs", "2", "--out", str(tmp_path / "out")],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=900,
     )
     result = json.loads((tmp_path / "out" / "learn_table.json").read_text())
-    assert [e["preset"] for e in result["presets"]] == ["grpo", "rloo"], out.stdout[-3000:]
+    assert [e["preset"] for e in result["presets"]] == ["grpo"], out.stdout[-3000:]
     for e in result["presets"]:
         real, control = e["real"], e["control_run"]
         assert real["exit_code"] == control["exit_code"] == 0, out.stdout[-3000:]
         assert real["before"] == control["before"]  # the same weights, evaluated greedily
         assert e["gain"] > 0 and e["gain_over_control"] >= 0.2, e
     assert out.returncode == 0, out.stdout[-3000:]
-    assert "| grpo |" in out.stdout and (tmp_path / "out" / "learn_table.md").read_text().count("| yes |") == 2
+    assert "| grpo |" in out.stdout and (tmp_path / "out" / "learn_table.md").read_text().count("| yes |") == 1
