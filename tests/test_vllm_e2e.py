@@ -166,7 +166,14 @@ def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir)
     code = proc.wait(timeout=120)
     assert children, (tmp_path / "explorer.err").read_text()[-3000:]
     _, alive = psutil.wait_procs(children, timeout=30)
-    running = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]  # a zombie ended (nobody reaped it)
+
+    def runs(p) -> bool:  # a zombie has ended (nobody reaped it); one gone since wait_procs too
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    running = [p for p in alive if runs(p)]
     for p in running:
         p.kill()
     assert not running, f"still running after the explorer ended: {[p.pid for p in running]}"
