@@ -4,6 +4,7 @@ trainer alone: they train as the stages of one mode-train process on an experien
 on data files the project makes (assets/arith/sft.jsonl, dpo.jsonl) or the test writes. Plus the
 "Add your own loss" recipe from the README, done on a copy of the repository."""
 
+import dataclasses
 import json
 import math
 import shutil
@@ -25,6 +26,7 @@ from helpers import (
     ROOT,
     both_config,
     launch,
+    perturbed,
     perturbed_copy,
     plain_logprobs,
     run_train,
@@ -64,18 +66,7 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str, *
         over["trainer.critic_warmup"] = 1  # step 1 trains the critic alone, step 2 both
     if preset == "grpo":  # with the adaptive KL coefficient
         over["algorithm.kl_loss_fn_args"] = {"kl_coef": 0.01, "adaptive": True, "target_kl": 0.001, "horizon": 100}
-    if preset in ("mix", "mix_chord"):
-        over["buffer.trainer_input.auxiliary_buffers"] = {
-            "sft_dataset": {
-                "storage_type": "file",
-                "path": str(data / "sft.jsonl"),
-                "format": {"prompt_type": "messages"},
-            }
-        }
-        over["algorithm.sample_strategy_args"] = {"expert_data_ratio": 0.5}
-    if preset == "mix_chord":  # mu: step 1 the peak (the decay's start), step 2 the valley
-        over["algorithm.policy_loss_fn_args"] = {"mu_warmup_steps": 1, "mu_decay_steps": 1, "mu_peak": 0.5}
-    if preset in ("on_policy_distill", "jsd"):  # the teacher scores the student's tokens in the explorer
+    if preset == "on_policy_distill":  # the teacher scores the student's tokens in the explorer
         over["buffer.default_workflow_type"] = "on_policy_distill_workflow"
         over["explorer.auxiliary_models"] = [{"model_path": teacher, "engine_type": "hf"}]
     if preset == "multi_step_grpo":  # tool_workflow, one experience per turn
@@ -96,17 +87,18 @@ def run_preset(preset: str, tmp_path: Path, tiny_model_dir: str, teacher: str, *
     return launch(both_config(tmp_path, tiny_model_dir, **over | extra), script="train.py")
 
 
-# The presets that act in the explorer too (a workflow, a teacher, explorer-side advantages) or whose checks read the
-# explorer's side (raft's log line, mix's batch of rollouts and expert rows): each its own mode-both run. PPO runs in
+# The presets that act in the explorer too (a workflow, a teacher): each its own mode-both run. PPO runs in
 # test_ppo_runs_end_to_end_and_resumes_with_its_critic.
-BOTH_PRESETS = ["grpo", "multi_step_grpo", "mix", "mix_chord", "raft", "on_policy_distill", "jsd"]
-# The others differ from grpo in the trainer alone (advantage fn, policy loss, KL, entropy, reference model); their
-# mode-both run would repeat grpo's explorer and sync: they train as stages of one trainer process (mode train).
+BOTH_PRESETS = ["grpo", "multi_step_grpo", "on_policy_distill"]
+# The others differ from grpo in the trainer alone (advantage fn, policy loss, KL, entropy, reference model, expert
+# rows from a file, raft's filter); their mode-both run would repeat grpo's explorer and sync (jsd's: the workflow and
+# teacher of on_policy_distill): they train as stages of one trainer process (mode train) on DBs the test writes.
 TRAINER_PRESETS = [p for p in RL_PRESETS if p not in BOTH_PRESETS and p != "ppo"]
 
 
-def check_preset_run(preset: str, rows: list[dict], job: Path, stderr: str) -> None:
-    """What every RL preset's run of 2 steps must show (`rows`: its trainer history; `job`: its job directory)."""
+def check_preset_run(preset: str, rows: list[dict], job: Path, log: str) -> None:
+    """What every RL preset's run of 2 steps must show (`rows`: its trainer history; `job`: its job directory; `log`:
+    what its trainer logged)."""
     assert [r["step"] for r in rows] == [1, 2], preset
     finite(rows)
     loss_key = {
@@ -134,10 +126,11 @@ def check_preset_run(preset: str, rows: list[dict], job: Path, stderr: str) -> N
     if preset == "mix_chord":
         assert [r["actor/mu"] for r in rows] == pytest.approx([0.5, 0.1])
     if preset == "raft":  # the better of each task's 2 responses (the first on a tie): half the rows
-        assert all(r["critic/kept_fraction"] == 0.5 for r in rows) and "reference model: False" in stderr
+        assert all(r["critic/kept_fraction"] == 0.5 for r in rows) and "reference model: False" in log
     if preset in ("on_policy_distill", "jsd"):  # the perturbed teacher's log-probs differ from the student's
         key = "critic/kl/mean" if preset == "on_policy_distill" else "critic/jsd/mean"
         assert all(r[key] != 0 for r in rows) and rows[1]["actor/grad_norm"] > 0
+    if preset == "on_policy_distill":  # the teacher scored the student's tokens in the explorer
         explored = read_history(job / "monitor" / "explorer.jsonl")
         assert any("rollout/kl_per_token/mean" in r for r in explored)
 
@@ -147,39 +140,57 @@ def check_preset_run(preset: str, rows: list[dict], job: Path, stderr: str) -> N
 def test_rl_preset_runs_end_to_end(preset, tmp_path, tiny_model_dir):
     """One run per case (xdist spreads them over its workers), no eval (nothing here reads one)."""
     teacher = ""
-    if preset in ("on_policy_distill", "jsd"):
+    if preset == "on_policy_distill":
         teacher = perturbed_copy(tiny_model_dir, tmp_path / "teacher", scale=0.05)
     out = run_preset(preset, tmp_path, tiny_model_dir, teacher)
     assert out.returncode == 0, out.stderr[-3000:]
     check_preset_run(preset, history(tmp_path), tmp_path / "ck" / "p" / "run", out.stderr)
 
 
+# What a preset's stage sets beyond grpo's optimizer and entropy bonus: mix's share of expert rows (0.5: as many as
+# rollouts); mix_chord's mu schedule (step 1 the peak, the decay's start; step 2 the valley)
+STAGE_ALGORITHM = {
+    "mix": {"sample_strategy_args": {"expert_data_ratio": 0.5}},
+    "mix_chord": {
+        "sample_strategy_args": {"expert_data_ratio": 0.5},
+        "policy_loss_fn_args": {"mu_warmup_steps": 1, "mu_decay_steps": 1, "mu_peak": 0.5},
+    },
+}
+
+
 def trainer_preset_stages(tmp_path: Path, tiny_model_dir: str) -> Path:
     """A mode-train experiment of one stage per preset of TRAINER_PRESETS (2 steps of 4 experiences, grpo's
     optimizer and entropy bonus), each on a DB of its own that holds the same 8 experiences: the tiny model's prompt +
-    response tokens (random ids), its log-probs as an engine would return them, rewards that vary in 3 of 4 groups."""
-    model = load_model(tiny_model_dir)
+    response tokens (random ids), its log-probs as an engine would return them, rewards that vary in 3 of 4 groups;
+    jsd's also hold a perturbed teacher's log-probs of the responses (what on_policy_distill_workflow writes)."""
+    model, teacher = load_model(tiny_model_dir), perturbed(tiny_model_dir, 0.05)
     g = torch.Generator().manual_seed(0)
     rewards = [[1.0, 0.0], [0.0, 0.0], [0.5, 1.0], [1.0, 0.2]]  # group 1 ties
-    exps = []
+    exps, scored = [], []
     for k, rs in enumerate(rewards):
         prompt = torch.randint(3, 200, (9 + k,), generator=g)
         for i, r in enumerate(rs):
             tokens = torch.cat([prompt, torch.randint(3, 200, (5 + 3 * i + k,), generator=g)])
             lp = plain_logprobs(model, tokens, len(prompt))
             exps.append(Experience(tokens=tokens, prompt_length=len(prompt), logprobs=lp, reward=r, group_id=f"g{k}"))
+            scored.append(dataclasses.replace(exps[-1], teacher_logprobs=plain_logprobs(teacher, tokens, len(prompt))))
+    sft = str(Path(tiny_model_dir).parent / "arith" / "sft.jsonl")
     stages = []
     for preset in TRAINER_PRESETS:
         url = f"sqlite:///{tmp_path}/{preset}.db"
         with ExperienceDB(url) as db:
-            db.write(exps)
+            db.write(scored if preset == "jsd" else exps)
         algorithm = {
             "algorithm_type": preset,
             "repeat_times": 2,
             "optimizer": {"lr": 1e-3},
             "entropy_loss_fn_args": {"entropy_coef": 0.01},
+            **STAGE_ALGORITHM.get(preset, {}),
         }
         buffer = {"trainer_input": {"experience_buffer": {"name": preset, "path": url, "max_read_timeout": 10}}}
+        if preset in ("mix", "mix_chord"):  # the expert rows: the project's SFT file
+            sft_dataset = {"storage_type": "file", "path": sft, "format": {"prompt_type": "messages"}}
+            buffer["trainer_input"]["auxiliary_buffers"] = {"sft_dataset": sft_dataset}
         stages.append({"stage_name": preset, "algorithm": algorithm, "buffer": buffer})
     cfg = {
         "project": "p",
@@ -202,7 +213,8 @@ def test_trainer_side_presets_train_as_stages_of_one_trainer(tmp_path, tiny_mode
     out = run_train(trainer_preset_stages(tmp_path, tiny_model_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     for preset in TRAINER_PRESETS:
-        check_preset_run(preset, history(tmp_path, f"run/{preset}"), tmp_path / "ck" / "p" / "run" / preset, "")
+        job = tmp_path / "ck" / "p" / "run" / preset
+        check_preset_run(preset, history(tmp_path, f"run/{preset}"), job, (job / "log" / "trainer.log").read_text())
 
 
 def offline_config(tmp_path: Path, tiny_model_dir: str, algorithm: str, path: Path, fmt: dict, **over) -> Path:
