@@ -1,7 +1,8 @@
 """mode both end to end on real vLLM (its CPU build; `bash run.sh test` installs it), through the launcher as a user
-runs it: `engine_type` vllm and vllm_async, each with checkpoint sync and with the process group, 3 steps, weights
-synced after every step. Each run also carries one more part on vLLM: an auxiliary judge, two engines receiving over
-the group, a LoRA adapter trained and its merged weights synced. Every run shows, from its own DB and logs, that the
+runs it: `engine_type` vllm_async with checkpoint sync and with the process group, vllm with the process group, 3
+steps, weights synced after every step (vllm's reload from a folder: tests/test_vllm_contract.py). Each run also
+carries one more part on vLLM: an auxiliary judge (engine_type vllm), two engines receiving over the group, a LoRA
+adapter trained and its merged weights synced. Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
 trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
 (rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
@@ -63,14 +64,14 @@ def needs_vllm():
 
 
 @pytest.mark.slow
-def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
-    """engine_type vllm, published folders read by the vLLM worker; the reward comes from an auxiliary judge that
-    is a vLLM engine too (a model trained to answer "Score: 7": every reward 0.7)."""
+def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
+    """engine_type vllm_async, published folders read by the vLLM worker; the reward comes from an auxiliary judge
+    that is an engine_type vllm engine (a model trained to answer "Score: 7": every reward 0.7)."""
     judge = constant_judge(tiny_model_dir, tmp_path / "judge-model", steps=25)  # 20 were enough, 15 not
     config = vllm_config(
         tmp_path,
         tiny_model_dir,
-        "vllm",
+        "vllm_async",
         "checkpoint",
         **{
             "buffer.default_workflow_type": "llm_judge_workflow",
@@ -84,7 +85,7 @@ def test_vllm_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
     out = launch(config, timeout=600)
     run = check_run(tmp_path, out, run_weights(tmp_path, 2))
     log = (run / "log" / "explorer.log").read_text()
-    assert log.count("rollout engine 1/1: vllm on the CPU") == 2  # the policy's engine and the judge's
+    assert "rollout engine 1/1: vllm_async on the CPU" in log and "rollout engine 1/1: vllm on the CPU" in log
     from buffer import ExperienceDB
 
     with ExperienceDB(f"sqlite:///{run / 'buffer' / 'exp.db'}") as db:
@@ -132,12 +133,6 @@ def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
     )
     check_run(tmp_path, out, merged)
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
-
-
-@pytest.mark.slow
-def test_vllm_async_with_checkpoint_sync(tmp_path, tiny_model_dir):
-    config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "checkpoint")
-    check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))
 
 
 @pytest.mark.slow
