@@ -1,5 +1,5 @@
 """Whole experiments through the launcher as a user runs them (real processes): stages (bench, SFT in
-train mode, GRPO in mode both) with checkpoint sync, mode both with process-group sync, a failing
+train mode, GRPO in mode both) with checkpoint sync and an mlflow store, mode both with process-group sync, a failing
 process stopping the others, what a person sees on a terminal, and two "nodes" on loopback (cluster.node_num 2)."""
 
 import fcntl
@@ -38,12 +38,17 @@ from monitor import read_history
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow
-def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_dir):
+@pytest.fixture(scope="module")
+def staged_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """One launcher run of three stages (a bench, SFT in mode train, GRPO in mode both with checkpoint sync) with
+    monitor_type mlflow and no tracking URI, and a secret among the explorer's env_vars: (its root dir, the launcher's
+    output). Two tests read it: the stages' hand-over, and what mlflow holds."""
+    root = tmp_path_factory.mktemp("staged")
     data = Path(tiny_model_dir).parent / "arith"
     config = both_config(
-        tmp_path,
+        root,
         tiny_model_dir,
+        **{"monitor.monitor_type": "mlflow", "explorer.env_vars": {"HF_TOKEN": "hf_abc"}},
         stages=[
             {"stage_name": "eval_base", "mode": "bench"},
             {
@@ -66,9 +71,14 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
             {"stage_name": "rft", "trainer": {"save_interval": 1}},
         ],
     )  # checkpoints: step 1's weights are kept
-    out = launch(config)
+    return root, launch(config, env={k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")})
+
+
+@pytest.mark.slow
+def test_stages_bench_sft_then_grpo_with_checkpoint_sync(staged_run):
+    root, out = staged_run
     assert out.returncode == 0, out.stderr[-4000:]
-    run = tmp_path / "ck" / "p" / "run"
+    run = root / "ck" / "p" / "run"
     summary = json.loads((run / "summary.json").read_text())
     assert (run / "reward_accuracy.png").stat().st_size > 1000
     assert str(run / "summary.json") in out.stdout
@@ -99,6 +109,33 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(tmp_path, tiny_model_di
     assert "[explorer_bench] bench step 0: arith_test accuracy " in bench_log
     assert "stage run/sft: mode train" in (run / "sft/log/launch.log").read_text()
     assert "[trainer] step 2 actor/" in (run / "sft/log/trainer.log").read_text()
+
+
+@pytest.mark.slow
+def test_a_staged_run_with_mlflow_one_store_one_experiment_every_run_finished(staged_run, monkeypatch):
+    """monitor_type mlflow and no tracking URI: one file store for the run (<run dir>/monitor/mlruns, none per
+    stage), one experiment made by the launcher, a FINISHED run per process with its metrics. A stage's config.yaml
+    keeps the real secret (the processes need it) but only its owner may read it; mlflow's copy hides it."""
+    from mlflow.tracking import MlflowClient
+
+    root, out = staged_run
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = root / "ck" / "p" / "run"
+    assert not list(run.glob("*/monitor/mlruns"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store too
+    client = MlflowClient((run / "monitor" / "mlruns").as_uri())
+    assert [e.name for e in client.search_experiments() if e.name != "Default"] == ["p"]
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("p").experiment_id])}
+    assert set(runs) == {"run_eval_base_explorer_bench", "run_sft_trainer", "run_rft_trainer", "run_rft_explorer"}
+    assert all(r.info.status == "FINISHED" for r in runs.values())
+    assert "bench/arith_test/accuracy/mean_1" in runs["run_eval_base_explorer_bench"].data.metrics
+    assert "rollout/reward/mean" in runs["run_rft_explorer"].data.metrics
+    pg_loss = client.get_metric_history(runs["run_rft_trainer"].info.run_id, "actor/pg_loss")
+    assert [m.step for m in pg_loss] == [1, 2, 3]  # the stage's steps, as in its trainer.jsonl
+    saved = Path(client.download_artifacts(runs["run_rft_trainer"].info.run_id, "config.json", str(root)))
+    assert '"HF_TOKEN": "***"' in saved.read_text() and "hf_abc" not in saved.read_text()
+    stage_config = run / "rft" / "config.yaml"
+    assert "HF_TOKEN: hf_abc" in stage_config.read_text() and stage_config.stat().st_mode & 0o777 == 0o600
 
 
 def test_a_stage_starts_from_the_weights_of_the_stage_its_start_from_names(tmp_path, tiny_model_dir):

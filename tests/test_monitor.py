@@ -1,6 +1,6 @@
 """Monitor: the console line, the JSONL history, tensorboard events, an offline wandb run and an mlflow file store,
 read back; secrets hidden from the copies of the config they get; one mlflow experiment however many processes
-create it at once."""
+create it at once. (A launcher run of several stages into one mlflow store: tests/test_launch.py.)"""
 
 import dataclasses
 import io
@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from buffer import Experience
 from configs.schema import Config
-from helpers import both_config, launch, mlflow_runs
+from helpers import mlflow_runs
 from monitor import (
     CONSOLE,
     Console,
@@ -480,44 +480,6 @@ def test_a_create_that_loses_the_race_takes_the_winners_experiment():
             raise MlflowException("RESOURCE_ALREADY_EXISTS: experiment p already exists")
 
     assert mlflow_experiment(Server(), "http://127.0.0.1:5000", "p") == "7"
-
-
-@pytest.mark.slow
-def test_launcher_run_with_mlflow_one_store_one_experiment_every_run_finished(tmp_path, tiny_model_dir, monkeypatch):
-    """Two stages (a bench, then GRPO in mode both) with monitor_type mlflow and no tracking URI: one file store for
-    the run (<run dir>/monitor/mlruns, none per stage), one experiment made by the launcher, a FINISHED run per
-    process with its metrics. A stage's config.yaml keeps the real secret (the processes need it) but only its owner
-    may read it; mlflow's copy hides it."""
-    from mlflow.tracking import MlflowClient
-
-    config = both_config(
-        tmp_path,
-        tiny_model_dir,
-        **{
-            "monitor.monitor_type": "mlflow",
-            "buffer.total_steps": 2,
-            "explorer.env_vars": {"HF_TOKEN": "hf_abc"},
-            "stages": [{"stage_name": "base", "mode": "bench"}, {"stage_name": "rl"}],
-        },
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
-    out = launch(config, env=env)
-    assert out.returncode == 0, out.stderr[-4000:]
-    run = tmp_path / "ck" / "p" / "run"
-    assert not list(run.glob("*/monitor/mlruns"))
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store too
-    client = MlflowClient((run / "monitor" / "mlruns").as_uri())
-    assert [e.name for e in client.search_experiments() if e.name != "Default"] == ["p"]
-    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("p").experiment_id])}
-    assert set(runs) == {"run_base_explorer_bench", "run_rl_trainer", "run_rl_explorer"}
-    assert all(r.info.status == "FINISHED" for r in runs.values())
-    assert "bench/arith_test/accuracy/mean_1" in runs["run_base_explorer_bench"].data.metrics
-    assert "rollout/reward/mean" in runs["run_rl_explorer"].data.metrics
-    assert [m.step for m in client.get_metric_history(runs["run_rl_trainer"].info.run_id, "actor/pg_loss")] == [1, 2]
-    saved = Path(client.download_artifacts(runs["run_rl_trainer"].info.run_id, "config.json", str(tmp_path)))
-    assert '"HF_TOKEN": "***"' in saved.read_text() and "hf_abc" not in saved.read_text()
-    stage_config = run / "rl" / "config.yaml"
-    assert "HF_TOKEN: hf_abc" in stage_config.read_text() and stage_config.stat().st_mode & 0o777 == 0o600
 
 
 @pytest.mark.slow
