@@ -43,6 +43,7 @@ from helpers import (
     versions_by_step,
     write_config,
 )
+from monitor import read_history
 
 LORA = {"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}]}
 CPU = torch.device("cpu")
@@ -393,9 +394,13 @@ def test_two_fsdp_ranks_train_the_adapter_as_one_does(lora_runs):
 
 
 @pytest.mark.slow
-def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_model_dir):
+def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_model_dir):
     """GRPO with a KL loss to the reference (the actor without its adapter), the merged weights sent over the process
-    group: the engine samples step 3 from exactly base + step-2 adapter; the KL is 0 at step 1 (B = 0) and not after."""
+    group. Process-group sync publishes no HF folder until the last step, so checkpoint step 2 holds the adapter
+    alone. The whole run (launcher, trainer, explorer) is SIGKILLed while the trainer waits right after saving step 2,
+    then relaunched: the trainer writes step 2's merged weights before pointing the explorer at them, the explorer
+    starts from them (no 'Repo id' error), and step 3 is sampled from exactly base + the step-2 adapter. The KL is 0
+    at step 1 (B = 0) and not after."""
     config = both_config(
         tmp_path,
         tiny_model_dir,
@@ -406,40 +411,6 @@ def test_mode_both_with_lora_the_process_group_and_a_kl_loss(tmp_path, tiny_mode
             "algorithm.optimizer.lr": 1e-2,
             "algorithm.kl_loss_fn": "k2",
             "algorithm.kl_loss_fn_args": {"kl_coef": 0.1},
-        },
-    )
-    out = launch(config)
-    assert out.returncode == 0, out.stderr[-4000:]
-    run = tmp_path / "ck" / "p" / "run"
-    assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
-    merged = lora.merged_folder(
-        plain(tiny_model_dir),
-        str(run / "global_step_2" / "actor" / "lora_adapter"),
-        models.load_tokenizer(tiny_model_dir),
-        tmp_path / "merged2",
-    )
-    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, merged) < 1e-4
-    assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
-    from monitor import read_history
-
-    kl = [r["actor/kl_loss"] for r in read_history(run / "monitor" / "trainer.jsonl")]
-    assert abs(kl[0]) < 1e-7 and kl[2] > 1e-6, kl
-
-
-@pytest.mark.slow
-def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_model_dir):
-    """Process-group sync publishes no HF folder until the last step, so checkpoint step 2 holds the adapter alone.
-    The whole run (launcher, trainer, explorer) is SIGKILLed while the trainer waits right after saving step 2, then
-    relaunched: the trainer writes step 2's merged weights before pointing the explorer at them, the explorer
-    starts from them (no 'Repo id' error), and step 3 is sampled from exactly base + the step-2 adapter."""
-    config = both_config(
-        tmp_path,
-        tiny_model_dir,
-        **LORA,
-        **{
-            "synchronizer.sync_method": "nccl",
-            "trainer.save_interval": 2,
-            "algorithm.optimizer.lr": 1e-2,
             "buffer.total_steps": 4,
             "continue_from_checkpoint": True,
         },
@@ -481,6 +452,8 @@ def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_mo
     )
     assert rollout_logprob_gap(db, 2, merged) < 1e-4
     assert rollout_logprob_gap(db, 2, Path(tiny_model_dir)) > 1e-3
+    kl = {r["step"]: r["actor/kl_loss"] for r in read_history(run / "monitor" / "trainer.jsonl")}
+    assert abs(kl[1]) < 1e-7 and kl[3] > 1e-6, kl
 
 
 @pytest.mark.slow
