@@ -3,7 +3,7 @@ repository root on CPU (`bash run.sh test`)."""
 
 import sys
 
-from helpers import ROOT, in_ci
+from helpers import ROOT, constant_judge, in_ci
 
 sys.path.insert(0, str(ROOT))
 
@@ -80,6 +80,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny")
     build(str(out), n_train=50, n_test=10)
     return str(out / "tiny-qwen2")
+
+
+@pytest.fixture(scope="session")
+def judge_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """A copy of the tiny model trained to answer every judge prompt "Score: 7" (helpers.constant_judge: ~10 s of
+    CPU), built once per test process; the tests that grade with it only read it."""
+    return constant_judge(tiny_model_dir, tmp_path_factory.mktemp("judge") / "judge-model")
 
 
 @pytest.fixture(scope="session")

@@ -481,16 +481,6 @@ def plain_logprobs(model, tokens, prompt_length: int, temperature: float = 1.0):
     return logits[prompt_length - 1 : -1].log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # [R]
 
 
-def perturbed_copy(model_dir: str, out: Path, scale: float = 0.05) -> str:
-    """A copy of the model folder `model_dir` (tokenizer included) with `perturbed` weights: a teacher that differs
-    from the student a little."""
-    import shutil
-
-    shutil.copytree(model_dir, out)
-    perturbed(model_dir, scale).save_pretrained(out)
-    return str(out)
-
-
 def sft_teacher(tiny_model_dir: str, out: Path, steps: int = 60, lr: float = 3e-3, rows: int = 16) -> str:
     """A copy of the tiny model trained by plain SFT (full batches of the first `rows` embedded SFT demonstrations next
     to it, `steps` AdamW steps): a teacher that puts its mass on the demonstrations' layout ("4 * 2 = 8\\n#### 8")."""

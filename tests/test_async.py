@@ -1,7 +1,9 @@
 """Asynchronous RFT with real processes: the trainer (mode train) and explorers (mode explore) started
 separately, in either order, a second explorer joining, SIGKILL + restart of either side (the soak
 script), and the failure modes: no explorer, no trainer, a DB of another model or schema. The tests that meet
-through the experience DB run on both back-ends (`url`: the default SQLite file, a PostgreSQL database)."""
+through the experience DB run on a back-end each (`url`: the default SQLite file, a PostgreSQL database), the kills
+and the refusals on both. NOTE: each back-end under several writer and reader processes, its claims, staleness and
+upgrades are tests/test_buffer_db.py's, on both; what these add is the processes' own story, the same on either."""
 
 import json
 import os
@@ -100,6 +102,7 @@ def wait_for(predicate, what: str, timeout: float = 180) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("url", ["postgresql"], indirect=True)  # where several explorers write (docs/scale-out.md)
 @pytest.mark.slow
 def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     """Trainer before any explorer (it waits and says so); explorer joins; a second explorer (another name,
@@ -108,8 +111,7 @@ def test_trainer_first_then_two_explorers(tmp_path, tiny_model_dir, url):
     rollout-vs-trainer mismatch."""
     files, job = pair(tmp_path, tiny_model_dir, url), tmp_path / "ck/nanorft/tiny_async"
     logs = {r: tmp_path / f"{r}.log" for r in files}
-    # SQLite: through the launcher, as a user starts it (configs/async/tiny_trainer.yaml); PostgreSQL: the trainer alone
-    trainer = start(files["trainer"], "train.py", logs["trainer"], None if url.startswith("sqlite") else LAUNCHED)
+    trainer = start(files["trainer"], "train.py", logs["trainer"])  # through the launcher, as a user starts it
     wait_for(
         lambda: "waiting for experiences: 0 of 6 ready" in logs["trainer"].read_text(), "the trainer's waiting note"
     )
@@ -183,6 +185,7 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
     assert versions[0] == 0 and versions == sorted(versions) and versions[-1] >= 4, versions
 
 
+@pytest.mark.parametrize("url", ["sqlite"], indirect=True)
 @pytest.mark.slow
 def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(tmp_path, tiny_model_dir, url):
     """trainer_driven: the explorer loads new weights whenever the trainer has published some and never

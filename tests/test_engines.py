@@ -16,7 +16,7 @@ import engines
 import source
 from configs.schema import InferenceModelConfig, ModelConfig
 from engines import Completion, EngineHandle, HFEngine, make_engine
-from helpers import both_config, constant_judge, launch, raw, write_config
+from helpers import both_config, launch, raw, write_config
 from models import config_tokenizer, load_model
 from sampling import PromptTooLong, SamplingParams
 from tiny import CHAT_TEMPLATE as tiny_chat_template
@@ -548,7 +548,7 @@ def test_an_external_endpoint_that_is_down_or_without_its_key(monkeypatch):
 
 
 @pytest.mark.slow
-def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir, caplog):
+def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir, judge_dir, caplog):
     """A real run (launch.py, mode both: explorer and trainer processes) whose llm_judge_workflow grades with an
     external auxiliary model: nanorft's own OpenAI-compatible API (openai_api.py) started here on loopback over a
     model trained to answer "Score: 7", behind an API key that the config names by its environment variable only.
@@ -559,7 +559,6 @@ def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir, 
     from configs import cli, resolve_stages
     from openai_api import OpenAIServer
 
-    judge_dir = constant_judge(tiny_model_dir, tmp_path / "judge-model")
     aux = {"engine_type": "external", "external_model_config": {"model_name": "judge-7b"}}
     aux["external_model_config"]["api_key_env"] = "NANORFT_TEST_JUDGE_KEY"
     judged = {

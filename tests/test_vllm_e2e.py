@@ -1,8 +1,8 @@
 """mode both end to end on real vLLM (its CPU build; `bash run.sh test` installs it), through the launcher as a user
-runs it: `engine_type` vllm_async with checkpoint sync and with the process group, vllm with the process group, 3
-steps, weights synced after every step (vllm's reload from a folder: tests/test_vllm_contract.py). Each run also
-carries one more part on vLLM: an auxiliary judge (engine_type vllm), two engines receiving over the group, a LoRA
-adapter trained and its merged weights synced. Every run shows, from its own DB and logs, that the
+runs it, 3 steps, weights synced after every step: `engine_type` vllm_async with checkpoint sync (vLLM's reload from
+a folder) and an auxiliary judge of engine_type vllm; vllm_async with two engines receiving over the process group the
+merged weights of a LoRA adapter being trained. (engine_type vllm receiving over the group, both kinds reloading from a
+folder: tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
 trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
 (rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
@@ -19,7 +19,7 @@ import pytest
 
 import lora
 import models
-from helpers import ROOT, both_config, constant_judge, launch, real_vllm, rollout_logprob_gap, versions_by_step
+from helpers import ROOT, both_config, launch, real_vllm, rollout_logprob_gap, versions_by_step
 from monitor import read_history
 
 STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
@@ -64,10 +64,9 @@ def needs_vllm():
 
 
 @pytest.mark.slow
-def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir):
+def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir, judge_dir):
     """engine_type vllm_async, published folders read by the vLLM worker; the reward comes from an auxiliary judge
     that is an engine_type vllm engine (a model trained to answer "Score: 7": every reward 0.7)."""
-    judge = constant_judge(tiny_model_dir, tmp_path / "judge-model", steps=25)  # 20 were enough, 15 not
     config = vllm_config(
         tmp_path,
         tiny_model_dir,
@@ -78,7 +77,7 @@ def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_d
             "buffer.default_reward_fn_type": None,
             "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
             "explorer.auxiliary_models": [
-                {"model_path": judge, "engine_type": "vllm", "enforce_eager": True, "max_model_len": 512}
+                {"model_path": judge_dir, "engine_type": "vllm", "enforce_eager": True, "max_model_len": 512}
             ],
         },
     )
@@ -94,30 +93,20 @@ def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_d
 
 
 @pytest.mark.slow
-def test_vllm_async_two_engines_with_the_process_group(tmp_path, tiny_model_dir):
-    """engine_type vllm_async, engine_num 2: both engines' workers join the trainer's group (gloo here) and take
-    every step's weights."""
+def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
+    """engine_type vllm_async, engine_num 2, a LoRA adapter trained: the merged weights go over the group (gloo here)
+    into both engines' workers at every step, and step 3 was sampled from exactly base + the step-2 adapter, not from
+    the base."""
     config = vllm_config(
         tmp_path,
         tiny_model_dir,
         "vllm_async",
         "nccl",
-        **{"explorer.rollout_model": {"engine_type": "vllm_async", "enforce_eager": True, "engine_num": 2}},
-    )
-    run = check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))
-    assert "rollout engine 2/2: vllm_async on the CPU" in (run / "log" / "explorer.log").read_text()
-
-
-@pytest.mark.slow
-def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
-    """A LoRA adapter trains; the merged weights go over the group into the vLLM worker: step 3 was sampled from
-    exactly base + the step-2 adapter, not from the base."""
-    config = vllm_config(
-        tmp_path,
-        tiny_model_dir,
-        "vllm",
-        "nccl",
-        **{"model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}], "algorithm.optimizer.lr": 1e-2},
+        **{
+            "explorer.rollout_model": {"engine_type": "vllm_async", "enforce_eager": True, "engine_num": 2},
+            "model.lora_configs": [{"lora_rank": 4, "lora_alpha": 8}],
+            "algorithm.optimizer.lr": 1e-2,
+        },
     )
     out = launch(config, timeout=600)
     run = tmp_path / "ck" / "p" / "run"
@@ -132,6 +121,7 @@ def test_vllm_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
         else None
     )
     check_run(tmp_path, out, merged)
+    assert "rollout engine 2/2: vllm_async on the CPU" in (run / "log" / "explorer.log").read_text()
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
 
 

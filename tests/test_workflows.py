@@ -15,7 +15,7 @@ import torch
 from buffer import Experience
 from configs import ConfigError, from_dict
 from configs.schema import GenerationConfig
-from helpers import ROOT, constant_judge, make_task, write_config
+from helpers import ROOT, make_task, write_config
 from tasksets import Task
 from workflows import (
     REWARD_FNS,
@@ -645,7 +645,7 @@ def test_llm_judge_workflow_grades_each_response_with_the_auxiliary_model():
 
 
 @pytest.mark.slow
-def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_path):
+def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, judge_dir, tmp_path):
     """The explorer's path: explorer.auxiliary_models starts an HF engine for the judge (engines.auxiliary_handles,
     via explore.with_extras), llm_judge_workflow runs on a runner (explore.run_task) and the judge, a real model
     trained to answer "Score: 7", grades every response: reward 0.7. The untrained model as the judge never gives a
@@ -655,9 +655,8 @@ def test_a_real_auxiliary_model_grades_through_the_explorer(tiny_model_dir, tmp_
     from engines import HFEngine, rollout_handle
     from tasksets import load_tasks
 
-    judge = constant_judge(tiny_model_dir, tmp_path / "judge-model")
     with HFEngine(tiny_model_dir) as engine:
-        for judge_path, graded in ((judge, True), (tiny_model_dir, False)):
+        for judge_path, graded in ((judge_dir, True), (tiny_model_dir, False)):
             config = write_config(
                 tmp_path,
                 tiny_model_dir,
