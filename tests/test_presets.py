@@ -93,7 +93,7 @@ BOTH_PRESETS = ["grpo", "multi_step_grpo"]
 # The others differ from grpo in the trainer alone (advantage fn, policy loss, KL, entropy, reference model, expert
 # rows from a file, raft's filter); their mode-both run would repeat grpo's explorer and sync (jsd's: the workflow and
 # teacher of on_policy_distill): they train as stages of one trainer process (mode train) on DBs the test writes.
-TRAINER_PRESETS = [p for p in RL_PRESETS if p not in BOTH_PRESETS and p != "ppo"]
+TRAINER_PRESETS = [p for p in RL_PRESETS if p not in (*BOTH_PRESETS, "ppo", "on_policy_distill")]
 
 
 def check_preset_run(preset: str, rows: list[dict], job: Path, log: str) -> None:
