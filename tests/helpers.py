@@ -497,9 +497,9 @@ def sft_teacher(tiny_model_dir: str, out: Path, steps: int = 60, lr: float = 3e-
     return trained_to_reply(tiny_model_dir, out, demos, steps, lr)
 
 
-def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", steps: int = 40) -> str:
-    """A copy of the tiny model trained (a few dozen steps, high lr) to answer every judge prompt with `reply`: an
-    honest real model whose output parses as a grade."""
+def constant_judge(tiny_model_dir: str, out: Path) -> str:
+    """A copy of the tiny model trained (40 steps, high lr) to answer every judge prompt with "Score: 7": an honest
+    real model whose output parses as a grade (tests/conftest.py's judge_dir builds it once per test process)."""
     from models import load_tokenizer
     from workflows.judge import PROMPT as JUDGE_PROMPT
 
@@ -515,8 +515,8 @@ def constant_judge(tiny_model_dir: str, out: Path, reply: str = "Score: 7", step
             tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True),
             add_special_tokens=False,
         )
-        rows.append((prompt, tok.encode(reply, add_special_tokens=False) + [tok.eos_token_id]))
-    return trained_to_reply(tiny_model_dir, out, rows, steps)
+        rows.append((prompt, tok.encode("Score: 7", add_special_tokens=False) + [tok.eos_token_id]))
+    return trained_to_reply(tiny_model_dir, out, rows, steps=40)
 
 
 def trained_to_reply(
