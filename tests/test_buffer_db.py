@@ -436,7 +436,9 @@ def test_three_writer_processes_two_readers(db_url: str, tmp_path: Path) -> None
     """Every process opens the fresh DB at once (set-up races), the writers write while both readers claim: each
     experience is claimed exactly once, by one reader."""
     outs = [str(tmp_path / f"seen{r}.json") for r in range(READERS)]
-    ctx = multiprocessing.get_context("spawn")
+    # NOTE: the five fork from one process that imported this module (torch) once: ~2.5 s of CPU each as spawned
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
     deadline = time.time() + 150.0  # the readers give up here, so the test cannot hang
     procs = [ctx.Process(target=writer_process, args=(db_url, w)) for w in range(WRITERS)]
     procs += [ctx.Process(target=reader_process, args=(db_url, r, outs[r], deadline)) for r in range(READERS)]
