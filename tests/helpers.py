@@ -136,6 +136,11 @@ def sft_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     return write_yaml(tmp_path / "train.yaml", cfg, over)
 
 
+# NOTE: a stuck side's own timeouts in both_config, below launch()'s 400 s so the project's message comes first. 120 s
+# was too short once: under CI's load the explorer took over 120 s to start two vLLM engines (the judge test).
+STUCK_AFTER = 300
+
+
 def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
     data = Path(tiny_model_dir).parent / "arith"
     fmt = {"prompt_key": "question", "response_key": "answer"}
@@ -169,10 +174,10 @@ def both_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
                     }
                 ],
             },
-            "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": 120}},
+            "trainer_input": {"experience_buffer": {"name": "exp", "max_read_timeout": STUCK_AFTER}},
         },
         "explorer": {"runner_per_model": 4, "eval_interval": 2, "rollout_model": {"engine_type": "hf"}},
-        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 1, "sync_timeout": 120},
+        "synchronizer": {"sync_method": "checkpoint", "sync_interval": 1, "sync_timeout": STUCK_AFTER},
         "trainer": {"save_interval": 0},
         "monitor": {"monitor_type": "none"},
     }

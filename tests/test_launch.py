@@ -349,8 +349,9 @@ def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, postgres):
 @pytest.mark.slow
 def test_a_failing_trainer_stops_the_explorer(tmp_path, tiny_model_dir):
     """The trainer fails at set-up (PPO's critic model does not exist; the explorer does not load it); the
-    explorer, waiting for weights, is stopped by the launcher long before its 120 s sync timeout, and the exit
-    code is non-zero. An invalid loss argument never gets that far: the config refuses it before any start."""
+    explorer, waiting for weights, is stopped by the launcher long before its sync timeout (helpers.STUCK_AFTER),
+    and the exit code is non-zero. An invalid loss argument never gets that far: the config refuses it before any
+    start."""
     bad = both_config(tmp_path / "bad", tiny_model_dir, **{"algorithm.policy_loss_fn_args": {"clip_ratio_c": 0.5}})
     out = launch(bad)
     assert out.returncode == 2 and out.stderr.strip() == (
