@@ -18,7 +18,17 @@ import torch
 import yaml
 
 from buffer import ExperienceDB
-from helpers import both_config, explorer_in_process, raw, write_yaml
+from helpers import (
+    Entry,
+    both_config,
+    explorer_in_process,
+    raw,
+    run_entry,
+    run_explorer,
+    run_train,
+    start_entry,
+    write_yaml,
+)
 from monitor import read_history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,14 +82,8 @@ def pair(tmp_path: Path, tiny_model_dir: str, url: str = "", **over) -> dict[str
 LAUNCHED = {"NANORFT_LAUNCHED": "1"}
 
 
-def start(config: Path, script: str, log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, script, "--config", str(config)],
-        cwd=ROOT,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+def start(config: Path, script: str, log: Path, env: dict | None = None) -> Entry:
+    return start_entry(script, ["--config", str(config)], log, env)
 
 
 def meta(url: str, key: str) -> str | None:
@@ -171,14 +175,7 @@ def test_explorer_first_trainer_later_and_restart_of_a_finished_run(tmp_path, ti
     assert "no trainer has used this DB yet" in logs["explorer"].read_text()
     trainer = start(files["trainer"], "train.py", logs["trainer"], LAUNCHED)
     assert [p.wait(timeout=300) for p in (trainer, explorer)] == [0, 0], {r: logs[r].read_text()[-2000:] for r in logs}
-    again = subprocess.run(
-        [sys.executable, "train.py", "--config", str(files["trainer"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED},
-    )
+    again = run_train(files["trainer"])
     assert again.returncode == 0 and "resumed from checkpoint step 6" in again.stderr, again.stderr[-2000:]
     assert [r["step"] for r in read_history(job / "monitor/trainer.jsonl")] == list(range(1, 7))
     versions = [r["rollout/model_version"] for r in read_history(job / "monitor/explorer.jsonl")]
@@ -268,13 +265,7 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
 @pytest.mark.slow
 def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
     files = pair(tmp_path, tiny_model_dir, **{"synchronizer.sync_timeout": 1})
-    out = subprocess.run(
-        [sys.executable, "explore.py", "--config", str(files["explorer"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_explorer(files["explorer"])
     assert out.returncode == 1
     assert (
         "explorer explorer stops after step 2: no weights of step 1 after 1 s (synchronizer.sync_timeout); "
@@ -288,14 +279,7 @@ def refusal(script: str, config: Path, url: str, caplog) -> tuple[int, str]:
     point, a process."""
     if script == "explore.py" and url.startswith("postgresql://"):
         return explorer_in_process(config, caplog)
-    out = subprocess.run(
-        [sys.executable, script, "--config", str(config)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED},
-    )
+    out = run_entry(script, ["--config", str(config)], {**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED}, 300)
     return out.returncode, out.stderr
 
 
@@ -328,14 +312,7 @@ def test_an_explorer_whose_advantages_the_trainer_would_not_read_is_refused(tmp_
     Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True)
     with ExperienceDB(url) as d:
         d.check_advantages('the explorer: step_wise_grpo {"epsilon": 1e-06}', "the trainer")
-    out = subprocess.run(
-        [sys.executable, "explore.py", "--config", str(files["explorer"])],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "NANORFT_LAUNCHED": "1"},
-    )
+    out = run_explorer(files["explorer"], env={**os.environ, **LAUNCHED})
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert (
         'the advantages of this DB\'s experiences come from the explorer: step_wise_grpo {"epsilon": 1e-06} '
@@ -395,24 +372,12 @@ def test_dynamic_sampling_and_replay_by_group_with_separate_processes(tmp_path, 
     job, marker = tmp_path / "ck/p/run", tmp_path / "paused"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    killed = subprocess.Popen(
-        [sys.executable, "explore.py", "--config", str(explorer)],
-        cwd=ROOT,
-        env={**env, **pause},
-        stderr=subprocess.DEVNULL,
-    )
+    killed = start_entry("explore.py", ["--config", str(explorer)], tmp_path / "killed.log", pause)
     wait_for(lambda: marker.exists() or killed.poll() is not None, "the explorer's pause before writing step 2")
     killed.kill()
     assert killed.wait() != 0 and marker.exists()
     for script, config in (("explore.py", explorer), ("train.py", trainer)):
-        out = subprocess.run(
-            [sys.executable, script, "--config", str(config)],
-            cwd=ROOT,
-            env={**env, **LAUNCHED},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        out = run_entry(script, ["--config", str(config)], {**env, **LAUNCHED}, 300)
         assert out.returncode == 0, out.stderr[-3000:]
     # the explorer: 3 steps of 2 varied groups; the position counts every task run, the dropped ones too
     dapo = {r["step"]: r for r in read_history(job / "monitor/explorer.jsonl")}  # the killed run logged step 1 only

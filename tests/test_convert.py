@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 import sync
+from helpers import spawn_ranks
 from models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def rank_shards(tmp_path_factory, tiny_model_dir) -> Path:
         (root / case / "global_step_5" / "actor").mkdir(parents=True)
     ports = [free_port() for _ in SHARDS]
     world = max(w for w, _ in SHARDS.values())
-    mp.spawn(save_every_case, args=(ports, tiny_model_dir, str(root)), nprocs=world, join=True)
+    spawn_ranks(save_every_case, (ports, tiny_model_dir, str(root)), world)
     for case in SHARDS:
         actor = root / case / "global_step_5" / "actor"
         shutil.copytree(tiny_model_dir, actor / "huggingface", ignore=shutil.ignore_patterns("*.safetensors"))

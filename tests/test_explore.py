@@ -6,8 +6,6 @@ import json
 import os
 import signal
 import sqlite3
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +20,7 @@ import workflows
 from buffer import Experience
 from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
-from helpers import explorer_in_process, make_task, run_explorer, write_config
+from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
 from models import load_tokenizer
 from sampling import PromptTooLong
 from tasksets import TaskReader, load_tasks
@@ -69,16 +67,8 @@ def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir,
         **{"buffer.total_steps": 4, "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"}},
     )
     marker = tmp_path / "paused"
-    env = {**os.environ, "NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    with open(tmp_path / "stderr.txt", "w") as err:  # a file, not a pipe: a full pipe would block the explorer
-        proc = subprocess.Popen(
-            [sys.executable, "explore.py", "--config", str(config)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-            text=True,
-        )
+    env = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:  # step 3 generated, not written
         time.sleep(0.05)
@@ -278,26 +268,18 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     }
     config = write_config(tmp_path, tiny_model_dir, **over)
     job = tmp_path / "ck/p/e"
-    trainer = subprocess.Popen(
-        [sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "2"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    trainer = start_entry(
+        "tests/test_sync.py", ["fake_trainer", tiny_model_dir, str(job), "2"], tmp_path / "trainer2.log"
     )
     out = run_explorer(config)  # 3 steps: sync points after steps 1, 2
-    assert trainer.wait(timeout=60) == 0, trainer.stdout.read()[-3000:]
+    assert trainer.wait(timeout=60) == 0, trainer.out.read_text()[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
     assert [v for _, _, v, _ in db_rows(tmp_path)] == [0] * 6 + [1] * 6 + [2] * 6
     # a restart for 3 more steps: this trainer (restarted without a checkpoint) sends one version, then stop; the
     # explorer, restarted after step 3, waits for version 3 before its first rollout (sync.ExplorerSync.resume)
     config = write_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 6})
-    trainer = subprocess.Popen(
-        [sys.executable, "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    trainer = start_entry(
+        "tests/test_sync.py", ["fake_trainer", tiny_model_dir, str(job), "1"], tmp_path / "trainer1.log"
     )
     out = run_explorer(config)
     assert trainer.wait(timeout=60) == 0

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import batching
 import scoring
 from configs.schema import TrainerConfig
-from helpers import experiences
+from helpers import experiences, spawn_ranks
 
 FAMILIES = ("qwen2", "llama")
 
@@ -68,13 +68,12 @@ def test_fsdp_wraps_each_decoder_layer_by_no_split_modules_on_two_families(tmp_p
     """Qwen2 and Llama: each decoder layer (the class `_no_split_modules` names) is its own FSDP2 unit, then the root
     scorer; nothing else. Each rank holds half of each layer's matrices (dim 0 split over 2 ranks), and a forward and
     backward through the sharded scorer gives finite log-probs and a gradient on every layer parameter."""
-    import torch.multiprocessing as mp
 
     paths = {kind: tiny_family(kind, tmp_path) for kind in FAMILIES}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(wrap_on_rank, args=(2, port, paths, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(wrap_on_rank, (2, port, paths, str(tmp_path)), 2)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for kind, layer in (("qwen2", "Qwen2DecoderLayer"), ("llama", "LlamaDecoderLayer")):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import configs
 import sync
 import wire
-from helpers import both_config, launch, rollout_logprob_gap, versions_by_step
+from helpers import Entry, both_config, launch, rollout_logprob_gap, start_entry, versions_by_step
 
 # NOTE: models, engines, transformers and monitor are imported where used: this file is also the peer process of the
 # process-group tests, and the peers that need only wire start ~3 s of CPU sooner without them
@@ -100,19 +100,14 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
 
 
-def peer(role: str, *args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, __file__, role, *args],
-        cwd=ROOT,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        **kw,
-    )
+def peer(log_dir: Path, role: str, *args: str, env: dict | None = None) -> Entry:
+    """This file run as `role`'s process (bottom of the file), its output in <log_dir>/<role>.log."""
+    return start_entry("tests/test_sync.py", [role, *args], Path(log_dir) / f"{role}.log", env)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
-    out, _ = proc.communicate(timeout=timeout)
+def finish(proc: Entry, timeout: float = 60) -> str:
+    proc.wait(timeout)
+    out = proc.out.read_text()
     assert proc.returncode == 0, out[-3000:]
     return out
 
@@ -121,8 +116,8 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> str:
 def test_group_sync_is_bitwise(tiny_model_dir, tmp_path):
     """Trainer and explorer processes over gloo: the engine ends with the trainer's tensors, bit for bit,
     version 3, and it generates differently; then "stop" reaches the explorer as finished."""
-    trainer = peer("trainer", tiny_model_dir, str(tmp_path), "3")
-    explorer = peer("explorer", tiny_model_dir, str(tmp_path))
+    trainer = peer(tmp_path, "trainer", tiny_model_dir, str(tmp_path), "3")
+    explorer = peer(tmp_path, "explorer", tiny_model_dir, str(tmp_path))
     finish(trainer)
     result = json.loads(finish(explorer).strip().splitlines()[-1])
     assert result["version"] == 3 and result["model_version"] == 3 and result["then"] == "finished"
@@ -138,7 +133,7 @@ def test_group_sync_is_bitwise(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_stop_reports_finished(tmp_path):
-    trainer = peer("stop", str(tmp_path))
+    trainer = peer(tmp_path, "stop", str(tmp_path))
     link = wire.open_receiver(tmp_path, timeout=20)
     assert wire.receive_weights(link) is None
     wire.close_receiver(link)
@@ -187,7 +182,7 @@ def test_trainer_death_is_a_clear_error(tmp_path, when):
     test chooses, told through the store: once the explorer asks for the header, or once it has the header (then
     the broadcast of the tensors fails). Whether the explorer's wait has begun a moment before or after the death
     does not matter: the store or the group is gone either way."""
-    trainer = peer("die", str(tmp_path), when)
+    trainer = peer(tmp_path, "die", str(tmp_path), when)
     link = wire.open_receiver(tmp_path, timeout=120)
     start = time.monotonic()
     with pytest.raises(wire.SyncError):
@@ -199,7 +194,7 @@ def test_trainer_death_is_a_clear_error(tmp_path, when):
             link.store.set("test/got_header", "1")
             list(wire.receive_buckets(link, header))
     assert time.monotonic() - start < 60  # not the 120 s timeout: the death was noticed (slack for a loaded machine)
-    trainer.communicate(timeout=30)
+    trainer.wait(timeout=30)
 
 
 # --- buckets: tensors of any dtypes packed into few broadcasts
@@ -327,7 +322,7 @@ def test_checkpoint_pruning_spares_the_folders_an_explorer_may_be_loading(tmp_pa
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL sync needs 2 CUDA GPUs (one per side)")
 def test_group_sync_nccl(tmp_path):
-    trainer = peer("nccl_trainer", str(tmp_path), env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"})
+    trainer = peer(tmp_path, "nccl_trainer", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": "0"})
     link = wire.open_receiver(tmp_path, timeout=60, device="cuda:1")
     assert link.backend == "nccl"
     version, state = wire.receive_weights(link)

@@ -37,6 +37,7 @@ from helpers import (
     run_train,
     run_trains,
     sft_config,
+    spawn_ranks,
     straight_and_resumed,
     weights,
 )
@@ -891,15 +892,13 @@ def read_on_rank(rank: int, world: int, port: int, db_url: str, model_dir: str, 
 def test_only_rank_0_reads_the_db_and_every_rank_gets_its_batch(tmp_path, tiny_model_dir):
     import socket
 
-    import torch.multiprocessing as mp
-
     url = f"sqlite:///{tmp_path / 'exp.db'}"
     with ExperienceDB(url) as db:
         db.write(experiences([(3, [2, 4]), (5, [1, 3]), (2, [6, 6]), (4, [1, 1])]))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(read_on_rank, args=(2, port, url, tiny_model_dir, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(read_on_rank, (2, port, url, tiny_model_dir, str(tmp_path)), 2)
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero == one and [len(batch) for batch in zero] == [4, 4]
     assert sorted(x[0] for batch in zero for x in batch) == list(range(1, 9))  # each experience once
