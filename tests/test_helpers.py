@@ -1,0 +1,63 @@
+"""The harness's process starts (helpers.Entry): a script run from the fork server behaves as `python script.py` does
+in what the tests read (exit code, output, environment, working directory, argv, `__main__`, the way out)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, forkable, run_entry, start_entry
+
+SCRIPT = """import atexit, json, multiprocessing, os, sys, threading, time
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__,
+                  "parent": multiprocessing.parent_process() is None, "path0": sys.path[0]}), flush=True)
+atexit.register(lambda: print("atexit ran", file=sys.stderr))
+threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+how = sys.argv[1]
+if how == "raise":
+    raise ValueError("boom")
+if how == "wait":
+    open(sys.argv[2], "w").close()
+    time.sleep(60)
+sys.exit({"ok": 0, "code": 3, "text": "stopped: a message"}[how])
+"""
+
+
+def both(tmp_path, how: str, env: dict) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    script = tmp_path / "s.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, **env}
+    plain = subprocess.run([sys.executable, str(script), how], cwd=ROOT, env=env, capture_output=True, text=True)
+    return plain, run_entry(str(script), [how], env, timeout=60)
+
+
+@pytest.mark.slow
+def test_a_forked_entry_point_exits_writes_and_sees_what_a_fresh_process_does(tmp_path):
+    assert forkable({**os.environ, "NANORFT_T": "x"})
+    for how in ("ok", "code", "text", "raise"):
+        plain, forked = both(tmp_path, how, {"NANORFT_T": how})
+        assert (forked.returncode, forked.stdout) == (plain.returncode, plain.stdout), (how, forked.stderr)
+        assert plain.returncode == {"ok": 0, "code": 3, "text": 1, "raise": 1}[how]
+        assert '"parent": true' in plain.stdout and f'"var": "{how}"' in plain.stdout
+        assert '"name": "__main__"' in plain.stdout and "thread done" in plain.stdout
+        assert "atexit ran" in forked.stderr and "atexit ran" in plain.stderr
+        said = {"text": "stopped: a message", "raise": "ValueError: boom"}.get(how, "")
+        assert said in forked.stderr and said in plain.stderr and ("Traceback" in forked.stderr) == (how == "raise")
+
+
+@pytest.mark.slow
+def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_plain_process(tmp_path):
+    script, marker = tmp_path / "s.py", tmp_path / "waiting"
+    script.write_text(SCRIPT)
+    proc = start_entry(str(script), ["wait", str(marker)], tmp_path / "log.txt")
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.out.read_text()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM and proc.proc is not None  # forked, killed as Popen reports it
+    proc = start_entry(str(script), ["ok"], tmp_path / "log2.txt", {"PYTHONPATH": str(tmp_path)})
+    assert proc.wait(timeout=60) == 0 and proc.plain is not None  # PYTHONPATH is read at start: a plain process
