@@ -376,6 +376,7 @@ def run_entry(script: str, argv: list[str], env: dict[str, str], timeout: float)
 
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        out.touch(), err.touch()
         proc = Entry(script, argv, env, out, err)
         try:
             code = proc.wait(timeout)
@@ -383,8 +384,9 @@ def run_entry(script: str, argv: list[str], env: dict[str, str], timeout: float)
             proc.kill()
             proc.wait()
             raise
-        read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
-        return subprocess.CompletedProcess(proc.args, code, read(out), read(err))
+        return subprocess.CompletedProcess(
+            proc.args, code, out.read_text(errors="replace"), err.read_text(errors="replace")
+        )
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
