@@ -235,9 +235,11 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # forkserver, those modules preloaded; the server never runs a test). Each child then runs its script as `__main__`,
 # with its own argv, environment, working directory and output files, imports the project's modules afresh and ends
 # as the interpreter would (non-daemon threads joined, atexit handlers run), as `python script.py` does, but without
-# paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. The processes these start (the launcher's
-# explorer and trainer, torchrun's ranks, vLLM's engines) are started as a user's are. An environment that differs from
-# the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
+# paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. A launcher started so (launch.py, or train.py
+# handing over to it) forks its explorer and trainer from the same server (its `subprocess.Popen` of
+# `python explore.py|train.py` gives an Entry: _LauncherPopen); torchrun's ranks and vLLM's engines start as a user's
+# do. An environment that differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a
+# plain `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
@@ -257,6 +259,7 @@ PRELOADED = [
 ]
 IMPORT_TIME_ENV = ("PYTHON", "HOME", "XDG_", "HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL")
 IMPORT_TIME_ENV += ("TOKENIZERS_", "MPL", "LD_")
+REAPPLIED = ("TRANSFORMERS_VERBOSITY",)  # read at import, read again in the child (_entry_main)
 _server_env: dict[str, str] = {}
 
 
@@ -276,18 +279,48 @@ def fork_context():
 def forkable(env: dict[str, str]) -> bool:
     """Whether a process with `env` may fork from the server: the same values for every variable read at import."""
     fork_context()
-    keys = {k for k in {*env, *_server_env} if k.startswith(IMPORT_TIME_ENV)}
+    keys = {k for k in {*env, *_server_env} if k.startswith(IMPORT_TIME_ENV) and k not in REAPPLIED}
     return all(env.get(k) == _server_env.get(k) for k in keys)
 
 
-def _entry_main(script: str, argv: list[str], env: dict[str, str], out: str, err: str) -> None:
-    """In the forked child: `python script *argv` with `env`, stdout to `out` and stderr to `err` (appended)."""
+class _LauncherPopen(subprocess.Popen):
+    """subprocess.Popen in a forked entry point (the launcher's, in launch.py or in train.py handing over to it):
+    `python explore.py|train.py ...` with a forkable environment and the repository as working directory gives an
+    Entry forked from the server, its output where the entry point's goes; any other command a real Popen."""
+
+    outputs: tuple[str, str] = ("", "")  # the launcher's stdout and stderr files
+
+    def __new__(cls, args, *rest, **kw):
+        script = Path(args[1]) if isinstance(args, list) and len(args) > 1 and args[0] == sys.executable else None
+        ours = script is not None and script.parent == ROOT and script.name in ("explore.py", "train.py")
+        if ours and not rest and set(kw) == {"cwd", "env"} and Path(kw["cwd"]) == ROOT and forkable(kw["env"]):
+            sys.path.append(str(ROOT / "tests"))  # NOTE: for the child to find _entry_main (it starts on this path)
+            try:
+                return Entry(str(script), list(args[2:]), dict(kw["env"]), *map(Path, cls.outputs))
+            finally:
+                sys.path.remove(str(ROOT / "tests"))
+        return super().__new__(cls)
+
+
+def _entry_main(
+    script: str, argv: list[str], env: dict[str, str], out: str, err: str, server_env: dict[str, str]
+) -> None:
+    """In the forked child: `python script *argv` with `env`, stdout to `out` and stderr to `err` (appended). The
+    explorer and trainer that a launcher in it starts fork from the same server (`server_env`: its environment)."""
     import atexit
+    import multiprocessing.forkserver
     import multiprocessing.process
+    import multiprocessing.resource_tracker
     import runpy
     import threading
     import traceback
 
+    # NOTE: a child of the server has the server's address and "alive" fd (multiprocessing sets them), not its pid:
+    # ensure_running would start a second server
+    multiprocessing.forkserver._forkserver.ensure_running = multiprocessing.resource_tracker.ensure_running
+    _server_env.update(server_env)
+    _LauncherPopen.outputs = (out, err)
+    subprocess.Popen = _LauncherPopen
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
@@ -297,6 +330,12 @@ def _entry_main(script: str, argv: list[str], env: dict[str, str], out: str, err
         os.close(f)
     sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    # NOTE: transformers sets its loggers' level (TRANSFORMERS_VERBOSITY, which a launcher sets for its children), their
+    # stream and propagation (CI) once, at import
+    from transformers.utils import logging as hf_logging
+
+    hf_logging._reset_library_root_logger()
+    hf_logging._configure_library_root_logger()
     sys.argv = [script, *argv]
     sys.path[:] = [str((ROOT / script).parent)] + [p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))]
     multiprocessing.process._parent_process = None  # a main process, as `python script.py` is
@@ -326,12 +365,13 @@ def _entry_main(script: str, argv: list[str], env: dict[str, str], out: str, err
 class Entry:
     """`python script *argv` started from the fork server (or, where `forkable` says no, as a plain process), its
     stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT). Popen's pid, poll,
-    wait, send_signal, kill and returncode."""
+    wait, send_signal, terminate, kill and returncode."""
 
     def __init__(self, script: str, argv: list[str], env: dict[str, str], out: Path, err: Path) -> None:
         self.args, self.out, self.plain, self.proc = [sys.executable, script, *argv], out, None, None
         if forkable(env):
-            self.proc = fork_context().Process(target=_entry_main, args=(script, argv, env, str(out), str(err)))
+            args = (script, argv, env, str(out), str(err), _server_env)
+            self.proc = fork_context().Process(target=_entry_main, args=args)
             self.proc.start()
             self.pid = self.proc.pid
         else:
@@ -357,6 +397,9 @@ class Entry:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

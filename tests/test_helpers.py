@@ -19,10 +19,14 @@ threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=Tru
 how = sys.argv[1]
 if how == "raise":
     raise ValueError("boom")
+if how == "hf":  # transformers' level, set at its import from TRANSFORMERS_VERBOSITY
+    from transformers.utils import logging
+
+    print("transformers level", logging.get_verbosity(), flush=True)
 if how == "wait":
     open(sys.argv[2], "w").close()
     time.sleep(60)
-sys.exit({"ok": 0, "code": 3, "text": "stopped: a message"}[how])
+sys.exit({"ok": 0, "hf": 0, "code": 3, "text": "stopped: a message"}[how])
 """
 
 
@@ -36,14 +40,16 @@ def both(tmp_path, how: str, env: dict) -> tuple[subprocess.CompletedProcess, su
 
 @pytest.mark.slow
 def test_a_forked_entry_point_exits_writes_and_sees_what_a_fresh_process_does(tmp_path):
-    assert forkable({**os.environ, "NANORFT_T": "x"})
-    for how in ("ok", "code", "text", "raise"):
-        plain, forked = both(tmp_path, how, {"NANORFT_T": how})
-        assert (forked.returncode, forked.stdout) == (plain.returncode, plain.stdout), (how, forked.stderr)
-        assert plain.returncode == {"ok": 0, "code": 3, "text": 1, "raise": 1}[how]
+    assert forkable({**os.environ, "NANORFT_T": "x", "TRANSFORMERS_VERBOSITY": "error"})
+    for how in ("ok", "code", "text", "raise", "hf"):
+        plain, forked = both(tmp_path, how, {"NANORFT_T": how, "TRANSFORMERS_VERBOSITY": "error"})
+        lines = sorted(forked.stdout.splitlines()), sorted(plain.stdout.splitlines())  # "hf" imports as the thread runs
+        assert (forked.returncode, lines[0]) == (plain.returncode, lines[1]), (how, forked.stderr)
+        assert plain.returncode == {"ok": 0, "hf": 0, "code": 3, "text": 1, "raise": 1}[how]
         assert '"parent": true' in plain.stdout and f'"var": "{how}"' in plain.stdout
         assert '"name": "__main__"' in plain.stdout and "thread done" in plain.stdout
         assert "atexit ran" in forked.stderr and "atexit ran" in plain.stderr
+        assert ("transformers level 40" in plain.stdout) == (how == "hf")
         said = {"text": "stopped: a message", "raise": "ValueError: boom"}.get(how, "")
         assert said in forked.stderr and said in plain.stderr and ("Traceback" in forked.stderr) == (how == "raise")
 
@@ -61,3 +67,23 @@ def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_p
     assert proc.wait(timeout=30) == -signal.SIGTERM and proc.proc is not None  # forked, killed as Popen reports it
     proc = start_entry(str(script), ["ok"], tmp_path / "log2.txt", {"PYTHONPATH": str(tmp_path)})
     assert proc.wait(timeout=60) == 0 and proc.plain is not None  # PYTHONPATH is read at start: a plain process
+
+
+LAUNCHER = """import os, subprocess, sys
+child = subprocess.Popen([sys.executable, sys.argv[1], "--help"], cwd=os.getcwd(), env=os.environ)
+subprocess.run([sys.executable, "-c", "print('plain', flush=True)"])
+print(type(child).__name__, child.wait(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_else_as_popen(tmp_path):
+    """A launcher run from the fork server: its `python explore.py` (or train.py) forks too (an Entry), its output
+    where the launcher's goes; another command is a plain process."""
+    launcher, script = tmp_path / "launch.py", str(ROOT / "explore.py")
+    launcher.write_text(LAUNCHER)
+    plain = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+    forked = run_entry(str(launcher), [script], dict(os.environ), timeout=120)
+    assert plain.returncode == 0 and forked.returncode == 0, forked.stderr
+    assert forked.stdout.endswith("Entry 0\n"), forked.stdout
+    assert sorted(forked.stdout.splitlines()) == sorted([*plain.stdout.splitlines(), "plain", "Entry 0"])
