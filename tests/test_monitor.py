@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from buffer import Experience
 from configs.schema import Config
-from helpers import mlflow_runs
+from helpers import fork_context, mlflow_runs
 from monitor import (
     CONSOLE,
     Console,
@@ -442,8 +442,6 @@ def _create(uri: str, name: str, barrier) -> str:
 def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatch):
     """A file store checks names without a lock: four processes that get-or-create one experiment at the same moment
     must find one experiment, the same id in each."""
-    import multiprocessing
-
     from mlflow.tracking import MlflowClient
 
     uri = (tmp_path / "mlruns").as_uri()
@@ -452,7 +450,7 @@ def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatc
     # ("Yaml file .../mlruns/0/meta.yaml exists"), which is not the race this test is about
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     MlflowClient(uri).search_experiments()
-    ctx = multiprocessing.get_context("spawn")
+    ctx = fork_context()  # four processes that did not import mlflow yet, torch and the rest already imported
     with ctx.Manager() as manager:
         barrier = manager.Barrier(4)
         with ctx.Pool(4) as pool:
