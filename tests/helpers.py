@@ -7,10 +7,13 @@ that needs only `in_ci` or `raw` does not pay for them."""
 
 from __future__ import annotations
 
+import functools
+import multiprocessing.spawn
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -284,22 +287,43 @@ def forkable(env: dict[str, str]) -> bool:
 
 
 class _LauncherPopen(subprocess.Popen):
-    """subprocess.Popen in a forked entry point (the launcher's, in launch.py or in train.py handing over to it):
-    `python explore.py|train.py ...` with a forkable environment and the repository as working directory gives an
-    Entry forked from the server, its output where the entry point's goes; any other command a real Popen."""
+    """subprocess.Popen in a forked entry point or script (the launcher's, in launch.py or in train.py handing over to
+    it; scripts/learn_table.py's): `python launch.py|explore.py|train.py ...` of this repository, run from its root with
+    a forkable environment and its output inherited or to one file, gives an Entry forked from the server; any other
+    command a real Popen."""
 
-    outputs: tuple[str, str] = ("", "")  # the launcher's stdout and stderr files
+    outputs: tuple[str, str] = ("", "")  # this process's stdout and stderr files
 
     def __new__(cls, args, *rest, **kw):
-        script = Path(args[1]) if isinstance(args, list) and len(args) > 1 and args[0] == sys.executable else None
-        ours = script is not None and script.parent == ROOT and script.name in ("explore.py", "train.py")
-        if ours and not rest and set(kw) == {"cwd", "env"} and Path(kw["cwd"]) == ROOT and forkable(kw["env"]):
-            sys.path.append(str(ROOT / "tests"))  # NOTE: for the child to find _entry_main (it starts on this path)
-            try:
-                return Entry(str(script), list(args[2:]), dict(kw["env"]), *map(Path, cls.outputs))
-            finally:
-                sys.path.remove(str(ROOT / "tests"))
+        cwd, env, out, err = kw.pop("cwd", None), kw.pop("env", None), kw.pop("stdout", None), kw.pop("stderr", None)
+        if isinstance(args, list) and len(args) > 1 and args[0] == sys.executable and cwd and Path(cwd) == ROOT:
+            script = ROOT / args[1]
+            if out is None and err is None:
+                out, err = cls.outputs
+            elif hasattr(out, "name") and err in (out, subprocess.STDOUT):
+                out = err = out.name
+            ours = script.parent == ROOT and script.name in ("launch.py", "explore.py", "train.py")
+            if ours and isinstance(out, str) and not rest and not kw and env is not None and forkable(env):
+                with _ENTRY_START:
+                    prepare = multiprocessing.spawn.get_preparation_data
+                    multiprocessing.spawn.get_preparation_data = functools.partial(_entry_preparation, prepare)
+                    try:
+                        return Entry(str(script), list(args[2:]), dict(env), Path(out), Path(err))
+                    finally:
+                        multiprocessing.spawn.get_preparation_data = prepare
         return super().__new__(cls)
+
+
+_ENTRY_START = threading.Lock()
+
+
+def _entry_preparation(prepare, name: str) -> dict:
+    """What an Entry started in a forked entry point starts from (multiprocessing.spawn.get_preparation_data): tests/ on
+    its path, where _entry_main is, and not this process's main module (the child runs its own script: the parent's
+    would run again in it as `__mp_main__`)."""
+    data = prepare(name)
+    data["sys_path"] = [*data["sys_path"], str(ROOT / "tests")]
+    return {k: v for k, v in data.items() if k not in ("init_main_from_path", "init_main_from_name")}
 
 
 def _entry_main(
@@ -365,7 +389,7 @@ def _entry_main(
 class Entry:
     """`python script *argv` started from the fork server (or, where `forkable` says no, as a plain process), its
     stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT). Popen's pid, poll,
-    wait, send_signal, terminate, kill and returncode."""
+    wait, send_signal, terminate, kill, returncode, communicate and `with` (what subprocess.run calls)."""
 
     def __init__(self, script: str, argv: list[str], env: dict[str, str], out: Path, err: Path) -> None:
         self.args, self.out, self.plain, self.proc = [sys.executable, script, *argv], out, None, None
@@ -400,6 +424,17 @@ class Entry:
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
+
+    def communicate(self, input: None = None, timeout: float | None = None) -> tuple[None, None]:
+        """Popen's, for subprocess.run: the output is in files, so only the wait."""
+        self.wait(timeout)
+        return None, None
+
+    def __enter__(self) -> Entry:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wait()
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)

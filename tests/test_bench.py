@@ -6,43 +6,21 @@ in docs/LOG.md (the full runs take ~20 and ~8 minutes)."""
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, real_vllm
+from helpers import ROOT, real_vllm, run_entry
 
 
 @pytest.mark.slow
 def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench_vs_trl.py",
-            "--work",
-            str(tmp_path / "work"),
-            "--seeds",
-            "0",
-            "--steps",
-            "2",
-            "--sft-steps",
-            "4",
-            "--json",
-            str(tmp_path / "bench.json"),
-            "--eval-limit",
-            "50",
-            "--no-offset",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        # one thread a process, as helpers.launch runs the entry points: on busy cores, torch's second thread spins
-        # (measured: an eval of 50 problems took 6-12 s of CPU with 2 threads at load ~6, 0.7 s with one)
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    args = ["--work", str(tmp_path / "work"), "--seeds", "0", "--steps", "2", "--sft-steps", "4"]
+    args += ["--json", str(tmp_path / "bench.json"), "--eval-limit", "50", "--no-offset"]
+    # one thread a process, as helpers.launch runs the entry points: on busy cores, torch's second thread spins
+    # (measured: an eval of 50 problems took 6-12 s of CPU with 2 threads at load ~6, 0.7 s with one)
+    out = run_entry("scripts/bench_vs_trl.py", args, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert sorted(r["framework"] for r in results) == ["TRL", "nanorft"]
@@ -78,29 +56,8 @@ def test_the_sync_offset_contender_differs_in_its_sync_offset_alone(tmp_path):
 @pytest.mark.slow
 def test_bench_vllm_reports_every_figure(tmp_path):
     real_vllm()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/bench_vllm.py",
-            "--models",
-            "1m",
-            "--prompts",
-            "2",
-            "--n",
-            "2",
-            "--tokens",
-            "4",
-            "--repeats",
-            "1",
-            "--no-compiled",
-            "--json",
-            str(tmp_path / "rows.json"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    args = ["--models", "1m", "--prompts", "2", "--n", "2", "--tokens", "4", "--repeats", "1", "--no-compiled"]
+    out = run_entry("scripts/bench_vllm.py", [*args, "--json", str(tmp_path / "rows.json")], dict(os.environ), 600)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = json.loads((tmp_path / "rows.json").read_text())
     assert row["model"] == "1m" and row["params"] == 1019008 and row["vllm_tok_s"] > 0 and row["hf_tok_s"] > 0

@@ -70,20 +70,29 @@ def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_p
 
 
 LAUNCHER = """import os, subprocess, sys
-child = subprocess.Popen([sys.executable, sys.argv[1], "--help"], cwd=os.getcwd(), env=os.environ)
+here = dict(cwd=os.getcwd(), env=os.environ)
+child = subprocess.Popen([sys.executable, sys.argv[1], "--help"], **here)
 subprocess.run([sys.executable, "-c", "print('plain', flush=True)"])
 print(type(child).__name__, child.wait(), flush=True)
+with open(sys.argv[2], "w") as log:
+    command = [sys.executable, sys.argv[1], "--help"]
+    with subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **here) as to_file:
+        print(type(to_file).__name__, to_file.communicate(timeout=60), to_file.returncode, flush=True)
 """
 
 
 @pytest.mark.slow
 def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_else_as_popen(tmp_path):
-    """A launcher run from the fork server: its `python explore.py` (or train.py) forks too (an Entry), its output
-    where the launcher's goes; another command is a plain process."""
-    launcher, script = tmp_path / "launch.py", str(ROOT / "explore.py")
+    """A launcher run from the fork server: its `python explore.py` (or train.py, launch.py) forks too (an Entry), its
+    output where the launcher's goes or to the file it names, as subprocess.run uses it; another command is a plain
+    process."""
+    launcher, script, log = tmp_path / "launch.py", str(ROOT / "explore.py"), tmp_path / "child.log"
     launcher.write_text(LAUNCHER)
     plain = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
-    forked = run_entry(str(launcher), [script], dict(os.environ), timeout=120)
+    forked = run_entry(str(launcher), [script, str(log)], dict(os.environ), timeout=120)
     assert plain.returncode == 0 and forked.returncode == 0, forked.stderr
-    assert forked.stdout.endswith("Entry 0\n"), forked.stdout
-    assert sorted(forked.stdout.splitlines()) == sorted([*plain.stdout.splitlines(), "plain", "Entry 0"])
+    assert forked.stdout.endswith("Entry 0\nEntry (None, None) 0\n"), forked.stdout
+    assert sorted(forked.stdout.splitlines()) == sorted(
+        [*plain.stdout.splitlines(), "plain", "Entry 0", "Entry (None, None) 0"]
+    )
+    assert log.read_text() == plain.stdout

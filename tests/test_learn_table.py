@@ -3,14 +3,14 @@ script itself on the fastest presets as a user runs it, asserting that each gain
 control (slow: two runs per preset through launch.py)."""
 
 import json
-import subprocess
+import os
 import sys
 
 import pytest
 import yaml
 
 from algos import PRESETS
-from helpers import ROOT
+from helpers import ROOT, run_entry
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import learn_table  # noqa: E402
@@ -86,13 +86,8 @@ def test_grpo_gains_more_than_its_random_reward_control(tmp_path):
     config = tmp_path / "sevens.yaml"
     config.write_text(yaml.safe_dump(base))
     args = ["--config", str(config), "--sft-weights", "assets/tiny-qwen2", "--presets", "grpo", "--steps", "4"]
-    out = subprocess.run(
-        [sys.executable, "scripts/learn_table.py", *args, "--jobs", "2", "--out", str(tmp_path / "out")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    args += ["--jobs", "2", "--out", str(tmp_path / "out")]
+    out = run_entry("scripts/learn_table.py", args, dict(os.environ), timeout=900)
     result = json.loads((tmp_path / "out" / "learn_table.json").read_text())
     assert [e["preset"] for e in result["presets"]] == ["grpo"], out.stdout[-3000:]
     for e in result["presets"]:
