@@ -238,11 +238,11 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # forkserver, those modules preloaded; the server never runs a test). Each child then runs its script as `__main__`,
 # with its own argv, environment, working directory and output files, imports the project's modules afresh and ends
 # as the interpreter would (non-daemon threads joined, atexit handlers run), as `python script.py` does, but without
-# paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. A launcher started so (launch.py, or train.py
-# handing over to it) forks its explorer and trainer from the same server (its `subprocess.Popen` of
-# `python explore.py|train.py` gives an Entry: _LauncherPopen); torchrun's ranks and vLLM's engines start as a user's
-# do. An environment that differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a
-# plain `python script.py`.
+# paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. What such a process starts of the same
+# entry points (a launcher's explorer and trainer, learn_table's launcher runs) forks from the same server too (its
+# `subprocess.Popen`: _ForkingPopen); torchrun's ranks, vLLM's engines and any other command start as a user's do. An
+# environment that differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a plain
+# `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
@@ -286,7 +286,7 @@ def forkable(env: dict[str, str]) -> bool:
     return all(env.get(k) == _server_env.get(k) for k in keys)
 
 
-class _LauncherPopen(subprocess.Popen):
+class _ForkingPopen(subprocess.Popen):
     """subprocess.Popen in a forked entry point or script (the launcher's, in launch.py or in train.py handing over to
     it; scripts/learn_table.py's): `python launch.py|explore.py|train.py ...` of this repository, run from its root with
     a forkable environment and its output inherited or to one file, gives an Entry forked from the server; any other
@@ -336,15 +336,14 @@ def _entry_main(
     import multiprocessing.process
     import multiprocessing.resource_tracker
     import runpy
-    import threading
     import traceback
 
     # NOTE: a child of the server has the server's address and "alive" fd (multiprocessing sets them), not its pid:
     # ensure_running would start a second server
     multiprocessing.forkserver._forkserver.ensure_running = multiprocessing.resource_tracker.ensure_running
     _server_env.update(server_env)
-    _LauncherPopen.outputs = (out, err)
-    subprocess.Popen = _LauncherPopen
+    _ForkingPopen.outputs = (out, err)
+    subprocess.Popen = _ForkingPopen
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
