@@ -52,16 +52,22 @@ def pytest_collection_modifyitems(config, items):
 
 
 def slow_first(items: list) -> None:
-    """The slow tests (and every test of a group holding one) before the others, each kind in its order. NOTE: xdist
-    hands out the groups first (the largest first), then single tests in this order; the slow single tests (each
-    vLLM run, 30-80 s) came last alphabetically: in a full run one worker finished 55 s after the other."""
+    """The slow tests (and every test of a group holding one) before the others, the longest first (a test's
+    `slow(seconds=...)`, its measured wall time on 2 busy cores; unmarked ones keep their order), then the rest in
+    order. NOTE: xdist hands out the groups first (the largest first), then single tests in this order, a few ahead to
+    each worker; when the vLLM runs (60-120 s each) came last among the slow ones, one worker took three of them while
+    the other ran every quick test, and finished ~60 s after it."""
 
     def group(item) -> str:
         mark = item.get_closest_marker("xdist_group")
         return (mark.args[0] if mark.args else mark.kwargs.get("name", "")) if mark else item.nodeid
 
-    slow = {group(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: group(item) not in slow)
+    cost = {}
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark:
+            cost[group(item)] = cost.get(group(item), 0) + mark.kwargs.get("seconds", 0)
+    items.sort(key=lambda item: (group(item) not in cost, -cost.get(group(item), 0)))
 
 
 @pytest.fixture(autouse=True)

@@ -374,10 +374,8 @@ def _entry_main(
     except BaseException:
         traceback.print_exc()
         code = 1
-    try:  # the interpreter's way out: wait for the non-daemon threads, then the atexit handlers
-        for t in threading.enumerate():
-            if t is not threading.current_thread() and not t.daemon:
-                t.join()
+    try:  # the interpreter's way out: threading's exit hooks (executors' workers), the non-daemon threads, atexit's
+        threading._shutdown()
         atexit._run_exitfuncs()
     finally:
         sys.stdout.flush()

@@ -214,7 +214,7 @@ def test_trainer_driven_explorer_never_waits_and_stale_experiences_are_dropped(t
     assert json.loads(meta(url, "trainer"))["status"] == "finished"
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, url):
     """scripts/soak_async.py with a fixed schedule: SIGKILL the explorer, the trainer, then both, each at a
     pause point (NANORFT_TEST_PAUSE_AT: never a clock delay, so the run cannot end before a kill), restart

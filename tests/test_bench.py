@@ -14,7 +14,7 @@ import pytest
 from helpers import ROOT, real_vllm, run_entry
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=105)
 def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
     args = ["--work", str(tmp_path / "work"), "--seeds", "0", "--steps", "2", "--sft-steps", "4"]
     args += ["--json", str(tmp_path / "bench.json"), "--eval-limit", "50", "--no-offset"]
@@ -53,7 +53,7 @@ def test_the_sync_offset_contender_differs_in_its_sync_offset_alone(tmp_path):
     assert made[0] == made[1]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=50)
 def test_bench_vllm_reports_every_figure(tmp_path):
     real_vllm()
     args = ["--models", "1m", "--prompts", "2", "--n", "2", "--tokens", "4", "--repeats", "1", "--no-compiled"]

@@ -20,28 +20,20 @@ from helpers import both_config, launch, raw, write_config
 from models import config_tokenizer, load_model
 from sampling import PromptTooLong, SamplingParams
 from tiny import CHAT_TEMPLATE as tiny_chat_template
-from tiny import build
 
 HAVE_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
 TEXTS = ["What is 2 + 3?", "Tom has 4 apples and buys 5 more.", "hi", "A shop had 12 pens and sold 7 of them."]
 
 
-@pytest.fixture(scope="session")
-def tiny_path(tmp_path_factory) -> str:
-    root = tmp_path_factory.mktemp("engines")
-    build(str(root), n_train=50, n_test=10)
-    return str(root / "tiny-qwen2")
-
-
 @pytest.fixture(scope="module")
-def engine(tiny_path):
-    with HFEngine(tiny_path) as e:
+def engine(tiny_model_dir):
+    with HFEngine(tiny_model_dir) as e:
         yield e
 
 
 @pytest.fixture(scope="module")
-def ref(tiny_path):
-    return load_model(tiny_path)  # loaded independently of the engine
+def ref(tiny_model_dir):
+    return load_model(tiny_model_dir)  # loaded independently of the engine
 
 
 @pytest.fixture(scope="module")
@@ -166,9 +158,9 @@ def test_seed_reproduces_and_samples_differ(engine, prompts):
     assert all(x.token_ids != y.token_ids for x, y in zip(a, c))
 
 
-def test_min_tokens_suppresses_eos(tiny_path):
+def test_min_tokens_suppresses_eos(tiny_model_dir):
     # A flat model (final norm weight 0 -> all logits 0): EOS (2 of 264 ids) comes ~0.8% of steps.
-    with HFEngine(tiny_path) as e:
+    with HFEngine(tiny_model_dir) as e:
         state = {k: v.clone() for k, v in e.model.state_dict().items()}
         state["model.norm.weight"].zero_()
         e.load_weights(state, version=1)
@@ -181,8 +173,8 @@ def test_min_tokens_suppresses_eos(tiny_path):
     assert any(c.finish_reason == "stop" and c.token_ids[-1] in e.eos_ids for c in held)
 
 
-def test_max_model_len_clamps_and_refuses(tiny_path):
-    with HFEngine(tiny_path, max_model_len=20) as e:
+def test_max_model_len_clamps_and_refuses(tiny_model_dir):
+    with HFEngine(tiny_model_dir, max_model_len=20) as e:
         (c,) = e.generate([list(range(65, 80))], [SamplingParams(max_tokens=50, min_tokens=50)])[0]
         assert len(c.token_ids) == 5 and c.truncated
         with pytest.raises(ValueError, match="max_model_len=20"):
@@ -229,8 +221,8 @@ def test_a_failed_batch_fails_its_futures_not_the_worker(engine, prompts):
     assert len(engine.submit(prompts[0], SamplingParams(max_tokens=3)).result(timeout=60)[0].token_ids) <= 3
 
 
-def test_close_stops_the_worker(tiny_path):
-    e = HFEngine(tiny_path)
+def test_close_stops_the_worker(tiny_model_dir):
+    e = HFEngine(tiny_model_dir)
     assert isinstance(e.submit([65, 66], SamplingParams(max_tokens=2)).result(timeout=60)[0], Completion)
     e.close()
     assert not e.batcher.worker.is_alive()
@@ -239,15 +231,15 @@ def test_close_stops_the_worker(tiny_path):
 
 
 # --- weights
-def test_load_weights_from_a_folder_and_a_state_dict(tiny_path, ref, prompts, tmp_path):
-    other = load_model(tiny_path)
+def test_load_weights_from_a_folder_and_a_state_dict(tiny_model_dir, ref, prompts, tmp_path):
+    other = load_model(tiny_model_dir)
     with torch.no_grad():
         for p in other.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
     other.save_pretrained(tmp_path / "other")
     other_ref = load_model(str(tmp_path / "other"))
     greedy = SamplingParams(temperature=0.0, max_tokens=20)
-    with HFEngine(tiny_path) as e:
+    with HFEngine(tiny_model_dir) as e:
         before = e.generate(prompts, [greedy] * 4)
         e.load_weights(str(tmp_path / "other"), version=3)
         after = e.generate(prompts, [greedy] * 4)
@@ -264,9 +256,9 @@ def test_load_weights_from_a_folder_and_a_state_dict(tiny_path, ref, prompts, tm
 
 
 # --- choosing an engine
-def test_make_engine_picks_and_says_why(tiny_path, caplog):
+def test_make_engine_picks_and_says_why(tiny_model_dir, caplog):
     caplog.set_level(logging.INFO, logger="nanorft.engines")
-    e = make_engine(InferenceModelConfig(engine_type="auto"), tiny_path, max_model_len=256)
+    e = make_engine(InferenceModelConfig(engine_type="auto"), tiny_model_dir, max_model_len=256)
     try:
         assert (e.engine_type == "vllm") if HAVE_VLLM_GPU else isinstance(e, HFEngine)
         assert "engine_type=auto" in caplog.text
@@ -274,7 +266,7 @@ def test_make_engine_picks_and_says_why(tiny_path, caplog):
             assert "rollout engine: HF" in caplog.text and ("not installed" in caplog.text or "absent" in caplog.text)
     finally:
         e.close()
-    e = make_engine(InferenceModelConfig(engine_type="hf"), tiny_path, max_model_len=256)
+    e = make_engine(InferenceModelConfig(engine_type="hf"), tiny_model_dir, max_model_len=256)
     e.close()
     assert isinstance(e, HFEngine) and "engine_type=hf in the config" in caplog.text
 
@@ -323,24 +315,24 @@ def test_score_is_each_tokens_logprob_given_those_before_it(engine, ref, tempera
         engine.score([[5, 6]], temperature=0)
 
 
-def _model_cfg(tiny_path: str, **kw) -> ModelConfig:
-    return dataclasses.replace(ModelConfig(model_path=tiny_path, max_model_len=256), **kw)
+def _model_cfg(tiny_model_dir: str, **kw) -> ModelConfig:
+    return dataclasses.replace(ModelConfig(model_path=tiny_model_dir, max_model_len=256), **kw)
 
 
-def test_config_chat_templates_and_enable_thinking_reach_every_rendering(tiny_path, tmp_path):
+def test_config_chat_templates_and_enable_thinking_reach_every_rendering(tiny_model_dir, tmp_path):
     messages = [{"role": "user", "content": "hi"}]
-    own = config_tokenizer(_model_cfg(tiny_path)).apply_chat_template(messages, tokenize=False)
+    own = config_tokenizer(_model_cfg(tiny_model_dir)).apply_chat_template(messages, tokenize=False)
     custom = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}{% if enable_thinking %}[think]{% endif %}"
-    tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom))
+    tok = config_tokenizer(_model_cfg(tiny_model_dir, custom_chat_template=custom))
     assert own.startswith("<|im_start|>user") and tok.apply_chat_template(messages, tokenize=False) == "<hi>"
     (tmp_path / "t.jinja").write_text("FILE{{ messages[0]['content'] }}")
     path = str(tmp_path / "t.jinja")
-    tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom, chat_template_path=path))
+    tok = config_tokenizer(_model_cfg(tiny_model_dir, custom_chat_template=custom, chat_template_path=path))
     assert tok.apply_chat_template(messages, tokenize=False) == "FILEhi"  # the file wins
-    tok = config_tokenizer(_model_cfg(tiny_path, custom_chat_template=custom, enable_thinking=True))
+    tok = config_tokenizer(_model_cfg(tiny_model_dir, custom_chat_template=custom, enable_thinking=True))
     assert tok.apply_chat_template(messages, tokenize=False) == "<hi>[think]"
     assert source.render(tok, messages) == tok.encode("<hi>[think]", add_special_tokens=False)  # SFT rendering too
-    assert config_tokenizer(_model_cfg(tiny_path)).chat_template == tiny_chat_template  # others untouched
+    assert config_tokenizer(_model_cfg(tiny_model_dir)).chat_template == tiny_chat_template  # others untouched
 
 
 def test_handle_renders_tools_template_and_reply_prefix(engine):
@@ -370,9 +362,9 @@ def test_over_long_prompts_are_cut_and_masked_or_refused_once(engine):
         strict.generate([long])
 
 
-def test_min_response_tokens_and_ignore_eos_defaults(tiny_path):
+def test_min_response_tokens_and_ignore_eos_defaults(tiny_model_dir):
     # the flat model of test_min_tokens_suppresses_eos: EOS comes early in some of 64 samples unless held back
-    with HFEngine(tiny_path) as e:
+    with HFEngine(tiny_model_dir) as e:
         state = {k: v.clone() for k, v in e.model.state_dict().items()}
         state["model.norm.weight"].zero_()
         e.load_weights(state, version=1)
@@ -384,10 +376,10 @@ def test_min_response_tokens_and_ignore_eos_defaults(tiny_path):
     assert all(x.response_length == 40 for x in to_end)  # ignore_eos: every sample runs to max_tokens
 
 
-def test_a_groups_prompt_is_prefilled_once(tiny_path, ref, prompts):
+def test_a_groups_prompt_is_prefilled_once(tiny_model_dir, ref, prompts):
     """3 requests x n=4: the prompt pass runs 3 rows (one per request), the decode steps 12 (one per sample), and
     every sample's log-probs still match a plain forward pass (the shared KV cache is the prompt's)."""
-    with HFEngine(tiny_path) as e:
+    with HFEngine(tiny_model_dir) as e:
         calls = []
         forward = e.model.forward
 

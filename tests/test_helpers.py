@@ -11,11 +11,13 @@ import pytest
 
 from helpers import ROOT, forkable, run_entry, start_entry
 
-SCRIPT = """import atexit, json, multiprocessing, os, sys, threading, time
+SCRIPT = """import atexit, concurrent.futures, json, multiprocessing, os, sys, threading, time
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__,
                   "parent": multiprocessing.parent_process() is None, "path0": sys.path[0]}), flush=True)
 atexit.register(lambda: print("atexit ran", file=sys.stderr))
 threading.Thread(target=lambda: (time.sleep(0.5), print("thread done", flush=True))).start()
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(int)  # left running: its worker ends at threading's exit hook
 how = sys.argv[1]
 if how == "raise":
     raise ValueError("boom")

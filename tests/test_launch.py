@@ -511,7 +511,7 @@ def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, 
     return code, (out / "node0.err").read_text(), node1
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model_dir):
     """cluster.node_num 2 (one CPU rank per node): the launcher on node 0 prints the line for node 1 once; run as
     printed (from another directory), it joins, and the two SFT steps end at exactly the weights of one torchrun of
@@ -537,7 +537,7 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
     assert max((apart[k] - start[k]).abs().max().item() for k in start) > 1e-3  # and they moved
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)
 def test_two_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
     """On the CPU, node 0 runs the explorer beside trainer rank 0 (the DB and the weight store stay on one host),
     node 1 the second trainer rank: on-policy GRPO gets every step's weights over the group."""

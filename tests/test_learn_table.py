@@ -71,7 +71,7 @@ def test_a_teacher_preset_without_a_teacher_is_a_failed_row_not_a_run(tmp_path, 
     assert entries[0]["learns"] is False and "| grpo_taught | - |" in md and "**failed**: no teacher" in md
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=65)
 def test_grpo_gains_more_than_its_random_reward_control(tmp_path):
     """grpo beside its random-reward control, through the script as a user runs it (one preset: each run is a launch
     of three processes, ~25 s of CPU). From the untrained tiny model, rewarded by tests/data/sevens_reward.py (the

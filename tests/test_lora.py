@@ -393,7 +393,7 @@ def test_two_fsdp_ranks_train_the_adapter_as_one_does(lora_runs):
     assert max((final[2][k] - final[0][k]).abs().max().item() for k in final[0]) < moved / 100
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=35)
 def test_mode_both_with_lora_killed_after_a_checkpoint_resumes(tmp_path, tiny_model_dir):
     """GRPO with a KL loss to the reference (the actor without its adapter), the merged weights sent over the process
     group. Process-group sync publishes no HF folder until the last step, so checkpoint step 2 holds the adapter

@@ -355,7 +355,7 @@ def compute(logprobs: torch.Tensor, batch: dict[str, torch.Tensor], cfg: Config,
 '''
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 def test_a_loss_added_in_one_new_file_is_selected_from_yaml_and_trains(tmp_path, tiny_model_dir):
     """The README's "Add your own loss": one new file in algos/, one registry line, then the YAML names it."""
     repo = tmp_path / "repo"

@@ -8,10 +8,7 @@ trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch th
 (rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
 Where vLLM is not installed these skip, except under CI, where they fail."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +16,7 @@ import pytest
 
 import lora
 import models
-from helpers import ROOT, both_config, launch, real_vllm, rollout_logprob_gap, versions_by_step
+from helpers import both_config, launch, real_vllm, rollout_logprob_gap, start_entry, versions_by_step
 from monitor import read_history
 
 STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
@@ -63,7 +60,7 @@ def needs_vllm():
     real_vllm()
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)
 def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir, judge_dir):
     """engine_type vllm_async, published folders read by the vLLM worker; the reward comes from an auxiliary judge
     that is an engine_type vllm engine (a model trained to answer "Score: 7": every reward 0.7)."""
@@ -92,7 +89,7 @@ def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_d
     assert rewards == pytest.approx([0.7] * STEPS * PER_STEP)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=100)
 def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
     """engine_type vllm_async, engine_num 2, a LoRA adapter trained: the merged weights go over the group (gloo here)
     into both engines' workers at every step, and step 3 was sampled from exactly base + the step-2 adapter, not from
@@ -125,7 +122,7 @@ def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_m
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=60)
 def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir):
     """The launcher stops an explorer with SIGTERM when its trainer fails: the explorer's vLLM engine-core processes
     end with it. (Killed outright they outlived it, and one kept the launcher's output pipe open: a test waited out
@@ -136,9 +133,7 @@ def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir)
 
     config = vllm_config(tmp_path, tiny_model_dir, "vllm", "checkpoint", mode="explore")
     db = tmp_path / "ck" / "p" / "run" / "buffer" / "exp.db"
-    with (tmp_path / "explorer.err").open("w") as log:
-        command = [sys.executable, "explore.py", "--config", str(config)]
-        proc = subprocess.Popen(command, cwd=ROOT, stderr=log, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "explorer.err")
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         if db.exists():

@@ -316,7 +316,7 @@ def test_vllm_async_streams_each_request_into_the_running_engine(vllm, tiny_mode
     assert engine.shut and engine.shut_on_loop  # shut down on the loop that runs the engine
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=30)
 def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny_model_dir):
     """The whole loop through the launcher with the fake vLLM in the explorer: one (pretend) GPU shared by
     explorer and trainer (cluster.colocate: the engine sleeps while the trainer steps), weights over the group into
