@@ -236,13 +236,13 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # NOTE: the entry points a test starts itself (launch.py, train.py, explore.py: ~70 processes in a full run) fork from
 # one server per test process that imported torch, transformers and the other heavy libraries once (multiprocessing's
 # forkserver, those modules preloaded; the server never runs a test). Each child then runs its script as `__main__`,
-# with its own argv, environment, working directory and output files, imports the project's modules afresh and ends
-# as the interpreter would (non-daemon threads joined, atexit handlers run), as `python script.py` does, but without
-# paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. What such a process starts of the same
-# entry points (a launcher's explorer and trainer, learn_table's launcher runs) forks from the same server too (its
-# `subprocess.Popen`: _ForkingPopen); torchrun's ranks, vLLM's engines and any other command start as a user's do. An
-# environment that differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a plain
-# `python script.py`.
+# with its own argv, environment, working directory and output files, imports the project's modules afresh and ends as
+# the interpreter would (threading's exit hooks, non-daemon threads joined, atexit handlers run), as `python script.py`
+# does, but without paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. What such a process starts
+# of the same entry points (a launcher's explorer and trainer, learn_table's launcher runs) forks from the same server
+# too (its `subprocess.Popen`: _ForkingPopen); torchrun's ranks, vLLM's engines and any other command start as a user's
+# do. An environment that differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a
+# plain `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
