@@ -239,10 +239,10 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # with its own argv, environment, working directory and output files, imports the project's modules afresh and ends as
 # the interpreter would (threading's exit hooks, non-daemon threads joined, atexit handlers run), as `python script.py`
 # does, but without paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. What such a process starts
-# of the same entry points (a launcher's explorer and trainer, learn_table's launcher runs) forks from the same server
-# too (its `subprocess.Popen`: _ForkingPopen); torchrun's ranks, vLLM's engines and any other command start as a user's
-# do. An environment that differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a
-# plain `python script.py`.
+# of the same entry points (a launcher's explorer and trainer, learn_table's launcher runs, soak_async's restarts) forks
+# from the same server too (its `subprocess.Popen`: _ForkingPopen); torchrun's ranks, vLLM's engines and any other
+# command start as a user's do. An environment that differs from the server's in what those libraries read at import
+# (IMPORT_TIME_ENV) gets a plain `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
@@ -288,14 +288,15 @@ def forkable(env: dict[str, str]) -> bool:
 
 class _ForkingPopen(subprocess.Popen):
     """subprocess.Popen in a forked entry point or script (the launcher's, in launch.py or in train.py handing over to
-    it; scripts/learn_table.py's): `python launch.py|explore.py|train.py ...` of this repository, run from its root with
-    a forkable environment and its output inherited or to one file, gives an Entry forked from the server; any other
-    command a real Popen."""
+    it; scripts/learn_table.py's and soak_async.py's): `python launch.py|explore.py|train.py ...` of this repository,
+    run from its root with a forkable environment and its output inherited or to one file (in a session of its own or
+    not), gives an Entry forked from the server; any other command a real Popen."""
 
     outputs: tuple[str, str] = ("", "")  # this process's stdout and stderr files
 
     def __new__(cls, args, *rest, **kw):
         cwd, env, out, err = kw.pop("cwd", None), kw.pop("env", None), kw.pop("stdout", None), kw.pop("stderr", None)
+        session = kw.pop("start_new_session", False)
         if isinstance(args, list) and len(args) > 1 and args[0] == sys.executable and cwd and Path(cwd) == ROOT:
             script = ROOT / args[1]
             if out is None and err is None:
@@ -308,7 +309,7 @@ class _ForkingPopen(subprocess.Popen):
                     prepare = multiprocessing.spawn.get_preparation_data
                     multiprocessing.spawn.get_preparation_data = functools.partial(_entry_preparation, prepare)
                     try:
-                        return Entry(str(script), list(args[2:]), dict(env), Path(out), Path(err))
+                        return Entry(str(script), list(args[2:]), dict(env), Path(out), Path(err), session)
                     finally:
                         multiprocessing.spawn.get_preparation_data = prepare
         return super().__new__(cls)
@@ -327,10 +328,11 @@ def _entry_preparation(prepare, name: str) -> dict:
 
 
 def _entry_main(
-    script: str, argv: list[str], env: dict[str, str], out: str, err: str, server_env: dict[str, str]
+    script: str, argv: list[str], env: dict[str, str], out: str, err: str, server_env: dict[str, str], session: bool
 ) -> None:
-    """In the forked child: `python script *argv` with `env`, stdout to `out` and stderr to `err` (appended). The
-    explorer and trainer that a launcher in it starts fork from the same server (`server_env`: its environment)."""
+    """In the forked child: `python script *argv` with `env`, stdout to `out` and stderr to `err` (appended), in a
+    session of its own where `session` (Popen's start_new_session). The explorer and trainer that a launcher in it
+    starts fork from the same server (`server_env`: its environment)."""
     import atexit
     import multiprocessing.forkserver
     import multiprocessing.process
@@ -341,6 +343,8 @@ def _entry_main(
     # NOTE: a child of the server has the server's address and "alive" fd (multiprocessing sets them), not its pid:
     # ensure_running would start a second server
     multiprocessing.forkserver._forkserver.ensure_running = multiprocessing.resource_tracker.ensure_running
+    if session:
+        os.setsid()
     _server_env.update(server_env)
     _ForkingPopen.outputs = (out, err)
     subprocess.Popen = _ForkingPopen
@@ -385,20 +389,34 @@ def _entry_main(
 
 class Entry:
     """`python script *argv` started from the fork server (or, where `forkable` says no, as a plain process), its
-    stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT). Popen's pid, poll,
-    wait, send_signal, terminate, kill, returncode, communicate and `with` (what subprocess.run calls)."""
+    stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT), in a session of its own
+    where `session` (Popen's start_new_session: os.killpg reaches it and what it starts). Popen's pid, poll, wait,
+    send_signal, terminate, kill, returncode, communicate and `with` (what subprocess.run calls)."""
 
-    def __init__(self, script: str, argv: list[str], env: dict[str, str], out: Path, err: Path) -> None:
+    def __init__(
+        self, script: str, argv: list[str], env: dict[str, str], out: Path, err: Path, session: bool = False
+    ) -> None:
         self.args, self.out, self.plain, self.proc = [sys.executable, script, *argv], out, None, None
         if forkable(env):
-            args = (script, argv, env, str(out), str(err), _server_env)
+            args = (script, argv, env, str(out), str(err), _server_env, session)
             self.proc = fork_context().Process(target=_entry_main, args=args)
             self.proc.start()
             self.pid = self.proc.pid
+            while session and self._in_our_group():  # NOTE: as Popen, return once killpg(pid) reaches it
+                time.sleep(0.001)
         else:
             with open(out, "a") as o, open(err, "a") as e:
-                self.plain = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=o, stderr=e)
+                self.plain = subprocess.Popen(
+                    self.args, cwd=ROOT, env=env, stdout=o, stderr=e, start_new_session=session
+                )
             self.pid = self.plain.pid
+
+    def _in_our_group(self) -> bool:
+        """Whether the forked child runs and has not yet made its own session (_entry_main)."""
+        try:
+            return self.poll() is None and os.getpgid(self.pid) != self.pid
+        except ProcessLookupError:
+            return False
 
     @property
     def returncode(self) -> int | None:

@@ -7,8 +7,6 @@ upgrades are tests/test_buffer_db.py's, on both; what these add is the processes
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -223,26 +221,10 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
     wherever it is when the explorer pauses (scripts/soak_async.py's docstring): every assertion here holds for
     any such point, so the outcome does not depend on timing."""
     db = ["--db-url", url] if url.startswith("postgresql://") else []  # sqlite: the script's default file
-    out = subprocess.run(
-        [
-            sys.executable,
-            "scripts/soak_async.py",
-            "--cycles",
-            "3",
-            "--schedule",
-            "explorer,trainer,both",
-            "--steps",
-            "5",  # the fewest the schedule allows (cycles + 2)
-            "--out",
-            str(tmp_path / "soak"),
-            *db,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, **LAUNCHED},  # its trainer starts are the trainer itself, not a launcher starting it
-    )
+    args = ["--cycles", "3", "--schedule", "explorer,trainer,both", "--out", str(tmp_path / "soak"), *db]
+    args += ["--steps", "5"]  # the fewest the schedule allows (cycles + 2)
+    # its trainer starts are the trainer itself, not a launcher starting it
+    out = run_entry("scripts/soak_async.py", args, {**os.environ, **LAUNCHED}, timeout=900)
     result = json.loads((tmp_path / "soak/soak_result.json").read_text())
     assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
     assert [k["victim"] for k in result["kills"]] == ["explorer", "trainer", "both"]

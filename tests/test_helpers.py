@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, forkable, run_entry, start_entry
+from helpers import ROOT, Entry, forkable, run_entry, start_entry
 
 SCRIPT = """import atexit, concurrent.futures, json, multiprocessing, os, sys, threading, time
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__,
@@ -73,6 +73,15 @@ def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_p
     assert proc.wait(timeout=30) == -signal.SIGTERM and proc.proc is not None  # forked, killed as Popen reports it
     proc = start_entry(str(script), ["ok"], tmp_path / "log2.txt", {"PYTHONPATH": str(tmp_path)})
     assert proc.wait(timeout=60) == 0 and proc.plain is not None  # PYTHONPATH is read at start: a plain process
+    # start_new_session, as scripts/soak_async.py starts its processes: a session of its own by the time the start
+    # returns (a kill right after it reaches the child, as Popen's does)
+    marker.unlink()
+    proc = Entry(
+        str(script), ["wait", str(marker)], dict(os.environ), tmp_path / "log3.txt", tmp_path / "log3.txt", True
+    )
+    assert os.getpgid(proc.pid) == proc.pid and proc.proc is not None
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
 
 
 LAUNCHER = """import os, subprocess, sys
@@ -82,7 +91,7 @@ other = subprocess.Popen([sys.executable, "-c", "print('plain', flush=True)"])
 print(type(child).__name__, child.wait(), type(other).__mro__[1].__name__, other.wait(), flush=True)
 with open(sys.argv[2], "w") as log:
     command = [sys.executable, sys.argv[1], "--help"]
-    with subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, **here) as to_file:
+    with subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **here) as to_file:
         print(type(to_file).__name__, to_file.communicate(timeout=60), to_file.returncode, flush=True)
 """
 
@@ -90,8 +99,8 @@ with open(sys.argv[2], "w") as log:
 @pytest.mark.slow
 def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_else_as_popen(tmp_path):
     """A launcher run from the fork server: its `python explore.py` (or train.py, launch.py) forks too (an Entry), its
-    output where the launcher's goes or to the file it names, as subprocess.run uses it; another command is a plain
-    process."""
+    output where the launcher's goes or to the file it names, as subprocess.run uses it, in a session of its own where
+    asked; another command is a plain process."""
     launcher, script, log = tmp_path / "launch.py", str(ROOT / "explore.py"), tmp_path / "child.log"
     launcher.write_text(LAUNCHER)
     plain = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
