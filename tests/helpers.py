@@ -263,6 +263,7 @@ PRELOADED = [
 IMPORT_TIME_ENV = ("PYTHON", "HOME", "XDG_", "HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL")
 IMPORT_TIME_ENV += ("TOKENIZERS_", "MPL", "LD_")
 REAPPLIED = ("TRANSFORMERS_VERBOSITY",)  # read at import, read again in the child (_entry_main)
+RUNTIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")  # what torchrun sets for its ranks: read when the process group starts
 _server_env: dict[str, str] = {}
 
 
@@ -282,37 +283,54 @@ def fork_context():
 def forkable(env: dict[str, str]) -> bool:
     """Whether a process with `env` may fork from the server: the same values for every variable read at import."""
     fork_context()
-    keys = {k for k in {*env, *_server_env} if k.startswith(IMPORT_TIME_ENV) and k not in REAPPLIED}
+    keys = {k for k in {*env, *_server_env} if k.startswith(IMPORT_TIME_ENV) and not k.startswith(RUNTIME_ENV)}
+    keys -= set(REAPPLIED)
     return all(env.get(k) == _server_env.get(k) for k in keys)
 
 
 class _ForkingPopen(subprocess.Popen):
     """subprocess.Popen in a forked entry point or script (the launcher's, in launch.py or in train.py handing over to
-    it; scripts/learn_table.py's and soak_async.py's): `python launch.py|explore.py|train.py ...` of this repository,
-    run from its root with a forkable environment and its output inherited or to one file (in a session of its own or
-    not), gives an Entry forked from the server; any other command a real Popen."""
+    it; scripts/learn_table.py's and soak_async.py's; torchrun's, for its ranks): `python [-u] launch.py|explore.py|
+    train.py ...` of this repository or `python [-u] -m torch.distributed.run ...`, run from its root with a forkable
+    environment and its output inherited or to one file (in a session of its own or not), gives an Entry forked from
+    the server; any other command a real Popen."""
 
     outputs: tuple[str, str] = ("", "")  # this process's stdout and stderr files
 
     def __new__(cls, args, *rest, **kw):
         cwd, env, out, err = kw.pop("cwd", None), kw.pop("env", None), kw.pop("stdout", None), kw.pop("stderr", None)
         session = kw.pop("start_new_session", False)
-        if isinstance(args, list) and len(args) > 1 and args[0] == sys.executable and cwd and Path(cwd) == ROOT:
-            script = ROOT / args[1]
+        ours = _our_command(list(args), cwd) if isinstance(args, (list, tuple)) else None
+        if ours:
             if out is None and err is None:
                 out, err = cls.outputs
             elif hasattr(out, "name") and err in (out, subprocess.STDOUT):
                 out = err = out.name
-            ours = script.parent == ROOT and script.name in ("launch.py", "explore.py", "train.py")
-            if ours and isinstance(out, str) and not rest and not kw and env is not None and forkable(env):
+            if isinstance(out, str) and not rest and not kw and env is not None and forkable(env):
+                script, argv, flags = ours
                 with _ENTRY_START:
                     prepare = multiprocessing.spawn.get_preparation_data
                     multiprocessing.spawn.get_preparation_data = functools.partial(_entry_preparation, prepare)
                     try:
-                        return Entry(str(script), list(args[2:]), dict(env), Path(out), Path(err), session)
+                        return Entry(script, argv, dict(env), Path(out), Path(err), session=session, flags=flags)
                     finally:
                         multiprocessing.spawn.get_preparation_data = prepare
         return super().__new__(cls)
+
+
+def _our_command(args: list[str], cwd: str | None) -> tuple[str, list[str], tuple[str, ...]] | None:
+    """(script or module, its argv, python's flags) of `python [-u] SCRIPT|-m MODULE ...` run from the root, where
+    SCRIPT is one of the entry points and MODULE torchrun; None for any other command."""
+    if not args or args[0] != sys.executable or Path(cwd or os.getcwd()) != ROOT:
+        return None
+    flags = ("-u",) if args[1:2] == ["-u"] else ()
+    args = args[1 + len(flags) :]
+    if args[:2] == ["-m", "torch.distributed.run"]:
+        return args[1], args[2:], (*flags, "-m")
+    script = ROOT / args[0] if args else ROOT
+    if script.parent == ROOT and script.name in ("launch.py", "explore.py", "train.py"):
+        return str(script), args[1:], flags
+    return None
 
 
 _ENTRY_START = threading.Lock()
@@ -328,47 +346,27 @@ def _entry_preparation(prepare, name: str) -> dict:
 
 
 def _entry_main(
-    script: str, argv: list[str], env: dict[str, str], out: str, err: str, server_env: dict[str, str], session: bool
+    script: str, argv: list[str], env: dict[str, str], out: str, err: str, server_env: dict[str, str], **start
 ) -> None:
-    """In the forked child: `python script *argv` with `env`, stdout to `out` and stderr to `err` (appended), in a
-    session of its own where `session` (Popen's start_new_session). The explorer and trainer that a launcher in it
-    starts fork from the same server (`server_env`: its environment)."""
+    """In the forked child: `python [flags] script *argv` (flags "-u", "-m": `script` is a module) with `env`, stdout
+    to `out` and stderr to `err` (appended), in a session of its own where `session` (Popen's start_new_session). The
+    entry points it starts (a launcher's explorer and trainer, torchrun's ranks) fork from the same server
+    (`server_env`: its environment)."""
     import atexit
-    import multiprocessing.forkserver
-    import multiprocessing.process
-    import multiprocessing.resource_tracker
     import runpy
     import traceback
 
-    # NOTE: a child of the server has the server's address and "alive" fd (multiprocessing sets them), not its pid:
-    # ensure_running would start a second server
-    multiprocessing.forkserver._forkserver.ensure_running = multiprocessing.resource_tracker.ensure_running
-    if session:
-        os.setsid()
-    _server_env.update(server_env)
-    _ForkingPopen.outputs = (out, err)
-    subprocess.Popen = _ForkingPopen
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(ROOT)
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
-    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
-    # NOTE: transformers sets its loggers' level (TRANSFORMERS_VERBOSITY, which a launcher sets for its children), their
-    # stream and propagation (CI) once, at import
-    from transformers.utils import logging as hf_logging
-
-    hf_logging._reset_library_root_logger()
-    hf_logging._configure_library_root_logger()
+    flags = start.get("flags", ())
+    _become_fresh(env, out, err, server_env, start.get("session", False), "-u" in flags)
     sys.argv = [script, *argv]
-    sys.path[:] = [str((ROOT / script).parent)] + [p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))]
-    multiprocessing.process._parent_process = None  # a main process, as `python script.py` is
+    here = str(ROOT) if "-m" in flags else str((ROOT / script).parent)
+    sys.path[:] = [here] + [p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))]
     code = 0
     try:
-        runpy.run_path(str(ROOT / script), run_name="__main__")
+        if "-m" in flags:
+            runpy.run_module(script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
     except SystemExit as e:
         if e.code is None or isinstance(e.code, int):
             code = e.code or 0
@@ -387,19 +385,68 @@ def _entry_main(
         os._exit(code)
 
 
+def _become_fresh(env: dict[str, str], out: str, err: str, server_env: dict, session: bool, unbuffered: bool) -> None:
+    """What `python` sets up before a script runs, in a child of the server: its environment, working directory,
+    output files (unbuffered: `-u`), session, main-process state and transformers' logging from that environment."""
+    import io
+    import multiprocessing.forkserver
+    import multiprocessing.process
+    import multiprocessing.resource_tracker
+
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    # NOTE: a child of the server has the server's address and "alive" fd (multiprocessing sets them), not its pid:
+    # ensure_running would start a second server
+    multiprocessing.forkserver._forkserver.ensure_running = multiprocessing.resource_tracker.ensure_running
+    if session:
+        os.setsid()
+    _server_env.update(server_env)
+    _ForkingPopen.outputs = (out, err)
+    subprocess.Popen = subprocess_handler.Popen = _ForkingPopen  # the second: torchrun's, bound at its import
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(ROOT)
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    if unbuffered:
+        raw = {fd: open(fd, "wb", buffering=0, closefd=False) for fd in (1, 2)}
+        sys.stdout = io.TextIOWrapper(raw[1], encoding="utf-8", write_through=True)
+        sys.stderr = io.TextIOWrapper(raw[2], encoding="utf-8", errors="backslashreplace", write_through=True)
+    else:
+        sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)
+    # NOTE: transformers sets its loggers' level (TRANSFORMERS_VERBOSITY, which a launcher sets for its children), their
+    # stream and propagation (CI) once, at import
+    from transformers.utils import logging as hf_logging
+
+    hf_logging._reset_library_root_logger()
+    hf_logging._configure_library_root_logger()
+    multiprocessing.process._parent_process = None  # a main process, as `python script.py` is
+
+
 class Entry:
-    """`python script *argv` started from the fork server (or, where `forkable` says no, as a plain process), its
-    stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT), in a session of its own
-    where `session` (Popen's start_new_session: os.killpg reaches it and what it starts). Popen's pid, poll, wait,
-    send_signal, terminate, kill, returncode, communicate and `with` (what subprocess.run calls)."""
+    """`python [flags] script *argv` started from the fork server (or, where `forkable` says no, as a plain process),
+    its stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT), in a session of its
+    own where `session` (Popen's start_new_session: os.killpg reaches it and what it starts). Flags: "-u" (unbuffered
+    output), "-m" (`script` is a module: torchrun). Popen's pid, poll, wait, send_signal, terminate, kill, returncode,
+    communicate and `with` (what subprocess.run calls)."""
 
     def __init__(
-        self, script: str, argv: list[str], env: dict[str, str], out: Path, err: Path, session: bool = False
+        self,
+        script: str,
+        argv: list[str],
+        env: dict[str, str],
+        out: Path,
+        err: Path,
+        session: bool = False,
+        flags: tuple[str, ...] = (),
     ) -> None:
-        self.args, self.out, self.plain, self.proc = [sys.executable, script, *argv], out, None, None
+        self.args, self.out, self.plain, self.proc = [sys.executable, *flags, script, *argv], out, None, None
         if forkable(env):
-            args = (script, argv, env, str(out), str(err), _server_env, session)
-            self.proc = fork_context().Process(target=_entry_main, args=args)
+            args, start = (script, argv, env, str(out), str(err), _server_env), {"session": session, "flags": flags}
+            self.proc = fork_context().Process(target=_entry_main, args=args, kwargs=start)
             self.proc.start()
             self.pid = self.proc.pid
             while session and self._in_our_group():  # NOTE: as Popen, return once killpg(pid) reaches it
@@ -462,15 +509,17 @@ def start_entry(script: str, argv: list[str], log: Path, env: dict | None = None
     return Entry(script, argv, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, log, log)
 
 
-def run_entry(script: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    """subprocess.run(`python script *argv`, env=env, capture_output=True, text=True, timeout=timeout) from the fork
-    server: a process killed at its timeout raises subprocess.TimeoutExpired."""
+def run_entry(
+    script: str, argv: list[str], env: dict[str, str], timeout: float, flags: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
+    """subprocess.run(`python [flags] script *argv`, env=env, capture_output=True, text=True, timeout=timeout) from
+    the fork server: a process killed at its timeout raises subprocess.TimeoutExpired."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch(), err.touch()
-        proc = Entry(script, argv, env, out, err)
+        proc = Entry(script, argv, env, out, err, flags=flags)
         try:
             code = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -499,14 +548,12 @@ def launch(
 
 
 def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py as the launcher starts it: a plain process (ranks=0) or under torchrun."""
+    """train.py as the launcher starts it: a plain process (ranks=0) or under torchrun (its ranks fork too)."""
     env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}
     if not ranks:
         return run_entry("train.py", ["--config", str(config)], env, timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "train.py"]
-    return subprocess.run(
-        [*cmd, "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
-    )
+    torchrun = ["--standalone", f"--nproc_per_node={ranks}", "train.py", "--config", str(config)]
+    return run_entry("torch.distributed.run", torchrun, env, timeout, flags=("-m",))
 
 
 def run_explorer(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

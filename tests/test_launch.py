@@ -23,6 +23,7 @@ import torch
 
 from buffer import ExperienceDB
 from helpers import (
+    Entry,
     both_config,
     launch,
     mlflow_runs,
@@ -482,14 +483,12 @@ def free_port() -> int:
 
 
 def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, subprocess.CompletedProcess]:
-    """`python launch.py --config CONFIG` as node 0 (output to files under `out`), then the line it prints for
-    node 1, run as printed by bash. Returns (the launcher's exit code, its stderr, node 1's process)."""
+    """`python launch.py --config CONFIG` as node 0 (from the fork server, output to files under `out`), then the line
+    it prints for node 1, run as printed by bash. Returns (the launcher's exit code, its stderr, node 1's process)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "node0.out", "w") as stdout, open(out / "node0.err", "w") as stderr:
-        node0 = subprocess.Popen(
-            [sys.executable, "launch.py", "--config", str(config)], cwd=ROOT, env=env, stdout=stdout, stderr=stderr
-        )
+    (out / "node0.out").write_text(""), (out / "node0.err").write_text("")
+    node0 = Entry("launch.py", ["--config", str(config)], env, out / "node0.out", out / "node0.err")
     deadline, line = time.monotonic() + 120, None
     while line is None and node0.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
