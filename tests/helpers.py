@@ -239,10 +239,10 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # with its own argv, environment, working directory and output files, imports the project's modules afresh and ends as
 # the interpreter would (threading's exit hooks, non-daemon threads joined, atexit handlers run), as `python script.py`
 # does, but without paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. What such a process starts
-# of the same entry points (a launcher's explorer and trainer, learn_table's launcher runs, soak_async's restarts) forks
-# from the same server too (its `subprocess.Popen`: _ForkingPopen); torchrun's ranks, vLLM's engines and any other
-# command start as a user's do. An environment that differs from the server's in what those libraries read at import
-# (IMPORT_TIME_ENV) gets a plain `python script.py`.
+# of the same entry points or torchrun (a launcher's explorer and trainer, learn_table's launcher runs, soak_async's
+# restarts, torchrun's ranks) forks from the same server too (its `subprocess.Popen`: _ForkingPopen); vLLM's engines
+# and any other command start as a user's do. An environment that differs from the server's in what those libraries
+# read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",

@@ -43,6 +43,8 @@ def both(tmp_path, how: str, env: dict) -> tuple[subprocess.CompletedProcess, su
 @pytest.mark.slow
 def test_a_forked_entry_point_exits_writes_and_sees_what_a_fresh_process_does(tmp_path):
     assert forkable({**os.environ, "NANORFT_T": "x", "TRANSFORMERS_VERBOSITY": "error"})
+    assert forkable({**os.environ, "TORCHELASTIC_RUN_ID": "x", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})  # torchrun's
+    assert not forkable({**os.environ, "TORCH_HOME": "/elsewhere"})
     for how in ("ok", "code", "text", "raise", "hf"):
         plain, forked = both(tmp_path, how, {"NANORFT_T": how, "TRANSFORMERS_VERBOSITY": "error"})
         # NOTE: the plain "hf" imports transformers while the thread runs: its lines may come in another order
@@ -89,6 +91,8 @@ here = dict(cwd=os.getcwd(), env=os.environ)
 child = subprocess.Popen([sys.executable, sys.argv[1], "--help"], **here)
 other = subprocess.Popen([sys.executable, "-c", "print('plain', flush=True)"])
 print(type(child).__name__, child.wait(), type(other).__mro__[1].__name__, other.wait(), flush=True)
+torchrun = subprocess.Popen((sys.executable, "-u", "-m", "torch.distributed.run", "--help"), env=os.environ)
+print(type(torchrun).__name__, torchrun.wait(), flush=True)
 with open(sys.argv[2], "w") as log:
     command = [sys.executable, sys.argv[1], "--help"]
     with subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **here) as to_file:
@@ -100,14 +104,18 @@ with open(sys.argv[2], "w") as log:
 def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_else_as_popen(tmp_path):
     """A launcher run from the fork server: its `python explore.py` (or train.py, launch.py) forks too (an Entry), its
     output where the launcher's goes or to the file it names, as subprocess.run uses it, in a session of its own where
-    asked; another command is a plain process."""
+    asked, and so does `python -u -m torch.distributed.run` (as torchrun's own Popen calls it for its ranks, the
+    working directory inherited); another command is a plain process."""
     launcher, script, log = tmp_path / "launch.py", str(ROOT / "explore.py"), tmp_path / "child.log"
     launcher.write_text(LAUNCHER)
     plain = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
+    torchrun = [sys.executable, "-u", "-m", "torch.distributed.run", "--help"]
+    plain_torchrun = subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True)
     forked = run_entry(str(launcher), [script, str(log)], dict(os.environ), timeout=120)
-    assert plain.returncode == 0 and forked.returncode == 0, forked.stderr
-    assert forked.stdout.endswith("Entry 0 Popen 0\nEntry (None, None) 0\n"), forked.stdout  # `python -c`: a Popen
+    assert plain.returncode == 0 and plain_torchrun.returncode == 0 and forked.returncode == 0, forked.stderr
+    lines = ["Entry 0 Popen 0", "Entry 0", "Entry (None, None) 0"]  # `python -c`: a Popen
+    assert "\nEntry 0 Popen 0\n" in forked.stdout and forked.stdout.endswith("\nEntry 0\nEntry (None, None) 0\n")
     assert sorted(forked.stdout.splitlines()) == sorted(
-        [*plain.stdout.splitlines(), "plain", "Entry 0 Popen 0", "Entry (None, None) 0"]
+        [*plain.stdout.splitlines(), *plain_torchrun.stdout.splitlines(), "plain", *lines]
     )
     assert log.read_text() == plain.stdout
