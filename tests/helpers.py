@@ -265,6 +265,7 @@ IMPORT_TIME_ENV += ("TOKENIZERS_", "MPL", "LD_")
 REAPPLIED = ("TRANSFORMERS_VERBOSITY",)  # read at import, read again in the child (_entry_main)
 RUNTIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")  # what torchrun sets for its ranks: read when the process group starts
 _server_env: dict[str, str] = {}
+ENTRY_POINTS = {ROOT / "launch.py", ROOT / "explore.py", ROOT / "train.py", ROOT / "tests" / "train_many.py"}
 
 
 def fork_context():
@@ -328,7 +329,7 @@ def _our_command(args: list[str], cwd: str | None) -> tuple[str, list[str], tupl
     if args[:2] == ["-m", "torch.distributed.run"]:
         return args[1], args[2:], (*flags, "-m")
     script = ROOT / args[0] if args else ROOT
-    if script.parent == ROOT and script.name in ("launch.py", "explore.py", "train.py"):
+    if script in ENTRY_POINTS:
         return str(script), args[1:], flags
     return None
 
@@ -862,46 +863,6 @@ def explorer_in_process(config: Path, caplog) -> tuple[int, str]:
 
 # --- several trainer runs in one process (or one torchrun launch)
 
-# train.py's main for each (config, stderr file) pair, in turn, in this one process (under torchrun: on each rank). The
-# exit codes go to a JSON file (rank 0's). NOTE: each run's process group rendezvouses under its own key prefix: a
-# second init on torchrun's store would read the first run's keys (stale addresses: the ranks hung in their first
-# all-reduce); and a run that stops in set-up leaves its group, which a process's exit would have ended
-TRAIN_MANY = """import json, os, sys, traceback
-sys.path.insert(0, os.getcwd())
-import torch.distributed as dist
-import train
-init, runs, codes = dist.init_process_group, [0], []
-rank = int(os.environ.get("RANK", "0"))
-def own_keys(backend, **kw):
-    if "RANK" in os.environ and "store" not in kw:
-        env = os.environ
-        store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), False)
-        kw.update(store=dist.PrefixStore(f"run{runs[0]}/", store), rank=rank, world_size=int(env["WORLD_SIZE"]))
-    return init(backend, **kw)
-dist.init_process_group = own_keys
-out, pairs = sys.argv[1], sys.argv[2:]
-for config, err in zip(pairs[::2], pairs[1::2]):
-    sys.stdout.flush(), sys.stderr.flush()
-    with open(err if rank == 0 else f"{err}.rank{rank}", "w") as f:
-        os.dup2(f.fileno(), 2)
-    try:
-        code = train.main(["--config", config])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stderr.flush()
-    codes.append(code)
-    runs[0] += 1
-if rank == 0:
-    open(out, "w").write(json.dumps(codes))
-sys.stdout.flush(), sys.stderr.flush()
-os._exit(0)
-"""
-
 
 def run_trains(
     configs: list[Path], ranks: int = 0, timeout: float = 600, env: dict | None = None
@@ -913,16 +874,13 @@ def run_trains(
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        script, codes = Path(tmp, "train_many.py"), Path(tmp, "codes.json")
-        script.write_text(TRAIN_MANY)
+        script, codes = ROOT / "tests" / "train_many.py", Path(tmp, "codes.json")
         errs = [Path(tmp, f"stderr{i}.txt") for i in range(len(configs))]
         args = [str(codes), *(str(x) for pair in zip(configs, errs) for x in pair)]
         env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         if ranks:
-            torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(script)]
-            out = subprocess.run(
-                [sys.executable, *torchrun, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
-            )
+            torchrun = ["--standalone", f"--nproc_per_node={ranks}", str(script), *args]
+            out = run_entry("torch.distributed.run", torchrun, env, timeout, flags=("-m",))
         else:
             out = run_entry(str(script), args, env, timeout)
         assert out.returncode == 0 and codes.is_file(), (
