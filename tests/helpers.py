@@ -265,6 +265,7 @@ IMPORT_TIME_ENV += ("TOKENIZERS_", "MPL", "LD_")
 REAPPLIED = ("TRANSFORMERS_VERBOSITY",)  # read at import, read again in the child (_entry_main)
 RUNTIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")  # what torchrun sets for its ranks: read when the process group starts
 _server_env: dict[str, str] = {}
+# the scripts whose `python SCRIPT` forks in a forked process (_ForkingPopen), run_trains' among them
 ENTRY_POINTS = {ROOT / "launch.py", ROOT / "explore.py", ROOT / "train.py", ROOT / "tests" / "train_many.py"}
 
 
@@ -328,9 +329,8 @@ def _our_command(args: list[str], cwd: str | None) -> tuple[str, list[str], tupl
     args = args[1 + len(flags) :]
     if args[:2] == ["-m", "torch.distributed.run"]:
         return args[1], args[2:], (*flags, "-m")
-    script = ROOT / args[0] if args else ROOT
-    if script in ENTRY_POINTS:
-        return str(script), args[1:], flags
+    if args and ROOT / args[0] in ENTRY_POINTS:
+        return str(ROOT / args[0]), args[1:], flags
     return None
 
 
