@@ -347,7 +347,14 @@ def _entry_preparation(prepare, name: str) -> dict:
 
 
 def _entry_main(
-    script: str, argv: list[str], env: dict[str, str], out: str, err: str, server_env: dict[str, str], **start
+    script: str,
+    argv: list[str],
+    env: dict[str, str],
+    out: str,
+    err: str,
+    server_env: dict[str, str],
+    session: bool = False,
+    flags: tuple[str, ...] = (),
 ) -> None:
     """In the forked child: `python [flags] script *argv` (flags "-u", "-m": `script` is a module) with `env`, stdout
     to `out` and stderr to `err` (appended), in a session of its own where `session` (Popen's start_new_session). The
@@ -357,8 +364,7 @@ def _entry_main(
     import runpy
     import traceback
 
-    flags = start.get("flags", ())
-    _become_fresh(env, out, err, server_env, start.get("session", False), "-u" in flags)
+    _become_fresh(env, out, err, server_env, session, "-u" in flags)
     sys.argv = [script, *argv]
     here = str(ROOT) if "-m" in flags else str((ROOT / script).parent)
     sys.path[:] = [here] + [p for p in sys.path if p not in (str(ROOT), str(ROOT / "tests"))]

@@ -78,9 +78,8 @@ def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_p
     # start_new_session, as scripts/soak_async.py starts its processes: a session of its own by the time the start
     # returns (a kill right after it reaches the child, as Popen's does)
     marker.unlink()
-    proc = Entry(
-        str(script), ["wait", str(marker)], dict(os.environ), tmp_path / "log3.txt", tmp_path / "log3.txt", True
-    )
+    log = tmp_path / "log3.txt"
+    proc = Entry(str(script), ["wait", str(marker)], dict(os.environ), log, log, session=True)
     assert os.getpgid(proc.pid) == proc.pid and proc.proc is not None
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(timeout=30) == -signal.SIGKILL
