@@ -1,6 +1,7 @@
 """Shared fixtures (the helper functions that test files share are tests/helpers.py's). Tests run from the
 repository root on CPU (`bash run.sh test`)."""
 
+import os
 import sys
 
 from helpers import ROOT, constant_judge, in_ci
@@ -91,8 +92,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def judge_dir(tiny_model_dir, tmp_path_factory) -> str:
     """A copy of the tiny model trained to answer every judge prompt "Score: 7" (helpers.constant_judge: ~10 s of
-    CPU), built once per test process; the tests that grade with it only read it."""
-    return constant_judge(tiny_model_dir, tmp_path_factory.mktemp("judge") / "judge-model")
+    CPU), built once per test session: under pytest-xdist, by the first worker that asks, in the session's folder that
+    all workers share, while the others wait on a lock (the tiny model is built the same in every worker); the tests
+    that grade with it only read it."""
+    import fcntl
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # no xdist: this process is the session
+        return constant_judge(tiny_model_dir, tmp_path_factory.mktemp("judge") / "judge-model")
+    shared = tmp_path_factory.getbasetemp().parent / "judge-model"  # the session's folder, above each worker's
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shared.is_dir():
+            built = constant_judge(tiny_model_dir, tmp_path_factory.mktemp("judge") / "judge-model")
+            os.rename(built, shared)  # the same file system: whole or not there
+    return str(shared)
 
 
 @pytest.fixture(scope="session")

@@ -233,16 +233,17 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 
 # --- the entry points as processes, and what their runs left
 
-# NOTE: the entry points a test starts itself (launch.py, train.py, explore.py: ~70 processes in a full run) fork from
-# one server per test process that imported torch, transformers and the other heavy libraries once (multiprocessing's
-# forkserver, those modules preloaded; the server never runs a test). Each child then runs its script as `__main__`,
-# with its own argv, environment, working directory and output files, imports the project's modules afresh and ends as
-# the interpreter would (threading's exit hooks, non-daemon threads joined, atexit handlers run), as `python script.py`
-# does, but without paying those imports again: ~0.3-0.5 s of CPU a start instead of 4-8 s. What such a process starts
-# of the same entry points or torchrun (a launcher's explorer and trainer, learn_table's launcher runs, soak_async's
-# restarts, torchrun's ranks) forks from the same server too (its `subprocess.Popen`: _ForkingPopen); vLLM's engines
-# and any other command start as a user's do. An environment that differs from the server's in what those libraries
-# read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
+# NOTE: the entry points a test starts itself (launch.py, train.py, explore.py: ~200 processes in a full run) fork from
+# one server per test process that imported torch, transformers, the other heavy libraries and the project's modules
+# once (multiprocessing's forkserver, those modules preloaded; the server never runs a test, so each child finds them
+# as just imported, as a fresh process would; the project's import nothing heavy and read no environment at import).
+# Each child then runs its script as `__main__`, with its own argv, environment, working directory and output files,
+# and ends as the interpreter would (threading's exit hooks, non-daemon threads joined, atexit handlers run), as
+# `python script.py` does, but without paying those imports again: ~0.2 s of CPU a start instead of 5-9 s. What such a
+# process starts of the same entry points or torchrun (a launcher's explorer and trainer, learn_table's launcher runs,
+# soak_async's restarts, torchrun's ranks) forks from the same server too (its `subprocess.Popen`: _ForkingPopen);
+# vLLM's engines and any other command start as a user's do. An environment that differs from the server's in what
+# those libraries read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
@@ -259,6 +260,8 @@ PRELOADED = [
     "tqdm",
     "jinja2",
     "matplotlib",
+    *("launch", "explore", "train"),  # and what they import of the project
+    "helpers",  # this module: a child runs _entry_main
 ]
 IMPORT_TIME_ENV = ("PYTHON", "HOME", "XDG_", "HF_", "HUGGINGFACE", "TRANSFORMERS_", "TORCH", "PYTORCH_", "OMP_", "MKL")
 IMPORT_TIME_ENV += ("TOKENIZERS_", "MPL", "LD_")
@@ -790,7 +793,7 @@ def sft_teacher(tiny_model_dir: str, out: Path, steps: int = 60, lr: float = 3e-
 
 def constant_judge(tiny_model_dir: str, out: Path) -> str:
     """A copy of the tiny model trained (40 steps, high lr) to answer every judge prompt with "Score: 7": an honest
-    real model whose output parses as a grade (tests/conftest.py's judge_dir builds it once per test process)."""
+    real model whose output parses as a grade (tests/conftest.py's judge_dir builds it once per test session)."""
     from models import load_tokenizer
     from workflows.judge import PROMPT as JUDGE_PROMPT
 

@@ -118,3 +118,31 @@ def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_el
         [*plain.stdout.splitlines(), *plain_torchrun.stdout.splitlines(), "plain", *lines]
     )
     assert log.read_text() == plain.stdout
+
+
+def test_the_projects_modules_read_no_environment_as_they_are_imported():
+    """The fork server imports the project's modules once (helpers.PRELOADED) and its children find them so: the state
+    a fresh process would have only while no module reads the environment or argv at import. Module and class bodies,
+    default values and decorators run at import; function bodies and `if __name__ == "__main__":` do not."""
+    import ast
+
+    def reads(node: ast.AST) -> list[int]:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            now = [*node.args.defaults, *node.args.kw_defaults, *getattr(node, "decorator_list", [])]
+            return [n for d in now if d is not None for n in reads(d)]
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return []
+        here = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+        if here and (node.value.id, node.attr) in {("os", "environ"), ("os", "getenv"), ("sys", "argv")}:
+            return [node.lineno]
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and {"environ", "getenv"} & {a.name for a in node.names}
+        ):
+            return [node.lineno]
+        return [n for child in ast.iter_child_nodes(node) for n in reads(child)]
+
+    files = [*ROOT.glob("*.py"), *ROOT.glob("algos/*.py"), *ROOT.glob("configs/*.py"), *ROOT.glob("workflows/*.py")]
+    found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in reads(ast.parse(f.read_text()))]
+    assert len(files) > 40 and not found, found
