@@ -233,17 +233,17 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 
 # --- the entry points as processes, and what their runs left
 
-# NOTE: the entry points a test starts itself (launch.py, train.py, explore.py: ~200 processes in a full run) fork from
-# one server per test process that imported torch, transformers, the other heavy libraries and the project's modules
-# once (multiprocessing's forkserver, those modules preloaded; the server never runs a test, so each child finds them
-# as just imported, as a fresh process would; the project's import nothing heavy and read no environment at import).
-# Each child then runs its script as `__main__`, with its own argv, environment, working directory and output files,
-# and ends as the interpreter would (threading's exit hooks, non-daemon threads joined, atexit handlers run), as
-# `python script.py` does, but without paying those imports again: ~0.2 s of CPU a start instead of 5-9 s. What such a
-# process starts of the same entry points or torchrun (a launcher's explorer and trainer, learn_table's launcher runs,
-# soak_async's restarts, torchrun's ranks) forks from the same server too (its `subprocess.Popen`: _ForkingPopen);
-# vLLM's engines and any other command start as a user's do. An environment that differs from the server's in what
-# those libraries read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
+# NOTE: the entry points a test starts itself (launch.py, train.py, explore.py: over 150 processes in a full run)
+# fork from one server per test process that imported torch, transformers, the other heavy libraries and the
+# project's modules once (multiprocessing's forkserver, those modules preloaded; the server never runs a test, so each
+# child finds them as just imported, as a fresh process would: the project's modules read no environment at import,
+# which tests/test_helpers.py checks). Each child then runs its script as `__main__`, with its own argv, environment,
+# working directory and output files, and ends as the interpreter would (threading's exit hooks, non-daemon threads
+# joined, atexit handlers run), as `python script.py` does, but without paying those imports again: ~0.2 s of CPU a
+# start instead of 5-9 s. What such a process starts of the same entry points or torchrun (a launcher's explorer and
+# trainer, learn_table's launcher runs, soak_async's restarts, torchrun's ranks) forks from the same server too (its
+# `subprocess.Popen`: _ForkingPopen); vLLM's engines and any other command start as a user's do. An environment that
+# differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
