@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import re
 import sqlite3
 import time
@@ -295,7 +296,7 @@ class PostgresLink:
         before COMMIT (the server rolled the transaction back), or during a read outside any transaction, is opened
         again (`_reopen`) and body runs once more. DBUnavailable when it was lost at COMMIT (committed or not is
         unknown: never run twice), lost again, or when a lock was waited for past the busy timeout. A transaction
-        the server rolled back to break a deadlock runs again (3 times at most)."""
+        the server rolled back to break a deadlock runs again after a random pause (3 times at most)."""
         import psycopg
 
         retried, deadlocks = False, 0
@@ -317,6 +318,9 @@ class PostgresLink:
                     ) from None
                 log.warning("%s: %s; running the transaction again", self.path, _reason(e))
                 deadlocks += 1
+                # NOTE: after a random pause: run again at once, the same two transactions were seen to form the same
+                # cycle again (the server rolled back each of them in turn)
+                time.sleep(random.uniform(0.01, 0.05) * 2**deadlocks)
             except (
                 psycopg.errors.DiskFull,
                 psycopg.errors.IoError,

@@ -259,7 +259,9 @@ PRELOADED = [
     "psutil",
     "tqdm",
     "jinja2",
-    "matplotlib",
+    "matplotlib.pyplot",  # the launcher's plot at the end of a run
+    "datasets",  # an explorer's taskset files (and pandas, pyarrow): ~1 s of CPU a start
+    "peft",  # a LoRA run's adapter
     *("launch", "explore", "train"),  # and what they import of the project
     "helpers",  # this module: a child runs _entry_main
 ]

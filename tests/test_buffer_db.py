@@ -791,9 +791,9 @@ def test_a_transaction_rolled_back_for_a_deadlock_runs_again(postgres, caplog) -
             t.start()
         for t in threads:
             t.join(60)
-    # one was rolled back and ran again; NOTE: again more than once at times (1 in ~5 runs here, under load: [1, 3]),
-    # as the server's deadlock detector decides: what must hold is that each write lands once (below)
-    assert min(runs) == 1 and max(runs) >= 2
+    # one was rolled back and ran again. NOTE: which ones, and how often, the server's deadlock detector decides (seen
+    # under load: [1, 3], [2, 2] before the random pause between runs); what must hold is that each write lands once
+    assert max(runs) >= 2
     assert sorted(dbs[0].get_meta("a")[1:]) == ["0", "1"] and sorted(dbs[0].get_meta("b")[1:]) == ["0", "1"]
     assert "running the transaction again" in caplog.text
     for db in dbs:
