@@ -8,15 +8,17 @@ that needs only `in_ci` or `raw` does not pay for them."""
 from __future__ import annotations
 
 import functools
+import locale
 import multiprocessing.spawn
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -270,8 +272,10 @@ IMPORT_TIME_ENV += ("TOKENIZERS_", "MPL", "LD_")
 REAPPLIED = ("TRANSFORMERS_VERBOSITY",)  # read at import, read again in the child (_entry_main)
 RUNTIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")  # what torchrun sets for its ranks: read when the process group starts
 _server_env: dict[str, str] = {}
-# the scripts whose `python SCRIPT` forks in a forked process (_ForkingPopen), run_trains' among them
-ENTRY_POINTS = {ROOT / "launch.py", ROOT / "explore.py", ROOT / "train.py", ROOT / "tests" / "train_many.py"}
+# the scripts whose `python SCRIPT` forks in a forked process (_ForkingPopen): run_trains' and scripts/bench_vs_trl.py's
+# among them (tiny.py's assets, its TRL side)
+ENTRY_POINTS = {ROOT / s for s in ("launch.py", "explore.py", "train.py", "tiny.py", "tests/train_many.py")}
+ENTRY_POINTS.add(ROOT / "scripts" / "bench_vs_trl.py")
 
 
 def fork_context():
@@ -297,32 +301,58 @@ def forkable(env: dict[str, str]) -> bool:
 
 class _ForkingPopen(subprocess.Popen):
     """subprocess.Popen in a forked entry point or script (the launcher's, in launch.py or in train.py handing over to
-    it; scripts/learn_table.py's and soak_async.py's; torchrun's, for its ranks): `python [-u] launch.py|explore.py|
-    train.py ...` of this repository or `python [-u] -m torch.distributed.run ...`, run from its root with a forkable
-    environment and its output inherited or to one file (in a session of its own or not), gives an Entry forked from
-    the server; any other command a real Popen."""
+    it; scripts/learn_table.py's, soak_async.py's and bench_vs_trl.py's; torchrun's, for its ranks): `python [-u]
+    SCRIPT ...` of the ENTRY_POINTS or `python [-u] -m torch.distributed.run ...`, run from the root with a forkable
+    environment, gives an Entry forked from the server when its output can be files (_output_files: inherited, a file,
+    DEVNULL, or PIPE read back by communicate, as subprocess.run does); any other command a real Popen."""
 
     outputs: tuple[str, str] = ("", "")  # this process's stdout and stderr files
 
     def __new__(cls, args, *rest, **kw):
         cwd, env, out, err = kw.pop("cwd", None), kw.pop("env", None), kw.pop("stdout", None), kw.pop("stderr", None)
-        session = kw.pop("start_new_session", False)
+        session, text = kw.pop("start_new_session", False), any([kw.pop("text", 0), kw.pop("universal_newlines", 0)])
+        env = dict(os.environ) if env is None else env  # inherited, as Popen's
         ours = _our_command(list(args), cwd) if isinstance(args, (list, tuple)) else None
-        if ours:
-            if out is None and err is None:
-                out, err = cls.outputs
-            elif hasattr(out, "name") and err in (out, subprocess.STDOUT):
-                out = err = out.name
-            if isinstance(out, str) and not rest and not kw and env is not None and forkable(env):
-                script, argv, flags = ours
-                with _ENTRY_START:
-                    prepare = multiprocessing.spawn.get_preparation_data
-                    multiprocessing.spawn.get_preparation_data = functools.partial(_entry_preparation, prepare)
-                    try:
-                        return Entry(script, argv, dict(env), Path(out), Path(err), session=session, flags=flags)
-                    finally:
-                        multiprocessing.spawn.get_preparation_data = prepare
+        files = _output_files(out, err) if ours else None
+        if files and not rest and not kw and forkable(env):
+            script, argv, flags = ours
+            with _ENTRY_START:
+                prepare = multiprocessing.spawn.get_preparation_data
+                multiprocessing.spawn.get_preparation_data = functools.partial(_entry_preparation, prepare)
+                try:
+                    entry = Entry(script, argv, dict(env), Path(files[0]), Path(files[1]), session=session, flags=flags)
+                finally:
+                    multiprocessing.spawn.get_preparation_data = prepare
+            entry.captured, entry.text = files[2], text
+            return entry
+        for path in files[2].values() if files else ():
+            os.unlink(path)
         return super().__new__(cls)
+
+
+def _output_files(out: Any, err: Any) -> tuple[str, str, dict[int, str]] | None:
+    """Popen's stdout and stderr as the files a forked Entry writes, and {0 (stdout) / 1: the file} of those piped
+    (PIPE: a temporary file that Entry.communicate reads back): inherited (None) -> this process's own, DEVNULL ->
+    os.devnull, STDOUT (stderr) -> stdout's, an open file -> its path. None where one is none of these."""
+    paths, captured = [], {}
+    for i, stream in enumerate((out, err)):
+        if stream is None:
+            paths.append(_ForkingPopen.outputs[i])
+        elif stream == subprocess.DEVNULL:
+            paths.append(os.devnull)
+        elif stream == subprocess.STDOUT and i == 1:
+            paths.append(paths[0])
+        elif stream == subprocess.PIPE:
+            fd, captured[i] = tempfile.mkstemp(prefix="nanorft-pipe-")
+            os.close(fd)
+            paths.append(captured[i])
+        elif isinstance(getattr(stream, "name", None), str):
+            paths.append(stream.name)
+        else:
+            for path in captured.values():
+                os.unlink(path)
+            return None
+    return paths[0], paths[1], captured
 
 
 def _our_command(args: list[str], cwd: str | None) -> tuple[str, list[str], tuple[str, ...]] | None:
@@ -441,9 +471,14 @@ def _become_fresh(env: dict[str, str], out: str, err: str, server_env: dict, ses
 class Entry:
     """`python [flags] script *argv` started from the fork server (or, where `forkable` says no, as a plain process),
     its stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT), in a session of its
-    own where `session` (Popen's start_new_session: os.killpg reaches it and what it starts). Flags: "-u" (unbuffered
+    own where `session` (Popen's start_new_session: os.killpg reaches it and the plain processes it starts; NOTE: not
+    the entry points it starts, which fork from the server, outside its session: a test that kills a launcher's whole
+    process group starts it with a real Popen, as test_lora's does). Flags: "-u" (unbuffered
     output), "-m" (`script` is a module: torchrun). Popen's pid, poll, wait, send_signal, terminate, kill, returncode,
     communicate and `with` (what subprocess.run calls)."""
+
+    captured: dict[int, str] = {}  # _ForkingPopen's: {0 (stdout) / 1: the file} of the outputs piped
+    text = False  # the piped outputs read back as str
 
     def __init__(
         self,
@@ -499,10 +534,20 @@ class Entry:
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
-    def communicate(self, input: None = None, timeout: float | None = None) -> tuple[None, None]:
-        """Popen's, for subprocess.run: the output is in files, so only the wait."""
+    def communicate(self, input: None = None, timeout: float | None = None) -> tuple[Any, Any]:
+        """Popen's, for subprocess.run: the wait, then what went to PIPE (read back from its file: str where `text`,
+        universal newlines as Popen's), None for an output that went elsewhere."""
         self.wait(timeout)
-        return None, None
+        got = [None, None]
+        for i, path in self.captured.items():
+            data = Path(path).read_bytes()
+            if self.text:
+                data = data.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+            got[i] = data
+        for path in self.captured.values():
+            os.unlink(path)
+        self.captured = {}
+        return got[0], got[1]
 
     def __enter__(self) -> Entry:
         return self
@@ -526,8 +571,6 @@ def run_entry(
 ) -> subprocess.CompletedProcess:
     """subprocess.run(`python [flags] script *argv`, env=env, capture_output=True, text=True, timeout=timeout) from
     the fork server: a process killed at its timeout raises subprocess.TimeoutExpired."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         out.touch(), err.touch()
@@ -882,7 +925,6 @@ def run_trains(
     ranks: each run sets up (seed, process group, models), trains and closes down as train.py does, without paying
     another start (~5 s of imports a process). Each run's exit code and stderr (rank 0's), as run_train gives them."""
     import json
-    import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         script, codes = ROOT / "tests" / "train_many.py", Path(tmp, "codes.json")

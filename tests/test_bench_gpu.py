@@ -7,8 +7,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -17,6 +15,7 @@ import torch
 
 import sync
 from engines import HFEngine
+from helpers import run_entry
 from models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,14 +67,7 @@ MEASURED = (
 @pytest.mark.slow
 def test_bench_gpu_tiny_shape_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
-    run = subprocess.run(
-        [sys.executable, "scripts/bench_gpu.py", *TINY, "--json", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    run = run_entry("scripts/bench_gpu.py", [*TINY, "--json", str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, 180)
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(out.read_text())
     results = record["results"]

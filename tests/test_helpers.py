@@ -96,15 +96,21 @@ with open(sys.argv[2], "w") as log:
     command = [sys.executable, sys.argv[1], "--help"]
     with subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **here) as to_file:
         print(type(to_file).__name__, to_file.communicate(timeout=60), to_file.returncode, flush=True)
+with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=os.getcwd()) as piped:
+    shown = piped.communicate(timeout=60)
+    print(type(piped).__name__, shown[1], piped.returncode, flush=True)
+with open(sys.argv[2] + ".piped", "w") as f:
+    f.write(shown[0])
 """
 
 
 @pytest.mark.slow
 def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_else_as_popen(tmp_path):
     """A launcher run from the fork server: its `python explore.py` (or train.py, launch.py) forks too (an Entry), its
-    output where the launcher's goes or to the file it names, as subprocess.run uses it, in a session of its own where
-    asked, and so does `python -u -m torch.distributed.run` (as torchrun's own Popen calls it for its ranks, the
-    working directory inherited); another command is a plain process."""
+    output where the launcher's goes, to the file it names, to DEVNULL or to PIPE, as subprocess.run uses it (the
+    environment inherited, the piped output read back as text), in a session of its own where asked, and so does
+    `python -u -m torch.distributed.run` (as torchrun's own Popen calls it for its ranks, the working directory
+    inherited); another command is a plain process."""
     launcher, script, log = tmp_path / "launch.py", str(ROOT / "explore.py"), tmp_path / "child.log"
     launcher.write_text(LAUNCHER)
     plain = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True)
@@ -112,12 +118,13 @@ def test_a_forked_launcher_forks_its_explorer_and_trainer_and_starts_anything_el
     plain_torchrun = subprocess.run(torchrun, cwd=ROOT, capture_output=True, text=True)
     forked = run_entry(str(launcher), [script, str(log)], dict(os.environ), timeout=120)
     assert plain.returncode == 0 and plain_torchrun.returncode == 0 and forked.returncode == 0, forked.stderr
-    lines = ["Entry 0 Popen 0", "Entry 0", "Entry (None, None) 0"]  # `python -c`: a Popen
-    assert "\nEntry 0 Popen 0\n" in forked.stdout and forked.stdout.endswith("\nEntry 0\nEntry (None, None) 0\n")
+    lines = ["Entry 0 Popen 0", "Entry 0", "Entry (None, None) 0", "Entry None 0"]  # `python -c`: a Popen
+    ends = "\nEntry 0\nEntry (None, None) 0\nEntry None 0\n"
+    assert "\nEntry 0 Popen 0\n" in forked.stdout and forked.stdout.endswith(ends)
     assert sorted(forked.stdout.splitlines()) == sorted(
         [*plain.stdout.splitlines(), *plain_torchrun.stdout.splitlines(), "plain", *lines]
     )
-    assert log.read_text() == plain.stdout
+    assert log.read_text() == plain.stdout and log.with_name("child.log.piped").read_text() == plain.stdout
 
 
 def test_the_projects_modules_read_no_environment_as_they_are_imported():
