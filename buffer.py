@@ -262,6 +262,16 @@ def whole_groups(picked: list[tuple[int, str]], members: dict[str, list[int]], n
     return ids, False
 
 
+def fenced(fence: Callable[[Any], None], body: Callable[[Any], T]) -> Callable[[Any], T]:
+    """body, after `fence` in the same transaction."""
+
+    def run(cur: Any) -> T:
+        fence(cur)
+        return body(cur)
+
+    return run
+
+
 class ExperienceDB:
     """Experiences in one SQLite file or PostgreSQL database, shared by explorer processes (writers) and the trainer.
 
@@ -275,6 +285,8 @@ class ExperienceDB:
     def __init__(self, url: str, busy_timeout: float = 60.0) -> None:
         self.url, self.postgres, self.busy_timeout = url, is_postgres(url), busy_timeout
         self.path = shown(url) if self.postgres else sqlite_path(url)  # what messages name
+        # lease.hold's check, run first in every transaction: a process whose role was taken over writes nothing
+        self.fence: Callable[[Any], None] | None = None
         self.conn = PostgresLink(url, busy_timeout) if self.postgres else open_sqlite(self.path, busy_timeout)
         try:
             self._set_up()
@@ -355,7 +367,10 @@ class ExperienceDB:
         """body(cursor) in one transaction: COMMIT at the end, ROLLBACK on any exception; its result. SQLite: BEGIN
         IMMEDIATE (the write lock up front); PostgreSQL: BEGIN, row locks taken by the statements (claims: FOR UPDATE
         SKIP LOCKED), a lost connection handled as dbconn.PostgresLink.run says. A full or failing disk, or a damaged
-        file: DBFault (dbconn.sqlite_faults), after the ROLLBACK."""
+        file: DBFault (dbconn.sqlite_faults), after the ROLLBACK. With a `fence` (lease.py), it runs first, in the same
+        transaction: lease.LeaseLost, and nothing written, once this process's role was taken over."""
+        if self.fence is not None:
+            body = fenced(self.fence, body)
         if not self.postgres:
             with sqlite_faults(self.path), transaction(self.conn) as cur:
                 return body(cur)

@@ -4,7 +4,9 @@ back-ends (`db_url`: a SQLite file and a database of a real PostgreSQL server th
 
 import json
 import logging
+import os
 import re
+import signal
 import sqlite3
 import sys
 import threading
@@ -17,6 +19,7 @@ import safetensors.torch
 import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
+import lease
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from helpers import fork_context, in_ci, raw
 
@@ -903,3 +906,114 @@ def test_a_full_disk_on_the_postgresql_server_is_named_and_rolled_back(postgres,
             db.write([make(1), make(2)], explorer=("e", {"step": 2}))
         monkeypatch.undo()
         assert db.counts()["total"] == 1 and db.explorer_states() == {"e": {"step": 1}}
+
+
+# --- one owner per role: the leases (lease.py)
+
+
+def lease_holder(url: str, name: str, marker: str) -> None:
+    """Another process: hold explorer `name`'s lease, say so (the marker file), then live until killed."""
+    with ExperienceDB(url) as db:
+        lease.hold(db, "explorer", name)
+        Path(marker).write_text(str(os.getpid()))
+        time.sleep(120)
+
+
+def elsewhere(heartbeat: float, token: str = "theirs") -> str:
+    """A lease record of a process on another machine (its pid cannot be checked from here)."""
+    return json.dumps(
+        {"pid": 4242, "host": "node7", "machine": "another", "started": 1, "token": token, "heartbeat": heartbeat}
+    )
+
+
+@pytest.mark.slow
+def test_a_second_holder_is_refused_by_name_and_a_killed_one_is_taken_over_at_once(db_url, tmp_path) -> None:
+    """A live holder in another process: refused with its pid, host and heartbeat; SIGKILLed (same machine): the
+    lease is taken at once, without waiting for the heartbeat to go stale."""
+    marker = tmp_path / "held"
+    proc = fork_context().Process(target=lease_holder, args=(db_url, "e1", str(marker)))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the holder process did not take the lease"
+        with ExperienceDB(db_url) as db:
+            with pytest.raises(lease.RoleTaken, match=rf"explorer e1 is already running: pid {proc.pid} on host "):
+                lease.hold(db, "explorer", "e1")
+            other = lease.hold(db, "explorer", "e2")  # another name is another role
+            other.release()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            start = time.monotonic()
+            mine = lease.hold(db, "explorer", "e1")
+            assert time.monotonic() - start < 5  # not STALE_S
+            assert json.loads(db.get_meta("lease/explorer/e1"))["pid"] == os.getpid()
+            mine.release()
+            assert db.get_meta("lease/explorer/e1") is None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_a_stale_lease_is_taken_over_and_a_fresh_one_elsewhere_refused(db: ExperienceDB, caplog) -> None:
+    db.set_meta("lease/trainer", elsewhere(time.time() - 3))
+    with pytest.raises(lease.RoleTaken, match=r"the trainer is already running: pid 4242 on host node7, heartbeat 3 s"):
+        lease.hold(db, "trainer")
+    db.set_meta("lease/trainer", elsewhere(time.time() - lease.STALE_S - 5))
+    with caplog.at_level(logging.WARNING, logger="nanorft.lease"):
+        held = lease.hold(db, "trainer")
+    assert "taking over the lease of pid 4242 on host node7: its heartbeat is 35 s old" in caplog.text
+    assert json.loads(db.get_meta("lease/trainer"))["token"] == held.me["token"]
+    held.release()
+
+
+def test_the_heartbeat_is_renewed(db: ExperienceDB) -> None:
+    held = lease.hold(db, "explorer", "e1", beat=0.05)
+    try:
+        first = json.loads(db.get_meta("lease/explorer/e1"))["heartbeat"]
+        deadline = time.monotonic() + 10
+        while json.loads(db.get_meta("lease/explorer/e1"))["heartbeat"] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(db.get_meta("lease/explorer/e1"))["heartbeat"] > first
+    finally:
+        held.release()
+
+
+def test_a_process_whose_lease_was_taken_over_writes_and_claims_nothing(db: ExperienceDB) -> None:
+    """The fence: the write and the claim check the token in their own transaction, and stop with LeaseLost."""
+    db.write([make(0)])
+    held = lease.hold(db, "explorer", "e1")
+    try:
+        db.write([make(1)], explorer=("e1", {"step": 1}))  # still ours: written
+        db.set_meta("lease/explorer/e1", elsewhere(time.time(), token="the new holder's"))  # a takeover elsewhere
+        with pytest.raises(lease.LeaseLost, match=r"explorer e1 lost its lease .*\(pid 4242 on host node7 holds it now\)"):
+            db.write([make(2)], explorer=("e1", {"step": 2}))
+        with pytest.raises(lease.LeaseLost):
+            db.claim(1, step=1)
+        with pytest.raises(lease.LeaseLost):
+            db.set_explorer_state("e1", {"step": 2, "finished": True})
+        assert db.counts() == {"total": 2, "pending": 2, "claimed": 0, "dropped": 0, "claims": 0}
+        assert db.explorer_states() == {"e1": {"step": 1}}
+    finally:
+        held.release()
+    assert json.loads(db.get_meta("lease/explorer/e1"))["token"] == "the new holder's"  # not ours to delete
+
+
+def test_a_lease_released_can_be_held_again_and_unfences_the_db(db: ExperienceDB) -> None:
+    held = lease.hold(db, "explorer", "e1")
+    held.release()
+    assert db.fence is None and db.get_meta("lease/explorer/e1") is None
+    db.write([make(0)])
+    again = lease.hold(db, "explorer", "e1")
+    lease.release_all()
+    assert again not in lease._HELD and db.get_meta("lease/explorer/e1") is None
+
+
+def test_the_launcher_lock_refuses_a_second_launcher_by_name(tmp_path: Path) -> None:
+    fd = lease.lock_dir(tmp_path / "run")
+    with pytest.raises(lease.RoleTaken, match=rf"{tmp_path / 'run'} is already being run by another launcher \(pid"):
+        lease.lock_dir(tmp_path / "run")
+    lease.lock_dir(tmp_path / "run", "explorer2")  # one side of an asynchronous run: a lock of its own
+    os.close(fd)
+    os.close(lease.lock_dir(tmp_path / "run"))
