@@ -47,6 +47,7 @@ from typing import Any
 
 import configs
 import launch
+import lease
 import lora
 import sync
 from algos.sample import tied_groups
@@ -209,6 +210,7 @@ def set_up(cfg: configs.Config) -> Explorer:
     check_tasksets(cfg)
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
+    lease.hold(db, "explorer", name)  # one explorer per name (lease.py): before its saved position is read
     tokenizer = config_tokenizer(cfg.model)
     db.check_identity(fingerprint(cfg.model.model_path, tokenizer), f"explorer {name}")
     db.check_advantages(advantage_origin(cfg.algorithm), f"explorer {name}")

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TextIO
 
 import configs
+import lease
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from configs.resolve import CONSOLE, LAUNCHED
@@ -185,6 +186,21 @@ def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0, tick: Cal
             log.info("%s finished", role)
         time.sleep(0.2)
     return 0
+
+
+def on_second_interrupt(procs: dict[str, subprocess.Popen]) -> None:
+    """From now on a Ctrl-C or SIGTERM kills `procs` at once and ends this process with a short message (exit 130),
+    instead of a KeyboardInterrupt traceback from inside the gentle stop that the first one started."""
+
+    def now(signum: int, _frame: object) -> None:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+        print(f"\ninterrupted again: {', '.join(procs) or 'nothing'} killed", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, now)
+    signal.signal(signal.SIGTERM, now)
 
 
 def stop(procs: dict[str, subprocess.Popen], grace: float) -> None:
@@ -423,6 +439,7 @@ def stages_in_order(cfg: configs.Config, resolved: list[configs.Config] | None =
 def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Config], int]], role: str) -> int:
     """Run `runners[stage.mode](stage)` for each stage in this process, in order (what train.py and
     explore.py do when started directly); stops at the first non-zero exit code."""
+    lease.follow_launcher()  # started by a launcher: end with it, however it ends
     for stage in stages_in_order(cfg):
         if stage.mode not in runners:
             log.info("stage %s is mode %s: nothing for the %s to do", stage.name, stage.mode, role)
@@ -433,8 +450,13 @@ def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Con
         except (DataError, DBMismatch, configs.ConfigError) as e:  # bad input: the message says it all, no traceback
             log.error("%s of stage %s stops: %s", role, stage.name, e)
             return 2
+        except KeyboardInterrupt:  # Ctrl-C (the whole terminal's process group): a line, not a traceback
+            log.error("%s of stage %s interrupted", role, stage.name)
+            signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # a second one while closing: leave at once
+            return 130
         finally:  # NOTE: a stage an error ended left its monitor open (its mlflow run RUNNING): closed, as failed
             close_monitors(failed=code != 0)
+            lease.release_all()  # the role's lease in the DB (lease.py), however the stage ended
         if code:
             return code
     return 0
@@ -514,11 +536,18 @@ def run_stage(stage: configs.Config, side: str) -> int:
         for role, (cmd, env) in commands(stage, config_file).items():
             if env:
                 log.info("%s: %s", role, " ".join(f"{k}={v}" for k, v in env.items()))
-            env = {**os.environ, **env, LAUNCHED: "1", **({CONSOLE: "launcher"} if bars else {})}
+            env = {
+                **os.environ,
+                **env,
+                LAUNCHED: "1",
+                **({CONSOLE: "launcher"} if bars else {}),
+                **lease.launcher_env(),
+            }
             procs[role] = subprocess.Popen(cmd, cwd=os.getcwd(), env=env)
         code = supervise(procs, tick=watch.tick if watch else None)
     except KeyboardInterrupt:
-        log.error("interrupted: stopping %s", ", ".join(procs))
+        log.error("interrupted: stopping %s (interrupt again to kill them at once)", ", ".join(procs))
+        on_second_interrupt(procs)
         code = 130
     finally:
         stop(procs, grace=30.0)
@@ -588,6 +617,22 @@ def run(cfg: configs.Config) -> int:
     except configs.ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    try:  # one launcher per run directory (per side of an asynchronous run), held until this process ends
+        lock = lease.lock_dir(run_dir(cfg, resolved), async_role(cfg))
+    except lease.RoleTaken as e:
+        print(f"launch: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_stages(cfg, resolved, start)
+    except KeyboardInterrupt:  # between stages or in the summary: no traceback
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        os.close(lock)
+
+
+def run_stages(cfg: configs.Config, resolved: list[configs.Config], start: float) -> int:
+    """Run the stages in order (the first failure stops them), then write the summary and the plot."""
     # NOTE: SIGTERM to the launcher (e.g. `kill`) must stop the children too: turn it into an exception.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     code, stages = 0, []

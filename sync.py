@@ -573,8 +573,10 @@ class ExplorerSync:
 def pause_for_test(point: str, step: int) -> None:
     """Tests only: with NANORFT_TEST_PAUSE_AT=<point>:<step>, the process touches the file
     NANORFT_TEST_PAUSE_MARKER at that point and waits there, so that a test can kill it at a known place
-    (a kill timed by the clock races the run: on a fast machine the explorer had finished before the kill)."""
+    (a kill timed by the clock races the run: on a fast machine the explorer had finished before the kill), or let it
+    go on by deleting the marker."""
     if os.environ.get("NANORFT_TEST_PAUSE_AT") == f"{point}:{step}":
-        Path(os.environ["NANORFT_TEST_PAUSE_MARKER"]).touch()
-        while True:
-            time.sleep(60)
+        marker = Path(os.environ["NANORFT_TEST_PAUSE_MARKER"])
+        marker.touch()
+        while marker.exists():
+            time.sleep(0.1)

@@ -65,6 +65,7 @@ import algos
 import checkpoint
 import configs
 import launch
+import lease
 import lora
 import sync
 import wire
@@ -172,6 +173,8 @@ def set_up(cfg: configs.Config) -> Parts | None:
     pieces = loss_pieces(a)
     actor, ref, critic = trainer_models(cfg, pieces, resume, device)
     source = Source(cfg, tokenizer, rank, device)
+    if getattr(source, "db", None) is not None:  # rank 0 of a trainer reading the DB: one trainer per DB (lease.py)
+        lease.hold(source.db, "trainer")
     p = Parts(
         cfg=cfg,
         rank=rank,

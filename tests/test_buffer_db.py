@@ -987,7 +987,9 @@ def test_a_process_whose_lease_was_taken_over_writes_and_claims_nothing(db: Expe
     try:
         db.write([make(1)], explorer=("e1", {"step": 1}))  # still ours: written
         db.set_meta("lease/explorer/e1", elsewhere(time.time(), token="the new holder's"))  # a takeover elsewhere
-        with pytest.raises(lease.LeaseLost, match=r"explorer e1 lost its lease .*\(pid 4242 on host node7 holds it now\)"):
+        with pytest.raises(
+            lease.LeaseLost, match=r"explorer e1 lost its lease .*\(pid 4242 on host node7 holds it now\)"
+        ):
             db.write([make(2)], explorer=("e1", {"step": 2}))
         with pytest.raises(lease.LeaseLost):
             db.claim(1, step=1)
