@@ -40,6 +40,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -574,9 +575,11 @@ def pause_for_test(point: str, step: int) -> None:
     """Tests only: with NANORFT_TEST_PAUSE_AT=<point>:<step>, the process touches the file
     NANORFT_TEST_PAUSE_MARKER at that point and waits there, so that a test can kill it at a known place
     (a kill timed by the clock races the run: on a fast machine the explorer had finished before the kill), or let it
-    go on by deleting the marker."""
+    go on by deleting the marker. NANORFT_TEST_PAUSE_DEAF=1: SIGTERM is ignored meanwhile (a process slow to stop)."""
     if os.environ.get("NANORFT_TEST_PAUSE_AT") == f"{point}:{step}":
         marker = Path(os.environ["NANORFT_TEST_PAUSE_MARKER"])
+        if os.environ.get("NANORFT_TEST_PAUSE_DEAF"):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         marker.touch()
         while marker.exists():
             time.sleep(0.1)

@@ -119,8 +119,6 @@ def test_a_sigkilled_launcher_leaves_no_process_and_a_relaunch_finishes_once(tmp
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = (tmp_path / "first.log").read_text()
-    assert "the launcher (pid" in log and "is gone" in log
     marker.unlink()
     out = launch(config)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -129,12 +127,14 @@ def test_a_sigkilled_launcher_leaves_no_process_and_a_relaunch_finishes_once(tmp
 
 @pytest.mark.slow
 def test_a_second_interrupt_ends_the_launcher_at_once_without_a_traceback(tmp_path, tiny_model_dir):
-    """Ctrl-C twice: the first starts the gentle stop (SIGTERM, 30 s of grace), the second kills the processes and
-    leaves with one line, exit 130, no traceback."""
+    """Ctrl-C twice: the first starts the gentle stop (SIGTERM, 30 s of grace: the explorer, paused, ignores it), the
+    second kills the processes and leaves with one line, exit 130, no traceback."""
     config = both_config(tmp_path, tiny_model_dir)
     marker = tmp_path / "paused"
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:1", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry("launch.py", ["--config", str(config)], tmp_path / "out.log", pause)
+    proc = start_entry(
+        "launch.py", ["--config", str(config)], tmp_path / "out.log", pause | {"NANORFT_TEST_PAUSE_DEAF": "1"}
+    )
     try:
         wait_for(lambda: marker.exists() or proc.poll() is not None, "the explorer before step 1")
         proc.send_signal(signal.SIGINT)
