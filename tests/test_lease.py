@@ -115,7 +115,10 @@ def test_a_sigkilled_launcher_leaves_no_process_and_a_relaunch_finishes_once(tmp
         proc.kill()
         proc.wait()
         _, alive = psutil.wait_procs(children, timeout=60)
-        assert alive == [], [(p.pid, p.cmdline()) for p in alive]
+        left = [(p.pid, p.cmdline()) for p in alive]
+        for p in alive:  # not left behind by a failing test
+            p.kill()
+        assert left == []
     finally:
         if proc.poll() is None:
             proc.kill()
