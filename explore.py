@@ -377,6 +377,7 @@ def finish(x: Explorer, code: int) -> int:
     for handle in x.handles:
         if handle.api is not None:
             handle.api.stop()
+    lease.release(x.db)  # another explorer of this name may start now
     log.info("explorer %s finished at step %d; %s", name, x.step, x.db.counts())
     return code
 

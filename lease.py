@@ -245,8 +245,14 @@ def hold(db: ExperienceDB, kind: str, name: str = "", stale: float = STALE_S, be
     return held
 
 
+def release(db: ExperienceDB) -> None:
+    """Release the leases this process holds on `db` (a clean exit: explore.finish, train.finish)."""
+    for held in [h for h in _HELD if h.db is db]:
+        held.release()
+
+
 def release_all() -> None:
-    """Release every lease this process holds (a stage's end, however it ended)."""
+    """Release every lease this process holds (a stage's end, however it ended: launch.run_in_process)."""
     for held in list(_HELD):
         held.release()
 

@@ -745,6 +745,7 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
         save(p, done, weights)
     if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")
+        lease.release(p.source.db)  # another trainer may start now
     if p.sender is not None:
         wire.close_sender(p.sender, finished=code == 0)
     if p.monitor is not None:
