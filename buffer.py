@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -298,6 +299,28 @@ class ExperienceDB:
             raise DBMismatch(
                 f"{self.path}: cannot set up the experience DB's tables: {' '.join(str(e).split())}"
             ) from None
+
+    def twin(self) -> ExperienceDB:
+        """Another connection to this DB, for another thread of this process (lease.py's heartbeat), without the checks
+        and set-up that opening it did. NOTE: not through open_sqlite: its refuse_foreign reads the file with a plain
+        open() and close(), and closing any descriptor of a file drops every POSIX lock this process holds on it,
+        SQLite's included. Another process's SQLite then took this one's connection for gone and deleted the WAL under
+        it: from then on it read an old snapshot and its commits went to a deleted file (measured: a trainer that
+        never saw step 2)."""
+        twin = object.__new__(ExperienceDB)
+        twin.url, twin.postgres, twin.busy_timeout, twin.path, twin.fence = (
+            self.url,
+            self.postgres,
+            self.busy_timeout,
+            self.path,
+            None,
+        )
+        if self.postgres:
+            twin.conn = PostgresLink(self.url, self.busy_timeout)
+        else:  # WAL mode is the file's; synchronous is each connection's
+            twin.conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None)
+            twin.conn.execute("PRAGMA synchronous=NORMAL")
+        return twin
 
     def _set_up(self) -> None:
         """The tables (created if missing) in one transaction, after the schema version and foreign-data checks."""

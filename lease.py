@@ -193,8 +193,8 @@ class Lease:
     def beating(self) -> None:
         """The heartbeat thread: renew every `beat` seconds on a connection of its own, until released or lost."""
         try:
-            db = ExperienceDB(self.db.url)
-        except DBMismatch as e:
+            db = self.db.twin()  # NOTE: not ExperienceDB(url): see twin
+        except Exception as e:
             log.error("%s: cannot open the DB for the lease's heartbeat: %s", self.role, e)
             return
         with db:
@@ -220,9 +220,8 @@ class Lease:
             if held is not None and held["token"] == self.me["token"]:
                 cur.execute("DELETE FROM meta WHERE key = ?", (self.key,))
 
-        try:
-            with ExperienceDB(self.db.url) as db:
-                db._atomic(body)
+        try:  # NOTE: on the holder's own connection (this thread's), not a new one: see ExperienceDB.twin
+            self.db._atomic(body)
         except Exception as e:  # the way out: the lease then goes stale, or its process is seen gone
             log.warning("%s: could not release its lease (%s)", self.role, e)
         if self in _HELD:

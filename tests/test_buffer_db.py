@@ -1019,3 +1019,38 @@ def test_the_launcher_lock_refuses_a_second_launcher_by_name(tmp_path: Path) -> 
     lease.lock_dir(tmp_path / "run", "explorer2")  # one side of an asynchronous run: a lock of its own
     os.close(fd)
     os.close(lease.lock_dir(tmp_path / "run"))
+
+
+def write_and_close(url: str, out: str) -> None:
+    """Another process: one write, close (its SQLite may checkpoint and delete the WAL if it thinks itself the last
+    connection), open again and record the experiences it sees."""
+    with ExperienceDB(url) as db:
+        db.write([make(9)])
+    with ExperienceDB(url) as db:
+        Path(out).write_text(json.dumps(db.counts()))
+
+
+def test_a_lease_holder_writes_stay_seen_by_other_processes(db: ExperienceDB, tmp_path) -> None:
+    """The heartbeat's connection (ExperienceDB.twin) must not drop this process's SQLite locks: when it did (a
+    plain open() and close() of the file), another process closing its connection deleted the WAL under this one,
+    whose later writes no other process saw."""
+    held = lease.hold(db, "trainer", beat=0.05)
+    try:
+        first = json.loads(db.get_meta("lease/trainer"))["heartbeat"]
+        wait = time.monotonic() + 10
+        while json.loads(db.get_meta("lease/trainer"))["heartbeat"] == first and time.monotonic() < wait:
+            time.sleep(0.02)  # the heartbeat thread has its connection open
+        ctx = fork_context()
+        for k in range(2):
+            proc = ctx.Process(target=write_and_close, args=(db.url, str(tmp_path / f"seen{k}")))
+            proc.start()
+            proc.join(60)
+            assert proc.exitcode == 0
+            db.write([make(k)])
+        proc = ctx.Process(target=write_and_close, args=(db.url, str(tmp_path / "seen")))
+        proc.start()
+        proc.join(60)
+        assert json.loads((tmp_path / "seen").read_text())["total"] == 5  # 3 of theirs, 2 of ours
+        assert db.counts()["total"] == 5
+    finally:
+        held.release()
