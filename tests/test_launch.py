@@ -307,6 +307,30 @@ def test_the_launcher_resolves_the_stages_once(tmp_path, tiny_model_dir, monkeyp
     assert ran == ["run/sft", "run/rft"] and len(calls) == 1
 
 
+def test_an_interrupted_entry_point_says_so_in_a_line_and_a_second_interrupt_leaves_at_once(
+    tmp_path, tiny_model_dir, monkeypatch, caplog
+):
+    """run_in_process (train.py's and explore.py's stages): Ctrl-C is a line and exit 130, not a traceback, and from
+    then on a second one leaves at once (os._exit) instead of raising inside the clean-up."""
+    import configs
+    import launch
+
+    handlers = {}
+    monkeypatch.setattr(launch.signal, "signal", lambda signum, handler: handlers.update({signum: handler}))
+
+    def interrupted(stage: configs.Config) -> int:
+        raise KeyboardInterrupt
+
+    cfg = configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir))])[0]
+    with caplog.at_level(logging.ERROR, logger="nanorft.launch"):
+        assert launch.run_in_process(cfg, {"both": interrupted}, "explorer") == 130
+    assert "explorer of stage run interrupted" in caplog.text
+    exits = []
+    monkeypatch.setattr(launch.os, "_exit", exits.append)
+    handlers[launch.signal.SIGINT](launch.signal.SIGINT, None)
+    assert exits == [130]
+
+
 @pytest.mark.slow
 def test_mode_both_with_process_group_sync(tmp_path, tiny_model_dir, postgres):
     """On one GPU (cluster.gpu_per_node 1), explorer and trainer colocated (here the CPU: the engine's sleep moves
