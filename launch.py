@@ -17,7 +17,9 @@ explorer has node 0 whole) and prints, once per stage, the line to run on each o
     node 1: cd <this directory> && python -m torch.distributed.run --nnodes=2 --node-rank=1 ... train.py --config ...
 A stage starts from the weights the previous stage published last. If a process fails, the launcher
 stops the others (SIGTERM, then SIGKILL after a grace period), names the failed one and exits non-zero;
-nothing is left running. After the last stage it writes `summary.json` and `reward_accuracy.png` in the
+nothing is left running. One launcher per run directory (a flock on <run dir>/launch.lock: a second is refused by
+name), and its processes end with it however it ends, SIGKILL included (lease.py). After the last stage it writes
+`summary.json` and `reward_accuracy.png` in the
 run directory (<checkpoint_root_dir>/<project>/<name>/) and prints their paths.
 
 `continue_from_checkpoint: false` with an existing run directory starts a new run named

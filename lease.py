@@ -132,7 +132,6 @@ class Lease:
             "token": secrets.token_hex(16),
             "since": time.time(),
         }
-        self.lost = False
         self.stopping = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -177,7 +176,6 @@ class Lease:
         """Inside each of the holder's transactions: LeaseLost unless the lease still carries our token."""
         held = self.holder(cur, " FOR SHARE" if self.db.postgres else "")
         if held is None or held["token"] != self.me["token"]:
-            self.lost = True
             now = f"pid {held['pid']} on host {held['host']} holds it now" if held else "no one holds it now"
             raise LeaseLost(
                 f"{self.role} lost its lease on the experience DB {self.db.path} ({now}): its heartbeat went "
