@@ -150,3 +150,48 @@ def test_a_second_interrupt_ends_the_launcher_at_once_without_a_traceback(tmp_pa
     text = (tmp_path / "out.log").read_text()
     assert "interrupted again: trainer, explorer killed" in text or "interrupted again: explorer, trainer" in text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+def test_a_process_is_gone_when_dead_a_zombie_or_its_pid_reused():
+    import lease
+
+    me = lease.started(os.getpid())
+    assert not lease.gone(os.getpid(), me) and not lease.gone(os.getpid(), None)
+    assert lease.gone(os.getpid(), me + 1)  # the pid now names another process than the one recorded
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    start = lease.started(child.pid)
+    child.kill()
+    wait_for(lambda: lease.stat(child.pid)[0] == "Z", "the zombie", timeout=30)
+    assert lease.gone(child.pid, start)  # killed, not reaped yet: a zombie
+    child.wait()
+    assert lease.gone(child.pid, start)
+
+
+def rank_like(launcher: str) -> None:
+    """A process whose parent is not the launcher (as torchrun's ranks): only the watchdog can see the launcher go."""
+    import lease
+
+    os.environ[lease.LAUNCHER_PID] = launcher
+    lease.follow_launcher()
+    time.sleep(120)
+
+
+@pytest.mark.slow
+def test_a_grandchild_of_the_launcher_ends_when_it_is_sigkilled():
+    """lease.follow_launcher's watchdog: a process started by another than the launcher (torchrun's ranks) gets
+    SIGTERM within seconds of the launcher's SIGKILL."""
+    import lease
+    from helpers import fork_context
+
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    rank = fork_context().Process(target=rank_like, args=(f"{launcher.pid}:{lease.started(launcher.pid)}",))
+    rank.start()
+    try:
+        launcher.kill()  # NOTE: before or after the rank's watchdog starts: it ends either way
+        launcher.wait()
+        rank.join(15)
+        assert rank.exitcode == -signal.SIGTERM
+    finally:
+        launcher.kill()
+        if rank.is_alive():
+            rank.kill()
