@@ -229,6 +229,28 @@ def test_eval_metrics_by_hand():
     assert d["eval/t/accuracy/std_over_tasks@4"] == pytest.approx(0.375)
 
 
+def test_a_reward_component_that_only_some_responses_have_is_averaged_over_those(tmp_path):
+    """A reward function that adds a component to some responses only (before: the metrics took the first
+    response's keys, a KeyError that stopped the explorer at every step, on every relaunch). Each task's value is
+    the mean over its runs that have it; /count says how many responses had it when some did not."""
+
+    def exp(reward: float, **metrics: float) -> Experience:
+        return Experience(tokens=torch.tensor([1, 2]), prompt_length=1, reward=reward, metrics=dict(metrics))
+
+    results = [
+        (None, [exp(1, accuracy=1), exp(0.5, accuracy=0, bonus=0.5)], ""),
+        (None, [exp(0, accuracy=0, note="text"), exp(0, accuracy=0)], ""),
+        (None, [exp(2, accuracy=1, bonus=1.0), exp(1, accuracy=1)], ""),
+    ]
+    m = explore.rollout_metrics(results, 1.0)
+    assert m["rollout/accuracy/mean"] == pytest.approx(0.5) and "rollout/accuracy/count" not in m
+    assert m["rollout/bonus/mean"] == 0.75 and m["rollout/bonus/max"] == 1.0 and m["rollout/bonus/min"] == 0.5
+    assert m["rollout/bonus/count"] == 2 and not [k for k in m if "note" in k]
+    e = explore.eval_metrics("t", results, k=2)
+    assert e["eval/t/bonus/mean@2"] == 0.75 and e["eval/t/bonus/count"] == 2 and e["eval/t/bonus/best@2"] == 0.75
+    assert e["eval/t/accuracy/mean@2"] == pytest.approx(0.5) and "eval/t/accuracy/count" not in e
+
+
 def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):
     seen = []
 
