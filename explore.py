@@ -28,6 +28,7 @@ retried; explore steps do not overlap; best@k / worst@k are exact over the k run
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -350,7 +351,7 @@ def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str,
     more: dict[str, float] = {}
     if x.gen_batches > 1:
         results, ran, more = fill_groups(x, results)
-    metrics = rollout_metrics(ran, time.monotonic() - start) | more
+    metrics = rollout_metrics(ran, time.monotonic() - start) | more | {"rollout/abandoned_threads": abandoned()}
     return [exp for _, got, _ in results if got for exp in got], metrics
 
 
@@ -648,6 +649,23 @@ def main(argv: list[str]) -> int:
     return launch.run_in_process(cfg, {"bench": bench, "explore": explore, "both": explore}, "explorer")
 
 
+def leave(code: int) -> None:
+    """End this process with exit code `code`. NOTE: while workflow threads abandoned at their timeout still run (a
+    workflow or an in-thread reward stuck in a loop or a sleep, or waiting on the engine for them), the interpreter's
+    teardown aborted ("terminate called without an active exception", SIGABRT: torch torn down under a thread still
+    in it), which marked a stage FAILED after all its steps were written. Then the exit hooks run here (atexit's:
+    the tool and reward workers killed, vLLM's engines stopped) and the process leaves without the teardown, as
+    train.py does."""
+    if not (n := abandoned()):
+        sys.exit(code)
+    log.warning("%d workflow thread(s) abandoned at their timeout still run: the explorer exits without them", n)
+    atexit._run_exitfuncs()  # NOTE: CPython's own; what the interpreter runs at exit, before its teardown
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 DESCRIPTION = (
     "nanorft explorer. --debug [--task N] [--taskset NAME] [--stage NAME]: run one task through its workflow and "
     "print its turns, tool calls, tokens, reward and the rows it would write (no DB, no trainer)."
@@ -659,4 +677,4 @@ if __name__ == "__main__":
     # so the engines close and vLLM's exit hooks stop its engine-core processes. Its default action ended this
     # process alone: they lived on, holding the launcher's output pipe open.
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -608,6 +608,7 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
         "response_length/clip_ratio": mean([x.truncate_status == "response_truncated" for x in exps]),
         "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
         "time/rollout": seconds,
+        **dropped(results, "rollout"),
     }
     runs = [components(got) for _, got, _ in results if got]
     for k in sorted({k for r in runs for k in r} - {"reward"}):  # task value = mean over its runs (Trinity)
@@ -617,6 +618,20 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
         )
         if (had := sum(len(r[k]) for r in runs if k in r)) < len(exps):  # a component only some responses have
             out[f"rollout/{k}/count"] = had
+    return out
+
+
+def dropped(results: list, prefix: str) -> dict[str, Any]:
+    """The dropped tasks of `results` by why (explore.Drop's reason): <prefix>/dropped/<reason> counts them, and the
+    text entry <prefix>/dropped_tasks (the history and the log file) names each task and its error."""
+    failed = [(task, err) for task, got, err in results if got is None]
+    out: dict[str, Any] = {}
+    for _, err in failed:
+        key = f"{prefix}/dropped/{getattr(err, 'reason', '') or 'workflow'}"
+        out[key] = out.get(key, 0) + 1
+    if failed:
+        shown = [f"{getattr(t, 'task_id', t)} ({getattr(e, 'reason', '') or 'workflow'}): {e}"[:300] for t, e in failed]
+        out[f"{prefix}/dropped_tasks"] = "; ".join(shown)[:4000]
     return out
 
 
@@ -638,6 +653,7 @@ def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detaile
     and std across tasks of the per-task means."""
     done = [got for _, got, _ in results if got]
     out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
+    out |= dropped(results, f"{prefix}/{name}")
     runs = [components(got) for got in done]
     for m in sorted({m for r in runs for m in r}):
         per_task = [r[m] for r in runs if m in r]  # each task's runs that have it (components)

@@ -192,24 +192,26 @@ class RewardError(ValueError):
 
 ATTEMPT = threading.local()
 """The explorer's attempt of a task, on the attempt's thread: ATTEMPT.deadline (time.monotonic()), set by
-explore.attempt; a reward call in a worker process gets the time left (reward_timeout)."""
+explore.attempt; a reward call in a worker process gets the time left (reward_deadline)."""
 REWARD_TIMEOUT = 600.0
 """Seconds a reward call in a worker process may take outside an explorer's attempt (a test, `--debug`)."""
+REWARD_MARGIN = 0.25
+"""Seconds of an attempt's time kept from its reward calls: a reward stuck in a loop ends, and says so (a drop for
+"reward"), before the attempt's thread is abandoned at its timeout."""
 REWARD_WORKERS = Workers(size=max(4, os.cpu_count() or 1), whole_env=True)
 """The worker processes of the user's reward functions (workflows/tool_workers.py, as tools): at most one per core
 (4 at least) run at once, so that rewards stuck in a loop take their cores, not the explorer's GIL."""
 
 
-def reward_timeout() -> float:
-    """The seconds a reward call may take: what is left of the explorer's attempt of the task (ATTEMPT), else
-    REWARD_TIMEOUT; RewardError when nothing is left."""
+def reward_deadline() -> float:
+    """The time.monotonic() by which a reward call must end: the explorer's attempt of the task's deadline (ATTEMPT)
+    less REWARD_MARGIN, else REWARD_TIMEOUT from now; RewardError when it has passed."""
     deadline = getattr(ATTEMPT, "deadline", None)
     if deadline is None:
-        return REWARD_TIMEOUT
-    left = deadline - time.monotonic()
-    if left <= 0:
+        return time.monotonic() + REWARD_TIMEOUT
+    if deadline - REWARD_MARGIN <= time.monotonic():
         raise RewardError("no time left for the reward in this attempt (explorer.max_timeout)")
-    return left
+    return deadline - REWARD_MARGIN
 
 
 def finite_components(out: Any, who: str) -> dict[str, float]:
@@ -231,7 +233,7 @@ class Reward:
     """A reward function as a workflow calls it (its `reward_fn`): reward(response, reference, **extra) ->
     {component: float}, its reward_fn_args bound. Whatever goes wrong is a RewardError naming it (an exception, a
     value that is not {name: finite number}). A function of the user's own (named `module:attr`) runs in a worker
-    process (REWARD_WORKERS), killed when the attempt's time is up (reward_timeout): one stuck in a loop ends with
+    process (REWARD_WORKERS), killed when the attempt's time is up (reward_deadline): one stuck in a loop ends with
     its attempt, and never holds the GIL from the engine and the other tasks. NOTE: the registered reward functions
     are the project's (bounded: math_reward's guards) and run in the calling thread, as would a user's whose
     arguments are not JSON (a reference that a parquet file gave as numpy arrays), said once."""
@@ -257,12 +259,13 @@ class Reward:
                 _SAID.add((self.name, "json"))
                 log.warning("reward function %r runs in the explorer's thread: %s is not JSON (%s)", self.name, e)
             return self.func(response, reference, **extra)
-        timeout = reward_timeout()
-        out = REWARD_WORKERS.call(self.ref, {**self.func.keywords, **extra}, timeout, (response, reference), True)
+        start, by = time.monotonic(), reward_deadline()
+        kwargs = {**self.func.keywords, **extra}
+        out = REWARD_WORKERS.call(self.ref, kwargs, by - start, (response, reference), value=True, by=by)
         if out.get("timeout"):
             raise RewardError(
-                f"reward function {self.name!r} gave no result within {timeout:.3g} s (the attempt's time left); "
-                "its worker process was killed"
+                f"reward function {self.name!r} gave no result within {by - start:.3g} s (the time left of the "
+                "task's attempt, explorer.max_timeout); its worker process was killed"
             )
         if "error" in out:
             raise RewardError(f"reward function {self.name!r} raised {out['error']}")

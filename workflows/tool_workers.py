@@ -230,15 +230,23 @@ class Workers:
         self.cond = threading.Condition()
         atexit.register(self.close)
 
-    def call(self, ref: dict, arguments: dict, timeout: float, args: tuple = (), value: bool = False) -> dict:
+    def call(
+        self, ref: dict, arguments: dict, timeout: float, args: tuple = (), value: bool = False, by: float = 0.0
+    ) -> dict:
         """{"result": text} | {"error": text} | {"timeout": True}; the result cut to MAX_RESULT_BYTES. `args`: the
-        function's positional arguments; `value`: {"value": what it returned} as JSON instead of its text."""
+        function's positional arguments; `value`: {"value": what it returned} as JSON instead of its text; `by`: a
+        time.monotonic() deadline for the whole call, the wait for a free worker included (a reward's attempt
+        abandoned meanwhile must not take a worker from the live ones)."""
         try:  # encoded before a worker is taken: arguments that cannot be sent cost no worker
             request = json.dumps({"ref": ref, "args": list(args), "arguments": arguments, "value": value})
             request = request.encode() + b"\n"
         except (ValueError, TypeError, RecursionError) as e:
             return {"error": f"the tool call's arguments cannot be sent to the tool ({type(e).__name__}: {e})"}
-        worker = self.take()
+        worker = self.take(by)
+        if worker is None:
+            return {"timeout": True}
+        if by:
+            timeout = min(timeout, by - time.monotonic())
         try:
             worker.send(request)
             out = worker.read(timeout)
@@ -253,10 +261,13 @@ class Workers:
         self.give_back(worker)
         return out
 
-    def take(self) -> Worker:
+    def take(self, by: float = 0.0) -> Worker | None:
+        """An idle worker, or a new one while fewer than `size` are busy; None once deadline `by` (if set) passed."""
         with self.cond:
             while not self.idle and self.busy >= self.size:
-                self.cond.wait()
+                if by and by <= time.monotonic():
+                    return None
+                self.cond.wait(by - time.monotonic() if by else None)
             self.busy += 1
             if self.idle:
                 return self.idle.pop()
