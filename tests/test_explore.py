@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sqlite3
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -164,6 +165,74 @@ def test_an_abandoned_attempt_does_not_write_into_the_next_one(monkeypatch):
     task = make_task(workflow="late_then_good")
     exps, error = explore.run_task(task, None, timeout=2, retries=1)
     assert LateThenGood.calls == 2 and error == "" and [x.reward for x in exps] == [1.0]
+
+
+class Responses(workflows.Workflow):
+    """Returns task.raw["runs"] experiences, each with info["episode"] = its entry (None: no episode)."""
+
+    def run(self):
+        out = [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0) for _ in self.task.raw["runs"]]
+        for x, episode in zip(out, self.task.raw["runs"]):
+            if episode is not None:
+                x.info["episode"] = episode
+        return out
+
+
+@pytest.mark.parametrize(
+    "runs, refused",
+    [
+        ([None, None, None], True),
+        ([None, None], False),
+        ([0, 0, 1, 1, 1], False),
+        ([0, 1, 2], True),
+        ([0, 0, None, None], True),
+    ],
+)
+def test_more_responses_than_repeat_times_is_a_named_drop(monkeypatch, runs, refused):
+    """A workflow returning more responses than the task's repeat_times (a multi-turn episode's turns, one
+    info["episode"], are one response) is refused by name, not written as a bigger group (before: accepted)."""
+    monkeypatch.setitem(workflows.WORKFLOWS, "responses", Responses)
+    task = make_task(workflow="responses", repeat_times=2, raw={"runs": runs})
+    exps, error = explore.run_task(task, None, timeout=10, retries=1)
+    if not refused:
+        assert len(exps) == len(runs) and error == ""
+        return
+    assert exps is None and error.reason == "output"
+    assert "workflow responses returned 3 responses for a task of repeat_times 2" in error
+
+
+SPIN_REWARD = """
+def spin_reward(response, reference):
+    while response == "spin":  # a CPU-bound reward that never ends
+        pass
+    return {"accuracy": 1.0}
+"""
+
+
+def test_a_reward_stuck_in_a_loop_ends_with_its_attempt(tmp_path):
+    """A CPU-bound reward of the user's own runs in a worker process, killed when the task's attempt is up: the task
+    is dropped for "reward" by name, and nothing of it runs on (before: its thread was abandoned, spinning for good
+    and taking the GIL from the engine and every later task)."""
+    path = tmp_path / "rewards.py"
+    path.write_text(SPIN_REWARD)
+    task = make_task(workflow="simple_workflow", reward_fn=f"{path}:spin_reward", repeat_times=2)
+
+    class Spins:  # the model: one response of the two makes the reward spin
+        model_version = 0
+
+        def chat(self, messages, n=1, **sampling):
+            return [
+                Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, response_text=t) for t in ("ok", "spin")
+            ]
+
+    start = time.monotonic()
+    exps, error = explore.run_task(task, Spins(), timeout=3, retries=1)
+    assert exps is None and error.reason == "reward" and "spin_reward' gave no result within" in error, error
+    assert time.monotonic() - start < 10  # two attempts of 3 s, the reward's worker started once or twice
+    assert not [t for t in threading.enumerate() if t.name.startswith("workflow-")]  # no attempt runs on
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.3  # nothing spins in this process
 
 
 @pytest.fixture(scope="module")
