@@ -23,6 +23,7 @@ from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
 from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
 from models import load_tokenizer
+from monitor import read_history
 from sampling import PromptTooLong
 from tasksets import TaskReader, load_tasks
 
@@ -233,6 +234,71 @@ def test_a_reward_stuck_in_a_loop_ends_with_its_attempt(tmp_path):
     cpu = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - cpu < 0.3  # nothing spins in this process
+
+
+STUCK_WORKFLOW = """
+import time
+from workflows.math import MathWorkflow
+
+class StuckWorkflow(MathWorkflow):
+    def run(self):
+        if self.task.index == 1:
+            while True:  # CPU-bound for good, in the runner's thread
+                pass
+        if self.task.index == 2:
+            time.sleep(10**6)
+        return super().run()
+"""
+ODD_REWARD = """
+def spin_reward(response, reference):
+    while str(reference)[-1] in "13579":  # tasks 4, 7, 8, 9, 13, 14, 17, 18 of the arith taskset: for good
+        pass
+    return {"accuracy": 1.0}
+"""
+
+
+@pytest.mark.slow
+def test_stuck_user_code_neither_starves_the_other_tasks_nor_aborts_the_exit(tiny_model_dir, tmp_path):
+    """An explorer process whose workflow is stuck on two tasks (a CPU-bound loop and a sleep, in threads that
+    cannot be killed) and whose reward function spins on five others (in worker processes, killed at the attempt's
+    timeout): every step writes the groups of every other task, the metrics name each drop and count the abandoned
+    threads, and the process exits 0 within seconds of finishing (before: the spinning rewards' threads piled up
+    until steps wrote 0 groups, and the exit aborted, SIGABRT, exit code 134)."""
+    (tmp_path / "stuck.py").write_text(STUCK_WORKFLOW)
+    (tmp_path / "odd.py").write_text(ODD_REWARD)
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.total_steps": 4,
+            "buffer.batch_size": 6,
+            "buffer.default_workflow_type": f"{tmp_path}/stuck.py:StuckWorkflow",
+            "buffer.default_reward_fn_type": f"{tmp_path}/odd.py:spin_reward",
+            "buffer.explorer_input.eval_tasksets": [],
+            "explorer.max_timeout": 6,
+            "explorer.max_retry_times": 0,
+            "explorer.runner_per_model": 6,
+        },
+    )
+    log = tmp_path / "explorer.log"
+    proc = start_entry("explore.py", ["--config", str(config)], log)
+    deadline = time.monotonic() + 400
+    while "finished at step" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    finished = time.monotonic()
+    code = proc.wait(60)
+    exit_seconds = time.monotonic() - finished
+    assert code == 0, log.read_text()[-3000:]
+    assert exit_seconds < 15, exit_seconds  # measured: ~1 s
+    written = sorted({int(g.rsplit("/", 1)[1]) for g, *_ in db_rows(tmp_path)})
+    assert written == [0, 3, 5, 6, 10, 11, 12, 15, 16, 19, 20, 21, 22, 23], written  # all but 1, 2, odd rewards'
+    history = read_history(next((tmp_path / "ck").rglob("monitor/explorer.jsonl")))
+    assert [h["rollout/finished_task_count"] for h in history] == [3, 3, 3, 5]
+    assert [h.get("rollout/dropped/reward", 0) for h in history] == [1, 3, 3, 1]
+    assert history[0]["rollout/dropped/timeout"] == 2 and history[0]["rollout/abandoned_threads"] == 2
+    assert "arith/1 (timeout)" in history[0]["rollout/dropped_tasks"]
+    assert "arith/4 (reward): RewardError: reward function" in history[0]["rollout/dropped_tasks"]
+    assert "workflow thread(s) abandoned at their timeout still run: the explorer exits without them" in log.read_text()
 
 
 @pytest.fixture(scope="module")

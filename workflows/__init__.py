@@ -198,9 +198,10 @@ REWARD_TIMEOUT = 600.0
 REWARD_MARGIN = 0.25
 """Seconds of an attempt's time kept from its reward calls: a reward stuck in a loop ends, and says so (a drop for
 "reward"), before the attempt's thread is abandoned at its timeout."""
-REWARD_WORKERS = Workers(size=max(4, os.cpu_count() or 1), whole_env=True)
-"""The worker processes of the user's reward functions (workflows/tool_workers.py, as tools): at most one per core
-(4 at least) run at once, so that rewards stuck in a loop take their cores, not the explorer's GIL."""
+REWARD_WORKERS = Workers(size=max(8, 2 * (os.cpu_count() or 1)), whole_env=True)
+"""The worker processes of the user's reward functions (workflows/tool_workers.py, as tools), started as needed: at
+most two per core (8 at least) run at once, so that rewards stuck in a loop until their attempt's timeout take
+CPU time, not the explorer's GIL, and a few of them leave workers free for the other tasks."""
 
 
 def reward_deadline() -> float:
