@@ -21,8 +21,11 @@ Writing experiences and position together is what makes a SIGKILLed explorer res
 its last written step: no task explored twice, none skipped.
 
 Deviations from Trinity-RFT: runners are threads in this process (no Ray actors); a workflow that
-hangs past max_timeout is abandoned (a Python thread cannot be killed; its result is discarded) and
-retried; explore steps do not overlap; best@k / worst@k are exact over the k runs (no bootstrap).
+hangs past max_timeout is abandoned (a Python thread cannot be killed; its result is discarded), counted
+(rollout/abandoned_threads) and retried while fewer than MAX_ABANDONED run, and the process exits without
+waiting for it (`leave`); the user's own reward functions run in worker processes killed with the attempt
+(workflows.Reward); every dropped task has a named reason (Drop); explore steps do not overlap; best@k /
+worst@k are exact over the k runs (no bootstrap).
 """
 
 from __future__ import annotations
