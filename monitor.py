@@ -77,7 +77,10 @@ class Monitor:
             if kind == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
+                try:
+                    self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
+                except OSError as e:  # a full disk: its first event cannot be written; the run goes on without it
+                    log.warning("[%s] no tensorboard events for this process: %s", role, e)
             elif kind == "wandb":
                 self.wandb = wandb_run(cfg, role, self.dir)
             elif kind == "mlflow":

@@ -573,6 +573,27 @@ def test_a_full_disk_under_the_job_folder_loses_a_steps_metrics_with_one_warning
     assert "Traceback" not in capsys.readouterr().err  # the log file's failures: one line, no logging traceback
 
 
+# NOTE: tensorboard's own writer thread dies of the ENOSPC too, and threading's hook prints it: a limit (docs/trainer.md)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_monitor_made_on_a_full_disk_goes_on_without_what_it_cannot_write(small_disk, caplog):
+    """A process that starts on a full disk: tensorboard's first event cannot be written (its writer raised ENOSPC
+    from the Monitor's constructor, a traceback at set-up); it runs without tensorboard, saying so, and its history
+    gets the records once there is room."""
+    filler = fill(small_disk)
+    cfg = Config(name="t")
+    cfg.checkpoint_job_dir = str(small_disk / "job")
+    cfg.monitor.monitor_type = ["tensorboard"]
+    with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
+        mon = Monitor(cfg, role="explorer")
+        mon.log({"rollout/reward/mean": 0.25}, step=1)
+        filler.unlink()
+        mon.log({"rollout/reward/mean": 0.5}, step=2)
+        mon.close()
+    assert "no tensorboard events for this process" in caplog.text
+    assert "could not write the metrics of step 1 to history" in caplog.text
+    assert [h["step"] for h in read_history(small_disk / "job/monitor/explorer.jsonl")] == [2]
+
+
 def test_readers_skip_a_torn_line_naming_file_and_line_and_a_writer_starts_a_new_line(tmp_path, caplog):
     """A history that a full disk or a kill left with half a record: read_history and HistoryTail skip it with a
     warning naming the file and the line (before: json's error stopped every later launcher of the job), and a
