@@ -573,7 +573,7 @@ def test_a_full_disk_under_the_job_folder_loses_a_steps_metrics_with_one_warning
     assert "Traceback" not in capsys.readouterr().err  # the log file's failures: one line, no logging traceback
 
 
-# NOTE: tensorboard's own writer thread dies of the ENOSPC too, and threading's hook prints it: a limit (docs/trainer.md)
+# NOTE: tensorboard's own writer thread dies of the ENOSPC too, and threading's hook prints it (docs/trainer.md)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_monitor_made_on_a_full_disk_goes_on_without_what_it_cannot_write(small_disk, caplog):
     """A process that starts on a full disk: tensorboard's first event cannot be written (its writer raised ENOSPC
