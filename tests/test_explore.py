@@ -202,6 +202,38 @@ def test_more_responses_than_repeat_times_is_a_named_drop(monkeypatch, runs, ref
     assert "workflow responses returned 3 responses for a task of repeat_times 2" in error
 
 
+class Blocked(workflows.Workflow):
+    """Hangs until the test sets `release` (a workflow stuck past its timeout), counting its attempts."""
+
+    release, calls = threading.Event(), 0
+
+    def run(self):
+        Blocked.calls += 1
+        Blocked.release.wait(60)
+        return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0)]
+
+
+def test_a_timed_out_task_is_not_retried_past_max_abandoned_threads(monkeypatch, caplog):
+    """Each timed-out attempt leaves a thread that cannot be killed: once MAX_ABANDONED of them run, a timed-out task
+    is dropped without a retry (one more stuck thread each), saying so (before: every retry left one more)."""
+    monkeypatch.setitem(workflows.WORKFLOWS, "blocked", Blocked)
+    monkeypatch.setattr(explore, "MAX_ABANDONED", explore.abandoned() + 2)
+    Blocked.release.clear()
+    try:
+        with caplog.at_level("WARNING", logger="nanorft.explore"):
+            first = explore.run_task(make_task(workflow="blocked", index=0), None, timeout=0.3, retries=3)
+            assert Blocked.calls == 2  # two attempts: two abandoned threads, the most allowed
+            second = explore.run_task(make_task(workflow="blocked", index=1), None, timeout=0.3, retries=3)
+        assert Blocked.calls == 3 and first[0] is None and second[1].reason == "timeout"
+        assert "task t/1: not retried:" in caplog.text and "abandoned: 3 such now" in second[1]
+    finally:
+        Blocked.release.set()
+    deadline = time.monotonic() + 10
+    while explore.abandoned() and time.monotonic() < deadline:  # released: they end
+        time.sleep(0.05)
+    assert explore.abandoned() == 0
+
+
 SPIN_REWARD = """
 def spin_reward(response, reference):
     while response == "spin":  # a CPU-bound reward that never ends
