@@ -790,3 +790,21 @@ def test_a_reward_that_raises_or_gives_no_finite_number_is_a_named_drop_of_its_t
     metrics = explore.rollout_metrics([(task, exps, err)], 1.0)
     assert metrics["rollout/dropped/reward"] == 1 and metrics["rollout/failed_count"] == 1
     assert metrics["rollout/dropped_tasks"].startswith(f"{task.task_id} (reward): RewardError: ")
+
+
+def test_a_reward_named_by_module_loads_in_a_fresh_worker(monkeypatch):
+    """`workflows.math:math_reward` in a worker process that loaded nothing before: imported by name, its package
+    first (loaded from its file alone, its `from workflows import ...` found it half made: an ImportError)."""
+    import workflows
+    from workflows.tool_workers import Workers
+
+    fresh = Workers(size=1, whole_env=True)
+    monkeypatch.setattr(workflows, "REWARD_WORKERS", fresh)
+    try:
+        assert build_reward_fn("workflows.math:math_reward")("#### 4", "#### 4") == {
+            "accuracy": 1.0,
+            "format_score": 0.1,
+        }
+        assert fresh.live  # it ran in the worker
+    finally:
+        fresh.close()

@@ -384,14 +384,16 @@ def build_reward_fn(name: str, **reward_fn_args: Any) -> Reward:
 
 
 def worker_ref(name: str) -> dict:
-    """How a worker process finds reward function `name` (`module:attr`): tools.reference's {"module", "file",
-    "attr"}, a module imported by name in the worker as here."""
+    """How a worker process finds reward function `name` (`module:attr` or `path.py:attr`): tools.reference's
+    {"module", "file", "attr"}. NOTE: a module named by name is imported by name there, its package first (loaded
+    from its file alone, workflows.math's `from workflows import ...` found itself half made)."""
     from workflows.tools import ToolError, reference
 
     try:
-        return reference(name, name)
+        ref = reference(name, name)
     except ToolError as e:  # NOTE: lookup has imported it already: not expected
         raise KeyError(f"reward function {name!r}: {e}") from None
+    return {**ref, "file": ""} if ref["module"] else ref
 
 
 def build_workflow(task: Task, model: ModelHandle) -> Workflow:
