@@ -21,13 +21,17 @@ Writing experiences and position together is what makes a SIGKILLed explorer res
 its last written step: no task explored twice, none skipped.
 
 Deviations from Trinity-RFT: runners are threads in this process (no Ray actors); a workflow that
-hangs past max_timeout is abandoned (a Python thread cannot be killed; its result is discarded) and
-retried; explore steps do not overlap; best@k / worst@k are exact over the k runs (no bootstrap).
+hangs past max_timeout is abandoned (a Python thread cannot be killed; its result is discarded), counted
+(rollout/abandoned_threads) and retried while fewer than MAX_ABANDONED run, and the process exits without
+waiting for it (`leave`); the user's own reward functions run in worker processes killed with the attempt
+(workflows.Reward); every dropped task has a named reason (Drop); explore steps do not overlap; best@k /
+worst@k are exact over the k runs (no bootstrap).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -50,6 +54,7 @@ import launch
 import lease
 import lora
 import sync
+import workflows
 from algos.sample import tied_groups
 from batching import group_advantages
 from buffer import Experience, ExperienceDB
@@ -61,7 +66,7 @@ from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from sampling import PromptTooLong
 from tasksets import Task, TaskReader, load_tasks, total_steps
-from workflows import build_workflow
+from workflows import RewardError, build_workflow
 from workflows.args import check_tasksets
 
 log = logging.getLogger("nanorft.explore")
@@ -70,46 +75,105 @@ log = logging.getLogger("nanorft.explore")
 # --- running workflows
 
 
+class Drop(str):
+    """Why a task was dropped: the message (a str, as logged and returned before), and `reason`, a short name the
+    metrics count it under (rollout/dropped/<reason>, monitor.rollout_metrics): timeout, reward (the reward function
+    raised, timed out or gave a value that is not a finite number: workflows.RewardError), output (the workflow's
+    experiences refused: check_experiences), prompt_too_long, workflow (any other exception of the workflow)."""
+
+    reason: str
+
+    def __new__(cls, message: str, reason: str) -> Drop:
+        out = super().__new__(cls, message)
+        out.reason = reason
+        return out
+
+
+class BadOutput(ValueError):
+    """check_experiences refused what a workflow returned."""
+
+
 def check_experiences(exps: Any, task: Task) -> list[Experience]:
-    """A workflow's output, or ValueError if it is not a non-empty list of sound Experiences."""
+    """A workflow's output, or ValueError if it is not a non-empty list of sound Experiences, at most repeat_times
+    responses (a multi-turn episode's turns, which share info["episode"], are one response)."""
     if not isinstance(exps, list) or not exps or not all(isinstance(e, Experience) for e in exps):
-        raise ValueError(f"workflow {task.workflow} returned {type(exps).__name__}, not a non-empty list of Experience")
+        raise BadOutput(f"workflow {task.workflow} returned {type(exps).__name__}, not a non-empty list of Experience")
+    runs = len({x.info["episode"] if "episode" in x.info else ("row", i) for i, x in enumerate(exps)})
+    if runs > task.repeat_times:  # NOTE: more would make a bigger group than GRPO's advantages and the step expect
+        raise BadOutput(
+            f"workflow {task.workflow} returned {runs} responses for a task of repeat_times {task.repeat_times}"
+        )
     for e in exps:
         n = len(e.tokens)
         if e.tokens.dim() != 1 or not 0 <= e.prompt_length <= n:
-            raise ValueError(f"workflow {task.workflow}: bad tokens/prompt_length ({n}, {e.prompt_length})")
+            raise BadOutput(f"workflow {task.workflow}: bad tokens/prompt_length ({n}, {e.prompt_length})")
         if e.logprobs is not None and len(e.logprobs) != n - e.prompt_length:
-            raise ValueError(
+            raise BadOutput(
                 f"workflow {task.workflow}: {len(e.logprobs)} logprobs for {n - e.prompt_length} response tokens"
             )
         if e.reward is None or not math.isfinite(e.reward):
-            raise ValueError(f"workflow {task.workflow}: reward {e.reward!r} is not a finite number")
+            raise RewardError(f"workflow {task.workflow}: reward {e.reward!r} is not a finite number")
     return exps
 
 
+MAX_ABANDONED = 16
+"""Workflow threads abandoned at their timeout and still running (a Python thread cannot be killed) past which a
+timed-out task is not retried: each retry of a workflow stuck in a loop would leave one more thread taking the
+GIL from the engine and the other tasks (rollout/abandoned_threads counts them)."""
+_abandoned: list[threading.Thread] = []  # run_task's, under _abandoned_lock (runner threads add to it at once)
+_abandoned_lock = threading.Lock()
+
+
+def abandoned(thread: threading.Thread | None = None) -> int:
+    """How many abandoned workflow threads still run (run_task's), after adding `thread`."""
+    with _abandoned_lock:
+        _abandoned[:] = [t for t in _abandoned if t.is_alive()] + ([thread] if thread else [])
+        return len(_abandoned)
+
+
+def reason_of(e: Exception) -> str:
+    """The Drop reason of a workflow attempt's exception."""
+    if isinstance(e, RewardError):
+        return "reward"
+    if isinstance(e, PromptTooLong):
+        return "prompt_too_long"
+    return "output" if isinstance(e, BadOutput) else "workflow"
+
+
+def attempt(task: Task, handle: EngineHandle, timeout: float, box: dict[str, Any]) -> None:
+    """One attempt of the task's workflow (a runner's thread): box["exps"], or box["error"] (a Drop). Its reward
+    calls in worker processes end at the attempt's deadline (workflows.reward_deadline)."""
+    workflows.ATTEMPT.deadline = time.monotonic() + timeout
+    try:
+        box["exps"] = check_experiences(build_workflow(task, handle).run(), task)
+    except BaseException as e:  # noqa: BLE001 - any failure of user code (sys.exit too) is reported, never raised
+        box["error"] = Drop(f"{type(e).__name__}: {e}", reason_of(e))
+
+
 def run_task(task: Task, handle: EngineHandle, timeout: float, retries: int) -> tuple[list[Experience] | None, str]:
-    """Run a task's workflow with a timeout per attempt and retries: (experiences, "") or (None, last error)."""
-    error = ""
-    for attempt in range(retries + 1):
-        box: dict[str, Any] = {}
-
-        def target(box: dict[str, Any] = box) -> None:  # NOTE: this attempt's box, not a later attempt's
-            try:
-                box["exps"] = check_experiences(build_workflow(task, handle).run(), task)
-            except Exception as e:  # any failure of user code is reported, never raised into the explorer
-                box["error"], box["final"] = f"{type(e).__name__}: {e}", isinstance(e, PromptTooLong)
-
-        # NOTE: daemon thread: a hung workflow is abandoned here and cannot block the exit.
-        worker = threading.Thread(target=target, daemon=True, name=f"workflow-{task.task_id}")
+    """Run a task's workflow with a timeout per attempt and retries: (experiences, "") or (None, why: a Drop)."""
+    error = Drop("", "")
+    for k in range(retries + 1):
+        box: dict[str, Any] = {}  # NOTE: this attempt's box: an abandoned attempt ending late writes into its own
+        # NOTE: daemon thread: a hung workflow is abandoned here and cannot block the exit (`leave`).
+        worker = threading.Thread(
+            target=attempt, args=(task, handle, timeout, box), daemon=True, name=f"workflow-{task.task_id}"
+        )
         worker.start()
         worker.join(timeout)
         if getattr(handle, "api", None) is not None:  # the attempt's API sessions end with it, however it ended
             handle.api.drop(worker.ident)
-        error = f"timed out after {timeout:g} s" if worker.is_alive() else box.get("error", "")
+        error = box.get("error", Drop("", ""))
+        if worker.is_alive():
+            n = abandoned(worker)
+            error = Drop(f"timed out after {timeout:g} s (its thread runs on, abandoned: {n} such now)", "timeout")
         if not error:
             return box["exps"], ""
-        log.warning("task %s attempt %d/%d failed: %s", task.task_id, attempt + 1, retries + 1, error)
-        if box.get("final"):  # the same input fails the same way: not retried
+        log.warning("task %s attempt %d/%d failed (%s): %s", task.task_id, k + 1, retries + 1, error.reason, error)
+        if error.reason == "prompt_too_long":  # the same input fails the same way: not retried
+            break
+        if error.reason == "timeout" and abandoned() >= MAX_ABANDONED:
+            log.warning("task %s: not retried: %d workflow threads abandoned already", task.task_id, MAX_ABANDONED)
             break
     return None, error
 
@@ -292,7 +356,7 @@ def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str,
     more: dict[str, float] = {}
     if x.gen_batches > 1:
         results, ran, more = fill_groups(x, results)
-    metrics = rollout_metrics(ran, time.monotonic() - start) | more
+    metrics = rollout_metrics(ran, time.monotonic() - start) | more | {"rollout/abandoned_threads": abandoned()}
     return [exp for _, got, _ in results if got for exp in got], metrics
 
 
@@ -591,6 +655,23 @@ def main(argv: list[str]) -> int:
     return launch.run_in_process(cfg, {"bench": bench, "explore": explore, "both": explore}, "explorer")
 
 
+def leave(code: int) -> None:
+    """End this process with exit code `code`. NOTE: while workflow threads abandoned at their timeout still run (a
+    workflow or an in-thread reward stuck in a loop or a sleep, or waiting on the engine for them), the interpreter's
+    teardown aborted ("terminate called without an active exception", SIGABRT: torch torn down under a thread still
+    in it), which marked a stage FAILED after all its steps were written. Then the exit hooks run here (atexit's:
+    the tool and reward workers killed, vLLM's engines stopped) and the process leaves without the teardown, as
+    train.py does."""
+    if not (n := abandoned()):
+        sys.exit(code)
+    log.warning("%d workflow thread(s) abandoned at their timeout still run: the explorer exits without them", n)
+    atexit._run_exitfuncs()  # NOTE: CPython's own; what the interpreter runs at exit, before its teardown
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 DESCRIPTION = (
     "nanorft explorer. --debug [--task N] [--taskset NAME] [--stage NAME]: run one task through its workflow and "
     "print its turns, tool calls, tokens, reward and the rows it would write (no DB, no trainer)."
@@ -602,4 +683,4 @@ if __name__ == "__main__":
     # so the engines close and vLLM's exit hooks stop its engine-core processes. Its default action ended this
     # process alone: they lived on, holding the launcher's output pipe open.
     signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))
-    sys.exit(main(sys.argv[1:]))
+    leave(main(sys.argv[1:]))

@@ -28,6 +28,7 @@ the workflows' results (`rollout_metrics`, `eval_metrics`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -40,7 +41,7 @@ import statistics
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -66,7 +67,8 @@ class Monitor:
         self.role, self.total = role, cfg.buffer.total_steps or cfg.trainer.total_steps  # shown as step/total
         self.dir = Path(cfg.checkpoint_job_dir, "monitor")
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.history = open(self.dir / f"{role}.jsonl", "a", encoding="utf-8")  # appends across restarts
+        self.history = History(self.dir / f"{role}.jsonl")  # appends across restarts
+        self.failing: set[str] = set()  # the sinks whose last write failed (said once: `sink`)
         self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
         self.console: Console | None = None
         self.tb = self.wandb = self.mlflow = None
@@ -75,7 +77,10 @@ class Monitor:
             if kind == "tensorboard":
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
+                try:
+                    self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
+                except OSError as e:  # a full disk: its first event cannot be written; the run goes on without it
+                    log.warning("[%s] no tensorboard events for this process: %s", role, e)
             elif kind == "wandb":
                 self.wandb = wandb_run(cfg, role, self.dir)
             elif kind == "mlflow":
@@ -90,16 +95,14 @@ class Monitor:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
         numbers = numbers_of(metrics)
-        self.history.write(json.dumps({"step": step, "total_steps": self.total, **metrics}, default=str) + "\n")
-        self.history.flush()
+        line = json.dumps({"step": step, "total_steps": self.total, **metrics}, default=str) + "\n"
+        self.sink("history", step, lambda: self.history.append(line))
         if self.tb is not None:
-            for k, v in numbers.items():
-                self.tb.add_scalar(k, v, step)
-            self.tb.flush()
+            self.sink("tensorboard", step, lambda: self.tb_log(numbers, step))
         if self.wandb is not None:
-            self.wandb.log(numbers, step=step)
+            self.sink("wandb", step, lambda: self.wandb.log(numbers, step=step))
         if self.mlflow is not None:
-            self.mlflow.log(numbers, step)
+            self.sink("mlflow", step, lambda: self.mlflow.log(numbers, step))
         self.file_log.info(
             "[%s] step %d %s", self.role, step, " ".join(f"{k}={v:.4g}" for k, v in sorted(numbers.items()))
         )
@@ -113,6 +116,33 @@ class Monitor:
         if self.console is not None:
             self.console.step(self.role, step, numbers, self.total)
 
+    def sink(self, name: str, step: int, write: Callable[[], None]) -> None:
+        """One sink's write of step `step`. NOTE: a failure (a full disk under the job folder: OSError ENOSPC; a
+        tracking server gone) loses that sink's metrics of this step, with a warning said once until it works again
+        (it is retried every step); it never stops the process, whose steps are in the DB and checkpoints."""
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - any sink's own error: the run goes on
+            if name not in self.failing:
+                log.warning(
+                    "[%s] could not write the metrics of step %d to %s: %s; they are lost there, and it is tried "
+                    "again each step (said once)",
+                    self.role,
+                    step,
+                    name,
+                    " ".join(str(e).split())[:300],
+                )
+            self.failing.add(name)
+            return
+        if name in self.failing:
+            self.failing.discard(name)
+            log.warning("[%s] the metrics of step %d went to %s again", self.role, step, name)
+
+    def tb_log(self, numbers: dict[str, float], step: int) -> None:
+        for k, v in numbers.items():
+            self.tb.add_scalar(k, v, step)
+        self.tb.flush()
+
     def close(self, failed: bool = False) -> None:
         """Close every output (a second call does nothing); `failed`: the process stops on an error, and its wandb
         / mlflow run ends as failed."""
@@ -125,11 +155,45 @@ class Monitor:
         for handler in self.file_log.handlers:  # this role's file: off the root logger too
             close_log_file(handler)
         if self.tb is not None:
-            self.tb.close()
+            self.sink("tensorboard", -1, self.tb.close)  # a full disk: its last events are lost, said once
         if self.wandb is not None:
             self.wandb.finish(exit_code=int(failed))
         if self.mlflow is not None:
             self.mlflow.close(failed)
+
+
+class History:
+    """A JSONL history file, appended to one whole line at a time: one write() of the line and its newline on a
+    file opened O_APPEND; a write cut short (ENOSPC part-way) is truncated away and raised, so a full disk loses a
+    record, never leaves half of one. A file that does not end in a newline (a record torn before this was so)
+    gets one first: the torn part stays a line of its own, which the readers skip (`records`), and is not glued to
+    the next record."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.torn = False  # the file's last line lacks its newline
+        size = os.fstat(self.fd).st_size
+        if size:
+            with open(path, "rb") as f:
+                f.seek(size - 1)
+                self.torn = f.read(1) != b"\n"
+
+    def append(self, line: str) -> None:
+        data = ("\n" if self.torn else "").encode() + line.encode("utf-8", "replace")
+        before = os.fstat(self.fd).st_size
+        try:
+            written = os.write(self.fd, data)
+            if written < len(data):
+                raise OSError(errno.ENOSPC, f"{written} of {len(data)} bytes written", str(self.path))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, before)  # NOTE: no half line stays (a second writer of one role: none)
+            raise
+        self.torn = False
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def close_monitors(failed: bool) -> None:
@@ -456,6 +520,7 @@ class HistoryTail:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.lines = 1  # the number of the first line not read yet, for the warnings (counted from here)
 
     def read(self) -> list[dict]:
         if not self.path.exists():
@@ -465,7 +530,8 @@ class HistoryTail:
             data = f.read()
         done = data[: data.rfind(b"\n") + 1]
         self.offset += len(done)
-        return [json.loads(line) for line in done.decode("utf-8").splitlines() if line.strip()]
+        self.lines += done.count(b"\n")
+        return records(done, self.path, self.lines - done.count(b"\n"))
 
 
 def log_to_file(job_dir: str, role: str) -> logging.Handler:
@@ -473,10 +539,27 @@ def log_to_file(job_dir: str, role: str) -> logging.Handler:
     restarts); the caller removes the returned handler from the root logger when done (`close_log_file`)."""
     path = Path(job_dir, "log", f"{role}.log")
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
+    handler = LogFile(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
     logging.getLogger().addHandler(handler)
     return handler
+
+
+class LogFile(logging.FileHandler):
+    """A log file whose write failures (a full disk) are one line on stderr, said once until it works again, not
+    logging's traceback for every record."""
+
+    failing = failed = False  # the last record's write failed; this record's did (handleError, inside emit)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.failed = False
+        super().emit(record)
+        self.failing = self.failed
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        if not self.failing:
+            print(f"could not write to the log file {self.baseFilename}: {sys.exc_info()[1]}", file=sys.stderr)
+        self.failed = True
 
 
 def close_log_file(handler: logging.Handler) -> None:
@@ -511,7 +594,8 @@ def mean(xs: list[float]) -> float:
 
 
 def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
-    """Trinity/veRL-named metrics of one explore step."""
+    """Trinity/veRL-named metrics of one explore step; rollout/<component>/mean|max|min over the tasks that have the
+    component (each task's value: the mean over its runs that have it), and /count (of responses) when some lack it."""
     exps = [x for _, got, _ in results if got for x in got]
     rewards = [x.reward for x in exps]
     lengths = [x.response_length for x in exps]
@@ -527,31 +611,62 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
         "response_length/clip_ratio": mean([x.truncate_status == "response_truncated" for x in exps]),
         "rollout/tokens_per_s": sum(lengths) / seconds if seconds > 0 else 0.0,
         "time/rollout": seconds,
+        **dropped(results, "rollout"),
     }
-    per_task = [{k: mean([x.metrics[k] for x in got]) for k in got[0].metrics} for _, got, _ in results if got]
-    for k in sorted({k for m in per_task for k in m}):  # task value = mean over its runs (Trinity)
-        values = [m[k] for m in per_task if k in m]
+    runs = [components(got) for _, got, _ in results if got]
+    for k in sorted({k for r in runs for k in r} - {"reward"}):  # task value = mean over its runs (Trinity)
+        values = [mean(r[k]) for r in runs if k in r]
         out.update(
             {f"rollout/{k}/mean": mean(values), f"rollout/{k}/max": max(values), f"rollout/{k}/min": min(values)}
         )
+        if (had := sum(len(r[k]) for r in runs if k in r)) < len(exps):  # a component only some responses have
+            out[f"rollout/{k}/count"] = had
+    return out
+
+
+def dropped(results: list, prefix: str) -> dict[str, Any]:
+    """The dropped tasks of `results` by why (explore.Drop's reason): <prefix>/dropped/<reason> counts them, and the
+    text entry <prefix>/dropped_tasks (the history and the log file) names each task and its error."""
+    failed = [(task, err) for task, got, err in results if got is None]
+    out: dict[str, Any] = {}
+    for _, err in failed:
+        key = f"{prefix}/dropped/{getattr(err, 'reason', '') or 'workflow'}"
+        out[key] = out.get(key, 0) + 1
+    if failed:
+        shown = [f"{getattr(t, 'task_id', t)} ({getattr(e, 'reason', '') or 'workflow'}): {e}"[:300] for t, e in failed]
+        out[f"{prefix}/dropped_tasks"] = "; ".join(shown)[:4000]
+    return out
+
+
+def components(got: list) -> dict[str, list[float]]:
+    """A task's runs as {metric: its values}: "reward", and each number in the experiences' metrics, over the runs
+    that have it. NOTE: not the first run's keys: a reward function may add a component to some responses only (that
+    was a KeyError in every later step, on every relaunch); a value that is not a number is left out."""
+    out: dict[str, list[float]] = {"reward": [x.reward for x in got]}
+    for x in got:
+        for k, v in x.metrics.items():
+            if isinstance(v, (int, float)) and k != "reward":
+                out.setdefault(k, []).append(float(v))
     return out
 
 
 def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detailed: bool = False) -> dict[str, float]:
-    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component;
-    `detailed` (monitor.detailed_stats) adds the max, min and std across tasks of the per-task means."""
+    """eval/<taskset>/<metric>/mean@k, std@k, best@k, worst@k over tasks, for reward and each reward component (over
+    the runs that have it, and then their count: `components`); `detailed` (monitor.detailed_stats) adds the max, min
+    and std across tasks of the per-task means."""
     done = [got for _, got, _ in results if got]
     out = {f"{prefix}/{name}/finished_task_count": len(done), f"{prefix}/{name}/failed_count": len(results) - len(done)}
-    runs = [
-        {"reward": [x.reward for x in got], **{m: [x.metrics[m] for x in got] for m in got[0].metrics}} for got in done
-    ]
+    out |= dropped(results, f"{prefix}/{name}")
+    runs = [components(got) for got in done]
     for m in sorted({m for r in runs for m in r}):
-        per_task = [r[m] for r in runs if m in r]
+        per_task = [r[m] for r in runs if m in r]  # each task's runs that have it (components)
         means = [mean(v) for v in per_task]
         out[f"{prefix}/{name}/{m}/mean@{k}"] = mean(means)
         out[f"{prefix}/{name}/{m}/std@{k}"] = mean([statistics.pstdev(v) for v in per_task])
         out[f"{prefix}/{name}/{m}/best@{k}"] = mean([max(v) for v in per_task])
         out[f"{prefix}/{name}/{m}/worst@{k}"] = mean([min(v) for v in per_task])
+        if (had := sum(map(len, per_task))) < sum(map(len, done)):  # a component only some responses have
+            out[f"{prefix}/{name}/{m}/count"] = had
         if detailed:
             out |= {
                 f"{prefix}/{name}/{m}/max_over_tasks@{k}": max(means),
@@ -562,8 +677,29 @@ def eval_metrics(name: str, results: list, k: int, prefix: str = "eval", detaile
 
 
 def read_history(path: str | Path) -> list[dict]:
-    """The JSONL history a Monitor wrote (for plots and summaries)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The JSONL history a Monitor wrote (for plots and summaries), its garbled lines skipped (`records`)."""
+    return records(Path(path).read_bytes(), Path(path))
+
+
+def records(data: bytes, path: Path, first_line: int = 1) -> list[dict]:
+    """The records of JSONL `data` (of file `path`): each line a JSON object with an integer "step". A line that is
+    not (half a record that a full disk or a kill cut short, bytes that are not UTF-8) is skipped with a warning
+    naming the file and the line, never an exception: every later launcher of the job reads these files."""
+    out = []
+    for n, raw in enumerate(data.split(b"\n"), first_line):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            rec, why = None, f"{type(e).__name__}: {e}"
+        else:
+            why = "not a record with an integer step"
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or isinstance(rec["step"], bool):
+            log.warning("%s, line %d: skipped (%s): %r", path, n, why[:200], raw[:80])
+            continue
+        out.append(rec)
+    return out
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sqlite3
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,7 @@ from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
 from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
 from models import load_tokenizer
+from monitor import read_history
 from sampling import PromptTooLong
 from tasksets import TaskReader, load_tasks
 
@@ -166,6 +168,171 @@ def test_an_abandoned_attempt_does_not_write_into_the_next_one(monkeypatch):
     assert LateThenGood.calls == 2 and error == "" and [x.reward for x in exps] == [1.0]
 
 
+class Responses(workflows.Workflow):
+    """Returns task.raw["runs"] experiences, each with info["episode"] = its entry (None: no episode)."""
+
+    def run(self):
+        out = [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0) for _ in self.task.raw["runs"]]
+        for x, episode in zip(out, self.task.raw["runs"]):
+            if episode is not None:
+                x.info["episode"] = episode
+        return out
+
+
+@pytest.mark.parametrize(
+    "runs, refused",
+    [
+        ([None, None, None], True),
+        ([None, None], False),
+        ([0, 0, 1, 1, 1], False),
+        ([0, 1, 2], True),
+        ([0, 0, None, None], True),
+    ],
+)
+def test_more_responses_than_repeat_times_is_a_named_drop(monkeypatch, runs, refused):
+    """A workflow returning more responses than the task's repeat_times (a multi-turn episode's turns, one
+    info["episode"], are one response) is refused by name, not written as a bigger group (before: accepted)."""
+    monkeypatch.setitem(workflows.WORKFLOWS, "responses", Responses)
+    task = make_task(workflow="responses", repeat_times=2, raw={"runs": runs})
+    exps, error = explore.run_task(task, None, timeout=10, retries=1)
+    if not refused:
+        assert len(exps) == len(runs) and error == ""
+        return
+    assert exps is None and error.reason == "output"
+    assert "workflow responses returned 3 responses for a task of repeat_times 2" in error
+
+
+class Blocked(workflows.Workflow):
+    """Hangs until the test sets `release` (a workflow stuck past its timeout), counting its attempts."""
+
+    release, calls = threading.Event(), 0
+
+    def run(self):
+        Blocked.calls += 1
+        Blocked.release.wait(60)
+        return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0)]
+
+
+def test_a_timed_out_task_is_not_retried_past_max_abandoned_threads(monkeypatch, caplog):
+    """Each timed-out attempt leaves a thread that cannot be killed: once MAX_ABANDONED of them run, a timed-out task
+    is dropped without a retry (one more stuck thread each), saying so (before: every retry left one more)."""
+    monkeypatch.setitem(workflows.WORKFLOWS, "blocked", Blocked)
+    monkeypatch.setattr(explore, "MAX_ABANDONED", explore.abandoned() + 2)
+    Blocked.release.clear()
+    try:
+        with caplog.at_level("WARNING", logger="nanorft.explore"):
+            first = explore.run_task(make_task(workflow="blocked", index=0), None, timeout=0.3, retries=3)
+            assert Blocked.calls == 2  # two attempts: two abandoned threads, the most allowed
+            second = explore.run_task(make_task(workflow="blocked", index=1), None, timeout=0.3, retries=3)
+        assert Blocked.calls == 3 and first[0] is None and second[1].reason == "timeout"
+        assert "task t/1: not retried:" in caplog.text and "abandoned: 3 such now" in second[1]
+    finally:
+        Blocked.release.set()
+    deadline = time.monotonic() + 10
+    while explore.abandoned() and time.monotonic() < deadline:  # released: they end
+        time.sleep(0.05)
+    assert explore.abandoned() == 0
+
+
+SPIN_REWARD = """
+def spin_reward(response, reference):
+    while response == "spin":  # a CPU-bound reward that never ends
+        pass
+    return {"accuracy": 1.0}
+"""
+
+
+def test_a_reward_stuck_in_a_loop_ends_with_its_attempt(tmp_path):
+    """A CPU-bound reward of the user's own runs in a worker process, killed when the task's attempt is up: the task
+    is dropped for "reward" by name, and nothing of it runs on (before: its thread was abandoned, spinning for good
+    and taking the GIL from the engine and every later task)."""
+    path = tmp_path / "rewards.py"
+    path.write_text(SPIN_REWARD)
+    task = make_task(workflow="simple_workflow", reward_fn=f"{path}:spin_reward", repeat_times=2)
+
+    class Spins:  # the model: one response of the two makes the reward spin
+        model_version = 0
+
+        def chat(self, messages, n=1, **sampling):
+            return [
+                Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, response_text=t) for t in ("ok", "spin")
+            ]
+
+    start = time.monotonic()
+    exps, error = explore.run_task(task, Spins(), timeout=3, retries=1)
+    assert exps is None and error.reason == "reward" and "spin_reward' gave no result within" in error, error
+    assert time.monotonic() - start < 10  # two attempts of 3 s, the reward's worker started once or twice
+    assert not [t for t in threading.enumerate() if t.name.startswith("workflow-")]  # no attempt runs on
+    cpu = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - cpu < 0.3  # nothing spins in this process
+
+
+STUCK_WORKFLOW = """
+import time
+from workflows.math import MathWorkflow
+
+class StuckWorkflow(MathWorkflow):
+    def run(self):
+        if self.task.index == 1:
+            while True:  # CPU-bound for good, in the runner's thread
+                pass
+        if self.task.index == 2:
+            time.sleep(10**6)
+        return super().run()
+"""
+ODD_REWARD = """
+def spin_reward(response, reference):
+    while str(reference)[-1] in "13579":  # tasks 4, 7, 8, 9, 13, 14, 17, 18 of the arith taskset: for good
+        pass
+    return {"accuracy": 1.0}
+"""
+
+
+@pytest.mark.slow
+def test_stuck_user_code_neither_starves_the_other_tasks_nor_aborts_the_exit(tiny_model_dir, tmp_path):
+    """An explorer process whose workflow is stuck on two tasks (a CPU-bound loop and a sleep, in threads that
+    cannot be killed) and whose reward function spins on five others (in worker processes, killed at the attempt's
+    timeout): every step writes the groups of every other task, the metrics name each drop and count the abandoned
+    threads, and the process exits 0 within seconds of finishing (before: the spinning rewards' threads piled up
+    until steps wrote 0 groups, and the exit aborted, SIGABRT, exit code 134)."""
+    (tmp_path / "stuck.py").write_text(STUCK_WORKFLOW)
+    (tmp_path / "odd.py").write_text(ODD_REWARD)
+    config = write_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.total_steps": 4,
+            "buffer.batch_size": 6,
+            "buffer.default_workflow_type": f"{tmp_path}/stuck.py:StuckWorkflow",
+            "buffer.default_reward_fn_type": f"{tmp_path}/odd.py:spin_reward",
+            "buffer.explorer_input.eval_tasksets": [],
+            "explorer.max_timeout": 6,
+            "explorer.max_retry_times": 0,
+            "explorer.runner_per_model": 6,
+        },
+    )
+    log = tmp_path / "explorer.log"
+    proc = start_entry("explore.py", ["--config", str(config)], log)
+    deadline = time.monotonic() + 400
+    while "finished at step" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    finished = time.monotonic()
+    code = proc.wait(60)
+    exit_seconds = time.monotonic() - finished
+    assert code == 0, log.read_text()[-3000:]
+    assert exit_seconds < 15, exit_seconds  # measured: ~1 s
+    written = sorted({int(g.rsplit("/", 1)[1]) for g, *_ in db_rows(tmp_path)})
+    assert written == [0, 3, 5, 6, 10, 11, 12, 15, 16, 19, 20, 21, 22, 23], written  # all but 1, 2, odd rewards'
+    history = read_history(next((tmp_path / "ck").rglob("monitor/explorer.jsonl")))
+    assert [h["rollout/finished_task_count"] for h in history] == [3, 3, 3, 5]
+    assert [h.get("rollout/dropped/reward", 0) for h in history] == [1, 3, 3, 1]
+    assert history[0]["rollout/dropped/timeout"] == 2 and history[0]["rollout/abandoned_threads"] == 2
+    assert "arith/1 (timeout)" in history[0]["rollout/dropped_tasks"]
+    assert "arith/4 (reward): RewardError: reward function" in history[0]["rollout/dropped_tasks"]
+    assert "workflow thread(s) abandoned at their timeout still run: the explorer exits without them" in log.read_text()
+
+
 @pytest.fixture(scope="module")
 def handle(tiny_model_dir):
     engine = HFEngine(tiny_model_dir)
@@ -227,6 +394,28 @@ def test_eval_metrics_by_hand():
     d = explore.eval_metrics("t", results, k=4, detailed=True)  # monitor.detailed_stats: across the task means
     assert d["eval/t/accuracy/max_over_tasks@4"] == 0.75 and d["eval/t/accuracy/min_over_tasks@4"] == 0.0
     assert d["eval/t/accuracy/std_over_tasks@4"] == pytest.approx(0.375)
+
+
+def test_a_reward_component_that_only_some_responses_have_is_averaged_over_those(tmp_path):
+    """A reward function that adds a component to some responses only (before: the metrics took the first
+    response's keys, a KeyError that stopped the explorer at every step, on every relaunch). Each task's value is
+    the mean over its runs that have it; /count says how many responses had it when some did not."""
+
+    def exp(reward: float, **metrics: float) -> Experience:
+        return Experience(tokens=torch.tensor([1, 2]), prompt_length=1, reward=reward, metrics=dict(metrics))
+
+    results = [
+        (None, [exp(1, accuracy=1), exp(0.5, accuracy=0, bonus=0.5)], ""),
+        (None, [exp(0, accuracy=0, note="text"), exp(0, accuracy=0)], ""),
+        (None, [exp(2, accuracy=1, bonus=1.0), exp(1, accuracy=1)], ""),
+    ]
+    m = explore.rollout_metrics(results, 1.0)
+    assert m["rollout/accuracy/mean"] == pytest.approx(0.5) and "rollout/accuracy/count" not in m
+    assert m["rollout/bonus/mean"] == 0.75 and m["rollout/bonus/max"] == 1.0 and m["rollout/bonus/min"] == 0.5
+    assert m["rollout/bonus/count"] == 2 and not [k for k in m if "note" in k]
+    e = explore.eval_metrics("t", results, k=2)
+    assert e["eval/t/bonus/mean@2"] == 0.75 and e["eval/t/bonus/count"] == 2 and e["eval/t/bonus/best@2"] == 0.75
+    assert e["eval/t/accuracy/mean@2"] == pytest.approx(0.5) and "eval/t/accuracy/count" not in e
 
 
 def test_env_vars_are_set_for_runners(tiny_model_dir, tmp_path, monkeypatch):

@@ -679,3 +679,35 @@ def test_the_plot_of_a_three_stage_run_is_readable(evals_every):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_a_torn_history_line_is_skipped_by_the_summary_and_the_stage_line(tmp_path, caplog):
+    """A monitor history that a full disk or a kill left with half a record, and a garbled line: the launcher's
+    summary and stage line skip them with a warning naming the file and line (before: json's error, a traceback
+    in every later launcher of the job)."""
+    from types import SimpleNamespace
+
+    import launch as launcher
+
+    job = tmp_path / "p" / "e"
+    (job / "monitor").mkdir(parents=True)
+    (job / "monitor" / "explorer.jsonl").write_bytes(
+        b'{"step": 1, "rollout/reward/mean": 0.5, "eval/arith_test/accuracy/mean@1": 0.25}\n'
+        b'{"step": 2, "rollout/rew\n\x80garbled\n{"step": 3, "rollout/reward/mean": 0.75}\n{"step": 4, "rol'
+    )
+    stage = SimpleNamespace(
+        name="e",
+        mode="explore",
+        checkpoint_job_dir=str(job),
+        algorithm=SimpleNamespace(algorithm_type="grpo"),
+        trainer=SimpleNamespace(name="trainer"),
+        explorer=SimpleNamespace(name="explorer"),
+    )
+    with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
+        summary = launcher.summarize(SimpleNamespace(name="e", stages=[]), [stage], 1.0)
+        line = launcher.stage_line(stage, ["explorer"], 0, 1.0)
+    assert [r["reward"] for r in summary["reward_history"]] == [0.5, 0.75] and summary["steps"] == 3
+    assert summary["accuracy_after_rft"] == 0.25
+    assert line.startswith("stage e finished in 1 s: explorer step 3: reward 0.75")
+    for n in (2, 3, 5):
+        assert f"explorer.jsonl, line {n}: skipped" in caplog.text

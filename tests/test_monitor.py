@@ -514,3 +514,104 @@ def test_several_sinks_at_once_and_trinitys_single_name(tmp_path, monkeypatch):
             resolve_stages(
                 cli(["--config", str(yaml_file), "--model.model_path", "m", "--monitor.monitor_type", *bad])[0]
             )
+
+
+# --- a full disk under the job folder, and the torn lines it left
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs at tmp_path/disk (mounting needs root: skipped, saying why, elsewhere), unmounted after."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    yield disk
+    if subprocess.run(["umount", str(disk)]).returncode:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+def fill(folder: Path) -> Path:
+    """Write a file in `folder` until its filesystem is full; the file."""
+    import errno
+
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 512)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler
+
+
+def test_a_full_disk_under_the_job_folder_loses_a_steps_metrics_with_one_warning(small_disk, caplog, capsys):
+    """A real full filesystem: the history's and tensorboard's writes fail with ENOSPC. Each sink warns once, the
+    process goes on, no half record stays in the history, and the sinks write again once there is room (before:
+    the raw OSError of the history's write stopped the explorer, and a write cut short left half a line)."""
+    cfg = Config(name="t")
+    cfg.checkpoint_job_dir = str(small_disk / "job")
+    cfg.monitor.monitor_type = ["tensorboard"]
+    mon = Monitor(cfg, role="explorer")
+    mon.log({"rollout/reward/mean": 0.25}, step=1)
+    filler = fill(small_disk)
+    with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
+        for step in (2, 3):  # a record longer than a page: a write of it is cut short, not refused whole
+            mon.log({"rollout/reward/mean": 0.5, "note": "n" * 6000}, step=step)
+        assert caplog.text.count("could not write the metrics of step 2 to history") == 1, caplog.text
+        assert "step 3" not in caplog.text  # said once
+        filler.unlink()
+        mon.log({"rollout/reward/mean": 0.75}, step=4)
+    assert "the metrics of step 4 went to history again" in caplog.text
+    mon.close()
+    text = (small_disk / "job/monitor/explorer.jsonl").read_text()
+    assert [h["step"] for h in read_history(small_disk / "job/monitor/explorer.jsonl")] == [1, 4], text[:300]
+    assert text.endswith("\n") and len(text.splitlines()) == 2  # whole lines only
+    assert "Traceback" not in capsys.readouterr().err  # the log file's failures: one line, no logging traceback
+
+
+# NOTE: tensorboard's own writer thread dies of the ENOSPC too, and threading's hook prints it (docs/trainer.md)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_monitor_made_on_a_full_disk_goes_on_without_what_it_cannot_write(small_disk, caplog):
+    """A process that starts on a full disk: tensorboard's first event cannot be written (its writer raised ENOSPC
+    from the Monitor's constructor, a traceback at set-up); it runs without tensorboard, saying so, and its history
+    gets the records once there is room."""
+    filler = fill(small_disk)
+    cfg = Config(name="t")
+    cfg.checkpoint_job_dir = str(small_disk / "job")
+    cfg.monitor.monitor_type = ["tensorboard"]
+    with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
+        mon = Monitor(cfg, role="explorer")
+        mon.log({"rollout/reward/mean": 0.25}, step=1)
+        filler.unlink()
+        mon.log({"rollout/reward/mean": 0.5}, step=2)
+        mon.close()
+    assert "no tensorboard events for this process" in caplog.text
+    assert "could not write the metrics of step 1 to history" in caplog.text
+    assert [h["step"] for h in read_history(small_disk / "job/monitor/explorer.jsonl")] == [2]
+
+
+def test_readers_skip_a_torn_line_naming_file_and_line_and_a_writer_starts_a_new_line(tmp_path, caplog):
+    """A history that a full disk or a kill left with half a record: read_history and HistoryTail skip it with a
+    warning naming the file and the line (before: json's error stopped every later launcher of the job), and a
+    monitor appending to it starts on a line of its own instead of gluing its record to the half one."""
+    path = tmp_path / "job/monitor/trainer.jsonl"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b'{"step": 1, "actor/pg_loss": 1.0}\n{"step": 2, "actor/pg_lo\n\xff\xfe\n[3]\n{"step": 3}\n{"st')
+    tail = HistoryTail(path)
+    tail.offset = 0  # read it from the start
+    with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
+        assert [h["step"] for h in read_history(path)] == [1, 3]
+        assert [h["step"] for h in tail.read()] == [1, 3]  # the last line waits for its newline
+    for n in (2, 3, 4):
+        assert f"trainer.jsonl, line {n}: skipped" in caplog.text
+    mon = Monitor(config(tmp_path, "none"), role="trainer")
+    mon.log({"actor/pg_loss": 4.0}, step=4)
+    mon.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
+        assert [h["step"] for h in read_history(path)] == [1, 3, 4]
+    assert "line 6: skipped" in caplog.text and b'\n{"st\n{"step": 4, ' in path.read_bytes()

@@ -738,3 +738,73 @@ def test_on_policy_distill_workflow_names_a_missing_or_unknown_teacher():
     task = math_task("on_policy_distill_workflow", "", repeat_times=1, workflow_args={"teacher": "teacher-70b"})
     with pytest.raises(ValueError, match="no auxiliary model 'teacher-70b'; there are \\['teacher-7b'\\]"):
         build_workflow(task, model).run()
+
+
+# --- a reward that fails: a named drop of its task, never a crash, never a kept bad value
+
+REWARDS_FILE = """
+import math
+
+def nan_reward(response, reference):
+    return {"accuracy": 1.0, "brevity": math.nan if response == "b" else 0.5}
+
+def raising_reward(response, reference):
+    return {"accuracy": 1 / len(response)}
+
+def text_reward(response, reference):
+    return {"accuracy": "high"}
+
+def list_reward(response, reference):
+    return [1.0]
+"""
+
+
+def registered_raising_reward(response, reference):
+    return {"accuracy": 1 / len(response)}
+
+
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("nan_reward", r"reward function '.*rewards\.py:nan_reward' gave component 'brevity' = nan: not a finite"),
+        ("raising_reward", r"reward function '.*rewards\.py:raising_reward' raised ZeroDivisionError"),
+        ("text_reward", r"gave component 'accuracy' = 'high': not a number"),
+        ("list_reward", r"returned list, not a dict of \{component: number\}"),
+        ("registered", r"reward function 'registered' raised ZeroDivisionError: division by zero"),
+    ],
+)
+def test_a_reward_that_raises_or_gives_no_finite_number_is_a_named_drop_of_its_task(tmp_path, monkeypatch, name, why):
+    """The user's reward functions (in a worker process) and a registered one (in the thread): an exception, NaN,
+    a value that is not a number or not a dict drops the task with reason "reward", the log and the metrics naming
+    the task and the function (before: a bare exception of the workflow, counted as any failure, or NaN caught
+    only as the workflow's reward)."""
+    import explore
+
+    path = tmp_path / "rewards.py"
+    path.write_text(REWARDS_FILE)
+    monkeypatch.setitem(REWARD_FNS, "registered", registered_raising_reward)
+    reward_fn = "registered" if name == "registered" else f"{path}:{name}"
+    task = math_task(reward_fn=reward_fn, repeat_times=2, index=7)
+    exps, err = explore.run_task(task, FakeModel(["a", "b"] if name == "nan_reward" else ["a", ""]), 30, 0)
+    assert exps is None and err.reason == "reward" and re.search(why, err), err
+    metrics = explore.rollout_metrics([(task, exps, err)], 1.0)
+    assert metrics["rollout/dropped/reward"] == 1 and metrics["rollout/failed_count"] == 1
+    assert metrics["rollout/dropped_tasks"].startswith(f"{task.task_id} (reward): RewardError: ")
+
+
+def test_a_reward_named_by_module_loads_in_a_fresh_worker(monkeypatch):
+    """`workflows.math:math_reward` in a worker process that loaded nothing before: imported by name, its package
+    first (loaded from its file alone, its `from workflows import ...` found it half made: an ImportError)."""
+    import workflows
+    from workflows.tool_workers import Workers
+
+    fresh = Workers(size=1, whole_env=True)
+    monkeypatch.setattr(workflows, "REWARD_WORKERS", fresh)
+    try:
+        assert build_reward_fn("workflows.math:math_reward")("#### 4", "#### 4") == {
+            "accuracy": 1.0,
+            "format_score": 0.1,
+        }
+        assert fresh.live  # it ran in the worker
+    finally:
+        fresh.close()

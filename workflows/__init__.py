@@ -38,7 +38,13 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import json
+import logging
+import os
+import threading
+import time
 from collections.abc import Callable
+from math import isfinite  # NOTE: not `import math`: the submodule workflows.math takes that name here
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -46,6 +52,9 @@ from buffer import Experience
 from configs.schema import GenerationConfig
 from tasksets import Task
 from workflows.args import WorkflowArgs, check_args, reward_args, takes_draw_key, workflow_args  # noqa: F401
+from workflows.tool_workers import Workers
+
+log = logging.getLogger("nanorft.workflows")
 
 RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args) -> components
 
@@ -165,10 +174,106 @@ def chat_messages(task: Task) -> list[dict]:
 
 
 def apply_reward(exp: Experience, components: dict[str, float]) -> Experience:
-    """Set exp.reward to the sum of the components and log each one in exp.metrics."""
-    exp.metrics.update({name: float(value) for name, value in components.items()})
-    exp.reward = float(sum(components.values()))
+    """Set exp.reward to the sum of the components and log each one in exp.metrics; RewardError for a component
+    that is not a finite number (the task is dropped, saying which: never a NaN reward kept)."""
+    values = finite_components(components, "the reward")
+    exp.metrics.update(values)
+    exp.reward = float(sum(values.values()))
     return exp
+
+
+# --- rewards: what a workflow's reward_fn is (build_reward_fn), and where the user's own run
+
+
+class RewardError(ValueError):
+    """A reward function raised, gave no result in time, or returned something other than {name: finite number}:
+    the explorer drops the task, naming the function and why (explore.Drop, reason "reward")."""
+
+
+ATTEMPT = threading.local()
+"""The explorer's attempt of a task, on the attempt's thread: ATTEMPT.deadline (time.monotonic()), set by
+explore.attempt; a reward call in a worker process gets the time left (reward_deadline)."""
+REWARD_TIMEOUT = 600.0
+"""Seconds a reward call in a worker process may take outside an explorer's attempt (a test, `--debug`)."""
+REWARD_MARGIN = 0.25
+"""Seconds of an attempt's time kept from its reward calls: a reward stuck in a loop ends, and says so (a drop for
+"reward"), before the attempt's thread is abandoned at its timeout."""
+REWARD_WORKERS = Workers(size=max(8, 2 * (os.cpu_count() or 1)), whole_env=True)
+"""The worker processes of the user's reward functions (workflows/tool_workers.py, as tools), started as needed: at
+most two per core (8 at least) run at once, so that rewards stuck in a loop until their attempt's timeout take
+CPU time, not the explorer's GIL, and a few of them leave workers free for the other tasks."""
+
+
+def reward_deadline() -> float:
+    """The time.monotonic() by which a reward call must end: the explorer's attempt of the task's deadline (ATTEMPT)
+    less REWARD_MARGIN, else REWARD_TIMEOUT from now; RewardError when it has passed."""
+    deadline = getattr(ATTEMPT, "deadline", None)
+    if deadline is None:
+        return time.monotonic() + REWARD_TIMEOUT
+    if deadline - REWARD_MARGIN <= time.monotonic():
+        raise RewardError("no time left for the reward in this attempt (explorer.max_timeout)")
+    return deadline - REWARD_MARGIN
+
+
+def finite_components(out: Any, who: str) -> dict[str, float]:
+    """`out` as {name: float}, or RewardError naming `who`: not a dict of names to finite numbers."""
+    if not isinstance(out, dict):
+        raise RewardError(f"{who} returned {type(out).__name__}, not a dict of {{component: number}}")
+    values = {}
+    for name, value in out.items():
+        try:
+            values[str(name)] = float(value)
+        except (TypeError, ValueError):
+            raise RewardError(f"{who} gave component {name!r} = {value!r:.100}: not a number") from None
+        if not isfinite(values[str(name)]):
+            raise RewardError(f"{who} gave component {name!r} = {value!r}: not a finite number")
+    return values
+
+
+class Reward:
+    """A reward function as a workflow calls it (its `reward_fn`): reward(response, reference, **extra) ->
+    {component: float}, its reward_fn_args bound. Whatever goes wrong is a RewardError naming it (an exception, a
+    value that is not {name: finite number}). A function of the user's own (named `module:attr`) runs in a worker
+    process (REWARD_WORKERS), killed when the attempt's time is up (reward_deadline): one stuck in a loop ends with
+    its attempt, and never holds the GIL from the engine and the other tasks. NOTE: the registered reward functions
+    are the project's (bounded: math_reward's guards) and run in the calling thread, as would a user's whose
+    arguments are not JSON (a reference that a parquet file gave as numpy arrays), said once."""
+
+    def __init__(self, name: str, fn: RewardFn, bound: dict[str, Any], ref: dict | None) -> None:
+        self.name, self.ref = name, ref
+        self.func = functools.partial(fn, **bound)  # NOTE: `func`, as a partial's: what takes_draw_key looks at
+
+    def __call__(self, response: str, reference: Any, **extra: Any) -> dict[str, float]:
+        try:
+            out = self.in_worker(response, reference, extra) if self.ref else self.func(response, reference, **extra)
+        except RewardError:
+            raise
+        except Exception as e:
+            raise RewardError(f"reward function {self.name!r} raised {type(e).__name__}: {e}") from e
+        return finite_components(out, f"reward function {self.name!r}")
+
+    def in_worker(self, response: str, reference: Any, extra: dict[str, Any]) -> Any:
+        try:
+            json.dumps([reference, extra, self.func.keywords])
+        except (TypeError, ValueError, RecursionError) as e:
+            if (self.name, "json") not in _SAID:
+                _SAID.add((self.name, "json"))
+                log.warning("reward function %r runs in the explorer's thread: %s is not JSON (%s)", self.name, e)
+            return self.func(response, reference, **extra)
+        start, by = time.monotonic(), reward_deadline()
+        kwargs = {**self.func.keywords, **extra}
+        out = REWARD_WORKERS.call(self.ref, kwargs, by - start, (response, reference), value=True, by=by)
+        if out.get("timeout"):
+            raise RewardError(
+                f"reward function {self.name!r} gave no result within {by - start:.3g} s (the time left of the "
+                "task's attempt, explorer.max_timeout); its worker process was killed"
+            )
+        if "error" in out:
+            raise RewardError(f"reward function {self.name!r} raised {out['error']}")
+        return out["value"]
+
+
+_SAID: set[tuple[str, str]] = set()  # warnings said once per process
 
 
 # --- registries
@@ -269,12 +374,26 @@ def python_reward_fn(fn: Any, name: str) -> RewardFn:
     return fn
 
 
-def build_reward_fn(name: str, **reward_fn_args: Any) -> RewardFn:
-    """The reward function `name` (registered, or `module:attr`) with `reward_fn_args` bound (checked and coerced:
-    reward_args); unknown names (KeyError) or args (ConfigError) fail here, at construction, not at the first
-    response."""
+def build_reward_fn(name: str, **reward_fn_args: Any) -> Reward:
+    """The reward function `name` (registered, or `module:attr`: run in a worker process) with `reward_fn_args`
+    bound (checked and coerced: reward_args), as a Reward; unknown names (KeyError) or args (ConfigError) fail here,
+    at construction, not at the first response."""
     fn = lookup("reward_fn", name)
-    return functools.partial(fn, **reward_args(fn, name, reward_fn_args, "reward_fn_args"))
+    bound = reward_args(fn, name, reward_fn_args, "reward_fn_args")
+    return Reward(name, fn, bound, worker_ref(name) if ":" in name else None)
+
+
+def worker_ref(name: str) -> dict:
+    """How a worker process finds reward function `name` (`module:attr` or `path.py:attr`): tools.reference's
+    {"module", "file", "attr"}. NOTE: a module named by name is imported by name there, its package first (loaded
+    from its file alone, workflows.math's `from workflows import ...` found itself half made)."""
+    from workflows.tools import ToolError, reference
+
+    try:
+        ref = reference(name, name)
+    except ToolError as e:  # NOTE: lookup has imported it already: not expected
+        raise KeyError(f"reward function {name!r}: {e}") from None
+    return {**ref, "file": ""} if ref["module"] else ref
 
 
 def build_workflow(task: Task, model: ModelHandle) -> Workflow:

@@ -138,7 +138,8 @@ def _takes_draw_key(fn: RewardFn) -> bool:
 def takes_draw_key(fn: RewardFn) -> bool:
     """Whether reward function `fn` (bound by build_reward_fn or not) takes a draw_key (random_reward's seeded draw);
     looked up once per function, not for every response."""
-    base = fn.func if isinstance(fn, functools.partial) else fn  # NOTE: a partial's signature keeps every name
+    base = getattr(fn, "func", fn)  # a partial's function, or a Reward's partial (workflows.Reward)
+    base = base.func if isinstance(base, functools.partial) else base  # NOTE: a partial's signature keeps every name
     try:
         return _takes_draw_key(base)
     except TypeError:  # an unhashable callable: looked up each time

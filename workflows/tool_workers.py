@@ -1,4 +1,5 @@
-"""Worker processes that run tool calls (workflows/tools.py's run_tool) with a real timeout.
+"""Worker processes that run tool calls (workflows/tools.py's run_tool) and the user's own reward functions
+(workflows.Reward: `value=True`, the returned {component: number} as JSON) with a real timeout.
 
     out = WORKERS.call({"module": "workflows.calculator", "file": ".../calculator.py", "attr": "calculate"},
                        {"expression": "2 + 3"}, timeout=10.0)   # {"result": "5"} | {"error": ...} | {"timeout": True}
@@ -129,10 +130,16 @@ def serve() -> None:
     for line in sys.stdin:
         try:  # NOTE: decoding the request in the try: arguments nested too deeply for this process are an error
             req = json.loads(line)
-            out = {"result": cut(str(load_object(req["ref"])(**req["arguments"])))}
+            value = load_object(req["ref"])(*req.get("args", ()), **req["arguments"])
+            if req.get("value"):  # a reward's {component: number}, as JSON (numpy's numbers as floats)
+                text = json.dumps({"value": value}, default=float)
+                if len(text) > MAX_RESULT_BYTES:
+                    raise ValueError(f"its value is over {MAX_RESULT_BYTES} bytes as JSON")
+            else:  # a tool's result: its text
+                text = json.dumps({"result": cut(str(value))})
         except BaseException as e:  # the tool's own failure (bad arguments included) is the model's observation
-            out = {"error": cut(f"{type(e).__name__}: {e}")}
-        reply.write(json.dumps(out) + "\n")
+            text = json.dumps({"error": cut(f"{type(e).__name__}: {e}")})
+        reply.write(text + "\n")
         reply.flush()
 
 
@@ -144,11 +151,11 @@ _SERVE = (
 )
 
 
-def worker_env() -> dict[str, str]:
-    """A worker's environment: ENV_ALLOWED, LC_* and the names in NANORFT_TOOL_ENV from ours, and where it finds
-    its code."""
+def worker_env(whole: bool = False) -> dict[str, str]:
+    """A worker's environment: ENV_ALLOWED, LC_* and the names in NANORFT_TOOL_ENV from ours (`whole`: all of ours,
+    for the user's own code that the config names, such as a reward function), and where it finds its code."""
     extra = {name.strip() for name in os.environ.get("NANORFT_TOOL_ENV", "").split(",")}
-    env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWED or k.startswith("LC_") or k in extra}
+    env = {k: v for k, v in os.environ.items() if whole or k in ENV_ALLOWED or k.startswith("LC_") or k in extra}
     env.update(
         NANORFT_TOOL_PATH=json.dumps([p or os.getcwd() for p in sys.path]),
         NANORFT_TOOL_WORKERS=os.path.abspath(__file__),
@@ -159,12 +166,12 @@ def worker_env() -> dict[str, str]:
 class Worker:
     """One worker process, leading a process group of its own, and the pipes to it."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_env: bool = False) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _SERVE],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=worker_env(),
+            env=worker_env(whole_env),
             start_new_session=True,
         )
         self.rest = b""  # what came after the last reply line (nothing, unless a tool wrote to the reply pipe)
@@ -214,21 +221,32 @@ class Worker:
 
 class Workers:
     """A pool of at most `size` worker processes shared by every episode of this process (runner threads call it
-    concurrently; a caller waits for a free worker, which does not count against its timeout)."""
+    concurrently; a caller waits for a free worker, which does not count against its timeout). `whole_env`: the
+    workers get this process's whole environment (worker_env)."""
 
-    def __init__(self, size: int = 4) -> None:
-        self.size, self.idle, self.busy = size, [], 0
+    def __init__(self, size: int = 4, whole_env: bool = False) -> None:
+        self.size, self.idle, self.busy, self.whole_env = size, [], 0, whole_env
         self.live: set[Worker] = set()  # idle and busy, killed at exit (a hung tool's worker too)
         self.cond = threading.Condition()
         atexit.register(self.close)
 
-    def call(self, ref: dict, arguments: dict, timeout: float) -> dict:
-        """{"result": text} | {"error": text} | {"timeout": True}; the result cut to MAX_RESULT_BYTES."""
+    def call(
+        self, ref: dict, arguments: dict, timeout: float, args: tuple = (), value: bool = False, by: float = 0.0
+    ) -> dict:
+        """{"result": text} | {"error": text} | {"timeout": True}; the result cut to MAX_RESULT_BYTES. `args`: the
+        function's positional arguments; `value`: {"value": what it returned} as JSON instead of its text; `by`: a
+        time.monotonic() deadline for the whole call, the wait for a free worker included (a reward's attempt
+        abandoned meanwhile must not take a worker from the live ones)."""
         try:  # encoded before a worker is taken: arguments that cannot be sent cost no worker
-            request = json.dumps({"ref": ref, "arguments": arguments}).encode() + b"\n"
+            request = json.dumps({"ref": ref, "args": list(args), "arguments": arguments, "value": value})
+            request = request.encode() + b"\n"
         except (ValueError, TypeError, RecursionError) as e:
             return {"error": f"the tool call's arguments cannot be sent to the tool ({type(e).__name__}: {e})"}
-        worker = self.take()
+        worker = self.take(by)
+        if worker is None:
+            return {"timeout": True}
+        if by:
+            timeout = min(timeout, by - time.monotonic())
         try:
             worker.send(request)
             out = worker.read(timeout)
@@ -243,15 +261,18 @@ class Workers:
         self.give_back(worker)
         return out
 
-    def take(self) -> Worker:
+    def take(self, by: float = 0.0) -> Worker | None:
+        """An idle worker, or a new one while fewer than `size` are busy; None once deadline `by` (if set) passed."""
         with self.cond:
             while not self.idle and self.busy >= self.size:
-                self.cond.wait()
+                if by and by <= time.monotonic():
+                    return None
+                self.cond.wait(by - time.monotonic() if by else None)
             self.busy += 1
             if self.idle:
                 return self.idle.pop()
         try:
-            worker = Worker()  # started outside the lock: others may use the idle workers meanwhile
+            worker = Worker(self.whole_env)  # started outside the lock: others may use the idle workers meanwhile
         except BaseException:
             self.give_back(None)
             raise
