@@ -434,6 +434,61 @@ def test_the_trainer_publishes_exactly_what_explorer_steps_wait_for(train_batch,
         ]
 
 
+def accounting_cfg(train_batch: int, interval: int, offset: int, style: str = "fixed") -> configs.Config:
+    """16 tasks x 8 repeats = 128 experiences an explorer step, train_batch a train step."""
+    cfg = configs.Config()
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, train_batch
+    cfg.synchronizer.sync_interval, cfg.synchronizer.sync_offset = interval, offset
+    cfg.synchronizer.sync_method, cfg.synchronizer.sync_style = "checkpoint", style
+    return cfg
+
+
+def held_by(cfg: configs.Config, train_step: int, explorer_steps: int = 40) -> int:
+    """The first explorer step after which the explorer, by the state it writes with it, holds for train step
+    `train_step` (sync.holds): the step whose sync point waits for its weights."""
+    return next(
+        k
+        for k in range(1, explorer_steps)
+        if sync.holds({"step": k, "sync_wait": sync.sync_wait(k, cfg, 0)}, train_step, cfg)
+    )
+
+
+@pytest.mark.parametrize(
+    "train_batch, interval, offset, first",
+    [
+        (128, 1, 0, [1, 2, 3, 4]),  # on-policy: train step t waits on explorer step t
+        (128, 1, 1, [2, 3, 4, 5]),  # one step ahead: explorer step t + 1 waits for train step t
+        (64, 1, 0, [1, 1, 2, 2]),  # two train steps per explorer step: both wait on it
+        (256, 1, 0, [2, 4, 6, 8]),  # one train step per two explorer steps
+        (128, 2, 0, [2, 2, 4, 4]),  # sync every second step: train steps 1 and 2 wait on explorer step 2
+        (128, 3, 1, [4, 4, 4, 7]),
+    ],
+)
+def test_which_explorer_step_a_train_step_waits_on(train_batch, interval, offset, first):
+    """A train step takes a partial batch once the explorer has written the step whose sync point waits for its
+    weights (or a later one): never before (the explorer still writes for it), and the explorer reaches that step
+    without needing the weights of this train step or a later one (no deadlock)."""
+    cfg = accounting_cfg(train_batch, interval, offset)
+    assert [held_by(cfg, t) for t in range(1, 5)] == first
+    for t in range(1, 5):
+        before = [sync.sync_wait(k, cfg, 0) for k in range(1, held_by(cfg, t))]
+        assert all(w < t for w in before), (t, before)  # nothing before it waits for train step t or later
+
+
+def test_holds_finished_old_states_and_the_other_styles():
+    """A finished explorer holds every step; a state written before sync_wait was recorded (an older nanorft's) gives
+    weights_needed of its step; an explorer that already has the weights (a restart) does not wait; explorer_driven
+    waits for any version newer than its own; trainer_driven never waits."""
+    cfg = accounting_cfg(128, 1, 0)
+    assert sync.holds({"step": 0, "finished": True}, 99, cfg)
+    assert sync.holds({"step": 3}, 3, cfg) and not sync.holds({"step": 2}, 3, cfg)
+    assert sync.sync_wait(3, cfg, 0) == 3 and sync.sync_wait(3, cfg, 3) == 0
+    cfg = accounting_cfg(128, 1, 0, "explorer_driven")
+    assert sync.sync_wait(3, cfg, 1) == 2
+    cfg = accounting_cfg(128, 1, 0, "trainer_driven")
+    assert sync.sync_wait(3, cfg, 1) == 0
+
+
 def documented_versions() -> dict[tuple[int, int], list[int]]:
     """docs/checkpoints.md's table: (sync_interval, sync_offset) -> the weights version of explorer steps 1, 2, ..."""
     rows = {}
