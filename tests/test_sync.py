@@ -543,6 +543,82 @@ def test_sync_interval_2_offset_1_in_mode_both_rolls_out_with_the_documented_ver
     )
 
 
+DROPPING_REWARD = """
+from workflows.math import math_reward
+
+
+def score(response, reference, *, drop: list[str] | None = None):
+    if reference in (drop or []):
+        raise RuntimeError("this reward raises for this task")
+    return math_reward(response, reference)
+"""
+
+
+def dropping_run(tmp_path: Path, tiny_model_dir: str, dropped: list[int], **over) -> Path:
+    """A mode-both GRPO run (2 tasks x 2 repeats a step, 4 steps, on-policy, checkpoint sync) whose reward raises for
+    the train tasks of these row numbers, the workflow tried once; a stuck step fails it within 90 s, not 300."""
+    rows = (Path(tiny_model_dir).parent / "arith" / "train.jsonl").read_text().splitlines()
+    reward = tmp_path / "dropping.py"
+    reward.write_text(DROPPING_REWARD)
+    return both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.total_steps": 4,
+            "buffer.default_reward_fn_type": f"{reward}:score",
+            "buffer.explorer_input.taskset.reward_fn_args": {"drop": [json.loads(rows[i])["answer"] for i in dropped]},
+            "buffer.explorer_input.eval_tasksets": [],
+            "buffer.trainer_input.experience_buffer.max_read_timeout": 90,
+            "synchronizer.sync_timeout": 90,
+            "explorer.max_retry_times": 0,
+            **over,
+        },
+    )
+
+
+def claims_by_step(db: Path) -> tuple[dict[int, list[str]], list[int]]:
+    """train step -> the group ids it trained on; the model version of each experience, by id."""
+    from buffer import ExperienceDB
+
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        claims = d.query("SELECT c.step, e.group_id FROM claims c JOIN experiences e ON e.id = c.exp_id ORDER BY e.id")
+    out: dict[int, list[str]] = {}
+    for step, group in claims:
+        out.setdefault(step, []).append(group.rsplit("/", 1)[-1])
+    return out, versions_by_step(db)
+
+
+@pytest.mark.slow(seconds=60)
+def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path, tiny_model_dir):
+    """Mode both, GRPO, on-policy: the reward raises for train tasks 0 and 2-6. Step 1 (tasks 0, 1) refills task 0
+    with task 2, dropped too: it writes task 1's group alone; step 2 (3, 4, refilled with 5, 6) writes nothing.
+    The trainer takes step 1's 2 experiences and step 2's none (no update, its weights published unchanged) as soon
+    as the explorer waits for their weights, and the run ends: every experience trained once, the explorer's steps 3
+    and 4 rolled out on the versions their sync points waited for, the drops counted."""
+    config = dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6])
+    start = time.monotonic()
+    out = launch(config, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert time.monotonic() - start < 90  # no step waited out max_read_timeout or sync_timeout
+    run = tmp_path / "ck" / "p" / "run"
+    claims, versions = claims_by_step(run / "buffer" / "exp.db")
+    assert claims == {1: ["1", "1"], 3: ["7", "7", "8", "8"], 4: ["9", "9", "10", "10"]}
+    assert versions == [0, 0, 2, 2, 2, 2, 3, 3, 3, 3]
+    from monitor import read_history
+
+    explorer = read_history(run / "monitor" / "explorer.jsonl")
+    assert [
+        (m["rollout/dropped_tasks"], m["rollout/refilled_tasks"], m["rollout/missing_tasks"]) for m in explorer
+    ] == [
+        (2, 1, 1),
+        (4, 2, 2),
+        (0, 0, 0),
+        (0, 0, 0),
+    ]
+    trainer = read_history(run / "monitor" / "trainer.jsonl")
+    assert [(m["batch/size"], m["batch/short"]) for m in trainer] == [(2, 1.0), (0, 1.0), (4, 0.0), (4, 0.0)]
+
+
 if __name__ == "__main__":
     {
         "trainer": run_trainer,
