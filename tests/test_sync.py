@@ -619,6 +619,32 @@ def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path
     assert [(m["batch/size"], m["batch/short"]) for m in trainer] == [(2, 1.0), (0, 1.0), (4, 0.0), (4, 0.0)]
 
 
+@pytest.mark.slow(seconds=60)
+def test_a_run_stuck_on_a_short_step_by_an_older_nanorft_finishes_when_relaunched(tmp_path, tiny_model_dir):
+    """The state an older nanorft left: the explorer wrote its short step 1 (task 0 dropped, and task 2 in its place)
+    and waited at the sync point for weights that never came (here an explorer alone, stopped by its sync_timeout),
+    its DB state without sync_wait. Relaunched in mode both on the same job directory and DB, the trainer takes
+    step 1's partial batch (the state's step gives its sync point), the explorer goes on after step 1, and the run
+    ends with every experience trained once."""
+    config = dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6], **{"synchronizer.sync_timeout": 5})
+    out = launch(config, "--mode", "explore", timeout=600)
+    assert out.returncode == 1 and "Restart to continue after step 1" in out.stderr, out.stderr[-4000:]
+    from buffer import ExperienceDB
+
+    db = tmp_path / "ck" / "p" / "run" / "buffer" / "exp.db"
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        state = d.explorer_states()["explorer"]
+        assert state["step"] == 1 and d.counts()["total"] == 2
+        d.set_explorer_state("explorer", {k: v for k, v in state.items() if k not in ("sync_wait", "written")})
+    start = time.monotonic()
+    out = launch(dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6]), timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert time.monotonic() - start < 90  # no step waited out max_read_timeout or sync_timeout
+    claims, versions = claims_by_step(db)
+    assert claims == {1: ["1", "1"], 3: ["7", "7", "8", "8"], 4: ["9", "9", "10", "10"]}
+    assert versions == [0, 0, 2, 2, 2, 2, 3, 3, 3, 3]
+
+
 if __name__ == "__main__":
     {
         "trainer": run_trainer,
