@@ -278,15 +278,18 @@ def sync_wait(explorer_step: int, cfg: Any, model_version: int) -> int:
     """The weights version an explorer waits for at its sync point after step `explorer_step` (holding an engine of
     `model_version`), recorded in its DB state with the step's experiences (explore.write) so that the trainer knows,
     not guesses, when no more experiences come before it trains a step (`holds`): fixed style and process-group
-    sync, weights_needed; explorer_driven, any version newer than its own (model_version + 1); 0 when it will not
-    wait (no sync point, weights it already has, trainer_driven, the explorer's last step: its caller's)."""
+    sync, weights_needed; explorer_driven, the first version newer than its own that the trainer publishes (every
+    sync_interval steps: `publishes`); 0 when it will not wait (no sync point, weights it already has,
+    trainer_driven, the explorer's last step: its caller's)."""
     s = cfg.synchronizer
     need = weights_needed(explorer_step, cfg)
     if not need:
         return 0
     if s.sync_method == "nccl" or s.sync_style == "fixed":
         return need if need > model_version else 0
-    return model_version + 1 if s.sync_style == "explorer_driven" else 0
+    if s.sync_style == "explorer_driven":
+        return -(-(model_version + 1) // s.sync_interval) * s.sync_interval
+    return 0
 
 
 def holds(state: dict, train_step: int, cfg: Any) -> bool:

@@ -485,6 +485,9 @@ def test_holds_finished_old_states_and_the_other_styles():
     assert sync.sync_wait(3, cfg, 0) == 3 and sync.sync_wait(3, cfg, 3) == 0
     cfg = accounting_cfg(128, 1, 0, "explorer_driven")
     assert sync.sync_wait(3, cfg, 1) == 2
+    cfg = accounting_cfg(128, 2, 0, "explorer_driven")  # the trainer publishes every second step
+    assert sync.sync_wait(4, cfg, 2) == 4 and sync.sync_wait(4, cfg, 3) == 4
+    assert [t for t in range(1, 9) if sync.publishes(t, cfg, 8)] == [2, 4, 6, 8]
     cfg = accounting_cfg(128, 1, 0, "trainer_driven")
     assert sync.sync_wait(3, cfg, 1) == 0
 
@@ -589,13 +592,15 @@ def claims_by_step(db: Path) -> tuple[dict[int, list[str]], list[int]]:
 
 
 @pytest.mark.slow(seconds=60)
-def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("method", ["checkpoint", "nccl"])
+def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path, tiny_model_dir, method):
     """Mode both, GRPO, on-policy: the reward raises for train tasks 0 and 2-6. Step 1 (tasks 0, 1) refills task 0
     with task 2, dropped too: it writes task 1's group alone; step 2 (3, 4, refilled with 5, 6) writes nothing.
-    The trainer takes step 1's 2 experiences and step 2's none (no update, its weights published unchanged) as soon
-    as the explorer waits for their weights, and the run ends: every experience trained once, the explorer's steps 3
-    and 4 rolled out on the versions their sync points waited for, the drops counted."""
-    config = dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6])
+    The trainer takes step 1's 2 experiences and step 2's none (no update, its weights published, or sent over the
+    process group, unchanged) as soon as the explorer waits for their weights, and the run ends: every experience
+    trained once, the explorer's steps 3 and 4 rolled out on the versions their sync points waited for, the drops
+    counted."""
+    config = dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6], **{"synchronizer.sync_method": method})
     start = time.monotonic()
     out = launch(config, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
