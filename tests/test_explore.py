@@ -345,7 +345,9 @@ def restarted(
     cfg = SimpleNamespace(
         checkpoint_job_dir=str(tmp_path),
         explorer=SimpleNamespace(name="explorer"),
-        synchronizer=SimpleNamespace(sync_method=method, sync_interval=1, sync_offset=0, sync_timeout=timeout),
+        synchronizer=SimpleNamespace(
+            sync_method=method, sync_style="fixed", sync_interval=1, sync_offset=0, sync_timeout=timeout
+        ),
         buffer=SimpleNamespace(batch_size=2, train_batch_size=4),
         algorithm=SimpleNamespace(repeat_times=2),
         cluster=SimpleNamespace(colocate=colocate),
