@@ -284,6 +284,8 @@ class Source:
             "; ".join(
                 f"{name} at step {x['step']}"
                 + (" (finished)" if x.get("finished") else f", last wrote {now - x.get('time', now):.0f} s ago")
+                + (f", {x['written']} experiences" if "written" in x else "")
+                + (f", then waits for the weights of step {x['sync_wait']}" if x.get("sync_wait") else "")
                 for name, x in self.db.explorer_states().items()
             )
             or "none has written to this DB yet"
