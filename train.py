@@ -37,6 +37,9 @@ Deviations from veRL / Trinity-RFT:
   per-rank sharded .pt files; no pickle anywhere.
 - A GRPO group split across two batches (possible only when an explorer drops a task) is normalised within
   each part.
+- A step the explorers wrote short (dropped tasks) is trained on as it is, once they wait for its weights
+  (source.py, sync.holds); an empty one makes no update and still publishes its (unchanged) weights, so that the
+  train step numbers, and the versions the explorers wait for, never shift.
 - PPO: the critic is AutoModelForTokenClassification (one label) on the actor's architecture, as veRL's; each
   step updates the critic first, then the actor, on the same mini-batches. Advantages for every algorithm are
   computed here, in the trainer, on the whole batch (Trinity computes group advantages in the explorer); a
