@@ -188,7 +188,7 @@ class Source:
         return total_steps(b, tasks, per_task=self.cfg.algorithm.repeat_times, per_step=b.train_batch_size)
 
     def read(self, step: int) -> list[Experience]:
-        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
+        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`, `short`)."""
         n = self.cfg.buffer.train_batch_size
         if self.examples:  # a pure function of the step, so a resumed run continues exactly
             return pick(self.examples, (step - 1) * self.per_step, self.per_step, "sft")
@@ -196,10 +196,25 @@ class Source:
         n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
         expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
         self.short = False
-        got = self.claim(step, n) if self.rank == 0 else []
+        got = self.fit_ranks(self.claim(step, n), step) if self.rank == 0 else []
         got = self.share(got)
         self.check_advantages(got)
         return got + expert if got else []
+
+    def fit_ranks(self, got: list[Experience], step: int) -> list[Experience]:
+        """Rank 0: a short step's batch of fewer experiences than trainer ranks cannot be shared out (each rank needs
+        one): its claims are given back (pending again, for the next step) and the step is empty."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if not (self.short and 0 < len(got) < world):
+            return got
+        log.warning(
+            "train step %d: %d experience(s) for %d ranks: given back for the next step; this step is empty",
+            step,
+            len(got),
+            world,
+        )
+        self.db.release_after(step - 1)
+        return []
 
     def check_advantages(self, got: list[Experience]) -> None:
         """With an advantage fn computed in the explorer (step_wise_grpo), every experience must carry its advantages:

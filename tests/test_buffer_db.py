@@ -399,6 +399,21 @@ def test_every_explorer_must_wait_for_the_step_and_an_older_state_gives_its_sync
     assert ids(got) == [1, 2, 3] and src.short and not src.ended and seconds < 10
 
 
+def test_a_short_batch_smaller_than_the_trainer_ranks_is_given_back_for_the_next_step(db, monkeypatch) -> None:
+    """On 2 trainer ranks a short step of 1 experience cannot be shared out: its claim is given back and the step is
+    empty; the next step claims it with the rest."""
+    src = trainer_source(db)
+    monkeypatch.setattr(source.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(source.dist, "get_world_size", lambda: 2)
+    db.write([make(0)], explorer=("e", {"step": 1, "sync_wait": 1, "finished": False}))
+    got, _ = claim_for(src, 1)
+    assert ids(got) == [1] and src.fit_ranks(got, 1) == [] and db.counts()["pending"] == 1
+    db.write([make(i) for i in range(3)], explorer=("e", {"step": 2, "sync_wait": 2, "finished": False}))
+    got, _ = claim_for(src, 2)
+    assert ids(src.fit_ranks(got, 2)) == [1, 2, 3, 4] and not src.short
+    assert db.counts() == {"total": 4, "pending": 0, "claimed": 4, "dropped": 0, "claims": 4}
+
+
 def test_identity_mismatch_refused(db: ExperienceDB) -> None:
     mine = {"model_type": "qwen2", "vocab_size": 264, "tokenizer_sha256": "aa"}
     db.check_identity(mine, "explorer e")
