@@ -785,7 +785,7 @@ def train(cfg: configs.Config) -> int:
             if not exps and not p.source.short:
                 code = no_batch(p, step, done)
                 break
-            batch, metrics = None, {"batch/short": float(p.source.short)}
+            batch, metrics = None, {"batch/short": float(p.source.short)} if p.rl else {}
             if exps:  # NOTE: else an empty step: the explorers wrote nothing for it and wait for its weights
                 # --- batch: built once; this rank's share as mini-batches of micro-batches
                 batch, plan = make_batch(p, exps, step)
