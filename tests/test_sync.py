@@ -591,7 +591,7 @@ def claims_by_step(db: Path) -> tuple[dict[int, list[str]], list[int]]:
     return out, versions_by_step(db)
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=35)
 @pytest.mark.parametrize("method", ["checkpoint", "nccl"])
 def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path, tiny_model_dir, method):
     """Mode both, GRPO, on-policy: the reward raises for train tasks 0 and 2-6. Step 1 (tasks 0, 1) refills task 0
@@ -624,7 +624,7 @@ def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path
     assert [(m["batch/size"], m["batch/short"]) for m in trainer] == [(2, 1.0), (0, 1.0), (4, 0.0), (4, 0.0)]
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=45)
 def test_a_run_stuck_on_a_short_step_by_an_older_nanorft_finishes_when_relaunched(tmp_path, tiny_model_dir):
     """The state an older nanorft left: the explorer wrote its short step 1 (task 0 dropped, and task 2 in its place)
     and waited at the sync point for weights that never came (here an explorer alone, stopped by its sync_timeout),

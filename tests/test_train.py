@@ -1066,7 +1066,7 @@ def test_reused_rows_train_on_the_advantages_of_their_first_use():
     assert torch.equal(reused[[0, 1, 3]], fresh[[0, 1, 3]])
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=30)
 def test_empty_steps_on_two_ranks_make_no_update_and_publish_their_weights(tmp_path, tiny_model_dir):
     """Mode train under torchrun on 2 gloo ranks; the explorer wrote steps 1 and 2 with no experience (every task
     dropped) and waits for the weights of step 2: each train step is empty on both ranks (rank 0 tells the other), makes
