@@ -10,9 +10,11 @@ Launch lines:
 
 What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
-    one group) -> stamp group/run ids and versions -> (dynamic sampling: drop the groups whose rewards all tie and
+    one group) -> stamp group/run ids and versions -> run more tasks in place of the dropped ones, up to
+    explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the groups whose rewards all tie and
     run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
-    position in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
+    position (and what the step wrote, the weights it waits for next: how the trainer knows a short step is all
+    it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
     group) -> evaluate every eval_interval steps.
 The weight handshake (waiting, loading, receiving, a restart's resume, turns on a shared GPU) is sync.py's
@@ -349,15 +351,42 @@ def run_batch(x: Explorer, tasks: list[Task]) -> list:
 
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
-    """Run the step's tasks on the runners (and more, with dynamic sampling: `fill_groups`); the experiences to
-    write, stamped, and the rollout metrics (of every task run)."""
+    """Run the step's tasks on the runners, and more in place of the dropped ones (`refill`; with dynamic sampling,
+    `fill_groups`); the experiences to write, stamped, and the rollout metrics (of every task run, and
+    rollout/dropped_tasks, refilled_tasks, missing_tasks: the tasks that failed, the extra tasks run, the groups the
+    step lacks of batch_size)."""
     start = time.monotonic()
     results = ran = run_batch(x, tasks)
     more: dict[str, float] = {}
     if x.gen_batches > 1:
         results, ran, more = fill_groups(x, results)
+    else:
+        results, ran = refill(x, results)
+    written = [r for r in results if r[1]]
     metrics = rollout_metrics(ran, time.monotonic() - start) | more | {"rollout/abandoned_threads": abandoned()}
-    return [exp for _, got, _ in results if got for exp in got], metrics
+    metrics |= {
+        "rollout/dropped_tasks": sum(got is None for _, got, _ in ran),
+        "rollout/refilled_tasks": len(ran) - len(tasks),
+        "rollout/missing_tasks": max(x.cfg.buffer.batch_size - len(written), 0),
+    }
+    return [exp for _, got, _ in written for exp in got], metrics
+
+
+def refill(x: Explorer, results: list) -> tuple[list, list]:
+    """Tasks read and run in place of the step's dropped ones (a workflow failed or timed out after its retries, a
+    prompt too long), up to explorer.max_refill_rounds rounds, each as many as are still missing: (the results to
+    write, in reading order; every result run). The dropped tasks were read (the saved position moves past them and
+    the extra ones), so a restart neither repeats nor skips a task. NOTE: a step may still end short (the rounds
+    spent, the tasksets run out): the trainer takes it as it is (sync.holds)."""
+    ran = list(results)
+    for _ in range(x.cfg.explorer.max_refill_rounds):
+        missing = len(results) - sum(got is not None for _, got, _ in ran)
+        more = x.reader.read(missing) if missing > 0 else []
+        if not more:
+            break
+        log.warning("step %d: %d task(s) dropped; running %d more in their place", x.step + 1, missing, len(more))
+        ran += run_batch(x, more)
+    return [r for r in ran if r[1] is not None], ran
 
 
 def varied(got: list[Experience] | None) -> bool:
@@ -409,8 +438,10 @@ def fill_groups(x: Explorer, results: list) -> tuple[list, list, dict[str, float
     )
 
 
-def write(x: Explorer, exps: list[Experience]) -> None:
-    """The step's experiences and the explorer's position, in one DB transaction (and <name>_meta.json)."""
+def write(x: Explorer, exps: list[Experience], last: bool = False) -> None:
+    """The step's experiences and the explorer's position, in one DB transaction (and <name>_meta.json). The state
+    also records how many experiences the step wrote and the weights version the explorer waits for after it
+    (sync.sync_wait; 0 after its `last` step): what tells the trainer that a short step is all it will get."""
     sync.pause_for_test("explore.before_write", x.step)
     name = x.cfg.explorer.name
     state = {
@@ -419,6 +450,8 @@ def write(x: Explorer, exps: list[Experience]) -> None:
         "model_version": x.engine.model_version,
         "time": time.time(),
         "finished": False,
+        "written": len(exps),
+        "sync_wait": 0 if last else sync.sync_wait(x.step, x.cfg, x.engine.model_version),
     }
     x.db.write(exps, explorer=(name, state))
     meta = Path(x.cfg.checkpoint_job_dir, f"{name}_meta.json")
@@ -468,8 +501,8 @@ def explore(cfg: configs.Config) -> int:
         exps, metrics = rollout(x, tasks)
         # --- write: the step's experiences and the position, in one transaction
         x.step += 1
-        write(x, exps)
-        last = x.step == x.steps or x.reader.exhausted  # over-sampling (dynamic sampling) may end the tasks first
+        last = x.step == x.steps or x.reader.exhausted  # over-sampling (refills, dynamic sampling) may end them first
+        write(x, exps, last)
         # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files;
         # colocated, the engine sleeps during the trainer's turn on the GPU
         if not last:

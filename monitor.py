@@ -626,7 +626,7 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
 
 def dropped(results: list, prefix: str) -> dict[str, Any]:
     """The dropped tasks of `results` by why (explore.Drop's reason): <prefix>/dropped/<reason> counts them, and the
-    text entry <prefix>/dropped_tasks (the history and the log file) names each task and its error."""
+    text entry <prefix>/dropped_errors (the history and the log file) names each task and its error."""
     failed = [(task, err) for task, got, err in results if got is None]
     out: dict[str, Any] = {}
     for _, err in failed:
@@ -634,7 +634,7 @@ def dropped(results: list, prefix: str) -> dict[str, Any]:
         out[key] = out.get(key, 0) + 1
     if failed:
         shown = [f"{getattr(t, 'task_id', t)} ({getattr(e, 'reason', '') or 'workflow'}): {e}"[:300] for t, e in failed]
-        out[f"{prefix}/dropped_tasks"] = "; ".join(shown)[:4000]
+        out[f"{prefix}/dropped_errors"] = "; ".join(shown)[:4000]
     return out
 
 

@@ -3,10 +3,14 @@
     source = Source(cfg, tokenizer, rank, device)
     exps = source.read(step)      # train_batch_size experiences, the same on every rank; [] if none came
     source.ended                  # True once every explorer writing to the DB has finished
+    source.short                  # this step's batch is what the explorers wrote for it: fewer, or none
     exp = sft_experience(messages, tokenizer, max_len=256)  # one SFT conversation as token ids + loss mask
 
 From the DB, rank 0 claims the batch (waiting for it, with a log line every 30 s and the explorers' states)
-and sends it to the other ranks over the process group: only rank 0 opens the DB. The sample strategy
+and sends it to the other ranks over the process group: only rank 0 opens the DB. A step whose explorers wrote
+fewer experiences than train_batch_size (dropped tasks) is taken partial, or empty, once every explorer has reached
+the sync point that waits for this step's weights, as it records in the DB (sync.holds): never guessed from counts,
+never after max_read_timeout. The sample strategy
 (algos/sample.py) says what a step's claim wants: a staleness bound (min_version), dynamic-sampling refills of
 groups whose rewards tie, expert rows from an auxiliary file (mix). The priority queue and dynamic sampling claim
 whole groups; with reuse, the advantages of each experience's first use are stored for its reuses
@@ -31,6 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 import algos
 import configs
+import sync
 from algos.sample import tied_groups
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from configs.resolve import advantage_origin
@@ -131,7 +136,7 @@ class Source:
     `ended` (rank 0): the DB will get no more experiences (every explorer that wrote to it finished)."""
 
     def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
-        self.cfg, self.rank, self.device, self.ended = cfg, rank, device, False
+        self.cfg, self.rank, self.device, self.ended, self.short = cfg, rank, device, False, False
         eb, aux = cfg.buffer.trainer_input.experience_buffer, cfg.buffer.trainer_input.auxiliary_buffers
         self.examples: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
         self.expert: list[list[Experience]] = []  # the auxiliary buffer's examples (mix)
@@ -183,17 +188,33 @@ class Source:
         return total_steps(b, tasks, per_task=self.cfg.algorithm.repeat_times, per_step=b.train_batch_size)
 
     def read(self, step: int) -> list[Experience]:
-        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`)."""
+        """The batch of train step `step`, identical on every rank; [] when none came (see `ended`, `short`)."""
         n = self.cfg.buffer.train_batch_size
         if self.examples:  # a pure function of the step, so a resumed run continues exactly
             return pick(self.examples, (step - 1) * self.per_step, self.per_step, "sft")
         # mix: expert rows on top of the train_batch_size RL experiences, `ratio` of the whole batch
         n_expert = round(n * self.expert_ratio / (1 - self.expert_ratio)) if self.expert else 0
         expert = pick(self.expert, (step - 1) * n_expert, n_expert, "expert")
-        got = self.claim(step, n) if self.rank == 0 else []
+        self.short = False
+        got = self.fit_ranks(self.claim(step, n), step) if self.rank == 0 else []
         got = self.share(got)
         self.check_advantages(got)
         return got + expert if got else []
+
+    def fit_ranks(self, got: list[Experience], step: int) -> list[Experience]:
+        """Rank 0: a short step's batch of fewer experiences than trainer ranks cannot be shared out (each rank needs
+        one): its claims are given back (pending again, for the next step) and the step is empty."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if not (self.short and 0 < len(got) < world):
+            return got
+        log.warning(
+            "train step %d: %d experience(s) for %d ranks: given back for the next step; this step is empty",
+            step,
+            len(got),
+            world,
+        )
+        self.db.release_after(step - 1)
+        return []
 
     def check_advantages(self, got: list[Experience]) -> None:
         """With an advantage fn computed in the explorer (step_wise_grpo), every experience must carry its advantages:
@@ -224,11 +245,11 @@ class Source:
 
     def share(self, got: list[Experience]) -> list[Experience]:
         """Rank 0's batch on every rank, sent over the process group as bytes (buffer.serialise_many: no
-        pickle), with `ended`: only rank 0 talks to the DB, wherever the other ranks run."""
+        pickle), with `ended` and `short`: only rank 0 talks to the DB, wherever the other ranks run."""
         data = serialise_many(got) if self.rank == 0 else b""
-        head = torch.tensor([len(data), self.ended], dtype=torch.long, device=self.device)  # [bytes, ended]
+        head = torch.tensor([len(data), self.ended, self.short], dtype=torch.long, device=self.device)  # [3]
         dist.broadcast(head, src=0)
-        self.ended = bool(head[1])
+        self.ended, self.short = bool(head[1]), bool(head[2])
         n = int(head[0])
         if dist.get_world_size() == 1 or n == 0:
             return got
@@ -278,19 +299,35 @@ class Source:
             "; ".join(
                 f"{name} at step {x['step']}"
                 + (" (finished)" if x.get("finished") else f", last wrote {now - x.get('time', now):.0f} s ago")
+                + (f", {x['written']} experiences" if "written" in x else "")
+                + (f", then waits for the weights of step {x['sync_wait']}" if x.get("sync_wait") else "")
                 for name, x in self.db.explorer_states().items()
             )
             or "none has written to this DB yet"
         )
 
     def waiting(self, step: int) -> Callable[[int, float], bool]:
-        """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every
-        explorer that wrote to the DB has finished."""
+        """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every explorer that
+        wrote to the DB has finished (`ended`), or has reached the sync point that waits for this step's weights
+        (sync.holds, by the state it wrote with its last step): the step is `short`, its batch what is there."""
         eb, next_note = self.cfg.buffer.trainer_input.experience_buffer, [5.0]
 
         def check(have: int, waited: float) -> bool:
-            if self.db.explorers_finished():
+            states = self.db.explorer_states()
+            if states and all(x.get("finished") for x in states.values()):
                 self.ended = True
+                return True
+            if states and all(sync.holds(x, step, self.cfg) for x in states.values()):
+                self.short = True
+                log.info(
+                    "train step %d: %d of %d experiences, and no more will come before its weights (explorers: "
+                    "%s): the step trains on what there is%s",
+                    step,
+                    have,
+                    self.cfg.buffer.train_batch_size,
+                    self.explorers(),
+                    "" if have else " (nothing: no update, its weights published as they are)",
+                )
                 return True
             if waited >= next_note[0]:
                 next_note[0] = waited + 30

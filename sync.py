@@ -17,7 +17,10 @@ Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams 
 group built by hand (gloo on CPU, NCCL on GPU); its wire protocol (links, buckets, headers) is wire.py's.
 
 When weights move, the one rule both sides follow: `weights_needed` (the explorer's sync points) and `publishes`
-(the train steps whose weights the trainer publishes or sends).
+(the train steps whose weights the trainer publishes or sends). A step may write fewer experiences than
+batch_size x repeat_times (dropped tasks): each explorer records with every step the version it will wait for
+(`sync_wait`), and the trainer takes a step's partial batch (or none) once every explorer waits for that step's
+weights or has finished (`holds`), so that train step numbers, and the versions above, never shift.
 
 The explorer's side of the handshake, `ExplorerSync`, built once at the explorer's set-up (explore.py):
 
@@ -270,6 +273,38 @@ def publishes(train_step: int, cfg: Any, total: int) -> bool:
         weights_needed(k + s.sync_offset, cfg) == train_step and k + s.sync_offset < explorer_steps
         for k in range(max(first, 1), max(last, first + 1))
     )
+
+
+def sync_wait(explorer_step: int, cfg: Any, model_version: int) -> int:
+    """The weights version an explorer waits for at its sync point after step `explorer_step` (holding an engine of
+    `model_version`), recorded in its DB state with the step's experiences (explore.write) so that the trainer knows,
+    not guesses, when no more experiences come before it trains a step (`holds`): fixed style and process-group
+    sync, weights_needed; explorer_driven, the first version newer than its own that the trainer publishes (every
+    sync_interval steps: `publishes`); 0 when it will not wait (no sync point, weights it already has,
+    trainer_driven, the explorer's last step: its caller's)."""
+    s = cfg.synchronizer
+    need = weights_needed(explorer_step, cfg)
+    if not need:
+        return 0
+    if s.sync_method == "nccl" or s.sync_style == "fixed":
+        return need if need > model_version else 0
+    if s.sync_style == "explorer_driven":
+        return -(-(model_version + 1) // s.sync_interval) * s.sync_interval
+    return 0
+
+
+def holds(state: dict, train_step: int, cfg: Any) -> bool:
+    """Whether an explorer, by its state in the DB (buffer.ExperienceDB.explorer_states), writes nothing more before
+    the trainer has trained (and published) `train_step`: it has finished, or after its recorded step it waits for
+    weights of that step or newer (`sync_wait`). A state written before sync_wait was recorded (a run relaunched
+    after an older nanorft) gives the fixed rule, weights_needed of its step, in the trainer's config. The trainer
+    takes a step's partial batch once every explorer holds (source.Source.waiting)."""
+    if state.get("finished"):
+        return True
+    wait = state.get("sync_wait")
+    if wait is None:
+        wait = weights_needed(int(state.get("step", 0)), cfg)
+    return wait >= train_step
 
 
 def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -37,6 +37,9 @@ Deviations from veRL / Trinity-RFT:
   per-rank sharded .pt files; no pickle anywhere.
 - A GRPO group split across two batches (possible only when an explorer drops a task) is normalised within
   each part.
+- A step the explorers wrote short (dropped tasks) is trained on as it is, once they wait for its weights
+  (source.py, sync.holds); an empty one makes no update and still publishes its (unchanged) weights, so that the
+  train step numbers, and the versions the explorers wait for, never shift.
 - PPO: the critic is AutoModelForTokenClassification (one label) on the actor's architecture, as veRL's; each
   step updates the critic first, then the actor, on the same mini-batches. Advantages for every algorithm are
   computed here, in the trainer, on the whole batch (Trinity computes group advantages in the explorer); a
@@ -712,6 +715,19 @@ def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, f
         p.source.db.set_trainer_status(step, "training")
 
 
+def log_empty_step(p: Parts, metrics: dict[str, float], step: int) -> None:
+    """An empty step (every task of its explorer step dropped): no update, and the step still counts, its weights
+    published as they are (publish), so that the explorer waiting for them goes on. Logged as batch/size 0."""
+    if p.rank == 0:
+        log.warning(
+            "train step %d: no experiences were written for it; no update, its weights published unchanged", step
+        )
+    if p.monitor is not None:
+        p.monitor.log(metrics | {"batch/size": 0}, step=step)
+    if p.rank == 0 and not p.source.examples:
+        p.source.db.set_trainer_status(step, "training")
+
+
 def no_batch(p: Parts, step: int, done: int) -> int:
     """Why no batch came for `step` (the explorers finished: exit 0; max_read_timeout: exit 1)."""
     if p.source.ended:
@@ -770,20 +786,22 @@ def train(cfg: configs.Config) -> int:
             with timer(timing, "time/read"):
                 exps = p.source.read(step)
             sync.pause_for_test("train.after_read", step)  # tests: a kill here, the step's batch claimed
-            if not exps:
+            if not exps and not p.source.short:
                 code = no_batch(p, step, done)
                 break
-            # --- batch: built once; this rank's share as mini-batches of micro-batches
-            batch, plan = make_batch(p, exps, step)
-            # --- score: old and reference log-probs, values
-            with timer(timing, "time/old_ref_logprobs"):
-                score_batch(p, batch, plan)
-            # --- rewards, advantages
-            metrics = shape_rewards(p, batch) | compute_advantages(p, batch)
-            p.source.keep_advantages(exps, batch.get("advantages"), step)  # replay: for their reuses
-            # --- update
-            with timer(timing, "time/update"):
-                metrics |= update(p, batch, plan, step)
+            batch, metrics = None, {"batch/short": float(p.source.short)} if p.rl else {}
+            if exps:  # NOTE: else an empty step: the explorers wrote nothing for it and wait for its weights
+                # --- batch: built once; this rank's share as mini-batches of micro-batches
+                batch, plan = make_batch(p, exps, step)
+                # --- score: old and reference log-probs, values
+                with timer(timing, "time/old_ref_logprobs"):
+                    score_batch(p, batch, plan)
+                # --- rewards, advantages
+                metrics |= shape_rewards(p, batch) | compute_advantages(p, batch)
+                p.source.keep_advantages(exps, batch.get("advantages"), step)  # replay: for their reuses
+                # --- update
+                with timer(timing, "time/update"):
+                    metrics |= update(p, batch, plan, step)
             # --- publish the weights for the explorer, then checkpoint
             with timer(timing, "time/sync"):
                 weights = publish(p, step)
@@ -793,7 +811,10 @@ def train(cfg: configs.Config) -> int:
                     saved = step
             done = step
         # --- log
-        log_step(p, exps, batch, metrics | timing, step)
+        if batch is None:
+            log_empty_step(p, metrics | timing, step)
+        else:
+            log_step(p, exps, batch, metrics | timing, step)
     return finish(p, done, saved, code)
 
 

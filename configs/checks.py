@@ -220,6 +220,7 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
     (ExplorerConfig, "max_timeout"): SECONDS,
     (ExplorerConfig, "max_retry_times"): NON_NEGATIVE,
+    (ExplorerConfig, "max_refill_rounds"): NON_NEGATIVE,
     (ExplorerConfig, "eval_interval"): AT_LEAST_1,
     (SynchronizerConfig, "sync_interval"): AT_LEAST_1,
     (SynchronizerConfig, "sync_offset"): NON_NEGATIVE,

@@ -517,6 +517,11 @@ class ExplorerConfig:
     """Seconds one workflow run may take before it is abandoned."""
     max_retry_times: int = 2
     """Retries of a failed or timed-out workflow run."""
+    max_refill_rounds: int = 1
+    """Rounds of extra tasks a step reads and runs in place of its dropped ones (a workflow that failed or timed out
+    after its retries, a prompt too long), each round as many tasks as are still missing, so that the step usually
+    writes batch_size groups; 0: none (the step writes what it has; the trainer takes it as it is). With dynamic
+    sampling, max_num_gen_batches bounds the step instead."""
     env_vars: dict[str, str] = _field(dict)
     """Environment variables set for the workflow runners. Every value is taken for a secret: *** in --dry-run,
     messages and the monitors' copy of the config (the run directory's config.yaml, 0600, keeps them)."""

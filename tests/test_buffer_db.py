@@ -19,7 +19,9 @@ import safetensors.torch
 import torch
 
 import buffer  # the repo root is on sys.path via tests/conftest.py
+import configs
 import lease
+import source
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from helpers import fork_context, in_ci, raw
 
@@ -349,6 +351,70 @@ def test_waiting_callback_ends_the_wait_with_what_is_there(db: ExperienceDB) -> 
     start = time.monotonic()
     got = db.claim(8, step=1, timeout=60, partial=False, waiting=lambda have, waited: True)
     assert ids(got) == [1, 2, 3] and time.monotonic() - start < 5
+
+
+def trainer_source(db: ExperienceDB) -> source.Source:
+    """A trainer's Source on `db` as far as its waiting goes: 2 tasks x 2 repeats an explorer step, 4 experiences a
+    train step, on-policy (sync_interval 1, sync_offset 0)."""
+    cfg = configs.Config()
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 2, 2, 4
+    cfg.synchronizer.sync_method = "checkpoint"
+    src = object.__new__(source.Source)
+    src.cfg, src.db, src.ended, src.short = cfg, db, False, False
+    return src
+
+
+def claim_for(src: source.Source, step: int, timeout: float = 60.0) -> tuple[list[Experience], float]:
+    """The trainer's claim of train step `step` as Source.claim makes it (partial=False, its waiting); seconds."""
+    src.short, start = False, time.monotonic()
+    got = src.db.claim(4, step=step, timeout=timeout, partial=False, waiting=src.waiting(step))
+    return got, time.monotonic() - start
+
+
+def test_a_short_step_is_taken_once_the_explorer_waits_for_its_weights(db: ExperienceDB) -> None:
+    """Explorer step 1 wrote 3 of 4 experiences (a task dropped) and recorded, in the same transaction, that it waits
+    for the weights of train step 1: the trainer takes the 3 at once (`short`), not after max_read_timeout. Step 2
+    wrote none: an empty step, also at once. Step 3 is not waited on yet (the explorer has written step 2 only): the
+    claim waits, and gives nothing at its timeout."""
+    src = trainer_source(db)
+    db.write([make(i) for i in range(3)], explorer=("e", {"step": 1, "sync_wait": 1, "written": 3, "finished": False}))
+    got, seconds = claim_for(src, 1)
+    assert ids(got) == [1, 2, 3] and src.short and not src.ended and seconds < 10
+    db.write([], explorer=("e", {"step": 2, "sync_wait": 2, "written": 0, "finished": False}))
+    got, seconds = claim_for(src, 2)
+    assert got == [] and src.short and seconds < 10
+    got, seconds = claim_for(src, 3, timeout=0.5)
+    assert got == [] and not src.short and seconds >= 0.5
+    assert db.counts() == {"total": 3, "pending": 0, "claimed": 3, "dropped": 0, "claims": 3}
+
+
+def test_every_explorer_must_wait_for_the_step_and_an_older_state_gives_its_sync_point(db: ExperienceDB) -> None:
+    """Two explorers: while one still writes for train step 1 (its state: step 0 written, or a sync point for an
+    earlier step), the claim waits; once both wait for it, or one has finished, the short batch is taken. A state
+    without sync_wait (written by an older nanorft: a stuck run relaunched) gives its step's sync point."""
+    src = trainer_source(db)
+    db.write([make(i) for i in range(2)], explorer=("a", {"step": 1, "finished": False}))  # no sync_wait: older
+    db.write([make(i) for i in range(1)], explorer=("b", {"step": 1, "sync_wait": 0, "finished": False}))
+    got, _ = claim_for(src, 1, timeout=0.5)
+    assert got == [] and not src.short
+    db.set_explorer_state("b", {"step": 1, "finished": True})
+    got, seconds = claim_for(src, 1)
+    assert ids(got) == [1, 2, 3] and src.short and not src.ended and seconds < 10
+
+
+def test_a_short_batch_smaller_than_the_trainer_ranks_is_given_back_for_the_next_step(db, monkeypatch) -> None:
+    """On 2 trainer ranks a short step of 1 experience cannot be shared out: its claim is given back and the step is
+    empty; the next step claims it with the rest."""
+    src = trainer_source(db)
+    monkeypatch.setattr(source.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(source.dist, "get_world_size", lambda: 2)
+    db.write([make(0)], explorer=("e", {"step": 1, "sync_wait": 1, "finished": False}))
+    got, _ = claim_for(src, 1)
+    assert ids(got) == [1] and src.fit_ranks(got, 1) == [] and db.counts()["pending"] == 1
+    db.write([make(i) for i in range(3)], explorer=("e", {"step": 2, "sync_wait": 2, "finished": False}))
+    got, _ = claim_for(src, 2)
+    assert ids(src.fit_ranks(got, 2)) == [1, 2, 3, 4] and not src.short
+    assert db.counts() == {"total": 4, "pending": 0, "claimed": 4, "dropped": 0, "claims": 4}
 
 
 def test_identity_mismatch_refused(db: ExperienceDB) -> None:

@@ -328,8 +328,8 @@ def test_stuck_user_code_neither_starves_the_other_tasks_nor_aborts_the_exit(tin
     assert [h["rollout/finished_task_count"] for h in history] == [3, 3, 3, 5]
     assert [h.get("rollout/dropped/reward", 0) for h in history] == [1, 3, 3, 1]
     assert history[0]["rollout/dropped/timeout"] == 2 and history[0]["rollout/abandoned_threads"] == 2
-    assert "arith/1 (timeout)" in history[0]["rollout/dropped_tasks"]
-    assert "arith/4 (reward): RewardError: reward function" in history[0]["rollout/dropped_tasks"]
+    assert "arith/1 (timeout)" in history[0]["rollout/dropped_errors"]
+    assert "arith/4 (reward): RewardError: reward function" in history[0]["rollout/dropped_errors"]
     assert "workflow thread(s) abandoned at their timeout still run: the explorer exits without them" in log.read_text()
 
 
@@ -534,7 +534,9 @@ def restarted(
     cfg = SimpleNamespace(
         checkpoint_job_dir=str(tmp_path),
         explorer=SimpleNamespace(name="explorer"),
-        synchronizer=SimpleNamespace(sync_method=method, sync_interval=1, sync_offset=0, sync_timeout=timeout),
+        synchronizer=SimpleNamespace(
+            sync_method=method, sync_style="fixed", sync_interval=1, sync_offset=0, sync_timeout=timeout
+        ),
         buffer=SimpleNamespace(batch_size=2, train_batch_size=4),
         algorithm=SimpleNamespace(repeat_times=2),
         cluster=SimpleNamespace(colocate=colocate),
@@ -820,3 +822,43 @@ def test_dynamic_sampling_runs_more_tasks_until_the_step_has_varied_groups(
     assert tuple(got[f"rollout/dynamic_sampling/{k}"] for k in keys) == metrics
     assert x.reader.index == len(ran)
     assert (note is None and not caplog.text) or "dynamic sampling: step 7 has" in caplog.text and note in caplog.text
+
+
+DROPPED = {1, 3, 4}  # the tasks whose workflow fails (after its retries) in test_dropped_tasks_are_refilled...
+
+
+def dropping_batch(x, tasks: list[int]) -> list:
+    """explore.run_batch without runners: tasks in DROPPED fail, the others give a group of two."""
+    x.batches.append(tasks)
+    return [
+        (t, None, "boom")
+        if t in DROPPED
+        else (t, [Experience(torch.arange(3), 1, reward=1.0, group_id=f"g{t}") for _ in "ab"], "")
+        for t in tasks
+    ]
+
+
+@pytest.mark.parametrize(
+    "rounds, batches, written, metrics",
+    [
+        (0, [[0, 1, 2]], [0, 2], (1, 0, 1)),  # no refill: the step is short by task 1
+        (2, [[0, 1, 2], [3], [4]], [0, 2], (3, 2, 1)),  # each round one more in place of the dropped one, all dropped
+        (3, [[0, 1, 2], [3], [4], [5]], [0, 2, 5], (3, 3, 0)),  # the third round completes the step
+    ],
+)
+def test_dropped_tasks_are_refilled_from_the_reader_up_to_max_refill_rounds(
+    monkeypatch, rounds, batches, written, metrics
+):
+    """explore.rollout (no dynamic sampling): the tasks dropped are replaced by as many read next, for at most
+    explorer.max_refill_rounds rounds; what is written are the groups that came, in reading order; the metrics count
+    the dropped tasks, the extra ones and the groups still missing; the reader has moved past every task run, so that
+    the position saved with the step neither repeats nor skips one."""
+    monkeypatch.setattr(explore, "run_batch", dropping_batch)
+    cfg = cli(["--config", str(ROOT / "configs/tiny.yaml")])[0]
+    cfg.buffer.batch_size, cfg.explorer.max_refill_rounds = 3, rounds
+    x = type("X", (), {"cfg": cfg, "reader": Reader(8), "step": 0, "gen_batches": 1, "batches": []})()
+    exps, got = explore.rollout(x, x.reader.read(3))
+    assert x.batches == batches and x.reader.index == sum(len(b) for b in batches)
+    assert [x.group_id for x in exps] == [f"g{t}" for t in written for _ in "ab"]
+    keys = ("dropped_tasks", "refilled_tasks", "missing_tasks")
+    assert tuple(got[f"rollout/{k}"] for k in keys) == metrics

@@ -434,6 +434,64 @@ def test_the_trainer_publishes_exactly_what_explorer_steps_wait_for(train_batch,
         ]
 
 
+def accounting_cfg(train_batch: int, interval: int, offset: int, style: str = "fixed") -> configs.Config:
+    """16 tasks x 8 repeats = 128 experiences an explorer step, train_batch a train step."""
+    cfg = configs.Config()
+    cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 16, 8, train_batch
+    cfg.synchronizer.sync_interval, cfg.synchronizer.sync_offset = interval, offset
+    cfg.synchronizer.sync_method, cfg.synchronizer.sync_style = "checkpoint", style
+    return cfg
+
+
+def held_by(cfg: configs.Config, train_step: int, explorer_steps: int = 40) -> int:
+    """The first explorer step after which the explorer, by the state it writes with it, holds for train step
+    `train_step` (sync.holds): the step whose sync point waits for its weights."""
+    return next(
+        k
+        for k in range(1, explorer_steps)
+        if sync.holds({"step": k, "sync_wait": sync.sync_wait(k, cfg, 0)}, train_step, cfg)
+    )
+
+
+@pytest.mark.parametrize(
+    "train_batch, interval, offset, first",
+    [
+        (128, 1, 0, [1, 2, 3, 4]),  # on-policy: train step t waits on explorer step t
+        (128, 1, 1, [2, 3, 4, 5]),  # one step ahead: explorer step t + 1 waits for train step t
+        (64, 1, 0, [1, 1, 2, 2]),  # two train steps per explorer step: both wait on it
+        (256, 1, 0, [2, 4, 6, 8]),  # one train step per two explorer steps
+        (128, 2, 0, [2, 2, 4, 4]),  # sync every second step: train steps 1 and 2 wait on explorer step 2
+        (128, 3, 1, [4, 4, 4, 7]),
+    ],
+)
+def test_which_explorer_step_a_train_step_waits_on(train_batch, interval, offset, first):
+    """A train step takes a partial batch once the explorer has written the step whose sync point waits for its
+    weights (or a later one): never before (the explorer still writes for it), and the explorer reaches that step
+    without needing the weights of this train step or a later one (no deadlock)."""
+    cfg = accounting_cfg(train_batch, interval, offset)
+    assert [held_by(cfg, t) for t in range(1, 5)] == first
+    for t in range(1, 5):
+        before = [sync.sync_wait(k, cfg, 0) for k in range(1, held_by(cfg, t))]
+        assert all(w < t for w in before), (t, before)  # nothing before it waits for train step t or later
+
+
+def test_holds_finished_old_states_and_the_other_styles():
+    """A finished explorer holds every step; a state written before sync_wait was recorded (an older nanorft's) gives
+    weights_needed of its step; an explorer that already has the weights (a restart) does not wait; explorer_driven
+    waits for any version newer than its own; trainer_driven never waits."""
+    cfg = accounting_cfg(128, 1, 0)
+    assert sync.holds({"step": 0, "finished": True}, 99, cfg)
+    assert sync.holds({"step": 3}, 3, cfg) and not sync.holds({"step": 2}, 3, cfg)
+    assert sync.sync_wait(3, cfg, 0) == 3 and sync.sync_wait(3, cfg, 3) == 0
+    cfg = accounting_cfg(128, 1, 0, "explorer_driven")
+    assert sync.sync_wait(3, cfg, 1) == 2
+    cfg = accounting_cfg(128, 2, 0, "explorer_driven")  # the trainer publishes every second step
+    assert sync.sync_wait(4, cfg, 2) == 4 and sync.sync_wait(4, cfg, 3) == 4
+    assert [t for t in range(1, 9) if sync.publishes(t, cfg, 8)] == [2, 4, 6, 8]
+    cfg = accounting_cfg(128, 1, 0, "trainer_driven")
+    assert sync.sync_wait(3, cfg, 1) == 0
+
+
 def documented_versions() -> dict[tuple[int, int], list[int]]:
     """docs/checkpoints.md's table: (sync_interval, sync_offset) -> the weights version of explorer steps 1, 2, ..."""
     rows = {}
@@ -486,6 +544,110 @@ def test_sync_interval_2_offset_1_in_mode_both_rolls_out_with_the_documented_ver
     assert (
         [m["batch/staleness/max"] for m in history] == [s - 1 - v for s, v in enumerate(table, 1)] == [0, 1, 2, 1, 2, 1]
     )
+
+
+DROPPING_REWARD = """
+from workflows.math import math_reward
+
+
+def score(response, reference, *, drop: list[str] | None = None):
+    if reference in (drop or []):
+        raise RuntimeError("this reward raises for this task")
+    return math_reward(response, reference)
+"""
+
+
+def dropping_run(tmp_path: Path, tiny_model_dir: str, dropped: list[int], **over) -> Path:
+    """A mode-both GRPO run (2 tasks x 2 repeats a step, 4 steps, on-policy, checkpoint sync) whose reward raises for
+    the train tasks of these row numbers, the workflow tried once; a stuck step fails it within 90 s, not 300."""
+    rows = (Path(tiny_model_dir).parent / "arith" / "train.jsonl").read_text().splitlines()
+    reward = tmp_path / "dropping.py"
+    reward.write_text(DROPPING_REWARD)
+    return both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.total_steps": 4,
+            "buffer.default_reward_fn_type": f"{reward}:score",
+            "buffer.explorer_input.taskset.reward_fn_args": {"drop": [json.loads(rows[i])["answer"] for i in dropped]},
+            "buffer.explorer_input.eval_tasksets": [],
+            "buffer.trainer_input.experience_buffer.max_read_timeout": 90,
+            "synchronizer.sync_timeout": 90,
+            "explorer.max_retry_times": 0,
+            **over,
+        },
+    )
+
+
+def claims_by_step(db: Path) -> tuple[dict[int, list[str]], list[int]]:
+    """train step -> the group ids it trained on; the model version of each experience, by id."""
+    from buffer import ExperienceDB
+
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        claims = d.query("SELECT c.step, e.group_id FROM claims c JOIN experiences e ON e.id = c.exp_id ORDER BY e.id")
+    out: dict[int, list[str]] = {}
+    for step, group in claims:
+        out.setdefault(step, []).append(group.rsplit("/", 1)[-1])
+    return out, versions_by_step(db)
+
+
+@pytest.mark.slow(seconds=35)
+@pytest.mark.parametrize("method", ["checkpoint", "nccl"])
+def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path, tiny_model_dir, method):
+    """Mode both, GRPO, on-policy: the reward raises for train tasks 0 and 2-6. Step 1 (tasks 0, 1) refills task 0
+    with task 2, dropped too: it writes task 1's group alone; step 2 (3, 4, refilled with 5, 6) writes nothing.
+    The trainer takes step 1's 2 experiences and step 2's none (no update, its weights published, or sent over the
+    process group, unchanged) as soon as the explorer waits for their weights, and the run ends: every experience
+    trained once, the explorer's steps 3 and 4 rolled out on the versions their sync points waited for, the drops
+    counted."""
+    config = dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6], **{"synchronizer.sync_method": method})
+    start = time.monotonic()
+    out = launch(config, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert time.monotonic() - start < 90  # no step waited out max_read_timeout or sync_timeout
+    run = tmp_path / "ck" / "p" / "run"
+    claims, versions = claims_by_step(run / "buffer" / "exp.db")
+    assert claims == {1: ["1", "1"], 3: ["7", "7", "8", "8"], 4: ["9", "9", "10", "10"]}
+    assert versions == [0, 0, 2, 2, 2, 2, 3, 3, 3, 3]
+    from monitor import read_history
+
+    explorer = read_history(run / "monitor" / "explorer.jsonl")
+    assert [
+        (m["rollout/dropped_tasks"], m["rollout/refilled_tasks"], m["rollout/missing_tasks"]) for m in explorer
+    ] == [
+        (2, 1, 1),
+        (4, 2, 2),
+        (0, 0, 0),
+        (0, 0, 0),
+    ]
+    trainer = read_history(run / "monitor" / "trainer.jsonl")
+    assert [(m["batch/size"], m["batch/short"]) for m in trainer] == [(2, 1.0), (0, 1.0), (4, 0.0), (4, 0.0)]
+
+
+@pytest.mark.slow(seconds=45)
+def test_a_run_stuck_on_a_short_step_by_an_older_nanorft_finishes_when_relaunched(tmp_path, tiny_model_dir):
+    """The state an older nanorft left: the explorer wrote its short step 1 (task 0 dropped, and task 2 in its place)
+    and waited at the sync point for weights that never came (here an explorer alone, stopped by its sync_timeout),
+    its DB state without sync_wait. Relaunched in mode both on the same job directory and DB, the trainer takes
+    step 1's partial batch (the state's step gives its sync point), the explorer goes on after step 1, and the run
+    ends with every experience trained once."""
+    config = dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6], **{"synchronizer.sync_timeout": 5})
+    out = launch(config, "--mode", "explore", timeout=600)
+    assert out.returncode == 1 and "Restart to continue after step 1" in out.stderr, out.stderr[-4000:]
+    from buffer import ExperienceDB
+
+    db = tmp_path / "ck" / "p" / "run" / "buffer" / "exp.db"
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        state = d.explorer_states()["explorer"]
+        assert state["step"] == 1 and d.counts()["total"] == 2
+        d.set_explorer_state("explorer", {k: v for k, v in state.items() if k not in ("sync_wait", "written")})
+    start = time.monotonic()
+    out = launch(dropping_run(tmp_path, tiny_model_dir, [0, 2, 3, 4, 5, 6]), timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert time.monotonic() - start < 90  # no step waited out max_read_timeout or sync_timeout
+    claims, versions = claims_by_step(db)
+    assert claims == {1: ["1", "1"], 3: ["7", "7", "8", "8"], 4: ["9", "9", "10", "10"]}
+    assert versions == [0, 0, 2, 2, 2, 2, 3, 3, 3, 3]
 
 
 if __name__ == "__main__":

@@ -1064,3 +1064,33 @@ def test_reused_rows_train_on_the_advantages_of_their_first_use():
     assert torch.equal(reused[2], torch.tensor([0.5, -0.5, 0.25, 0.0, 0.0, 0.0]))
     assert not torch.allclose(fresh[2, :3], reused[2, :3])
     assert torch.equal(reused[[0, 1, 3]], fresh[[0, 1, 3]])
+
+
+@pytest.mark.slow(seconds=30)
+def test_empty_steps_on_two_ranks_make_no_update_and_publish_their_weights(tmp_path, tiny_model_dir):
+    """Mode train under torchrun on 2 gloo ranks; the explorer wrote steps 1 and 2 with no experience (every task
+    dropped) and waits for the weights of step 2: each train step is empty on both ranks (rank 0 tells the other), makes
+    no update, and publishes its weights unchanged; the run ends at once instead of after max_read_timeout."""
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "mode": "train",
+            "buffer.total_steps": 2,
+            "buffer.trainer_input.experience_buffer.max_read_timeout": 60,
+            "buffer.explorer_input.eval_tasksets": [],
+        },
+    )
+    job = tmp_path / "ck" / "p" / "run"
+    with ExperienceDB(f"sqlite:///{job / 'buffer' / 'exp.db'}") as db:
+        db.set_explorer_state("explorer", {"step": 2, "sync_wait": 2, "written": 0, "finished": False})
+    out = run_train(config, ranks=2)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "train step 1: no experiences were written for it" in out.stderr
+    assert [(m["batch/size"], m["batch/short"]) for m in read_history(job / "monitor" / "trainer.jsonl")] == [
+        (0, 1.0)
+    ] * 2
+    start = load_model(tiny_model_dir).state_dict()
+    for step in (1, 2):
+        published = load_model(str(sync.weights_path(job, step))).state_dict()
+        assert all(torch.equal(published[k], v) for k, v in start.items()), step

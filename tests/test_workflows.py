@@ -789,7 +789,7 @@ def test_a_reward_that_raises_or_gives_no_finite_number_is_a_named_drop_of_its_t
     assert exps is None and err.reason == "reward" and re.search(why, err), err
     metrics = explore.rollout_metrics([(task, exps, err)], 1.0)
     assert metrics["rollout/dropped/reward"] == 1 and metrics["rollout/failed_count"] == 1
-    assert metrics["rollout/dropped_tasks"].startswith(f"{task.task_id} (reward): RewardError: ")
+    assert metrics["rollout/dropped_errors"].startswith(f"{task.task_id} (reward): RewardError: ")
 
 
 def test_a_reward_named_by_module_loads_in_a_fresh_worker(monkeypatch):
