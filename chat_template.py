@@ -95,7 +95,8 @@ def _text_encoder(tokenizer: PreTrainedTokenizerBase, backend: Any) -> Callable[
     copy.no_truncation()
     copy.no_padding()
     copy.encode_special_tokens = True
-    return lambda text: copy.encode(text, add_special_tokens=False).ids
+    # NOTE: encode_batch, not encode: it lets go of the GIL while it runs (an API request's other threads go on)
+    return lambda text: copy.encode_batch([text], add_special_tokens=False)[0].ids
 
 
 class Protected:

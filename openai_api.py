@@ -26,14 +26,14 @@ tool_choice "auto" or "none", parallel_tool_calls honoured); `chat_template_kwar
 Its callers are untrusted (a workflow's code, or anyone who can reach the port): the handlers are async (a
 request waiting for the engine holds no thread), a body over MAX_BODY_BYTES (or without a Content-Length) is
 refused before it is read; before anything is rendered, a chat request of more than MAX_MESSAGES messages,
-MAX_TOOLS tools or MAX_ITEMS JSON values, or whose strings (every one: roles, names, content parts, tool calls' names
-and arguments, ids, keys, tools, template variables) hold more characters than max_model_len tokens could, and a
-text prompt as long, are refused (400, naming the limit). Rendering and tokenising run in RENDER_SLOTS threads off
-the event loop, so a big request does not stall the other clients. A message's strings are tokenised as text
-(chat_template.py): a caller's `<|im_end|><|im_start|>system` is never a control token (a /v1/completions text
-prompt is the caller's own template text, read as written). n over MAX_N, and every sampling value outside its
-range, are refused naming the field (400); a field this server
-does not honour is a 400 naming it, unless it has its default value (`user` / `metadata` / `store` are accepted
+MAX_TOOLS tools or MAX_ITEMS JSON values, or whose strings (every one: roles, names, content parts, tool calls'
+names and arguments, ids, keys, tools, template variables) hold more characters than max_model_len tokens could,
+and a text prompt as long, are refused (400, naming the limit). Rendering and tokenising run in threads off the
+event loop, RENDER_SLOTS big requests at a time and a thread kept for small ones, so a big request stalls no other
+client. A message's strings are tokenised as text (chat_template.py): a caller's `<|im_end|><|im_start|>system` is
+never a control token (a /v1/completions text prompt is the caller's own template text, read as written). n over
+MAX_N, and every sampling value outside its range, are refused naming the field (400); a field this server does
+not honour is a 400 naming it, unless it has its default value (`user` / `metadata` / `store` are accepted
 and ignored). Every request is checked before it reaches the engine's shared batch, so one bad request fails alone
 (sampling.Batcher also re-runs a failed batch one request at a time). Off loopback the server needs an API key
 (explorer.rollout_model.openai_api_key), sent as `Authorization: Bearer <key>` (the `openai` client's api_key);
@@ -78,7 +78,8 @@ MAX_TOOLS = 128  # tools of one request at most (OpenAI's limit)
 MAX_ITEMS = (
     2**16
 )  # JSON values (strings, numbers, lists, objects) in a request's messages, tools and template variables
-RENDER_SLOTS = 2  # requests rendered and tokenised at once, in threads off the event loop (the rest wait their turn)
+RENDER_SLOTS = 2  # big requests rendered and tokenised at once, in threads off the event loop (the rest wait)
+SMALL_CHARS = 16_384  # a request with fewer characters (and JSON values) is small: it never waits behind big ones
 IGNORED = ("user", "metadata", "store")  # identifiers and OpenAI-side options: nothing here to honour
 DEFAULTS = {  # fields served only at their default value (OpenAI's or vLLM's); another value is a 400
     "frequency_penalty": (0, 0.0),
@@ -209,8 +210,10 @@ class OpenAIServer:
         longest = max(map(len, handle.tokenizer.get_vocab()), default=1)  # >= the characters any token decodes to
         self.max_chars = handle.max_model_len * longest if handle.max_model_len else MAX_BODY_BYTES
         # NOTE: rendering (Jinja) and tokenising a request run in these threads, so that one big request does not
-        # stall every client's on the event loop; the semaphore keeps waiting requests in the loop, not in threads
-        self.pool = concurrent.futures.ThreadPoolExecutor(RENDER_SLOTS, thread_name_prefix="openai-render")
+        # stall every client's on the event loop; the semaphore keeps big requests waiting in the loop, not in
+        # threads, and holds at most RENDER_SLOTS of the threads: the last one is always free for small requests
+        # (queued behind two big ones, a small request waited 0.8 s, docs/LOG.md)
+        self.pool = concurrent.futures.ThreadPoolExecutor(RENDER_SLOTS + 1, thread_name_prefix="openai-render")
         self.slots = asyncio.Semaphore(RENDER_SLOTS)
 
     # --- life cycle
@@ -353,7 +356,7 @@ class OpenAIServer:
         self.check_request(body, session)
         if body.messages is None:
             raise HTTPException(400, "messages is required")
-        self.check_sizes(body)
+        big = self.check_sizes(body)
         tool_choice = self.tool_choice(body)
         kwargs = body.chat_template_kwargs or {}
         clash = sorted(
@@ -373,7 +376,7 @@ class OpenAIServer:
         if clash:
             raise HTTPException(400, f"chat_template_kwargs: {clash} are not template variables")
         try:
-            prompt, ids = await self.offload(self.render, body.messages, body.tools, kwargs)
+            prompt, ids = await self.offload(big, self.render, body.messages, body.tools, kwargs)
         except Exception as e:  # the client's messages, which the template cannot render: its error, not ours
             raise HTTPException(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
         call = await self.run(body, ids, session)
@@ -390,17 +393,19 @@ class OpenAIServer:
 
     async def completions(self, body: Request, session: str = "") -> dict:
         self.check_request(body, session)
-        prompt, vocab = body.prompt, len(self.handle.tokenizer)
+        prompt, vocab, limit = body.prompt, len(self.handle.tokenizer), self.handle.max_model_len
+        if isinstance(prompt, list) and limit and len(prompt) >= limit:  # before checking each id: 4M fit the body
+            raise HTTPException(400, f"prompt: {len(prompt)} token ids leave no room within max_model_len={limit}")
         if isinstance(prompt, list) and not all(type(t) is int and 0 <= t < vocab for t in prompt):
             raise HTTPException(400, f"prompt: one prompt per request, a string or a list of token ids in [0, {vocab})")
         if prompt is None:
             raise HTTPException(400, "prompt is required (a string, or a list of token ids)")
         if isinstance(prompt, str):
             self.check_text(len(prompt), "prompt")
-        # NOTE: a raw prompt is the caller's own template text: its special-token texts are control tokens, as in
-        # vLLM (it could send the ids anyway); chat messages are data, tokenised as text (render)
-        ids = prompt if isinstance(prompt, list) else await self.offload(self.encode, prompt)
-        call = await self.run(body, ids, session)
+            # NOTE: a raw prompt is the caller's own template text: its special-token texts are control tokens, as in
+            # vLLM (it could send the ids anyway); chat messages are data, tokenised as text (render)
+            prompt = await self.offload(len(prompt) > SMALL_CHARS, self.encode, prompt)
+        call = await self.run(body, prompt, session)
         choices = [
             {"index": i, "text": c.text, "finish_reason": c.finish_reason} | self.extras(body, c, chat=False)
             for i, c in enumerate(call.completions)
@@ -409,8 +414,11 @@ class OpenAIServer:
 
     # --- rendering and tokenising, off the event loop
 
-    async def offload(self, fn: Any, *args: Any) -> Any:
-        """fn(*args) in the render threads, RENDER_SLOTS at a time: the event loop keeps answering other clients."""
+    async def offload(self, big: bool, fn: Any, *args: Any) -> Any:
+        """fn(*args) in the render threads, a `big` request's RENDER_SLOTS at a time: the event loop keeps answering
+        other clients."""
+        if not big:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
         async with self.slots:
             return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
@@ -439,11 +447,11 @@ class OpenAIServer:
             raise HTTPException(404, f"no session {session!r}")
         self.check_fields(body)
 
-    def check_sizes(self, body: Request) -> None:
+    def check_sizes(self, body: Request) -> bool:
         """400 for a chat request too big to render, before rendering it: more than MAX_MESSAGES messages or
         MAX_TOOLS tools, more than MAX_ITEMS JSON values, or more characters than max_model_len tokens could hold,
         counting every string of the messages (roles, names, content parts, tool calls' names and arguments, ids,
-        keys), tools and template variables."""
+        keys), tools and template variables. Returns whether the request is big (SMALL_CHARS)."""
         if len(body.messages) > MAX_MESSAGES:
             raise HTTPException(400, f"messages: {len(body.messages)} messages; at most {MAX_MESSAGES} are accepted")
         if body.tools and len(body.tools) > MAX_TOOLS:
@@ -454,6 +462,7 @@ class OpenAIServer:
                 400, f"messages: more than {MAX_ITEMS} JSON values in messages, tools and chat_template_kwargs"
             )
         self.check_text(n_chars, "messages")
+        return n_chars + items > SMALL_CHARS
 
     def check_text(self, n_chars: int, field: str) -> None:
         """400 for a text that cannot fit max_model_len tokens, before tokenising it (a 50 MiB message took minutes
