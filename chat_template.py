@@ -143,8 +143,10 @@ class Protected:
             return self.pattern.sub(self._placeholder, value)
         if isinstance(value, dict):
             return {self._replace(k): self._replace(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(self._replace(v) for v in value)
+        if isinstance(value, list):
+            return [self._replace(v) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self._replace(v) for v in value)
         return value
 
     def restore(self, text: str) -> str:

@@ -209,12 +209,8 @@ class OpenAIServer:
         # a text of more characters than this cannot fit max_model_len tokens: refused before it is tokenised
         longest = max(map(len, handle.tokenizer.get_vocab()), default=1)  # >= the characters any token decodes to
         self.max_chars = handle.max_model_len * longest if handle.max_model_len else MAX_BODY_BYTES
-        # NOTE: rendering (Jinja) and tokenising a request run in these threads, so that one big request does not
-        # stall every client's on the event loop; the semaphore keeps big requests waiting in the loop, not in
-        # threads, and holds at most RENDER_SLOTS of the threads: the last one is always free for small requests
-        # (queued behind two big ones, a small request waited 0.8 s, docs/LOG.md)
-        self.pool = concurrent.futures.ThreadPoolExecutor(RENDER_SLOTS + 1, thread_name_prefix="openai-render")
-        self.slots = asyncio.Semaphore(RENDER_SLOTS)
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # the render threads (start())
+        self.slots: asyncio.Semaphore | None = None
 
     # --- life cycle
 
@@ -230,6 +226,11 @@ class OpenAIServer:
         sock.bind((self.host, self.port))  # port 0: a free one, known before the server starts
         self.port = sock.getsockname()[1]
         app = Guard(self.app(), self.api_key, MAX_BODY_BYTES)
+        # NOTE: rendering (Jinja) and tokenising a request run in these threads, so that one big request does not
+        # stall every client's on the event loop; the semaphore keeps big requests waiting in the loop, not in
+        # threads, and holds at most RENDER_SLOTS of the threads: the last one is always free for small requests
+        self.pool = concurrent.futures.ThreadPoolExecutor(RENDER_SLOTS + 1, thread_name_prefix="openai-render")
+        self.slots = asyncio.Semaphore(RENDER_SLOTS)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="openai-api"
@@ -247,7 +248,8 @@ class OpenAIServer:
         if self.server is not None:
             self.server.should_exit = True
             self.thread.join(timeout=10)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- sessions (enable_history)
 
