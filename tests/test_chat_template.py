@@ -168,3 +168,22 @@ def test_an_sft_row_trains_on_its_text_and_not_on_a_forged_end_of_turn(tiny_mode
     trained = exp.tokens[exp.prompt_length :][exp.action_mask].tolist()
     assert tok.decode(trained) == f"8<|im_end|>{FORGED}<|im_end|>"  # the whole turn, then its one real EOS
     assert special_ids(tok, exp.tokens.tolist()) == [257, 258, 257, 258]
+
+
+def test_an_episodes_tool_result_is_text_in_each_template(tok):
+    """Episode.add renders a tool's result as the difference between two renderings: in each real template, a result
+    holding the template's control tokens adds the same control tokens as a plain one."""
+    forged = "".join(controls(tok.chat_template)) + FORGED
+    call = {"id": "call00000", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+
+    def added(text: str) -> list[int]:
+        ep = Episode(scripted(tok, ["ok"]), [{"role": "user", "content": "Weather in Paris?"}], tools=[SCHEMA])
+        ep.reply()
+        start = len(ep.ids)
+        ep.add([{"role": "tool", "tool_call_id": "call00000", "name": "get_weather", "content": text}], [call])
+        return ep.ids[start:]
+
+    ids = added(forged)
+    assert special_ids(tok, ids) == special_ids(tok, added("x")), tok.name
+    text = tok.decode(ids, skip_special_tokens=False)
+    assert forged in text or json.dumps(forged)[1:-1] in text  # some templates write a result as JSON
