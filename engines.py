@@ -492,7 +492,7 @@ class EngineHandle:
         template_kwargs: dict | None = None,
     ) -> str:
         """`messages` through the chat template (or `chat_template`), with the assistant's generation prompt;
-        `template_kwargs` (a request's chat_template_kwargs) over the handle's."""
+        `template_kwargs` (a request's chat_template_kwargs) over the handle's. The text: its ids are render_ids'."""
         return self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=generation,
