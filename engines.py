@@ -41,6 +41,7 @@ import torch
 from transformers import DynamicCache
 
 from buffer import Experience
+from chat_template import chat_ids
 from configs.resolve import explorer_gpu_plan
 from errors import ConfigError
 from models import eos_ids, load_model, load_tokenizer, with_template
@@ -477,9 +478,10 @@ class EngineHandle:
         **sampling,
     ) -> list[Experience]:
         """Sample n responses to `messages`, rendered by the tokenizer's chat template (or `chat_template`) with
-        `tools`; the assistant turn starts with `reply_prefix` (part of the prompt, not of the response text)."""
-        prompt = self.render(messages, tools, chat_template)
-        return self.generate([prompt + (reply_prefix or "")], n=n, **sampling)[0]
+        `tools`; the assistant turn starts with `reply_prefix` (part of the prompt, not of the response text). The
+        messages' strings are tokenised as text (render_ids)."""
+        text, ids = self.render_ids(messages, tools, chat_template, suffix=reply_prefix or "")
+        return self.sample([(text, *self.cut(ids))], n, **sampling)[0]
 
     def render(
         self,
@@ -490,7 +492,7 @@ class EngineHandle:
         template_kwargs: dict | None = None,
     ) -> str:
         """`messages` through the chat template (or `chat_template`), with the assistant's generation prompt;
-        `template_kwargs` (a request's chat_template_kwargs) over the handle's."""
+        `template_kwargs` (a request's chat_template_kwargs) over the handle's. The text: its ids are render_ids'."""
         return self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=generation,
@@ -499,6 +501,21 @@ class EngineHandle:
             chat_template=chat_template or None,
             **{**self.template_kwargs, **(template_kwargs or {})},
         )
+
+    def render_ids(
+        self,
+        messages: list[dict],
+        tools: list | None = None,
+        chat_template: str | None = None,
+        generation: bool = True,
+        template_kwargs: dict | None = None,
+        suffix: str = "",
+    ) -> tuple[str, list[int]]:
+        """render()'s text (then `suffix`, e.g. a reply prefix, read as template text) and its token ids, every
+        string of the messages, tools and `template_kwargs` tokenised as text: a row, a tool result or an API
+        caller's `<|im_end|>` never becomes a control token (chat_template.chat_ids). Not cut to max_prompt_tokens."""
+        kwargs = {**self.template_kwargs, **(template_kwargs or {})}
+        return chat_ids(self.tokenizer, messages, tools, chat_template, generation, kwargs, suffix)
 
     def params(self, n: int = 1, **sampling) -> SamplingParams:
         """A request's SamplingParams: the handle's defaults, then `sampling` (ignore_eos: min_tokens = max_tokens)."""
@@ -512,8 +529,13 @@ class EngineHandle:
         return self.engine.submit(ids, params)
 
     def encode(self, prompt: str) -> tuple[list[int], bool]:
-        """Token ids of a templated prompt, cut to max_prompt_tokens (keeping its end: the generation prompt)."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        """Token ids of a prompt's text as written (its special-token texts are control tokens: a raw prompt of the
+        workflow's own; messages go through render_ids), cut to max_prompt_tokens (cut())."""
+        return self.cut(self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def cut(self, ids: list[int]) -> tuple[list[int], bool]:
+        """A prompt's ids cut to max_prompt_tokens (keeping its end: the generation prompt), and whether they were;
+        PromptTooLong instead when truncation is off."""
         if self.max_prompt is None or len(ids) <= self.max_prompt:
             return ids, False
         if not self.truncate:
@@ -526,7 +548,8 @@ class EngineHandle:
     def replies(self, conversations: list[list[dict]], **sampling) -> list[str]:
         """One reply's text per conversation (chat messages, through the chat template), all in one engine batch:
         what a judge asks of an auxiliary model (ExternalHandle.replies: the same from an endpoint)."""
-        return [exps[0].response_text for exps in self.generate([self.render(m) for m in conversations], **sampling)]
+        prompts = [(text, *self.cut(ids)) for text, ids in map(self.render_ids, conversations)]
+        return [exps[0].response_text for exps in self.sample(prompts, 1, **sampling)]
 
     def score(self, sequences: list[list[int]] | list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor]:
         """The engine's log-prob of each token of each sequence after the first, given the tokens before it:
@@ -537,13 +560,16 @@ class EngineHandle:
         return [torch.tensor(lp, dtype=torch.float32) for lp in self.engine.score(ids, temperature)]
 
     def generate(self, prompts: list[str], n: int = 1, **sampling) -> list[list[Experience]]:
-        """n experiences per prompt text (already templated; encoded without special tokens)."""
+        """n experiences per prompt text (already templated: encode(), its special-token texts are control tokens)."""
+        return self.sample([(p, *self.encode(p)) for p in prompts], n, **sampling)
+
+    def sample(self, prompts: list[tuple[str, list[int], bool]], n: int = 1, **sampling) -> list[list[Experience]]:
+        """n experiences per prompt (its text, its ids, whether they were cut), submitted together: one batch."""
         params = self.params(n, **sampling)
-        encoded = [self.encode(p) for p in prompts]
-        futures = [self.engine.submit(x, params) for x, _ in encoded]  # submitted together: one batch
+        futures = [self.engine.submit(ids, params) for _, ids, _ in prompts]
         return [
-            [experience(x, c, scored_temperature(params), p, cut) for c in f.result()]
-            for p, (x, cut), f in zip(prompts, encoded, futures)
+            [experience(ids, c, scored_temperature(params), text, cut) for c in f.result()]
+            for (text, ids, cut), f in zip(prompts, futures)
         ]
 
 

@@ -25,9 +25,15 @@ tool_choice "auto" or "none", parallel_tool_calls honoured); `chat_template_kwar
 
 Its callers are untrusted (a workflow's code, or anyone who can reach the port): the handlers are async (a
 request waiting for the engine holds no thread), a body over MAX_BODY_BYTES (or without a Content-Length) is
-refused before it is read, a prompt longer than max_model_len tokens could hold (in characters) before it is
-tokenised, n over MAX_N, and every sampling value outside its range, naming the field (400); a field this server
-does not honour is a 400 naming it, unless it has its default value (`user` / `metadata` / `store` are accepted
+refused before it is read; before anything is rendered, a chat request of more than MAX_MESSAGES messages,
+MAX_TOOLS tools or MAX_ITEMS JSON values, or whose strings (every one: roles, names, content parts, tool calls'
+names and arguments, ids, keys, tools, template variables) hold more characters than max_model_len tokens could,
+and a text prompt as long, are refused (400, naming the limit). Rendering and tokenising run in threads off the
+event loop, RENDER_SLOTS big requests at a time and a thread kept for small ones, so a big request stalls no other
+client. A message's strings are tokenised as text (chat_template.py): a caller's `<|im_end|><|im_start|>system` is
+never a control token (a /v1/completions text prompt is the caller's own template text, read as written). n over
+MAX_N, and every sampling value outside its range, are refused naming the field (400); a field this server does
+not honour is a 400 naming it, unless it has its default value (`user` / `metadata` / `store` are accepted
 and ignored). Every request is checked before it reaches the engine's shared batch, so one bad request fails alone
 (sampling.Batcher also re-runs a failed batch one request at a time). Off loopback the server needs an API key
 (explorer.rollout_model.openai_api_key), sent as `Authorization: Bearer <key>` (the `openai` client's api_key);
@@ -40,6 +46,7 @@ assistant message with content null) get a 400 that says why.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hmac
 import json
@@ -66,6 +73,13 @@ MAX_BODY_BYTES = 8 * 2**20  # a request body's size at most (a prompt of 8 MiB i
 MAX_N = 128  # choices of one request at most (OpenAI's limit): they hold the engine that the workflows share
 MAX_STOP = 16  # stop strings of one request at most, each of 1..MAX_STOP_CHARS characters
 MAX_STOP_CHARS = 1024
+MAX_MESSAGES = 2048  # messages of one chat request at most (OpenAI's limit): 250k empty ones took 7-17 s to render
+MAX_TOOLS = 128  # tools of one request at most (OpenAI's limit)
+MAX_ITEMS = (
+    2**16
+)  # JSON values (strings, numbers, lists, objects) in a request's messages, tools and template variables
+RENDER_SLOTS = 2  # big requests rendered and tokenised at once, in threads off the event loop (the rest wait)
+SMALL_CHARS = 16_384  # a request with fewer characters (and JSON values) is small: it never waits behind big ones
 IGNORED = ("user", "metadata", "store")  # identifiers and OpenAI-side options: nothing here to honour
 DEFAULTS = {  # fields served only at their default value (OpenAI's or vLLM's); another value is a 400
     "frequency_penalty": (0, 0.0),
@@ -195,6 +209,8 @@ class OpenAIServer:
         # a text of more characters than this cannot fit max_model_len tokens: refused before it is tokenised
         longest = max(map(len, handle.tokenizer.get_vocab()), default=1)  # >= the characters any token decodes to
         self.max_chars = handle.max_model_len * longest if handle.max_model_len else MAX_BODY_BYTES
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # the render threads (start())
+        self.slots: asyncio.Semaphore | None = None
 
     # --- life cycle
 
@@ -210,6 +226,11 @@ class OpenAIServer:
         sock.bind((self.host, self.port))  # port 0: a free one, known before the server starts
         self.port = sock.getsockname()[1]
         app = Guard(self.app(), self.api_key, MAX_BODY_BYTES)
+        # NOTE: rendering (Jinja) and tokenising a request run in these threads, so that one big request does not
+        # stall every client's on the event loop; the semaphore keeps big requests waiting in the loop, not in
+        # threads, and holds at most RENDER_SLOTS of the threads: the last one is always free for small requests
+        self.pool = concurrent.futures.ThreadPoolExecutor(RENDER_SLOTS + 1, thread_name_prefix="openai-render")
+        self.slots = asyncio.Semaphore(RENDER_SLOTS)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="openai-api"
@@ -227,6 +248,8 @@ class OpenAIServer:
         if self.server is not None:
             self.server.should_exit = True
             self.thread.join(timeout=10)
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- sessions (enable_history)
 
@@ -332,9 +355,10 @@ class OpenAIServer:
         }
 
     async def chat(self, body: Request, session: str = "") -> dict:
+        self.check_request(body, session)
         if body.messages is None:
             raise HTTPException(400, "messages is required")
-        self.check_text(chars(body.messages) + (len(json.dumps(body.tools)) if body.tools else 0), "messages")
+        big = self.check_sizes(body)
         tool_choice = self.tool_choice(body)
         kwargs = body.chat_template_kwargs or {}
         clash = sorted(
@@ -354,10 +378,10 @@ class OpenAIServer:
         if clash:
             raise HTTPException(400, f"chat_template_kwargs: {clash} are not template variables")
         try:
-            prompt = self.handle.render(with_dict_arguments(body.messages), body.tools, template_kwargs=kwargs)
+            prompt, ids = await self.offload(big, self.render, body.messages, body.tools, kwargs)
         except Exception as e:  # the client's messages, which the template cannot render: its error, not ours
             raise HTTPException(400, f"the chat template cannot render these messages: {type(e).__name__}: {e}") from e
-        call = await self.run(body, self.handle.tokenizer.encode(prompt, add_special_tokens=False), session)
+        call = await self.run(body, ids, session)
         choices = [
             {"index": i, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason}
             | self.extras(body, c, chat=True)
@@ -370,22 +394,77 @@ class OpenAIServer:
         return self.reply(body, call, "chat.completion", choices)
 
     async def completions(self, body: Request, session: str = "") -> dict:
-        prompt, vocab = body.prompt, len(self.handle.tokenizer)
+        self.check_request(body, session)
+        prompt, vocab, limit = body.prompt, len(self.handle.tokenizer), self.handle.max_model_len
+        if isinstance(prompt, list) and limit and len(prompt) >= limit:  # before checking each id: 4M fit the body
+            raise HTTPException(400, f"prompt: {len(prompt)} token ids leave no room within max_model_len={limit}")
         if isinstance(prompt, list) and not all(type(t) is int and 0 <= t < vocab for t in prompt):
             raise HTTPException(400, f"prompt: one prompt per request, a string or a list of token ids in [0, {vocab})")
         if prompt is None:
             raise HTTPException(400, "prompt is required (a string, or a list of token ids)")
         if isinstance(prompt, str):
             self.check_text(len(prompt), "prompt")
-        ids = prompt if isinstance(prompt, list) else self.handle.tokenizer.encode(prompt, add_special_tokens=False)
-        call = await self.run(body, ids, session)
+            # NOTE: a raw prompt is the caller's own template text: its special-token texts are control tokens, as in
+            # vLLM (it could send the ids anyway); chat messages are data, tokenised as text (render)
+            prompt = await self.offload(len(prompt) > SMALL_CHARS, self.encode, prompt)
+        call = await self.run(body, prompt, session)
         choices = [
             {"index": i, "text": c.text, "finish_reason": c.finish_reason} | self.extras(body, c, chat=False)
             for i, c in enumerate(call.completions)
         ]
         return self.reply(body, call, "text_completion", choices)
 
+    # --- rendering and tokenising, off the event loop
+
+    async def offload(self, big: bool, fn: Any, *args: Any) -> Any:
+        """fn(*args) in the render threads, a `big` request's RENDER_SLOTS at a time: the event loop keeps answering
+        other clients."""
+        if not big:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        async with self.slots:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def render(self, messages: list[dict], tools: list | None, kwargs: dict) -> tuple[str, list[int]]:
+        """A chat request's prompt text and ids, the messages' strings tokenised as text (the caller's
+        `<|im_end|>` is never a control token: chat_template.chat_ids). Runs in a render thread."""
+        return self.handle.render_ids(with_dict_arguments(messages), tools, template_kwargs=kwargs)
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.handle.tokenizer.encode(prompt, add_special_tokens=False)
+
     # --- checks (every one before the request reaches the engine's shared batch)
+
+    def check_request(self, body: Request, session: str) -> None:
+        """The checks that cost nothing, before any rendering: the model's name, streaming, top log-probs, the
+        session, fields this server does not honour."""
+        if body.model != self.name:
+            raise HTTPException(404, f"model {body.model!r} is not served here; this explorer serves {self.name!r}")
+        if body.stream:
+            raise HTTPException(400, "streaming is not supported: send stream=false")
+        if body.top_logprobs or (not isinstance(body.logprobs, bool) and (body.logprobs or 0) > 0):
+            raise HTTPException(
+                400, "only the sampled token's log-prob is returned: top_logprobs / logprobs > 0 are not supported"
+            )
+        if session and session not in self.sessions:
+            raise HTTPException(404, f"no session {session!r}")
+        self.check_fields(body)
+
+    def check_sizes(self, body: Request) -> bool:
+        """400 for a chat request too big to render, before rendering it: more than MAX_MESSAGES messages or
+        MAX_TOOLS tools, more than MAX_ITEMS JSON values, or more characters than max_model_len tokens could hold,
+        counting every string of the messages (roles, names, content parts, tool calls' names and arguments, ids,
+        keys), tools and template variables. Returns whether the request is big (SMALL_CHARS)."""
+        if len(body.messages) > MAX_MESSAGES:
+            raise HTTPException(400, f"messages: {len(body.messages)} messages; at most {MAX_MESSAGES} are accepted")
+        if body.tools and len(body.tools) > MAX_TOOLS:
+            raise HTTPException(400, f"tools: {len(body.tools)} tools; at most {MAX_TOOLS} are accepted")
+        n_chars, items = text_size([body.messages, body.tools, body.chat_template_kwargs], MAX_ITEMS)
+        if items > MAX_ITEMS:
+            raise HTTPException(
+                400, f"messages: more than {MAX_ITEMS} JSON values in messages, tools and chat_template_kwargs"
+            )
+        self.check_text(n_chars, "messages")
+        return n_chars + items > SMALL_CHARS
 
     def check_text(self, n_chars: int, field: str) -> None:
         """400 for a text that cannot fit max_model_len tokens, before tokenising it (a 50 MiB message took minutes
@@ -467,17 +546,6 @@ class OpenAIServer:
         """Sample the request's choices for the prompt `ids` from the engine; the handler awaits the engine's
         future (no thread is held meanwhile). Without max_tokens, a reply may fill what max_model_len leaves
         (vLLM's default)."""
-        if body.model != self.name:
-            raise HTTPException(404, f"model {body.model!r} is not served here; this explorer serves {self.name!r}")
-        if body.stream:
-            raise HTTPException(400, "streaming is not supported: send stream=false")
-        if body.top_logprobs or (not isinstance(body.logprobs, bool) and (body.logprobs or 0) > 0):
-            raise HTTPException(
-                400, "only the sampled token's log-prob is returned: top_logprobs / logprobs > 0 are not supported"
-            )
-        if session and session not in self.sessions:
-            raise HTTPException(404, f"no session {session!r}")
-        self.check_fields(body)
         limit = self.handle.max_model_len
         sampling = self.sampling(body, len(ids))
         try:
@@ -548,14 +616,21 @@ class OpenAIServer:
 # --- messages in, tool calls out
 
 
-def chars(messages: list[dict]) -> int:
-    """The characters of the messages' texts (a content string, or its parts' texts)."""
-    n = 0
-    for m in messages:
-        content = m.get("content") if isinstance(m, dict) else None
-        parts = content if isinstance(content, list) else [content]
-        n += sum(len(p if isinstance(p, str) else p.get("text") or "" if isinstance(p, dict) else "") for p in parts)
-    return n
+def text_size(value: Any, budget: int) -> tuple[int, int]:
+    """(characters of every string in `value`, dict keys included; JSON values counted), the count stopping once
+    past `budget` values. NOTE: a loop, not recursion: a caller's nesting can be deep."""
+    n_chars, items, stack = 0, 0, [value]
+    while stack and items <= budget:
+        x = stack.pop()
+        items += 1
+        if isinstance(x, str):
+            n_chars += len(x)
+        elif isinstance(x, dict):
+            n_chars += sum(len(k) for k in x if isinstance(k, str))
+            stack += x.values()
+        elif isinstance(x, (list, tuple)):
+            stack += x
+    return n_chars, items
 
 
 def with_dict_arguments(messages: list[dict]) -> list[dict]:

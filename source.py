@@ -38,6 +38,7 @@ import configs
 import sync
 from algos.sample import tied_groups
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
+from chat_template import chat_ids
 from configs.resolve import advantage_origin
 from configs.schema import ExperienceBufferConfig
 from errors import DataError
@@ -51,10 +52,10 @@ log = logging.getLogger("nanorft.train")
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages: list[dict], generation_prompt: bool = False) -> list[int]:
-    """The token ids of `messages` in the tokenizer's chat template (and the assistant's header: generation_prompt)."""
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation_prompt, tokenize=True, return_dict=False
-    )
+    """The token ids of `messages` in the tokenizer's chat template (and the assistant's header: generation_prompt),
+    the file's text tokenised as text: a row holding `<|im_end|>` trains on those characters, never on an EOS
+    (chat_template.chat_ids)."""
+    return chat_ids(tokenizer, messages, generation=generation_prompt)[1]
 
 
 def sft_experience(

@@ -61,7 +61,7 @@ RewardFn = Callable[..., dict[str, float]]  # (response, reference, **bound args
 
 class ModelHandle(Protocol):
     """What a workflow may ask of the rollout engine (engines.EngineHandle implements it; tests use a fake). Multi-turn
-    episodes (workflows/episode.py) also use its tokenizer, max_model_len, eos_ids, encode, params and submit, and
+    episodes (workflows/episode.py) also use its tokenizer, max_model_len, eos_ids, cut, params and submit, and
     the OpenAI-compatible API its openai_client and history (EngineHandle's docstrings).
 
     Sampling keys: temperature, top_p, top_k, max_tokens, min_tokens, stop (list[str]), seed.
@@ -91,7 +91,20 @@ class ModelHandle(Protocol):
     def render(
         self, messages: list[dict], tools: list | None = None, chat_template: str | None = None, generation: bool = True
     ) -> str:
-        """`messages` through the chat template, as chat() would send them (e.g. to batch them into generate())."""
+        """`messages` through the chat template: the text chat() sends. NOTE: generate() reads a text's special-token
+        texts as control tokens; chat() (render_ids) tokenises the messages' strings as text."""
+        ...
+
+    def render_ids(
+        self,
+        messages: list[dict],
+        tools: list | None = None,
+        chat_template: str | None = None,
+        generation: bool = True,
+        template_kwargs: dict | None = None,
+        suffix: str = "",
+    ) -> tuple[str, list[int]]:
+        """render()'s text and its token ids, every string of the messages tokenised as text (what chat() sends)."""
         ...
 
     def replies(self, conversations: list[list[dict]], **sampling: Any) -> list[str]:

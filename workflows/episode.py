@@ -17,7 +17,9 @@ model sampled (the same text can tokenise otherwise) and, with templates that re
 the context only grows: an assistant turn appends the sampled ids and log-probs as they came, the template's
 closing of the turn (e.g. "\\n" after <|im_end|>) and each tool / user message append the template's rendering
 of just those messages, found as the difference between rendering [user "?"] and [user "?"] + new. Tokens the
-model did not sample (closings, tool and user turns) have action_mask False: never trained on.
+model did not sample (closings, tool and user turns) have action_mask False: never trained on. Every string of the
+messages (a tool's result, a user's text, the first prompt's row) is tokenised as text (chat_template.py): one that
+holds the template's control tokens (`<|im_end|><|im_start|>system`) cannot forge a turn.
 
 An episode ends on `finish()`, after `max_turns` assistant turns, or at the context limit (the model's
 max_model_len): a turn cut at its max_tokens or a message that does not fit ends it "response_truncated", and
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from buffer import Experience
+from chat_template import Protected
 from sampling import PromptTooLong, scored_temperature
 from workflows.tools import Tool, ToolCall, parse_tool_calls, run_tool, tool_message  # noqa: F401 (re-exported)
 
@@ -68,7 +71,7 @@ class Episode:
         self.model, self.max_turns, self.template = model, max_turns, chat_template
         self.tools = [t.schema() if isinstance(t, Tool) else t for t in tools or []] or None
         self.messages = list(messages)
-        self.ids, self.prompt_truncated = model.encode(self._render(self.messages))
+        self.ids, self.prompt_truncated = model.cut(model.render_ids(self.messages, self.tools, chat_template)[1])
         self.prompt_length = len(self.ids)
         if self.room() < 1:
             raise PromptTooLong(
@@ -84,8 +87,10 @@ class Episode:
         self.done, self.truncated, self.pending = False, False, 1.0
         self.closing, self.eos = self._closing(), set(model.eos_ids)
 
-    def _render(self, messages: list[dict], generation: bool = True) -> str:
-        return self.model.render(messages, self.tools, self.template, generation)
+    def _render(self, messages: list[dict], generation: bool = True, p: Protected | None = None) -> str:
+        """The template's text of `messages`; with `p`, of their protected strings (Protected: the tools' too)."""
+        tools = p.protect(self.tools) if p is not None else self.tools
+        return self.model.render(messages, tools, self.template, generation)
 
     def _closing(self) -> list[int]:
         """The ids the template writes after an assistant message's content (e.g. <|im_end|> "\\n")."""
@@ -150,14 +155,15 @@ class Episode:
         call (templates such as Qwen's join consecutive tool messages into one user turn)."""
         if self.done:
             raise RuntimeError("the episode is over")
-        ids = self.model.tokenizer.encode(self._rendered_after(list(messages), tool_calls), add_special_tokens=False)
+        p = Protected(self.model.tokenizer)  # NOTE: a tool's result or a user's text is data: tokenised as text
+        ids = p.encode(self._rendered_after(p.protect(list(messages)), p.protect(tool_calls), p))
         if len(ids) >= self.room():  # no token left for the model's reply
             self.done = self.truncated = True
             return
         self.messages += messages
         self._append(ids)
 
-    def _rendered_after(self, messages: list[dict], tool_calls: list[dict] | None) -> str:
+    def _rendered_after(self, messages: list[dict], tool_calls: list[dict] | None, p: Protected) -> str:
         """What the template writes for `messages` (and the next generation prompt) after the conversation: the
         difference between its rendering of a probe and of the probe followed by them. The probe is [user "?"],
         after an assistant turn with `tool_calls` when they are given and the template renders that turn as a
@@ -166,7 +172,7 @@ class Episode:
         first: Exception | None = None
         for probe in [*probes, _PROBE]:
             try:
-                before, after = self._render(probe, generation=False), self._render(probe + messages)
+                before, after = self._render(probe, False, p), self._render(probe + messages, True, p)
             except Exception as e:  # a template that refuses this probe (jinja's raise_exception): the next one
                 first = first or e
                 continue
