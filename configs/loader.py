@@ -38,7 +38,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from algos import REGISTRIES
 from configs.checks import check_ranges, shown_value
-from configs.schema import Config, check_plain
+from configs.schema import Config, bounded_yaml, check_plain
 from errors import ConfigError
 
 log = logging.getLogger("nanorft.config")
@@ -92,12 +92,13 @@ class _CUniqueKeyLoader(_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoade
 
 
 def load_yaml(text: str) -> Any:
-    """yaml.load with _UniqueKeyLoader. NOTE: libyaml's parser first, and what it refuses again with PyYAML's: an
-    error (or a document only PyYAML reads) is PyYAML's, as it always was."""
+    """yaml.load with _UniqueKeyLoader, a self-containing document or one its aliases expand past a bound refused
+    before it is built (schema.check_expansion: a ConfigError without the file). NOTE: libyaml's parser first, and
+    what it refuses again with PyYAML's: an error (or a document only PyYAML reads) is PyYAML's, as it always was."""
     try:
-        return yaml.load(text, Loader=_CUniqueKeyLoader)  # NOTE: SafeLoaders: no Python objects built
+        return bounded_yaml(text, _CUniqueKeyLoader)  # NOTE: SafeLoaders: no Python objects built
     except (yaml.YAMLError, _Duplicate, UnicodeError):
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return bounded_yaml(text, _UniqueKeyLoader)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -114,6 +115,10 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
         raw = load_yaml(text) or {}
+    except ConfigError as e:  # check_expansion's: aliases, nesting
+        raise ConfigError(f"{path}: {e}") from None
+    except RecursionError:  # NOTE: PyYAML's own parser recurses per level, before check_expansion sees the document
+        raise ConfigError(f"{path}: nested too deeply (mappings or lists inside one another)") from None
     except _Duplicate as e:
         key, line, first = e.args
         raise ConfigError(
