@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
 import random
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +27,9 @@ from tqdm import tqdm
 from errors import DataError
 
 if TYPE_CHECKING:  # annotations only: importing tasksets must not pull in the config loader and algos/
-    from configs.schema import BufferConfig, FormatConfig, GenerationConfig, TasksetConfig
+    from configs.schema import BufferConfig, FormatConfig, GenerationConfig, ModelConfig, TasksetConfig
+
+log = logging.getLogger("nanorft.tasksets")
 
 
 @dataclasses.dataclass
@@ -57,11 +62,52 @@ class Task:
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+# The longest line of a line-based data file (.jsonl, .csv), in bytes: one row. A longer line is refused before
+# `datasets` reads the file: its JSON reader grows its block until a line fits, so a line without end (a file
+# still being written, /dev/zero copied) was an unbounded read. A prompt this long is cut anyway (prompt_bound).
+MAX_LINE_BYTES = 64 << 20
+_KINDS = {
+    stat.S_ISDIR: "a directory",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISFIFO: "a FIFO (named pipe)",
+    stat.S_ISSOCK: "a socket",
+}
+
+
+def regular_file(f: Path) -> Path:
+    """`f` when it is a regular file (or a symlink to one), else a DataError naming it and what it is: /dev/zero
+    reads without end (all memory), a FIFO blocks the reader until someone writes, a directory is not a file."""
+    try:
+        mode = f.stat().st_mode
+    except OSError as e:
+        raise DataError(f"{f}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if stat.S_ISREG(mode):
+        return f
+    kind = next((name for test, name in _KINDS.items() if test(mode)), "not a regular file")
+    link = f" (a link to {os.path.realpath(f)})" if f.is_symlink() else ""
+    raise DataError(f"{f}{link} is {kind}, not a data file: point the path at a regular file (or its folder)")
+
+
+def check_lines(f: Path) -> None:
+    """DataError naming the file and the line when a line is longer than MAX_LINE_BYTES; each line is read with
+    that bound (a line without end is never held whole)."""
+    limit = MAX_LINE_BYTES
+    with open(f, "rb") as fh:
+        for n, line in enumerate(iter(lambda: fh.readline(limit + 1), b""), start=1):
+            if len(line) > limit:
+                raise DataError(
+                    f"{f}: line {n}: longer than {limit:,} bytes (tasksets.MAX_LINE_BYTES): one row per line, "
+                    "and a row this long is no prompt; cut it or drop the row"
+                )
+
+
 def find_data_files(path: str, subset_name: str | None, split: str) -> list[Path]:
-    """Files of one split: a single file, or <path>[/<subset>][/data]/<split>[-*].<ext> (Hugging Face layout)."""
+    """Files of one split: a single file, or <path>[/<subset>][/data]/<split>[-*].<ext> (Hugging Face layout).
+    Only regular files (or links to them) are data files: anything else is a DataError naming it (regular_file)."""
     p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
+    if p.exists() and not p.is_dir():
+        return [regular_file(p)]
     root = p / subset_name if subset_name else p
     if subset_name and not root.is_dir():
         raise DataError(f"{p}: no sub-folder {subset_name!r} for subset_name")
@@ -69,7 +115,7 @@ def find_data_files(path: str, subset_name: str | None, split: str) -> list[Path
         patterns = [pat for ext in _BUILDERS for pat in (f"{split}{ext}", f"{split}-*{ext}", f"{split}_*{ext}")]
         files = sorted(f for pat in patterns for f in folder.glob(pat))
         if files:
-            return files
+            return [regular_file(f) for f in files]
     raise DataError(
         f"{root}: no {split!r} split (looked for {split}.jsonl/.json/.parquet/.csv and {split}-*.* here and in data/)"
     )
@@ -84,6 +130,8 @@ def read_rows(path: str, subset_name: str | None = None, split: str = "train") -
     if Path(path).expanduser().exists():
         rows = []
         for f in find_data_files(path, subset_name, split):
+            if f.suffix in (".jsonl", ".csv"):
+                check_lines(f)
             try:
                 ds = datasets.load_dataset(_BUILDERS.get(f.suffix, "json"), data_files=str(f), split="train")
                 rows += [(str(f), i, row) for i, row in enumerate(ds)]  # NOTE: bad bytes surface here, not above
@@ -121,8 +169,7 @@ def bad_json(f: Path) -> str:
     """'line N: why' for a .json file that is not one JSON document: JSON lines (`datasets` reads both) are checked
     line by line (`bad_line`); '' when it is valid JSON."""
     try:
-        json.loads(f.read_text(encoding="utf-8"))
-        return ""
+        return lone_surrogate(json.loads(f.read_text(encoding="utf-8")), "")
     except UnicodeDecodeError:
         return bad_line(f)
     except json.JSONDecodeError as e:
@@ -151,7 +198,23 @@ def bad_line(f: Path) -> str:
                 return f"line {n}: not valid JSON ({e.msg} at column {e.colno})"
             if not isinstance(value, dict):
                 return f"line {n}: a JSON {type(value).__name__}, not an object (one row per line)"
+            if lone_surrogate(value, f"line {n}: "):
+                return lone_surrogate(value, f"line {n}: ")
     return ""
+
+
+def lone_surrogate(value: Any, where: str) -> str:
+    """'<where>a lone surrogate ...' when a string of a parsed JSON value holds half of a UTF-16 pair (`"\\ud800"`
+    escaped alone: JSON allows it, text cannot hold it, and pyarrow's error names no line); '' otherwise."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+        return ""
+    except UnicodeEncodeError as e:
+        return (
+            f"{where}a lone surrogate \\u{ord(text[e.start]):04x} (half of a UTF-16 pair, escaped alone) in a "
+            "string: not text; fix or drop the row"
+        )
 
 
 _ABSENT = object()  # what `row_value` gives for a column a row does not have (None is a null value)

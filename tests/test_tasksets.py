@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import datasets
 import huggingface_hub
 import pytest
 
+import tasksets
 from configs import derive, from_dict
 from configs.schema import BufferConfig, Config, FormatConfig, TasksetConfig
 from tasksets import (
@@ -202,6 +205,11 @@ def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
         (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 29)"),  # its end
         (b'{"question": "x\xff", "answer": "2"}\n', "line 3: not UTF-8 (byte 0xff at byte 16)"),
         (b"[1, 2]\n", "line 3: a JSON list, not an object (one row per line)"),
+        (  # issue 46: pyarrow's "Trailing data at position 34", no line
+            b'{"question": "x\\ud800", "answer": "2"}\n',
+            "line 3: a lone surrogate \\ud800 (half of a UTF-16 pair, escaped alone) in a string: not text; fix or "
+            "drop the row",
+        ),
     ],
 )
 def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
@@ -235,6 +243,63 @@ def test_a_file_that_cannot_be_read_says_why(tmp_path, name, data, named):
     with pytest.raises(DataError) as e:
         read_rows(str(tmp_path))
     assert str(e.value).startswith(f"{tmp_path / name}: {named}")
+
+
+def _not_a_file(kind: str, where: Path) -> None:
+    """Make `where` a thing that is not a regular file: a link to /dev/zero, a FIFO, a socket, a directory."""
+    if kind == "dev-zero":
+        where.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(where)
+    elif kind == "socket":
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(where))
+        sock.close()  # the socket file stays
+    else:
+        where.mkdir()
+
+
+@pytest.mark.parametrize(
+    "kind, what, named",
+    [
+        (kind, what, named)
+        for kind, what in [
+            ("dev-zero", " (a link to /dev/zero) is a character device"),
+            ("fifo", " is a FIFO (named pipe)"),
+            ("socket", " is a socket"),
+            ("directory", " is a directory"),
+        ]
+        for named in ("as the path", "in a folder")
+        if (kind, named) != ("directory", "as the path")  # a folder given as the path is a Hugging Face layout
+    ],
+)
+def test_only_regular_files_are_read_as_data(tmp_path, kind, what, named):
+    """Issue 46: a train.jsonl that is a link to /dev/zero ate all memory, a FIFO hung the explorer. Each is a
+    DataError naming the path and what it is, before anything is read; a link to a regular file still reads."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    target = folder / "train.jsonl"
+    _not_a_file(kind, target)
+    with pytest.raises(DataError) as e:
+        read_rows(str(target if named == "as the path" else folder))
+    assert str(e.value).startswith(f"{target}{what}, not a data file: point the path at a regular file")
+    write_jsonl(tmp_path / "real.jsonl", rows(2))
+    (tmp_path / "linked.jsonl").symlink_to(tmp_path / "real.jsonl")
+    assert [r["question"] for _, _, r in read_rows(str(tmp_path / "linked.jsonl"))] == ["q0", "q1"]
+
+
+def test_a_line_longer_than_the_limit_is_named_before_it_is_read_whole(tmp_path, monkeypatch):
+    """A JSONL line (or a CSV's) is read with a bound: one over tasksets.MAX_LINE_BYTES is a DataError with the file
+    and the line number; lines within it read as before."""
+    monkeypatch.setattr(tasksets, "MAX_LINE_BYTES", 1000)
+    path = write_jsonl(tmp_path / "train.jsonl", [*rows(1), {"question": "x" * 2000, "answer": "1"}, *rows(1)])
+    with pytest.raises(DataError, match=r"train.jsonl: line 2: longer than 1,000 bytes \(tasksets.MAX_LINE_BYTES\)"):
+        read_rows(str(path))
+    (tmp_path / "t.csv").write_text("question,answer\n" + "y" * 1200 + ",1\n")
+    with pytest.raises(DataError, match="t.csv: line 2: longer than 1,000 bytes"):
+        read_rows(str(tmp_path / "t.csv"))
+    write_jsonl(path, [*rows(1), {"question": "x" * 900, "answer": "1"}])
+    assert len(read_rows(str(path))) == 2
 
 
 def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import(tmp_path):
