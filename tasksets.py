@@ -53,6 +53,7 @@ class Task:
     is_eval: bool = False
     chat_template: str = ""  # format.chat_template: renders this task's prompt instead of the tokenizer's
     reply_prefix: str | None = None  # format.reply_prefix: text the assistant turn starts with
+    prompt_cut: int = 0  # characters its messages had before load_tasks cut them (PromptBound); 0: not cut
 
     @property
     def task_id(self) -> str:
@@ -387,14 +388,88 @@ def named(row: dict, key: str | None, listed: str | None, where: str, kind: str)
     return value
 
 
-def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
-    """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row."""
-    tasks = []
+# Characters per token that no real text exceeds on average (English ~4, code ~3-10): a prompt of more than
+# CHARS_PER_TOKEN x max_prompt_tokens characters is over max_prompt_tokens tokens, and is cut by characters before
+# it is ever tokenised (a 10 MB question was tokenised whole, then cut to its last tokens).
+CHARS_PER_TOKEN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBound:
+    """How long a task's prompt may be, in characters, before it is tokenised (prompt_bound)."""
+
+    chars: int  # the text of its messages, all together
+    tokens: int  # the token limit it is derived from (model.max_prompt_tokens, else max_model_len)
+    truncate: bool  # model.enable_prompt_truncation: cut a longer prompt (else drop its task)
+
+
+def prompt_bound(model: ModelConfig) -> PromptBound | None:
+    """The explorer's bound on a prompt's characters: CHARS_PER_TOKEN per token of model.max_prompt_tokens (or, unset,
+    max_model_len); None when neither is set. A prompt over it is over the token limit too, so load_tasks does to it
+    what the engine would do after tokenising (EngineHandle.encode): keep its end (the engine keeps the last tokens;
+    its experiences are marked prompt_truncated, no loss) or, with enable_prompt_truncation off, drop its task
+    (PromptTooLong)."""
+    tokens = model.max_prompt_tokens or model.max_model_len
+    return PromptBound(CHARS_PER_TOKEN * tokens, tokens, model.enable_prompt_truncation) if tokens else None
+
+
+def cut_messages(messages: list[dict], chars: int) -> list[dict]:
+    """`messages` keeping their last `chars` characters of content (the end is what the engine's cut keeps: the
+    last turn and the generation prompt); earlier contents are emptied, every role stays."""
+    out, left = [], chars
+    for m in reversed(messages):
+        content = m["content"][max(0, len(m["content"]) - left) :]
+        left -= len(content)
+        out.append({**m, "content": content})
+    return out[::-1]
+
+
+def _bounded(f: dict, bound: PromptBound | None) -> tuple[dict, int]:
+    """(the formatted row with its messages cut to `bound`, the characters they had) when they are over it; the row
+    and 0 when not."""
+    chars = sum(len(m["content"]) for m in f["messages"])
+    if bound is None or chars <= bound.chars:
+        return f, 0
+    msgs = cut_messages(f["messages"], bound.chars)
+    return {**f, "messages": msgs, "prompt": None if f["prompt"] is None else msgs[-1]["content"]}, chars
+
+
+def _warn_bounded(ts: TasksetConfig, bound: PromptBound, over: list[tuple[str, int]]) -> None:
+    """One warning per taskset naming the prompts over `bound` ((where, characters) of each) and what was done."""
+    first, chars = over[0]
+    what = (
+        f"cut to their last {bound.chars:,} characters before tokenising (their experiences are marked "
+        "prompt_truncated: no loss, as the engine's cut)"
+        if bound.truncate
+        else "dropped, as model.enable_prompt_truncation is off (PromptTooLong)"
+    )
+    log.warning(
+        "taskset %s: %d prompt(s) longer than %s characters (tasksets.CHARS_PER_TOKEN %d x %d tokens, "
+        "model.max_prompt_tokens) were %s; the first: %s (%s characters)",
+        ts.name,
+        len(over),
+        f"{bound.chars:,}",
+        CHARS_PER_TOKEN,
+        bound.tokens,
+        what,
+        first,
+        f"{chars:,}",
+    )
+
+
+def load_tasks(ts: TasksetConfig, is_eval: bool = False, bound: PromptBound | None = None) -> list[Task]:
+    """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row. A prompt over `bound`
+    (prompt_bound) is cut, or its task dropped, with one warning for the taskset."""
+    tasks, over = [], []
     rows = read_rows(ts.path, ts.subset_name, ts.split)
     bar = tqdm(rows, desc=f"taskset {ts.name}", unit=" rows", disable=not ts.enable_progress_bar)
     for index, (file, rownum, row) in enumerate(bar):
         where = f"taskset {ts.name}: {file}: row {rownum}"
-        f = format_row(row, ts.format, where)
+        f, cut = _bounded(format_row(row, ts.format, where), bound)
+        if cut:
+            over.append((f"{file}: row {rownum}", cut))
+            if not bound.truncate:  # type: ignore[union-attr]
+                continue
         fmt = ts.format
         tasks.append(
             Task(
@@ -415,10 +490,14 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
                 is_eval=is_eval,
                 chat_template=fmt.chat_template,
                 reply_prefix=fmt.reply_prefix,
+                prompt_cut=cut,
             )
         )
+    if over:
+        _warn_bounded(ts, bound, over)  # type: ignore[arg-type]
     if not tasks:
-        raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows")
+        dropped = f" once the {len(over)} over-long prompt(s) were dropped" if over else ""
+        raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows{dropped}")
     return tasks
 
 
@@ -442,8 +521,8 @@ class TaskReader:
     sampling with replacement), and tasksets are interleaved in proportion to their sizes.
     """
 
-    def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1) -> None:
-        self.sets = [(ts, load_tasks(ts)) for ts in tasksets]
+    def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1, bound: PromptBound | None = None) -> None:
+        self.sets = [(ts, load_tasks(ts, bound=bound)) for ts in tasksets]
         self.total_epochs = total_epochs
         self.epoch, self.index = 0, 0
         self._order: tuple[int, list[tuple[int, int]]] | None = None

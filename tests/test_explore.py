@@ -631,3 +631,12 @@ def test_dynamic_sampling_runs_more_tasks_until_the_step_has_varied_groups(
     assert tuple(got[f"rollout/dynamic_sampling/{k}"] for k in keys) == metrics
     assert x.reader.index == len(ran)
     assert (note is None and not caplog.text) or "dynamic sampling: step 7 has" in caplog.text and note in caplog.text
+
+
+def test_the_experiences_of_a_task_whose_prompt_was_cut_as_read_are_marked_prompt_truncated():
+    """A prompt cut by characters as it was read (tasksets.prompt_bound) gets no loss, as the engine's own cut."""
+    exps = [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0) for _ in range(2)]
+    explore.stamp(exps, make_task(prompt_cut=5_000_000), "e")
+    assert [x.truncate_status for x in exps] == ["prompt_truncated"] * 2
+    explore.stamp(more := [Experience(tokens=torch.tensor([1, 2]), prompt_length=1, reward=0.0)], make_task(), "e")
+    assert more[0].truncate_status is None

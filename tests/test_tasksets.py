@@ -302,6 +302,57 @@ def test_a_line_longer_than_the_limit_is_named_before_it_is_read_whole(tmp_path,
     assert len(read_rows(str(path))) == 2
 
 
+def test_a_prompt_over_the_character_bound_is_cut_before_tokenising_and_named(tmp_path, caplog):
+    """Issue 46: a 10 MB question was tokenised whole, then cut to its last max_prompt_tokens tokens. A prompt over
+    CHARS_PER_TOKEN x max_prompt_tokens characters is cut as it is read, keeping its end (what the engine's cut keeps),
+    and marked (prompt_cut: its experiences get prompt_truncated); one warning names the taskset and the first row."""
+    big = "x" * 2_000_000 + " the end: what is 2+2?"
+    write_jsonl(tmp_path / "train.jsonl", [*rows(1), {"question": big, "answer": "4"}, *rows(1)])
+    ts = dataclasses.replace(
+        taskset(tmp_path), format=FormatConfig(prompt_key="question", response_key="answer", system_prompt="Be brief.")
+    )
+    bound = tasksets.PromptBound(chars=32 * 64, tokens=64, truncate=True)
+    with caplog.at_level("WARNING", logger="nanorft.tasksets"):
+        start = time.monotonic()
+        tasks = load_tasks(ts, bound=bound)
+        assert time.monotonic() - start < 30
+    cut = tasks[1]
+    assert [m["role"] for m in cut.messages] == ["system", "user"]  # every role stays
+    assert sum(len(m["content"]) for m in cut.messages) == 32 * 64 and cut.messages[0]["content"] == ""
+    assert cut.prompt == cut.messages[-1]["content"] and cut.prompt.endswith(" the end: what is 2+2?")
+    assert cut.prompt_cut == len(big) + len("Be brief.") and [t.prompt_cut for t in (tasks[0], tasks[2])] == [0, 0]
+    assert tasks[0].messages[-1]["content"] == "q0"  # the others as they were
+    assert (
+        f"taskset {ts.name}: 1 prompt(s) longer than 2,048 characters (tasksets.CHARS_PER_TOKEN 32 x 64 tokens, "
+        "model.max_prompt_tokens) were cut to their last 2,048 characters before tokenising (their experiences are "
+        f"marked prompt_truncated: no loss, as the engine's cut); the first: {tmp_path / 'train.jsonl'}: row 1 "
+        "(2,000,031 characters)" in caplog.text
+    )
+
+
+def test_with_prompt_truncation_off_an_over_long_prompt_drops_its_task_by_name(tmp_path, caplog):
+    """enable_prompt_truncation off: the engine would fail the task (PromptTooLong); it is dropped as it is read,
+    with a warning naming it, the other tasks keep their row index."""
+    write_jsonl(tmp_path / "train.jsonl", [*rows(1, "a"), {"question": "y" * 5000, "answer": "4"}, *rows(2, "b")])
+    bound = tasksets.PromptBound(chars=1000, tokens=100, truncate=False)
+    with caplog.at_level("WARNING", logger="nanorft.tasksets"):
+        tasks = load_tasks(taskset(tmp_path), bound=bound)
+    assert [t.index for t in tasks] == [0, 2, 3] and [t.prompt for t in tasks] == ["a0", "b0", "b1"]
+    assert "were dropped, as model.enable_prompt_truncation is off (PromptTooLong); the first: " in caplog.text
+    write_jsonl(tmp_path / "train.jsonl", [{"question": "y" * 5000, "answer": "4"}])
+    with pytest.raises(DataError, match="has no rows once the 1 over-long prompt"):
+        load_tasks(taskset(tmp_path), bound=bound)
+
+
+def test_the_prompt_bound_follows_the_models_token_limits():
+    """prompt_bound: CHARS_PER_TOKEN characters per token of model.max_prompt_tokens (else max_model_len)."""
+    model = {"model_path": "m", "max_prompt_tokens": 100, "max_response_tokens": 8}
+    cfg = derive(from_dict(Config, {"mode": "train", "model": model}))
+    assert tasksets.prompt_bound(cfg.model) == tasksets.PromptBound(3200, 100, True)
+    cfg.model.enable_prompt_truncation = False
+    assert tasksets.prompt_bound(cfg.model) == tasksets.PromptBound(3200, 100, False)
+
+
 def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import(tmp_path):
     """format.workflow_key / reward_fn_key: a row may name a registered workflow or reward function, or the one the
     YAML gives the taskset; a row naming code (a file or module:attr) is refused by name, and that code never runs."""
