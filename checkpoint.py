@@ -64,15 +64,13 @@ def save_checkpoint(
     trained_with: dict[str, str] | None = None,
 ) -> None:
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
-    then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
-    `model` (and the critic's) is the trainer's FSDP2 root, a scoring.TokenScorer: its `.model` is the HF model.
-    `weights`: the full state when the sync phase just published this step's HF folder (else None);
-    `keep`: delete older checkpoints beyond this many (prune_checkpoints: never one an explorer may be loading);
-    `state`: small JSON trainer state (e.g. the adaptive KL coefficient) kept in actor/trainer_state.json;
-    `trained_with`: the settings a resume must not change (`trained_with`), kept beside it (`check_resume`). Every rank
-    must call it. A full or failing disk ends it in a StorageError, the previous checkpoint and its pointer as they
-    were.
+    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic); then
+    latest_checkpointed_iteration.txt and trainer_meta.json move to <step>. `model` (and the critic's): the trainer's
+    FSDP2 root, a scoring.TokenScorer (`.model`: the HF model). `weights`: the full state when the sync phase just
+    published this step's HF folder (else None); `keep`: delete older checkpoints beyond this many (prune_checkpoints:
+    never one an explorer may be loading); `state` (small JSON trainer state: the adaptive KL coefficient) and
+    `trained_with` (what a resume must not change: check_resume) go in actor/trainer_state.json. Every rank must call
+    it. A full or failing disk ends it in a StorageError, the previous checkpoint and its pointer as they were.
     NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
     with storage(f"cannot save checkpoint step {step} in {job}", job, lambda: _checkpoint_kept(job)):

@@ -377,20 +377,8 @@ class PostgresLink:
                     "back. Free space (or repair the disk) on the server, or restore the database from a "
                     "backup, then run again: the run continues from what the DB holds"
                 ) from None
-            except psycopg.errors.LockNotAvailable as e:
-                raise DBBusy(
-                    f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
-                    f"holds ({_reason(e)}); nothing of the waiting transaction was written. Find the session "
-                    "(pg_stat_activity, pg_locks), end it, then run again: the run continues from what the DB holds"
-                ) from None
-            except psycopg.errors.QueryCanceled as e:
-                raise DBBusy(
-                    f"{self.path}: the server cancelled a statement ({_reason(e)}): the statement_timeout of this "
-                    "role, database or URL (options=-c statement_timeout=...) is shorter than the experience DB's "
-                    "statements, or an administrator cancelled it; nothing of the transaction was written. Raise "
-                    "or unset statement_timeout for this DB (ALTER ROLE <user> SET statement_timeout = 0), then "
-                    "run again: the run continues from what the DB holds"
-                ) from None
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as e:
+                raise self._busy(e) from None
             except psycopg.OperationalError as e:
                 if not self.conn.broken:
                     raise
@@ -404,6 +392,23 @@ class PostgresLink:
                     "%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path, _reason(e)
                 )
                 retried = True
+
+    def _busy(self, e: Exception) -> DBBusy:
+        """The DBBusy of a lock waited for past the busy timeout (lock_timeout: LockNotAvailable) or of a statement
+        the server cancelled (statement_timeout, pg_cancel_backend: QueryCanceled)."""
+        if type(e).__name__ == "LockNotAvailable":
+            return DBBusy(
+                f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session holds "
+                f"({_reason(e)}); nothing of the waiting transaction was written. Find the session (pg_stat_activity, "
+                "pg_locks), end it, then run again: the run continues from what the DB holds"
+            )
+        return DBBusy(
+            f"{self.path}: the server cancelled a statement ({_reason(e)}): the statement_timeout of this role, "
+            "database or URL (options=-c statement_timeout=...) is shorter than the experience DB's statements, or "
+            "an administrator cancelled it; nothing of the transaction was written. Raise or unset statement_timeout "
+            "for this DB (ALTER ROLE <user> SET statement_timeout = 0), then run again: the run continues from what "
+            "the DB holds"
+        )
 
     def _reopen(self) -> Any:
         """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds)."""
