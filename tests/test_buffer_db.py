@@ -877,6 +877,8 @@ def _read_only(folder: Path) -> Iterator[Path]:
             yield folder
         finally:
             folder.chmod(0o755)
+            for p in folder.iterdir():
+                p.chmod(0o644)
         return
     view = folder.parent / (folder.name + "-ro")
     view.mkdir()

@@ -252,9 +252,13 @@ def _not_a_file(kind: str, where: Path) -> None:
     elif kind == "fifo":
         os.mkfifo(where)
     elif kind == "socket":
-        sock = socket.socket(socket.AF_UNIX)
-        sock.bind(str(where))
-        sock.close()  # the socket file stays
+        sock, cwd = socket.socket(socket.AF_UNIX), os.getcwd()
+        os.chdir(where.parent)  # NOTE: bound by its relative name: a socket's path is limited to ~107 bytes
+        try:
+            sock.bind(where.name)
+        finally:
+            os.chdir(cwd)
+            sock.close()  # the socket file stays
     else:
         where.mkdir()
 
