@@ -926,6 +926,20 @@ def test_yaml_aliases_that_expand_without_bound_or_contain_themselves_are_refuse
     assert str(e.value).startswith(f"{path}: ") and says in str(e.value)
 
 
+def test_a_config_that_is_a_fifo_a_device_or_too_large_is_named_without_reading_it(tmp_path, monkeypatch):
+    """A FIFO blocked the read, /dev/zero never ended it: named, as --config and as a file the config names (read
+    with read_yaml: trainer.trainer_config_path), as is a file over loader.MAX_YAML_BYTES."""
+    os.mkfifo(tmp_path / "c.fifo")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    for path, says in ((tmp_path / "c.fifo", "a FIFO"), (tmp_path / "zero.yaml", "a device")):
+        for read in (read_yaml, lambda p: cli(["--config", str(p)])):
+            with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {says}, not a regular file"):
+                read(path)
+    monkeypatch.setattr(loader, "MAX_YAML_BYTES", 100)
+    with pytest.raises(ConfigError, match=r"c.yaml: 130 bytes, over 100; a config is a few KB of YAML"):
+        read_yaml(write(tmp_path, "project: " + "x" * 120 + "\n"))
+
+
 def test_yaml_aliases_within_the_bounds_still_load(tmp_path):
     """What a config uses aliases for (a shared block, a merge key) loads as before, each use its own copy."""
     cfg = read_yaml(write(tmp_path, "a: &x {k: [1, 2]}\nb: *x\nc: {<<: *x, j: 2}\nd: [*x, *x]\n"))
