@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import re
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,7 +171,11 @@ def bad_json(f: Path) -> str:
     """'line N: why' for a .json file that is not one JSON document: JSON lines (`datasets` reads both) are checked
     line by line (`bad_line`); '' when it is valid JSON."""
     try:
-        return lone_surrogate(json.loads(f.read_text(encoding="utf-8")), "")
+        text = f.read_text(encoding="utf-8")
+        if lone_surrogate(json.loads(text), ""):
+            n = next((n for n, line in enumerate(text.splitlines(), 1) if _LONE_ESCAPE.search(line)), 0)
+            return lone_surrogate(json.loads(text), f"line {n}: " if n else "")
+        return ""
     except UnicodeDecodeError:
         return bad_line(f)
     except json.JSONDecodeError as e:
@@ -202,6 +207,12 @@ def bad_line(f: Path) -> str:
             if lone_surrogate(value, f"line {n}: "):
                 return lone_surrogate(value, f"line {n}: ")
     return ""
+
+
+# A JSON escape of half a UTF-16 pair without its other half (to find the line of a lone surrogate in a document)
+_LONE_ESCAPE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
 
 
 def lone_surrogate(value: Any, where: str) -> str:

@@ -230,6 +230,12 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
         ),
         ("train.json", b'[{"question": "a", "answer": "1"},\n {"question": "b"\n', "line 3: not valid JSON"),
         ("train.json", b'{"question": "a", "answer": "1"}\n[1, 2]\n', "line 2: a JSON list, not an object"),
+        (
+            "train.json",  # issue 46: a lone surrogate in a JSON document (a paired one on line 2 is text)
+            b'[{"question": "a", "answer": "1"},\n {"question": "\\ud83d\\ude00", "answer": "1"},\n'
+            b' {"question": "b\\udc00", "answer": "2"}]\n',
+            "line 3: a lone surrogate \\udc00 (half of a UTF-16 pair, escaped alone) in a string",
+        ),
         ("train.jsonl", b"", "empty: no rows"),
         ("train.jsonl", b"\n\n", "empty: no rows"),
         ("train.csv", b"", "empty: no rows"),
