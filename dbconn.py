@@ -155,7 +155,7 @@ def sqlite_path(url: str) -> str:
 _NEW = "point buffer.trainer_input.experience_buffer.path at a new file (nothing was changed)"
 
 
-def refuse_foreign(path: str) -> None:
+def refuse_foreign(path: str, busy_timeout: float = 5.0) -> None:
     """DBMismatch, before anything is written, when `path` cannot hold this experience DB: a directory, a file that
     is not SQLite, a damaged one (garbage after the header, cut short), or another program's SQLite database (tables
     but no meta table, or a meta table of other columns). A path under a file is open_sqlite's to name (its folders
@@ -184,14 +184,15 @@ def refuse_foreign(path: str) -> None:
             "to a writable place and point buffer.trainer_input.experience_buffer.path at the copy, then run again"
         )
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # read-only: a foreign file stays as it is
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=busy_timeout)  # a foreign file stays as is
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             meta = {r[1]: r[5] for r in conn.execute("PRAGMA table_info(meta)")}  # column -> part of the primary key
         finally:
             conn.close()
     except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed", ...
-        raise DBMismatch(f"{path} is a damaged SQLite database ({e}); {_NEW}") from None
+        busy = sqlite_busy(e, path, busy_timeout, "reading its tables")  # another process's lock: not damage
+        raise busy or DBMismatch(f"{path} is a damaged SQLite database ({e}); {_NEW}") from None
     if tables and "meta" not in tables:
         raise DBMismatch(
             f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); {_NEW}"
@@ -218,7 +219,7 @@ def read_only(path: str) -> str:
 
 def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
     """A connection to the SQLite file at `path` (created if missing), in WAL mode."""
-    refuse_foreign(path)
+    refuse_foreign(path, busy_timeout)
     try:
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -227,6 +228,8 @@ def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # NOTE: connect() alone opens no file yet
     except (OSError, sqlite3.Error) as e:  # a read-only place (/proc), no permission, a file where a folder goes
+        if isinstance(e, sqlite3.Error) and sqlite_busy(e, path, busy_timeout, "opening it"):
+            raise sqlite_busy(e, path, busy_timeout, "opening it") from None  # type: ignore[misc]
         raise DBMismatch(
             f"cannot open or create the experience DB {path} ({e}): point "
             "buffer.trainer_input.experience_buffer.path at a file in a folder this process may write"

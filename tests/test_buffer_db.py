@@ -852,6 +852,22 @@ def test_sqlite_database_is_locked_past_the_busy_timeout_is_named(tmp_path) -> N
     db.close()
 
 
+def test_opening_a_sqlite_db_another_process_holds_locked_is_busy_not_damaged(tmp_path) -> None:
+    """A rollback-journal file (another tool's, or switched back) under another process's exclusive lock: opening it
+    waits the busy timeout, then a DBBusy; it was "a damaged SQLite database (database is locked)"."""
+    path = tmp_path / "b.db"
+    ExperienceDB(f"sqlite:///{path}").close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("PRAGMA journal_mode=DELETE")
+    other.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(buffer.DBBusy, match=f"^experience DB {re.escape(str(path))}: reading its tables waited 0.3 s"):
+        ExperienceDB(f"sqlite:///{path}", busy_timeout=0.3)
+    other.execute("ROLLBACK")
+    other.close()
+    with ExperienceDB(f"sqlite:///{path}", busy_timeout=0.3) as db:
+        assert db.get_meta("schema_version") == str(buffer.SCHEMA_VERSION)
+
+
 def test_a_postgresql_statement_timeout_is_named(postgres) -> None:
     """The server's statement_timeout (here the URL's) cancels a statement: a DBBusy saying so and what to change,
     not psycopg's QueryCanceled traceback."""
