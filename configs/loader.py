@@ -136,10 +136,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
         raw = load_yaml(text) or {}
-    except ConfigError as e:  # check_expansion's: aliases, nesting
+    except ConfigError as e:  # bounded_yaml's: aliases, nesting
         raise ConfigError(f"{path}: {e}") from None
-    except RecursionError:  # NOTE: PyYAML's own parser recurses per level, before check_expansion sees the document
-        raise ConfigError(f"{path}: nested too deeply (mappings or lists inside one another)") from None
     except _Duplicate as e:
         key, line, first = e.args
         raise ConfigError(

@@ -110,7 +110,10 @@ def bounded_yaml(text: str, loader: type = yaml.SafeLoader) -> Any:
     """yaml.load(text, Loader=loader) with check_expansion between composing and building the document."""
     parser = loader(text)
     try:
-        node = parser.get_single_node()
+        try:
+            node = parser.get_single_node()
+        except RecursionError:  # NOTE: PyYAML's own parser recurses per level, before check_expansion sees it
+            raise ConfigError("nested too deeply (mappings or lists inside one another)") from None
         check_expansion(node)
         return None if node is None else parser.construct_document(node)
     finally:

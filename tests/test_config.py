@@ -999,6 +999,7 @@ def test_a_bad_yaml_mapping_on_the_command_line_is_a_usage_error_naming_the_opti
         ("[1]", "expected a YAML/JSON mapping"),
         ("{a: 2024-01-01}", "is a date"),
         ("{a: &x [*x]}", "holds an alias (*name) of itself"),  # issue 46: a RecursionError traceback before
+        ("{a: " + "[" * 3000 + "]" * 3000 + "}", "nested too deeply"),
     ):
         with pytest.raises(SystemExit) as e:
             cli(["--config", write(tmp_path, MINIMAL), "--algorithm.kl_loss_fn_args", value])
