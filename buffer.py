@@ -44,6 +44,7 @@ import torch
 
 # NOTE: the back-ends live in dbconn.py; these names are buffer's too (its users import them from here)
 from dbconn import (  # noqa: F401
+    DBBusy,
     DBFault,
     DBMismatch,
     DBUnavailable,
@@ -395,14 +396,14 @@ class ExperienceDB:
         if self.fence is not None:
             body = fenced(self.fence, body)
         if not self.postgres:
-            with sqlite_faults(self.path), transaction(self.conn) as cur:
+            with sqlite_faults(self.path, self.busy_timeout, "a write transaction"), transaction(self.conn) as cur:
                 return body(cur)
         return self.conn.run(body, atomic=True)
 
     def query(self, sql: str, args: Any = ()) -> list:
         """The rows of one read-only statement (written with `?` placeholders), outside any transaction."""
         if not self.postgres:
-            with sqlite_faults(self.path):
+            with sqlite_faults(self.path, self.busy_timeout, "a read"):
                 return self.conn.execute(sql, args).fetchall()
         return self.conn.run(lambda cur: cur.execute(sql, args).fetchall(), atomic=False)
 

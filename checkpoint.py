@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 
 import lora
 import sync
-from errors import DataError
+from errors import ConfigError, DataError
 from sync import POINTER, full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
 
 log = logging.getLogger("nanorft.checkpoint")
@@ -61,16 +61,16 @@ def save_checkpoint(
     keep: int | None = None,
     critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
     state: dict | None = None,
+    trained_with: dict[str, str] | None = None,
 ) -> None:
     """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic);
-    then latest_checkpointed_iteration.txt and trainer_meta.json move to <step>.
-    `model` (and the critic's) is the trainer's FSDP2 root, a scoring.TokenScorer: its `.model` is the HF model.
-    `weights`: the full state when the sync phase just published this step's HF folder (else None);
-    `keep`: delete older checkpoints beyond this many (prune_checkpoints: never one an explorer may be loading);
-    `state`: small JSON trainer state (e.g. the adaptive KL coefficient) kept in actor/trainer_state.json. Every rank
-    must call it. A full or failing disk ends it in a StorageError, the previous checkpoint and its pointer as they
-    were.
+    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic); then
+    latest_checkpointed_iteration.txt and trainer_meta.json move to <step>. `model` (and the critic's): the trainer's
+    FSDP2 root, a scoring.TokenScorer (`.model`: the HF model). `weights`: the full state when the sync phase just
+    published this step's HF folder (else None); `keep`: delete older checkpoints beyond this many (prune_checkpoints:
+    never one an explorer may be loading); `state` (small JSON trainer state: the adaptive KL coefficient) and
+    `trained_with` (what a resume must not change: check_resume) go in actor/trainer_state.json. Every rank must call
+    it. A full or failing disk ends it in a StorageError, the previous checkpoint and its pointer as they were.
     NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
     with storage(f"cannot save checkpoint step {step} in {job}", job, lambda: _checkpoint_kept(job)):
@@ -92,7 +92,7 @@ def save_checkpoint(
             folder=actor,
             rank=rank,
             weights=weights,
-            meta={"global_step": step, "state": state or {}},
+            meta={"global_step": step, "state": state or {}, "trained_with": trained_with or {}},
         )
         rng = {"cpu": torch.get_rng_state()} | (
             {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
@@ -280,6 +280,37 @@ def latest_checkpoint(job: str | Path) -> int:
             return step
         log.warning("checkpoint step %d is damaged and skipped (left as it is): %s", step, damage)
     raise DataError(f"{job}: every checkpoint is damaged (see the warnings above); move them away to start afresh")
+
+
+def trained_with(model_path: str, algorithm_type: str) -> dict[str, str]:
+    """What a checkpoint records of the settings a resume must not change: the base model (the KL reference and a
+    LoRA adapter's base are model.model_path, not the checkpoint's weights) and the algorithm (the optimizer state
+    and the trainer state belong to its loss). A local path is kept absolute, so that a relaunch from another
+    folder compares equal."""
+    local = Path(model_path).expanduser()
+    return {
+        "model.model_path": str(local.resolve()) if local.exists() else model_path,
+        "algorithm.algorithm_type": algorithm_type,
+    }
+
+
+def check_resume(job: str | Path, step: int, now: dict[str, str]) -> None:
+    """ConfigError when checkpoint `step` of `job` was trained with other values of the settings in `now`
+    (trained_with) than this run's: resuming would silently change the KL reference model, or reuse another loss's
+    optimizer state. A checkpoint that recorded none (older code) is resumed as before."""
+    meta_file = weights_path(job, step).parent / "trainer_state.json"
+    try:
+        saved = json.loads(meta_file.read_text()).get("trained_with") or {}
+    except (OSError, ValueError, AttributeError) as e:
+        raise DataError(f"{meta_file}: cannot be read ({e}); move the checkpoint away to start afresh") from None
+    changed = [(k, saved[k], v) for k, v in now.items() if k in saved and saved[k] != v]
+    if changed:
+        shown = "; ".join(f"{k} is {v!r}, the checkpoint was trained with {was!r}" for k, was, v in changed)
+        raise ConfigError(
+            f"{job} has checkpoint step {step}, and this run would resume it with other settings: {shown}. Set "
+            f"them back to resume, or start a new run from the checkpoint's weights (another name, model.model_path: "
+            f"{weights_path(job, step)}), or move {job} away"
+        )
 
 
 MANIFEST = "manifest.json"  # a checkpoint's files: relative path -> [size, sha256], written last

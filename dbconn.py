@@ -8,11 +8,14 @@ safe); the URL forms; the errors that name what is wrong with a DB.
 A PostgreSQL connection can be lost under a running process: a server restart, a failover, a network cut, an
 administrator's pg_terminate_backend. `PostgresLink.run` opens it again (waiting up to the busy timeout for the server
 to come back) and runs the work once more where that cannot do it twice: a read, or a transaction the server rolled
-back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown), lost
-again, or a lock waited for past the busy timeout (`lock_timeout`) raise DBUnavailable, a named error (no traceback):
-the process stops, and a restart continues from what the DB holds. A full, read-only or failing disk, or a damaged
-file (SQLite: "database or disk is full", "disk I/O error", "database disk image is malformed"; PostgreSQL: its
-disk-full, I/O and corruption errors) raise DBFault, which says what to do; the failed transaction is rolled back.
+back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown) or lost
+again raises DBUnavailable, a named error (no traceback): the process stops, and a restart continues from what the DB
+holds. A lock waited for past the busy timeout (SQLite's "database is locked", PostgreSQL's `lock_timeout`) or a
+statement the server cancelled (its `statement_timeout`) raise DBBusy (a DBUnavailable), which says what to look for.
+A full, read-only or failing disk, or a damaged file (SQLite: "database or disk is full", "disk I/O error", "database
+disk image is malformed"; PostgreSQL: its disk-full, I/O and corruption errors) raise DBFault, which says what to do;
+the failed transaction is rolled back. A whole SQLite file that cannot be written (a read-only file system, file or
+folder) is named so as it is opened (`read_only`), not called damaged.
 """
 
 from __future__ import annotations
@@ -44,10 +47,16 @@ class DBUnavailable(DBMismatch):
     server is back: what it committed is in the DB, and it continues from there."""
 
 
+class DBBusy(DBUnavailable):
+    """A lock on the experience DB was waited for past the busy timeout (SQLite: "database is locked"; PostgreSQL:
+    lock_timeout), or the server cancelled a statement (statement_timeout): another process holds the DB busy.
+    Nothing of the waiting transaction was written."""
+
+
 class DBFault(DBMismatch):
     """The experience DB's storage failed under a running process: its disk is full, read-only or failing (an I/O
-    error), or its file is damaged (corrupt pages). The transaction in progress was rolled back: what was committed
-    before is in the DB."""
+    error), or its file is damaged (corrupt pages); or, as it is opened, a whole file cannot be written (read-only).
+    The transaction in progress was rolled back: what was committed before is in the DB."""
 
 
 _FULL = (
@@ -89,13 +98,28 @@ def sqlite_fault(e: sqlite3.Error, path: str) -> DBFault | None:
     return DBFault(f"experience DB {path}: {what} ({e}){kept}. {todo[0].upper()}{todo[1:]}.")
 
 
+def sqlite_busy(e: sqlite3.Error, path: str, busy_timeout: float | None, what: str) -> DBBusy | None:
+    """The DBBusy for SQLite's "database is locked" (SQLITE_BUSY: `what` waited the busy timeout out for another
+    connection's lock); None for any other error."""
+    if getattr(e, "sqlite_errorname", "").split("_")[:2] != ["SQLITE", "BUSY"] and "database is locked" not in str(e):
+        return None
+    waited = f"{busy_timeout:g} s" if busy_timeout is not None else "the busy timeout"
+    return DBBusy(
+        f"experience DB {path}: {what} waited {waited} for a lock another process holds ({e}); nothing of it was "
+        f"written. Another process holds the DB busy: one stopped (SIGSTOP) or stuck in a transaction, a sqlite3 "
+        f"shell with an open transaction, a backup copying it (`fuser {path}` lists them); end it, then run again: "
+        "the run continues from what the DB holds"
+    )
+
+
 @contextmanager
-def sqlite_faults(path: str) -> Iterator[None]:
-    """Raise a SQLite error of a full or failing disk or a damaged file as the DBFault naming it (sqlite_fault)."""
+def sqlite_faults(path: str, busy_timeout: float | None = None, what: str = "a statement") -> Iterator[None]:
+    """Raise a SQLite error of a full or failing disk or a damaged file as the DBFault naming it (sqlite_fault),
+    and "database is locked" (`what` waited past `busy_timeout` s) as DBBusy (sqlite_busy)."""
     try:
         yield
     except sqlite3.Error as e:
-        fault = sqlite_fault(e, path)
+        fault = sqlite_fault(e, path) or sqlite_busy(e, path, busy_timeout, what)
         if fault is None:
             raise
         raise fault from None
@@ -131,7 +155,7 @@ def sqlite_path(url: str) -> str:
 _NEW = "point buffer.trainer_input.experience_buffer.path at a new file (nothing was changed)"
 
 
-def refuse_foreign(path: str) -> None:
+def refuse_foreign(path: str, busy_timeout: float = 5.0) -> None:
     """DBMismatch, before anything is written, when `path` cannot hold this experience DB: a directory, a file that
     is not SQLite, a damaged one (garbage after the header, cut short), or another program's SQLite database (tables
     but no meta table, or a meta table of other columns). A path under a file is open_sqlite's to name (its folders
@@ -152,15 +176,23 @@ def refuse_foreign(path: str) -> None:
             f"{path} is a damaged SQLite database: cut short ({os.path.getsize(path)} bytes, its header "
             f"says {page * pages}); {_NEW}"
         )
+    why = read_only(path)
+    if why:  # NOTE: before opening it: SQLite cannot open a WAL file without writing its -shm ("unable to open")
+        raise DBFault(
+            f"experience DB {path}: it cannot be written ({why}); the file looks whole (a SQLite header) and nothing "
+            "was changed. Make the file and its folder writable (or mount its file system read-write), or copy it "
+            "to a writable place and point buffer.trainer_input.experience_buffer.path at the copy, then run again"
+        )
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)  # read-only: a foreign file stays as it is
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=busy_timeout)  # a foreign file stays as is
         try:
             tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             meta = {r[1]: r[5] for r in conn.execute("PRAGMA table_info(meta)")}  # column -> part of the primary key
         finally:
             conn.close()
     except sqlite3.DatabaseError as e:  # "file is not a database", "database disk image is malformed", ...
-        raise DBMismatch(f"{path} is a damaged SQLite database ({e}); {_NEW}") from None
+        busy = sqlite_busy(e, path, busy_timeout, "reading its tables")  # another process's lock: not damage
+        raise busy or DBMismatch(f"{path} is a damaged SQLite database ({e}); {_NEW}") from None
     if tables and "meta" not in tables:
         raise DBMismatch(
             f"{path} is a SQLite database of another program (tables: {', '.join(sorted(tables))}); {_NEW}"
@@ -172,9 +204,22 @@ def refuse_foreign(path: str) -> None:
         )
 
 
+def read_only(path: str) -> str:
+    """Why the existing SQLite file at `path` cannot be written (its file system mounted read-only, the file or its
+    folder without write permission for this process: SQLite writes -wal and -shm files beside it), or ''."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.statvfs(folder).f_flag & os.ST_RDONLY:
+        return "its file system is mounted read-only"
+    if not os.access(path, os.W_OK):
+        return f"the file is read-only for this user (mode {os.stat(path).st_mode & 0o777:04o})"
+    if not os.access(folder, os.W_OK) and not os.path.exists(path + "-shm"):
+        return f"its folder {folder} is read-only for this user, and SQLite writes its -wal and -shm files there"
+    return ""
+
+
 def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
     """A connection to the SQLite file at `path` (created if missing), in WAL mode."""
-    refuse_foreign(path)
+    refuse_foreign(path, busy_timeout)
     try:
         if os.path.dirname(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -183,6 +228,8 @@ def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
         conn = sqlite3.connect(path, timeout=busy_timeout, isolation_level=None)
         conn.execute("SELECT 1 FROM sqlite_master LIMIT 1")  # NOTE: connect() alone opens no file yet
     except (OSError, sqlite3.Error) as e:  # a read-only place (/proc), no permission, a file where a folder goes
+        if isinstance(e, sqlite3.Error) and sqlite_busy(e, path, busy_timeout, "opening it"):
+            raise sqlite_busy(e, path, busy_timeout, "opening it") from None  # type: ignore[misc]
         raise DBMismatch(
             f"cannot open or create the experience DB {path} ({e}): point "
             "buffer.trainer_input.experience_buffer.path at a file in a folder this process may write"
@@ -196,9 +243,9 @@ def open_sqlite(path: str, busy_timeout: float) -> sqlite3.Connection:
             with sqlite_faults(path):
                 conn.execute("PRAGMA journal_mode=WAL")
             break
-        except sqlite3.OperationalError:  # locked (a full disk or a damaged file left as DBFault above)
+        except sqlite3.OperationalError as e:  # locked (a full disk or a damaged file left as DBFault above)
             if time.monotonic() > deadline:
-                raise
+                raise sqlite_busy(e, path, busy_timeout, "opening it (WAL mode)") or e from None
             time.sleep(0.01)
     # NORMAL: no fsync per commit; the WAL stays consistent, a power cut may lose the last commits.
     conn.execute("PRAGMA synchronous=NORMAL")
@@ -333,11 +380,8 @@ class PostgresLink:
                     "back. Free space (or repair the disk) on the server, or restore the database from a "
                     "backup, then run again: the run continues from what the DB holds"
                 ) from None
-            except psycopg.errors.LockNotAvailable as e:
-                raise DBUnavailable(
-                    f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session "
-                    f"holds ({_reason(e)})"
-                ) from None
+            except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as e:
+                raise self._busy(e) from None
             except psycopg.OperationalError as e:
                 if not self.conn.broken:
                     raise
@@ -351,6 +395,23 @@ class PostgresLink:
                     "%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path, _reason(e)
                 )
                 retried = True
+
+    def _busy(self, e: Exception) -> DBBusy:
+        """The DBBusy of a lock waited for past the busy timeout (lock_timeout: LockNotAvailable) or of a statement
+        the server cancelled (statement_timeout, pg_cancel_backend: QueryCanceled)."""
+        if type(e).__name__ == "LockNotAvailable":
+            return DBBusy(
+                f"{self.path}: waited more than {self.busy_timeout:g} s for a lock another session holds "
+                f"({_reason(e)}); nothing of the waiting transaction was written. Find the session (pg_stat_activity, "
+                "pg_locks), end it, then run again: the run continues from what the DB holds"
+            )
+        return DBBusy(
+            f"{self.path}: the server cancelled a statement ({_reason(e)}): the statement_timeout of this role, "
+            "database or URL (options=-c statement_timeout=...) is shorter than the experience DB's statements, or "
+            "an administrator cancelled it; nothing of the transaction was written. Raise or unset statement_timeout "
+            "for this DB (ALTER ROLE <user> SET statement_timeout = 0), then run again: the run continues from what "
+            "the DB holds"
+        )
 
     def _reopen(self) -> Any:
         """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds)."""

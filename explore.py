@@ -67,7 +67,7 @@ from errors import DataError
 from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
 from sampling import PromptTooLong
-from tasksets import Task, TaskReader, load_tasks, total_steps
+from tasksets import Task, TaskReader, load_tasks, prompt_bound, total_steps
 from workflows import RewardError, build_workflow
 from workflows.args import check_tasksets
 
@@ -224,6 +224,8 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
             explorer,
         )
         x.info.update(epoch=task.epoch, taskset=task.taskset, index=task.index)
+        if task.prompt_cut:  # cut by characters as it was read (tasksets.prompt_bound): no loss, as the engine's cut
+            x.truncate_status = "prompt_truncated"
 
 
 def base_weights(cfg: configs.Config) -> str:
@@ -280,7 +282,7 @@ def set_up(cfg: configs.Config) -> Explorer:
     tokenizer = config_tokenizer(cfg.model)
     db.check_identity(fingerprint(cfg.model.model_path, tokenizer), f"explorer {name}")
     db.check_advantages(advantage_origin(cfg.algorithm), f"explorer {name}")
-    reader = TaskReader(b.explorer_input.tasksets, total_epochs=10**9 if b.total_steps else b.total_epochs)
+    reader = TaskReader(b.explorer_input.tasksets, 10**9 if b.total_steps else b.total_epochs, prompt_bound(cfg.model))
     saved, step = db.explorer_states().get(name), 0
     if saved:
         reader.load_state(saved["reader"])
@@ -304,7 +306,7 @@ def set_up(cfg: configs.Config) -> Explorer:
         handles=[with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
         pool=ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
         monitor=monitor,
-        eval_sets=[(ts, load_tasks(ts, is_eval=True)) for ts in b.explorer_input.eval_tasksets],
+        eval_sets=[(ts, load_tasks(ts, True, prompt_bound(cfg.model))) for ts in b.explorer_input.eval_tasksets],
         steps=total_steps(b, len(reader)),
         gen_batches=gen_batches(cfg.algorithm),
     )
@@ -555,7 +557,7 @@ def bench(cfg: configs.Config) -> int:
         engine = make_engine(rm, first, rm.max_model_len, cfg.model.repetition_penalty)
     handles = [with_extras(cfg, rollout_handle(cfg, engine, config_tokenizer(cfg.model)))]
     pool = ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner")
-    eval_sets = [(ts, load_tasks(ts, is_eval=True)) for ts in cfg.buffer.explorer_input.eval_tasksets]
+    eval_sets = [(ts, load_tasks(ts, True, prompt_bound(cfg.model))) for ts in cfg.buffer.explorer_input.eval_tasksets]
     for s, path in targets:
         if s != targets[0][0]:
             with bench_weights(cfg, path) as folder:
@@ -630,7 +632,7 @@ def debug_task(cfg: configs.Config, name: str, index: int) -> tuple[TasksetConfi
     if chosen is None:
         known = ", ".join(ts.name for ts, _ in found) or "none"
         raise configs.ConfigError(f"--taskset {name}: no such taskset in stage {cfg.name} (its tasksets: {known})")
-    tasks = load_tasks(chosen[0], is_eval=chosen[1])
+    tasks = load_tasks(chosen[0], is_eval=chosen[1], bound=prompt_bound(cfg.model))
     if not 0 <= index < len(tasks):
         raise configs.ConfigError(f"--task {index}: taskset {chosen[0].name} has tasks 0 to {len(tasks) - 1}")
     return chosen[0], tasks[index]

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
+import os
 import random
+import re
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +28,9 @@ from tqdm import tqdm
 from errors import DataError
 
 if TYPE_CHECKING:  # annotations only: importing tasksets must not pull in the config loader and algos/
-    from configs.schema import BufferConfig, FormatConfig, GenerationConfig, TasksetConfig
+    from configs.schema import BufferConfig, FormatConfig, GenerationConfig, ModelConfig, TasksetConfig
+
+log = logging.getLogger("nanorft.tasksets")
 
 
 @dataclasses.dataclass
@@ -48,6 +54,7 @@ class Task:
     is_eval: bool = False
     chat_template: str = ""  # format.chat_template: renders this task's prompt instead of the tokenizer's
     reply_prefix: str | None = None  # format.reply_prefix: text the assistant turn starts with
+    prompt_cut: int = 0  # characters its messages had before load_tasks cut them (PromptBound); 0: not cut
 
     @property
     def task_id(self) -> str:
@@ -57,11 +64,52 @@ class Task:
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
+# The longest line of a line-based data file (.jsonl, .csv), in bytes: one row. A longer line is refused before
+# `datasets` reads the file: its JSON reader grows its block until a line fits, so a line without end (a file
+# still being written, /dev/zero copied) was an unbounded read. A prompt this long is cut anyway (prompt_bound).
+MAX_LINE_BYTES = 64 << 20
+_KINDS = {
+    stat.S_ISDIR: "a directory",
+    stat.S_ISCHR: "a character device",
+    stat.S_ISBLK: "a block device",
+    stat.S_ISFIFO: "a FIFO (named pipe)",
+    stat.S_ISSOCK: "a socket",
+}
+
+
+def regular_file(f: Path) -> Path:
+    """`f` when it is a regular file (or a symlink to one), else a DataError naming it and what it is: /dev/zero
+    reads without end (all memory), a FIFO blocks the reader until someone writes, a directory is not a file."""
+    try:
+        mode = f.stat().st_mode
+    except OSError as e:
+        raise DataError(f"{f}: cannot be read ({e.strerror or type(e).__name__})") from None
+    if stat.S_ISREG(mode):
+        return f
+    kind = next((name for test, name in _KINDS.items() if test(mode)), "not a regular file")
+    link = f" (a link to {os.path.realpath(f)})" if f.is_symlink() else ""
+    raise DataError(f"{f}{link} is {kind}, not a data file: point the path at a regular file (or its folder)")
+
+
+def check_lines(f: Path) -> None:
+    """DataError naming the file and the line when a line is longer than MAX_LINE_BYTES; each line is read with
+    that bound (a line without end is never held whole)."""
+    limit = MAX_LINE_BYTES
+    with open(f, "rb") as fh:
+        for n, line in enumerate(iter(lambda: fh.readline(limit + 1), b""), start=1):
+            if len(line) > limit:
+                raise DataError(
+                    f"{f}: line {n}: longer than {limit:,} bytes (tasksets.MAX_LINE_BYTES): one row per line, "
+                    "and a row this long is no prompt; cut it or drop the row"
+                )
+
+
 def find_data_files(path: str, subset_name: str | None, split: str) -> list[Path]:
-    """Files of one split: a single file, or <path>[/<subset>][/data]/<split>[-*].<ext> (Hugging Face layout)."""
+    """Files of one split: a single file, or <path>[/<subset>][/data]/<split>[-*].<ext> (Hugging Face layout).
+    Only regular files (or links to them) are data files: anything else is a DataError naming it (regular_file)."""
     p = Path(path).expanduser()
-    if p.is_file():
-        return [p]
+    if p.exists() and not p.is_dir():
+        return [regular_file(p)]
     root = p / subset_name if subset_name else p
     if subset_name and not root.is_dir():
         raise DataError(f"{p}: no sub-folder {subset_name!r} for subset_name")
@@ -69,7 +117,7 @@ def find_data_files(path: str, subset_name: str | None, split: str) -> list[Path
         patterns = [pat for ext in _BUILDERS for pat in (f"{split}{ext}", f"{split}-*{ext}", f"{split}_*{ext}")]
         files = sorted(f for pat in patterns for f in folder.glob(pat))
         if files:
-            return files
+            return [regular_file(f) for f in files]
     raise DataError(
         f"{root}: no {split!r} split (looked for {split}.jsonl/.json/.parquet/.csv and {split}-*.* here and in data/)"
     )
@@ -84,6 +132,8 @@ def read_rows(path: str, subset_name: str | None = None, split: str = "train") -
     if Path(path).expanduser().exists():
         rows = []
         for f in find_data_files(path, subset_name, split):
+            if f.suffix in (".jsonl", ".csv"):
+                check_lines(f)
             try:
                 ds = datasets.load_dataset(_BUILDERS.get(f.suffix, "json"), data_files=str(f), split="train")
                 rows += [(str(f), i, row) for i, row in enumerate(ds)]  # NOTE: bad bytes surface here, not above
@@ -121,7 +171,10 @@ def bad_json(f: Path) -> str:
     """'line N: why' for a .json file that is not one JSON document: JSON lines (`datasets` reads both) are checked
     line by line (`bad_line`); '' when it is valid JSON."""
     try:
-        json.loads(f.read_text(encoding="utf-8"))
+        text = f.read_text(encoding="utf-8")
+        if lone_surrogate(json.loads(text), ""):
+            n = next((n for n, line in enumerate(text.splitlines(), 1) if _LONE_ESCAPE.search(line)), 0)
+            return lone_surrogate(json.loads(text), f"line {n}: " if n else "")
         return ""
     except UnicodeDecodeError:
         return bad_line(f)
@@ -151,7 +204,29 @@ def bad_line(f: Path) -> str:
                 return f"line {n}: not valid JSON ({e.msg} at column {e.colno})"
             if not isinstance(value, dict):
                 return f"line {n}: a JSON {type(value).__name__}, not an object (one row per line)"
+            if lone_surrogate(value, f"line {n}: "):
+                return lone_surrogate(value, f"line {n}: ")
     return ""
+
+
+# A JSON escape of half a UTF-16 pair without its other half (to find the line of a lone surrogate in a document)
+_LONE_ESCAPE = re.compile(
+    r"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F])|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+
+
+def lone_surrogate(value: Any, where: str) -> str:
+    """'<where>a lone surrogate ...' when a string of a parsed JSON value holds half of a UTF-16 pair (`"\\ud800"`
+    escaped alone: JSON allows it, text cannot hold it, and pyarrow's error names no line); '' otherwise."""
+    text = json.dumps(value, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+        return ""
+    except UnicodeEncodeError as e:
+        return (
+            f"{where}a lone surrogate \\u{ord(text[e.start]):04x} (half of a UTF-16 pair, escaped alone) in a "
+            "string: not text; fix or drop the row"
+        )
 
 
 _ABSENT = object()  # what `row_value` gives for a column a row does not have (None is a null value)
@@ -324,14 +399,88 @@ def named(row: dict, key: str | None, listed: str | None, where: str, kind: str)
     return value
 
 
-def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
-    """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row."""
-    tasks = []
+# Characters per token that no real text exceeds on average (English ~4, code ~3-10): a prompt of more than
+# CHARS_PER_TOKEN x max_prompt_tokens characters is over max_prompt_tokens tokens, and is cut by characters before
+# it is ever tokenised (a 10 MB question was tokenised whole, then cut to its last tokens).
+CHARS_PER_TOKEN = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBound:
+    """How long a task's prompt may be, in characters, before it is tokenised (prompt_bound)."""
+
+    chars: int  # the text of its messages, all together
+    tokens: int  # the token limit it is derived from (model.max_prompt_tokens, else max_model_len)
+    truncate: bool  # model.enable_prompt_truncation: cut a longer prompt (else drop its task)
+
+
+def prompt_bound(model: ModelConfig) -> PromptBound | None:
+    """The explorer's bound on a prompt's characters: CHARS_PER_TOKEN per token of model.max_prompt_tokens (or, unset,
+    max_model_len); None when neither is set. A prompt over it is over the token limit too, so load_tasks does to it
+    what the engine would do after tokenising (EngineHandle.encode): keep its end (the engine keeps the last tokens;
+    its experiences are marked prompt_truncated, no loss) or, with enable_prompt_truncation off, drop its task
+    (PromptTooLong)."""
+    tokens = model.max_prompt_tokens or model.max_model_len
+    return PromptBound(CHARS_PER_TOKEN * tokens, tokens, model.enable_prompt_truncation) if tokens else None
+
+
+def cut_messages(messages: list[dict], chars: int) -> list[dict]:
+    """`messages` keeping their last `chars` characters of content (the end is what the engine's cut keeps: the
+    last turn and the generation prompt); earlier contents are emptied, every role stays."""
+    out, left = [], chars
+    for m in reversed(messages):
+        content = m["content"][max(0, len(m["content"]) - left) :]
+        left -= len(content)
+        out.append({**m, "content": content})
+    return out[::-1]
+
+
+def _bounded(f: dict, bound: PromptBound | None) -> tuple[dict, int]:
+    """(the formatted row with its messages cut to `bound`, the characters they had) when they are over it; the row
+    and 0 when not."""
+    chars = sum(len(m["content"]) for m in f["messages"])
+    if bound is None or chars <= bound.chars:
+        return f, 0
+    msgs = cut_messages(f["messages"], bound.chars)
+    return {**f, "messages": msgs, "prompt": None if f["prompt"] is None else msgs[-1]["content"]}, chars
+
+
+def _warn_bounded(ts: TasksetConfig, bound: PromptBound, over: list[tuple[str, int]]) -> None:
+    """One warning per taskset naming the prompts over `bound` ((where, characters) of each) and what was done."""
+    first, chars = over[0]
+    what = (
+        f"cut to their last {bound.chars:,} characters before tokenising (their experiences are marked "
+        "prompt_truncated: no loss, as the engine's cut)"
+        if bound.truncate
+        else "dropped, as model.enable_prompt_truncation is off (PromptTooLong)"
+    )
+    log.warning(
+        "taskset %s: %d prompt(s) longer than %s characters (tasksets.CHARS_PER_TOKEN %d x %d tokens, "
+        "model.max_prompt_tokens) were %s; the first: %s (%s characters)",
+        ts.name,
+        len(over),
+        f"{bound.chars:,}",
+        CHARS_PER_TOKEN,
+        bound.tokens,
+        what,
+        first,
+        f"{chars:,}",
+    )
+
+
+def load_tasks(ts: TasksetConfig, is_eval: bool = False, bound: PromptBound | None = None) -> list[Task]:
+    """Every row of a (derived) taskset as a Task, in file order. Fails on the first bad row. A prompt over `bound`
+    (prompt_bound) is cut, or its task dropped, with one warning for the taskset."""
+    tasks, over = [], []
     rows = read_rows(ts.path, ts.subset_name, ts.split)
     bar = tqdm(rows, desc=f"taskset {ts.name}", unit=" rows", disable=not ts.enable_progress_bar)
     for index, (file, rownum, row) in enumerate(bar):
         where = f"taskset {ts.name}: {file}: row {rownum}"
-        f = format_row(row, ts.format, where)
+        f, cut = _bounded(format_row(row, ts.format, where), bound)
+        if cut:
+            over.append((f"{file}: row {rownum}", cut))
+            if not bound.truncate:  # type: ignore[union-attr]
+                continue
         fmt = ts.format
         tasks.append(
             Task(
@@ -352,10 +501,14 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False) -> list[Task]:
                 is_eval=is_eval,
                 chat_template=fmt.chat_template,
                 reply_prefix=fmt.reply_prefix,
+                prompt_cut=cut,
             )
         )
+    if over:
+        _warn_bounded(ts, bound, over)  # type: ignore[arg-type]
     if not tasks:
-        raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows")
+        dropped = f" once the {len(over)} over-long prompt(s) were dropped" if over else ""
+        raise DataError(f"taskset {ts.name}: {ts.path} ({ts.split}) has no rows{dropped}")
     return tasks
 
 
@@ -379,8 +532,8 @@ class TaskReader:
     sampling with replacement), and tasksets are interleaved in proportion to their sizes.
     """
 
-    def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1) -> None:
-        self.sets = [(ts, load_tasks(ts)) for ts in tasksets]
+    def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1, bound: PromptBound | None = None) -> None:
+        self.sets = [(ts, load_tasks(ts, bound=bound)) for ts in tasksets]
         self.total_epochs = total_epochs
         self.epoch, self.index = 0, 0
         self._order: tuple[int, list[tuple[int, int]]] | None = None

@@ -172,6 +172,8 @@ def set_up(cfg: configs.Config) -> Parts | None:
         if monitor is not None:
             monitor.close(failed=True)
         return None
+    if resume:  # NOTE: before any model is built: another base model or algorithm is refused by name
+        checkpoint.check_resume(job, resume, checkpoint.trained_with(cfg.model.model_path, a.algorithm_type))
     tokenizer = config_tokenizer(cfg.model)
     pieces = loss_pieces(a)
     actor, ref, critic = trainer_models(cfg, pieces, resume, device)
@@ -676,6 +678,7 @@ def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
         keep=p.cfg.trainer.max_checkpoints_to_keep,
         critic=(p.critic, p.critic_optim) if p.critic else None,
         state=p.kl_coef,
+        trained_with=checkpoint.trained_with(p.cfg.model.model_path, p.cfg.algorithm.algorithm_type),
     )
     sync.pause_for_test("train.after_save", step)
 

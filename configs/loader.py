@@ -26,6 +26,7 @@ import difflib
 import functools
 import logging
 import re
+import stat
 import types
 import typing
 from pathlib import Path
@@ -38,7 +39,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from algos import REGISTRIES
 from configs.checks import check_ranges, shown_value
-from configs.schema import Config, check_plain
+from configs.schema import Config, bounded_yaml, check_plain
 from errors import ConfigError
 
 log = logging.getLogger("nanorft.config")
@@ -56,6 +57,8 @@ def find_config_file(name: str) -> Path:
             return p
     if Path(name).is_dir():
         raise ConfigError(f"--config {name}: a directory, not a YAML file")
+    if Path(name).exists():  # a FIFO, a device: named
+        _check_file(name)
     raise ConfigError(f"config file not found: {name} (tried {', '.join(str(p) for p in tried)})")
 
 
@@ -92,17 +95,36 @@ class _CUniqueKeyLoader(_UniqueKeys, getattr(yaml, "CSafeLoader", yaml.SafeLoade
 
 
 def load_yaml(text: str) -> Any:
-    """yaml.load with _UniqueKeyLoader. NOTE: libyaml's parser first, and what it refuses again with PyYAML's: an
-    error (or a document only PyYAML reads) is PyYAML's, as it always was."""
+    """yaml.load with _UniqueKeyLoader, a self-containing document or one its aliases expand past a bound refused
+    before it is built (schema.check_expansion: a ConfigError without the file). NOTE: libyaml's parser first, and
+    what it refuses again with PyYAML's: an error (or a document only PyYAML reads) is PyYAML's, as it always was."""
     try:
-        return yaml.load(text, Loader=_CUniqueKeyLoader)  # NOTE: SafeLoaders: no Python objects built
+        return bounded_yaml(text, _CUniqueKeyLoader)  # NOTE: SafeLoaders: no Python objects built
     except (yaml.YAMLError, _Duplicate, UnicodeError):
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return bounded_yaml(text, _UniqueKeyLoader)
+
+
+MAX_YAML_BYTES = 16 << 20  # a config file's size: the examples are ~5 KB (schema.YAML_MAX_CHARS bounds its expansion)
+
+
+def _check_file(path: str | Path) -> None:
+    """ConfigError when `path` is not a regular file (a FIFO would block the read, /dev/zero never end it) or is
+    larger than MAX_YAML_BYTES; a path that cannot be stat'ed is read_yaml's to name."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a device"
+        raise ConfigError(f"{path}: {kind}, not a regular file; a config is a YAML file")
+    if st.st_size > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: {st.st_size:,} bytes, over {MAX_YAML_BYTES:,}; a config is a few KB of YAML")
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config and resolve its interpolations; a ConfigError naming the file (and the line or key) for
     anything that is not a YAML mapping of plain values."""
+    _check_file(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -114,6 +136,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot be read ({e.strerror or type(e).__name__})") from None
     try:
         raw = load_yaml(text) or {}
+    except ConfigError as e:  # bounded_yaml's: aliases, nesting
+        raise ConfigError(f"{path}: {e}") from None
     except _Duplicate as e:
         key, line, first = e.args
         raise ConfigError(

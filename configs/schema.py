@@ -47,11 +47,86 @@ def check_plain(value: Any, where: str, path: str = "") -> None:
         raise ConfigError(f"{where}{path}: {shown} is {kind}, not a config value; quote it if it is text")
 
 
+# Bounds of one YAML document once its aliases (`*name`) are expanded: the largest example config has ~230 nodes
+# (a resolved one ~1,000), nested ~8 deep. NOTE: checked on the composed node graph, before any Python object is
+# built: PyYAML shares an aliased value, but check_plain, OmegaConf and the written config.yaml expand every use.
+YAML_MAX_NODES = 100_000
+YAML_MAX_CHARS = 16 << 20  # characters of its scalars
+YAML_MAX_DEPTH = 100  # mappings / lists inside one another (the checks and the loader recurse per level)
+
+
+def _yaml_children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
+
+
+def check_expansion(root: yaml.Node | None) -> None:
+    """ConfigError (the caller adds the file) when a composed YAML document is self-containing (an alias inside the
+    value it names: `a: &x [*x]`), or expands past YAML_MAX_NODES nodes, YAML_MAX_CHARS characters or
+    YAML_MAX_DEPTH levels once its aliases are repeated (a "billion laughs": 551 bytes of nested aliases name 10^9
+    strings). An alias is, in the node graph, the very node it names: each node's expanded size is counted once
+    (memoised), so the walk is linear in the text. NOTE: iterative, so that a deep or cyclic document is no
+    RecursionError here."""
+    if root is None:
+        return
+    size: dict[int, tuple[int, int, int]] = {}  # id(node) -> (nodes, characters, levels) once expanded
+    walking: set[int] = set()  # the nodes on the path from the root to the one being walked (their sizes unknown)
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = _yaml_children(node)
+        if done:
+            walking.discard(id(node))
+            sizes = [size[id(k)] for k in kids]
+            own = len(node.value) if isinstance(node, yaml.ScalarNode) else 0
+            nodes, chars = 1 + sum(s[0] for s in sizes), own + sum(s[1] for s in sizes)
+            size[id(node)] = (nodes, chars, 1 + max((s[2] for s in sizes), default=0))
+            where = f"line {node.start_mark.line + 1}"
+            if nodes > YAML_MAX_NODES or chars > YAML_MAX_CHARS:
+                raise ConfigError(
+                    f"{where}: its aliases (*name) expand it past {YAML_MAX_NODES:,} values or "
+                    f"{YAML_MAX_CHARS:,} characters (a config has hundreds of values): write the values out"
+                )
+            if size[id(node)][2] > YAML_MAX_DEPTH:
+                raise ConfigError(
+                    f"{where}: nested more than {YAML_MAX_DEPTH} levels deep (mappings or lists inside one "
+                    "another, aliases expanded): a config is a few levels deep"
+                )
+        elif id(node) in walking:
+            raise ConfigError(
+                f"line {node.start_mark.line + 1}: the value anchored here (&name) holds an alias (*name) of "
+                "itself: a config value cannot contain itself"
+            )
+        elif id(node) not in size:
+            walking.add(id(node))
+            stack.append((node, True))
+            stack += [(k, False) for k in kids]
+
+
+def bounded_yaml(text: str, loader: type = yaml.SafeLoader) -> Any:
+    """yaml.load(text, Loader=loader) with check_expansion between composing and building the document."""
+    parser = loader(text)
+    try:
+        try:
+            node = parser.get_single_node()
+        except RecursionError:  # NOTE: PyYAML's own parser recurses per level, before check_expansion sees it
+            raise ConfigError("nested too deeply (mappings or lists inside one another)") from None
+        check_expansion(node)
+        return None if node is None else parser.construct_document(node)
+    finally:
+        parser.dispose()
+
+
 def _parse_yaml_dict(args: list[str]) -> dict[str, Any]:
     """One `*_args` mapping from the command line. NOTE: tyro turns a ValueError into a usage error naming the
     option (exit 2), so every problem here is one."""
     try:
-        value = yaml.safe_load(args[0]) if args[0].strip() else {}
+        value = bounded_yaml(args[0]) if args[0].strip() else {}
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
     except yaml.YAMLError as e:
         raise ValueError(
             f"not valid YAML ({' '.join(str(e).split())}); expected a mapping such as '{{kl_coef: 0.01}}'"

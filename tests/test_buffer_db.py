@@ -2,12 +2,14 @@
 after a resume, schema checks, and several real processes writing and reading one DB at once; each on both
 back-ends (`db_url`: a SQLite file and a database of a real PostgreSQL server that the tests start)."""
 
+import contextlib
 import json
 import logging
 import os
 import re
 import signal
 import sqlite3
+import subprocess
 import sys
 import threading
 import time
@@ -892,6 +894,104 @@ def test_ci_means_a_ci_variable_that_says_so(monkeypatch, value, ci) -> None:
     assert in_ci() is ci
     script = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert script.index("export CI=${CI:-true}\n") < script.index("bash run.sh test\n")
+
+
+# --- a lock held past the busy timeout, a statement the server cancels: DBBusy, named (issue 46)
+
+
+def test_sqlite_database_is_locked_past_the_busy_timeout_is_named(tmp_path) -> None:
+    """Another connection holds the write lock past the busy timeout: a DBBusy naming the DB, what waited and what to
+    look for (it was sqlite3.OperationalError "database is locked", a traceback); the DB works once the lock goes."""
+    path = tmp_path / "b.db"
+    db = ExperienceDB(f"sqlite:///{path}", busy_timeout=0.2)
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # the write lock, held
+    with pytest.raises(buffer.DBBusy) as e:
+        db.set_meta("k", "v")
+    assert str(e.value).startswith(
+        f"experience DB {path}: a write transaction waited 0.2 s for a lock another process holds (database is "
+        "locked); nothing of it was written. Another process holds the DB busy"
+    )
+    assert f"`fuser {path}`" in str(e.value) and isinstance(e.value, buffer.DBMismatch)  # shown without a traceback
+    other.execute("ROLLBACK")
+    other.close()
+    db.set_meta("k", "v")
+    assert db.get_meta("k") == "v"
+    db.close()
+
+
+def test_opening_a_sqlite_db_another_process_holds_locked_is_busy_not_damaged(tmp_path) -> None:
+    """A rollback-journal file (another tool's, or switched back) under another process's exclusive lock: opening it
+    waits the busy timeout, then a DBBusy; it was "a damaged SQLite database (database is locked)"."""
+    path = tmp_path / "b.db"
+    ExperienceDB(f"sqlite:///{path}").close()
+    other = sqlite3.connect(path, isolation_level=None)
+    other.execute("PRAGMA journal_mode=DELETE")
+    other.execute("BEGIN EXCLUSIVE")
+    with pytest.raises(buffer.DBBusy, match=f"^experience DB {re.escape(str(path))}: reading its tables waited 0.3 s"):
+        ExperienceDB(f"sqlite:///{path}", busy_timeout=0.3)
+    other.execute("ROLLBACK")
+    other.close()
+    with ExperienceDB(f"sqlite:///{path}", busy_timeout=0.3) as db:
+        assert db.get_meta("schema_version") == str(buffer.SCHEMA_VERSION)
+
+
+def test_a_postgresql_statement_timeout_is_named(postgres) -> None:
+    """The server's statement_timeout (here the URL's) cancels a statement: a DBBusy saying so and what to change,
+    not psycopg's QueryCanceled traceback."""
+    url = postgres.database()
+    ExperienceDB(url).close()  # set up without the timeout
+    with ExperienceDB(url + "&options=-cstatement_timeout%3D100") as db:
+        with pytest.raises(buffer.DBBusy, match=r"the server cancelled a statement \(canceling statement due to "):
+            db.query("SELECT pg_sleep(2)")
+        with pytest.raises(buffer.DBBusy, match="ALTER ROLE <user> SET statement_timeout = 0"):
+            db._atomic(lambda cur: cur.execute("SELECT pg_sleep(2)").fetchall())
+        assert db.get_meta("schema_version") == str(buffer.SCHEMA_VERSION)  # the connection still serves
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path) -> Iterator[Path]:
+    """`folder` seen read-only: a read-only bind mount as root (where chmod does not stop writes), else chmod 0444 /
+    0555; the test is skipped, with the reason, as root where mount is not permitted."""
+    if os.geteuid() != 0:
+        for p in folder.iterdir():
+            p.chmod(0o444)
+        folder.chmod(0o555)
+        try:
+            yield folder
+        finally:
+            folder.chmod(0o755)
+            for p in folder.iterdir():
+                p.chmod(0o644)
+        return
+    view = folder.parent / (folder.name + "-ro")
+    view.mkdir()
+    done = subprocess.run(["mount", "-o", "bind,ro", str(folder), str(view)], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"running as root and cannot mount read-only: {done.stderr.strip()}")
+    try:
+        yield view
+    finally:
+        subprocess.run(["umount", str(view)], check=True)
+
+
+def test_a_healthy_sqlite_db_that_cannot_be_written_is_called_read_only_not_damaged(tmp_path) -> None:
+    """Issue 46: a whole DB on a read-only file system (or a read-only file and folder) was "a damaged SQLite
+    database (unable to open database file)". It is a DBFault saying read-only, and the file is left as it was."""
+    folder = tmp_path / "db"
+    folder.mkdir()
+    with ExperienceDB(f"sqlite:///{folder}/b.db") as db:
+        db.set_meta("k", "v")
+    before = (folder / "b.db").read_bytes()
+    with _read_only(folder) as view:
+        with pytest.raises(buffer.DBFault) as e:
+            ExperienceDB(f"sqlite:///{view}/b.db")
+    says = str(e.value)
+    assert says.startswith(f"experience DB {view}/b.db: it cannot be written (") and "damaged" not in says
+    assert "mounted read-only" in says if os.geteuid() == 0 else "read-only for this user" in says
+    assert "nothing was changed" in says and (folder / "b.db").read_bytes() == before
+    with ExperienceDB(f"sqlite:///{folder}/b.db") as db:  # writable again: whole
+        assert db.get_meta("k") == "v"
 
 
 # --- a full or failing disk, a damaged file: DBFault, named, with the failed transaction rolled back

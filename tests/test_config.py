@@ -896,6 +896,57 @@ def test_what_yaml_reads_beyond_plain_values_is_named_with_the_file(tmp_path, te
     assert str(e.value).startswith(f"{path}: ") and says in str(e.value)
 
 
+def _laughs(width: int, levels: int) -> str:
+    """A "billion laughs": each level a list of `width` aliases of the one before (width**levels strings)."""
+    text = "l0: &l0 [" + ", ".join(["lol"] * width) + "]\n"
+    for i in range(1, levels + 1):
+        text += f"l{i}: &l{i} [" + ", ".join([f"*l{i - 1}"] * width) + "]\n"
+    return text
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        # 10**6 strings from 0.3 KB (today's code builds and walks them all: ~10 s; 9**9 from 551 bytes hung it)
+        (_laughs(10, 6), "its aliases (*name) expand it past 100,000 values"),
+        ("s: &s " + "x" * 100_000 + "\nl: [" + ", ".join(["*s"] * 200) + "]\n", "or 16,777,216 characters"),
+        ("a: &x [1, *x]\n", "line 1: the value anchored here (&name) holds an alias (*name) of itself"),
+        ("a:\n  b: &x\n    c: {d: *x}\n", "line 2: the value anchored here (&name) holds an alias (*name) of itself"),
+        ("a: " + "[" * 150 + "]" * 150 + "\n", "nested more than 100 levels deep"),
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+    ],
+    ids=["billion-laughs", "long-string-aliased", "self-containing-list", "self-containing-map", "deep", "deeper"],
+)
+def test_yaml_aliases_that_expand_without_bound_or_contain_themselves_are_refused(tmp_path, text, says):
+    """Issue 46: 551 bytes of YAML aliases hung the loader, 1.5 KB became a 22 MB config.yaml, and a self-containing
+    document was a RecursionError traceback. Each is a ConfigError naming the file, before anything is expanded."""
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as e:
+        read_yaml(path)
+    assert str(e.value).startswith(f"{path}: ") and says in str(e.value)
+
+
+def test_a_config_that_is_a_fifo_a_device_or_too_large_is_named_without_reading_it(tmp_path, monkeypatch):
+    """A FIFO blocked the read, /dev/zero never ended it: named, as --config and as a file the config names (read
+    with read_yaml: trainer.trainer_config_path), as is a file over loader.MAX_YAML_BYTES."""
+    os.mkfifo(tmp_path / "c.fifo")
+    (tmp_path / "zero.yaml").symlink_to("/dev/zero")
+    for path, says in ((tmp_path / "c.fifo", "a FIFO"), (tmp_path / "zero.yaml", "a device")):
+        for read in (read_yaml, lambda p: cli(["--config", str(p)])):
+            with pytest.raises(ConfigError, match=f"^{re.escape(str(path))}: {says}, not a regular file"):
+                read(path)
+    monkeypatch.setattr(loader, "MAX_YAML_BYTES", 100)
+    with pytest.raises(ConfigError, match=r"c.yaml: 130 bytes, over 100; a config is a few KB of YAML"):
+        read_yaml(write(tmp_path, "project: " + "x" * 120 + "\n"))
+
+
+def test_yaml_aliases_within_the_bounds_still_load(tmp_path):
+    """What a config uses aliases for (a shared block, a merge key) loads as before, each use its own copy."""
+    cfg = read_yaml(write(tmp_path, "a: &x {k: [1, 2]}\nb: *x\nc: {<<: *x, j: 2}\nd: [*x, *x]\n"))
+    assert cfg == {"a": {"k": [1, 2]}, "b": {"k": [1, 2]}, "c": {"k": [1, 2], "j": 2}, "d": [{"k": [1, 2]}] * 2}
+    assert cfg["a"] is not cfg["b"] and cfg["d"][0] is not cfg["d"][1]
+
+
 def test_a_merge_key_may_be_overridden_in_yaml(tmp_path):
     """`<<: *anchor` then the same key: YAML's override, not a duplicate."""
     cfg = read_yaml(write(tmp_path, "a: &base {x: 1, y: 2}\nb:\n  <<: *base\n  x: 3\n"))
@@ -947,6 +998,8 @@ def test_a_bad_yaml_mapping_on_the_command_line_is_a_usage_error_naming_the_opti
         ("{", "not valid YAML"),
         ("[1]", "expected a YAML/JSON mapping"),
         ("{a: 2024-01-01}", "is a date"),
+        ("{a: &x [*x]}", "holds an alias (*name) of itself"),  # issue 46: a RecursionError traceback before
+        ("{a: " + "[" * 3000 + "]" * 3000 + "}", "nested too deeply"),
     ):
         with pytest.raises(SystemExit) as e:
             cli(["--config", write(tmp_path, MINIMAL), "--algorithm.kl_loss_fn_args", value])

@@ -18,7 +18,7 @@ import explore
 import sync
 import wire
 import workflows
-from buffer import Experience
+from buffer import Experience, ExperienceDB
 from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
 from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
@@ -862,3 +862,40 @@ def test_dropped_tasks_are_refilled_from_the_reader_up_to_max_refill_rounds(
     assert [x.group_id for x in exps] == [f"g{t}" for t in written for _ in "ab"]
     keys = ("dropped_tasks", "refilled_tasks", "missing_tasks")
     assert tuple(got[f"rollout/{k}"] for k in keys) == metrics
+
+
+def test_the_experiences_of_a_task_whose_prompt_was_cut_as_read_are_marked_prompt_truncated():
+    """A prompt cut by characters as it was read (tasksets.prompt_bound) gets no loss, as the engine's own cut."""
+    exps = [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0) for _ in range(2)]
+    explore.stamp(exps, make_task(prompt_cut=5_000_000), "e")
+    assert [x.truncate_status for x in exps] == ["prompt_truncated"] * 2
+    explore.stamp(more := [Experience(tokens=torch.tensor([1, 2]), prompt_length=1, reward=0.0)], make_task(), "e")
+    assert more[0].truncate_status is None
+
+
+def test_a_huge_question_is_cut_by_characters_before_the_engine_and_stored_cut(tmp_path, tiny_model_dir, caplog):
+    """Issue 46: a 10 MB question was tokenised whole and its text stored repeat_times times. The explorer cuts it by
+    characters as it reads the taskset (32 x max_prompt_tokens 160): its experiences hold the cut prompt, marked
+    prompt_truncated, the others are as they were."""
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = (Path(tiny_model_dir).parent / "arith" / "train.jsonl").read_text().splitlines(keepends=True)
+    huge = json.dumps({"question": "7 " * 2_500_000 + "What is 1+1?", "answer": "2"}) + "\n"
+    (data / "train.jsonl").write_text(lines[0] + huge + lines[1])
+    db = tmp_path / "e.db"
+    over = {
+        "buffer.explorer_input.taskset.path": str(data),
+        "buffer.explorer_input.eval_tasksets": [],
+        "buffer.total_steps": 1,
+        "buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}",
+    }
+    code, err = explorer_in_process(write_config(tmp_path, tiny_model_dir, **over), caplog)
+    assert code == 0, err
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        exps = d.get([r[0] for r in d.query("SELECT id FROM experiences")])
+    by_task = {t: [x for x in exps if x.task_id == t] for t in ("arith/0", "arith/1", "arith/2")}
+    assert [len(v) for v in by_task.values()] == [2, 2, 2]
+    for x in by_task["arith/1"]:
+        assert x.truncate_status == "prompt_truncated" and x.prompt_length <= 160
+        assert 32 * 160 <= len(x.prompt_text) < 32 * 160 + 500 and x.prompt_text.rstrip().endswith("assistant")
+    assert all(x.truncate_status != "prompt_truncated" for t in ("arith/0", "arith/2") for x in by_task[t])

@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
@@ -9,6 +11,7 @@ import datasets
 import huggingface_hub
 import pytest
 
+import tasksets
 from configs import derive, from_dict
 from configs.schema import BufferConfig, Config, FormatConfig, TasksetConfig
 from tasksets import (
@@ -202,6 +205,11 @@ def test_sequential_is_file_order_and_random_is_seeded(tmp_path):
         (b'{"question": "x", "answer": \n', "line 3: not valid JSON (Expecting value at column 29)"),  # its end
         (b'{"question": "x\xff", "answer": "2"}\n', "line 3: not UTF-8 (byte 0xff at byte 16)"),
         (b"[1, 2]\n", "line 3: a JSON list, not an object (one row per line)"),
+        (  # issue 46: pyarrow's "Trailing data at position 34", no line
+            b'{"question": "x\\ud800", "answer": "2"}\n',
+            "line 3: a lone surrogate \\ud800 (half of a UTF-16 pair, escaped alone) in a string: not text; fix or "
+            "drop the row",
+        ),
     ],
 )
 def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
@@ -222,6 +230,12 @@ def test_a_bad_line_is_named_by_file_and_line(tmp_path, bad, named):
         ),
         ("train.json", b'[{"question": "a", "answer": "1"},\n {"question": "b"\n', "line 3: not valid JSON"),
         ("train.json", b'{"question": "a", "answer": "1"}\n[1, 2]\n', "line 2: a JSON list, not an object"),
+        (
+            "train.json",  # issue 46: a lone surrogate in a JSON document (a paired one on line 2 is text)
+            b'[{"question": "a", "answer": "1"},\n {"question": "\\ud83d\\ude00", "answer": "1"},\n'
+            b' {"question": "b\\udc00", "answer": "2"}]\n',
+            "line 3: a lone surrogate \\udc00 (half of a UTF-16 pair, escaped alone) in a string",
+        ),
         ("train.jsonl", b"", "empty: no rows"),
         ("train.jsonl", b"\n\n", "empty: no rows"),
         ("train.csv", b"", "empty: no rows"),
@@ -235,6 +249,118 @@ def test_a_file_that_cannot_be_read_says_why(tmp_path, name, data, named):
     with pytest.raises(DataError) as e:
         read_rows(str(tmp_path))
     assert str(e.value).startswith(f"{tmp_path / name}: {named}")
+
+
+def _not_a_file(kind: str, where: Path) -> None:
+    """Make `where` a thing that is not a regular file: a link to /dev/zero, a FIFO, a socket, a directory."""
+    if kind == "dev-zero":
+        where.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(where)
+    elif kind == "socket":
+        sock, cwd = socket.socket(socket.AF_UNIX), os.getcwd()
+        os.chdir(where.parent)  # NOTE: bound by its relative name: a socket's path is limited to ~107 bytes
+        try:
+            sock.bind(where.name)
+        finally:
+            os.chdir(cwd)
+            sock.close()  # the socket file stays
+    else:
+        where.mkdir()
+
+
+@pytest.mark.parametrize(
+    "kind, what, named",
+    [
+        (kind, what, named)
+        for kind, what in [
+            ("dev-zero", " (a link to /dev/zero) is a character device"),
+            ("fifo", " is a FIFO (named pipe)"),
+            ("socket", " is a socket"),
+            ("directory", " is a directory"),
+        ]
+        for named in ("as the path", "in a folder")
+        if (kind, named) != ("directory", "as the path")  # a folder given as the path is a Hugging Face layout
+    ],
+)
+def test_only_regular_files_are_read_as_data(tmp_path, kind, what, named):
+    """Issue 46: a train.jsonl that is a link to /dev/zero ate all memory, a FIFO hung the explorer. Each is a
+    DataError naming the path and what it is, before anything is read; a link to a regular file still reads."""
+    folder = tmp_path / "set"
+    folder.mkdir()
+    target = folder / "train.jsonl"
+    _not_a_file(kind, target)
+    with pytest.raises(DataError) as e:
+        read_rows(str(target if named == "as the path" else folder))
+    assert str(e.value).startswith(f"{target}{what}, not a data file: point the path at a regular file")
+    write_jsonl(tmp_path / "real.jsonl", rows(2))
+    (tmp_path / "linked.jsonl").symlink_to(tmp_path / "real.jsonl")
+    assert [r["question"] for _, _, r in read_rows(str(tmp_path / "linked.jsonl"))] == ["q0", "q1"]
+
+
+def test_a_line_longer_than_the_limit_is_named_before_it_is_read_whole(tmp_path, monkeypatch):
+    """A JSONL line (or a CSV's) is read with a bound: one over tasksets.MAX_LINE_BYTES is a DataError with the file
+    and the line number; lines within it read as before."""
+    monkeypatch.setattr(tasksets, "MAX_LINE_BYTES", 1000)
+    path = write_jsonl(tmp_path / "train.jsonl", [*rows(1), {"question": "x" * 2000, "answer": "1"}, *rows(1)])
+    with pytest.raises(DataError, match=r"train.jsonl: line 2: longer than 1,000 bytes \(tasksets.MAX_LINE_BYTES\)"):
+        read_rows(str(path))
+    (tmp_path / "t.csv").write_text("question,answer\n" + "y" * 1200 + ",1\n")
+    with pytest.raises(DataError, match="t.csv: line 2: longer than 1,000 bytes"):
+        read_rows(str(tmp_path / "t.csv"))
+    write_jsonl(path, [*rows(1), {"question": "x" * 900, "answer": "1"}])
+    assert len(read_rows(str(path))) == 2
+
+
+def test_a_prompt_over_the_character_bound_is_cut_before_tokenising_and_named(tmp_path, caplog):
+    """Issue 46: a 10 MB question was tokenised whole, then cut to its last max_prompt_tokens tokens. A prompt over
+    CHARS_PER_TOKEN x max_prompt_tokens characters is cut as it is read, keeping its end (what the engine's cut keeps),
+    and marked (prompt_cut: its experiences get prompt_truncated); one warning names the taskset and the first row."""
+    big = "x" * 2_000_000 + " the end: what is 2+2?"
+    write_jsonl(tmp_path / "train.jsonl", [*rows(1), {"question": big, "answer": "4"}, *rows(1)])
+    ts = dataclasses.replace(
+        taskset(tmp_path), format=FormatConfig(prompt_key="question", response_key="answer", system_prompt="Be brief.")
+    )
+    bound = tasksets.PromptBound(chars=32 * 64, tokens=64, truncate=True)
+    with caplog.at_level("WARNING", logger="nanorft.tasksets"):
+        start = time.monotonic()
+        tasks = load_tasks(ts, bound=bound)
+        assert time.monotonic() - start < 30
+    cut = tasks[1]
+    assert [m["role"] for m in cut.messages] == ["system", "user"]  # every role stays
+    assert sum(len(m["content"]) for m in cut.messages) == 32 * 64 and cut.messages[0]["content"] == ""
+    assert cut.prompt == cut.messages[-1]["content"] and cut.prompt.endswith(" the end: what is 2+2?")
+    assert cut.prompt_cut == len(big) + len("Be brief.") and [t.prompt_cut for t in (tasks[0], tasks[2])] == [0, 0]
+    assert tasks[0].messages[-1]["content"] == "q0"  # the others as they were
+    assert (
+        f"taskset {ts.name}: 1 prompt(s) longer than 2,048 characters (tasksets.CHARS_PER_TOKEN 32 x 64 tokens, "
+        "model.max_prompt_tokens) were cut to their last 2,048 characters before tokenising (their experiences are "
+        f"marked prompt_truncated: no loss, as the engine's cut); the first: {tmp_path / 'train.jsonl'}: row 1 "
+        "(2,000,031 characters)" in caplog.text
+    )
+
+
+def test_with_prompt_truncation_off_an_over_long_prompt_drops_its_task_by_name(tmp_path, caplog):
+    """enable_prompt_truncation off: the engine would fail the task (PromptTooLong); it is dropped as it is read,
+    with a warning naming it, the other tasks keep their row index."""
+    write_jsonl(tmp_path / "train.jsonl", [*rows(1, "a"), {"question": "y" * 5000, "answer": "4"}, *rows(2, "b")])
+    bound = tasksets.PromptBound(chars=1000, tokens=100, truncate=False)
+    with caplog.at_level("WARNING", logger="nanorft.tasksets"):
+        tasks = load_tasks(taskset(tmp_path), bound=bound)
+    assert [t.index for t in tasks] == [0, 2, 3] and [t.prompt for t in tasks] == ["a0", "b0", "b1"]
+    assert "were dropped, as model.enable_prompt_truncation is off (PromptTooLong); the first: " in caplog.text
+    write_jsonl(tmp_path / "train.jsonl", [{"question": "y" * 5000, "answer": "4"}])
+    with pytest.raises(DataError, match="has no rows once the 1 over-long prompt"):
+        load_tasks(taskset(tmp_path), bound=bound)
+
+
+def test_the_prompt_bound_follows_the_models_token_limits():
+    """prompt_bound: CHARS_PER_TOKEN characters per token of model.max_prompt_tokens (else max_model_len)."""
+    model = {"model_path": "m", "max_prompt_tokens": 100, "max_response_tokens": 8}
+    cfg = derive(from_dict(Config, {"mode": "train", "model": model}))
+    assert tasksets.prompt_bound(cfg.model) == tasksets.PromptBound(3200, 100, True)
+    cfg.model.enable_prompt_truncation = False
+    assert tasksets.prompt_bound(cfg.model) == tasksets.PromptBound(3200, 100, False)
 
 
 def test_a_row_names_a_registered_workflow_or_the_yamls_own_never_code_to_import(tmp_path):

@@ -750,6 +750,40 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(trained,
         checkpoint.latest_checkpoint(job)
 
 
+def test_resuming_with_another_base_model_or_algorithm_is_refused_by_name(tmp_path, tiny_model_dir):
+    """Issue 46: a changed model.model_path silently changed the KL reference, a changed algorithm_type reused the old
+    optimizer state. A checkpoint records both; a resume with others stops (exit 2, no traceback) naming both values,
+    before any model is built; the same settings (the same folder through another spelling) resume."""
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_model_dir, other)
+    settings = [  # the first run saves step 1; the others resume it (sft_config writes r/train.yaml: each moved)
+        {"buffer.total_steps": 1},
+        {"buffer.total_steps": 2, "model.model_path": str(other)},
+        {"buffer.total_steps": 2, "algorithm": {"algorithm_type": "dpo"}},
+        {"buffer.total_steps": 2, "model.model_path": os.path.relpath(tiny_model_dir, ROOT)},  # the same folder
+    ]
+    paths = [
+        sft_config(tmp_path / "r", tiny_model_dir, **over).rename(tmp_path / f"{i}.yaml")
+        for i, over in enumerate(settings)
+    ]
+    outs = run_trains(paths)
+    job = tmp_path / "r" / "ck" / "p" / "t"
+    assert outs[0].returncode == 0, outs[0].stderr[-3000:]
+    saved = json.loads((job / "global_step_1" / "actor" / "trainer_state.json").read_text())["trained_with"]
+    assert saved == {"model.model_path": str(Path(tiny_model_dir).resolve()), "algorithm.algorithm_type": "sft"}
+    for out, key, now, was in (
+        (outs[1], "model.model_path", str(other.resolve()), str(Path(tiny_model_dir).resolve())),
+        (outs[2], "algorithm.algorithm_type", "dpo", "sft"),
+    ):
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+        assert (
+            f"{job} has checkpoint step 1, and this run would resume it with other settings: {key} is {now!r}, "
+            f"the checkpoint was trained with {was!r}. Set them back to resume" in " ".join(out.stderr.split())
+        )
+    assert outs[3].returncode == 0 and "resumed from checkpoint step 1" in outs[3].stderr, outs[3].stderr[-3000:]
+    assert checkpoint.latest_checkpoint(job) == 2
+
+
 def fake_checkpoint(job: Path, step: int) -> Path:
     """A checkpoint folder with the files latest_checkpoint looks at, and its manifest."""
     actor = job / f"global_step_{step}" / "actor"
