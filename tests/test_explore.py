@@ -310,6 +310,7 @@ def test_stuck_user_code_neither_starves_the_other_tasks_nor_aborts_the_exit(tin
             "explorer.max_timeout": 6,
             "explorer.max_retry_times": 0,
             "explorer.runner_per_model": 6,
+            "explorer.max_refill_rounds": 0,  # the tasks as read: refills are test_dropped_tasks_are_refilled_...'s
         },
     )
     log = tmp_path / "explorer.log"
