@@ -648,11 +648,11 @@ def run_stages(cfg: configs.Config, resolved: list[configs.Config], start: float
     out = run_dir(cfg, stages)
     summary = summarize(cfg, stages, time.monotonic() - start)
     summary["exit_code"] = code
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    written = write_summary(out / "summary.json", summary)
     drawn = out / "reward_accuracy.png"
     try:
         drawn = drawn if plot(summary, drawn) else "none (no step recorded a loss, reward or accuracy)"
-    except Exception as e:  # a plot must not turn a finished run into a failure
+    except Exception as e:  # a plot (a full disk too) must not turn a finished run into a failure
         log.warning("could not draw the plot: %s", e)
         drawn = "none"
     shown = {
@@ -660,8 +660,20 @@ def run_stages(cfg: configs.Config, resolved: list[configs.Config], start: float
         for k in ("accuracy_before_sft", "accuracy_after_sft", "accuracy_after_rft", "wall_seconds", "steps")
     }
     print(f"\nrun {'finished' if code == 0 else f'FAILED (exit code {code})'}: {json.dumps(shown)}")
-    print(f"summary: {out / 'summary.json'}\nplot:    {drawn}", flush=True)
+    print(f"summary: {written}\nplot:    {drawn}", flush=True)
     return code
+
+
+def write_summary(path: Path, summary: dict) -> str:
+    """Write summary.json whole (sync.write_atomic: never a torn file) and return its path, or "none (why)" when it
+    cannot be written: a full disk must not turn a finished run into a failure (its figures stay in the monitor files,
+    and the line above prints the main ones)."""
+    try:
+        sync.write_atomic(path, lambda p: Path(p).write_text(json.dumps(summary, indent=1)))
+    except OSError as e:
+        log.warning("could not write %s: %s", path, e)
+        return f"none (could not write {path}: {e.strerror or e})"
+    return str(path)
 
 
 def main(argv: list[str]) -> int:

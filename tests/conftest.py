@@ -127,3 +127,18 @@ def db_url(request, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/buffer.db"
     return request.getfixturevalue("postgres").database()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs at tmp_path/disk (mounting needs root: skipped, saying why, elsewhere), unmounted after."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    yield disk
+    if subprocess.run(["umount", str(disk)]).returncode:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -944,3 +944,17 @@ def run_trains(
             subprocess.CompletedProcess(str(c), code, "", e.read_text())
             for c, code, e in zip(configs, json.loads(codes.read_text()), errs)
         ]
+
+
+def fill(folder: Path) -> Path:
+    """Write a file in `folder` until its filesystem is full; the file."""
+    import errno
+
+    filler = folder / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 512)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    return filler

@@ -25,6 +25,7 @@ from buffer import ExperienceDB
 from helpers import (
     Entry,
     both_config,
+    fill,
     launch,
     mlflow_runs,
     rollout_logprob_gap,
@@ -711,3 +712,22 @@ def test_a_torn_history_line_is_skipped_by_the_summary_and_the_stage_line(tmp_pa
     assert line.startswith("stage e finished in 1 s: explorer step 3: reward 0.75")
     for n in (2, 3, 5):
         assert f"explorer.jsonl, line {n}: skipped" in caplog.text
+
+
+def test_a_summary_that_cannot_be_written_on_a_full_disk_is_a_warning(small_disk, caplog):
+    """Issue 46: the launcher's summary.json on a full disk (a real one: a 64 KiB tmpfs) was a raw OSError after every
+    stage had finished. Now a warning naming the file and the reason, no torn or temporary file left, and the path line
+    says none; with room again it is written whole."""
+    import launch as launcher
+
+    summary = {"config": "x", "exit_code": 0, "eval_history": ["n" * 200] * 400}  # ~80 KB: more than the disk
+    filler = fill(small_disk)
+    with caplog.at_level(logging.WARNING, logger="nanorft.launch"):
+        shown = launcher.write_summary(small_disk / "summary.json", summary)
+    assert shown.startswith("none (could not write") and "No space left on device" in shown, shown
+    assert f"could not write {small_disk / 'summary.json'}" in caplog.text
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]  # no summary.json, no temporary
+    filler.unlink()
+    summary["eval_history"] = []
+    assert launcher.write_summary(small_disk / "summary.json", summary) == str(small_disk / "summary.json")
+    assert json.loads((small_disk / "summary.json").read_text()) == summary

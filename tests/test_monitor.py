@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from buffer import Experience
 from configs.schema import Config
-from helpers import fork_context, mlflow_runs
+from helpers import fill, fork_context, mlflow_runs
 from monitor import (
     CONSOLE,
     Console,
@@ -517,35 +517,6 @@ def test_several_sinks_at_once_and_trinitys_single_name(tmp_path, monkeypatch):
 
 
 # --- a full disk under the job folder, and the torn lines it left
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 64 KiB tmpfs at tmp_path/disk (mounting needs root: skipped, saying why, elsewhere), unmounted after."""
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    yield disk
-    if subprocess.run(["umount", str(disk)]).returncode:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
-
-
-def fill(folder: Path) -> Path:
-    """Write a file in `folder` until its filesystem is full; the file."""
-    import errno
-
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as f:
-        try:
-            while True:
-                f.write(b"x" * 512)
-        except OSError as e:
-            assert e.errno == errno.ENOSPC
-    return filler
 
 
 def test_a_full_disk_under_the_job_folder_loses_a_steps_metrics_with_one_warning(small_disk, caplog, capsys):
