@@ -913,7 +913,8 @@ def _laughs(width: int, levels: int) -> str:
         ("a: &x [1, *x]\n", "line 1: the value anchored here (&name) holds an alias (*name) of itself"),
         ("a:\n  b: &x\n    c: {d: *x}\n", "line 2: the value anchored here (&name) holds an alias (*name) of itself"),
         ("a: " + "[" * 150 + "]" * 150 + "\n", "nested more than 100 levels deep"),
-        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested too deeply"),
+        # the parser's own RecursionError ("nested too deeply"), or with PyYAML 6.0 (the floor) the depth check
+        ("a: " + "[" * 5000 + "]" * 5000 + "\n", "nested "),
     ],
     ids=["billion-laughs", "long-string-aliased", "self-containing-list", "self-containing-map", "deep", "deeper"],
 )
