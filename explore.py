@@ -354,9 +354,8 @@ def run_batch(x: Explorer, tasks: list[Task]) -> list:
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
     """Run the step's tasks on the runners, and more in place of the dropped ones (`refill`; with dynamic sampling,
-    `fill_groups`); the experiences to write, stamped, and the rollout metrics (of every task run, and
-    rollout/dropped_tasks, refilled_tasks, missing_tasks: the tasks that failed, the extra tasks run, the groups the
-    step lacks of batch_size)."""
+    `fill_groups`); the experiences to write, stamped, and the rollout metrics (of every task run: failed_count, the
+    tasks that failed; and rollout/refilled_tasks, missing_tasks: the extra tasks run, the groups the step lacks)."""
     start = time.monotonic()
     results = ran = run_batch(x, tasks)
     more: dict[str, float] = {}
@@ -367,7 +366,6 @@ def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str,
     written = [r for r in results if r[1]]
     metrics = rollout_metrics(ran, time.monotonic() - start) | more | {"rollout/abandoned_threads": abandoned()}
     metrics |= {
-        "rollout/dropped_tasks": sum(got is None for _, got, _ in ran),
         "rollout/refilled_tasks": len(ran) - len(tasks),
         "rollout/missing_tasks": max(x.cfg.buffer.batch_size - len(written), 0),
     }

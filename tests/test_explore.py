@@ -861,7 +861,7 @@ def test_dropped_tasks_are_refilled_from_the_reader_up_to_max_refill_rounds(
     exps, got = explore.rollout(x, x.reader.read(3))
     assert x.batches == batches and x.reader.index == sum(len(b) for b in batches)
     assert [x.group_id for x in exps] == [f"g{t}" for t in written for _ in "ab"]
-    keys = ("dropped_tasks", "refilled_tasks", "missing_tasks")
+    keys = ("failed_count", "refilled_tasks", "missing_tasks")
     assert tuple(got[f"rollout/{k}"] for k in keys) == metrics
 
 

@@ -612,9 +612,7 @@ def test_dropped_tasks_refilled_and_a_short_and_an_empty_step_still_end(tmp_path
     from monitor import read_history
 
     explorer = read_history(run / "monitor" / "explorer.jsonl")
-    assert [
-        (m["rollout/dropped_tasks"], m["rollout/refilled_tasks"], m["rollout/missing_tasks"]) for m in explorer
-    ] == [
+    assert [(m["rollout/failed_count"], m["rollout/refilled_tasks"], m["rollout/missing_tasks"]) for m in explorer] == [
         (2, 1, 1),
         (4, 2, 2),
         (0, 0, 0),
