@@ -52,7 +52,10 @@ class Completion:
     logprobs: list[float]  # one per token id
     text: str  # decoded without special tokens, cut before a stop string
     finish_reason: str  # "stop" (EOS or stop string) or "length" (max_tokens)
-    model_version: int = 0  # weights version that produced it
+    model_version: int = 0  # weights version that produced it (the oldest, when `spans` holds several)
+    # (first token index, version) where the version that sampled the tokens changes, in order; empty: every token
+    # is model_version's. Several: the weights changed while the request ran (explorer.partial_rollout)
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def truncated(self) -> bool:
