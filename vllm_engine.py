@@ -37,18 +37,16 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 import wire
 from models import eos_ids, generation_config, load_tokenizer
 from sampling import Batcher, Completion, SamplingParams, check_request, check_scoring
 
 log = logging.getLogger("nanorft.vllm_engine")
-EXTENSION = "vllm_engine.WeightReceiver"
+WEIGHT_BACKEND = "nanorft_gloo"  # weight_transfer.BACKEND (imported with vLLM: nanorft imports without it)
 SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy back, no reload
 
 
@@ -65,7 +63,7 @@ def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty
         "seed": rm.seed,
         "max_model_len": max_model_len,
         "logprobs_mode": "processed_logprobs",
-        "worker_extension_cls": EXTENSION,
+        "weight_transfer_config": {"backend": WEIGHT_BACKEND},
         "enable_sleep_mode": colocate,
     }
 
@@ -126,6 +124,11 @@ def prompt_logprobs(out: Any, sequence: list[int]) -> list[float]:
     return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], sequence[1:])]
 
 
+def merged(workers: list[dict[str, str]]) -> dict[str, str]:
+    """One engine's checksums from its workers' (each names its weights with its parallel rank)."""
+    return {name: digest for worker in workers for name, digest in worker.items()}
+
+
 def reset_prefix_cache(reset: Any, tries: int = 50) -> None:
     """reset() (an engine's reset_prefix_cache) until it returns True. NOTE: vLLM returns False, resetting nothing,
     while requests hold cached blocks; KV blocks of the old weights must not serve the new ones."""
@@ -168,13 +171,36 @@ class VLLMEngine:
         outs = self.batcher.call(lambda: self.llm.generate(prompts, sampling_params=sp, use_tqdm=False))
         return [prompt_logprobs(out, seq) for out, seq in zip(outs, sequences)]
 
-    def rpc(self, method: str, *args: Any) -> list:
-        """A WeightReceiver method on every worker of this engine, between batches; the workers' results."""
-        return self.batcher.call(lambda: self.llm.collective_rpc(method, args=args))
+    def init_transfer(self, init_info: dict) -> None:
+        """vLLM's init_weight_transfer_engine on every worker (between batches)."""
+        self.batcher.call(lambda: self.llm.init_weight_transfer_engine({"init_info": init_info}))
 
-    def updated(self, version: int) -> None:
-        reset_prefix_cache(lambda: self.batcher.call(self.llm.reset_prefix_cache))  # KV blocks of the old weights
+    def update(self, update_info: dict, version: int) -> None:
+        """One weight update through vLLM's lifecycle, between batches: start, update, finish with the version."""
+
+        def lifecycle() -> None:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": update_info})
+            self.llm.finish_weight_update(weight_version=str(version))
+            reset_prefix_cache(self.llm.reset_prefix_cache)  # KV blocks of the old weights
+
+        self.batcher.call(lifecycle)
         self.model_version = version
+
+    def set_version(self, version: int) -> None:
+        self.batcher.call(lambda: self.llm.update_weight_version(str(version)))
+        self.model_version = version
+
+    def weight_version(self) -> str:
+        return self.batcher.call(self.llm.get_weight_version)
+
+    def checksums(self) -> dict[str, str]:
+        """vLLM's checksum of every weight of every worker (compute_weight_checksums; `LLM` has no method of its
+        own for it: its workers' through collective_rpc)."""
+        return merged(self.batcher.call(lambda: self.llm.collective_rpc("compute_weight_checksums")))
+
+    def end_transfer(self) -> None:
+        self.batcher.call(self.llm.shutdown_weight_transfer_engine)
 
     def sleep(self) -> None:
         self.batcher.call(lambda: self.llm.sleep(level=SLEEP_LEVEL))
@@ -241,12 +267,33 @@ class AsyncVLLMEngine:
             last = out
         return prompt_logprobs(last, sequence)
 
-    def rpc(self, method: str, *args: Any) -> list:
-        return self.call(self.llm.collective_rpc(method, args=args))
+    def init_transfer(self, init_info: dict) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-    def updated(self, version: int) -> None:
+        self.call(self.llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info)))
+
+    def update(self, update_info: dict, version: int) -> None:
+        """One weight update through vLLM's lifecycle (VLLMEngine.update)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        self.call(self.llm.start_weight_update())
+        self.call(self.llm.update_weights(WeightTransferUpdateRequest(update_info)))
+        self.call(self.llm.finish_weight_update(weight_version=str(version)))
         reset_prefix_cache(lambda: self.call(self.llm.reset_prefix_cache()))
         self.model_version = version
+
+    def set_version(self, version: int) -> None:
+        self.call(self.llm.update_weight_version(str(version)))
+        self.model_version = version
+
+    def weight_version(self) -> str:
+        return self.call(self.llm.get_weight_version())
+
+    def checksums(self) -> dict[str, str]:
+        return merged(self.call(self.llm.compute_weight_checksums()))
+
+    def end_transfer(self) -> None:
+        self.call(self.llm.shutdown_weight_transfer_engine())
 
     def sleep(self) -> None:
         self.call(self.llm.sleep(level=SLEEP_LEVEL))
@@ -282,8 +329,7 @@ class EnginePool:
 
     @model_version.setter
     def model_version(self, version: int) -> None:  # the explorer sets the version of the weights it started with
-        for e in self.engines:
-            e.model_version = version
+        self.all(lambda e: e.set_version(version))  # vLLM's update_weight_version: its outputs carry it
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
         with self.mutex:
@@ -317,40 +363,53 @@ class EnginePool:
             return list(pool.map(fn, self.engines))
 
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
-        """New weights from a published HF folder, which every worker reads itself. OSError when a worker could
-        not (sync.load_published then retries with the newest folder)."""
+        """New weights from a published HF folder, which every worker reads itself, through vLLM's weight-update
+        lifecycle (weight_transfer.GlooEngine). OSError when the folder cannot be loaded, checked before any worker
+        starts (sync.load_published then retries with the newest folder)."""
         if not isinstance(source, str):
             raise TypeError("vLLM engines load weights from a folder or over the weight group, not a state dict")
+        from weight_transfer import check_folder
+
+        try:
+            check_folder(source)
+        except OSError as e:
+            raise OSError(f"vLLM workers could not load {source}: {e}") from e
         self.wake_up()  # vLLM loads weights into awake engines
-        done = self.all(lambda e: e.rpc("nanorft_load_folder", source))
-        counts, errors = [n for worker in done for n, _ in worker], [err for w in done for _, err in w if err]
-        if errors:
-            raise OSError(f"vLLM workers could not load {source}: {errors[0]}")
-        if len(set(counts)) > 1:
-            raise OSError(f"vLLM workers loaded {counts} tensors from {source}: every worker must load them all")
-        self.all(lambda e: e.updated(version))
+        self.all(lambda e: e.update({"folder": source}, version))
 
     def join_ranks(self) -> int:
         """How many ranks receive weights over the group: every worker of every engine."""
         return len(self.engines) * self.per_engine
 
     def join_group(self, job_dir: str, timeout: float) -> None:
-        """Every worker joins the trainer's weight group (wire.open_receiver) as rank 1 + its index, after the
-        explorer announced join_ranks() receivers."""
-        done = self.all(lambda e: e.rpc("nanorft_join", job_dir, 1 + self.engines.index(e) * self.per_engine, timeout))
-        if errors := [err for worker in done for err in worker if err]:
-            raise wire.SyncError(f"vLLM workers could not join the weight group: {errors[0]}")
+        """Every worker joins the trainer's weight group (vLLM's init_weight_transfer_engine: weight_transfer.GlooEngine
+        opens wire.open_receiver) as rank 1 + its index, after the explorer announced join_ranks() receivers."""
+        first = {id(e): 1 + i * self.per_engine for i, e in enumerate(self.engines)}
+        info = {"job_dir": job_dir, "timeout": timeout}
+        try:
+            self.all(lambda e: e.init_transfer({**info, "rank_offset": first[id(e)]}))
+        except Exception as e:  # NOTE: vLLM re-raises a worker's error as a bare Exception, whatever its type
+            raise wire.SyncError(f"vLLM workers could not join the weight group: {e}") from e
         self.joined = True
 
     def receive(self, header: dict) -> int:
-        """One transfer over the weight group (after wire.receive_header): every worker takes the buckets; returns
-        the tensors loaded per worker. SyncError (the explorer's restart message) when the transfer broke."""
+        """One transfer over the weight group (after wire.receive_header), through vLLM's weight-update lifecycle:
+        every worker takes the buckets. Returns the tensors of the transfer. SyncError (the explorer's restart
+        message) when it broke: the engines' weights are then half-updated, and the explorer stops."""
         self.wake_up()
-        done = self.all(lambda e: e.rpc("nanorft_receive", header))
-        if errors := [err for worker in done for _, err in worker if err]:
-            raise wire.SyncError(errors[0])
-        self.all(lambda e: e.updated(header["version"]))
-        return min(n for worker in done for n, _ in worker)
+        try:
+            self.all(lambda e: e.update({"header": header}, header["version"]))
+        except Exception as e:
+            raise wire.SyncError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+        return len(header["names"])
+
+    def checksums(self) -> list[dict[str, str]]:
+        """Each engine's weight checksums (vLLM's compute_weight_checksums, every worker's merged)."""
+        return self.all(lambda e: e.checksums())
+
+    def weight_versions(self) -> list[str]:
+        """Each engine's weight version as vLLM holds it (get_weight_version)."""
+        return self.all(lambda e: e.weight_version())
 
     def sleep(self) -> None:
         """Free the GPU for the trainer (level 1: weights to host memory, KV cache dropped)."""
@@ -364,8 +423,8 @@ class EnginePool:
             self.asleep = False
 
     def close(self) -> None:
-        if self.joined:  # each worker leaves the weight group first
-            self.all(lambda e: e.rpc("nanorft_close"))
+        if self.joined:  # each worker leaves the weight group first (vLLM's shutdown_weight_transfer_engine)
+            self.all(lambda e: e.end_transfer())
             self.joined = False
         self.all(lambda e: e.close())
 
@@ -438,102 +497,3 @@ def make_pool(
             "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}",
         )
     return EnginePool(engines, rm.tensor_parallel_size)
-
-
-class WeightReceiver:
-    """vLLM worker extension (`worker_extension_cls`): its methods run in every worker process through
-    collective_rpc, with `self` the worker (self.device: its GPU or the CPU; self.rank: its rank in the engine;
-    self.reload_weights: vLLM's in-place reload). NOTE: vLLM re-raises a worker's exception in the explorer as a
-    bare Exception whatever its type, so the failures the explorer must tell apart (a folder it cannot load, a
-    transfer that broke) come back as values: (tensors loaded, "" or what went wrong)."""
-
-    def nanorft_load_folder(self, folder: str) -> tuple[int, str]:
-        """Reload the weights from an HF folder's safetensors files, read straight onto this worker's device."""
-        files = sorted(Path(folder).glob("*.safetensors"))
-        # NOTE: every file's header first (a missing, empty or cut file is refused here): a reload that fails
-        # half-way leaves the engine's weights half-updated
-        try:
-            names = [list(safe_open(f, "pt").keys()) for f in files]
-        except Exception as e:
-            return 0, f"{type(e).__name__}: {e}"
-        if not any(names):
-            return 0, f"no weights in {folder}" + ("" if Path(folder).is_dir() else " (no folder)")
-        expected_reload_warnings_off()
-        self.reload_weights(weights_iterator=tensors_of(files, names, str(self.device)))
-        retie_lm_head(self.model_runner.get_model())
-        return sum(map(len, names)), ""
-
-    def nanorft_join(self, job_dir: str, first_rank: int, timeout: float) -> str:
-        """Join the trainer's weight group as rank first_rank + this worker's rank (leaving any earlier one); "" or
-        what went wrong."""
-        self.nanorft_close()
-        try:
-            self.nanorft_link = wire.open_receiver(job_dir, timeout, self.device, first_rank + self.rank, None)
-        except wire.SyncError as e:
-            return str(e)
-        return ""
-
-    def nanorft_receive(self, header: dict) -> tuple[int, str]:
-        """Reload the weights from one transfer's buckets, each loaded as it arrives. A transfer that broke leaves
-        the engine's weights half-updated: the explorer stops (and a restart starts a fresh engine)."""
-        n = 0
-
-        def arriving() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal n
-            for bucket in wire.receive_buckets(self.nanorft_link, header):
-                yield from bucket
-                n += len(bucket)
-
-        expected_reload_warnings_off()
-        try:
-            self.reload_weights(weights_iterator=arriving())
-        except wire.SyncError as e:
-            return n, str(e)
-        retie_lm_head(self.model_runner.get_model())
-        return n, ""
-
-    def nanorft_close(self) -> None:
-        """Leave the weight group (the engine closes)."""
-        if getattr(self, "nanorft_link", None) is not None:
-            wire.drop_group(self.nanorft_link)
-            self.nanorft_link = None
-
-
-def retie_lm_head(model: Any) -> None:
-    """After an in-place reload of a model whose lm_head is tied to its input embedding: re-run the lm_head's
-    post-load processing. NOTE: vLLM 0.32's reload skips the tied lm_head (the checkpoint has no weights of its
-    own for it: "ParallelLMHead: Failed to load weights"), and on the CPU backend it keeps the GEMM it packed from
-    the OLD embedding, so the logits came from the old weights (docs/LOG.md, 2026-11-25). The one place nanorft
-    reaches past vLLM's worker API into its model."""
-    lm_head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
-    if lm_head is not None and embed is not None and getattr(lm_head, "weight", None) is embed.weight:
-        lm_head.quant_method.process_weights_after_loading(lm_head)
-
-
-class ExpectedReloadWarnings(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights" for the two layers no checkpoint holds weights of by design:
-    the rotary embedding (a computed cache) and an lm_head tied to the input embedding (retie_lm_head processes it
-    again). Printed by every worker at every reload, they read as if the sync had failed; any other layer's still
-    shows."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (
-            record.msg == "%s: Failed to load weights"
-            and record.args
-            and record.args[0] in ("RotaryEmbedding", "ParallelLMHead")
-        )
-
-
-def expected_reload_warnings_off() -> None:
-    """Put ExpectedReloadWarnings on vLLM's layer-wise reload logger (once per worker process)."""
-    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-    if not any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters):
-        logger.addFilter(ExpectedReloadWarnings())
-
-
-def tensors_of(files: list[Path], names: list[list[str]], device: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every tensor in safetensors `files` (`names`: each file's), one at a time onto `device`."""
-    for path, keys in zip(files, names):
-        with safe_open(path, "pt", device=device) as f:
-            for name in keys:
-                yield name, f.get_tensor(name)
