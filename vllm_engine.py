@@ -34,6 +34,7 @@ import contextlib
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -122,6 +123,15 @@ def prompt_logprobs(out: Any, sequence: list[int]) -> list[float]:
     """The log-probs of a scored sequence's tokens after the first (a RequestOutput's prompt_logprobs: None for the
     first token, then {token id: Logprob} holding at least the token's own)."""
     return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], sequence[1:])]
+
+
+def worker_error(e: Exception) -> str:
+    """What went wrong in a vLLM worker. NOTE: vLLM re-raises a worker's exception as a bare Exception "Call to
+    collective_rpc method failed: Worker failed with error '<the error>', please check the stack trace above ...";
+    the explorer logs the error itself."""
+    text = str(e) or type(e).__name__
+    found = re.search(r"Worker failed with error '(.*)', please check", text, re.DOTALL)
+    return (found.group(1) if found else text).splitlines()[0]
 
 
 def merged(workers: list[dict[str, str]]) -> dict[str, str]:
@@ -389,7 +399,7 @@ class EnginePool:
         try:
             self.all(lambda e: e.init_transfer({**info, "rank_offset": first[id(e)]}))
         except Exception as e:  # NOTE: vLLM re-raises a worker's error as a bare Exception, whatever its type
-            raise wire.SyncError(f"vLLM workers could not join the weight group: {e}") from e
+            raise wire.SyncError(f"vLLM workers could not join the weight group: {worker_error(e)}") from e
         self.joined = True
 
     def receive(self, header: dict) -> int:
@@ -400,7 +410,7 @@ class EnginePool:
         try:
             self.all(lambda e: e.update({"header": header}, header["version"]))
         except Exception as e:
-            raise wire.SyncError(str(e).splitlines()[0] if str(e) else type(e).__name__) from e
+            raise wire.SyncError(worker_error(e)) from e
         return len(header["names"])
 
     def checksums(self) -> list[dict[str, str]]:

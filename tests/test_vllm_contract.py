@@ -303,11 +303,12 @@ def test_engine_arguments_are_vllms(backend, tiny_model_dir):
 
 
 def test_a_worker_error_comes_back_as_a_bare_exception(backend):
-    """collective_rpc re-raises a worker's exception as a bare Exception, whatever its type: the adapter's worker
-    methods return the failures the explorer tells apart (tests below) instead of raising them."""
+    """collective_rpc re-raises a worker's exception as a bare Exception, whatever its type: the adapter tells the
+    failures apart by the call they come from (a folder is checked before any worker reads it; a transfer's failure
+    is a SyncError), never by the exception's type."""
     engine = backend.pool("vllm").engines[0]
     with pytest.raises(Exception, match="Worker failed with error") as info:
-        engine.rpc("nanorft_join")  # no arguments: a TypeError in the worker
+        engine.init_transfer({"no_such_field": 1})  # init info the engine does not know: a TypeError in the worker
     assert type(info.value) is Exception
 
 

@@ -65,7 +65,8 @@ def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, t
             args.dtype,
             args.max_model_len,
         ) == (2, 0.5, False, 7, True, "float32", 256)
-        assert args.logprobs_mode == "processed_logprobs" and args.worker_extension_cls == "vllm_engine.WeightReceiver"
+        assert args.logprobs_mode == "processed_logprobs"
+        assert args.weight_transfer_config == {"backend": "nanorft_gloo"}  # weight_transfer.py's engine
         assert not args.enable_sleep_mode and [len(e.workers) for e in vllm.ENGINES] == [2, 2]
         ids = prompts(tiny_model_dir)
         futures = [pool.submit(ids[i % 3], SamplingParams(n=2, max_tokens=4, seed=i)) for i in range(8)]
@@ -184,7 +185,7 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         assert not closing.is_alive()
     finally:
         pool.close()
-    assert all(w.nanorft_link is None for e in vllm.ENGINES for w in e.workers)  # each left the group at close
+    assert all(w.weight_transfer_engine.link is None for e in vllm.ENGINES for w in e.workers)  # each left the group
     for weights in worker_weights(vllm):
         for name, _, sent_dtype in specs:
             assert torch.equal(weights[name], params[name].detach().to(sent_dtype).float()), name

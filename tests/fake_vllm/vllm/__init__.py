@@ -6,16 +6,21 @@ each behaviour below runs on both: `LLM(**engine args)` with `generate`, `collec
 `generate(prompt, sampling_params, request_id)` (an async generator whose last output is the finished request), async
 `collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`, and `shutdown`; `SamplingParams` and
 `sampling_params.RequestOutputKind`; outputs with `.outputs[i].index / .token_ids / .logprobs ({token: Logprob}) /
-.text / .finish_reason` and `.prompt_logprobs`; the worker's `reload_weights(weights_iterator=...)`.
+.text / .finish_reason` and `.prompt_logprobs`; vLLM's RL lifecycle on LLM and the async engine
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update(weight_version)`,
+`update_weight_version`, `get_weight_version`, `compute_weight_checksums`, `shutdown_weight_transfer_engine`) with the
+factories and base classes of `vllm.distributed.weight_transfer` and the layer-wise reload it runs inside.
 
 What it models, so that the adapter's use of it is checked:
 - engine arguments: only vLLM's names are accepted (a TypeError otherwise); logprobs_mode must be one of vLLM's;
-- tensor_parallel_size workers per engine, each a full copy of the model on the CPU with the worker extension
-  (`worker_extension_cls`) mixed in, as vLLM does; collective_rpc runs a method on every worker at once (threads,
+- tensor_parallel_size workers per engine, each a full copy of the model on the CPU with the weight-transfer engine
+  that `weight_transfer_config` names, from the factory the `vllm.general_plugins` entry points registered it in (as
+  vLLM loads plugins in every process); collective_rpc runs a method on every worker at once (threads,
   as vLLM's worker processes) and returns their results in rank order; a worker's exception comes back as a bare
   Exception naming it (vLLM's "Call to collective_rpc method failed: Worker failed with error ...");
-- weights go in through the worker's reload_weights (vLLM's in-place reload); the model's own load_weights outside
-  a reload fails, as on vLLM's CPU build (its weights are repacked after loading);
+- weights go in through the model's load_weights between the layer-wise reload's start and finish (the lifecycle's
+  start_weight_update / finish_weight_update); the model's own load_weights outside a reload fails, as on vLLM's
+  CPU build (its weights are repacked after loading);
 - prompt_logprobs (a request's SamplingParams.prompt_logprobs): each prompt token's raw log-prob given those before
   it, None for the first, not processed (no temperature, penalty or filtering), as vLLM's;
 - "processed_logprobs": log-probs after the repetition penalty (on the prompt's and the response's tokens), the
@@ -42,10 +47,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import importlib
+import importlib.metadata
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -58,6 +66,7 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")  # vLLM's ModelDType: no bf16 / fp16 / fp32
 ENGINES: list[LLM] = []  # every engine built, for the tests to look into
 SLEEP_TAGS = ("weights", "kv_cache")
+PLUGINS_LOADED = False
 __all__ = ["LLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind"]
 
 
@@ -98,8 +107,8 @@ class EngineArgs:
     seed: int = 0
     max_model_len: int | None = None
     logprobs_mode: str = "raw_logprobs"
-    worker_extension_cls: str = ""
     enable_sleep_mode: bool = False
+    weight_transfer_config: dict | None = None  # vLLM's WeightTransferConfig as a dict: {"backend": name}
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in LOGPROBS_MODES:
@@ -127,7 +136,7 @@ class FakeModel(torch.nn.Module):
         self.hf, self.sleeping = hf, sleeping  # the engine's parts asleep (SLEEP_TAGS)
         self.loaded: list[str] = []
         self.discarded: set[str] = set()  # weights a level-2 sleep threw away, not loaded since
-        self.reloading = False  # inside the worker's reload_weights
+        self.reloading = False  # inside a layer-wise reload (model_executor/model_loader/reload.py)
 
     def discard(self) -> None:
         with torch.no_grad():
@@ -155,31 +164,76 @@ class FakeModel(torch.nn.Module):
 
 
 class Worker:
-    """One tensor-parallel worker (vLLM's Worker: `rank`, `device`, `model_runner`)."""
+    """One tensor-parallel worker (vLLM's Worker: `rank`, `device`, `model_runner`, and the weight-transfer engine
+    vLLM's factory builds at model load when the engine arguments name a backend), with vLLM's worker methods of the
+    weight-update lifecycle: a second start before a finish, or an update or finish without a start, is an error."""
 
     def __init__(self, args: EngineArgs, rank: int) -> None:
         self.rank, self.local_rank, self.device = rank, rank, torch.device("cpu")
         hf = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
         self.sleeping: set[str] = set()
         self.model_runner = ModelRunner(FakeModel(hf, self.sleeping))
+        self.weight_transfer_engine, self.updating = None, False
+        if args.weight_transfer_config is not None:
+            from vllm.distributed.weight_transfer import WeightTransferEngineFactory
 
-    def reload_weights(
-        self, weights_iterator: Any = None, weights_path: str | None = None, is_checkpoint_format: bool = True
-    ) -> None:
-        """vLLM's in-place reload from (HF name, tensor) pairs (the only form the adapter uses)."""
-        model = self.model_runner.model
-        model.reloading = True
+            config = SimpleNamespace(parallel_config=SimpleNamespace(rank=rank), model_config=None)
+            self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+                args.weight_transfer_config, config, self.device, self.model_runner.model
+            )
+
+    def _engine(self) -> Any:
+        if self.weight_transfer_engine is None:
+            raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config")
+        return self.weight_transfer_engine
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        engine = self._engine()
+        engine.init_transfer_engine(engine.parse_init_info(init_info))
+
+    def start_weight_update(self) -> None:
+        if self.updating:
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+        self._engine().start_weight_update()
+        self.updating = True
+
+    def update_weights(self, update_info: dict) -> None:
+        if not self.updating:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
         try:
-            model.load_weights(weights_iterator)
-        finally:
-            model.reloading = False
+            self._engine().update_weights(update_info)
+        except BaseException:
+            self.updating = False
+            raise
+
+    def finish_weight_update(self) -> None:
+        if not self.updating:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self._engine().finish_weight_update()
+        self.updating = False
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        if self.weight_transfer_engine is not None:
+            self.weight_transfer_engine.shutdown()
+
+    def compute_weight_checksums(self) -> dict[str, str]:
+        """vLLM's: a SHA-256 of each weight's bytes, named with the worker's parallel ranks."""
+        return {
+            f"dp0:pp0:pcp0:tp{self.rank}:{name}": hashlib.sha256(
+                w.detach().contiguous().view(-1).view(torch.uint8).numpy()
+            ).hexdigest()
+            for name, w in self.model_runner.model.hf.named_parameters()
+        }
 
 
-def _worker_class(extension: str) -> type:
-    if not extension:
-        return Worker
-    module, _, name = extension.rpartition(".")
-    return type("WorkerWithExtension", (Worker, getattr(importlib.import_module(module), name)), {})
+def load_general_plugins() -> None:
+    """vLLM's plugin loading: every `vllm.general_plugins` entry point's function, once per process."""
+    global PLUGINS_LOADED
+    if not PLUGINS_LOADED:
+        PLUGINS_LOADED = True
+        for entry in importlib.metadata.entry_points(group="vllm.general_plugins"):
+            if entry.name == "nanorft":  # vLLM's own plugins are not in the fake
+                entry.load()()
 
 
 class LLM:
@@ -187,8 +241,9 @@ class LLM:
         self.args = EngineArgs(model=model, **kwargs)
         self.visible_devices = os.environ.get("CUDA_VISIBLE_DEVICES")
         self.multiproc_method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD", "fork")  # how its workers would start
-        cls = _worker_class(self.args.worker_extension_cls)
-        self.workers = [cls(self.args, r) for r in range(self.args.tensor_parallel_size)]
+        load_general_plugins()
+        self.workers = [Worker(self.args, r) for r in range(self.args.tensor_parallel_size)]
+        self.weight_version = "default"  # the engine core's, set by finish_weight_update / update_weight_version
         self.tokenizer = PreTrainedTokenizerFast.from_pretrained(model)
         # vLLM's generation_config "auto": a sample also stops on the model's generation config's eos_token_id(s)
         gen_eos = self.workers[0].model_runner.model.hf.generation_config.eos_token_id
@@ -290,6 +345,32 @@ class LLM:
                     "check the stack trace above for the root cause"
                 ) from None
 
+    # --- vLLM's RL lifecycle (vllm.entrypoints.rl.offline.RLOfflineMixin): a request is a dict or vLLM's dataclass
+    def init_weight_transfer_engine(self, request: Any) -> None:
+        info = request["init_info"] if isinstance(request, dict) else request.init_info
+        self.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": info})
+
+    def start_weight_update(self) -> None:
+        self.collective_rpc("start_weight_update")
+
+    def update_weights(self, request: Any) -> None:
+        info = request["update_info"] if isinstance(request, dict) else request.update_info
+        self.collective_rpc("update_weights", kwargs={"update_info": info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self.weight_version = weight_version
+
+    def update_weight_version(self, new_version: str) -> None:
+        self.weight_version = new_version
+
+    def get_weight_version(self) -> str:
+        return self.weight_version
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.collective_rpc("shutdown_weight_transfer_engine")
+
     def reset_prefix_cache(self) -> bool:
         """False (nothing reset) while requests run, as vLLM."""
         if self.running:
@@ -385,6 +466,30 @@ class AsyncLLMEngine:
 
     async def reset_prefix_cache(self) -> bool:
         return not self.in_flight and self.engine.reset_prefix_cache()
+
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await asyncio.to_thread(self.engine.init_weight_transfer_engine, request)
+
+    async def start_weight_update(self) -> None:
+        self.engine.start_weight_update()
+
+    async def update_weights(self, request: Any) -> None:
+        await asyncio.to_thread(self.engine.update_weights, request)
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.engine.finish_weight_update(weight_version)
+
+    async def update_weight_version(self, new_version: str) -> None:
+        self.engine.update_weight_version(new_version)
+
+    async def get_weight_version(self) -> str:
+        return self.engine.get_weight_version()
+
+    async def compute_weight_checksums(self) -> list[dict[str, str]]:
+        return self.engine.collective_rpc("compute_weight_checksums")
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown_weight_transfer_engine)
 
     async def sleep(self, level: int = 1, mode: str = "abort") -> None:
         self.engine.sleep(level)
