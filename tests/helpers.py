@@ -46,13 +46,16 @@ def in_ci() -> bool:
 def use_fake_vllm(monkeypatch):
     """`import vllm` gives the fake (tests/fake_vllm) until the test ends, the real vLLM's modules (if loaded) set
     aside meanwhile. Returns the fake module, its list of engines emptied."""
-    for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
+    # weight_transfer.py subclasses vLLM's classes: imported with the fake, it is the fake's until the test ends
+    for name in [n for n in sys.modules if n in ("vllm", "weight_transfer") or n.startswith("vllm.")]:
         monkeypatch.delitem(sys.modules, name)  # restored when the test ends
     monkeypatch.syspath_prepend(str(FAKE_VLLM))
     import vllm
+    import weight_transfer  # noqa: F401  (and with it the fake's vllm.distributed and vllm.model_executor)
 
     assert vllm.__version__.endswith("+fake"), vllm.__file__
-    for name in ("vllm", "vllm.sampling_params"):  # set through monkeypatch: removed again when the test ends
+    fake = [n for n in sys.modules if n in ("vllm", "weight_transfer") or n.startswith("vllm.")]
+    for name in fake:  # set through monkeypatch: removed again when the test ends
         monkeypatch.setitem(sys.modules, name, sys.modules.pop(name))
     vllm.ENGINES.clear()
     return vllm

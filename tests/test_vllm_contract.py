@@ -7,7 +7,9 @@ The real engines start once for this module (~20 s each, in the order the tests 
 engines and one `vllm_async` engine; a test that changes their weights puts the base weights back. The fake's start
 per test. Where vLLM is not installed the real cases skip, except under CI, which installs it: there they fail."""
 
+import ast
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -25,7 +27,7 @@ import vllm_engine
 import wire
 from configs.schema import InferenceModelConfig
 from engines import EngineHandle, SamplingParams, make_engine
-from helpers import ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
+from helpers import FAKE_VLLM, ROOT, perturbed, plain_logprobs, real_vllm, use_fake_vllm
 from models import load_model, load_tokenizer
 from openai_api import OpenAIServer
 
@@ -375,14 +377,18 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
     """Weights received over the trainer's group (gloo here, NCCL on GPUs: the same code) by both engines' workers,
     bucket by bucket through vLLM's in-place reload, into engines that held other weights (from a folder, checked):
     greedy tokens and log-probs equal those of an engine started on the same weights (the pool itself as it
-    started, on the base weights: the trainer sends those)."""
+    started, on the base weights: the trainer sends those); vLLM's weight checksums equal those of the same weights
+    loaded from their published folder, and vLLM holds the transfer's version."""
     pool, ids, tok = backend.pool("vllm"), prompts(tiny_model_dir), load_tokenizer(tiny_model_dir)
     started, base = backend.fresh(), load_model(tiny_model_dir)
     monkeypatch.setattr(wire, "BUCKET_BYTES", 8192)
     sender = send_in_thread(tmp_path, base, 5)
     try:
+        pool.load_weights(tiny_model_dir, version=3)  # the published folder of the weights the trainer sends
+        published = pool.checksums()
         held = perturbed(tiny_model_dir, 0.3)
         pool.load_weights(str(sync.save_hf(held, tok, tmp_path / "held")), version=4)
+        assert all(sums.keys() == published[0].keys() != sums for sums in pool.checksums())
         other = pool.generate(ids, [ANSWERS[0]] * 2)
         assert max(gap(held, p, cs) for p, cs in zip(ids, other)) < 1e-4  # every weight was another's
         link = wire.open_receiver(tmp_path, timeout=60, receivers=pool.join_ranks())
@@ -392,6 +398,9 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
         assert len(header["buckets"]) > 10 and pool.receive(header) == len(header["names"])
         wire.ack(link)
         assert wire.receive_header(link) is None  # the trainer's stop
+        # every engine holds, bit for bit, what loading the published folder gave it (vLLM's checksums), as version 5
+        assert pool.checksums() == [published[0]] * len(pool.engines) and len(published[0]) > 10
+        assert pool.weight_versions() == ["5"] * len(pool.engines)
         received = answers(pool, ids)
     finally:
         pool.load_weights(tiny_model_dir, version=6)
@@ -478,3 +487,59 @@ def test_a_trainer_killed_mid_transfer_gives_the_restart_message(backend, tiny_m
     assert "no weights of step 5 from the trainer: weight transfer 0 broke after" in caplog.text
     assert "stopping. Restart to continue after step 4." in caplog.text
     assert pool.model_version != 5
+
+
+# --- the fake's RL API against the installed vLLM's
+
+LIFECYCLE = [
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "update_weights",
+    "finish_weight_update",
+    "update_weight_version",
+    "get_weight_version",
+    "shutdown_weight_transfer_engine",
+]
+
+
+def fake_signatures(path: Path, cls: str) -> dict[str, list[str]]:
+    """The fake's class `cls` in `path` (parsed, not imported: `import vllm` is the real one here): method -> its
+    parameter names after self, keyword-only ones marked '*name'."""
+    tree = ast.parse(path.read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {
+        f.name: [a.arg for a in f.args.args[1:]] + [f"*{a.arg}" for a in f.args.kwonlyargs]
+        for f in node.body
+        if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+
+
+def real_signature(fn) -> list[str]:
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return [f"*{p.name}" if p.kind is p.KEYWORD_ONLY else p.name for p in params]
+
+
+def test_the_fakes_rl_api_has_the_installed_vllms_names_and_signatures():
+    """Every lifecycle call the adapter makes, on LLM and on the async engine, and the worker methods behind them, and
+    the base classes' fields the engine reads: the fake's names and parameters are the installed vLLM's."""
+    real_vllm()
+    import vllm
+    from vllm.distributed.weight_transfer import base
+    from vllm.v1.worker.gpu_worker import Worker
+
+    fake = FAKE_VLLM / "vllm" / "__init__.py"
+    for cls, real in (("LLM", vllm.LLM), ("AsyncLLMEngine", vllm.AsyncLLMEngine)):
+        ours = fake_signatures(fake, cls)
+        for name in [*LIFECYCLE, *(["compute_weight_checksums"] if cls != "LLM" else [])]:
+            assert ours[name] == real_signature(getattr(real, name)), (cls, name)
+        if cls == "AsyncLLMEngine":
+            assert all(inspect.iscoroutinefunction(getattr(real, n)) for n in LIFECYCLE)
+    worker = fake_signatures(fake, "Worker")
+    for name in ("init_weight_transfer_engine", "start_weight_update", "finish_weight_update"):
+        assert worker[name] == real_signature(getattr(Worker, name)), name
+    assert worker["compute_weight_checksums"] == real_signature(Worker.compute_weight_checksums)
+    fake_base = FAKE_VLLM / "vllm" / "distributed" / "weight_transfer" / "base.py"
+    for cls in ("WeightTransferInitRequest", "WeightTransferUpdateRequest"):
+        node = next(n for n in ast.parse(fake_base.read_text()).body if getattr(n, "name", "") == cls)
+        fields = [a.target.id for a in node.body if isinstance(a, ast.AnnAssign)]
+        assert fields == [f.name for f in dataclasses.fields(getattr(base, cls))], cls
