@@ -132,8 +132,10 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
 class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """The trainer's side: send_weights(version) streams the source's tensors over the group (every trainer rank
-    iterates the source: gathering FSDP2 shards is a collective; rank 0 sends). Its `client` is told the header
-    (update_weights): the explorer reads it and drives its engines' start / update / finish."""
+    iterates the source: gathering FSDP2 shards is a collective; rank 0 sends). NOTE: its `client` is not called: the
+    engines live in the explorer's process, which reads each transfer's header from the group's store and makes the
+    four lifecycle calls itself (vllm_engine.EnginePool.receive). train.py sends with wire.send_model, the same
+    transport, without importing vLLM (an HF-engine run needs no vLLM installed)."""
 
     init_info_cls = GlooTrainerInitInfo
     link: wire.WeightLink | None = None

@@ -51,6 +51,7 @@ def use_fake_vllm(monkeypatch):
         monkeypatch.delitem(sys.modules, name)  # restored when the test ends
     monkeypatch.syspath_prepend(str(FAKE_VLLM))
     import vllm
+
     import weight_transfer  # noqa: F401  (and with it the fake's vllm.distributed and vllm.model_executor)
 
     assert vllm.__version__.endswith("+fake"), vllm.__file__

@@ -362,12 +362,21 @@ def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(back
 
 
 def send_in_thread(job_dir: Path, model: torch.nn.Module, version: int) -> threading.Thread:
-    """A trainer's rank 0 in a thread: serve the group, send `model`'s weights (in buckets of 8 KiB: many), stop."""
-    link = wire.open_sender(job_dir, "cpu", timeout=60)
+    """A trainer's rank 0 in a thread, built by vLLM's trainer-side factory (weight_transfer.GlooTrainerEngine, the
+    plugin registers it): serve the group, send `model`'s weights (vLLM's ModuleSource; in buckets of 8 KiB: many),
+    stop."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+    from vllm.distributed.weight_transfer.base import ModuleSource
+
+    import weight_transfer
+
+    weight_transfer.register()
+    info = weight_transfer.GlooTrainerInitInfo(rank=0, job_dir=str(job_dir), timeout=60)
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=ModuleSource(model))
 
     def send() -> None:
-        wire.send_model(link, model, version)
-        wire.close_sender(link, finished=True, grace=30)
+        engine.send_weights(version)
+        wire.close_sender(engine.link, finished=True, grace=30)
 
     return threading.Thread(target=send, daemon=True)
 

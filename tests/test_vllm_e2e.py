@@ -1,8 +1,8 @@
 """mode both end to end on real vLLM (its CPU build; `bash run.sh test` installs it), through the launcher as a user
 runs it, 3 steps, weights synced after every step: `engine_type` vllm_async with checkpoint sync (vLLM's reload from
 a folder) and an auxiliary judge of engine_type vllm; vllm_async with two engines receiving over the process group the
-merged weights of a LoRA adapter being trained. (engine_type vllm receiving over the group, both kinds reloading from a
-folder: tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own DB and logs, that the
+merged weights of a LoRA adapter being trained; engine_type vllm receiving over the group. (Both kinds reloading from
+a folder: tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
 trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
 (rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
@@ -120,6 +120,17 @@ def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_m
     check_run(tmp_path, out, merged)
     assert "rollout engine 2/2: vllm_async on the CPU" in (run / "log" / "explorer.log").read_text()
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
+
+
+@pytest.mark.slow(seconds=90)
+def test_vllm_with_the_process_group(tmp_path, tiny_model_dir):
+    """engine_type vllm (one `vllm.LLM`, batches) in mode both: the trainer's weights of every step over the group
+    (gloo here) through vLLM's weight-update lifecycle into the engine's worker, as version s; step s + 1 sampled
+    from exactly them."""
+    config = vllm_config(tmp_path, tiny_model_dir, "vllm", "nccl")
+    out = launch(config, timeout=600)
+    run = check_run(tmp_path, out, run_weights(tmp_path, 2))
+    assert "rollout engine 1/1: vllm on the CPU" in (run / "log" / "explorer.log").read_text()
 
 
 @pytest.mark.slow(seconds=60)

@@ -53,6 +53,19 @@ class WeightSource:
         raise NotImplementedError
 
 
+class ModuleSource(WeightSource):
+    """vLLM's WeightSource over a module's named_parameters (its full tensors)."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self._module.named_parameters()]
+
+    def __iter__(self):
+        yield from self._module.named_parameters()
+
+
 class WeightTransferEngine(Generic[TInit, TUpdate]):
     init_info_cls: type
     update_info_cls: type
