@@ -352,6 +352,19 @@ class HFEngine:
         self.batcher.call(load)
 
 
+def engine_kind(rm: Any) -> tuple[str, str]:
+    """(the engine type a rollout model config runs: hf, vllm or vllm_async; why): "auto" = vLLM if importable and a
+    GPU is present. The trainer asks too: it sends weights to vLLM engines through their weight-transfer engine."""
+    if rm.engine_type != "auto":
+        return rm.engine_type, f"engine_type={rm.engine_type} in the config"
+    have_vllm, have_gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
+    why = (
+        f"engine_type=auto, vllm {'importable' if have_vllm else 'not installed'}, "
+        f"CUDA GPU {'present' if have_gpu else 'absent'}"
+    )
+    return ("vllm" if have_vllm and have_gpu else "hf"), why
+
+
 def make_engine(
     cfg_rollout_model,
     model_path: str,
@@ -364,16 +377,8 @@ def make_engine(
     vllm_engine.make_pool (engine_num engines from the explorer's GPU `first_gpu` on; `repetition_penalty` =
     model.repetition_penalty, which the config refuses for the HF engine; `colocate`: sleep mode, the GPU is
     shared with the trainer)."""
-    kind = cfg_rollout_model.engine_type
-    have_vllm, have_gpu = importlib.util.find_spec("vllm") is not None, torch.cuda.is_available()
-    if kind == "auto":
-        kind = "vllm" if have_vllm and have_gpu else "hf"
-        why = (
-            f"engine_type=auto, vllm {'importable' if have_vllm else 'not installed'}, "
-            f"CUDA GPU {'present' if have_gpu else 'absent'}"
-        )
-    else:
-        why = f"engine_type={kind} in the config"
+    kind, why = engine_kind(cfg_rollout_model)
+    have_gpu = torch.cuda.is_available()
     if kind in ("vllm", "vllm_async"):
         import vllm_engine
 

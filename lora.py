@@ -6,6 +6,7 @@ linear layers, W + (alpha / r) B A, instead of W itself; everything outside the 
                                           # fully_shard; only A and B require grad (and go into the optimizer)
     weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
     send_model(link, actor, version)      # the same, over the process group (wire.send_weights)
+    specs, tensors = weight_stream(actor) # what send_model sends (a vLLM weight-transfer engine's source)
     state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint
     save_adapter(actor, folder, state)    # peft's format: adapter_config.json + adapter_model.safetensors
     ref = WithoutAdapter(actor)           # the reference model: the actor with its adapter switched off
@@ -201,15 +202,21 @@ def full_state(scorer: Any) -> dict[str, torch.Tensor]:
 
 
 def send_model(link: wire.WeightLink | None, scorer: Any, version: int, dtype: torch.dtype | None = None) -> int:
-    """wire.send_model of the scorer's HF model (every rank calls it; link None but on rank 0); with a LoRA adapter,
-    the merged weights under the plain model's parameter names (gathered whole on rank 0 first, as the checkpoint
-    method does)."""
+    """wire.send_weights of the scorer's weights (`weight_stream`; every rank calls it; link None but on rank 0)."""
+    with torch.no_grad():
+        return wire.send_weights(link, version, *weight_stream(scorer, dtype))
+
+
+def weight_stream(scorer: Any, dtype: torch.dtype | None = None) -> tuple[list, Any]:
+    """The specs and full tensors (lazily) of the scorer's HF model for the engines (wire.model_stream; every rank
+    calls it: gathering is a collective); with a LoRA adapter, the merged weights under the plain model's parameter
+    names (gathered whole on rank 0 first, as the checkpoint method does: no specs elsewhere)."""
     if getattr(scorer, "adapter", None) is None:
-        return wire.send_model(link, scorer.model, version, dtype)
+        return wire.model_stream(scorer.model, dtype)
     state = full_state(scorer)
     names = [n.replace(".base_layer.", ".") for n, _ in scorer.model.named_parameters() if not is_adapter(n)]
     specs = [(n, tuple(state[n].shape), wire.as_dtype(state[n], dtype)) for n in names] if state else []
-    return wire.send_weights(link, version, specs, (state[n] for n, _, _ in specs))
+    return specs, (state[n] for n, _, _ in specs)
 
 
 def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int) -> None:

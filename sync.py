@@ -565,30 +565,32 @@ class ExplorerSync:
 
     def take_weights(self) -> tuple[int, int] | None:
         """The next weights over the trainer's group, into the engine: (version, bytes), or None after its stop.
-        The HF engine receives them in this process; vLLM engines' workers join the group and take them onto their
-        GPUs (vllm_engine.EnginePool.receive), this process reading only the header."""
+        The HF engine receives them in this process; vLLM engines' workers join the group (with the init info the
+        trainer's side of their weight-transfer engine posted) and take them onto their GPUs through vLLM's
+        weight-update lifecycle (vllm_engine.EnginePool.receive), this process reading only the header."""
         workers = self.engine.join_ranks() if hasattr(self.engine, "join_ranks") else 0
         link = self.link()
+        if workers and not self.engine.joined and (init := wire.receive_init(link)) is not None:
+            self.engine.join_group(init)  # the trainer's init info, posted before its first transfer
         header = wire.receive_header(link)
         if header is None:
             return None
         if workers:
-            self.engine.receive(header)
+            size = self.engine.receive(header)
         else:
             state = {name: t for bucket in wire.receive_buckets(link, header) for name, t in bucket}
             self.engine.load_weights(state, version=header["version"])
+            size = wire.header_bytes(header)
         wire.ack(link)
-        return header["version"], wire.header_bytes(header)
+        return header["version"], size
 
     def link(self) -> wire.WeightLink:
-        """The process-group link to the trainer, opened at its first use (up to sync_timeout); vLLM workers join
-        it."""
+        """The process-group link to the trainer, opened at its first use (up to sync_timeout), announcing the ranks
+        that will receive (vLLM: every worker, which join it at the first transfer: take_weights)."""
         job, timeout = self.cfg.checkpoint_job_dir, self.cfg.synchronizer.sync_timeout
         if self.receiver is None:
             workers = self.engine.join_ranks() if hasattr(self.engine, "join_ranks") else 0
             self.receiver = wire.open_receiver(job, timeout, receivers=workers or 1)
-            if workers:
-                self.engine.join_group(job, timeout)
         return self.receiver
 
     @contextlib.contextmanager

@@ -82,6 +82,7 @@ from algos.utils import masked_mean
 from batching import micro_batch, micro_batches, mini_batches, pack_units, step_batch, unit_length
 from buffer import Experience
 from configs.schema import AlgorithmConfig, OptimizerConfig
+from engines import engine_kind
 from models import config_tokenizer, torch_dtype
 from monitor import Monitor, preview, timer
 from scoring import TokenScorer, build_model, score, setup_distributed
@@ -131,6 +132,7 @@ class Parts:
     temperatures: dict[str, float]  # taskset name -> the temperature its rollouts were sampled at
     sender: wire.WeightLink | None  # process-group weight sync (rank 0)
     monitor: Monitor | None  # rank 0
+    transfer: Any = None  # the trainer's side of vLLM engines' weight-transfer engine (every rank), at the first send
 
     @property
     def rl(self) -> bool:  # offline losses (sft, dpo) need neither old log-probs nor advantages
@@ -646,6 +648,26 @@ def reduce_max(value: float, device: torch.device) -> float:
     return x.item()
 
 
+def send(p: Parts, step: int) -> None:
+    """The weights of `step` over the process group (every rank: gathering is a collective; LoRA merged): to vLLM
+    engines through the trainer's side of their weight-transfer engine (weight_transfer.trainer_engine, built by
+    vLLM's trainer factory at the first transfer), to the HF engine with wire.py itself (it needs no vLLM)."""
+    if engine_kind(p.cfg.explorer.rollout_model)[0] == "hf":
+        lora.send_model(p.sender, p.actor, step, p.engine_dtype)  # sender is None on ranks > 0
+        return
+    import vllm_engine
+    import weight_transfer
+
+    if p.transfer is None:
+        backend = vllm_engine.weight_backend(torch.cuda.is_available(), p.cfg.cluster.colocate)
+        source = weight_transfer.SpecSource(lambda: lora.weight_stream(p.actor, p.engine_dtype))
+        p.transfer = weight_transfer.trainer_engine(backend, p.sender, p.rank, source, p.cfg.synchronizer)
+    if p.sender is not None:
+        p.transfer.client.version = step
+    with torch.no_grad():
+        p.transfer.send_weights()
+
+
 def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
     """The weights of `step` for the explorer when one will wait for them (sync.publishes): sent over the process
     group, or written as the step's HF folder; the last step's always as a folder. Both in the engine's dtype
@@ -655,7 +677,7 @@ def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
     s, job = p.cfg.synchronizer, p.cfg.checkpoint_job_dir
     wanted = p.rl and sync.publishes(step, p.cfg, p.total)  # no explorer waits for an offline stage's weights
     if s.sync_method == "nccl" and wanted:
-        lora.send_model(p.sender, p.actor, step, p.engine_dtype)  # sender is None on ranks > 0; LoRA merged
+        send(p, step)
     if (wanted and s.sync_method == "checkpoint") or step == p.total:
         weights = lora.full_state(p.actor)
         if p.rank == 0:
@@ -765,6 +787,8 @@ def finish(p: Parts, done: int, saved: int, code: int) -> int:
     if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")
         lease.release(p.source.db)  # another trainer may start now
+    if p.transfer is not None:
+        p.transfer.shutdown()
     if p.sender is not None:
         wire.close_sender(p.sender, finished=code == 0)
     if p.monitor is not None:

@@ -33,6 +33,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import math
 import os
 import re
 import threading
@@ -51,6 +52,14 @@ WEIGHT_BACKEND = "nanorft_gloo"  # weight_transfer.BACKEND (imported with vLLM: 
 SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy back, no reload
 
 
+def weight_backend(cuda: bool, colocate: bool) -> str:
+    """The vLLM weight-transfer engine the explorer's engines and the trainer use: vLLM's own "nccl" between GPUs;
+    nanorft's gloo engine (weight_transfer.py) on CPUs and on one GPU shared with the trainer (NCCL cannot join two
+    ranks on one GPU; vLLM's "ipc" engine would, but it ships its CUDA IPC handles between processes as pickles:
+    docs/gpu-and-vllm.md)."""
+    return "nccl" if cuda and not colocate else WEIGHT_BACKEND
+
+
 def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty: float, colocate: bool) -> dict:
     """The vLLM engine arguments of a rollout model config (every vLLM option of the schema)."""
     return {
@@ -64,7 +73,7 @@ def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty
         "seed": rm.seed,
         "max_model_len": max_model_len,
         "logprobs_mode": "processed_logprobs",
-        "weight_transfer_config": {"backend": WEIGHT_BACKEND},
+        "weight_transfer_config": {"backend": weight_backend(torch.cuda.is_available(), colocate)},
         "enable_sleep_mode": colocate,
     }
 
@@ -134,6 +143,15 @@ def worker_error(e: Exception) -> str:
     return (found.group(1) if found else text).splitlines()[0]
 
 
+def update_bytes(update_info: dict) -> int:
+    """The tensors' bytes of one transfer's update info: nanorft's gloo engine's (a wire header) or vLLM's NCCL
+    engine's (names, dtype_names, shapes)."""
+    if "header" in update_info:
+        return wire.header_bytes(update_info["header"])
+    sizes = zip(update_info["dtype_names"], update_info["shapes"])
+    return sum(math.prod(shape) * getattr(torch, d).itemsize for d, shape in sizes)
+
+
 def merged(workers: list[dict[str, str]]) -> dict[str, str]:
     """One engine's checksums from its workers' (each names its weights with its parallel rank)."""
     return {name: digest for worker in workers for name, digest in worker.items()}
@@ -195,6 +213,18 @@ class VLLMEngine:
             reset_prefix_cache(self.llm.reset_prefix_cache)  # KV blocks of the old weights
 
         self.batcher.call(lifecycle)
+        self.model_version = version
+
+    def reload(self, folder: str, version: int) -> None:
+        """A published folder through vLLM's documented in-place reload (the workers' reload_weights), between
+        batches: for an engine whose weight-transfer engine has no folder source (vLLM's nccl)."""
+
+        def reload() -> None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            self.llm.update_weight_version(str(version))
+            reset_prefix_cache(self.llm.reset_prefix_cache)
+
+        self.batcher.call(reload)
         self.model_version = version
 
     def set_version(self, version: int) -> None:
@@ -292,6 +322,12 @@ class AsyncVLLMEngine:
         reset_prefix_cache(lambda: self.call(self.llm.reset_prefix_cache()))
         self.model_version = version
 
+    def reload(self, folder: str, version: int) -> None:
+        """VLLMEngine.reload."""
+        self.call(self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder}))
+        self.set_version(version)
+        reset_prefix_cache(lambda: self.call(self.llm.reset_prefix_cache()))
+
     def set_version(self, version: int) -> None:
         self.call(self.llm.update_weight_version(str(version)))
         self.model_version = version
@@ -326,8 +362,10 @@ class EnginePool:
     """engine_num vLLM engines behind one engine's interface: requests go to the least busy engine; weights, sleep
     and wake-up go to all of them at once (their workers meet in one weight group, so one at a time would hang)."""
 
-    def __init__(self, engines: list[VLLMEngine | AsyncVLLMEngine], ranks_per_engine: int) -> None:
-        self.engines, self.per_engine = engines, ranks_per_engine
+    def __init__(
+        self, engines: list[VLLMEngine | AsyncVLLMEngine], ranks_per_engine: int, backend: str = WEIGHT_BACKEND
+    ) -> None:
+        self.engines, self.per_engine, self.backend = engines, ranks_per_engine, backend
         self.engine_type, self.tokenizer = engines[0].engine_type, engines[0].tokenizer
         self.eos_ids = engines[0].eos_ids  # the ids a sample ends on (workflows/episode.py ends a turn on any)
         self.in_flight = [0] * len(engines)
@@ -385,33 +423,37 @@ class EnginePool:
         except OSError as e:
             raise OSError(f"vLLM workers could not load {source}: {e}") from e
         self.wake_up()  # vLLM loads weights into awake engines
-        self.all(lambda e: e.update({"folder": source}, version))
+        if self.backend == WEIGHT_BACKEND:
+            self.all(lambda e: e.update({"folder": source}, version))
+        else:  # vLLM's own engines have no folder source: its documented reload from a path
+            self.all(lambda e: e.reload(source, version))
 
     def join_ranks(self) -> int:
         """How many ranks receive weights over the group: every worker of every engine."""
         return len(self.engines) * self.per_engine
 
-    def join_group(self, job_dir: str, timeout: float) -> None:
-        """Every worker joins the trainer's weight group (vLLM's init_weight_transfer_engine: weight_transfer.GlooEngine
-        opens wire.open_receiver) as rank 1 + its index, after the explorer announced join_ranks() receivers."""
+    def join_group(self, init_info: dict) -> None:
+        """Every worker joins the trainer's weight group (vLLM's init_weight_transfer_engine with the trainer's init
+        info, wire.receive_init), engine i's workers from rank 1 + i * tensor_parallel_size on, after the explorer
+        announced join_ranks() receivers."""
         first = {id(e): 1 + i * self.per_engine for i, e in enumerate(self.engines)}
-        info = {"job_dir": job_dir, "timeout": timeout}
         try:
-            self.all(lambda e: e.init_transfer({**info, "rank_offset": first[id(e)]}))
+            self.all(lambda e: e.init_transfer({**init_info, "rank_offset": first[id(e)]}))
         except Exception as e:  # NOTE: vLLM re-raises a worker's error as a bare Exception, whatever its type
             raise wire.SyncError(f"vLLM workers could not join the weight group: {worker_error(e)}") from e
         self.joined = True
 
     def receive(self, header: dict) -> int:
-        """One transfer over the weight group (after wire.receive_header), through vLLM's weight-update lifecycle:
-        every worker takes the buckets. Returns the tensors of the transfer. SyncError (the explorer's restart
-        message) when it broke: the engines' weights are then half-updated, and the explorer stops."""
+        """One transfer over the weight group (a header the trainer's weight_transfer.StoreClient posted: its version
+        and the update info of the engines' weight-transfer engine), through vLLM's weight-update lifecycle: every
+        worker takes the tensors. Returns the bytes of the transfer. SyncError (the explorer's restart message)
+        when it broke: the engines' weights are then half-updated, and the explorer stops."""
         self.wake_up()
         try:
-            self.all(lambda e: e.update({"header": header}, header["version"]))
+            self.all(lambda e: e.update(header["update_info"], header["version"]))
         except Exception as e:
             raise wire.SyncError(worker_error(e)) from e
-        return len(header["names"])
+        return update_bytes(header["update_info"])
 
     def checksums(self) -> list[dict[str, str]]:
         """Each engine's weight checksums (vLLM's compute_weight_checksums, every worker's merged)."""
@@ -506,4 +548,4 @@ def make_pool(
             cls.engine_type,
             "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}",
         )
-    return EnginePool(engines, rm.tensor_parallel_size)
+    return EnginePool(engines, rm.tensor_parallel_size, args["weight_transfer_config"]["backend"])

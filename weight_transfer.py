@@ -12,7 +12,9 @@ The engine's transport is wire.py's weight group (gloo on CPUs: vLLM's own engin
 joins the trainer's group as its own rank and takes the buckets straight into `model.load_weights`, inside vLLM's
 layer-wise reload (start/finish), which maps HF names onto vLLM's fused layers and re-runs each layer's post-load
 processing (the CPU backend repacks its GEMM weights). The trainer's side (`GlooTrainerEngine`, registered with
-vLLM's trainer factory) sends over the same group; the explorer, which holds the engines, makes the four calls.
+vLLM's trainer factory; on GPUs vLLM's own NCCL trainer engine instead: `trainer_engine`) drives the transfer through
+a `StoreClient`, vLLM's client protocol over the group's store; the explorer, which holds the engines, takes the calls
+from it and makes them on its engines.
 A folder goes through the same lifecycle: there is no folder source in vLLM's engines, and vLLM's documented
 `reload_weights` skips re-processing a tied lm_head on the CPU backend (below).
 """
@@ -120,44 +122,106 @@ class GlooEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
 
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
-    """Trainer rank `rank`'s side: rank 0 serves the group (wire.open_sender) from the job dir."""
+    """The trainer's side of the gloo engine: how long the explorer's workers wait for each transfer."""
 
     backend: ClassVar[str] = BACKEND
-    job_dir: str = ""
-    device: str = "cpu"
     timeout: float = 600.0
-    host: str = "127.0.0.1"
-    resumed: int = 0
+
+
+class StoreClient:
+    """vLLM's trainer-side client (VLLMWeightSyncClient) over the weight group's store (wire.py): the engines live in
+    the explorer's process, which takes each call from the store and makes it on its engines (sync.ExplorerSync:
+    `join_group` on the init info, then per transfer its engines' start / update / finish). init_weight_transfer_engine
+    posts the init info; update_weights posts the transfer's header, {"version", "update_info"}, and returns (NCCL's
+    trainer engine broadcasts meanwhile); start and finish are the explorer's, around each header it reads.
+    `version`: the version of the weights the next transfer carries."""
+
+    def __init__(self, link: wire.WeightLink) -> None:
+        self.link, self.version = link, 0
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        wire.post_init(self.link, init_info)
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        wire.post_header(self.link, {"version": self.version, "update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
 
 
 class GlooTrainerEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """The trainer's side: send_weights(version) streams the source's tensors over the group (every trainer rank
-    iterates the source: gathering FSDP2 shards is a collective; rank 0 sends). NOTE: its `client` is not called: the
-    engines live in the explorer's process, which reads each transfer's header from the group's store and makes the
-    four lifecycle calls itself (vllm_engine.EnginePool.receive). train.py sends with wire.send_model, the same
-    transport, without importing vLLM (an HF-engine run needs no vLLM installed)."""
+    """The trainer's side of the gloo engine: send_weights() streams the source's tensors over wire.py's group in
+    buckets (every trainer rank iterates the source: gathering FSDP2 shards is a collective; rank 0 sends)."""
 
     init_info_cls = GlooTrainerInitInfo
-    link: wire.WeightLink | None = None
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None) -> Any:
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        if engine.is_sender:
-            i = init_info
-            engine.link = wire.open_sender(i.job_dir, i.device, i.timeout, i.host, i.resumed)
+        if engine.is_sender:  # the workers join wire.py's group: rank 1 + their index (the explorer's offsets)
+            job_dir = str(client.link.job_dir)
+            client.init_weight_transfer_engine({"job_dir": job_dir, "timeout": init_info.timeout, "rank_offset": 1})
         return engine
 
-    def send_weights(self, version: int = 0) -> int:
-        """The source's weights as version `version`; returns the bytes sent (0 on ranks > 0)."""
+    def send_weights(self) -> None:
         meta = self.source.metadata()
         specs = [(m.name, tuple(m.shape), m.dtype) for m in meta]
-        return wire.send_weights(self.link, version, specs, (t for _, t in self.source))
+        tensors = (t for _, t in self.source)
+        if not self.is_sender:
+            for _ in tensors:
+                pass
+            return
+        header = wire.make_header(self.client.version, specs)
+        self.client.start_weight_update()
+        self.client.update_weights({"header": header})
+        wire.send_buckets(self.client.link, header, specs, tensors)
+        self.client.finish_weight_update()
 
-    def shutdown(self, finished: bool = True) -> None:
-        if self.link is not None:
-            wire.close_sender(self.link, finished=finished)
-            self.link = None
+    def shutdown(self) -> None:
+        pass  # the group is the link's: wire.close_sender
+
+
+class SpecSource(WeightSource):
+    """The trainer's weights as vLLM's WeightSource: `stream()` gives (specs [(name, shape, dtype)], the full tensors
+    in their order), afresh each round (lora.weight_stream: LoRA merged, cast to the engine's dtype)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream, self.pending = stream, None
+
+    def metadata(self) -> list[Any]:
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        specs, self.pending = self.stream()
+        self.names = [name for name, _, _ in specs]
+        return [ParamMeta(name, dtype, tuple(shape)) for name, shape, dtype in specs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        tensors, self.pending = self.pending, None
+        yield from zip(self.names, tensors)
+
+
+def trainer_engine(backend: str, link: wire.WeightLink | None, rank: int, source: WeightSource, sync: Any) -> Any:
+    """The trainer's side of the explorer's vLLM engines' weight-transfer engine, built by vLLM's trainer factory on
+    every trainer rank (`link`: rank 0's, None elsewhere), at the first transfer: "nccl" (vLLM's, GPUs; it needs the
+    group's size, which the explorer announced by then) or nanorft's gloo engine. `sync`: the synchronizer config."""
+    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+
+    register()
+    client = StoreClient(link) if link is not None else None
+    if backend != "nccl":
+        info = GlooTrainerInitInfo(rank=rank, timeout=sync.sync_timeout)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    world = 0
+    if link is not None:
+        link.store.wait([wire.WORLD_KEY], link.timeout)
+        world = int(link.store.get(wire.WORLD_KEY))
+    info = NCCLTrainerInitInfo(sync.sync_host, wire.free_port(sync.sync_host), world, rank=rank)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
 
 
 def folder_tensors(folder: str, device: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 log = logging.getLogger("nanorft.wire")
 GROUP_FILE = "sync_group.json"  # where trainer rank 0 tells the explorer how to reach its store
 WORLD_KEY = "nanorft/world"  # the weight group's size: 1 (the trainer) + the receiving ranks, set by the explorer
+INIT_KEY = "nanorft/init"  # the init info of the explorer's vLLM weight-transfer engines, set by the trainer
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
@@ -191,24 +192,44 @@ def send_weights(
     tensors: Iterable[torch.Tensor],
 ) -> int:
     """Send one version of the weights; returns the tensors' bytes sent (header_bytes; the padding of `layout` not
-    counted). `tensors` yields the full tensors in `specs` order, lazily (one full parameter at a time); each is
-    cast to its spec's dtype and copied into its bucket (`buckets`, `layout`), which is broadcast once full: few
-    broadcasts, at most a bucket in extra memory.
+    counted): its header (`make_header`) through the store, then its buckets (`send_buckets`).
     NOTE: call it on EVERY trainer rank, link=None on all but rank 0: producing the tensors
     (FSDP2 `full_tensor()`) is a collective, so the other ranks iterate too and drop them."""
     if link is None:
         for _ in tensors:
             pass
         return 0
-    header = {
+    header = make_header(version, specs)
+    post_header(link, header)
+    return send_buckets(link, header, specs, tensors)
+
+
+def make_header(version: int, specs: list[tuple[str, tuple[int, ...], torch.dtype]]) -> dict:
+    """A transfer's header: its version, each tensor's name, shape and dtype, and the buckets they travel in."""
+    return {
         "version": version,
         "names": [n for n, _, _ in specs],
         "shapes": [list(s) for _, s, _ in specs],
         "dtypes": [str(d).removeprefix("torch.") for _, _, d in specs],
         "buckets": buckets(specs),
     }
+
+
+def post_header(link: WeightLink, header: dict) -> None:
+    """Announce the next transfer (its header, as JSON, under the next header key)."""
     link.store.set(f"nanorft/header/{link.count}", json.dumps(header))
     link.count += 1
+
+
+def send_buckets(
+    link: WeightLink,
+    header: dict,
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]],
+    tensors: Iterable[torch.Tensor],
+) -> int:
+    """Broadcast a transfer's tensors (`tensors` yields the full tensors in `specs` order, lazily: one full parameter
+    at a time): each is cast to its spec's dtype and copied into its bucket (`buckets`, `layout`), which is broadcast
+    once full: few broadcasts, at most a bucket in extra memory. Returns the tensors' bytes."""
     sent, stream = 0, iter(tensors)
     for bucket in header["buckets"]:
         offsets, size = layout(specs, bucket)
@@ -230,14 +251,21 @@ def send_weights(
 
 
 def send_model(link: WeightLink | None, model: torch.nn.Module, version: int, dtype: torch.dtype | None = None) -> int:
-    """send_weights of an (FSDP2-sharded) model: one full parameter at a time, gathered on every rank
-    (call it on every rank, link=None on all but rank 0); tied weights appear once. `dtype`: floating-point
-    parameters are sent in it (e.g. bf16 for a bf16 engine: half the bytes); default their own."""
+    """send_weights of an (FSDP2-sharded) model (`model_stream`; call it on every rank, link=None on all but rank
+    0)."""
+    with torch.no_grad():
+        return send_weights(link, version, *model_stream(model, dtype))
+
+
+def model_stream(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> tuple[list[tuple[str, tuple[int, ...], torch.dtype]], Iterator[torch.Tensor]]:
+    """An (FSDP2-sharded) model's specs and its full tensors, lazily: one full parameter at a time, gathered on every
+    rank; tied weights appear once. `dtype`: floating-point parameters are sent in it (e.g. bf16 for a bf16 engine:
+    half the bytes); default their own."""
     params = dict(model.named_parameters())
     specs = [(k, tuple(v.shape), as_dtype(v, dtype)) for k, v in params.items()]
-    with torch.no_grad():
-        tensors = (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
-        return send_weights(link, version, specs, tensors)
+    return specs, (v.full_tensor() if isinstance(v, DTensor) else v for v in params.values())
 
 
 def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -> None:
@@ -257,6 +285,14 @@ def close_sender(link: WeightLink, finished: bool = True, grace: float = 10.0) -
     except (FileNotFoundError, ValueError, KeyError):
         pass
     drop_group(link)
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (for a rendezvous another library opens: vLLM's NCCL weight-transfer engine)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -396,6 +432,28 @@ def ack(link: WeightLink) -> None:
     """Tell the trainer this transfer (or its stop) arrived; the next header key follows."""
     link.store.set(f"nanorft/ack/{link.count}", "1")
     link.count += 1
+
+
+def post_init(link: WeightLink, init_info: dict) -> None:
+    """Trainer rank 0: the init info of the receivers' weight-transfer engines (a vLLM engine's workers: vLLM's
+    init_weight_transfer_engine), posted once before its first transfer to them."""
+    link.store.set(INIT_KEY, json.dumps(init_info))
+
+
+def receive_init(link: WeightLink) -> dict | None:
+    """Explorer: the trainer's init info for its engines, waited for up to link.timeout; None when the next header
+    (the trainer's stop) comes first: a trainer that never sends posts none. SyncError when neither comes."""
+    deadline, key = time.monotonic() + link.timeout.total_seconds(), f"nanorft/header/{link.count}"
+    while time.monotonic() < deadline:
+        try:
+            if link.store.check([INIT_KEY]):
+                return json.loads(link.store.get(INIT_KEY))
+            if link.store.check([key]):
+                return None
+        except RuntimeError as e:  # the store died with the trainer's process
+            raise SyncError(f"no init info from the trainer: {str(e).splitlines()[0]}") from e
+        time.sleep(0.05)
+    raise SyncError(f"no init info from the trainer after {link.timeout.total_seconds():g} s")
 
 
 def close_receiver(link: WeightLink) -> None:

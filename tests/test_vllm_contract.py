@@ -362,21 +362,23 @@ def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(back
 
 
 def send_in_thread(job_dir: Path, model: torch.nn.Module, version: int) -> threading.Thread:
-    """A trainer's rank 0 in a thread, built by vLLM's trainer-side factory (weight_transfer.GlooTrainerEngine, the
-    plugin registers it): serve the group, send `model`'s weights (vLLM's ModuleSource; in buckets of 8 KiB: many),
+    """A trainer's rank 0 in a thread, its side of the engines' weight-transfer engine built by vLLM's trainer
+    factory (weight_transfer.trainer_engine: GlooTrainerEngine, which the plugin registers, driving the StoreClient):
+    serve the group, post the init info, send `model`'s weights (vLLM's ModuleSource; in buckets of 8 KiB: many),
     stop."""
-    from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
     from vllm.distributed.weight_transfer.base import ModuleSource
 
     import weight_transfer
 
-    weight_transfer.register()
-    info = weight_transfer.GlooTrainerInitInfo(rank=0, job_dir=str(job_dir), timeout=60)
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=ModuleSource(model))
+    link = wire.open_sender(job_dir, "cpu", timeout=60)
+    engine = weight_transfer.trainer_engine(
+        "nanorft_gloo", link, 0, ModuleSource(model), SimpleNamespace(sync_timeout=60)
+    )
+    engine.client.version = version
 
     def send() -> None:
-        engine.send_weights(version)
-        wire.close_sender(engine.link, finished=True, grace=30)
+        engine.send_weights()
+        wire.close_sender(link, finished=True, grace=30)
 
     return threading.Thread(target=send, daemon=True)
 
@@ -401,10 +403,11 @@ def test_weights_over_the_group_equal_a_fresh_engine_on_them(backend, tiny_model
         other = pool.generate(ids, [ANSWERS[0]] * 2)
         assert max(gap(held, p, cs) for p, cs in zip(ids, other)) < 1e-4  # every weight was another's
         link = wire.open_receiver(tmp_path, timeout=60, receivers=pool.join_ranks())
-        pool.join_group(str(tmp_path), 60)
+        pool.join_group(wire.receive_init(link))
         sender.start()
-        header = wire.receive_header(link)
-        assert len(header["buckets"]) > 10 and pool.receive(header) == len(header["names"])
+        posted = wire.receive_header(link)
+        header = posted["update_info"]["header"]
+        assert len(header["buckets"]) > 10 and pool.receive(posted) == wire.header_bytes(header)
         wire.ack(link)
         assert wire.receive_header(link) is None  # the trainer's stop
         # every engine holds, bit for bit, what loading the published folder gave it (vLLM's checksums), as version 5
@@ -464,6 +467,10 @@ link = wire.open_sender(sys.argv[1], "cpu", timeout=60)
 params = load_file(os.path.join(sys.argv[2], "model.safetensors"))  # the model's weights (transformers unimported)
 specs = [(n, tuple(p.shape), p.dtype) for n, p in params.items()]
 first = wire.buckets(specs)[0]
+# what weight_transfer.GlooTrainerEngine posts through its StoreClient (without importing vLLM here)
+wire.post_init(link, {"job_dir": sys.argv[1], "timeout": 60, "rank_offset": 1})
+header = wire.make_header(1, specs)
+wire.post_header(link, {"version": 1, "update_info": {"header": header}})
 
 def tensors():
     for i, p in enumerate(params.values()):
@@ -471,7 +478,7 @@ def tensors():
             os._exit(3)
         yield p
 
-wire.send_weights(link, 1, specs, tensors())
+wire.send_buckets(link, header, specs, tensors())
 """
 
 

@@ -10,12 +10,14 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import sync
 import vllm_engine
+import weight_transfer
 import wire
 from configs.schema import InferenceModelConfig
 from engines import EngineHandle, HFEngine, SamplingParams, make_engine
@@ -66,7 +68,7 @@ def test_engines_on_their_own_gpus_with_every_option_and_requests_spread(vllm, t
             args.max_model_len,
         ) == (2, 0.5, False, 7, True, "float32", 256)
         assert args.logprobs_mode == "processed_logprobs"
-        assert args.weight_transfer_config == {"backend": "nanorft_gloo"}  # weight_transfer.py's engine
+        assert args.weight_transfer_config == {"backend": "nccl"}  # vLLM's own engine between GPUs
         assert not args.enable_sleep_mode and [len(e.workers) for e in vllm.ENGINES] == [2, 2]
         ids = prompts(tiny_model_dir)
         futures = [pool.submit(ids[i % 3], SamplingParams(n=2, max_tokens=4, seed=i)) for i in range(8)]
@@ -146,16 +148,18 @@ def test_weights_from_a_published_folder_reach_every_worker(vllm, tiny_model_dir
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "mixed"])
-def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path, dtype, monkeypatch):
-    """A real trainer side (wire.open_sender + send_model, gloo) and 2 engines x 2 workers, each joining the group
-    as its own rank (1..4) and loading each bucket as it arrives: every worker holds the trainer's tensors exactly.
-    A bf16 engine gets bf16 on the wire (the trainer casts its fp32 master weights): half the bytes. "mixed": bf16
-    and fp32 tensors in turn, in buckets of at most 8 KiB, so that many buckets of both dtypes travel."""
+def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_dir, tmp_path, dtype):
+    """Between GPUs, vLLM's own NCCL weight-transfer engine (the fake's over gloo): the trainer's side built by vLLM's
+    trainer factory (weight_transfer.trainer_engine) once the explorer announced its 2 engines x 2 workers, its init
+    info posted through the group's store; each worker joins as its own rank (1..4) and loads each tensor as it
+    arrives: every worker holds the trainer's tensors exactly, and the transfer's version. A bf16 engine gets bf16 on
+    the wire (the trainer casts its fp32 master weights); "mixed": bf16 and fp32 tensors in turn."""
     pool = make_engine(
         rollout_model(engine_num=2, tensor_parallel_size=2, dtype=dtype.replace("mixed", "float32")),
         tiny_model_dir,
         256,
     )
+    assert pool.backend == "nccl"
     new = perturbed(tiny_model_dir)
     sender = wire.open_sender(tmp_path, "cpu", timeout=60)
     params = dict(new.named_parameters())
@@ -163,21 +167,26 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         (n, tuple(t.shape), torch.bfloat16 if dtype == "bfloat16" or (dtype == "mixed" and i % 2) else torch.float32)
         for i, (n, t) in enumerate(params.items())
     ]
-    if dtype == "mixed":
-        monkeypatch.setattr(wire, "BUCKET_BYTES", 8192)
-    sent = threading.Thread(target=wire.send_weights, args=(sender, 5, specs, (t.detach() for t in params.values())))
+    source = weight_transfer.SpecSource(lambda: (specs, (t.detach() for t in params.values())))
+    sync_cfg = SimpleNamespace(sync_timeout=60, sync_host="127.0.0.1")
+
+    def trainer() -> None:  # rank 0: its engine waits for the explorer's announcement, then rendezvous
+        engine = weight_transfer.trainer_engine(pool.backend, sender, 0, source, sync_cfg)
+        engine.client.version = 5
+        engine.send_weights()
+
+    sent = threading.Thread(target=trainer)
     try:
         link = wire.open_receiver(tmp_path, timeout=30, receivers=pool.join_ranks())  # announces 1 + 4 ranks
-        pool.join_group(str(tmp_path), 30)
         sent.start()
-        header = wire.receive_header(link)
-        assert set(header["dtypes"]) == ({dtype} if dtype != "mixed" else {"float32", "bfloat16"})
-        assert wire.header_bytes(header) == sum(t.numel() * d.itemsize for t, (_, _, d) in zip(params.values(), specs))
-        assert len(header["buckets"]) > (10 if dtype == "mixed" else 0)
-        assert pool.receive(header) == len(params)
+        pool.join_group(wire.receive_init(link))  # vLLM's init_weight_transfer_engine with the trainer's info
+        posted = wire.receive_header(link)
+        assert posted["version"] == 5 and posted["update_info"]["names"] == list(params)
+        assert set(posted["update_info"]["dtype_names"]) == ({dtype} if dtype != "mixed" else {"float32", "bfloat16"})
+        assert pool.receive(posted) == sum(t.numel() * d.itemsize for t, (_, _, d) in zip(params.values(), specs))
         wire.ack(link)
         sent.join(timeout=60)
-        assert pool.model_version == 5
+        assert pool.model_version == 5 and pool.weight_versions() == ["5", "5"]
         closing = threading.Thread(target=wire.close_sender, args=(sender,), kwargs={"finished": True, "grace": 30})
         closing.start()  # the trainer waits for the explorer to read its stop (as they run: at once)
         assert wire.receive_header(link) is None  # the trainer finished
@@ -185,7 +194,8 @@ def test_weights_over_the_group_go_straight_into_every_worker(vllm, tiny_model_d
         assert not closing.is_alive()
     finally:
         pool.close()
-    assert all(w.weight_transfer_engine.link is None for e in vllm.ENGINES for w in e.workers)  # each left the group
+    engines = [w.weight_transfer_engine for e in vllm.ENGINES for w in e.workers]
+    assert all(e.model_update_group is None for e in engines)  # each left the group
     for weights in worker_weights(vllm):
         for name, _, sent_dtype in specs:
             assert torch.equal(weights[name], params[name].detach().to(sent_dtype).float()), name

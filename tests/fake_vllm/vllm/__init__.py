@@ -53,10 +53,12 @@ import importlib.metadata
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -181,6 +183,21 @@ class Worker:
             self.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
                 args.weight_transfer_config, config, self.device, self.model_runner.model
             )
+
+    def reload_weights(
+        self, weights_iterator: Any = None, weights_path: str | None = None, is_checkpoint_format: bool = True
+    ) -> None:
+        """vLLM's documented in-place reload (the model runner's): from (HF name, tensor) pairs, or a folder's
+        safetensors files."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        if weights_iterator is None:
+            files = sorted(Path(weights_path).glob("*.safetensors"))
+            weights_iterator = ((k, t) for f in files for k, t in load_file(f).items())
+        model = self.model_runner.model
+        initialize_layerwise_reload(model)
+        model.load_weights(weights_iterator)
+        finalize_layerwise_reload(model, None)
 
     def _engine(self) -> Any:
         if self.weight_transfer_engine is None:

@@ -31,4 +31,11 @@ class WeightTransferTrainerFactory(WeightTransferEngineFactory):
         return cls._registry[init_info.backend]().trainer_init(init_info, client=client, source=source)
 
 
+WeightTransferEngineFactory.register_engine(
+    "nccl", "vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"
+)
+WeightTransferTrainerFactory.register_engine(
+    "nccl", "vllm.distributed.weight_transfer.nccl_engine", "NCCLTrainerWeightTransferEngine"
+)
+
 __all__ = ["WeightTransferEngineFactory", "WeightTransferTrainerFactory"]
