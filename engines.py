@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import importlib.util
 import logging
 import os
@@ -350,6 +351,18 @@ class HFEngine:
             self.model_version = version
 
         self.batcher.call(load)
+
+    def checksums(self) -> list[dict[str, str]]:
+        """The weights' checksums (`checksums`), between batches, as the one engine of a list (EnginePool's)."""
+        return [self.batcher.call(lambda: checksums(self.model))]
+
+
+def checksums(model: torch.nn.Module) -> dict[str, str]:
+    """A SHA-256 of each parameter's bytes (vLLM's compute_weight_checksums, for an HF model)."""
+    return {
+        name: hashlib.sha256(w.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+        for name, w in model.named_parameters()
+    }
 
 
 def engine_kind(rm: Any) -> tuple[str, str]:

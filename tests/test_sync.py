@@ -657,3 +657,24 @@ if __name__ == "__main__":
         "nccl_trainer": run_nccl_trainer,
         "fake_trainer": run_fake_trainer,
     }[sys.argv[1]](*sys.argv[2:])
+
+
+def verify_stage(tmp_path: Path, tiny_model_dir: str, **over) -> configs.Config:
+    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl", **over})
+    (stage,) = configs.resolve_stages(configs.cli(["--config", str(config)])[0])
+    return stage
+
+
+def test_verify_sync_finds_the_engine_holds_the_weights_sent_and_names_a_transfer_that_changed_them(
+    tmp_path, tiny_model_dir, monkeypatch
+):
+    """--verify-sync (sync.verify) on the HF engine: the model's weights over the group, then from their folder:
+    the engine's checksums agree. A trainer that sends other weights (a perturbed model) is named: every weight
+    differs."""
+    stage = verify_stage(tmp_path, tiny_model_dir, **{"explorer.rollout_model": {"engine_type": "hf"}})
+    assert sync.verify(stage) == ""
+    from helpers import perturbed
+
+    send, other = sync.verify_send, perturbed(tiny_model_dir)
+    monkeypatch.setattr(sync, "verify_send", lambda kind, link, model, *rest: send(kind, link, other, *rest))
+    assert re.fullmatch(r"\d+ weights differ after the transfer, e\.g\. .*", sync.verify(stage))
