@@ -5,7 +5,8 @@ same calls) and kept thin.
     pool = make_pool(cfg.explorer.rollout_model, model_path, max_model_len)   # engine_num engines (EnginePool)
     pool.submit(prompt_ids, SamplingParams(n=8)).result()             # to the least busy engine
     pool.load_weights("<job>/global_step_10/actor/huggingface", version=10)   # every worker reads the files
-    pool.join_group(job_dir, timeout); pool.receive(header)                   # or straight from the trainer
+    pool.join_group(init_info); pool.receive(header)     # or straight from the trainer (wire.receive_init / _header)
+    pool.checksums(); pool.weight_versions()                                  # what vLLM holds
     pool.sleep(); pool.wake_up()                                              # on a GPU shared with the trainer
 
 - VLLMEngine (engine_type vllm): one `vllm.LLM`, its requests gathered into batches by sampling.Batcher.
@@ -14,13 +15,12 @@ same calls) and kept thin.
 - EnginePool: engine_num engines of tensor_parallel_size GPUs each, engine i on the explorer's GPUs
   [i * tp, (i + 1) * tp) (without CUDA: vLLM's CPU backend, every engine on the host's cores); a request goes to
   the engine with the fewest requests in flight.
-Weights never pass through the explorer's memory: each vLLM worker runs `WeightReceiver` (vLLM's
-`worker_extension_cls`, called through `collective_rpc`) and either reads a published HF folder itself or joins
-the trainer's weight group (wire.py: gloo on the CPU, NCCL on GPUs; the same code) as its own rank. Either way the
-tensors go through the worker's `reload_weights(weights_iterator=...)`, vLLM's in-place reload: it maps HF names
-onto vLLM's fused layers and re-runs each layer's post-load processing (the CPU backend repacks its weights, as
-quantized layers do on GPUs: a bare `model.load_weights` into a running engine fails there). The prefix cache is
-reset after every update.
+Weights go through vLLM's own RL lifecycle (init_weight_transfer_engine once; start_weight_update / update_weights /
+finish_weight_update(weight_version) per update; get_weight_version, compute_weight_checksums) and never through the
+explorer's memory: the engines' weight-transfer engine (`weight_backend`) is vLLM's "nccl" between GPUs and nanorft's
+gloo engine (weight_transfer.py, a vLLM plugin) on CPUs and on a GPU shared with the trainer; with the gloo engine
+every worker also reads a published folder itself through the same lifecycle. The prefix cache is reset after
+every update.
 Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
 but also after top-k / top-p, EOS masking (min_tokens) and the repetition penalty: configs/checks.py refuses the
 off-policy correction with those on vLLM.

@@ -3,8 +3,11 @@ It imports nothing from the project; when weights move (the sync points, a resta
 
 Trainer rank 0 streams the full tensors to the explorer over a group built by hand beside torchrun's default group
 (gloo on CPU, NCCL on GPU; never init_process_group). Trainer rank 0 is rank 0 (the source); the receivers are ranks
-1..: the HF explorer itself, or every worker of every vLLM engine (vllm_engine.WeightReceiver: each takes the buckets
-onto its GPU). The explorer announces the group's size in the store (`open_receiver(..., receivers=n)`).
+1..: the HF explorer itself, or every worker of every vLLM engine (weight_transfer.GlooEngine, through vLLM's weight-
+update lifecycle: each takes the buckets onto its device). The explorer announces the group's size in the store
+(`open_receiver(..., receivers=n)`). For vLLM engines the trainer's side of their weight-transfer engine posts, through
+the store, its init info (`post_init` / `receive_init`) and each transfer's header as {"version", "update_info"}
+(weight_transfer.StoreClient; the gloo engine's update info holds this module's header, vLLM's NCCL engine's its own).
 
     link = open_sender(job_dir, device, timeout)       # trainer rank 0: TCPStore + <job dir>/sync_group.json
     send_weights(link, version, specs, tensors)        # every rank; specs [(name, shape, dtype)], tensors lazy
@@ -13,6 +16,7 @@ onto its GPU). The explorer announces the group's size in the store (`open_recei
     link = open_receiver(job_dir, timeout)             # explorer: find the file, connect to the store
     got = receive_weights(link)                        # (version, {name: tensor}), or None after "stop"
     # or by part: header = receive_header(link); for bucket in receive_buckets(link, header): ...; ack(link)
+    # (the sender's parts: header = make_header(version, specs); post_header(link, header); send_buckets(...))
     close_receiver(link)
 
 The wire, per transfer n: the header (JSON: version, names, shapes, dtypes, buckets; or stop) is the store
