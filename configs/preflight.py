@@ -69,7 +69,20 @@ def vllm_problem() -> str | None:
             f"vLLM {version} is installed, but nanorft's vLLM engines are tested on {shown(lo)} up to (not "
             f"including) {shown(hi)}; {VLLM_INSTALL}"
         )
+    if not plugin_installed():
+        return (
+            "nanorft's vLLM plugin (its weight-transfer engine, weight_transfer.py) is not installed in this "
+            "environment, so vLLM's processes cannot load weights; `pip install -e .` in the repository installs it "
+            "(`bash run.sh vllm` does)"
+        )
     return None
+
+
+def plugin_installed() -> bool:
+    """Whether vLLM will find nanorft's plugin: pyproject's `vllm.general_plugins` entry point, which vLLM loads in
+    every process it starts (its engine core and workers), installed with the project."""
+    plugins = importlib.metadata.entry_points(group="vllm.general_plugins")
+    return any(p.name == "nanorft" and p.value == "weight_transfer:register" for p in plugins)
 
 
 def gpus_present() -> int:

@@ -15,7 +15,7 @@ import pytest
 
 from configs import cli, resolve_stages
 from configs.checks import ConfigError
-from configs.preflight import VLLM_SUPPORTED, preflight, vllm_problem
+from configs.preflight import VLLM_SUPPORTED, plugin_installed, preflight, vllm_problem
 from helpers import ROOT, both_config
 
 NO_VLLM = (
@@ -228,3 +228,14 @@ def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(t
         name
         for _, name in model_problems([stage(name="r/eval", mode="bench", model=stage(model_path="x/y/z")), *stages])
     ] == ["r/eval", "r/sft"]
+
+
+def test_vllm_without_nanorfts_plugin_is_refused_by_name(monkeypatch):
+    """vLLM's processes find nanorft's weight-transfer engine through pyproject's `vllm.general_plugins` entry point
+    (installed here): where it is missing (a checkout never pip-installed), the pre-flight says so and how to fix it."""
+    from helpers import real_vllm
+
+    real_vllm()  # skips where vLLM is not installed, fails under CI (run.sh test installs it)
+    assert plugin_installed() and vllm_problem() is None
+    monkeypatch.setattr("importlib.metadata.entry_points", lambda group: [])
+    assert "nanorft's vLLM plugin" in vllm_problem() and "pip install -e ." in vllm_problem()
