@@ -445,6 +445,7 @@ class ExplorerSync:
     def __init__(self, cfg: Any, db: Any, engine: Any) -> None:
         self.cfg, self.db, self.engine = cfg, db, engine
         self.receiver: wire.WeightLink | None = None  # the process-group link to the trainer, opened at its first use
+        self.joined = False  # whether a vLLM pool's workers joined this link's group
 
     def resume(self, step: int) -> int | None:
         """Mode both, an explorer restarted after step `step`: before its first rollout, the weights of the last
@@ -571,8 +572,9 @@ class ExplorerSync:
         weight-update lifecycle (vllm_engine.EnginePool.receive), this process reading only the header."""
         workers = self.engine.join_ranks() if hasattr(self.engine, "join_ranks") else 0
         link = self.link()
-        if workers and not self.engine.joined and (init := wire.receive_init(link)) is not None:
-            self.engine.join_group(init)  # the trainer's init info, posted before its first transfer
+        if workers and not self.joined and (init := wire.receive_init(link)) is not None:
+            self.engine.join_group(init)  # the trainer's init info, posted before its first transfer to this link
+            self.joined = True
         header = wire.receive_header(link)
         if header is None:
             return None
