@@ -29,6 +29,7 @@ from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from helpers import (
     STRAIGHT,
+    behaviour_logprobs,
     both_config,
     experiences,
     launch,
@@ -41,7 +42,7 @@ from helpers import (
     straight_and_resumed,
     weights,
 )
-from models import load_model, load_tokenizer
+from models import eos_ids, load_model, load_tokenizer
 from monitor import read_history
 from tasksets import DataError
 
@@ -642,17 +643,16 @@ def settings_run(tmp_path_factory, tiny_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def step_logprobs(settings_run, tiny_model_dir) -> dict[int, list[tuple[Experience, torch.Tensor, torch.Tensor]]]:
     """train step -> (experience, log-probs under the weights the step started from, under the reference model) of
-    each experience the step claimed in the DB; plain forward passes, one sequence at a time, not the trainer's code."""
+    each experience the step claimed in the DB; plain forward passes, one sequence at a time, not the trainer's code
+    (of the distribution the engine sampled from: EOS masked where min_tokens masked it, as the trainer's are)."""
     base = load_model(tiny_model_dir)  # the reference model, and the actor of step 1
+    eos = eos_ids(load_tokenizer(tiny_model_dir), base.generation_config)
     out = {}
     with ExperienceDB(f"sqlite:///{settings_run / 'buffer' / 'exp.db'}") as d:
         for step in (1, 2, 3):
             ids = [i for (i,) in d.query("SELECT exp_id FROM claims WHERE step = ? ORDER BY exp_id", (step,))]
             start = base if step == 1 else load_model(str(sync.weights_path(settings_run, step - 1)))
-            out[step] = [
-                (x, plain_logprobs(start, x.tokens, x.prompt_length), plain_logprobs(base, x.tokens, x.prompt_length))
-                for x in d.get(ids)
-            ]
+            out[step] = [(x, behaviour_logprobs(start, x, eos), behaviour_logprobs(base, x, eos)) for x in d.get(ids)]
     return out
 
 
