@@ -36,7 +36,8 @@ def step_batch(
     was sampled at, recorded by the rollout handle; else that of the taskset that produced it, from `temperatures`; else
     1). A response to a truncated prompt gets an empty response_mask. Prompts [B,P] right-padded. Per response token
     [B,T]: responses (the token ids), response_mask (action tokens; the first token of a response without a prompt has
-    no logit to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows).
+    no logit to score it), rollout_logprobs (0 where the engine gave none), expert_mask (1.0 on expert rows),
+    eos_masked (bool: where the engine could not sample an EOS id, eos_masked() below; the scorer masks them too).
     has_stored_advantages [B], and only when some row carries them, stored_advantages [B,T] (an explorer-side advantage
     fn's, step_wise_grpo: no other algorithm pays for them); so too has_teacher_logprobs [B] and teacher_logprobs [B,T]
     (a teacher's log-probs of the response tokens: on-policy distillation).
@@ -49,6 +50,7 @@ def step_batch(
         "responses": torch.zeros(B, T, dtype=torch.long),
         "response_mask": torch.zeros(B, T, dtype=torch.bool),
         "rollout_logprobs": torch.zeros(B, T),
+        "eos_masked": torch.zeros(B, T, dtype=torch.bool),
     }
     groups: dict[str, int] = {}
     episodes: dict[tuple, int] = {}
@@ -63,6 +65,7 @@ def step_batch(
             batch["response_mask"][b] = False
         if x.logprobs is not None:
             batch["rollout_logprobs"][b, :r] = x.logprobs
+        batch["eos_masked"][b, :r] = eos_masked(x)
         groups.setdefault(x.group_id or f"id/{x.id}/{b}", len(groups))
         episodes.setdefault(episode_key(x, b), len(episodes))
         prompts.setdefault(tuple(x.tokens[:p].tolist()), len(prompts))
@@ -83,6 +86,28 @@ def step_batch(
     for field, key in (("advantages", "stored_advantages"), ("teacher_logprobs", "teacher_logprobs")):
         batch |= carried(exps, field, key, T)
     return batch
+
+
+def eos_masked(x: Experience) -> torch.Tensor:
+    """[R] bool: the response positions at which the rollout engine masked every EOS id (min_tokens: EOS logits -inf
+    for the first min_tokens tokens of each request's output, vLLM's MinTokensLogitsProcessor and the HF engine's
+    Sampler alike). The rollout handle records the request's min_tokens in info["min_tokens"]: an int (one request),
+    or a list, one per turn, for a conversation kept as one experience, whose turns are the runs of its action_mask
+    (its sampled tokens). No record (rows from a file, an endpoint): nothing masked.
+    NOTE: the behaviour policy is the masked distribution; the trainer's log-probs (old and current) mask the same
+    positions, so that the importance ratio pi_old / pi_rollout compares the same thing (algos/correction.py)."""
+    R, m = x.response_length, x.info.get("min_tokens") or 0
+    out = torch.zeros(R, dtype=torch.bool)  # [R]
+    if isinstance(m, int):
+        out[:m] = True
+        return out
+    sampled = [True] * R if x.action_mask is None else x.action_mask.tolist()
+    turn, at = -1, 0  # the turn of position t, and t's place in it
+    for t in range(R):
+        if sampled[t]:
+            turn, at = (turn + 1, 0) if t == 0 or not sampled[t - 1] else (turn, at + 1)
+            out[t] = turn < len(m) and at < m[turn]
+    return out
 
 
 def carried(exps: list[Experience], field: str, key: str, T: int) -> dict[str, torch.Tensor]:
@@ -193,14 +218,16 @@ def micro_batch(
     device: torch.device,
     keys: tuple[str, ...] = (),
 ) -> dict:
-    """packed_inputs() plus what the loss reads: targets [N], width T, and the step batch's [B,T] / [B] tensors `keys`
-    (and response_mask) at the micro-batch's rows, in layout order."""
+    """packed_inputs() plus what the loss reads: targets [N], temperature [N], eos_masked [N], width T, and the step
+    batch's [B,T] / [B] tensors `keys` (and response_mask) at the micro-batch's rows, in layout order."""
     mb = packed_inputs(batch, units, share, device)
     rows = mb["rows"]
     mb["width"] = T = batch["responses"].shape[1]
     dest = mb["dest"].cpu()
     mb["targets"] = batch["responses"][rows].flatten()[dest].to(device)  # [N]
     mb["temperature"] = batch["temperature"][rows, None].expand(len(rows), T).flatten()[dest].to(device)  # [N]
+    if "eos_masked" in batch:
+        mb["eos_masked"] = batch["eos_masked"][rows].flatten()[dest].to(device)  # [N]
     for k in ("response_mask", *keys):
         mb[k] = batch[k][rows].to(device)
     return mb

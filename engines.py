@@ -22,7 +22,8 @@ workflows.ModelHandle).
 Same seed -> same samples within one engine; a different batch composition can, rarely, flip a
 near-tie (float rounding of padded batches), as in vLLM. Concurrent `submit` calls share batches.
 Log-probs (`rollout_logprobs`) are log_softmax(raw logits / temperature) at the sampled token, over
-the full vocabulary, before top-k / top-p / min_tokens masking (temperature 0 counts as 1.0).
+the full vocabulary with the EOS ids masked where min_tokens masks them (as vLLM's processed log-probs; the trainer
+masks the same positions: batching.eos_masked), before top-k / top-p filtering (temperature 0 counts as 1.0).
 The sampled token ids include the EOS token that ended a response (the trainer must see it).
 """
 
@@ -98,12 +99,13 @@ class Sampler:
         self, logits: torch.Tensor, live: torch.Tensor, t: int, is_eos: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Token t of the rows `live` [b] from their logits [b,V]: (ids [b], log-probs [b]). The log-probs are
-        log_softmax(logits / T) before min_tokens / top-k / top-p masking (what the trainer recomputes)."""
+        log_softmax(logits / T) after min_tokens' EOS masking, before top-k / top-p filtering (what the trainer
+        recomputes: it masks EOS at the same positions, info["min_tokens"])."""
         scaled = logits / self.temp[live, None]  # [b,V]
-        logp = scaled.log_softmax(dim=-1)  # [b,V]
         short = t < self.min_tokens[live]  # [b] min_tokens not reached: EOS may not be sampled
         if short.any():
             scaled = scaled.masked_fill(short[:, None] & is_eos, float("-inf"))  # [b,V]
+        logp = scaled.log_softmax(dim=-1)  # [b,V]
         if self.filtering:
             scaled = filter_logits(scaled, self.top_k[live], self.top_p[live])  # [b,V]
         # Inverse-CDF sampling with the row's own uniform draw: one vectorised search for the whole batch.
@@ -586,15 +588,22 @@ class EngineHandle:
         params = self.params(n, **sampling)
         futures = [self.engine.submit(ids, params) for _, ids, _ in prompts]
         return [
-            [experience(ids, c, scored_temperature(params), text, cut) for c in f.result()]
+            [experience(ids, c, scored_temperature(params), text, cut, params.min_tokens) for c in f.result()]
             for (text, ids, cut), f in zip(prompts, futures)
         ]
 
 
 def experience(
-    prompt: list[int], c: Completion, temperature: float, prompt_text: str = "", prompt_cut: bool = False
+    prompt: list[int],
+    c: Completion,
+    temperature: float,
+    prompt_text: str = "",
+    prompt_cut: bool = False,
+    min_tokens: int = 0,
 ) -> Experience:
-    """A sampled response (sampling.Completion) to the prompt ids `prompt` as an Experience."""
+    """A sampled response (sampling.Completion) to the prompt ids `prompt` as an Experience; info holds the
+    temperature the trainer scores it at and the request's min_tokens (the first min_tokens positions had EOS masked:
+    batching.eos_masked)."""
     return Experience(
         tokens=torch.tensor(prompt + c.token_ids, dtype=torch.long),
         prompt_length=len(prompt),
@@ -603,7 +612,7 @@ def experience(
         truncate_status="prompt_truncated" if prompt_cut else "response_truncated" if c.truncated else None,
         prompt_text=prompt_text,
         response_text=c.text,
-        info={"temperature": temperature},
+        info={"temperature": temperature, "min_tokens": min_tokens},
     )
 
 

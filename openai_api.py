@@ -142,6 +142,7 @@ class Call:
     prompt_ids: list[int]
     completions: list
     temperature: float
+    min_tokens: int = 0  # the request's: EOS was masked before it (batching.eos_masked)
 
 
 def error_body(message: str, kind: str, code: int) -> dict:
@@ -277,7 +278,11 @@ class OpenAIServer:
     def history(self, client: Any) -> list[Experience]:
         """Every choice of every call `client` made, as an Experience (prompt ids, response ids, log-probs,
         model version), in call order. It ends the session: the client's later calls get a 404."""
-        return [experience(c.prompt_ids, x, c.temperature) for c in self.take(client) for x in c.completions]
+        return [
+            experience(c.prompt_ids, x, c.temperature, min_tokens=c.min_tokens)
+            for c in self.take(client)
+            for x in c.completions
+        ]
 
     def episode(self, client: Any, mask_truncated: bool = True) -> Experience:
         """The session's calls as ONE experience, when each call (n = 1) continued the conversation exactly: its
@@ -313,6 +318,7 @@ class OpenAIServer:
             mask=mask,
             temperatures=[c.temperature for c in calls],
             versions=[r.model_version for r in replies],
+            min_tokens=[c.min_tokens for c in calls],
             truncated=replies[-1].truncated,
             mask_truncated=mask_truncated,
         )
@@ -558,7 +564,7 @@ class OpenAIServer:
             future = self.handle.submit(ids, params)  # check_request: a bad request raises here, not in the batch
         except ValueError as e:  # a request no engine can serve (too long, bad sampling values)
             raise HTTPException(400, str(e)) from e
-        call = Call(ids, await asyncio.wrap_future(future), scored_temperature(params))
+        call = Call(ids, await asyncio.wrap_future(future), scored_temperature(params), params.min_tokens)
         if session and self.record:
             with self.lock:
                 if session in self.sessions:  # not ended (drop / history) while this call ran

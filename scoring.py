@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 import lora
 from batching import micro_batch
 from configs.schema import LoRAConfig, TrainerConfig
-from models import load_critic, load_model, loading
+from models import eos_ids, load_critic, load_model, load_tokenizer, loading
 
 log = logging.getLogger("nanorft.scoring")
 
@@ -64,7 +64,8 @@ def build_model(
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
     if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
-    model = TokenScorer(hf, critic=critic, adapter=lora_adapter)
+    eos = [] if critic else eos_ids(load_tokenizer(path), hf.generation_config)  # the ids the engines stop on
+    model = TokenScorer(hf, critic=critic, adapter=lora_adapter, eos_ids=eos)
     for layer in wrap_units(hf):
         fully_shard(layer, **policy)
     fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
@@ -102,11 +103,19 @@ class TokenScorer(torch.nn.Module):
     projection runs on the scored positions only, in chunks of CHUNK_ELEMENTS logits, each recomputed in the backward
     pass (activation checkpointing): Qwen's 152k vocabulary at 16k tokens would be ~10 GB per fp32 tensor otherwise. A
     model whose head does more than a linear map (soft-capping, scaling) is refused rather than scored wrongly.
-    `adapter`: the model's LoRA adapter (lora.wrap), or None."""
+    `adapter`: the model's LoRA adapter (lora.wrap), or None. `eos_ids` (models.eos_ids): masked (logit -inf) at
+    the response positions where the rollout engine masked them (mb["eos_masked"], min_tokens: batching.eos_masked),
+    so that the log-probs are of the distribution the engine sampled from, as vLLM's processed log-probs are."""
 
-    def __init__(self, model: PreTrainedModel, critic: bool = False, adapter: lora.Adapter | None = None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        critic: bool = False,
+        adapter: lora.Adapter | None = None,
+        eos_ids: list[int] | tuple[int, ...] = (),
+    ) -> None:
         super().__init__()
-        self.model, self.critic, self.adapter = model, critic, adapter
+        self.model, self.critic, self.adapter, self.eos_ids = model, critic, adapter, list(eos_ids)
         extras = [
             k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)
         ]
@@ -132,12 +141,14 @@ class TokenScorer(torch.nn.Module):
             return scatter(values, mb["dest"], n, T), None
         hidden = self.model.base_model(**inputs).last_hidden_state.flatten(0, 1)[mb["index"]]  # [N,H]
         targets, temperature = mb["targets"], mb["temperature"]  # [N], [N]
+        masked = mb.get("eos_masked", torch.zeros_like(targets, dtype=torch.bool))  # [N]
         head, step = self.model.get_output_embeddings(), max(1, CHUNK_ELEMENTS // self.model.config.vocab_size)
         chunks = [
-            (hidden[i : i + step], targets[i : i + step], temperature[i : i + step])
+            (hidden[i : i + step], targets[i : i + step], temperature[i : i + step], masked[i : i + step])
             for i in range(0, max(len(targets), 1), step)
         ]
-        how = {"head": head, "entropy": entropy, "entropy_grad": entropy_grad}
+        eos = torch.tensor(self.eos_ids, dtype=torch.long, device=targets.device)  # [E]
+        how = {"head": head, "eos": eos, "entropy": entropy, "entropy_grad": entropy_grad}
         parts = [
             checkpoint(head_logprobs, *c, **how, use_reentrant=False) if len(chunks) > 1 else head_logprobs(*c, **how)
             for c in chunks
@@ -151,19 +162,29 @@ def head_logprobs(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     temperature: torch.Tensor,
+    masked: torch.Tensor,
     head: torch.nn.Module,
+    eos: torch.Tensor,
     entropy: bool,
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax(head(hidden [N,H]) / temperature [N]) at the targets [N], and the entropy [N] (no gradient
-    unless entropy_grad: an entropy term with coefficient 0 is a metric only)."""
+    """log_softmax(head(hidden [N,H]) / temperature [N]) at the targets [N], the ids `eos` [E] masked (-inf) at the
+    positions `masked` [N]; and the entropy [N] (no gradient unless entropy_grad: an entropy term with coefficient 0
+    is a metric only). NOTE: a position whose own target is an EOS id is left unmasked (-inf would be no log-prob;
+    such a row was not sampled under the mask it claims)."""
     logits = head(hidden).float() / temperature[:, None]  # [N,V]
+    drop = None
+    if eos.numel() and masked.any():
+        masked = masked & ~torch.isin(targets, eos)  # [N]
+        drop = torch.zeros_like(logits, dtype=torch.bool).index_fill_(1, eos, True) & masked[:, None]  # [N,V]
+        logits = logits.masked_fill(drop, float("-inf"))  # [N,V]
     lse = logits.logsumexp(-1)  # [N]
     logp = logits.gather(-1, targets[:, None])[:, 0] - lse  # [N]
     if not entropy:
         return logp, logp.new_zeros(0)
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        ent = lse - (logits.softmax(-1) * logits).sum(-1)  # [N]
+        finite = logits if drop is None else logits.masked_fill(drop, 0.0)  # [N,V] NOTE: 0 * -inf is nan
+        ent = lse - (logits.softmax(-1) * finite).sum(-1)  # [N]
     return logp, ent
 
 

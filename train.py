@@ -73,7 +73,7 @@ import lora
 import sync
 import wire
 from algos import overlong, value_loss
-from algos.correction import rollout_is_weights
+from algos.correction import rollout_is_weights, rollout_rs_mask
 from algos.kl import adapt as kl_adapt
 from algos.kl import loss as kl_loss
 from algos.kl import penalty as kl_penalty
@@ -471,16 +471,20 @@ def actor_loss(p: Parts, mb: dict) -> tuple[torch.Tensor, dict[str, float]]:
     if p.rl and "old_logprobs" not in mb:
         mb["old_logprobs"] = logp.detach()  # [n,T] one update per step: ratio exactly 1 (score_batch)
     m = {}
-    if p.rl and mb["has_rollout_logprobs"].any():  # truncated IS weights (rollout -> old policy) scale the advantages
-        rc = a.rollout_correction
+    if p.rl and mb["has_rollout_logprobs"].any():  # truncated IS weights x the rejection mask scale the advantages
+        rc, valid = a.rollout_correction, mb["response_mask"] & mb["has_rollout_logprobs"][:, None]  # [n,T]
         w, m = rollout_is_weights(
-            mb["old_logprobs"],
-            mb["rollout_logprobs"],  # [n,T]
-            mb["response_mask"] & mb["has_rollout_logprobs"][:, None],
-            rc.rollout_is,
-            rc.rollout_is_threshold,
+            mb["old_logprobs"], mb["rollout_logprobs"], valid, rc.rollout_is, rc.rollout_is_threshold
         )
-        mb["advantages"] = mb["advantages"] * w  # [n,T]
+        keep, rs = rollout_rs_mask(
+            mb["old_logprobs"],
+            mb["rollout_logprobs"],
+            valid,
+            rc.rollout_rs,
+            rc.rollout_rs_threshold,
+            rc.rollout_rs_threshold_lower,
+        )
+        mb["advantages"], m = mb["advantages"] * w * keep, m | rs  # [n,T]
     loss, pm = policy_fn(logp, mb, policy_cfg, a.loss_agg_mode)  # []
     m |= pm
     if a.kl_loss_fn != "none":

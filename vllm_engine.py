@@ -22,8 +22,8 @@ gloo engine (weight_transfer.py, a vLLM plugin) on CPUs and on a GPU shared with
 every worker also reads a published folder itself through the same lifecycle. The prefix cache is reset after
 every update.
 Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
-but also after top-k / top-p, EOS masking (min_tokens) and the repetition penalty: configs/checks.py refuses the
-off-policy correction with those on vLLM.
+but also after top-k / top-p, EOS masking (min_tokens) and the repetition penalty: the trainer masks EOS at the same
+positions (batching.eos_masked); configs/checks.py refuses the off-policy correction with the others on vLLM.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ use_reference document Trinity's table.
 
 Not registries (one function each, used by the trainer for every algorithm):
     correction.rollout_is_weights  truncated IS between rollout and trainer log-probs (algorithm.rollout_correction)
+    correction.rollout_rs_mask     the rejection mask named by rollout_correction.rollout_rs, from ROLLOUT_RS_FNS:
+                                   fn(log_r [B,T], mask [B,T], Config(lower, upper)) -> keep [B,T] bool; one file each
+                                   (rollout_rs: veRL's token / sequence, geometric_rs, icepop, trl_is_mask)
     value_loss.compute             the critic's clipped value loss (trainer.critic.cliprange_value)
     overlong.penalty               DAPO's overlong reward shaping (algorithm.overlong_reward)
     kl.adapt                       the adaptive KL coefficient (kl_*_fn_args.adaptive)
@@ -41,8 +44,10 @@ from algos import (
     dpo,
     entropy,
     gae,
+    geometric_rs,
     grpo,
     gspo,
+    icepop,
     importance_sampling,
     jsd,
     kl,
@@ -56,12 +61,14 @@ from algos import (
     reinforce,
     reinforceplusplus,
     rloo,
+    rollout_rs,
     sample,
     sapo,
     sft_loss,
     sppo,
     step_wise_grpo,
     topr,
+    trl_is_mask,
 )
 
 
@@ -165,6 +172,16 @@ SAMPLE_STRATEGIES: dict[str, tuple[Callable, type]] = {
     "staleness_control": (sample.staleness_control, sample.Config),
     "dynamic_sampling": (sample.dynamic_sampling, sample.Config),
     "mix": (sample.mix, sample.Config),
+}
+
+# algorithm.rollout_correction.rollout_rs -> (mask fn, Config of its band [lower, upper]); "none" is no mask
+ROLLOUT_RS_FNS: dict[str, tuple[Callable, type]] = {
+    "token": (rollout_rs.token, rollout_rs.Config),  # veRL
+    "sequence": (rollout_rs.sequence, rollout_rs.Config),  # veRL
+    "geometric": (geometric_rs.mask, geometric_rs.Config),  # veRL
+    "icepop": (icepop.mask, icepop.Config),  # Ring-1T
+    "token_mask": (trl_is_mask.token_mask, trl_is_mask.Config),  # TRL
+    "sequence_mask": (trl_is_mask.sequence_mask, trl_is_mask.Config),  # TRL's default
 }
 
 # config field (algorithm.<kind>) -> the registry its name is looked up in

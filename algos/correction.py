@@ -23,16 +23,31 @@ correction is on:
 With the correction on, also rollout_corr/rollout_is_mean (mean weight) and rollout_corr/
 rollout_is_clip_frac (share of weights cut at C).
 
-Deviation: no IS masking/rejection variants (veRL's mask modes, IcePop); only truncation.
+Rejection / masking (rollout_rs_mask): rollout_correction.rollout_rs names a mask of ROLLOUT_RS_FNS (one algos/ file
+each: rollout_rs.py, veRL's token and sequence modes; geometric_rs.py, veRL's geometric mode; icepop.py, IcePop's
+token band; trl_is_mask.py, TRL's token_mask and sequence_mask), with the band [rollout_rs_threshold_lower,
+rollout_rs_threshold] (unset: the file's defaults). keep [B,T] (0/1) multiplies the advantages with the IS weight:
+w_t * keep_t. Masked IS (TRL's *_mask, IcePop's M(k)) is a mask together with rollout_is at a threshold >= the
+band's upper bound. Metrics: rollout_corr/rollout_rs_masked_frac (valid tokens dropped) and
+rollout_corr/rollout_rs_seq_masked_frac (sequences with a dropped token).
+
+The log-probs compared are of the same distribution on both sides: the engines' (vLLM's processed log-probs, the HF
+engine's) and the trainer's both mask the EOS ids where min_tokens masked them (batching.eos_masked); top-k / top-p
+and a repetition penalty remain unmatched on vLLM (configs/checks.py refuses the correction with them).
+
+Deviation: a dropped token's advantage is zeroed (it stays in the loss's token count and in the KL / entropy
+terms); veRL drops it from response_mask.
 Shapes: B sequences, T response tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
+from algos import ROLLOUT_RS_FNS
 from algos.utils import masked_mean
 
 
@@ -68,3 +83,39 @@ def rollout_is_weights(
     metrics["rollout_corr/rollout_is_mean"] = masked_mean(weights, mask).item()
     metrics["rollout_corr/rollout_is_clip_frac"] = (clipped.sum() / counted.sum().clamp(min=1)).item()
     return weights.detach(), metrics
+
+
+def rs_config(name: str, upper: float | None, lower: float | None) -> object:
+    """The Config of mask `name` (ROLLOUT_RS_FNS) with the band's bounds that are set (the file's defaults else)."""
+    fn, cls = ROLLOUT_RS_FNS[name]
+    given = {k: v for k, v in (("upper", upper), ("lower", lower)) if v is not None}
+    return dataclasses.replace(cls(), **given)
+
+
+def rollout_rs_mask(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    name: str,
+    upper: float | None = None,
+    lower: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(keep [B,T] float 0/1, metrics): mask `name` of ROLLOUT_RS_FNS ("none": all kept, no metrics) on the ratios
+    pi_old / pi_rollout of the valid tokens `mask` [B,T] (elsewhere kept), band [lower, upper] (None: the mask's
+    default)."""
+    if name == "none":
+        return torch.ones_like(old_logprobs), {}
+    if name not in ROLLOUT_RS_FNS:
+        raise ValueError(
+            f"algorithm.rollout_correction.rollout_rs: unknown {name!r}; known: none, {', '.join(ROLLOUT_RS_FNS)}"
+        )
+    mask = mask.bool()  # [B,T]
+    log_r = torch.where(mask, old_logprobs.detach() - rollout_logprobs, 0.0)  # [B,T]
+    keep = ROLLOUT_RS_FNS[name][0](log_r, mask, rs_config(name, upper, lower)) | ~mask  # [B,T]
+    dropped = ~keep & mask  # [B,T]
+    seqs = mask.any(-1)  # [B] sequences with valid tokens
+    metrics = {
+        "rollout_corr/rollout_rs_masked_frac": (dropped.sum() / mask.sum().clamp(min=1)).item(),
+        "rollout_corr/rollout_rs_seq_masked_frac": (dropped.any(-1).sum() / seqs.sum().clamp(min=1)).item(),
+    }
+    return keep.to(old_logprobs.dtype), metrics

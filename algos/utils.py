@@ -15,6 +15,8 @@ sequence (or batch) contributes 0 instead of 0/0.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -109,3 +111,10 @@ def baseline_advantages(
         "group_baseline": float(base[present].mean().item()) if present.any() else 0.0,
     }
     return {"advantages": adv, "returns": adv.clone()}, metrics
+
+
+def outside(log_x: torch.Tensor, lower: float, upper: float) -> torch.Tensor:
+    """Where exp(log_x) lies outside [lower, upper] (bool, same shape), compared in log space so that a long
+    sequence's log-ratio sum cannot overflow; lower 0 = no lower bound."""
+    low = math.log(lower) if lower > 0 else -math.inf
+    return (log_x < low) | (log_x > math.log(upper))

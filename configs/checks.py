@@ -24,6 +24,7 @@ from typing import Any
 
 from algos import (
     ADVANTAGE_FNS,
+    ROLLOUT_RS_FNS,
     asymre,
     cispo,
     dpo,
@@ -243,6 +244,12 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (TrainerConfig, "ppo_mini_batch_size"): NON_NEGATIVE,
     (TrainerConfig, "critic_warmup"): NON_NEGATIVE,
     (RolloutCorrectionConfig, "rollout_is_threshold"): _num(lambda v: v > 1, "> 1 (importance weights are cut at it)"),
+    (RolloutCorrectionConfig, "rollout_rs"): (
+        lambda v: v == "none" or v in ROLLOUT_RS_FNS,
+        f"one of none, {', '.join(ROLLOUT_RS_FNS)} (algos.ROLLOUT_RS_FNS)",
+    ),
+    (RolloutCorrectionConfig, "rollout_rs_threshold"): POSITIVE,
+    (RolloutCorrectionConfig, "rollout_rs_threshold_lower"): NON_NEGATIVE,
     # the algos/ pieces' *_args (checked by configs.piece_config)
     (gae.Config, "gamma"): FRACTION,
     (gae.Config, "lam"): FRACTION,
@@ -429,11 +436,36 @@ REFUSED: list[Rule] = [
         RolloutCorrectionConfig,
         "rollout_is",
         lambda v, c, s: v != "none" and filtered_vllm_rollouts(c),
-        "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering, the EOS masking "
-        "of min_tokens / ignore_eos and the repetition penalty, the trainer's over the full distribution: the "
-        "importance weights would compare different things. Set top_p 1.0 and top_k -1 in the training tasksets' "
-        "rollout_args (or model), model.min_response_tokens 0, ignore_eos false and repetition_penalty 1.0, use the "
-        "HF engine, or set rollout_is: none",
+        "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering and the "
+        "repetition penalty, the trainer's over the full distribution (only min_tokens' EOS masking is matched: the "
+        "trainer masks the same positions): the importance weights would compare different things. Set top_p 1.0 and "
+        "top_k -1 in the training tasksets' rollout_args (or model) and model.repetition_penalty 1.0, use the HF "
+        "engine, or set rollout_is: none and rollout_rs: none",
+    ),
+    (
+        RolloutCorrectionConfig,
+        "rollout_rs",
+        lambda v, c, s: v != "none" and filtered_vllm_rollouts(c),
+        "vLLM's log-probs (logprobs_mode processed_logprobs) are taken after top-k / top-p filtering and the "
+        "repetition penalty, the trainer's over the full distribution: the ratios the mask reads would compare "
+        "different things. Set top_p 1.0 and top_k -1 in the training tasksets' rollout_args (or model) and "
+        "model.repetition_penalty 1.0, use the HF engine, or set rollout_rs: none",
+    ),
+    *[
+        (
+            RolloutCorrectionConfig,
+            key,
+            lambda v, c, s: v is not None and s.rollout_rs == "none",
+            "it is a bound of the rejection mask, and rollout_rs is none: name a mask (rollout_rs) or unset it",
+        )
+        for key in ("rollout_rs_threshold", "rollout_rs_threshold_lower")
+    ],
+    (
+        RolloutCorrectionConfig,
+        "rollout_rs",
+        lambda v, c, s: v in ROLLOUT_RS_FNS and not rs_band_ok(s),
+        "its band of kept ratios is empty: rollout_rs_threshold_lower must be below rollout_rs_threshold (each unset "
+        "one is the mask's default: configs/schema.py RolloutCorrectionConfig)",
     ),
     (
         SynchronizerConfig,
@@ -514,14 +546,21 @@ def sqlite_db(url: str, c: Config) -> bool:
     return url == eb.path and eb.storage_type != "file" and (url.startswith("sqlite:") or "://" not in url)
 
 
+def rs_band_ok(rc: RolloutCorrectionConfig) -> bool:
+    """Whether the rejection mask's band [lower, upper] (the set bounds, the mask's defaults else) is not empty."""
+    band = ROLLOUT_RS_FNS[rc.rollout_rs][1]()
+    lower = band.lower if rc.rollout_rs_threshold_lower is None else rc.rollout_rs_threshold_lower
+    upper = band.upper if rc.rollout_rs_threshold is None else rc.rollout_rs_threshold
+    return lower < upper
+
+
 def filtered_vllm_rollouts(c: Config) -> bool:
-    """Whether a vLLM engine samples the training tasksets from a changed distribution (top-k, top-p, min_tokens
-    or ignore_eos masking EOS, a repetition penalty): vLLM's processed log-probs are taken after all of them."""
+    """Whether a vLLM engine samples the training tasksets from a distribution the trainer does not score (top-k,
+    top-p, a repetition penalty): vLLM's processed log-probs are taken after them. min_tokens / ignore_eos masking
+    EOS is not one: the trainer masks EOS at the same positions (batching.eos_masked, scoring.head_logprobs)."""
     rm = c.explorer.rollout_model
     return rm.engine_type != "hf" and (
-        c.model.min_response_tokens > 0
-        or rm.ignore_eos
-        or c.model.repetition_penalty != 1.0
+        c.model.repetition_penalty != 1.0
         or any(
             (ts.rollout_args.top_p or 1.0) < 1.0 or (ts.rollout_args.top_k or -1) > 0
             for ts in c.buffer.explorer_input.tasksets

@@ -188,6 +188,16 @@ class RolloutCorrectionConfig:
     (algos/correction.py)."""
     rollout_is_threshold: float = 2.0
     """C: importance weights are cut at this value (> 1)."""
+    rollout_rs: str = "none"
+    """Rejection mask on the ratios pi_old / pi_rollout (dropped tokens get no policy gradient): none, token, sequence,
+    geometric (veRL's modes), icepop (IcePop's token band), token_mask, sequence_mask (TRL's); one algos/ file each
+    (algos.ROLLOUT_RS_FNS, algos/correction.py)."""
+    rollout_rs_threshold: float | None = None
+    """Upper bound of the kept ratios (TRL's C_max, IcePop's beta). Unset: the mask's default (token, sequence: 2.0;
+    geometric: 1.01; icepop: 5.0; token_mask, sequence_mask: 3.0)."""
+    rollout_rs_threshold_lower: float | None = None
+    """Lower bound of the kept ratios (TRL's C_min, IcePop's alpha; 0 = none). Unset: the mask's default (token,
+    sequence: 0.5; geometric: 1 / 1.01; icepop: 0.5; token_mask, sequence_mask: 0)."""
 
 
 @dataclasses.dataclass

@@ -676,14 +676,30 @@ def rollout_logprob_gap(db: Path | str, version: int, weights: Path) -> float:
     """Largest |rollout log-prob - log-prob under `weights`| over the experiences of `version`: the
     engine's weights at rollout time were `weights` iff this is float rounding (~1e-6)."""
     from buffer import ExperienceDB
-    from models import load_model
+    from models import eos_ids, load_model, load_tokenizer
 
     model = load_model(str(weights))
     with ExperienceDB(db if isinstance(db, str) else f"sqlite:///{db}") as d:
         ids = [i for (i,) in d.query("SELECT id FROM experiences WHERE model_version = ?", (version,))]
         exps = d.get(ids)
     assert exps
-    return max((plain_logprobs(model, x.tokens, x.prompt_length) - x.logprobs).abs().max().item() for x in exps)
+    eos = eos_ids(load_tokenizer(str(weights)), model.generation_config)
+    return max((behaviour_logprobs(model, x, eos) - x.logprobs).abs().max().item() for x in exps)
+
+
+def behaviour_logprobs(model, x, eos: list[int]):
+    """plain_logprobs of experience `x` at temperature 1 from the distribution its engine sampled from: the EOS ids
+    masked where the request's min_tokens masked them (batching.eos_masked), as the engines' and trainer's are."""
+    import torch
+
+    import batching
+
+    with torch.no_grad():
+        logits = model(torch.as_tensor(x.tokens)[None]).logits[0, x.prompt_length - 1 : -1].float()  # [R,V]
+    masked = batching.eos_masked(x)  # [R]
+    logits[masked[:, None] & torch.isin(torch.arange(logits.shape[-1]), torch.tensor(eos))[None]] = float("-inf")
+    targets = torch.as_tensor(x.tokens)[x.prompt_length :]  # [R]
+    return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]  # [R]
 
 
 def mlflow_runs(uri: str) -> dict[str, str]:

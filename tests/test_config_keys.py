@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from algos import REGISTRIES
+from algos import REGISTRIES, ROLLOUT_RS_FNS
 from configs import ConfigError, cli, from_dict, normalize, read_yaml, resolve_stages, to_yaml
 from configs.checks import RANGES, REFUSED, WARNED
 from configs.loader import ALIASES, IGNORED, VERL_MAP, command_line
@@ -330,6 +330,26 @@ REFUSAL_CASES = {
         },
         "algorithm.rollout_correction.rollout_is = 'token' is refused: vLLM's log-probs",
     ),
+    ("RolloutCorrectionConfig", "rollout_rs"): (
+        {
+            "explorer": {"rollout_model": {"engine_type": "vllm"}},
+            "algorithm": {"rollout_correction": {"rollout_rs": "icepop"}},
+            "buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_k": 20}}}},
+        },
+        "algorithm.rollout_correction.rollout_rs = 'icepop' is refused: vLLM's log-probs",
+    ),
+    ("RolloutCorrectionConfig", "rollout_rs", 2): (
+        {"algorithm": {"rollout_correction": {"rollout_rs": "icepop", "rollout_rs_threshold": 0.4}}},
+        "algorithm.rollout_correction.rollout_rs = 'icepop' is refused: its band of kept ratios is empty",
+    ),
+    ("RolloutCorrectionConfig", "rollout_rs_threshold"): (
+        {"algorithm": {"rollout_correction": {"rollout_rs_threshold": 3.0}}},
+        "algorithm.rollout_correction.rollout_rs_threshold = 3.0 is refused: it is a bound of the rejection mask",
+    ),
+    ("RolloutCorrectionConfig", "rollout_rs_threshold_lower"): (
+        {"algorithm": {"rollout_correction": {"rollout_rs_threshold_lower": 0.2}}},
+        "algorithm.rollout_correction.rollout_rs_threshold_lower = 0.2 is refused: it is a bound of the rejection",
+    ),
     ("TrainerConfig", "optimizer_offload"): (
         {"trainer": {"optimizer_offload": True}},
         "trainer.optimizer_offload = True is refused: FSDP2",
@@ -555,33 +575,52 @@ def test_refused_values_name_the_key_and_why(rule):
     [
         {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_p": 0.9}}}}},
         {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"top_k": 20}}}}},
-        {"model": {"min_response_tokens": 2}},
         {"model": {"repetition_penalty": 1.1}},
-        {"explorer": {"rollout_model": {"ignore_eos": True}}},
     ],
     ids=str,
 )
-def test_the_off_policy_correction_is_refused_only_where_vllm_logprobs_differ(changed):
-    """vLLM's processed log-probs follow every change to the distribution: with any, rollout_is is refused on vLLM;
-    on the HF engine (log-probs of the full temperature-scaled distribution), or without rollout_is, accepted."""
+@pytest.mark.parametrize("key, value", [("rollout_is", "token"), ("rollout_rs", "sequence_mask")])
+def test_the_off_policy_correction_is_refused_only_where_vllm_logprobs_differ(changed, key, value):
+    """vLLM's processed log-probs follow top-k, top-p and the repetition penalty, which the trainer does not
+    apply: with any, rollout_is and rollout_rs are refused on vLLM; on the HF engine (log-probs of the full
+    temperature-scaled distribution), or with neither, accepted."""
 
-    def config(engine: str, rollout_is: str) -> dict:
+    def config(engine: str, correction: dict) -> dict:
         return merged(
             merge(
                 {
                     "explorer": {"rollout_model": {"engine_type": engine}},
-                    "algorithm": {"rollout_correction": {"rollout_is": rollout_is}},
+                    "algorithm": {"rollout_correction": correction},
                 },
                 changed,
             )
         )
 
-    with pytest.raises(ConfigError, match="rollout_is = 'token' is refused: vLLM's log-probs"):
-        resolve_stages(from_dict(Config, normalize(config("vllm", "token"))))
-    for engine, rollout_is in (("hf", "token"), ("vllm", "none")):
+    with pytest.raises(ConfigError, match=f"{key} = '{value}' is refused: vLLM's log-probs"):
+        resolve_stages(from_dict(Config, normalize(config("vllm", {key: value}))))
+    for engine, correction in (("hf", {key: value}), ("vllm", {})):
         if engine == "hf" and "repetition_penalty" in str(changed):
             continue  # refused on the HF engine for its own reason (REFUSAL_CASES)
-        resolve_stages(from_dict(Config, normalize(config(engine, rollout_is))))
+        resolve_stages(from_dict(Config, normalize(config(engine, correction))))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [{}, {"model": {"min_response_tokens": 5}}, {"explorer": {"rollout_model": {"ignore_eos": True}}}],
+    ids=str,
+)
+def test_the_off_policy_correction_runs_on_vllm_with_min_tokens(changed):
+    """Issue 47: the EOS masking of min_tokens (model.min_response_tokens, 1 by default; ignore_eos) is matched by
+    the trainer (batching.eos_masked): rollout_is and every rollout_rs mask are accepted on vLLM with it."""
+    for correction in [{"rollout_is": "token"}] + [{"rollout_rs": name} for name in ROLLOUT_RS_FNS]:
+        over = {"explorer": {"rollout_model": {"engine_type": "vllm"}}, "algorithm": {"rollout_correction": correction}}
+        (cfg,) = resolve_stages(from_dict(Config, normalize(merged(merge(over, changed)))))
+        rc = cfg.algorithm.rollout_correction
+        assert (cfg.explorer.rollout_model.engine_type, rc.rollout_is, rc.rollout_rs) == (
+            "vllm",
+            correction.get("rollout_is", "none"),
+            correction.get("rollout_rs", "none"),
+        )
 
 
 @pytest.mark.parametrize("rule", sorted(WARNING_CASES), ids=lambda k: "/".join(map(str, k)))

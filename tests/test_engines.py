@@ -41,10 +41,14 @@ def prompts(engine) -> list[list[int]]:
     return [engine.tokenizer.encode(t, add_special_tokens=False) for t in TEXTS]
 
 
-def ref_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """One plain forward pass over prompt + response: log_softmax(logits / T) at the response tokens."""
+def ref_logprobs(
+    model, prompt: list[int], response: list[int], temperature: float, min_tokens: int = 0, eos: list[int] = ()
+) -> torch.Tensor:
+    """One plain forward pass over prompt + response: log_softmax(logits / T) at the response tokens, the ids `eos`
+    masked (-inf) at the first `min_tokens` (what a request with min_tokens samples from)."""
     with torch.no_grad():
         logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : -1]  # [R, V]
+    logits[:min_tokens, list(eos)] = float("-inf")
     return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0]  # [R]
 
 
@@ -59,9 +63,12 @@ def greedy_by_hand(model, prompt: list[int], max_tokens: int, eos_ids: list[int]
     return out
 
 
-def max_logprob_diff(model, prompts, outs, temperature) -> float:
+def max_logprob_diff(model, prompts, outs, temperature, min_tokens: int = 0, eos: list[int] = ()) -> float:
     return max(
-        (ref_logprobs(model, p, c.token_ids, temperature) - torch.tensor(c.logprobs)).abs().max().item()
+        (ref_logprobs(model, p, c.token_ids, temperature, min_tokens, eos) - torch.tensor(c.logprobs))
+        .abs()
+        .max()
+        .item()
         for p, cs in zip(prompts, outs)
         for c in cs
     )
@@ -391,7 +398,7 @@ def test_a_groups_prompt_is_prefilled_once(tiny_model_dir, ref, prompts):
         outs = e.generate(prompts[:3], [SamplingParams(n=4, max_tokens=6, min_tokens=6, seed=s) for s in range(3)])
     assert calls[0] == (3, max(len(p) for p in prompts[:3]))  # [requests, longest prompt]
     assert calls[1:] and all(shape == (12, 1) for shape in calls[1:])
-    assert max_logprob_diff(ref, prompts[:3], outs, 1.0) < 1e-4
+    assert max_logprob_diff(ref, prompts[:3], outs, 1.0, 6, e.eos_ids) < 1e-4  # of the distribution with EOS masked
 
 
 def test_a_request_that_breaks_a_shared_batch_fails_alone_and_bad_values_are_refused_at_submit():

@@ -6,6 +6,7 @@ import openai
 import pytest
 import torch
 
+import batching
 from engines import EngineHandle, HFEngine
 from helpers import both_config, launch, make_task, plain_logprobs, rollout_logprob_gap, versions_by_step
 from models import load_model
@@ -117,7 +118,7 @@ def test_a_request_without_max_tokens_may_fill_the_context(tiny_model_dir):
 def test_completions_continue_from_token_ids_and_a_session_becomes_one_episode(server):
     """A two-turn conversation through /v1/completions with the prompt as token ids: the second prompt is the first
     one, its reply's ids and the next user turn's ids. episode() makes it one experience whose action mask covers
-    the two replies only."""
+    the two replies only, and whose info keeps each call's min_tokens (here none)."""
     client = server.client()
     tok = server.handle.tokenizer
     first_prompt = tok.encode(server.handle.render(MESSAGES), add_special_tokens=False)
@@ -139,7 +140,7 @@ def test_completions_continue_from_token_ids_and_a_session_becomes_one_episode(s
     want = first_prompt + reply + gap + second.choices[0].token_ids
     assert exp.tokens.tolist() == want and exp.prompt_length == len(first_prompt)
     replies = [True] * len(reply) + [False] * len(gap) + [True] * len(second.choices[0].token_ids)
-    assert exp.action_mask.tolist() == replies and exp.info == {"temperature": 1.0, "turns": 2}
+    assert exp.action_mask.tolist() == replies and exp.info == {"temperature": 1.0, "turns": 2, "min_tokens": [0, 0]}
     assert exp.logprobs[~exp.action_mask].abs().sum() == 0 and len(exp.logprobs) == exp.response_length
     assert exp.truncate_status == ("response_truncated" if cut else None) and exp.metrics["truncated"] == cut
     with pytest.raises(openai.BadRequestError, match=r"a list of token ids in \[0, 259\)"):
@@ -178,6 +179,8 @@ def test_a_sessions_episode_is_built_as_an_episodes(server):
     assert exp.metrics == {"truncated": 1.0, "truncated_masked": 1.0}
     kept = server.episode(session([1.0, 1.0]), mask_truncated=False)
     assert kept.action_mask.tolist() == [True] * 3 + [False] * gap + [True] * 3
+    assert kept.info["min_tokens"] == [3, 3]  # each call's (the trainer's EOS mask: batching.eos_masked)
+    assert batching.eos_masked(kept).tolist() == kept.action_mask.tolist()
     assert kept.metrics["truncated_masked"] == 0
     with pytest.raises(MixedTemperatures, match=r"temperatures \[0.7, 1.0\]"):
         server.episode(session([0.7, 1.0]))

@@ -29,6 +29,7 @@ from algos.utils import AGG_MODES
 from buffer import Experience, ExperienceDB
 from helpers import (
     STRAIGHT,
+    behaviour_logprobs,
     both_config,
     experiences,
     launch,
@@ -41,7 +42,7 @@ from helpers import (
     straight_and_resumed,
     weights,
 )
-from models import load_model, load_tokenizer
+from models import eos_ids, load_model, load_tokenizer
 from monitor import read_history
 from tasksets import DataError
 
@@ -234,6 +235,61 @@ def test_rollout_and_trainer_logprobs_mean_the_same_thing_at_t_0_6(tiny_model_di
     ratios = [(logp[k, 0] - exps[b].logprobs[0]).exp().item() for k, b in enumerate(mb["rows"].tolist())]
     assert len(ratios) == 4 and max(abs(r - 1) for r in ratios) < 1e-4, ratios
     assert min(x.logprobs[0].item() for x in exps) < -1e-3  # not a token the filters made certain
+
+
+def test_eos_masked_positions_follow_each_requests_min_tokens():
+    """batching.eos_masked: info["min_tokens"] (an int: the first positions of the response; a list: the first
+    positions of each turn, the runs of action_mask, of a conversation kept as one experience); none recorded (rows
+    from a file): nothing masked. In the step batch, [B,T] with padding False."""
+    one = Experience(tokens=torch.arange(10), prompt_length=4, info={"min_tokens": 3})
+    turns = Experience(
+        tokens=torch.arange(14),
+        prompt_length=2,
+        action_mask=torch.tensor([1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 1, 1]).bool(),  # turns at 0..2, 5..8, 10..11
+        info={"min_tokens": [2, 3, 5]},
+    )
+    assert batching.eos_masked(one).tolist() == [True] * 3 + [False] * 3
+    assert batching.eos_masked(turns).int().tolist() == [1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert not batching.eos_masked(Experience(tokens=torch.arange(6), prompt_length=2)).any()
+    batch = batching.step_batch([one, turns], width=13)
+    assert batch["eos_masked"].int().tolist() == [[1] * 3 + [0] * 10, [1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 0]]
+
+
+def test_trainer_and_hf_engine_logprobs_mask_eos_where_min_tokens_did(tiny_model_dir):
+    """Issue 47: a request with min_tokens samples from the distribution with every EOS id masked at its first
+    min_tokens tokens; the HF engine's log-probs are of that distribution (the plain model's renormalised over the
+    other tokens: log p - log(1 - sum of the EOS ids' p), as vLLM's processed log-probs), and the trainer's scorer
+    masks the same positions (info["min_tokens"] -> batching.eos_masked): every token's ratio is 1 within 1e-4."""
+    from engines import EngineHandle, HFEngine
+    from models import eos_ids
+
+    with HFEngine(tiny_model_dir) as engine:
+        handle = EngineHandle(engine, engine.tokenizer, {"temperature": 0.8, "min_tokens": 6, "max_tokens": 10})
+        exps = handle.chat([{"role": "user", "content": "What is 3 + 4?"}], n=4, seed=3)
+        eos = engine.eos_ids
+    model = load_model(tiny_model_dir)
+    assert eos == eos_ids(load_tokenizer(tiny_model_dir), model.generation_config) and len(eos) == 2
+    shift = []  # how far the mask moves the first token's log-prob: the test must see it
+    for x in exps:
+        assert x.info["min_tokens"] == 6
+        with torch.no_grad():
+            logp = (model(x.tokens[None]).logits[0, x.prompt_length - 1 : -1].float() / 0.8).log_softmax(-1)  # [R,V]
+        want = logp.gather(-1, x.tokens[x.prompt_length :, None])[:, 0]  # [R]
+        shift.append(torch.log1p(-logp[0, eos].exp().sum()).abs().item())
+        want[:6] -= torch.log1p(-logp[:6, eos].exp().sum(-1))  # EOS masked: the rest renormalised
+        torch.testing.assert_close(x.logprobs, want, atol=1e-4, rtol=0)
+    assert max(shift) > 1e-3, shift
+    batch = batching.step_batch(exps, width=10)
+    scorer = scoring.TokenScorer(model, eos_ids=eos)
+    units = batching.pack_units(batch, list(range(len(exps))), True, 10**6)
+    [micro] = batching.micro_batches(batch, units, 10**6, None)
+    mb = batching.micro_batch(batch, micro, True, torch.device("cpu"))
+    with torch.no_grad():
+        logp, ent = scorer(mb, entropy=True)
+    for k, b in enumerate(mb["rows"].tolist()):
+        R = exps[b].response_length
+        torch.testing.assert_close(logp[k, :R], exps[b].logprobs, atol=1e-4, rtol=0)
+        assert torch.isfinite(ent[k, :R]).all() and (ent[k, :R] > 0).all()
 
 
 @pytest.mark.slow
@@ -587,17 +643,16 @@ def settings_run(tmp_path_factory, tiny_model_dir) -> Path:
 @pytest.fixture(scope="module")
 def step_logprobs(settings_run, tiny_model_dir) -> dict[int, list[tuple[Experience, torch.Tensor, torch.Tensor]]]:
     """train step -> (experience, log-probs under the weights the step started from, under the reference model) of
-    each experience the step claimed in the DB; plain forward passes, one sequence at a time, not the trainer's code."""
+    each experience the step claimed in the DB; plain forward passes, one sequence at a time, not the trainer's code
+    (of the distribution the engine sampled from: EOS masked where min_tokens masked it, as the trainer's are)."""
     base = load_model(tiny_model_dir)  # the reference model, and the actor of step 1
+    eos = eos_ids(load_tokenizer(tiny_model_dir), base.generation_config)
     out = {}
     with ExperienceDB(f"sqlite:///{settings_run / 'buffer' / 'exp.db'}") as d:
         for step in (1, 2, 3):
             ids = [i for (i,) in d.query("SELECT exp_id FROM claims WHERE step = ? ORDER BY exp_id", (step,))]
             start = base if step == 1 else load_model(str(sync.weights_path(settings_run, step - 1)))
-            out[step] = [
-                (x, plain_logprobs(start, x.tokens, x.prompt_length), plain_logprobs(base, x.tokens, x.prompt_length))
-                for x in d.get(ids)
-            ]
+            out[step] = [(x, behaviour_logprobs(start, x, eos), behaviour_logprobs(base, x, eos)) for x in d.get(ids)]
     return out
 
 

@@ -22,6 +22,9 @@ import openai
 import pytest
 import torch
 
+import batching
+import engines
+import scoring
 import sync
 import vllm_engine
 import wire
@@ -189,6 +192,29 @@ def test_eos_ends_a_sample_and_min_tokens_masks_it(backend, tiny_model_dir):
         want = logp.gather(-1, tokens[len(ids) :, None])[:, 0]  # [R]
         want[:10] -= torch.log1p(-logp[:10, eos].exp().sum(-1))  # EOS masked: the rest renormalised
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
+def test_the_trainers_masked_logprobs_equal_vllms_with_min_tokens(backend, kind, tiny_model_dir):
+    """Issue 47: with min_tokens (model.min_response_tokens is 1 by default) vLLM's processed log-probs are of the
+    distribution with the EOS ids masked; the trainer's scorer masks the same positions (the rollout handle records
+    min_tokens in info, batching.eos_masked): every token's log-prob is vLLM's within 1e-4, so the off-policy
+    correction's ratios are 1 on the same weights; without the mask the first tokens' are not."""
+    pool, ids = backend.pool(kind), prompts(tiny_model_dir)[0]
+    (samples,) = pool.generate([ids], [SamplingParams(n=6, temperature=0.8, max_tokens=14, min_tokens=8, seed=4)])
+    exps = [engines.experience(ids, c, 0.8, min_tokens=8) for c in samples]
+    batch = batching.step_batch(exps, width=14)
+    [micro] = batching.micro_batches(batch, batching.pack_units(batch, list(range(6)), True, 10**6), 10**6, None)
+    mb = batching.micro_batch(batch, micro, True, torch.device("cpu"))
+    model = load_model(tiny_model_dir)
+    with torch.no_grad():
+        masked = scoring.TokenScorer(model, eos_ids=pool.eos_ids)(mb)[0]  # [n,T]
+        plain = scoring.TokenScorer(model)(mb)[0]  # [n,T]
+    for k, b in enumerate(mb["rows"].tolist()):
+        R = exps[b].response_length
+        torch.testing.assert_close(masked[k, :R], exps[b].logprobs, atol=1e-4, rtol=0)
+    assert ((masked - plain).abs()[:, :8].amax(-1) > 1e-3).any()  # the mask moves the first tokens' log-probs
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 
 import lora
 import models
+from configs.schema import ModelConfig
 from helpers import both_config, launch, real_vllm, rollout_logprob_gap, start_entry, versions_by_step
 from monitor import read_history
 
@@ -24,8 +25,8 @@ STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
 
 def vllm_config(tmp_path: Path, tiny_model_dir: str, kind: str, sync_method: str, **over) -> Path:
     """both_config on vLLM: 3 steps, a checkpoint at step 2 (its weights kept to check step 3's rollouts against),
-    no min_tokens (vLLM's log-probs under it are of the EOS-masked distribution: configs/checks.py), eager engines
-    (they start in ~20 s on the CPU; gpu_memory_utilization left to the CPU default)."""
+    no min_tokens unless `over` sets it (helpers.rollout_logprob_gap and the trainer mask EOS where it did), eager
+    engines (they start in ~20 s on the CPU; gpu_memory_utilization left to the CPU default)."""
     return both_config(
         tmp_path,
         tiny_model_dir,
@@ -87,6 +88,29 @@ def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_d
     with ExperienceDB(f"sqlite:///{run / 'buffer' / 'exp.db'}") as db:
         rewards = [r for (r,) in db.query("SELECT reward FROM experiences")]
     assert rewards == pytest.approx([0.7] * STEPS * PER_STEP)
+
+
+@pytest.mark.slow(seconds=100)
+def test_the_off_policy_correction_and_a_mask_on_vllm_with_the_default_min_tokens(tmp_path, tiny_model_dir):
+    """Issue 47: model.min_response_tokens at its default (1: vLLM masks EOS at the first token, its log-probs are of
+    that distribution) with rollout_is token and IcePop's mask, through the config: accepted (it was refused), the
+    trainer masks the same positions, so its logged mismatch is float rounding, every IS weight ~1, nothing masked;
+    the metrics are logged under rollout_corr/ each step."""
+    assert ModelConfig().min_response_tokens == 1
+    correction = {"rollout_is": "token", "rollout_is_threshold": 5.0, "rollout_rs": "icepop"}
+    config = vllm_config(
+        tmp_path,
+        tiny_model_dir,
+        "vllm_async",
+        "checkpoint",
+        **{"model.min_response_tokens": 1, "algorithm.rollout_correction": correction},
+    )
+    run = check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))
+    history = read_history(run / "monitor" / "trainer.jsonl")
+    assert len(history) == STEPS
+    for r in history:
+        assert abs(r["rollout_corr/rollout_is_mean"] - 1) < 1e-3 and r["rollout_corr/rollout_is_clip_frac"] == 0
+        assert r["rollout_corr/rollout_rs_masked_frac"] == 0 and r["rollout_corr/rollout_rs_seq_masked_frac"] == 0
 
 
 @pytest.mark.slow(seconds=100)

@@ -83,8 +83,9 @@ class Episode:
         self.turns: list[tuple[int, int]] = []  # [start, end) of each assistant turn's sampled tokens in self.ids
         self.texts: list[str] = []  # each assistant turn's text, as sampled
         self.temperatures: list[float] = []  # each turn's scoring temperature (sampling.scored_temperature)
+        self.min_tokens: list[int] = []  # each turn's min_tokens (EOS masked before: batching.eos_masked)
         self.versions: list[int] = []
-        self.done, self.truncated, self.pending = False, False, 1.0
+        self.done, self.truncated, self.pending, self.pending_min = False, False, 1.0, 0
         self.closing, self.eos = self._closing(), set(model.eos_ids)
 
     def _render(self, messages: list[dict], generation: bool = True, p: Protected | None = None) -> str:
@@ -113,7 +114,7 @@ class Episode:
             raise RuntimeError("the episode is over")
         params = self.model.params(1, **sampling)
         params.max_tokens = min(params.max_tokens, self.room())  # add() leaves at least one token of room
-        self.pending = scored_temperature(params)
+        self.pending, self.pending_min = scored_temperature(params), params.min_tokens
         return self.model.submit(self.ids, params)
 
     def record(self, completions: list) -> str:
@@ -126,6 +127,7 @@ class Episode:
         self.turns.append((start, len(self.ids)))
         self.texts.append(c.text)
         self.temperatures.append(self.pending)
+        self.min_tokens.append(self.pending_min)
         self.versions.append(c.model_version)
         self.messages.append({"role": "assistant", "content": c.text})
         if c.truncated:  # cut at max_tokens or at the context limit: nothing after it would be a real turn
@@ -206,6 +208,7 @@ class Episode:
             mask=self.mask,
             temperatures=self.temperatures,
             versions=self.versions,
+            min_tokens=self.min_tokens,
             truncated=self.truncated,
             prompt_truncated=self.prompt_truncated,
             mask_truncated=mask_truncated,
@@ -226,7 +229,12 @@ class Episode:
                     response_text=self.texts[k],
                     metrics=_truncation_metrics(self.truncated, masked),
                     truncate_status=_status(self.prompt_truncated, self.truncated and k == len(self.turns) - 1),
-                    info={"temperature": self.temperatures[k], "turn": k, "turns": len(self.turns)},
+                    info={
+                        "temperature": self.temperatures[k],
+                        "min_tokens": self.min_tokens[k],
+                        "turn": k,
+                        "turns": len(self.turns),
+                    },
                 )
             )
         return out
@@ -255,13 +263,15 @@ def conversation_experience(
     truncated: bool,
     prompt_truncated: bool = False,
     mask_truncated: bool = True,
+    min_tokens: list[int] | None = None,
 ) -> Experience:
     """A conversation kept as token ids as ONE experience: Episode.experience and the OpenAI API's
     OpenAIServer.episode both build theirs here. prompt = ids[:prompt_length], response = the rest (one log-prob
     per token, 0 where the model did not sample); action_mask = `mask` (the model's sampled tokens), none of them
     when the conversation ended truncated and `mask_truncated` (DAPO's overlong filtering: no loss, the reward still
     counts in its group); metrics truncated / truncated_masked. model_version: the oldest weights that sampled a
-    turn. MixedTemperatures if the turns' scoring temperatures differ: the trainer scores one experience at one."""
+    turn. MixedTemperatures if the turns' scoring temperatures differ: the trainer scores one experience at one.
+    `min_tokens`: each turn's (the runs of `mask`), kept in info for the trainer's EOS mask (batching.eos_masked)."""
     if len(set(temperatures)) > 1:
         raise MixedTemperatures(
             f"a conversation sampled at temperatures {temperatures} cannot be one experience: "
@@ -279,7 +289,7 @@ def conversation_experience(
         prompt_text=tokenizer.decode(ids[:P]),
         response_text=tokenizer.decode(ids[P:]),
         metrics=_truncation_metrics(truncated, masked),
-        info={"temperature": (temperatures or [1.0])[0], "turns": len(versions)},
+        info={"temperature": (temperatures or [1.0])[0], "turns": len(versions), "min_tokens": min_tokens or 0},
     )
 
 
