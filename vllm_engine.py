@@ -292,11 +292,12 @@ class AsyncVLLMEngine:
 
     async def _generate(self, prompt_ids: list[int], sp: Any) -> list[Completion]:
         samples: dict[int, Any] = {}  # sample index -> its newest (cumulative) output
+        version = self.model_version  # the version it starts on: where vLLM reports no spans, the oldest it had
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id=f"r{next(self.ids)}"):
             samples.update((o.index, o) for o in out.outputs)
         if sorted(samples) != list(range(sp.n)):
             raise RuntimeError(f"vLLM returned samples {sorted(samples)} of a request for n={sp.n}")
-        return completions([samples[i] for i in range(sp.n)], self.model_version)
+        return completions([samples[i] for i in range(sp.n)], version)
 
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each token's log-prob given those before it (engines.HFEngine.score): one request per sequence."""
