@@ -236,3 +236,17 @@ def test_with_partial_rollout_the_next_steps_rollout_runs_while_the_sync_point_w
     history = read_history(job / "monitor/explorer.jsonl")
     idle = [h["time/sync_idle"] for h in history if "time/sync_idle" in h]
     assert len(idle) == 3 and all(s >= 0 for s in idle)
+
+
+def test_the_correction_reweights_only_the_tokens_the_old_weights_sampled():
+    """A response of 4 tokens whose spans are [(0, 3), (2, 4)], trained at version 4 (pi_old = version 4's): its
+    rollout log-probs are version 3's for tokens 0-1 and version 4's for tokens 2-3, so token-level TIS
+    (algos/correction.py, unchanged) weighs tokens 2-3 by exactly 1 and tokens 0-1 by min(exp(old - rollout), C):
+    by hand exp(-0.5 - -0.7) = exp(0.2) = 1.2214 and exp(-1.0 - -0.2) = exp(-0.8) = 0.4493, C = 2."""
+    from algos.correction import rollout_is_weights
+
+    old = torch.tensor([[-0.5, -1.0, -0.3, -2.0]])  # [B,T] the trainer's, version 4
+    rollout = torch.tensor([[-0.7, -0.2, -0.3, -2.0]])  # [B,T] version 3's for tokens 0-1, then version 4's
+    weights, metrics = rollout_is_weights(old, rollout, torch.ones(1, 4, dtype=torch.bool), "token", 2.0)
+    assert weights[0].tolist() == pytest.approx([1.2214028, 0.4493290, 1.0, 1.0])
+    assert metrics["rollout_corr/abs_diff"] == pytest.approx((0.2 + 0.8) / 4)
