@@ -126,12 +126,12 @@ def test_a_weight_update_keeps_the_requests_in_flight_only_when_asked(tiny_model
     try:
         llms = [e.llm for e in pool.engines]
         pool.load_weights(folder, version=1)
-        assert [llm.paused for llm in llms] == [{}, {}] and [llm.weight_version for llm in llms] == ["1", "1"]
+        assert [llm.paused for llm in llms] == [{}, {}] and [llm.engine.weight_version for llm in llms] == ["1", "1"]
         pool.in_flight_updates = True
         running = pool.submit([1, 2, 3], SamplingParams(max_tokens=8))
         pool.load_weights(folder, version=2)
         assert [llm.paused for llm in llms] == [{"keep": 1}, {"keep": 1}]
-        assert not any(llm.is_paused_now for llm in llms) and [llm.weight_version for llm in llms] == ["2", "2"]
+        assert not any(llm.is_paused_now for llm in llms) and [llm.engine.weight_version for llm in llms] == ["2", "2"]
         assert running.result()[0].model_version in (1, 2)  # the fake reports no spans: the version it started on
     finally:
         pool.close()

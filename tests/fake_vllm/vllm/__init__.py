@@ -437,7 +437,7 @@ class AsyncLLMEngine:
         self.engine = LLM(**dataclasses.asdict(args))
         self.in_flight = self.max_in_flight = 0
         self.shut, self.shut_on_loop = False, False
-        self.weight_version, self.paused, self.is_paused_now = "default", {}, False  # vLLM's label; pauses by mode
+        self.paused, self.is_paused_now = {}, False  # pause_generation's calls by mode; paused now
         self.loop = asyncio.get_running_loop()  # vLLM's output handler runs on the loop that built the engine
 
     @classmethod
@@ -501,14 +501,8 @@ class AsyncLLMEngine:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.wake_up(tags)
 
-    # vLLM's weight version label and pause / resume (vllm/v1/engine/async_llm.py); `paused` counts the pauses of
-    # each mode. NOTE: the fake runs a request whole, so it reports no WeightVersionSpans (weight_versions None)
-    async def update_weight_version(self, new_version: str) -> None:
-        self.weight_version = new_version
-
-    async def get_weight_version(self) -> str:
-        return self.weight_version
-
+    # vLLM's pause / resume (vllm/v1/engine/async_llm.py); `paused` counts the pauses of each mode. NOTE: the fake
+    # runs a request whole, so it reports no WeightVersionSpans (weight_versions None)
     async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
         self.paused[mode] = self.paused.get(mode, 0) + 1
         self.is_paused_now = True
