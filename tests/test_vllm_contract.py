@@ -581,6 +581,8 @@ def test_the_fakes_rl_api_has_the_installed_vllms_names_and_signatures():
             assert ours[name] == real_signature(getattr(real, name)), (cls, name)
         if cls == "AsyncLLMEngine":
             assert all(inspect.iscoroutinefunction(getattr(real, n)) for n in LIFECYCLE)
+            for name in ("pause_generation", "resume_generation", "is_paused"):  # partial rollout's keep_requests
+                assert ours[name] == real_signature(getattr(real, name)), (cls, name)
     worker = fake_signatures(fake, "Worker")
     for name in ("init_weight_transfer_engine", "start_weight_update", "finish_weight_update"):
         assert worker[name] == real_signature(getattr(Worker, name)), name
