@@ -11,7 +11,8 @@ trainer process claims; or, for explorers on other hosts, a PostgreSQL database
 the same SQL where it can be the same, and the same semantics (the connections, and a PostgreSQL connection lost
 under a running process: dbconn.py). Schema (version SCHEMA_VERSION, stored in `meta`):
   - experiences: one row per experience, plain columns that the `sqlite3` CLI shows (explorer,
-    model_version, group_id, run_id, task_id, reward, prompt/response length), plus use_count (how
+    model_version, group_id, run_id, task_id, reward, prompt/response length, spans: the versions that sampled a
+    response whose weights changed while it ran, JSON [[first token, version], ...], else NULL), plus use_count (how
     many train steps used the row), last_claimed (unix time) and dropped_step (the train step whose
     staleness bound dropped it unused; NULL if it was not dropped).
   - payloads(id, tensors, meta): per experience, a safetensors blob of its tensors and a JSON text of
@@ -62,7 +63,8 @@ T = TypeVar("T")
 
 # --- experiences
 
-SCHEMA_VERSION = 3  # 2: experiences.dropped_step; 3: replays (a version 2 DB is upgraded in place: `_upgrade`)
+# 2: experiences.dropped_step; 3: replays; 4: experiences.spans (a version 2 or 3 DB is upgraded in place: `_upgrade`)
+SCHEMA_VERSION = 4
 
 # Stored dtype of each tensor field. Token ids go in as int32 (vocabularies are < 2**31) and come
 # back as torch.long, which is what embedding layers want; masks are bool; the rest float32.
@@ -73,7 +75,7 @@ TENSOR_FIELDS = {
     "advantages": torch.float32,
     "teacher_logprobs": torch.float32,
 }
-COLUMNS = ("explorer", "model_version", "group_id", "run_id", "task_id", "reward", "prompt_length")
+COLUMNS = ("explorer", "model_version", "group_id", "run_id", "task_id", "reward", "prompt_length", "spans")
 SELECT_ROWS = (
     f"SELECT e.id, p.tensors, p.meta, {', '.join('e.' + c for c in COLUMNS)}, r.advantages"
     " FROM experiences e JOIN payloads p ON p.id = e.id LEFT JOIN replays r ON r.exp_id = e.id WHERE e.id IN ({})"
@@ -104,7 +106,11 @@ class Experience:
     group_id: str = ""  # shared by the repeats of one task
     run_id: int = 0  # repeat index within the group (like task_id: a DB column, for whoever reads the DB)
     task_id: str = ""
-    model_version: int = 0  # weights version that generated the response
+    model_version: int = 0  # weights version that generated the response (the oldest, when `spans` holds several)
+    # [(first response token index, version)] where the weights that sampled the response change (explorer.
+    # partial_rollout: an update while it ran), in order; empty: every token is model_version's. In the DB: the
+    # spans column, JSON text (NULL when empty)
+    spans: list[tuple[int, int]] = field(default_factory=list)
     explorer: str = ""  # name of the explorer that wrote it
     truncate_status: str | None = None  # None, "prompt_truncated" or "response_truncated"
     info: dict = field(default_factory=dict)  # free JSON-serialisable data
@@ -146,7 +152,14 @@ def deserialise(blob: bytes, meta: str, **columns: Any) -> Experience:
     for name, t in tensors.items():
         if TENSOR_FIELDS[name] == torch.int32:
             tensors[name] = t.long()
-    return Experience(**tensors, **json.loads(meta), **columns)
+    spans = columns.pop("spans", None)  # the column's JSON text, serialise_many's list, or NULL / absent
+    spans = json.loads(spans) if isinstance(spans, str) else spans or []
+    return Experience(**tensors, **json.loads(meta), **columns, spans=[(int(a), int(v)) for a, v in spans])
+
+
+def spans_column(exp: Experience) -> str | None:
+    """The spans column of an experience: its spans as JSON text, NULL when it has none (one version)."""
+    return json.dumps([[int(a), int(v)] for a, v in exp.spans]) if exp.spans else None
 
 
 def from_rows(rows: list) -> dict[int, Experience]:
@@ -191,7 +204,8 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS experiences (
     id {id}, created {real}, explorer TEXT, model_version INTEGER,
     group_id TEXT, run_id INTEGER, task_id TEXT, reward {real}, prompt_length INTEGER,
-    response_length INTEGER, use_count INTEGER NOT NULL DEFAULT 0, last_claimed {real}, dropped_step INTEGER);
+    response_length INTEGER, use_count INTEGER NOT NULL DEFAULT 0, last_claimed {real}, dropped_step INTEGER,
+    spans TEXT);
 CREATE TABLE IF NOT EXISTS payloads (id {int} PRIMARY KEY, tensors {blob} NOT NULL, meta TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS claims (
     exp_id {int} NOT NULL, step INTEGER NOT NULL, claimed {real} NOT NULL);
@@ -216,8 +230,10 @@ TYPES = {
 }
 INSERT_EXPERIENCES = (
     "INSERT INTO experiences (created, explorer, model_version, group_id, run_id, task_id, reward,"
-    " prompt_length, response_length) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    " prompt_length, response_length, spans) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+# Version 4's column (what upgrading a version 3 DB adds): NULL for the rows it holds (one version each)
+SPANS_COLUMN = "ALTER TABLE experiences ADD COLUMN spans TEXT"
 SETUP_LOCK = 0x6E616E6F  # PostgreSQL advisory lock key of ExperienceDB's set-up ("nano")
 # NOTE: the blobs live in `payloads` (same id), not in `experiences`: a claim updates use_count and
 # last_claimed, and SQLite rewrites a changed row whole, overflow pages included. With ~8 KB blobs in
@@ -335,8 +351,8 @@ class ExperienceDB:
             self._refuse_foreign(cur)
         cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
         row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if row is not None and row[0] == "2":
-            self._upgrade(cur)
+        if row is not None and row[0] in ("2", "3"):
+            self._upgrade(cur, int(row[0]))
             return
         if row is not None and row[0] != str(SCHEMA_VERSION):
             raise DBMismatch(
@@ -357,13 +373,20 @@ class ExperienceDB:
             (str(SCHEMA_VERSION),),
         )
 
-    def _upgrade(self, cur: Any) -> None:
-        """A version 2 DB to version 3: the replays table; nothing else changed (its rows stay as they are)."""
-        for statement in REPLAYS.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
-            cur.execute(statement)
+    def _upgrade(self, cur: Any, version: int) -> None:
+        """A version 2 DB to version 4: the replays table (3), the spans column (4); a version 3 DB: the spans column.
+        Nothing else changed (its rows stay as they are: no spans, one version each)."""
+        if version == 2:
+            for statement in REPLAYS.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
+                cur.execute(statement)
+        cur.execute(SPANS_COLUMN)
         cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         log.info(
-            "%s: experience DB upgraded from schema version 2 to %d (the replays table)", self.path, SCHEMA_VERSION
+            "%s: experience DB upgraded from schema version %d to %d (%s)",
+            self.path,
+            version,
+            SCHEMA_VERSION,
+            "the replays table, the spans column" if version == 2 else "the spans column",
         )
 
     def _refuse_foreign(self, cur: Any) -> None:
@@ -448,6 +471,7 @@ class ExperienceDB:
                 e.reward,
                 e.prompt_length,
                 e.response_length,
+                spans_column(e),
                 *serialise(e),
             )
             for e in exps

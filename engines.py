@@ -609,6 +609,7 @@ def experience(
         prompt_length=len(prompt),
         logprobs=torch.tensor(c.logprobs, dtype=torch.float32),
         model_version=c.model_version,
+        spans=list(c.spans),
         truncate_status="prompt_truncated" if prompt_cut else "response_truncated" if c.truncated else None,
         prompt_text=prompt_text,
         response_text=c.text,

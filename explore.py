@@ -18,7 +18,7 @@ What one explore step does, straight down `explore()`:
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
     group) -> evaluate every eval_interval steps.
 The weight handshake (waiting, loading, receiving, a restart's resume, turns on a shared GPU) is sync.py's
-ExplorerSync, built at set-up and called in three places: `resume`, `after_step`, `close`.
+ExplorerSync, built at set-up and called in three places: `resume`, `after_step` (or `after_step_behind`), `close`.
 Writing experiences and position together is what makes a SIGKILLed explorer restart exactly after
 its last written step: no task explored twice, none skipped.
 
@@ -26,14 +26,20 @@ Deviations from Trinity-RFT: runners are threads in this process (no Ray actors)
 hangs past max_timeout is abandoned (a Python thread cannot be killed; its result is discarded), counted
 (rollout/abandoned_threads) and retried while fewer than MAX_ABANDONED run, and the process exits without
 waiting for it (`leave`); the user's own reward functions run in worker processes killed with the attempt
-(workflows.Reward); every dropped task has a named reason (Drop); explore steps do not overlap; best@k /
-worst@k are exact over the k runs (no bootstrap).
+(workflows.Reward); every dropped task has a named reason (Drop); explore steps do not overlap (but a sync point
+may overlap the next step: partial_rollout below); best@k / worst@k are exact over the k runs (no bootstrap).
+With explorer.partial_rollout (veRL's partial rollout; in-flight weight updates as AReaL's and PipelineRL's) the sync
+point after step s runs in the background (sync.ExplorerSync.after_step_behind) while step s+1's rollout runs: its
+requests start on the old weights, the update pauses the engines with them kept and resumes them, and step s+1 is
+written only once the sync point has ended (what the trainer's `holds` relies on). An eval step waits for its sync
+point first (it evaluates the new weights).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -296,6 +302,8 @@ def set_up(cfg: configs.Config) -> Explorer:
         ),
     )
     engine.model_version = version
+    if e.partial_rollout:  # the engines' weight updates keep the requests in flight (configs/checks: vllm_async only)
+        engine.in_flight_updates = True
     return Explorer(
         cfg=cfg,
         db=db,
@@ -461,6 +469,15 @@ def write(x: Explorer, exps: list[Experience], last: bool = False) -> None:
         log.warning("could not write %s (%s); the explorer's position is in the DB", meta, e)
 
 
+def joined(x: Explorer, behind: concurrent.futures.Future | None, step: int) -> tuple[int | None, dict[str, float]]:
+    """The sync point after step `step`: `behind`'s result (explorer.partial_rollout: it ran while the next step's
+    rollout did), or without one x.sync.after_step(step) run now. (None to go on, or the exit code to stop with;
+    its metrics and time/sync_idle: the seconds the explorer waited here, generating nothing.)"""
+    start = time.monotonic()
+    stop, metrics = behind.result() if behind is not None else x.sync.after_step(step)
+    return stop, {**metrics, "time/sync_idle": time.monotonic() - start}
+
+
 def finish(x: Explorer, code: int) -> int:
     """Mark the explorer finished (the trainer stops waiting for more once every explorer has), close up."""
     name = x.cfg.explorer.name
@@ -492,29 +509,41 @@ def explore(cfg: configs.Config) -> int:
     # --- eval on startup (step 0 only: not again on restart)
     if x.step == 0 and cfg.explorer.eval_on_startup and x.eval_sets:
         x.monitor.log(evaluate(x.pool, x.handles, cfg, x.eval_sets), step=0)
-    code = 0
+    code, behind = 0, None  # behind: the sync point running while the next step's rollout runs (partial_rollout)
     while x.step < x.steps:
         # --- rollout
         tasks = x.reader.read(cfg.buffer.batch_size)
         if not tasks:
             break
         exps, metrics = rollout(x, tasks)
+        # --- partial rollout: the step before's sync point ends before this step is written (sync.holds: nothing is
+        # written before the weights the explorer waits for)
+        if behind is not None:
+            (stop, more), behind = joined(x, behind, x.step), None
+            metrics |= more
+            if stop is not None:  # this step's rollout is not written: a restart runs its tasks again
+                code = stop
+                break
         # --- write: the step's experiences and the position, in one transaction
         x.step += 1
         last = x.step == x.steps or x.reader.exhausted  # over-sampling (refills, dynamic sampling) may end them first
         write(x, exps, last)
         # --- sync: after step s, the weights it needs (sync.weights_needed): over the group, or published files;
-        # colocated, the engine sleeps during the trainer's turn on the GPU
+        # colocated, the engine sleeps during the trainer's turn on the GPU; with partial_rollout in the background
         if not last:
-            stop, more = x.sync.after_step(x.step)
-            metrics |= more
-            if stop is not None:
-                code = stop
-                break
+            behind = x.sync.after_step_behind(x.step) if cfg.explorer.partial_rollout else None
+            if behind is None or (x.eval_sets and x.step % cfg.explorer.eval_interval == 0):  # eval: the new weights
+                (stop, more), behind = joined(x, behind, x.step), None
+                metrics |= more
+                if stop is not None:
+                    code = stop
+                    break
         # --- eval and log
         if x.eval_sets and (x.step % cfg.explorer.eval_interval == 0 or last):
             metrics.update(evaluate(x.pool, x.handles, cfg, x.eval_sets))
         x.monitor.log(metrics, step=x.step)
+    if behind is not None:  # the tasksets ran out behind a sync point: its stop code still counts
+        code = joined(x, behind, x.step)[0] or code
     return finish(x, code)
 
 

@@ -606,6 +606,10 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
         "rollout/finished_task_count": sum(got is not None for _, got, _ in results),
         "rollout/experience_count": len(exps),
         "rollout/model_version": max((x.model_version for x in exps), default=0),
+        # explorer.partial_rollout: responses whose weights changed while they ran (Experience.spans), and their
+        # tokens sampled by weights newer than the response's model_version (the oldest)
+        "rollout/partial_responses": sum(bool(x.spans) for x in exps),
+        "rollout/tokens_from_new_weights": sum(x.response_length - x.spans[1][0] for x in exps if x.spans),
         "response_length/mean": mean(lengths),
         "response_length/max": max(lengths, default=0),
         "response_length/clip_ratio": mean([x.truncate_status == "response_truncated" for x in exps]),

@@ -28,6 +28,7 @@ The explorer's side of the handshake, `ExplorerSync`, built once at the explorer
     weights = ExplorerSync(cfg, db, engine)
     stop = weights.resume(step)                        # mode both, restarted after `step`: the weights it needs first
     stop, metrics = weights.after_step(step)           # the sync point after `step`: wait, load or receive
+    future = weights.after_step_behind(step)           # the same in the background (explorer.partial_rollout)
     weights.close()
 
 Inside: checkpoint sync polls the pointer (`wait_for_trainer`, naming the trainer's state from the DB) and loads the
@@ -37,6 +38,7 @@ with the trainer (cluster.colocate) the engine sleeps while the trainer has its 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -44,6 +46,7 @@ import os
 import re
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -483,6 +486,32 @@ class ExplorerSync:
                 return None, {}
             code, metrics = self.receive(want, step)
             return code or None, metrics
+
+    def after_step_behind(self, step: int) -> concurrent.futures.Future:
+        """explorer.partial_rollout: `after_step(step)` on a thread of its own while the next step's rollout runs
+        (the engines' weight update keeps the requests in flight: vllm_engine.EnginePool.keep_requests); its result,
+        or its exception, in the future, which the explorer takes before it writes that step. NOTE: a daemon thread
+        (a wait of up to sync_timeout never holds the process's exit), on its own DB connection (ExperienceDB.twin:
+        a SQLite connection serves only the thread that made it), while the explorer's thread uses no ExplorerSync
+        method until it has the result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            main = self.db
+            try:
+                with main.twin() if hasattr(main, "twin") else contextlib.nullcontext(main) as own:
+                    self.db = own
+                    try:
+                        got = self.after_step(step)
+                    finally:
+                        self.db = main  # NOTE: before the result is set: the explorer's next call may come at once
+            except BaseException as e:  # noqa: BLE001 - raised in the explorer's thread by future.result()
+                future.set_exception(e)
+                return
+            future.set_result(got)
+
+        threading.Thread(target=run, name=f"sync-after-{step}", daemon=True).start()
+        return future
 
     def close(self) -> None:
         """Tell the trainer this explorer takes no more weights (process group); drop the link."""

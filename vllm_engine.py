@@ -101,17 +101,36 @@ def vllm_params(
 
 def completions(outputs: list[Any], version: int) -> list[Completion]:
     """sampling.Completion of each sample (vLLM CompletionOutputs; the EOS that ended a sample stays in token_ids; a
-    stop string is cut from the text)."""
-    return [
-        Completion(
-            list(o.token_ids),
-            [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)],
-            o.text,
-            "length" if o.finish_reason == "length" else "stop",
-            version,
+    stop string is cut from the text), with the versions that sampled its tokens (`version_spans`)."""
+    out = []
+    for o in outputs:
+        spans = version_spans(getattr(o, "weight_versions", None), version)
+        out.append(
+            Completion(
+                list(o.token_ids),
+                [step[t].logprob for t, step in zip(o.token_ids, o.logprobs)],
+                o.text,
+                "length" if o.finish_reason == "length" else "stop",
+                min(v for _, v in spans),
+                spans if len(spans) > 1 else [],
+            )
         )
-        for o in outputs
-    ]
+    return out
+
+
+def version_spans(reported: list[Any] | None, version: int) -> list[tuple[int, int]]:
+    """[(first token index, version)] of a sample from vLLM's WeightVersionSpans (version: the label the engine core
+    had when it sampled tokens [start, end); set at every sync through update_weight_version, on the final output
+    only), adjacent spans of one version merged. A sample vLLM reports no spans for, or a label that is not a number
+    (vLLM's "default" before nanorft set one): [(0, version)], the engine's version now (no update ran during it)."""
+    labels = [(s.start, s.version) for s in reported or [] if s.end > s.start]
+    if not labels or not all(str(v).isdigit() for _, v in labels):
+        return [(0, version)]
+    spans: list[tuple[int, int]] = []
+    for start, label in labels:
+        if not spans or spans[-1][1] != int(label):
+            spans.append((start, int(label)))
+    return [(0, spans[0][1]), *spans[1:]]
 
 
 def scoring_params(vllm: Any, sequences: list[list[int]], temperature: float, max_model_len: int, **extra: Any) -> Any:
@@ -276,6 +295,20 @@ class AsyncVLLMEngine:
         self.eos_ids = eos_ids(self.tokenizer, generation_config(llm_args["model"]))  # as VLLMEngine's
         self.model_version, self.ids = 0, itertools.count()
 
+    @contextlib.contextmanager
+    def keep_requests(self) -> Iterator[None]:
+        """Pause generation with the requests in flight kept (vLLM's pause_generation(mode="keep")), e.g. while new
+        weights load; they go on on `resume_generation`, and a request started under version v finishes under v+1.
+        NOTE: with clear_cache (vLLM's default) the engine core preempts the running requests and frees their KV
+        blocks (Scheduler.reset_prefix_cache(reset_running_requests=True)): on resume each is prefilled again, its
+        prompt and the tokens it has so far, with the new weights; no KV entry of the old weights serves a new token
+        (the tokens sampled before keep their old-weights log-probs: the spans say which)."""
+        self.call(self.llm.pause_generation(mode="keep", clear_cache=True))
+        try:
+            yield
+        finally:
+            self.call(self.llm.resume_generation())
+
     async def _start(self, args: Any) -> Any:
         return self.vllm.AsyncLLMEngine.from_engine_args(args)
 
@@ -289,11 +322,12 @@ class AsyncVLLMEngine:
 
     async def _generate(self, prompt_ids: list[int], sp: Any) -> list[Completion]:
         samples: dict[int, Any] = {}  # sample index -> its newest (cumulative) output
+        version = self.model_version  # the version it starts on: where vLLM reports no spans, the oldest it had
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id=f"r{next(self.ids)}"):
             samples.update((o.index, o) for o in out.outputs)
         if sorted(samples) != list(range(sp.n)):
             raise RuntimeError(f"vLLM returned samples {sorted(samples)} of a request for n={sp.n}")
-        return completions([samples[i] for i in range(sp.n)], self.model_version)
+        return completions([samples[i] for i in range(sp.n)], version)
 
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each token's log-prob given those before it (engines.HFEngine.score): one request per sequence."""
@@ -370,6 +404,19 @@ class EnginePool:
         self.eos_ids = engines[0].eos_ids  # the ids a sample ends on (workflows/episode.py ends a turn on any)
         self.in_flight = [0] * len(engines)
         self.mutex, self.asleep, self.joined = threading.Lock(), False, False
+        # explorer.partial_rollout (set at the explorer's set-up): weight updates keep the requests in flight
+        # (`keep_requests`) instead of finding none (explore steps that do not overlap)
+        self.in_flight_updates = False
+
+    @contextlib.contextmanager
+    def keep_requests(self) -> Iterator[None]:
+        """Around a weight update: with in_flight_updates, every engine paused with its requests kept
+        (AsyncVLLMEngine.keep_requests), resumed after; else nothing."""
+        with contextlib.ExitStack() as stack:
+            if self.in_flight_updates:
+                for e in self.engines:
+                    stack.enter_context(e.keep_requests())
+            yield
 
     @property
     def model_version(self) -> int:
@@ -423,10 +470,11 @@ class EnginePool:
         except OSError as e:
             raise OSError(f"vLLM workers could not load {source}: {e}") from e
         self.wake_up()  # vLLM loads weights into awake engines
-        if self.backend == WEIGHT_BACKEND:
-            self.all(lambda e: e.update({"folder": source}, version))
-        else:  # vLLM's own engines have no folder source: its documented reload from a path
-            self.all(lambda e: e.reload(source, version))
+        with self.keep_requests():
+            if self.backend == WEIGHT_BACKEND:
+                self.all(lambda e: e.update({"folder": source}, version))
+            else:  # vLLM's own engines have no folder source: its documented reload from a path
+                self.all(lambda e: e.reload(source, version))
 
     def join_ranks(self) -> int:
         """How many ranks receive weights over the group: every worker of every engine."""
@@ -450,7 +498,8 @@ class EnginePool:
         when it broke: the engines' weights are then half-updated, and the explorer stops."""
         self.wake_up()
         try:
-            self.all(lambda e: e.update(header["update_info"], header["version"]))
+            with self.keep_requests():
+                self.all(lambda e: e.update(header["update_info"], header["version"]))
         except Exception as e:
             raise wire.SyncError(worker_error(e)) from e
         return update_bytes(header["update_info"])

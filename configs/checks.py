@@ -351,6 +351,20 @@ REFUSED: list[Rule] = [
         "auxiliary model's own model: set model.model_path, or leave this unset",
     ),
     (
+        "explorer",
+        "partial_rollout",
+        lambda v, c, s: v and s.rollout_model.engine_type != "vllm_async",
+        "in-flight weight updates pause a running engine with its requests kept, which only vLLM's async engine "
+        "does: set explorer.rollout_model.engine_type: vllm_async, or partial_rollout: false",
+    ),
+    (
+        "explorer",
+        "partial_rollout",
+        lambda v, c, s: v and c.cluster.colocate,
+        "with cluster.colocate the engine sleeps while the trainer uses the shared GPU, so it cannot generate while "
+        "the explorer waits for weights: set partial_rollout: false, or give the explorer GPUs of its own",
+    ),
+    (
         "explorer.rollout_model",
         "engine_type",
         lambda v, c, s: v == "external",
@@ -637,6 +651,13 @@ WARNED: list[Rule] = [
         "tensor_parallel_size",
         lambda v, c, s: v > 1 and s.engine_type == "hf",
         "the HF engine runs on one device (tensor parallelism is a vLLM option)",
+    ),
+    (
+        "explorer",
+        "partial_rollout",
+        lambda v, c, s: v and (c.synchronizer.sync_style == "trainer_driven" or c.mode not in ("explore", "both")),
+        "has no effect: the explorer never waits at a sync point (sync_style trainer_driven loads what is published "
+        "without waiting; bench and train modes have no sync points)",
     ),
     (
         ClusterConfig,

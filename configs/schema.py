@@ -621,6 +621,13 @@ class ExplorerConfig:
     """Evaluate the starting model at step 0 (not again on restart)."""
     bench_on_latest_checkpoint: bool = False
     """bench mode: evaluate only the newest checkpoint instead of all of them."""
+    partial_rollout: bool = False
+    """In-flight weight updates (veRL's partial rollout; AReaL, PipelineRL): at a sync point the explorer does not
+    stop generating. The next step's tasks start on the old weights while the sync point waits for and loads the
+    trainer's new ones in the background; the load pauses the engines with their requests kept (vLLM's
+    pause_generation(mode="keep")) and resumes them, so a response started under version v finishes under v+1. Each
+    experience records which version sampled which tokens (Experience.spans; model_version: the oldest). The step's
+    write waits for the sync point (the trainer's bookkeeping is unchanged). engine_type vllm_async only."""
 
 
 @dataclasses.dataclass

@@ -293,13 +293,14 @@ def test_reuse_trains_on_the_advantages_of_the_first_use(db: ExperienceDB) -> No
 
 
 def test_a_version_2_db_is_upgraded_in_place(db_url: str) -> None:
-    """A DB of schema version 2 (no replays table) opens as version 3, its rows kept."""
+    """A DB of schema version 2 (no replays table, no spans column) opens as version 4, its rows kept."""
     with ExperienceDB(db_url) as db:
         db.write([make(0, group_id="g")])
     raw(db_url, "DROP TABLE replays")
+    raw(db_url, "ALTER TABLE experiences DROP COLUMN spans")
     raw(db_url, "UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     with ExperienceDB(db_url) as db:
-        assert db.get_meta("schema_version") == "3" and db.counts()["total"] == 1
+        assert db.get_meta("schema_version") == "4" and db.counts()["total"] == 1
         db.keep_advantages(1, {1: torch.ones(4)})
         assert torch.equal(db.get([1])[0].advantages, torch.ones(4))
 

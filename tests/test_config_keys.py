@@ -370,6 +370,18 @@ REFUSAL_CASES = {
         {"model": {"lora_configs": [{"path": "tests"}]}},
         "model.lora_configs[0].path = 'tests' is refused: not a saved peft adapter",
     ),
+    ("explorer", "partial_rollout"): (
+        {"explorer": {"partial_rollout": True, "rollout_model": {"engine_type": "vllm"}}},
+        "explorer.partial_rollout = True is refused: in-flight weight updates pause a running engine",
+    ),
+    ("explorer", "partial_rollout", 2): (
+        {
+            "mode": "both",
+            "cluster": {"gpu_per_node": 1},
+            "explorer": {"partial_rollout": True, "rollout_model": {"engine_type": "vllm_async"}},
+        },
+        "explorer.partial_rollout = True is refused: with cluster.colocate the engine sleeps",
+    ),
     ("explorer.rollout_model", "engine_type"): (
         {"explorer": {"rollout_model": {"engine_type": "external"}}},
         "explorer.rollout_model.engine_type = 'external' is refused: the rollout model must return token ids",
@@ -460,6 +472,13 @@ WARNING_CASES = {
     ("InferenceModelConfig", "tensor_parallel_size"): (
         {"explorer": {"rollout_model": {"engine_type": "hf", "tensor_parallel_size": 2}}},
         "tensor_parallel_size = 2: the HF engine runs on one",
+    ),
+    ("explorer", "partial_rollout"): (
+        {
+            "synchronizer": {"sync_method": "checkpoint", "sync_style": "trainer_driven"},
+            "explorer": {"partial_rollout": True, "rollout_model": {"engine_type": "vllm_async"}},
+        },
+        "explorer.partial_rollout = True: has no effect: the explorer never waits at a sync point",
     ),
     ("ClusterConfig", "node_num"): (
         {"mode": "explore", "cluster": {"node_num": 2, "gpu_per_node": 0}},

@@ -366,6 +366,44 @@ def test_new_weights_from_a_folder_change_the_outputs_and_the_base_ones_restore_
     assert [c.token_ids for c in pool.generate([ids], sampled)[0]] == [c.token_ids for c in base_samples]
 
 
+@pytest.mark.slow
+@pytest.mark.xdist_group("test_vllm_contract::real_pools")
+def test_a_request_in_flight_across_a_weight_update_finishes_under_both_versions(real_pools, tiny_model_dir, tmp_path):
+    """explorer.partial_rollout's engine side on real vLLM: with in_flight_updates, samples running while new weights
+    load (the engine paused with its requests kept) finish with two spans, versions 6 then 7, the oldest their
+    model_version (a sample with no token before the update: 7 alone); the log-probs of each span are its own
+    weights' (a plain forward pass of each model over the whole sequence): the tokens after the update were sampled
+    by the new weights on KV recomputed with them (vLLM preempts the kept requests and prefills them again), not on
+    the old weights' KV blocks."""
+    pool, ids, tok = real_pools[0]("vllm_async"), prompts(tiny_model_dir)[0], load_tokenizer(tiny_model_dir)
+    old, new = load_model(tiny_model_dir), perturbed(tiny_model_dir, 0.5)
+    folder = str(sync.publish_hf(new, tok, tmp_path, step=7))
+    before = pool.model_version
+    pool.model_version, pool.in_flight_updates = 6, True
+    try:
+        running = pool.submit(ids, SamplingParams(n=4, temperature=1.0, max_tokens=256 - len(ids) - 1, seed=11))
+        time.sleep(1.0)  # tokens under version 6 first
+        assert not running.done(), "the samples ended before the update: nothing was in flight"
+        pool.load_weights(folder, version=7)
+        samples = running.result(timeout=300)
+    finally:
+        pool.in_flight_updates = False
+        pool.load_weights(tiny_model_dir, version=before)
+    mixed = [c for c in samples if c.spans]
+    assert mixed, [(len(c.token_ids), c.model_version) for c in samples]  # some ran on after the update
+    for c in samples:  # a sample vLLM had not scheduled yet (n=4 on the CPU) sampled every token under 7
+        versions = [v for _, v in c.spans] or [c.model_version]
+        assert versions in ([6], [6, 7], [7]) and c.model_version == versions[0] and c.spans[:1] in ([], [(0, 6)])
+    for c in mixed:
+        k, lp = c.spans[1][0], torch.tensor(c.logprobs)
+        by_old, by_new = (plain_logprobs(m, ids + c.token_ids, len(ids)) for m in (old, new))
+        assert 0 < k < len(c.token_ids)
+        assert (lp[:k] - by_old[:k]).abs().max() < 1e-4
+        # NOTE: 1e-3 (measured 4e-4): fp32 sums over up to 250 positions; either weights' KV for the other's tokens
+        # would be off by the weights' change, which the two models' own log-probs show is far larger
+        assert (lp[k:] - by_new[k:]).abs().max() < 1e-3 < 0.05 < (by_old[k:] - by_new[k:]).abs().max()
+
+
 def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(backend, tiny_model_dir, tmp_path):
     """A missing folder, one without weights, one with a cut file: an OSError naming it (sync.load_published
     then loads the newest published folder), the version stays, the engine answers as before."""
@@ -576,6 +614,8 @@ def test_the_fakes_rl_api_has_the_installed_vllms_names_and_signatures():
             assert ours[name] == real_signature(getattr(real, name)), (cls, name)
         if cls == "AsyncLLMEngine":
             assert all(inspect.iscoroutinefunction(getattr(real, n)) for n in LIFECYCLE)
+            for name in ("pause_generation", "resume_generation", "is_paused"):  # partial rollout's keep_requests
+                assert ours[name] == real_signature(getattr(real, name)), (cls, name)
     worker = fake_signatures(fake, "Worker")
     for name in ("init_weight_transfer_engine", "start_weight_update", "finish_weight_update"):
         assert worker[name] == real_signature(getattr(Worker, name)), name

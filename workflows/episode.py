@@ -85,6 +85,7 @@ class Episode:
         self.temperatures: list[float] = []  # each turn's scoring temperature (sampling.scored_temperature)
         self.min_tokens: list[int] = []  # each turn's min_tokens (EOS masked before: batching.eos_masked)
         self.versions: list[int] = []
+        self.spans: list[list[tuple[int, int]]] = []  # each turn's Completion.spans (explorer.partial_rollout)
         self.done, self.truncated, self.pending, self.pending_min = False, False, 1.0, 0
         self.closing, self.eos = self._closing(), set(model.eos_ids)
 
@@ -129,6 +130,7 @@ class Episode:
         self.temperatures.append(self.pending)
         self.min_tokens.append(self.pending_min)
         self.versions.append(c.model_version)
+        self.spans.append(list(c.spans))
         self.messages.append({"role": "assistant", "content": c.text})
         if c.truncated:  # cut at max_tokens or at the context limit: nothing after it would be a real turn
             self.done = self.truncated = True
@@ -209,6 +211,7 @@ class Episode:
             temperatures=self.temperatures,
             versions=self.versions,
             min_tokens=self.min_tokens,
+            spans=turn_spans(self.turns, self.prompt_length, self.spans, self.versions),
             truncated=self.truncated,
             prompt_truncated=self.prompt_truncated,
             mask_truncated=mask_truncated,
@@ -225,6 +228,7 @@ class Episode:
                     prompt_length=a,
                     logprobs=torch.tensor(self.logprobs[a - P : b - P]),
                     model_version=self.versions[k],
+                    spans=self.spans[k],
                     action_mask=torch.zeros(b - a, dtype=torch.bool) if masked else None,
                     response_text=self.texts[k],
                     metrics=_truncation_metrics(self.truncated, masked),
@@ -264,6 +268,7 @@ def conversation_experience(
     prompt_truncated: bool = False,
     mask_truncated: bool = True,
     min_tokens: list[int] | None = None,
+    spans: list[tuple[int, int]] | None = None,
 ) -> Experience:
     """A conversation kept as token ids as ONE experience: Episode.experience and the OpenAI API's
     OpenAIServer.episode both build theirs here. prompt = ids[:prompt_length], response = the rest (one log-prob
@@ -285,12 +290,29 @@ def conversation_experience(
         logprobs=torch.tensor(logprobs, dtype=torch.float32),
         action_mask=torch.tensor(mask, dtype=torch.bool) & (not masked),
         model_version=min(versions, default=0),
+        spans=spans or [],
         truncate_status=_status(prompt_truncated, truncated),
         prompt_text=tokenizer.decode(ids[:P]),
         response_text=tokenizer.decode(ids[P:]),
         metrics=_truncation_metrics(truncated, masked),
         info={"temperature": (temperatures or [1.0])[0], "turns": len(versions), "min_tokens": min_tokens or 0},
     )
+
+
+def turn_spans(
+    turns: list[tuple[int, int]], prompt_length: int, spans: list[list[tuple[int, int]]], versions: list[int]
+) -> list[tuple[int, int]]:
+    """The spans (Experience.spans) of a conversation's response from its turns' (each turn [a, b) of the ids, its
+    Completion.spans, its version): each turn's shifted to where the turn starts in the response; the tokens between
+    turns (not sampled: template, tool results) count as the turn's before them. Empty when one version sampled all.
+    E.g. turns [(10, 14), (20, 25)] after a prompt of 10, spans [[], [(0, 3), (2, 4)]], versions [3, 3]:
+    [(0, 3), (12, 4)]."""
+    out: list[tuple[int, int]] = []
+    for (a, _), own, version in zip(turns, spans, versions):
+        for start, v in own or [(0, version)]:
+            if not out or out[-1][1] != v:
+                out.append((max(a - prompt_length + start, 0) if out else 0, v))
+    return out if len(out) > 1 else []
 
 
 def _truncation_metrics(truncated: bool, masked: bool) -> dict[str, float]:

@@ -454,6 +454,7 @@ class AsyncLLMEngine:
         self.engine = LLM(**dataclasses.asdict(args))
         self.in_flight = self.max_in_flight = 0
         self.shut, self.shut_on_loop = False, False
+        self.paused, self.is_paused_now = {}, False  # pause_generation's calls by mode; paused now
         self.loop = asyncio.get_running_loop()  # vLLM's output handler runs on the loop that built the engine
 
     @classmethod
@@ -482,6 +483,9 @@ class AsyncLLMEngine:
         return await asyncio.to_thread(self.engine.collective_rpc, method, timeout, args, kwargs)
 
     async def reset_prefix_cache(self) -> bool:
+        if self.is_paused_now:  # paused with clear_cache, vLLM preempted the running requests: they hold no KV blocks
+            self.engine.prefix_cache_resets += 1
+            return True
         return not self.in_flight and self.engine.reset_prefix_cache()
 
     async def init_weight_transfer_engine(self, request: Any) -> None:
@@ -513,6 +517,18 @@ class AsyncLLMEngine:
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         self.engine.wake_up(tags)
+
+    # vLLM's pause / resume (vllm/v1/engine/async_llm.py); `paused` counts the pauses of each mode. NOTE: the fake
+    # runs a request whole, so it reports no WeightVersionSpans (weight_versions None)
+    async def pause_generation(self, *, mode: str = "abort", clear_cache: bool = True) -> None:
+        self.paused[mode] = self.paused.get(mode, 0) + 1
+        self.is_paused_now = True
+
+    async def resume_generation(self) -> None:
+        self.is_paused_now = False
+
+    async def is_paused(self) -> bool:
+        return self.is_paused_now
 
     def shutdown(self) -> None:
         self.shut = True
