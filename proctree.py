@@ -82,10 +82,10 @@ def describe(pid: int) -> str:
 
 
 def stop_all(pids: list[int], grace: float) -> tuple[list[int], list[int]]:
-    """SIGTERM each process, then SIGKILL those still running after `grace` seconds (and wait up to 5 s more for
-    them to go). Returns (the pids that ended on SIGTERM, those killed)."""
+    """SIGTERM each process, then SIGKILL those still running after `grace` seconds (grace 0: SIGKILL at once), and
+    wait up to 5 s more for them to go. Returns (the pids that ended on SIGTERM, those killed)."""
     started = {pid: lease.started(pid) for pid in pids}
-    for pid in pids:
+    for pid in pids if grace > 0 else []:
         signal_to(pid, started[pid], signal.SIGTERM)
     deadline = time.monotonic() + grace
     while any(alive(p, started[p]) for p in pids) and time.monotonic() < deadline:

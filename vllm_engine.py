@@ -513,6 +513,9 @@ def make_pool(
     # without it, vLLM's records go to this process's handlers (the explorer's log file; its console at the level
     # the launcher sets), and its engine and worker processes print only warnings and errors
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # NOTE: the engine core's grace for its workers (vLLM's default 5 s, which a worker overran on a busy CPU: SIGTERM
+    # with a warning at every end), inside the engine's own bound STOP_S
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(STOP_S * 2 / 3)))
     args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
     import proctree
 
