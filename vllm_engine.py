@@ -51,8 +51,9 @@ from sampling import Batcher, Completion, SamplingParams, check_request, check_s
 log = logging.getLogger("nanorft.vllm_engine")
 EXTENSION = "vllm_engine.WeightReceiver"
 SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy back, no reload
-STOP_S = 30.0  # an engine's graceful shutdown: vLLM's SIGTERM to its engine core, SIGKILL after this (seconds)
-CLOSE_MARGIN_S = 15.0  # EnginePool.close kills what still runs STOP_S + this after it began (a close that hung)
+# NOTE: both within lease.DEATH_GRACE_S (20 s), the time an explorer whose launcher died has before its SIGKILL
+STOP_S = 15.0  # an engine's graceful shutdown: vLLM's SIGTERM to its engine core, SIGKILL after this (seconds)
+CLOSE_MARGIN_S = 5.0  # EnginePool.close kills what still runs STOP_S + this after it began (a close that hung)
 
 
 def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty: float, colocate: bool) -> dict:
