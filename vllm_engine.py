@@ -393,9 +393,9 @@ class EnginePool:
         if self.closed:
             return
         self.closed = True
-        threads = [threading.Thread(target=self._close_engines, args=(timeout,), daemon=True, name="vllm-close")]
-        threads[0].start()
-        threads[0].join(timeout + CLOSE_MARGIN_S)  # NOTE: daemon threads: a close that hangs cannot hold the exit
+        closing = threading.Thread(target=self._close_engines, args=(timeout,), daemon=True, name="vllm-close")
+        closing.start()
+        closing.join(timeout + CLOSE_MARGIN_S)  # NOTE: daemon threads: a close that hangs cannot hold the exit
         kill_left(self.procs, f"{timeout + CLOSE_MARGIN_S:g} s after the vLLM engines began to close")
 
     def _close_engines(self, timeout: float) -> None:
@@ -517,10 +517,10 @@ def make_pool(
     # NOTE: the engine core's grace for its workers (vLLM's default 5 s, which a worker overran on a busy CPU: SIGTERM
     # with a warning at every end), inside the engine's own bound STOP_S
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(STOP_S * 2 / 3)))
-    args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
-    import proctree
+    import proctree  # lazily, as in engine_processes: vLLM's worker processes import this module (WeightReceiver)
 
-    before = set(proctree.descendants(os.getpid()))
+    args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
+    before = set(proctree.descendants(os.getpid()))  # what runs already: the engines' processes are what comes next
     for i, gpus in enumerate(placements(rm, first_gpu)):
         with visible_gpus(gpus):
             engines.append(cls({**args, "seed": rm.seed + i}, repetition_penalty))  # engines sample differently
