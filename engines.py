@@ -637,6 +637,19 @@ def auxiliary_handles(cfg) -> dict[str, EngineHandle | ExternalHandle]:
     return handles
 
 
+def close_engines(handles: list[EngineHandle]) -> None:
+    """Close the engines behind `handles`, each once: their auxiliary models' first (a judge may serve a rollout
+    model's request to the end), then theirs. vLLM engines shut down within a bound (vllm_engine.EnginePool.close);
+    the HF engine's worker thread ends. Engines without `close` (a test's scripted engine) are left alone."""
+    engines: list[Any] = []
+    for handle in handles:
+        aux = [a.engine for a in handle.auxiliary.values() if isinstance(a, EngineHandle)]
+        engines += [e for e in [*aux, handle.engine] if not any(e is seen for seen in engines)]
+    for engine in engines:
+        if hasattr(engine, "close"):
+            engine.close()
+
+
 class ExternalModelError(RuntimeError):
     """A call to an external auxiliary model failed: the endpoint unreachable, too slow, an error status, or a reply
     that is not a chat completion with text. It fails the workflow run that made the call (the runner retries it,

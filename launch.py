@@ -45,6 +45,7 @@ from typing import TextIO
 
 import configs
 import lease
+import proctree
 import sync
 from buffer import DBMismatch, ExperienceDB, is_postgres, sqlite_path
 from configs.resolve import CONSOLE, LAUNCHED
@@ -66,6 +67,7 @@ from monitor import (
 from workflows.args import check_tasksets
 
 log = logging.getLogger("nanorft.launch")
+REAP_GRACE_S = 10.0  # what an ended role left running gets this long after SIGTERM before SIGKILL (seconds)
 HERE = Path(__file__).resolve().parent
 
 
@@ -179,6 +181,7 @@ def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0, tick: Cal
             if code is None:
                 continue
             del running[role]
+            reap_left(procs)  # what the role started and left running (vLLM's engine processes, when it was killed)
             if code != 0:
                 why = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 others = ", ".join(running) or "nothing else"
@@ -190,6 +193,27 @@ def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0, tick: Cal
     return 0
 
 
+def reap_left(procs: dict[str, subprocess.Popen], grace: float = REAP_GRACE_S) -> list[int]:
+    """Stop the processes that ended roles left running (logged as a warning with what was stopped): those carrying
+    this launcher's mark in their environment (lease.launcher_env) that are not below a role still running. NOTE: an
+    explorer SIGKILLed (by the OOM killer, a user) gets no chance to stop its vLLM engine core and workers; they are
+    re-parented away from it and ran on, holding the GPU and the launcher's output pipe (docs/gpu-and-vllm.md).
+    Returns the pids stopped."""
+    live = [p.pid for p in procs.values() if p.poll() is None]
+    left = proctree.left_by(f"{lease.LAUNCHER_PID}={lease.launcher_env()[lease.LAUNCHER_PID]}", live)
+    left = proctree.still_running(left, 2.0)  # NOTE: a dead role's resource tracker ends by itself, at once
+    if not left:
+        return []
+    shown = ", ".join(map(proctree.describe, left))
+    log.warning(
+        "stopping %d process(es) left running by ended roles: %s (SIGTERM, SIGKILL after %g s)", len(left), shown, grace
+    )
+    _, killed = proctree.stop_all(left, grace)
+    if killed:
+        log.warning("killed (SIGKILL) after %g s: %s", grace, ", ".join(map(str, killed)))
+    return left
+
+
 def on_second_interrupt(procs: dict[str, subprocess.Popen]) -> None:
     """From now on a Ctrl-C or SIGTERM kills `procs` at once and ends this process with a short message (exit 130),
     instead of a KeyboardInterrupt traceback from inside the gentle stop that the first one started."""
@@ -198,6 +222,7 @@ def on_second_interrupt(procs: dict[str, subprocess.Popen]) -> None:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+        reap_left(procs, grace=0.0)
         print(f"\ninterrupted again: {', '.join(procs) or 'nothing'} killed", file=sys.stderr, flush=True)
         os._exit(130)
 
@@ -553,6 +578,7 @@ def run_stage(stage: configs.Config, side: str) -> int:
         code = 130
     finally:
         stop(procs, grace=30.0)
+        reap_left(procs)
         if watch:
             watch.close()
     if code:  # the Monitor roles of the processes stopped here, whose mlflow runs never ended

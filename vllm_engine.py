@@ -29,6 +29,7 @@ positions (batching.eos_masked); configs/checks.py refuses the off-policy correc
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import itertools
@@ -50,6 +51,9 @@ from sampling import Batcher, Completion, SamplingParams, check_request, check_s
 log = logging.getLogger("nanorft.vllm_engine")
 WEIGHT_BACKEND = "nanorft_gloo"  # weight_transfer.BACKEND (imported with vLLM: nanorft imports without it)
 SLEEP_LEVEL = 1  # weights to host memory, KV cache dropped: wake_up is a copy back, no reload
+# NOTE: both within lease.DEATH_GRACE_S (20 s), the time an explorer whose launcher died has before its SIGKILL
+STOP_S = 15.0  # an engine's graceful shutdown: vLLM's SIGTERM to its engine core, SIGKILL after this (seconds)
+CLOSE_MARGIN_S = 5.0  # EnginePool.close kills what still runs STOP_S + this after it began (a close that hung)
 
 
 def weight_backend(cuda: bool, colocate: bool) -> str:
@@ -267,10 +271,12 @@ class VLLMEngine:
     def wake_up(self) -> None:
         self.batcher.call(self.llm.wake_up)
 
-    def close(self) -> None:
+    def close(self, timeout: float = STOP_S) -> None:
+        """The batch running finishes, then the engine core and its workers stop (`stop_llm`)."""
         self.batcher.close()
-        # NOTE: vLLM 0.32's LLM has no shutdown(): its engine core process is stopped when the engine is collected
-        self.llm = None
+        if self.llm is not None:
+            stop_llm(self.llm, timeout)
+            self.llm = None
 
 
 class AsyncVLLMEngine:
@@ -381,15 +387,29 @@ class AsyncVLLMEngine:
     def wake_up(self) -> None:
         self.call(self.llm.wake_up())
 
-    async def _shutdown(self) -> None:
-        self.llm.shutdown()  # on the loop that runs the engine's output handler, which it cancels
-        self.llm = None  # NOTE: else its __del__ shuts it down again at interpreter exit, when vLLM's modules are gone
+    async def _shutdown(self, timeout: float) -> None:
+        """vLLM's AsyncLLM.shutdown (its engine core SIGTERMed, SIGKILLed after `timeout` s), then every task left
+        on the loop (requests abandoned in flight) cancelled and awaited. NOTE: on the loop that runs the engine's
+        output handler: shutdown cancels the handler before the engine core's end can reach it. Left to vLLM's
+        finalizer at interpreter exit, the engine core stopped under a running handler ("AsyncLLM output_handler
+        failed", EngineDeadError), then AsyncLLM.__del__ ran after vLLM's modules were gone (TypeError)."""
+        llm, self.llm = self.llm, None  # NOTE: its __del__ (a second shutdown, a no-op) runs here, modules alive
+        llm.shutdown(timeout=timeout)
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
-    def close(self) -> None:
-        if self.loop.is_running():
-            self.call(self._shutdown())
+    def close(self, timeout: float = STOP_S) -> None:
+        """Shut the engine down (`_shutdown`), then stop the loop and its thread."""
+        if not self.loop.is_running():
+            return
+        try:
+            self.call(self._shutdown(timeout))
+        finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join()
+            self.loop.close()
 
 
 class EnginePool:
@@ -404,6 +424,8 @@ class EnginePool:
         self.eos_ids = engines[0].eos_ids  # the ids a sample ends on (workflows/episode.py ends a turn on any)
         self.in_flight = [0] * len(engines)
         self.mutex, self.asleep, self.joined = threading.Lock(), False, False
+        self.procs: dict[int, int | None] = {}  # pid -> start time of the engines' processes (make_pool's record)
+        self.closed = False
         # explorer.partial_rollout (set at the explorer's set-up): weight updates keep the requests in flight
         # (`keep_requests`) instead of finding none (explore steps that do not overlap)
         self.in_flight_updates = False
@@ -523,11 +545,77 @@ class EnginePool:
             self.all(lambda e: e.wake_up())
             self.asleep = False
 
-    def close(self) -> None:
-        if self.joined:  # each worker leaves the weight group first (vLLM's shutdown_weight_transfer_engine)
-            self.all(lambda e: e.end_transfer())
-            self.joined = False
-        self.all(lambda e: e.close())
+    def close(self, timeout: float = STOP_S) -> None:
+        """Shut every engine down, all at once: the workers leave the weight group, then each engine ends its
+        requests and stops its engine core and workers (vLLM's shutdown: SIGTERM, SIGKILL after `timeout` s, its
+        warning naming what it killed). What still runs `timeout` + CLOSE_MARGIN_S s after this began (a close that
+        hung) is killed here, with a warning naming each process. Called again (atexit's), it does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        closing = threading.Thread(target=self._close_engines, args=(timeout,), daemon=True, name="vllm-close")
+        closing.start()
+        closing.join(timeout + CLOSE_MARGIN_S)  # NOTE: daemon threads: a close that hangs cannot hold the exit
+        kill_left(self.procs, f"{timeout + CLOSE_MARGIN_S:g} s after the vLLM engines began to close")
+
+    def _close_engines(self, timeout: float) -> None:
+        """EnginePool.close's part that may hang: each engine's close in a thread of its own, all waited for."""
+        try:
+            if self.joined:  # each worker leaves the weight group first (vLLM's shutdown_weight_transfer_engine)
+                self.all(lambda e: e.end_transfer())
+                self.joined = False
+        except Exception as e:  # a worker that cannot leave the group: the engine stops all the same
+            log.warning("vLLM workers could not leave the weight group: %s", e)
+        threads = [
+            threading.Thread(target=close_engine, args=(e, i, timeout), daemon=True, name=f"vllm-close-{i}")
+            for i, e in enumerate(self.engines)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
+def close_engine(engine: VLLMEngine | AsyncVLLMEngine, index: int, timeout: float) -> None:
+    """engine.close(timeout); a failure is a warning (what is left running is killed by EnginePool.close)."""
+    try:
+        engine.close(timeout)
+    except Exception as e:
+        log.warning("vLLM engine %d did not close cleanly: %s: %s", index + 1, type(e).__name__, e)
+
+
+def stop_llm(llm: Any, timeout: float) -> None:
+    """Stop a `vllm.LLM`'s engine core and workers now: SIGTERM, SIGKILL after `timeout` s (vLLM's warning names
+    what it killed). NOTE: vLLM 0.32's LLM has no shutdown() (AsyncLLM has; LLM.shutdown() was proposed, vLLM PR
+    #36283, and closed): its engine client's shutdown is the call. Left to vLLM's finalizer (the LLM collected), the
+    grace is a fixed 5 s, which the worker overran on a busy CPU: force-killed at every end (docs/LOG.md, 2026-11-29).
+    The one place nanorft reaches past LLM's methods to stop it."""
+    shutdown = getattr(llm, "shutdown", None) or llm.llm_engine.engine_core.shutdown
+    shutdown(timeout=timeout)
+
+
+def engine_processes(before: set[int]) -> dict[int, int | None]:
+    """pid -> start time of this process's descendants not in `before`: the engine core and workers of the engines
+    started since. NOTE: multiprocessing's resource tracker (one per process, started with vLLM's first shared
+    memory) is left out: it ends by itself with this process, after freeing what is left in shared memory."""
+    import lease
+    import proctree
+
+    new = [p for p in proctree.descendants(os.getpid()) if p not in before]
+    return {p: lease.started(p) for p in new if "resource_tracker" not in proctree.describe(p)}
+
+
+def kill_left(engine_procs: dict[int, int | None], when: str) -> list[int]:
+    """SIGKILL the engine processes still running (after up to 2 s for those ending), with a warning naming them
+    (`when`: since when they should have ended). Returns their pids."""
+    import proctree
+
+    left = proctree.still_running([p for p, start in engine_procs.items() if proctree.alive(p, start)], 2.0)
+    if left:
+        shown = ", ".join(map(proctree.describe, left))
+        log.warning("vLLM engine processes still running %s: %s; killing them (SIGKILL)", when, shown)
+        proctree.stop_all(left, 0.0)
+    return left
 
 
 @contextlib.contextmanager
@@ -586,7 +674,13 @@ def make_pool(
     # without it, vLLM's records go to this process's handlers (the explorer's log file; its console at the level
     # the launcher sets), and its engine and worker processes print only warnings and errors
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+    # NOTE: the engine core's grace for its workers (vLLM's default 5 s, which a worker overran on a busy CPU: SIGTERM
+    # with a warning at every end), inside the engine's own bound STOP_S
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(STOP_S * 2 / 3)))
+    import proctree  # lazily, as in engine_processes: vLLM's worker processes import this module (WeightReceiver)
+
     args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
+    before = set(proctree.descendants(os.getpid()))  # what runs already: the engines' processes are what comes next
     for i, gpus in enumerate(placements(rm, first_gpu)):
         with visible_gpus(gpus):
             engines.append(cls({**args, "seed": rm.seed + i}, repetition_penalty))  # engines sample differently
@@ -597,4 +691,7 @@ def make_pool(
             cls.engine_type,
             "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}",
         )
-    return EnginePool(engines, rm.tensor_parallel_size, args["weight_transfer_config"]["backend"])
+    pool = EnginePool(engines, rm.tensor_parallel_size, args["weight_transfer_config"]["backend"])
+    pool.procs = engine_processes(before)
+    atexit.register(pool.close)  # NOTE: whatever ends this process (an error, SIGTERM): before vLLM's finalizers
+    return pool

@@ -731,3 +731,46 @@ def test_a_summary_that_cannot_be_written_on_a_full_disk_is_a_warning(small_disk
     summary["eval_history"] = []
     assert launcher.write_summary(small_disk / "summary.json", summary) == str(small_disk / "summary.json")
     assert json.loads((small_disk / "summary.json").read_text()) == summary
+
+
+def test_the_launcher_stops_what_an_ended_role_left_running(caplog, monkeypatch):
+    """A role process SIGKILLed (an explorer killed by the OOM killer) leaves what it started running, re-parented away
+    from it: vLLM's engine core and workers (tests/test_vllm_e2e.py kills a real one). launch.reap_left stops every
+    process that carries the launcher's mark in its environment and is below no live role: here the dead explorer's
+    child, which ignores SIGTERM (so it is SIGKILLed after the grace), not the live trainer's child nor a process
+    without the mark; a warning names what it stopped."""
+    import launch
+    import lease
+    import proctree
+
+    stubborn = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)"
+    role = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {stubborn!r}]); time.sleep(300)"
+    marked = {**os.environ, **lease.launcher_env()}
+    explorer = subprocess.Popen([sys.executable, "-c", role], env=marked)
+    trainer = subprocess.Popen([sys.executable, "-c", role], env=marked)
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # no mark
+    try:
+        deadline = time.monotonic() + 60
+        while not all(proctree.descendants(p.pid) for p in (explorer, trainer)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        [left], [kept] = proctree.descendants(explorer.pid), proctree.descendants(trainer.pid)
+        explorer.kill()
+        explorer.wait()
+        logger = logging.getLogger("nanorft.launch")  # NOTE: directly: a console made earlier may stop propagation
+        logger.addHandler(caplog.handler)
+        try:
+            start = time.monotonic()
+            assert launch.reap_left({"explorer": explorer, "trainer": trainer}, grace=1.0) == [left]
+            assert time.monotonic() - start < 10
+        finally:
+            logger.removeHandler(caplog.handler)
+        assert not proctree.running(left)
+        assert proctree.running(kept) and trainer.poll() is None and bystander.poll() is None
+        assert f"stopping 1 process(es) left running by ended roles: {left} (" in caplog.text
+        assert f"killed (SIGKILL) after 1 s: {left}" in caplog.text
+    finally:
+        for p in (explorer, trainer, bystander):
+            for child in proctree.descendants(p.pid):
+                os.kill(child, 9)
+            p.kill()
+            p.wait()

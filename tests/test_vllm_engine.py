@@ -6,6 +6,7 @@ Everything the fake imitates besides is checked against real vLLM in tests/test_
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import threading
@@ -355,3 +356,53 @@ def test_mode_both_on_one_shared_gpu_with_vllm_engines_end_to_end(tmp_path, tiny
     assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
     # step 2's weights (the save_interval checkpoint) were in the vLLM worker for explore step 3, exactly
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, run / "global_step_2" / "actor" / "huggingface") < 1e-4
+
+
+def test_engines_shut_down_with_nanorfts_bound_and_once(vllm, tiny_model_dir):
+    """Each engine stops its engine core through vLLM's shutdown with vllm_engine.STOP_S, not vLLM's default 5 s,
+    which the worker overran on a busy CPU (force-killed at every end: docs/LOG.md, 2026-11-29); `vllm` through its
+    engine client (0.32's LLM has no shutdown()). A second close (atexit's, after the explorer's) does nothing."""
+    pools = [make_engine(rollout_model(engine_type=kind), tiny_model_dir, 256) for kind in ("vllm", "vllm_async")]
+    llm, async_llm = (p.engines[0].llm for p in pools)
+    for pool in pools + pools:
+        pool.close()
+    assert llm.llm_engine.engine_core.shutdowns == [vllm_engine.STOP_S]
+    assert async_llm.shut and async_llm.shut_on_loop and async_llm.shut_timeout == vllm_engine.STOP_S
+
+
+def test_a_close_that_hangs_ends_by_killing_the_engines_processes(monkeypatch, caplog):
+    """An engine whose close hangs (an engine core that will not answer) cannot hold the explorer's end: after
+    timeout + CLOSE_MARGIN_S the processes recorded at the engine's start are SIGKILLed, with a warning naming
+    each."""
+    import subprocess
+    import sys
+    import time
+
+    import lease
+
+    release = threading.Event()
+
+    class Stuck:
+        engine_type, tokenizer, eos_ids, model_version = "vllm", None, [], 0
+
+        def close(self, timeout: float = 0.0) -> None:
+            release.wait()
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    pool = vllm_engine.EnginePool([Stuck()], 1)
+    pool.procs = {proc.pid: lease.started(proc.pid)}
+    monkeypatch.setattr(vllm_engine, "CLOSE_MARGIN_S", 0.5)
+    logger = logging.getLogger("nanorft.vllm_engine")  # NOTE: directly: a console made earlier may stop propagation
+    logger.addHandler(caplog.handler)
+    try:
+        start = time.monotonic()
+        closing = threading.Thread(target=pool.close, args=(0.5,), daemon=True)
+        closing.start()
+        closing.join(30)
+        assert not closing.is_alive() and time.monotonic() - start < 10
+        assert proc.wait(timeout=10) == -9
+    finally:
+        logger.removeHandler(caplog.handler)
+        release.set()
+        proc.kill()
+    assert f"vLLM engine processes still running 1 s after the vLLM engines began to close: {proc.pid} (" in caplog.text

@@ -2,9 +2,10 @@
 CUDA_VISIBLE_DEVICES, tensor-parallel workers), the GPU memory that sleep mode frees, and the one-GPU colocated run.
 Everything else it imitates is checked against real vLLM (0.32, its CPU build) by tests/test_vllm_contract.py, where
 each behaviour below runs on both: `LLM(**engine args)` with `generate`, `collective_rpc`, `reset_prefix_cache`,
-`sleep(level)`, `wake_up(tags)`; `AsyncEngineArgs`, `AsyncLLMEngine.from_engine_args` with async
-`generate(prompt, sampling_params, request_id)` (an async generator whose last output is the finished request), async
-`collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`, and `shutdown`; `SamplingParams` and
+`sleep(level)`, `wake_up(tags)`, `llm_engine.engine_core.shutdown(timeout)`; `AsyncEngineArgs`,
+`AsyncLLMEngine.from_engine_args` with async `generate(prompt, sampling_params, request_id)` (an async generator
+whose last output is the finished request), async `collective_rpc` / `reset_prefix_cache` / `sleep` / `wake_up`,
+`pause_generation` / `resume_generation`, and `shutdown(timeout)`; `SamplingParams` and
 `sampling_params.RequestOutputKind`; outputs with `.outputs[i].index / .token_ids / .logprobs ({token: Logprob}) /
 .text / .finish_reason` and `.prompt_logprobs`; vLLM's RL lifecycle on LLM and the async engine
 (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update(weight_version)`,
@@ -253,6 +254,24 @@ def load_general_plugins() -> None:
                 entry.load()()
 
 
+class EngineCoreClient:
+    """vLLM's engine client (`LLM.llm_engine.engine_core`), its shutdown only: the engine core and workers stop,
+    SIGKILLed after `timeout` s (vLLM's default: 5 s)."""
+
+    def __init__(self) -> None:
+        self.shutdowns: list[float | None] = []  # the timeout of each shutdown call
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.shutdowns.append(timeout)
+
+
+class LLMEngine:
+    """vLLM's LLMEngine (`LLM.llm_engine`), its engine client only."""
+
+    def __init__(self) -> None:
+        self.engine_core = EngineCoreClient()
+
+
 class LLM:
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.args = EngineArgs(model=model, **kwargs)
@@ -270,6 +289,7 @@ class LLM:
         self.prefix_cache_resets, self.running = 0, 0
         self.lock = threading.Lock()
         self.rng = torch.Generator().manual_seed(self.args.seed)  # requests without a seed go on drawing from it
+        self.llm_engine = LLMEngine()  # its engine client's shutdown stops the engine (LLM has no shutdown())
         ENGINES.append(self)
 
     # --- generation
@@ -530,8 +550,8 @@ class AsyncLLMEngine:
     async def is_paused(self) -> bool:
         return self.is_paused_now
 
-    def shutdown(self) -> None:
-        self.shut = True
+    def shutdown(self, timeout: float | None = None) -> None:
+        self.shut, self.shut_timeout = True, timeout
         try:
             self.shut_on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:  # called from another thread
