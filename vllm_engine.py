@@ -677,7 +677,7 @@ def make_pool(
     # NOTE: the engine core's grace for its workers (vLLM's default 5 s, which a worker overran on a busy CPU: SIGTERM
     # with a warning at every end), inside the engine's own bound STOP_S
     os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(int(STOP_S * 2 / 3)))
-    import proctree  # lazily, as in engine_processes: vLLM's worker processes import this module (WeightReceiver)
+    import proctree
 
     args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
     before = set(proctree.descendants(os.getpid()))  # what runs already: the engines' processes are what comes next
