@@ -703,7 +703,18 @@ def write_summary(path: Path, summary: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    return run(configs.entry(argv, "nanorft launcher: every stage of an experiment, with its processes"))
+    """--verify-sync (sync_check.py): the weight path checked before the stages start."""
+    verify, argv = "--verify-sync" in argv, [a for a in argv if a != "--verify-sync"]
+    cfg = configs.entry(argv, "nanorft launcher: every stage of an experiment, with its processes")
+    if verify:
+        import sync_check
+
+        try:
+            sync_check.verify_stages(configs.resolve_stages(cfg))
+        except configs.ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            return 2
+    return run(cfg)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -638,61 +637,6 @@ class ExplorerSync:
         finally:
             if sleeps:
                 self.engine.wake_up()
-
-
-def verify(cfg: Any) -> str:
-    """--verify-sync: one transfer of the model's weights over the process group into the configured rollout
-    engines, as the trainer sends them (vLLM: through their weight-transfer engine's trainer side), then the same
-    weights from their folder: the engines' checksums (vLLM's compute_weight_checksums; the HF engine's own) must be
-    equal, and vLLM's weight version the transfer's. "" when they are, else what differs."""
-    import tempfile
-    import threading
-
-    from engines import engine_kind, make_engine
-    from models import load_model, torch_dtype
-
-    rm, path = cfg.explorer.rollout_model, cfg.model.model_path
-    engine = make_engine(rm, path, rm.max_model_len, cfg.model.repetition_penalty)
-    try:
-        with tempfile.TemporaryDirectory() as job:
-            sender = wire.open_sender(job, "cpu", cfg.synchronizer.sync_timeout)
-            model, dtype = load_model(path), torch_dtype(rm.dtype) if torch.cuda.is_available() else None
-            send = threading.Thread(target=verify_send, args=(engine_kind(rm)[0], sender, model, dtype, cfg))
-            send.start()
-            local = SimpleNamespace(checkpoint_job_dir=job, synchronizer=cfg.synchronizer)
-            got = ExplorerSync(local, None, engine).take_weights()
-            send.join()
-            wire.close_sender(sender, grace=0)
-        sent, versions = engine.checksums(), getattr(engine, "weight_versions", lambda: [str(engine.model_version)])()
-        engine.load_weights(path, version=2)
-        loaded = engine.checksums()
-    finally:
-        engine.close()
-    differ = sorted({k for a, b in zip(sent, loaded) for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
-    if got is None or {*versions} != {"1"}:
-        return f"the transfer did not arrive as version 1: the engines hold {versions}"
-    return f"{len(differ)} weights differ after the transfer, e.g. {differ[:3]}" if differ else ""
-
-
-def verify_send(kind: str, link: wire.WeightLink, model: torch.nn.Module, dtype: Any, cfg: Any) -> None:
-    """verify's trainer: the model's weights as version 1, as train.send sends them to `kind` engines."""
-    import lora
-
-    scorer = SimpleNamespace(model=model)
-    if kind == "hf":
-        lora.send_model(link, scorer, 1, dtype)
-        return
-    import vllm_engine
-    import weight_transfer
-
-    backend = vllm_engine.weight_backend(torch.cuda.is_available(), cfg.cluster.colocate)
-    if backend == "nccl":  # NOTE: NCCL joins ranks on distinct GPUs: the sender on the last, the engines' are first
-        model.to(f"cuda:{torch.cuda.device_count() - 1}")
-    source = weight_transfer.SpecSource(lambda: lora.weight_stream(scorer, dtype))
-    engine = weight_transfer.trainer_engine(backend, link, 0, source, cfg.synchronizer)
-    engine.client.version = 1
-    with torch.no_grad():
-        engine.send_weights()
 
 
 def pause_for_test(point: str, step: int) -> None:

@@ -603,8 +603,8 @@ def command_line(cfg: Config, args: list[str], description: str = "") -> Config:
     text = (
         f"{description}\n\n--config FILE: a YAML config (a bare name is looked up in configs/). "
         "--dry-run: load, validate and print the resolved config, then exit. "
-        "--verify-sync: before the run, move the model's weights once over the process group into the rollout "
-        "engines and check their checksums against the same weights loaded from the folder.\n\n"
+        "--verify-sync (launch.py, run.sh): before the run, move the model's weights once over the process group "
+        "into the rollout engines and check their checksums against the same weights loaded from the folder.\n\n"
         "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
     )
     with CLI_TYPES:

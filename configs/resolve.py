@@ -610,28 +610,11 @@ CONSOLE = "NANORFT_CONSOLE"  # "launcher": the launcher draws this process's con
 LAUNCHED = "NANORFT_LAUNCHED"
 
 
-def verify_sync(stages: list[Config]) -> None:
-    """--verify-sync: each stage that syncs over the process group moves the model's weights once into its rollout
-    engines and compares their checksums with the same weights loaded from the folder (sync.verify). ConfigError
-    when they differ."""
-    import sync
-
-    log = logging.getLogger("nanorft.config")
-    for stage in stages:
-        if stage.mode not in ("both", "explore") or stage.synchronizer.sync_method != "nccl":
-            log.info("--verify-sync: stage %s does not sync over the process group: nothing to verify", stage.name)
-            continue
-        if problem := sync.verify(stage):
-            raise ConfigError(f"--verify-sync, stage {stage.name}: {problem}")
-        log.info("--verify-sync: stage %s: the engines hold the weights sent, bit for bit", stage.name)
-
-
 def entry(argv: list[str], description: str) -> Config:
     """What every script does first: logging, config, and --dry-run (which exits). Exits 2 on a bad config."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
     )
-    verify, argv = "--verify-sync" in argv, [a for a in argv if a != "--verify-sync"]
     try:
         cfg, dry = cli(argv, description)
         logging.getLogger().setLevel(cfg.log.level)
@@ -647,8 +630,6 @@ def entry(argv: list[str], description: str) -> Config:
         stages = resolve_stages(cfg)  # every refusal here, before any process starts
         if not os.environ.get(LAUNCHED):
             preflight(stages)  # and what this machine lacks for them
-            if verify:
-                verify_sync(stages)
         return cfg
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

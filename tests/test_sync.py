@@ -668,13 +668,19 @@ def verify_stage(tmp_path: Path, tiny_model_dir: str, **over) -> configs.Config:
 def test_verify_sync_finds_the_engine_holds_the_weights_sent_and_names_a_transfer_that_changed_them(
     tmp_path, tiny_model_dir, monkeypatch
 ):
-    """--verify-sync (sync.verify) on the HF engine: the model's weights over the group, then from their folder:
-    the engine's checksums agree. A trainer that sends other weights (a perturbed model) is named: every weight
-    differs."""
+    """--verify-sync (sync_check.verify) on the HF engine: the model's weights over the group, then from their
+    folder: the engine's checksums agree. A trainer that sends other weights (a perturbed model) is named: every weight
+    differs; the launcher then stops before any stage, with a config error."""
+    import launch
+    import sync_check
+
     stage = verify_stage(tmp_path, tiny_model_dir, **{"explorer.rollout_model": {"engine_type": "hf"}})
-    assert sync.verify(stage) == ""
+    assert sync_check.verify(stage) == ""
     from helpers import perturbed
 
-    send, other = sync.verify_send, perturbed(tiny_model_dir)
-    monkeypatch.setattr(sync, "verify_send", lambda kind, link, model, *rest: send(kind, link, other, *rest))
-    assert re.fullmatch(r"\d+ weights differ after the transfer, e\.g\. .*", sync.verify(stage))
+    send, other = sync_check.verify_send, perturbed(tiny_model_dir)
+    monkeypatch.setattr(sync_check, "verify_send", lambda kind, link, model, *rest: send(kind, link, other, *rest))
+    assert re.fullmatch(r"\d+ weights differ after the transfer, e\.g\. .*", sync_check.verify(stage))
+    monkeypatch.setattr(launch, "run", lambda cfg: pytest.fail("a stage started"))
+    config = both_config(tmp_path, tiny_model_dir, **{"synchronizer.sync_method": "nccl"})
+    assert launch.main(["--config", str(config), "--verify-sync"]) == 2

@@ -160,15 +160,15 @@ def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_m
 
 @pytest.mark.slow(seconds=40)
 def test_verify_sync_on_vllm_engines(tmp_path, tiny_model_dir):
-    """--verify-sync (sync.verify) on a vllm_async engine: the model's weights through the trainer's side of the gloo
-    engine and vLLM's lifecycle, then from their folder: vLLM's checksums agree and its weight version is the
-    transfer's."""
+    """--verify-sync (sync_check.verify) on a vllm_async engine: the model's weights through the trainer's side of
+    the gloo engine and vLLM's lifecycle, then from their folder: vLLM's checksums agree and its weight version is
+    the transfer's."""
     import configs
-    import sync
+    import sync_check
 
     config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "nccl")
     (stage,) = configs.resolve_stages(configs.cli(["--config", str(config)])[0])
-    assert sync.verify(stage) == ""
+    assert sync_check.verify(stage) == ""
 
 
 @pytest.mark.slow(seconds=90)

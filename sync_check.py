@@ -1,0 +1,86 @@
+"""sync_check.py: `--verify-sync`, the launcher's check of the weight path before a run (configs' pre-flight checks
+the machine; this moves weights): each stage that syncs over the process group moves the model's weights once into
+its configured rollout engines, as the trainer sends them, then loads the same weights from their folder, and the
+engines' checksums must agree (vLLM's compute_weight_checksums; the HF engine's own), and vLLM's weight version be
+the transfer's.
+
+    bash run.sh configs/tiny.yaml --verify-sync      # launch.py: before the stages start; a difference stops it
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+import lora
+import sync
+import wire
+from configs.schema import Config
+from engines import engine_kind, make_engine
+from errors import ConfigError
+from models import load_model, torch_dtype
+
+log = logging.getLogger("nanorft.sync_check")
+
+
+def verify_stages(stages: list[Config]) -> None:
+    """ConfigError naming the first stage whose engines do not hold the weights sent (`verify`)."""
+    for stage in stages:
+        if stage.mode not in ("both", "explore") or stage.synchronizer.sync_method != "nccl":
+            log.info("--verify-sync: stage %s does not sync over the process group: nothing to verify", stage.name)
+            continue
+        if problem := verify(stage):
+            raise ConfigError(f"--verify-sync, stage {stage.name}: {problem}")
+        log.info("--verify-sync: stage %s: the engines hold the weights sent, bit for bit", stage.name)
+
+
+def verify(cfg: Any) -> str:
+    """--verify-sync: one transfer of the model's weights over the process group into the configured rollout
+    engines, as the trainer sends them (vLLM: through their weight-transfer engine's trainer side), then the same
+    weights from their folder: the engines' checksums (vLLM's compute_weight_checksums; the HF engine's own) must be
+    equal, and vLLM's weight version the transfer's. "" when they are, else what differs."""
+    rm, path = cfg.explorer.rollout_model, cfg.model.model_path
+    engine = make_engine(rm, path, rm.max_model_len, cfg.model.repetition_penalty)
+    try:
+        with tempfile.TemporaryDirectory() as job:
+            sender = wire.open_sender(job, "cpu", cfg.synchronizer.sync_timeout)
+            model, dtype = load_model(path), torch_dtype(rm.dtype) if torch.cuda.is_available() else None
+            send = threading.Thread(target=verify_send, args=(engine_kind(rm)[0], sender, model, dtype, cfg))
+            send.start()
+            local = SimpleNamespace(checkpoint_job_dir=job, synchronizer=cfg.synchronizer)
+            got = sync.ExplorerSync(local, None, engine).take_weights()
+            send.join()
+            wire.close_sender(sender, grace=0)
+        sent, versions = engine.checksums(), getattr(engine, "weight_versions", lambda: [str(engine.model_version)])()
+        engine.load_weights(path, version=2)
+        loaded = engine.checksums()
+    finally:
+        engine.close()
+    differ = sorted({k for a, b in zip(sent, loaded) for k in a.keys() | b.keys() if a.get(k) != b.get(k)})
+    if got is None or {*versions} != {"1"}:
+        return f"the transfer did not arrive as version 1: the engines hold {versions}"
+    return f"{len(differ)} weights differ after the transfer, e.g. {differ[:3]}" if differ else ""
+
+
+def verify_send(kind: str, link: wire.WeightLink, model: torch.nn.Module, dtype: Any, cfg: Any) -> None:
+    """verify's trainer: the model's weights as version 1, as train.send sends them to `kind` engines."""
+    scorer = SimpleNamespace(model=model)
+    if kind == "hf":
+        lora.send_model(link, scorer, 1, dtype)
+        return
+    import vllm_engine
+    import weight_transfer  # NOTE: imports vLLM: only here, for vLLM engines
+
+    backend = vllm_engine.weight_backend(torch.cuda.is_available(), cfg.cluster.colocate)
+    if backend == "nccl":  # NOTE: NCCL joins ranks on distinct GPUs: the sender on the last, the engines' are first
+        model.to(f"cuda:{torch.cuda.device_count() - 1}")
+    source = weight_transfer.SpecSource(lambda: lora.weight_stream(scorer, dtype))
+    engine = weight_transfer.trainer_engine(backend, link, 0, source, cfg.synchronizer)
+    engine.client.version = 1
+    with torch.no_grad():
+        engine.send_weights()
