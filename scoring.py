@@ -23,7 +23,7 @@ from transformers import PreTrainedModel
 import lora
 from batching import micro_batch
 from configs.schema import LoRAConfig, TrainerConfig
-from models import eos_ids, load_critic, load_model, load_tokenizer, loading
+from models import load_critic, load_model, loading
 
 log = logging.getLogger("nanorft.scoring")
 
@@ -49,11 +49,13 @@ def build_model(
     trainable: bool,
     critic: bool = False,
     adapter: tuple[LoRAConfig, str] | None = None,
+    eos: list[int] | tuple[int, ...] = (),
 ) -> TokenScorer:
     """An HF causal LM (or, `critic`, the value model) in a TokenScorer, sharded with FSDP2: each decoder
     layer (wrap_units), then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA
     adapter is put into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and
-    its A and B."""
+    its A and B. `eos`: the ids the engines stop on (models.eos_ids), masked where the engine masked them
+    (TokenScorer)."""
     with loading(path):
         hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
     lora_adapter = lora.wrap(hf, *adapter) if adapter else None
@@ -64,7 +66,6 @@ def build_model(
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
     if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
-    eos = [] if critic else eos_ids(load_tokenizer(path), hf.generation_config)  # the ids the engines stop on
     model = TokenScorer(hf, critic=critic, adapter=lora_adapter, eos_ids=eos)
     for layer in wrap_units(hf):
         fully_shard(layer, **policy)

@@ -83,7 +83,7 @@ from batching import micro_batch, micro_batches, mini_batches, pack_units, step_
 from buffer import Experience
 from configs.schema import AlgorithmConfig, OptimizerConfig
 from engines import engine_kind
-from models import config_tokenizer, torch_dtype
+from models import config_tokenizer, eos_ids, generation_config, torch_dtype
 from monitor import Monitor, preview, timer
 from scoring import TokenScorer, build_model, score, setup_distributed
 from source import Source
@@ -178,7 +178,9 @@ def set_up(cfg: configs.Config) -> Parts | None:
         checkpoint.check_resume(job, resume, checkpoint.trained_with(cfg.model.model_path, a.algorithm_type))
     tokenizer = config_tokenizer(cfg.model)
     pieces = loss_pieces(a)
-    actor, ref, critic = trainer_models(cfg, pieces, resume, device)
+    actor, ref, critic = trainer_models(
+        cfg, pieces, resume, device, eos_ids(tokenizer, generation_config(cfg.model.model_path))
+    )
     source = Source(cfg, tokenizer, rank, device)
     if getattr(source, "db", None) is not None:  # rank 0 of a trainer reading the DB: one trainer per DB (lease.py)
         lease.hold(source.db, "trainer")
@@ -228,14 +230,15 @@ def loss_pieces(a: AlgorithmConfig) -> algos.Pieces:
 
 
 def trainer_models(
-    cfg: configs.Config, pieces: algos.Pieces, resume: int, device: torch.device
+    cfg: configs.Config, pieces: algos.Pieces, resume: int, device: torch.device, eos: list[int]
 ) -> tuple[TokenScorer, TokenScorer | None, TokenScorer | None]:
     """The actor, the reference model (when a KL piece or a loss reads ref_logprobs) and the critic (when a piece
-    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one."""
+    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one. `eos`:
+    the ids the engines stop on, masked where they masked them (min_tokens: scoring.TokenScorer)."""
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
     adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
     actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
-    actor = build_model(actor_path, t, device, trainable=True, adapter=adapter)
+    actor = build_model(actor_path, t, device, trainable=True, adapter=adapter, eos=eos)
     needs = piece_needs(pieces)
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
     critic_path = (
@@ -245,7 +248,7 @@ def trainer_models(
     )
     critic = build_model(critic_path, t, device, trainable=True, critic=True) if "values" in needs else None
     ref = (
-        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, trainable=False))
+        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False, eos=eos))
         if use_ref
         else None
     )  # with LoRA, the actor with its adapter switched off: the base model

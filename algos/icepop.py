@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from algos.utils import outside
+from algos import rollout_rs
 
 
 @dataclasses.dataclass
@@ -35,6 +33,5 @@ class Config:
     """beta: tokens whose ratio is above are masked."""
 
 
-def mask(log_r: torch.Tensor, mask: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """keep [B,T] bool: False on the valid tokens whose ratio k leaves [alpha, beta]."""
-    return ~(outside(log_r, cfg.lower, cfg.upper) & mask.bool())  # [B,T]
+# M(k)'s mask is veRL's token band (algos/rollout_rs.py) with IcePop's own bounds (Config above)
+mask = rollout_rs.token

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
-from algos.utils import outside
+from algos import rollout_rs
 
 
 @dataclasses.dataclass
@@ -34,12 +32,6 @@ class Config:
     """C_max: ratios above are masked."""
 
 
-def token_mask(log_r: torch.Tensor, mask: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """keep [B,T] bool: False on the valid tokens whose own ratio leaves [C_min, C_max]."""
-    return ~(outside(log_r, cfg.lower, cfg.upper) & mask.bool())  # [B,T]
-
-
-def sequence_mask(log_r: torch.Tensor, mask: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """keep [B,T] bool: False on every token of the sequences whose product of ratios leaves [C_min, C_max]."""
-    seq = torch.where(mask.bool(), log_r, 0.0).sum(-1, keepdim=True)  # [B,1]
-    return ~outside(seq, cfg.lower, cfg.upper).expand_as(log_r)  # [B,T]
+# the bands are veRL's (algos/rollout_rs.py), with TRL's own bounds (Config above)
+token_mask = rollout_rs.token
+sequence_mask = rollout_rs.sequence

@@ -32,12 +32,14 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import sync  # noqa: E402
+import weight_transfer  # noqa: E402
 import wire  # noqa: E402
 from configs.schema import InferenceModelConfig  # noqa: E402
 from engines import HFEngine, SamplingParams, make_engine  # noqa: E402
@@ -115,9 +117,19 @@ def over_the_group(pool, models: list[torch.nn.Module], job: Path) -> list[float
     """Seconds of each transfer of `models` (in turn) into the pool's workers over one weight group, from the header
     read to loaded; the first (which also creates the group) is a warm-up and not returned."""
     link = wire.open_sender(job, "cpu", timeout=120)
-    sender = threading.Thread(target=lambda: [wire.send_model(link, m, v) for v, m in enumerate(models, 100)])
     receiver = wire.open_receiver(job, timeout=60, receivers=pool.join_ranks())
-    pool.join_group(str(job), 60)
+    sources = iter(models)
+    source = weight_transfer.SpecSource(lambda: wire.model_stream(next(sources)))  # each round the next model
+    trainer = weight_transfer.trainer_engine(pool.backend, link, 0, source, SimpleNamespace(sync_timeout=120))
+
+    def send() -> None:  # as train.send: the trainer's side of the engines' weight-transfer engine
+        for version in range(100, 100 + len(models)):
+            trainer.client.version = version
+            with torch.no_grad():
+                trainer.send_weights()
+
+    sender = threading.Thread(target=send)
+    pool.join_group(wire.receive_init(receiver))
     sender.start()
     seconds = []
     for _ in models:

@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 import yaml
 
-from buffer import ExperienceDB
+from buffer import SCHEMA_VERSION, ExperienceDB
 from helpers import (
     Entry,
     both_config,
@@ -282,7 +282,7 @@ def test_db_of_another_model_or_schema_is_refused(tmp_path, tiny_model_dir, url,
         )
     raw(url, "UPDATE meta SET value = '1' WHERE key = 'schema_version'")
     code, err = refusal("explore.py", files["explorer"], url, caplog)
-    assert code == 2 and "experience DB has schema version 1, this buffer.py expects 3" in err
+    assert code == 2 and f"experience DB has schema version 1, this buffer.py expects {SCHEMA_VERSION}" in err
 
 
 @pytest.mark.slow

@@ -158,6 +158,34 @@ def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_m
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
 
 
+@pytest.mark.slow(seconds=100)
+def test_partial_rollout_over_the_process_group(tmp_path, tiny_model_dir):
+    """explorer.partial_rollout on vllm_async with the process group: each step's rollout runs while the explorer
+    receives the weights of the step before over the group (vLLM's lifecycle inside pause_generation(mode="keep")),
+    so the experiences of step s were sampled by the weights of step s - 2 or s - 1 (their spans name which tokens
+    came from which, oldest first); every step is written once, and the trainer logs the rollout-vs-trainer
+    mismatch it corrects."""
+    import json
+
+    from buffer import ExperienceDB
+
+    config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "nccl", **{"explorer.partial_rollout": True})
+    out = launch(config, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    run = tmp_path / "ck" / "p" / "run"
+    ended_cleanly(out.stderr, run)
+    with ExperienceDB(f"sqlite:///{run / 'buffer' / 'exp.db'}") as db:
+        rows = db.query("SELECT model_version, spans FROM experiences ORDER BY id")
+    assert len(rows) == STEPS * PER_STEP  # every step written once, in order
+    for i, (version, spans) in enumerate(rows):
+        step = 1 + i // PER_STEP
+        versions = [v for _, v in json.loads(spans)] if spans else [version]
+        assert versions[0] == version and versions == sorted(versions), (step, version, spans)
+        assert set(versions) <= {max(step - 2, 0), step - 1}, (step, version, spans)
+    history = read_history(run / "monitor" / "trainer.jsonl")
+    assert len([r for r in history if "rollout_corr/abs_diff" in r]) == STEPS
+
+
 @pytest.mark.slow(seconds=40)
 def test_verify_sync_on_vllm_engines(tmp_path, tiny_model_dir):
     """--verify-sync (sync_check.verify) on a vllm_async engine: the model's weights through the trainer's side of
@@ -205,17 +233,7 @@ def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir)
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=120)
     assert children, (tmp_path / "explorer.err").read_text()[-3000:]
-    _, alive = psutil.wait_procs(children, timeout=30)
-
-    def runs(p) -> bool:  # a zombie has ended (nobody reaped it); one gone since wait_procs too
-        try:
-            return p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    running = [p for p in alive if runs(p)]
-    for p in running:
-        p.kill()
+    running = still_running(children, 30)
     assert not running, f"still running after the explorer ended: {[p.pid for p in running]}"
     assert code == 128 + signal.SIGTERM
 
@@ -247,17 +265,7 @@ def test_a_sigkilled_explorer_leaves_no_vllm_process(tmp_path, tiny_model_dir):
     assert len(engines) >= 2, [p.cmdline() for p in engines]
     explorer.kill()
     code = launcher.wait(timeout=120)
-    _, alive = psutil.wait_procs(engines, timeout=5)
-
-    def runs(p) -> bool:  # a zombie has ended (nobody reaped it); one gone since wait_procs too
-        try:
-            return p.status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    running = [p for p in alive if runs(p)]
-    for p in running:
-        p.kill()
+    running = still_running(engines, 5)
     assert not running, f"{len(running)} of {len(engines)} vLLM processes still running after the launcher ended"
     assert code == 1
     text = (tmp_path / "launch.err").read_text()
@@ -266,3 +274,21 @@ def test_a_sigkilled_explorer_leaves_no_vllm_process(tmp_path, tiny_model_dir):
 
 def run_weights(tmp_path: Path, step: int) -> Path:
     return tmp_path / "ck" / "p" / "run" / f"global_step_{step}" / "actor" / "huggingface"
+
+
+def still_running(procs: list, timeout: float) -> list:
+    """The psutil processes of `procs` still running after up to `timeout` s (a zombie has ended: nobody reaped it;
+    one gone meanwhile too), each then killed so that none outlives the test."""
+    import psutil  # vLLM's dependency
+
+    def runs(p) -> bool:
+        try:
+            return p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    running = [p for p in alive if runs(p)]
+    for p in running:
+        p.kill()
+    return running
