@@ -10,6 +10,7 @@ the transfer's.
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import threading
 from types import SimpleNamespace
@@ -34,7 +35,13 @@ def verify_stages(stages: list[Config]) -> None:
         if stage.mode not in ("both", "explore") or stage.synchronizer.sync_method != "nccl":
             log.info("--verify-sync: stage %s does not sync over the process group: nothing to verify", stage.name)
             continue
-        if problem := verify(stage):
+        saved = dict(os.environ)
+        try:
+            problem = verify(stage)
+        finally:  # NOTE: vLLM's CPU platform sets LD_PRELOAD, TORCHINDUCTOR_* in the process that builds an engine:
+            os.environ.clear()  # the stages the launcher starts next must not inherit them from a check
+            os.environ.update(saved)
+        if problem:
             raise ConfigError(f"--verify-sync, stage {stage.name}: {problem}")
         log.info("--verify-sync: stage %s: the engines hold the weights sent, bit for bit", stage.name)
 

@@ -178,9 +178,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
         checkpoint.check_resume(job, resume, checkpoint.trained_with(cfg.model.model_path, a.algorithm_type))
     tokenizer = config_tokenizer(cfg.model)
     pieces = loss_pieces(a)
-    actor, ref, critic = trainer_models(
-        cfg, pieces, resume, device, eos_ids(tokenizer, generation_config(cfg.model.model_path))
-    )
+    actor, ref, critic = trainer_models(cfg, pieces, resume, device, tokenizer)
     source = Source(cfg, tokenizer, rank, device)
     if getattr(source, "db", None) is not None:  # rank 0 of a trainer reading the DB: one trainer per DB (lease.py)
         lease.hold(source.db, "trainer")
@@ -230,12 +228,14 @@ def loss_pieces(a: AlgorithmConfig) -> algos.Pieces:
 
 
 def trainer_models(
-    cfg: configs.Config, pieces: algos.Pieces, resume: int, device: torch.device, eos: list[int]
+    cfg: configs.Config, pieces: algos.Pieces, resume: int, device: torch.device, tokenizer: Any
 ) -> tuple[TokenScorer, TokenScorer | None, TokenScorer | None]:
     """The actor, the reference model (when a KL piece or a loss reads ref_logprobs) and the critic (when a piece
-    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one. `eos`:
-    the ids the engines stop on, masked where they masked them (min_tokens: scoring.TokenScorer)."""
+    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one. The
+    actor and reference mask the ids the engines stop on where the engines masked them (min_tokens:
+    scoring.TokenScorer)."""
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
+    eos = eos_ids(tokenizer, generation_config(cfg.model.model_path))
     adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
     actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
     actor = build_model(actor_path, t, device, trainable=True, adapter=adapter, eos=eos)

@@ -3,6 +3,7 @@ repository root on CPU (`bash run.sh test`)."""
 
 import os
 import sys
+from unittest import mock
 
 from helpers import ROOT, constant_judge, in_ci
 
@@ -77,6 +78,16 @@ def fresh_config_warnings():
     from configs import checks
 
     checks._WARNED_ALREADY.clear()
+
+
+@pytest.fixture(scope="module")
+def environment_kept():
+    """The environment as it was before the module, put back after it (`pytestmark = pytest.mark.usefixtures(...)`
+    where engines are built in the tests' process). NOTE: vLLM's CPU platform sets variables in the process that
+    builds an engine (TORCHINDUCTOR_COMPILE_THREADS, LD_PRELOAD, ...); left set, they differ from the tests' fork
+    server's, and every later entry point on that worker starts as a plain process (helpers.forkable)."""
+    with mock.patch.dict(os.environ):
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -25,6 +25,8 @@ from monitor import read_history, rollout_metrics
 from sampling import Completion
 from workflows.episode import turn_spans
 
+pytestmark = pytest.mark.usefixtures("environment_kept")  # vLLM engines built in this process
+
 # --- vLLM's spans -> Completion
 
 

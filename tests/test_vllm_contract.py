@@ -34,6 +34,8 @@ from helpers import FAKE_VLLM, ROOT, perturbed, plain_logprobs, real_vllm, use_f
 from models import load_model, load_tokenizer
 from openai_api import OpenAIServer
 
+pytestmark = pytest.mark.usefixtures("environment_kept")  # vLLM engines built in this process
+
 KINDS = ["vllm", "vllm_async"]
 
 

@@ -21,6 +21,8 @@ from configs.schema import ModelConfig
 from helpers import both_config, launch, real_vllm, rollout_logprob_gap, start_entry, versions_by_step
 from monitor import read_history
 
+pytestmark = pytest.mark.usefixtures("environment_kept")  # vLLM engines built in this process
+
 STEPS, PER_STEP = 3, 4  # batch_size 2 x repeat_times 2
 
 
