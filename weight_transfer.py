@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     WeightSource,
@@ -42,7 +43,6 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 import wire
 
 BACKEND = "nanorft_gloo"
-log = logging.getLogger("nanorft.weight_transfer")
 
 
 def register() -> None:
@@ -192,8 +192,6 @@ class SpecSource(WeightSource):
         self.stream, self.pending = stream, None
 
     def metadata(self) -> list[Any]:
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
         specs, self.pending = self.stream()
         self.names = [name for name, _, _ in specs]
         return [ParamMeta(name, dtype, tuple(shape)) for name, shape, dtype in specs]

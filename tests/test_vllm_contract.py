@@ -383,8 +383,12 @@ def test_a_request_in_flight_across_a_weight_update_finishes_under_both_versions
     before = pool.model_version
     pool.model_version, pool.in_flight_updates = 6, True
     try:
-        running = pool.submit(ids, SamplingParams(n=4, temperature=1.0, max_tokens=256 - len(ids) - 1, seed=11))
-        time.sleep(1.0)  # tokens under version 6 first
+        # NOTE: min_tokens = max_tokens: no sample ends by EOS, each runs its ~240 tokens (samples that ended early, all
+        # before the update, made this test fail on a quiet machine); the references mask EOS as vLLM did
+        length = 256 - len(ids) - 1
+        params = SamplingParams(n=4, temperature=1.0, max_tokens=length, min_tokens=length, seed=11)
+        running = pool.submit(ids, params)
+        time.sleep(0.5)  # tokens under version 6 first
         assert not running.done(), "the samples ended before the update: nothing was in flight"
         pool.load_weights(folder, version=7)
         samples = running.result(timeout=300)
@@ -398,12 +402,21 @@ def test_a_request_in_flight_across_a_weight_update_finishes_under_both_versions
         assert versions in ([6], [6, 7], [7]) and c.model_version == versions[0] and c.spans[:1] in ([], [(0, 6)])
     for c in mixed:
         k, lp = c.spans[1][0], torch.tensor(c.logprobs)
-        by_old, by_new = (plain_logprobs(m, ids + c.token_ids, len(ids)) for m in (old, new))
+        by_old, by_new = (eos_masked_logprobs(m, ids + c.token_ids, len(ids), pool.eos_ids) for m in (old, new))
         assert 0 < k < len(c.token_ids)
         assert (lp[:k] - by_old[:k]).abs().max() < 1e-4
         # NOTE: 1e-3 (measured 4e-4): fp32 sums over up to 250 positions; either weights' KV for the other's tokens
         # would be off by the weights' change, which the two models' own log-probs show is far larger
         assert (lp[k:] - by_new[k:]).abs().max() < 1e-3 < 0.05 < (by_old[k:] - by_new[k:]).abs().max()
+
+
+def eos_masked_logprobs(model: torch.nn.Module, tokens: list[int], prompt_length: int, eos: list[int]) -> torch.Tensor:
+    """plain_logprobs at temperature 1 with the `eos` ids masked at every response position (min_tokens = max_tokens:
+    the distribution vLLM sampled from)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, prompt_length - 1 : -1].float()  # [R,V]
+    logits[:, eos] = float("-inf")
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens[prompt_length:])[:, None])[:, 0]  # [R]
 
 
 def test_a_folder_the_workers_cannot_load_is_an_oserror_and_nothing_changes(backend, tiny_model_dir, tmp_path):
