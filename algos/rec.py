@@ -72,8 +72,10 @@ def advantage(batch: dict[str, torch.Tensor], cfg: AdvantageConfig) -> tuple[dic
             if extra > 0:
                 kept[idx[neg[torch.randperm(len(neg), generator=gen)[:extra]]]] = False  # [B] `extra` random negatives
         sel = rg[kept[idx]]  # [G_kept]
-        one = len(sel) <= 1  # singleton group: baseline 0, std 1
-        mean, std = (rg.new_zeros(()), rg.new_ones(())) if one else (sel.mean(), sel.std(unbiased=False))  # [], []
+        if len(sel) <= 1:  # singleton group: baseline 0, std 1
+            mean, std = rg.new_zeros(()), rg.new_ones(())  # [], []
+        else:  # NOTE: in float64, so that a tied group's mean is exact and its advantages are 0
+            mean, std = sel.double().mean().float(), sel.double().std(unbiased=False).float()  # [], []
         s = rg - mean  # [G]
         s = s / (std + cfg.epsilon) if cfg.std_normalize else s  # [G]
         score[idx] = torch.where(kept[idx], s, torch.zeros_like(s))  # [G]

@@ -91,11 +91,17 @@ def group_mean(x: torch.Tensor, group_index: torch.Tensor) -> tuple[torch.Tensor
     num_groups = max(group_index) + 1 (0 for an empty batch); an id with no member has mean 0 and
     count 0. Index the result with group_index to broadcast back to [B].
     """
+    # NOTE: summed in float64. index_add_ adds one member at a time, and in float32 eight rewards of -0.1 sum to a
+    # mean 9e-9 off -0.1: a tied group then had a std of ~8e-9 and GRPO advantages of +-0.007 instead of 0. In
+    # float64 the sum of a tied group's float32 values is exact, so its deviations are exactly 0.
     gi = group_index.long()  # [B]
     n = int(gi.max().item()) + 1 if gi.numel() else 0
-    count = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, gi, torch.ones_like(x))  # [num_groups]
-    total = torch.zeros(n, dtype=x.dtype, device=x.device).index_add_(0, gi, x)  # [num_groups]
-    return total / count.clamp(min=1.0), count  # [num_groups], [num_groups]
+    wide = x.to(torch.float64)  # [B]
+    count = torch.zeros(n, dtype=torch.float64, device=x.device).index_add_(
+        0, gi, torch.ones_like(wide)
+    )  # [num_groups]
+    total = torch.zeros(n, dtype=torch.float64, device=x.device).index_add_(0, gi, wide)  # [num_groups]
+    return (total / count.clamp(min=1.0)).to(x.dtype), count.to(x.dtype)  # [num_groups], [num_groups]
 
 
 def baseline_advantages(

@@ -279,6 +279,22 @@ def test_advantage_zero_on_padding_and_finite(name, case):
     assert set(metrics) == set(fn(full_batch(*EDGE_CASES["padded"], seed=1), cfg_cls())[1])  # same keys every call
 
 
+# Advantage functions whose baseline is the group's own rewards: a tied group has nothing to learn from.
+GROUP_BASELINED = ("grpo", "rloo", "opmd", "rec")
+
+
+@pytest.mark.parametrize("name", GROUP_BASELINED)
+def test_a_tied_group_gets_exactly_zero_advantage(name):
+    # eight rewards of -0.1 (every episode truncated) once gave GRPO +0.0074 each: float32 sums one member at a time
+    # put the mean 9e-9 off -0.1, the std came out ~8e-9, and (r - mean) / (std + 1e-6) was not 0
+    fn, cfg_cls = ADVANTAGE_FNS[name]
+    for size in (3, 5, 8, 16):
+        for value in (-0.1, 0.3, 1 / 3, 0.7, 1.1):
+            batch = group_batch([value] * (2 * size), [0] * size + [1] * size)
+            out, _ = fn(batch, cfg_cls())
+            assert out["advantages"].abs().max().item() == 0.0, (size, value)
+
+
 # --- on-policy distillation (on_policy_distill, jsd) and RAFT's selection
 
 
