@@ -425,11 +425,12 @@ class CannedEngine:
     interface (`submit`), so that a workflow's real path (a tool call, its result, the next turn, the reward) can be
     seen without a trained model. The k-th reply answers a conversation's k-th turn, the last one repeating: a
     request's turn is the number of distinct earlier contexts that are a strict prefix of its own (a multi-turn
-    episode's context grows by its turns; the episodes of one task share their first prompt). A reply is tokenised as
-    the model's own text (its special-token texts are control tokens), EOS added, cut at the request's max_tokens.
-    Its log-probs are computed by the model (`score`, at the request's scored temperature): the row's rollout
-    log-probs stay what the trainer compares its own with, and show how likely the policy finds the canned text;
-    min_tokens' EOS masking and stop strings are not applied."""
+    episode's context grows by its turns; the episodes of one task share their first prompt). A reply is tokenised
+    as the model's own text (its special-token texts are control tokens), EOS added (`end`), cut at the request's
+    max_tokens. Its log-probs are computed by the model (`score`, at the request's scored temperature), not marked as
+    not sampled: the row's rollout log-probs stay what the trainer compares its own with (a row without them would
+    take another path there), and they show how likely the policy finds the canned text. Not applied: min_tokens'
+    EOS masking, stop strings."""
 
     def __init__(self, engine: Any, tokenizer: Any, replies: list[str]) -> None:
         self.engine, self.tokenizer, self.replies = engine, tokenizer, list(replies)
@@ -444,6 +445,12 @@ class CannedEngine:
     def eos_ids(self) -> list[int]:
         return list(getattr(self.engine, "eos_ids", None) or [self.tokenizer.eos_token_id])
 
+    @property
+    def end(self) -> int:
+        """The id a reply ends with: the tokenizer's EOS (a chat model's end of turn, Qwen's <|im_end|>), else the
+        engine's first."""
+        return self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
+
     def turn(self, ids: list[int]) -> int:
         """The request's turn (0-based) in its conversation, recorded."""
         key = tuple(ids)
@@ -457,7 +464,7 @@ class CannedEngine:
         text = self.replies[min(self.turn(ids), len(self.replies) - 1)]
         out = self.tokenizer.encode(text, add_special_tokens=False)[: params.max_tokens]
         cut = len(out) == params.max_tokens
-        out += [] if cut else [self.eos_ids[0]]
+        out += [] if cut else [self.end]
         logprobs = self.engine.score([list(ids) + out], scored_temperature(params))[0][len(ids) - 1 :]
         shown = self.tokenizer.decode(out, skip_special_tokens=True)  # as an engine's Completion.text
         done = Completion(out, logprobs, shown, "length" if cut else "stop", self.model_version)
