@@ -733,7 +733,8 @@ def shown_advantages(exps: list[Experience], cfg: configs.Config) -> str:
     if needs:
         return f"{head}): not computed here: it needs {', '.join(needs)}, which the trainer computes"
     no_kl = dataclasses.replace(cfg, algorithm=dataclasses.replace(a, kl_penalty_fn="none"))
-    parts = types.SimpleNamespace(rl=True, cfg=no_kl, pieces={"advantage_fn": (fn, args)})  # what these two read
+    # NOTE: a stand-in for train.Parts with what shape_rewards and compute_advantages read of it (a test runs both)
+    parts = types.SimpleNamespace(rl=True, cfg=no_kl, pieces={"advantage_fn": (fn, args)})
     batch = step_batch(exps, cfg.model.max_response_tokens or 0)
     train.shape_rewards(parts, batch)
     train.compute_advantages(parts, batch)
