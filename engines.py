@@ -19,6 +19,7 @@ workflows.ModelHandle).
 - HFEngine (engine_type "hf") runs anywhere: its own decode loop over a left-padded batch with a KV
   cache, because one batch mixes requests with different sampling params (model.generate cannot).
 - vLLM (engine_type "vllm" / "vllm_async") is the GPU production path: vllm_engine.py, engine_num engines.
+- CannedEngine wraps either for `explore.py --debug --reply TEXT`: canned replies instead of samples, scored by it.
 Same seed -> same samples within one engine; a different batch composition can, rarely, flip a
 near-tie (float rounding of padded batches), as in vLLM. Concurrent `submit` calls share batches.
 Log-probs (`rollout_logprobs`) are log_softmax(raw logits / temperature) at the sampled token, over

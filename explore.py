@@ -719,8 +719,10 @@ def shown_tools(workflow: workflows.Workflow, task: Task) -> str:
 def shown_advantages(exps: list[Experience], cfg: configs.Config) -> str:
     """The group's advantages as the trainer computes them (train.shape_rewards then train.compute_advantages, with
     the configured algorithm.advantage_fn and its args), each experience's mean over its action tokens, and a
-    warning when the group's rewards tie. The KL penalty (reference log-probs) and the pieces that need the
-    trainer's own tensors (a critic's values, old or teacher log-probs) are not computed here: a line says so."""
+    warning when the group's rewards tie. Over this group alone: a batch-wide statistic (std_cal_level batch,
+    REINFORCE++'s whitening) is the trainer's over its whole step. The KL penalty (reference log-probs) and the
+    pieces that need the trainer's own tensors (a critic's values, old or teacher log-probs) are not computed here:
+    a line says so."""
     # NOTE: imported here: train.py's import costs ~1 s of CPU and only --debug needs it in the explorer
     import train
 
