@@ -19,6 +19,7 @@ workflows.ModelHandle).
 - HFEngine (engine_type "hf") runs anywhere: its own decode loop over a left-padded batch with a KV
   cache, because one batch mixes requests with different sampling params (model.generate cannot).
 - vLLM (engine_type "vllm" / "vllm_async") is the GPU production path: vllm_engine.py, engine_num engines.
+- CannedEngine wraps either for `explore.py --debug --reply TEXT`: canned replies instead of samples, scored by it.
 Same seed -> same samples within one engine; a different batch composition can, rarely, flip a
 near-tie (float rounding of padded batches), as in vLLM. Concurrent `submit` calls share batches.
 Log-probs (`rollout_logprobs`) are log_softmax(raw logits / temperature) at the sampled token, over
@@ -36,6 +37,7 @@ import importlib.util
 import logging
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -417,6 +419,65 @@ def make_engine(
     if cfg_rollout_model.engine_num > 1:
         log.warning("engine_num=%d: the HF engine runs as one engine", cfg_rollout_model.engine_num)
     return HFEngine(model_path, device=device, dtype=dtype, max_model_len=max_model_len, seed=cfg_rollout_model.seed)
+
+
+class CannedEngine:
+    """`explore.py --debug --reply TEXT`: plays the model with canned replies instead of sampling, through the same
+    interface (`submit`), so that a workflow's real path (a tool call, its result, the next turn, the reward) can be
+    seen without a trained model. The k-th reply answers a conversation's k-th turn, the last one repeating: a
+    request's turn is the number of distinct earlier contexts that are a strict prefix of its own (a multi-turn
+    episode's context grows by its turns; the episodes of one task share their first prompt). A reply is tokenised
+    as the model's own text (its special-token texts are control tokens), EOS added (`end`), cut at the request's
+    max_tokens. Its log-probs are computed by the model (`score`, at the request's scored temperature), not marked as
+    not sampled: the row's rollout log-probs stay what the trainer compares its own with (a row without them would
+    take another path there), and they show how likely the policy finds the canned text. Not applied: min_tokens'
+    EOS masking, stop strings."""
+
+    def __init__(self, engine: Any, tokenizer: Any, replies: list[str]) -> None:
+        self.engine, self.tokenizer, self.replies = engine, tokenizer, list(replies)
+        self.contexts: list[tuple[int, ...]] = []  # every distinct context submitted so far
+        self.lock = threading.Lock()  # NOTE: workflows submit from several threads
+
+    @property
+    def model_version(self) -> int:
+        return self.engine.model_version
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return list(getattr(self.engine, "eos_ids", None) or [self.tokenizer.eos_token_id])
+
+    @property
+    def end(self) -> int:
+        """The id a reply ends with: the tokenizer's EOS (a chat model's end of turn, Qwen's <|im_end|>), else the
+        engine's first."""
+        return self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.eos_ids[0]
+
+    def turn(self, ids: list[int]) -> int:
+        """The request's turn (0-based) in its conversation, recorded."""
+        key = tuple(ids)
+        with self.lock:
+            k = sum(1 for c in self.contexts if len(c) < len(key) and key[: len(c)] == c)
+            if key not in self.contexts:
+                self.contexts.append(key)
+        return k
+
+    def submit(self, ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
+        text = self.replies[min(self.turn(ids), len(self.replies) - 1)]
+        out = self.tokenizer.encode(text, add_special_tokens=False)[: params.max_tokens]
+        cut = len(out) == params.max_tokens
+        out += [] if cut else [self.end]
+        logprobs = self.engine.score([list(ids) + out], scored_temperature(params))[0][len(ids) - 1 :]
+        shown = self.tokenizer.decode(out, skip_special_tokens=True)  # as an engine's Completion.text
+        done = Completion(out, logprobs, shown, "length" if cut else "stop", self.model_version)
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        f.set_result([done] * params.n)
+        return f
+
+    def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        return self.engine.score(sequences, temperature)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "min_tokens", "stop", "seed")

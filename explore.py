@@ -5,8 +5,10 @@ Launch lines:
     python explore.py --config tiny.yaml --mode explore   # fill the experience DB (pair it with train.py)
     python explore.py --config tiny.yaml --mode bench     # evaluate the model and every checkpoint
     python explore.py --config tiny.yaml --dry-run        # print the resolved config
-    python explore.py --config tiny.yaml --debug [--task N] [--taskset NAME] [--stage NAME]
-        # one task through its workflow, printed: turns, tool calls, tokens, reward, the rows it would write
+    python explore.py --config tiny.yaml --debug [--task N] [--taskset NAME] [--stage NAME] [--full-rows]
+        # one task through its workflow, printed: tools, turns, tool calls, tokens, reward, rows, advantages
+    python explore.py --config tiny_tools.yaml --debug --reply '<tool_call>...</tool_call>' --reply '#### 83'
+        # the same with canned replies played as the model's: a tool path seen without training
 
 What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
@@ -52,6 +54,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,11 +67,11 @@ import lora
 import sync
 import workflows
 from algos.sample import tied_groups
-from batching import group_advantages
+from batching import group_advantages, step_batch
 from buffer import Experience, ExperienceDB
 from configs.resolve import advantage_origin, gen_batches
 from configs.schema import TasksetConfig
-from engines import EngineHandle, auxiliary_handles, close_engines, make_engine, rollout_handle
+from engines import CannedEngine, EngineHandle, auxiliary_handles, close_engines, make_engine, rollout_handle
 from errors import DataError
 from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
@@ -76,6 +79,7 @@ from sampling import PromptTooLong
 from tasksets import Task, TaskReader, load_tasks, prompt_bound, total_steps
 from workflows import RewardError, build_workflow
 from workflows.args import check_tasksets
+from workflows.tool_use import ToolArgs, load_tools
 
 log = logging.getLogger("nanorft.explore")
 
@@ -608,48 +612,155 @@ def bench(cfg: configs.Config) -> int:
 def debug(cfg: configs.Config, flags: argparse.Namespace) -> int:
     """`--debug`: run one task (`--task`, its row in file order, of `--taskset`, by default the first training
     taskset, of `--stage`, by default the first stage that runs workflows) through its workflow with the configured
-    model (a stage's weights are those an earlier run of its source stage published, as when launched), and print
-    what it did: the tool calls as they run, then each experience's turns (the model's tokens and the others), reward,
-    metrics and the row the explorer would write. Returns 1 if the workflow fails (its traceback printed)."""
-    named = [s for s in launch.stages_in_order(cfg) if flags.stage in ("", s.name, s.name.rsplit("/", 1)[-1])]
-    stage = next((s for s in named if s.mode in ("explore", "both", "bench")), None)
-    if stage is None:
-        modes = ", ".join(f"{s.name}: {s.mode}" for s in named)
-        raise configs.ConfigError(
-            f"--stage {flags.stage}: no such stage" if not named else f"--debug: no stage runs workflows ({modes})"
-        )
+    model (a stage's weights are those an earlier run of its source stage published, as when launched; a line says
+    when there are none and the base model runs), or with `--reply TEXT` the canned replies (engines.CannedEngine),
+    and print what it did: the tools offered, the tool calls as they run, then the prompt once, each experience's
+    turns (the model's tokens and the others), reward, metrics and the row the explorer would write, and the group's
+    advantages as the trainer's advantage fn computes them. Returns 1 if the workflow fails (its traceback printed)."""
+    stage, weights = debug_stage(cfg, flags.stage)
     ts, task = debug_task(stage, flags.taskset, flags.task)
     check_tasksets(stage)
     tokenizer = config_tokenizer(stage.model)
     rm = stage.explorer.rollout_model
     engine = make_engine(rm, base_weights(stage), rm.max_model_len, stage.model.repetition_penalty)
+    if flags.reply:
+        engine = CannedEngine(engine, tokenizer, flags.reply)
     handle = with_extras(stage, rollout_handle(stage, engine, tokenizer))
+    print(
+        f"=== stage {stage.name or '-'}, taskset {ts.name}, task {flags.task} ({task.task_id}): workflow "
+        f"{task.workflow}, reward function {task.reward_fn or '(the workflow default)'}, repeat_times "
+        f"{task.repeat_times}, model {stage.model.model_path}\n{weights}messages: {json.dumps(task.messages)}\n"
+        f"reference: {json.dumps(task.reference, default=str)}",
+        flush=True,
+    )
+    if flags.reply:
+        print(
+            f"replies (--reply, the k-th answers turn k, the last repeats): {json.dumps(flags.reply)}; their "
+            "log-probs are the model's (scored, not sampled)",
+            flush=True,
+        )
+    exps = debug_run(task, handle)
+    if exps is None:
+        return 1
+    stamp(exps, task, stage.explorer.name)
+    group_advantages(exps, stage.algorithm)
+    prompt: list[int] = []
+    for k, exp in enumerate(exps):
+        same = exp.tokens[: exp.prompt_length].tolist() == prompt
+        print(shown_experience(exp, k, len(exps), tokenizer, same, flags.full_rows), flush=True)
+        prompt = exp.tokens[: exp.prompt_length].tolist()
+    print(shown_advantages(exps, stage), flush=True)
+    return 0
+
+
+def debug_run(task: Task, handle: EngineHandle) -> list[Experience] | None:
+    """The task's workflow run once, with the tools it offers printed first and its tool calls as they run (the
+    tools' logger at DEBUG, to stdout); None, its traceback printed, if it fails."""
     tools = logging.getLogger("nanorft.tools")  # run_tool's calls (DEBUG) and the tool parser's choice
     shown = logging.StreamHandler(sys.stdout)
     shown.setFormatter(logging.Formatter("  [tools] %(message)s"))
     tools.addHandler(shown)
     tools.setLevel(logging.DEBUG)
-    print(
-        f"=== stage {stage.name or '-'}, taskset {ts.name}, task {flags.task} ({task.task_id}): workflow "
-        f"{task.workflow}, reward function {task.reward_fn or '(the workflow default)'}, repeat_times "
-        f"{task.repeat_times}, model {stage.model.model_path}\nmessages: {json.dumps(task.messages)}\n"
-        f"reference: {json.dumps(task.reference, default=str)}",
-        flush=True,
-    )
     try:
-        exps = check_experiences(build_workflow(task, handle).run(), task)
+        workflow = build_workflow(task, handle)
+        if offered := shown_tools(workflow, task):
+            print(offered, flush=True)
+        return check_experiences(workflow.run(), task)
     except Exception:  # the user's workflow: its whole traceback is what a debug run is for
         traceback.print_exc(file=sys.stdout)
-        return 1
+        return None
     finally:
         tools.removeHandler(shown)
         if handle.api is not None:
             handle.api.stop()
-    stamp(exps, task, stage.explorer.name)
-    group_advantages(exps, stage.algorithm)
-    for k, exp in enumerate(exps):
-        print(shown_experience(exp, k, len(exps), tokenizer), flush=True)
-    return 0
+
+
+def debug_stage(cfg: configs.Config, name: str) -> tuple[configs.Config, str]:
+    """The stage `--stage NAME` names (its full or last name; "": the first) that runs workflows, and a line on the
+    weights it starts from when it follows another stage: that stage's last published weights, or, when it has
+    published none (not run yet), the base model (launch.stages_in_order then leaves model.model_path as it is)."""
+    previous, done, named = None, {}, []
+    for spec, stage in zip(cfg.stages or [None], launch.stages_in_order(cfg)):
+        source = done[spec.start_from] if spec and spec.start_from else previous
+        previous = done[spec.stage_name if spec else ""] = stage
+        if name not in ("", stage.name, stage.name.rsplit("/", 1)[-1]):
+            continue
+        named.append(f"{stage.name}: {stage.mode}")
+        if stage.mode not in ("explore", "both", "bench"):
+            continue
+        if source is None:
+            return stage, ""
+        if weights := sync.latest_weights(source.checkpoint_job_dir):
+            return stage, f"weights: the last that stage {source.name} published ({weights})\n"
+        return stage, (
+            f"weights: the base model: stage {stage.name} starts from what stage {source.name} publishes, and it has "
+            f"published none yet (nothing under {source.checkpoint_job_dir}; run it first to see the trained model)\n"
+        )
+    raise configs.ConfigError(
+        f"--stage {name}: no such stage" if not named else f"--debug: no stage runs workflows ({', '.join(named)})"
+    )
+
+
+def shown_tools(workflow: workflows.Workflow, task: Task) -> str:
+    """The tools a tool workflow offers the model (workflow_args.tools and the taskset's format.tools_key schemas,
+    as tool_workflow gives them to the chat template): one line each, its name and JSON schema, compact; "" for a
+    workflow without tools."""
+    schemas = (
+        [t.schema() for t in load_tools(tuple(workflow.args.tools))] if isinstance(workflow.args, ToolArgs) else []
+    )
+    schemas += task.tools or []
+    lines = [f"tools offered ({len(schemas)}):"] if schemas else []
+    for schema in schemas:
+        fn = schema.get("function", schema) if isinstance(schema, dict) else {}
+        lines.append(f"  {fn.get('name', '?')}: {json.dumps(fn, separators=(',', ':'))}")
+    return "\n".join(lines)
+
+
+def shown_advantages(exps: list[Experience], cfg: configs.Config) -> str:
+    """The group's advantages as the trainer computes them (train.shape_rewards then train.compute_advantages, with
+    the configured algorithm.advantage_fn and its args), each experience's mean over its action tokens, and a
+    warning when the group's rewards tie. Over this group alone: a batch-wide statistic (std_cal_level batch,
+    REINFORCE++'s whitening) is the trainer's over its whole step. The KL penalty (reference log-probs) and the
+    pieces that need the trainer's own tensors (a critic's values, old or teacher log-probs) are not computed here:
+    a line says so."""
+    # NOTE: imported here: train.py's import costs ~1 s of CPU and only --debug needs it in the explorer
+    import train
+
+    a = cfg.algorithm
+    if a.advantage_fn == "none":
+        return f"advantages: none (advantage_fn none: {a.policy_loss_fn} learns without them)"
+    fn, args = train.lookup("advantage_fn", a.advantage_fn, a.advantage_fn_args)
+    head = f"advantages ({a.advantage_fn} {json.dumps(dataclasses.asdict(args), default=str)}"
+    needs = getattr(args, "NEEDS", ())
+    if needs:
+        return f"{head}): not computed here: it needs {', '.join(needs)}, which the trainer computes"
+    no_kl = dataclasses.replace(cfg, algorithm=dataclasses.replace(a, kl_penalty_fn="none"))
+    # NOTE: a stand-in for train.Parts with what shape_rewards and compute_advantages read of it (a test runs both)
+    parts = types.SimpleNamespace(rl=True, cfg=no_kl, pieces={"advantage_fn": (fn, args)})
+    batch = step_batch(exps, cfg.model.max_response_tokens or 0)
+    train.shape_rewards(parts, batch)
+    train.compute_advantages(parts, batch)
+    mask = batch["response_mask"]  # [B,T] (a row the advantage fn drops: empty)
+    means = (batch["advantages"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+    shown = [
+        f"{k + 1}: {m:+.4f}" if mask[k].any() else f"{k + 1}: - (no action tokens)"
+        for k, m in enumerate(means.tolist())
+    ]
+    lines = [f"{head}, each experience's mean over its action tokens): {', '.join(shown)}"]
+    if a.kl_penalty_fn != "none":
+        lines.append(f"  (without the KL penalty {a.kl_penalty_fn}: it needs the reference model's log-probs)")
+    if len(exps) > 1 and len({x.reward for x in exps}) == 1:
+        size = batch["advantages"].abs().max().item()
+        lines.append(
+            f"WARNING: the group's {len(exps)} rewards tie ({exps[0].reward:g}): no response is better than another, "
+            "nothing to learn from this group "
+            + (
+                "(every advantage is 0)"
+                if size == 0
+                else f"({a.advantage_fn}'s advantages: at most {size:.3g} in size)"
+            )
+        )
+    return "\n".join(lines)
 
 
 def debug_task(cfg: configs.Config, name: str, index: int) -> tuple[TasksetConfig, Task]:
@@ -667,16 +778,18 @@ def debug_task(cfg: configs.Config, name: str, index: int) -> tuple[TasksetConfi
     return chosen[0], tasks[index]
 
 
-def shown_experience(exp: Experience, k: int, n: int, tokenizer: Any) -> str:
-    """Experience k of n as `--debug` prints it: reward and its components, the prompt, the response in runs of
-    tokens in the action mask ("action": the model's, trained on) and not ("masked": template text, tool results,
-    and a truncated episode's own turns), then the row the explorer would write (the token ids in full, the other
-    tensors summarised)."""
+def shown_experience(exp: Experience, k: int, n: int, tokenizer: Any, same_prompt: bool, full: bool) -> str:
+    """Experience k of n as `--debug` prints it: reward and its components, the prompt (unless `same_prompt`: the
+    previous experience's, a group's shared prompt is printed once), the response in runs of tokens in the action mask
+    ("action": the model's, trained on) and not ("masked": template text, tool results, and a truncated episode's own
+    turns), then the row the explorer would write (the token ids, all of them with `full` (--full-rows), else the
+    first and last few and how many are hidden; the other tensors summarised)."""
     response, mask = exp.tokens[exp.prompt_length :].tolist(), exp.action_mask
     acting = [True] * len(response) if mask is None else mask.tolist()
+    prompt = f"{json.dumps(tokenizer.decode(exp.tokens[: exp.prompt_length]))}" if not same_prompt else "as above"
     lines = [
         f"--- experience {k + 1} of {n}: reward {exp.reward:g}, {json.dumps(exp.metrics)}",
-        f"prompt ({exp.prompt_length} tokens): {json.dumps(tokenizer.decode(exp.tokens[: exp.prompt_length]))}",
+        f"prompt ({exp.prompt_length} tokens): {prompt}",
         f"response ({len(response)} tokens, {sum(acting)} in the action mask):",
     ]
     start = 0
@@ -689,12 +802,22 @@ def shown_experience(exp: Experience, k: int, n: int, tokenizer: Any) -> str:
     row = {
         **{f: getattr(exp, f) for f in ("group_id", "run_id", "task_id", "explorer", "model_version", "reward")},
         **{"prompt_length": exp.prompt_length, "truncate_status": exp.truncate_status, "info": exp.info},
-        "tokens": exp.tokens.tolist(),
+        "tokens": exp.tokens.tolist() if full else short_ids(exp.tokens.tolist()),
         "logprobs": {"n": len(logprobs), "mean": sum(logprobs) / len(logprobs) if logprobs else None},
         "advantages": None if exp.advantages is None else exp.advantages.tolist()[:1],
     }
     lines.append(f"row: {json.dumps(row, default=str)}")
     return "\n".join(lines)
+
+
+ROW_IDS = 8  # token ids shown at each end of a row's `tokens` without --full-rows
+
+
+def short_ids(ids: list[int]) -> list:
+    """A row's token ids cut for the console: the first and last ROW_IDS, and between them how many are hidden."""
+    if len(ids) <= 3 * ROW_IDS:
+        return ids
+    return [*ids[:ROW_IDS], f"... {len(ids) - 2 * ROW_IDS} more (--full-rows) ...", *ids[-ROW_IDS:]]
 
 
 def main(argv: list[str]) -> int:
@@ -703,8 +826,11 @@ def main(argv: list[str]) -> int:
     pre.add_argument("--task", type=int, default=None)
     pre.add_argument("--taskset", default=None)
     pre.add_argument("--stage", default=None)
+    pre.add_argument("--reply", action="append", default=None)
+    pre.add_argument("--full-rows", action="store_true")
     flags, rest = pre.parse_known_args(argv)
-    given = [f"--{k}" for k in ("task", "taskset", "stage") if getattr(flags, k) is not None]
+    given = [f"--{k}" for k in ("task", "taskset", "stage", "reply") if getattr(flags, k) is not None]
+    given += ["--full-rows"] if flags.full_rows else []
     if given and not flags.debug:
         print(f"{', '.join(given)}: only with --debug", file=sys.stderr)
         return 2
@@ -737,8 +863,9 @@ def leave(code: int) -> None:
 
 
 DESCRIPTION = (
-    "nanorft explorer. --debug [--task N] [--taskset NAME] [--stage NAME]: run one task through its workflow and "
-    "print its turns, tool calls, tokens, reward and the rows it would write (no DB, no trainer)."
+    "nanorft explorer. --debug [--task N] [--taskset NAME] [--stage NAME] [--reply TEXT ...] [--full-rows]: run one "
+    "task through its workflow (with --reply, canned replies instead of the model's) and print the tools offered, its "
+    "turns, tool calls, tokens, reward, the rows it would write and the group's advantages (no DB, no trainer)."
 )
 
 
