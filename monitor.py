@@ -72,6 +72,8 @@ class Monitor:
         self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
         self.console: Console | None = None
         self.tb = self.wandb = self.mlflow = None
+        # which of FIELD_NAMES' tables names this process's metrics for veRL / TRL users (a bench process: none)
+        self.side = "trainer" if role == cfg.trainer.name else "explorer" if role == cfg.explorer.name else ""
         _OPEN.append(self)
         for kind in cfg.monitor.monitor_type:  # every sink listed, side by side ([none]: none)
             if kind == "tensorboard":
@@ -89,7 +91,7 @@ class Monitor:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
         metrics = {
-            **metrics,
+            **field_names(metrics, self.side),
             "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RSS_PER_GB,
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -160,6 +162,34 @@ class Monitor:
             self.wandb.finish(exit_code=int(failed))
         if self.mlflow is not None:
             self.mlflow.close(failed)
+
+
+# The names veRL and TRL users know for some of nanorft's metrics, by process side: {nanorft name: the field's}.
+# `field_names` logs each number under both (computed once, under nanorft's name); docs/metrics.md has the whole
+# table, with the metrics whose names already are veRL's (critic/score/mean, response_length/clip_ratio, ...).
+FIELD_NAMES: dict[str, dict[str, str]] = {
+    "trainer": {
+        "time/step": "timing_s/step",  # NOTE: a trainer step's wall time, its wait for the explorer's batch included
+        "time/old_logprobs": "timing_s/old_log_prob",
+        "time/ref_logprobs": "timing_s/ref",
+        "time/values": "timing_s/values",
+        "time/adv": "timing_s/adv",  # reward shaping (overlong, KL penalty) and the advantage function, as veRL's
+        "time/update": "timing_s/update_actor",  # NOTE: with a critic (gae), its update too (veRL: update_critic)
+        "time/sync": "timing_s/update_weights",
+        "time/save_checkpoint": "timing_s/save_checkpoint",
+        "critic/score/zero_std_ratio": "frac_reward_zero_std",  # TRL's
+    },
+    "explorer": {
+        "time/rollout": "timing_s/gen",  # NOTE: the workflows' reward functions too (veRL: timing_s/reward apart)
+        "time/eval": "timing_s/testing",
+    },
+}
+
+
+def field_names(metrics: dict[str, Any], side: str) -> dict[str, Any]:
+    """`metrics` plus each one that FIELD_NAMES[side] names again, under that name too (the same value)."""
+    table = FIELD_NAMES.get(side, {})
+    return metrics | {table[k]: v for k, v in metrics.items() if k in table}
 
 
 class History:
@@ -626,6 +656,29 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
         if (had := sum(len(r[k]) for r in runs if k in r)) < len(exps):  # a component only some responses have
             out[f"rollout/{k}/count"] = had
     return out
+
+
+def score_metrics(scores: torch.Tensor, rewards: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """A train step's sequence scores and rewards as veRL names them: critic/score/* the scores [B] (the reward
+    functions', plus overlong shaping: veRL's token_level_scores summed), critic/rewards/* the rewards [B] the
+    advantage function sees (token_level_rewards summed: the KL penalty in, when there is one); and
+    critic/score/zero_std_ratio (TRL's frac_reward_zero_std), the fraction of groups (`groups` [B]: 0..G-1) whose
+    scores are all equal: their advantages are 0 under GRPO-style baselines. NOTE: over groups, not TRL's over
+    samples (the same when groups are the same size); a group of one counts as equal (TRL: std NaN, not counted)."""
+    n = int(groups.max()) + 1
+    low = torch.full((n,), math.inf).scatter_reduce(0, groups, scores.float(), "amin")  # [G]
+    high = torch.full((n,), -math.inf).scatter_reduce(0, groups, scores.float(), "amax")  # [G]
+    return {
+        **{f"critic/score/{k}": v for k, v in spread(scores).items()},
+        **{f"critic/rewards/{k}": v for k, v in spread(rewards).items()},
+        "critic/score/zero_std_ratio": torch.isclose(low, high).float().mean().item(),
+    }
+
+
+def spread(x: torch.Tensor) -> dict[str, float]:
+    """mean, max and min of a tensor (as floats)."""
+    x = x.float()
+    return {"mean": x.mean().item(), "max": x.max().item(), "min": x.min().item()}
 
 
 def dropped(results: list, prefix: str) -> dict[str, Any]:

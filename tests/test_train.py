@@ -708,12 +708,14 @@ def test_kl_penalty_and_overlong_shaping_hand_checked_against_the_db(settings_ru
         shaping = torch.tensor(
             [OVERLONG_FACTOR * min(0.0, (start - x.response_length) / OVERLONG_BUFFER) for x, *_ in rows]
         )
-        score = torch.tensor([x.reward for x, *_ in rows]) + shaping - beta * torch.tensor([k.sum().item() for k in k3])
+        scored = torch.tensor([x.reward for x, *_ in rows]) + shaping  # veRL's score: before the KL penalty
+        score = scored - beta * torch.tensor([k.sum().item() for k in k3])  # veRL's rewards: what GRPO sees
         assert m["critic/kl_coef"] == pytest.approx(beta, rel=1e-9)
         assert m["critic/kl"] == pytest.approx(seq_kl.mean().item(), rel=1e-4, abs=1e-7)
         assert m["critic/overlong_penalty/mean"] == pytest.approx(shaping.mean().item(), abs=1e-6)
         for stat in ("mean", "max", "min"):
-            assert m[f"critic/score/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
+            assert m[f"critic/rewards/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
+            assert m[f"critic/score/{stat}"] == pytest.approx(getattr(scored, stat)().item(), abs=1e-5), stat
         groups = [x.group_id for x, *_ in rows]
         adv = torch.zeros(len(rows))
         for g in set(groups):
