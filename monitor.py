@@ -16,9 +16,10 @@ Every metric goes to three places:
   (`<job dir>/monitor/tensorboard/<role>/`), wandb (project = `project`, run = `<name>_<role>`, as Trinity-RFT names
   them; online or not as wandb decides from its own credentials and WANDB_MODE, offline in `<job dir>/monitor/`
   only when it has none, so a run never blocks on a login: `wandb_run`), mlflow (experiment = `project`, run =
-  `<name>_<role>`; a local file store unless a tracking URI is given: `MlflowSink`), or none. wandb and mlflow get
-  the resolved config with its secrets hidden (`redacted`: every env_vars value, every monitor_args value but the
-  harmless ones, passwords, keys and tokens, URL passwords); tensorboard gets no config.
+  `<name>_<role>`; a SQLite store in the job's monitor/ unless a tracking URI is given: `MlflowSink`), or none. wandb,
+  mlflow (as params, flattened: `mlflow_params`) and tensorboard (as text, `config`) get the resolved config with its
+  secrets hidden (`redacted`: every env_vars value, every monitor_args value but the harmless ones, passwords, keys
+  and tokens, URL passwords).
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
 perf/max_memory_allocated_gb). An explore step's rollout/ and an evaluation's eval/ metrics are computed here from
@@ -83,6 +84,8 @@ class Monitor:
                     self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
                 except OSError as e:  # a full disk: its first event cannot be written; the run goes on without it
                     log.warning("[%s] no tensorboard events for this process: %s", role, e)
+                else:  # its TEXT tab: the resolved config, secrets hidden (an indented block: markdown's code)
+                    self.sink("tensorboard", 0, lambda: self.tb.add_text("config", config_text(cfg), 0))
             elif kind == "wandb":
                 self.wandb = wandb_run(cfg, role, self.dir)
             elif kind == "mlflow":
@@ -190,6 +193,15 @@ def field_names(metrics: dict[str, Any], side: str) -> dict[str, Any]:
     """`metrics` plus each one that FIELD_NAMES[side] names again, under that name too (the same value)."""
     table = FIELD_NAMES.get(side, {})
     return metrics | {table[k]: v for k, v in metrics.items() if k in table}
+
+
+def config_text(cfg: Config) -> str:
+    """The resolved config, its secrets hidden (`redacted`), as YAML indented by four spaces (a markdown code block:
+    tensorboard's text tab renders markdown)."""
+    import yaml
+
+    text = yaml.safe_dump(json.loads(json.dumps(redacted(cfg), default=str)), sort_keys=False)
+    return "\n".join(f"    {line}" for line in text.splitlines())
 
 
 class History:
@@ -331,17 +343,24 @@ def fail_left_runs(stage: Config, roles: list[str], since: float) -> None:
 
 class MlflowSink:
     """monitor_type mlflow: experiment = `project`, run = `<name>_<role>`, the resolved config (`redacted`) as the
-    run's config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a file store in <job dir>/monitor/
-    mlruns: a run never waits on a server; under the launcher, <run dir>/monitor/mlruns for every stage:
-    `prepare_mlflow`), username / password (else MLFLOW_TRACKING_USERNAME / _PASSWORD).
-    mlflow refuses some characters in metric names (`@` of `mean@1`): they become `_` (`mlflow_key`)."""
+    run's params, flattened (`algorithm.optimizer.lr`: `mlflow_params`, so that runs can be filtered by them) and as
+    its config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a SQLite store,
+    <job dir>/monitor/mlflow.db, its artifacts in <job dir>/monitor/mlartifacts: a run never waits on a server, and
+    mlflow's own client and `mlflow ui --backend-store-uri sqlite:///<that file>` read it as it is; under the launcher,
+    <run dir>/monitor/mlflow.db for every stage: `prepare_mlflow`), username / password (else
+    MLFLOW_TRACKING_USERNAME / _PASSWORD). mlflow refuses some characters in metric names (`@` of `mean@1`): they
+    become `_` (`mlflow_key`)."""
 
     def __init__(self, cfg: Config, role: str, folder: Path) -> None:
         self.client, uri = mlflow_client(cfg, folder)
         experiment = mlflow_experiment(self.client, uri, cfg.project)
         self.run = self.client.create_run(experiment, run_name=run_name(cfg, role)).info.run_id
         try:
-            self.client.log_dict(self.run, json.loads(json.dumps(redacted(cfg), default=str)), "config.json")
+            plain = json.loads(json.dumps(redacted(cfg), default=str))
+            params = mlflow_params(plain)
+            for i in range(0, len(params), 100):  # mlflow's limit of params per batch
+                self.client.log_batch(self.run, params=params[i : i + 100])
+            self.client.log_dict(self.run, plain, "config.json")
         except BaseException:  # no Monitor holds this sink yet: nothing else would end its run
             self.close(failed=True)
             raise
@@ -370,10 +389,38 @@ def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:
     for key, env in (("username", "MLFLOW_TRACKING_USERNAME"), ("password", "MLFLOW_TRACKING_PASSWORD")):
         if args.get(key):
             os.environ[env] = str(args[key])
-    uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or (folder / "mlruns").resolve().as_uri()
-    if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a local file store
+    uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
+    if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a file store (one given)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    if uri.startswith("sqlite:"):  # NOTE: mlflow-skinny lacks what its SQL stores need; its client says so late
+        try:
+            import alembic  # noqa: F401
+            import sqlalchemy  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"monitor_type mlflow's SQLite store needs {e.name}: pip install -e '.[mlflow]'") from e
     return MlflowClient(uri), uri
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` tracking URI (None for any other store)."""
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
+
+
+def mlflow_params(config: dict, parent: str = "") -> list[Any]:
+    """A (redacted, plain) config as mlflow params: one per leaf, named by its path (`algorithm.optimizer.lr`; a
+    list is one value, in JSON), within mlflow's limits: a key of at most 250 characters (`mlflow_key`'s), a value
+    of at most 6000 (cut, ending in `...`)."""
+    from mlflow.entities import Param
+
+    out = []
+    for key, value in config.items():
+        name = f"{parent}.{key}" if parent else str(key)
+        if isinstance(value, dict) and value:
+            out += mlflow_params(value, name)
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        out.append(Param(mlflow_key(name)[:250], text if len(text) <= 6000 else text[:5997] + "..."))
+    return out
 
 
 def mlflow_experiment(client: Any, uri: str, name: str) -> str:
@@ -383,17 +430,20 @@ def mlflow_experiment(client: Any, uri: str, name: str) -> str:
     lock file beside the store. The launcher creates it before any process starts (`prepare_mlflow`) anyway."""
     from mlflow.exceptions import MlflowException
 
+    database, artifacts = sqlite_file(uri), None
     with contextlib.ExitStack() as stack:
-        if uri.startswith("file:"):
-            store = Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
-            store.mkdir(parents=True, exist_ok=True)
+        if uri.startswith("file:") or database is not None:
+            store = database or Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+            (store.parent if database else store).mkdir(parents=True, exist_ok=True)
             lock = stack.enter_context(open(store.parent / f".{store.name}.lock", "a"))
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if database is not None:  # NOTE: else mlflow puts them in ./mlruns of whatever the working directory is
+            artifacts = (database.parent / "mlartifacts").resolve().as_uri()
         found = client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(name, artifact_location=artifacts)
         except MlflowException:  # another process created it a moment ago: take that one
             found = client.get_experiment_by_name(name)
             if found is None:
@@ -404,7 +454,7 @@ def mlflow_experiment(client: Any, uri: str, name: str) -> str:
 def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
     """The launcher, once per run, before it starts any process: with monitor_type mlflow, the experiment of each
     stage's project is created here (the processes then only find it), and without a tracking URI (monitor_args.uri,
-    MLFLOW_TRACKING_URI) every stage logs to one local file store, <run dir>/monitor/mlruns, which the processes are
+    MLFLOW_TRACKING_URI) every stage logs to one SQLite store, <run dir>/monitor/mlflow.db, which the processes are
     given in MLFLOW_TRACKING_URI. ConfigError when mlflow is not installed or its tracking store cannot be used."""
     for stage in stages:
         if "mlflow" not in stage.monitor.monitor_type:
@@ -425,7 +475,8 @@ def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
 
 
 def mlflow_key(key: str) -> str:
-    """A metric name mlflow accepts (alphanumerics, _ - . space /): `eval/x/accuracy/mean@1` -> `.../mean_1`."""
+    """A metric or param name mlflow accepts (alphanumerics, _ - . space /): `eval/x/accuracy/mean@1` ->
+    `.../mean_1`."""
     return re.sub(r"[^A-Za-z0-9_\-. /]", "_", key)
 
 
