@@ -715,7 +715,7 @@ def score_metrics(scores: torch.Tensor, rewards: torch.Tensor, groups: torch.Ten
     advantage function sees (token_level_rewards summed: the KL penalty in, when there is one); and
     critic/score/zero_std_ratio (TRL's frac_reward_zero_std), the fraction of groups (`groups` [B]: 0..G-1) whose
     scores are all equal: their advantages are 0 under GRPO-style baselines. NOTE: over groups, not TRL's over
-    samples (the same when groups are the same size); a group of one counts as equal (TRL: std NaN, not counted)."""
+    samples (the same when groups are the same size); a group of one counts as tied (TRL's std is 0 there too)."""
     n = int(groups.max()) + 1
     low = torch.full((n,), math.inf).scatter_reduce(0, groups, scores.float(), "amin")  # [G]
     high = torch.full((n,), -math.inf).scatter_reduce(0, groups, scores.float(), "amax")  # [G]

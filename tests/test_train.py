@@ -717,6 +717,12 @@ def test_kl_penalty_and_overlong_shaping_hand_checked_against_the_db(settings_ru
             assert m[f"critic/rewards/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
             assert m[f"critic/score/{stat}"] == pytest.approx(getattr(scored, stat)().item(), abs=1e-5), stat
         groups = [x.group_id for x, *_ in rows]
+        tied = [len({scored[i].item() for i, h in enumerate(groups) if h == g}) == 1 for g in set(groups)]
+        assert m["critic/score/zero_std_ratio"] == m["frac_reward_zero_std"] == sum(tied) / len(tied)  # TRL's name
+        truncated = [x.truncate_status == "response_truncated" for x, *_ in rows]
+        assert m["response_length/clip_ratio"] == pytest.approx(sum(truncated) / len(rows))
+        for ours, verl in (("old_logprobs", "old_log_prob"), ("ref_logprobs", "ref"), ("adv", "adv")):
+            assert m[f"timing_s/{verl}"] == m[f"time/{ours}"] > 0  # veRL's names, the same timers
         adv = torch.zeros(len(rows))
         for g in set(groups):
             idx = [i for i, h in enumerate(groups) if h == g]
