@@ -398,7 +398,23 @@ def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:
             import sqlalchemy  # noqa: F401
         except ImportError as e:
             raise ImportError(f"monitor_type mlflow's SQLite store needs {e.name}: pip install -e '.[mlflow]'") from e
-    return MlflowClient(uri), uri
+    with store_lock(uri):  # NOTE: the client's constructor makes a new SQLite store's tables (a file store's folder)
+        return MlflowClient(uri), uri
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """An exclusive lock on a local tracking store (a file store's folder, a SQLite file: a lock file beside it,
+    the folder made first) while the block runs; none for a server."""
+    database = sqlite_file(uri)
+    if database is None and not uri.startswith("file:"):
+        yield
+        return
+    store = database or Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+    (store.parent if database else store).mkdir(parents=True, exist_ok=True)
+    with open(store.parent / f".{store.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def sqlite_file(uri: str) -> Path | None:
@@ -426,19 +442,15 @@ def mlflow_params(config: dict, parent: str = "") -> list[Any]:
 def mlflow_experiment(client: Any, uri: str, name: str) -> str:
     """The id of experiment `name`, created if missing. NOTE: get-then-create races when two processes start at
     once: on a server the loser's create fails (RESOURCE_ALREADY_EXISTS) and it looks the experiment up again; a
-    local file store does not check names atomically (two experiments of one name), so there the two steps hold a
-    lock file beside the store. The launcher creates it before any process starts (`prepare_mlflow`) anyway."""
+    local store (a file store: names are not checked atomically, two experiments of one name) holds its lock over
+    the two steps (`store_lock`). The launcher creates it before any process starts (`prepare_mlflow`) anyway. A
+    new experiment of a SQLite store keeps its artifacts beside the database (<folder>/mlartifacts)."""
     from mlflow.exceptions import MlflowException
 
     database, artifacts = sqlite_file(uri), None
-    with contextlib.ExitStack() as stack:
-        if uri.startswith("file:") or database is not None:
-            store = database or Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
-            (store.parent if database else store).mkdir(parents=True, exist_ok=True)
-            lock = stack.enter_context(open(store.parent / f".{store.name}.lock", "a"))
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if database is not None:  # NOTE: else mlflow puts them in ./mlruns of whatever the working directory is
-            artifacts = (database.parent / "mlartifacts").resolve().as_uri()
+    if database is not None:  # NOTE: else mlflow puts them in ./mlruns of whatever the working directory is
+        artifacts = (database.parent / "mlartifacts").resolve().as_uri()
+    with store_lock(uri):
         found = client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id

@@ -1,4 +1,4 @@
-"""Monitor: the console line, the JSONL history, tensorboard events, an offline wandb run and an mlflow file store,
+"""Monitor: the console line, the JSONL history, tensorboard events, an offline wandb run and an mlflow SQLite store,
 read back; secrets hidden from the copies of the config they get; one mlflow experiment however many processes
 create it at once. (A launcher run of several stages into one mlflow store: tests/test_launch.py.)"""
 
@@ -444,12 +444,13 @@ def _create(uri: str, name: str, barrier) -> str:
 
 
 @pytest.mark.slow
-def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("store", ["file", "sqlite"])
+def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatch, store):
     """A file store checks names without a lock: four processes that get-or-create one experiment at the same moment
-    must find one experiment, the same id in each."""
+    must find one experiment, the same id in each (and in the default SQLite store)."""
     from mlflow.tracking import MlflowClient
 
-    uri = (tmp_path / "mlruns").as_uri()
+    uri = (tmp_path / "mlruns").as_uri() if store == "file" else f"sqlite:///{tmp_path}/mlflow.db"
     # NOTE: the store itself first, as the launcher's prepare_mlflow makes it before any process starts: a file
     # store's constructor writes its default experiment (0) when the folder is new, and four at once race there
     # ("Yaml file .../mlruns/0/meta.yaml exists"), which is not the race this test is about
