@@ -357,7 +357,7 @@ class MlflowSink:
         self.run = self.client.create_run(experiment, run_name=run_name(cfg, role)).info.run_id
         try:
             plain = json.loads(json.dumps(redacted(cfg), default=str))
-            params = mlflow_params(plain)
+            params = list({p.key: p for p in mlflow_params(plain)}.values())  # two keys made one by mlflow_key: one
             for i in range(0, len(params), 100):  # mlflow's limit of params per batch
                 self.client.log_batch(self.run, params=params[i : i + 100])
             self.client.log_dict(self.run, plain, "config.json")

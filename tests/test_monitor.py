@@ -681,3 +681,16 @@ def test_score_metrics_hand_checked():
         ]
         == 0.0
     )
+
+
+def test_without_sqlalchemy_the_default_mlflow_store_is_a_named_config_error(tmp_path, monkeypatch):
+    """mlflow-skinny alone (no SQLAlchemy) cannot open the default SQLite store: the launcher's pre-flight says
+    what to install, before any process starts, instead of mlflow's late traceback."""
+    from configs import ConfigError
+    from monitor import prepare_mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # an import of it fails, as where it is not installed
+    with pytest.raises(ConfigError, match=r"SQLite store needs sqlalchemy: pip install -e '\.\[mlflow\]'"):
+        prepare_mlflow([config(tmp_path, "mlflow")], tmp_path / "run")
+    assert not (tmp_path / "run/monitor/mlflow.db").exists()
