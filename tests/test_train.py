@@ -178,7 +178,7 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
         for x in rows:
             x.advantages = None if name == "grpo" else torch.full((x.response_length,), 0.25)
         batch = batching.step_batch(rows, width=4)
-        batch["token_level_rewards"] = torch.zeros(2, 4)
+        batch["token_level_rewards"], batch["scores"] = torch.zeros(2, 4), torch.zeros(2)  # shape_rewards' outputs
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
         train.compute_advantages(p, batch)
