@@ -455,11 +455,12 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         rows = rl.nonzero()[:, 0][~adv["keep"]]  # [dropped]
         batch["response_mask"][rows] = False
     valid = sub["response_mask"]
+    valid_adv = adv["advantages"][valid]  # [n] the response tokens' (veRL's max / min are over these only)
     metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
         **score_metrics(batch["scores"][rl], sub["rewards"], sub["group_index"]),
         "critic/advantages/mean": masked_mean(adv["advantages"], valid).item(),
-        "critic/advantages/max": adv["advantages"].max().item(),
-        "critic/advantages/min": adv["advantages"].min().item(),
+        "critic/advantages/max": valid_adv.max().item() if valid_adv.numel() else 0.0,
+        "critic/advantages/min": valid_adv.min().item() if valid_adv.numel() else 0.0,
         "critic/returns/mean": masked_mean(adv["returns"], valid).item(),
     }
     if "values" in sub:

@@ -181,10 +181,12 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
         batch["token_level_rewards"], batch["scores"] = torch.zeros(2, 4), torch.zeros(2)  # shape_rewards' outputs
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
-        train.compute_advantages(p, batch)
+        m = train.compute_advantages(p, batch)
         assert batch["advantages"].tolist() == (
             [[0.0] * 4] * 2 if name == "grpo" else [[0.25] * 3 + [0.0], [0.25] * 2 + [0.0] * 2]
         )
+        # veRL's critic/advantages/max|min: over the response tokens, not the padding's zeros
+        assert m["critic/advantages/max"] == m["critic/advantages/min"] == (0.0 if name == "grpo" else 0.25)
 
 
 def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
