@@ -394,8 +394,8 @@ def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     if uri.startswith("sqlite:"):  # NOTE: mlflow-skinny lacks what its SQL stores need; its client says so late
         try:
+            import sqlalchemy  # noqa: F401, I001 - the first of the two named when neither is there
             import alembic  # noqa: F401
-            import sqlalchemy  # noqa: F401
         except ImportError as e:
             raise ImportError(f"monitor_type mlflow's SQLite store needs {e.name}: pip install -e '.[mlflow]'") from e
     with store_lock(uri):  # NOTE: the client's constructor makes a new SQLite store's tables (a file store's folder)
