@@ -16,9 +16,10 @@ Every metric goes to three places:
   (`<job dir>/monitor/tensorboard/<role>/`), wandb (project = `project`, run = `<name>_<role>`, as Trinity-RFT names
   them; online or not as wandb decides from its own credentials and WANDB_MODE, offline in `<job dir>/monitor/`
   only when it has none, so a run never blocks on a login: `wandb_run`), mlflow (experiment = `project`, run =
-  `<name>_<role>`; a local file store unless a tracking URI is given: `MlflowSink`), or none. wandb and mlflow get
-  the resolved config with its secrets hidden (`redacted`: every env_vars value, every monitor_args value but the
-  harmless ones, passwords, keys and tokens, URL passwords); tensorboard gets no config.
+  `<name>_<role>`; a SQLite store in the job's monitor/ unless a tracking URI is given: `MlflowSink`), or none. wandb,
+  mlflow (as params, flattened: `mlflow_params`) and tensorboard (as text, `config`) get the resolved config with its
+  secrets hidden (`redacted`: every env_vars value, every monitor_args value but the harmless ones, passwords, keys
+  and tokens, URL passwords).
 Metric names are namespaced as in veRL/Trinity-RFT: rollout/, eval/, actor/, critic/, response_length/,
 time/, sync/, perf/ (every record carries the process's peak RSS, perf/max_rss_gb, and on a GPU
 perf/max_memory_allocated_gb). An explore step's rollout/ and an evaluation's eval/ metrics are computed here from
@@ -72,6 +73,8 @@ class Monitor:
         self.file_log = role_log_file(cfg.checkpoint_job_dir, role)
         self.console: Console | None = None
         self.tb = self.wandb = self.mlflow = None
+        # which of FIELD_NAMES' tables names this process's metrics for veRL / TRL users (a bench process: none)
+        self.side = "trainer" if role == cfg.trainer.name else "explorer" if role == cfg.explorer.name else ""
         _OPEN.append(self)
         for kind in cfg.monitor.monitor_type:  # every sink listed, side by side ([none]: none)
             if kind == "tensorboard":
@@ -81,6 +84,8 @@ class Monitor:
                     self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard" / role))
                 except OSError as e:  # a full disk: its first event cannot be written; the run goes on without it
                     log.warning("[%s] no tensorboard events for this process: %s", role, e)
+                else:  # its TEXT tab: the resolved config, secrets hidden (an indented block: markdown's code)
+                    self.sink("tensorboard", 0, lambda: self.tb.add_text("config", config_text(cfg), 0))
             elif kind == "wandb":
                 self.wandb = wandb_run(cfg, role, self.dir)
             elif kind == "mlflow":
@@ -89,7 +94,7 @@ class Monitor:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Record one step's metrics (plus this process's peak memory); non-numbers and NaN go to the history only."""
         metrics = {
-            **metrics,
+            **field_names(metrics, self.side),
             "perf/max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / RSS_PER_GB,
         }
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -160,6 +165,43 @@ class Monitor:
             self.wandb.finish(exit_code=int(failed))
         if self.mlflow is not None:
             self.mlflow.close(failed)
+
+
+# The names veRL and TRL users know for some of nanorft's metrics, by process side: {nanorft name: the field's}.
+# `field_names` logs each number under both (computed once, under nanorft's name); docs/metrics.md has the whole
+# table, with the metrics whose names already are veRL's (critic/score/mean, response_length/clip_ratio, ...).
+FIELD_NAMES: dict[str, dict[str, str]] = {
+    "trainer": {
+        "time/step": "timing_s/step",  # NOTE: a trainer step's wall time, its wait for the explorer's batch included
+        "time/old_logprobs": "timing_s/old_log_prob",
+        "time/ref_logprobs": "timing_s/ref",
+        "time/values": "timing_s/values",
+        "time/adv": "timing_s/adv",  # reward shaping (overlong, KL penalty) and the advantage function, as veRL's
+        "time/update": "timing_s/update_actor",  # NOTE: with a critic (gae), its update too (veRL: update_critic)
+        "time/sync": "timing_s/update_weights",
+        "time/save_checkpoint": "timing_s/save_checkpoint",
+        "critic/score/zero_std_ratio": "frac_reward_zero_std",  # TRL's
+    },
+    "explorer": {
+        "time/rollout": "timing_s/gen",  # NOTE: the workflows' reward functions too (veRL: timing_s/reward apart)
+        "time/eval": "timing_s/testing",
+    },
+}
+
+
+def field_names(metrics: dict[str, Any], side: str) -> dict[str, Any]:
+    """`metrics` plus each one that FIELD_NAMES[side] names again, under that name too (the same value)."""
+    table = FIELD_NAMES.get(side, {})
+    return metrics | {table[k]: v for k, v in metrics.items() if k in table}
+
+
+def config_text(cfg: Config) -> str:
+    """The resolved config, its secrets hidden (`redacted`), as YAML indented by four spaces (a markdown code block:
+    tensorboard's text tab renders markdown)."""
+    import yaml
+
+    text = yaml.safe_dump(json.loads(json.dumps(redacted(cfg), default=str)), sort_keys=False)
+    return "\n".join(f"    {line}" for line in text.splitlines())
 
 
 class History:
@@ -301,17 +343,24 @@ def fail_left_runs(stage: Config, roles: list[str], since: float) -> None:
 
 class MlflowSink:
     """monitor_type mlflow: experiment = `project`, run = `<name>_<role>`, the resolved config (`redacted`) as the
-    run's config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a file store in <job dir>/monitor/
-    mlruns: a run never waits on a server; under the launcher, <run dir>/monitor/mlruns for every stage:
-    `prepare_mlflow`), username / password (else MLFLOW_TRACKING_USERNAME / _PASSWORD).
-    mlflow refuses some characters in metric names (`@` of `mean@1`): they become `_` (`mlflow_key`)."""
+    run's params, flattened (`algorithm.optimizer.lr`: `mlflow_params`, so that runs can be filtered by them) and as
+    its config.json. monitor_args (Trinity's): uri (else MLFLOW_TRACKING_URI, else a SQLite store,
+    <job dir>/monitor/mlflow.db, its artifacts in <job dir>/monitor/mlartifacts: a run never waits on a server, and
+    mlflow's own client and `mlflow ui --backend-store-uri sqlite:///<that file>` read it as it is; under the launcher,
+    <run dir>/monitor/mlflow.db for every stage: `prepare_mlflow`), username / password (else
+    MLFLOW_TRACKING_USERNAME / _PASSWORD). mlflow refuses some characters in metric names (`@` of `mean@1`): they
+    become `_` (`mlflow_key`)."""
 
     def __init__(self, cfg: Config, role: str, folder: Path) -> None:
         self.client, uri = mlflow_client(cfg, folder)
         experiment = mlflow_experiment(self.client, uri, cfg.project)
         self.run = self.client.create_run(experiment, run_name=run_name(cfg, role)).info.run_id
         try:
-            self.client.log_dict(self.run, json.loads(json.dumps(redacted(cfg), default=str)), "config.json")
+            plain = json.loads(json.dumps(redacted(cfg), default=str))
+            params = list({p.key: p for p in mlflow_params(plain)}.values())  # two keys made one by mlflow_key: one
+            for i in range(0, len(params), 100):  # mlflow's limit of params per batch
+                self.client.log_batch(self.run, params=params[i : i + 100])
+            self.client.log_dict(self.run, plain, "config.json")
         except BaseException:  # no Monitor holds this sink yet: nothing else would end its run
             self.close(failed=True)
             raise
@@ -340,30 +389,73 @@ def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:
     for key, env in (("username", "MLFLOW_TRACKING_USERNAME"), ("password", "MLFLOW_TRACKING_PASSWORD")):
         if args.get(key):
             os.environ[env] = str(args[key])
-    uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or (folder / "mlruns").resolve().as_uri()
-    if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a local file store
+    uri = args.get("uri") or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(folder / 'mlflow.db').resolve()}"
+    if uri.startswith("file:"):  # NOTE: mlflow 3 asks for this opt-in before it writes a file store (one given)
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    return MlflowClient(uri), uri
+    if uri.startswith("sqlite:"):  # NOTE: mlflow-skinny lacks what its SQL stores need; its client says so late
+        try:
+            import sqlalchemy  # noqa: F401, I001 - the first of the two named when neither is there
+            import alembic  # noqa: F401
+        except ImportError as e:
+            raise ImportError(f"monitor_type mlflow's SQLite store needs {e.name}: pip install -e '.[mlflow]'") from e
+    with store_lock(uri):  # NOTE: the client's constructor makes a new SQLite store's tables (a file store's folder)
+        return MlflowClient(uri), uri
+
+
+@contextlib.contextmanager
+def store_lock(uri: str) -> Iterator[None]:
+    """An exclusive lock on a local tracking store (a file store's folder, a SQLite file: a lock file beside it,
+    the folder made first) while the block runs; none for a server."""
+    database = sqlite_file(uri)
+    if database is None and not uri.startswith("file:"):
+        yield
+        return
+    store = database or Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
+    (store.parent if database else store).mkdir(parents=True, exist_ok=True)
+    with open(store.parent / f".{store.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+def sqlite_file(uri: str) -> Path | None:
+    """The database file of a `sqlite:///` tracking URI (None for any other store)."""
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
+
+
+def mlflow_params(config: dict, parent: str = "") -> list[Any]:
+    """A (redacted, plain) config as mlflow params: one per leaf, named by its path (`algorithm.optimizer.lr`; a
+    list is one value, in JSON), within mlflow's limits: a key of at most 250 characters (`mlflow_key`'s), a value
+    of at most 6000 (cut, ending in `...`)."""
+    from mlflow.entities import Param
+
+    out = []
+    for key, value in config.items():
+        name = f"{parent}.{key}" if parent else str(key)
+        if isinstance(value, dict) and value:
+            out += mlflow_params(value, name)
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        out.append(Param(mlflow_key(name)[:250], text if len(text) <= 6000 else text[:5997] + "..."))
+    return out
 
 
 def mlflow_experiment(client: Any, uri: str, name: str) -> str:
     """The id of experiment `name`, created if missing. NOTE: get-then-create races when two processes start at
     once: on a server the loser's create fails (RESOURCE_ALREADY_EXISTS) and it looks the experiment up again; a
-    local file store does not check names atomically (two experiments of one name), so there the two steps hold a
-    lock file beside the store. The launcher creates it before any process starts (`prepare_mlflow`) anyway."""
+    local store (a file store: names are not checked atomically, two experiments of one name) holds its lock over
+    the two steps (`store_lock`). The launcher creates it before any process starts (`prepare_mlflow`) anyway. A
+    new experiment of a SQLite store keeps its artifacts beside the database (<folder>/mlartifacts)."""
     from mlflow.exceptions import MlflowException
 
-    with contextlib.ExitStack() as stack:
-        if uri.startswith("file:"):
-            store = Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path))
-            store.mkdir(parents=True, exist_ok=True)
-            lock = stack.enter_context(open(store.parent / f".{store.name}.lock", "a"))
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    database, artifacts = sqlite_file(uri), None
+    if database is not None:  # NOTE: else mlflow puts them in ./mlruns of whatever the working directory is
+        artifacts = (database.parent / "mlartifacts").resolve().as_uri()
+    with store_lock(uri):
         found = client.get_experiment_by_name(name)
         if found is not None:
             return found.experiment_id
         try:
-            return client.create_experiment(name)
+            return client.create_experiment(name, artifact_location=artifacts)
         except MlflowException:  # another process created it a moment ago: take that one
             found = client.get_experiment_by_name(name)
             if found is None:
@@ -374,7 +466,7 @@ def mlflow_experiment(client: Any, uri: str, name: str) -> str:
 def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
     """The launcher, once per run, before it starts any process: with monitor_type mlflow, the experiment of each
     stage's project is created here (the processes then only find it), and without a tracking URI (monitor_args.uri,
-    MLFLOW_TRACKING_URI) every stage logs to one local file store, <run dir>/monitor/mlruns, which the processes are
+    MLFLOW_TRACKING_URI) every stage logs to one SQLite store, <run dir>/monitor/mlflow.db, which the processes are
     given in MLFLOW_TRACKING_URI. ConfigError when mlflow is not installed or its tracking store cannot be used."""
     for stage in stages:
         if "mlflow" not in stage.monitor.monitor_type:
@@ -395,7 +487,8 @@ def prepare_mlflow(stages: list[Config], run_dir: str | Path) -> None:
 
 
 def mlflow_key(key: str) -> str:
-    """A metric name mlflow accepts (alphanumerics, _ - . space /): `eval/x/accuracy/mean@1` -> `.../mean_1`."""
+    """A metric or param name mlflow accepts (alphanumerics, _ - . space /): `eval/x/accuracy/mean@1` ->
+    `.../mean_1`."""
     return re.sub(r"[^A-Za-z0-9_\-. /]", "_", key)
 
 
@@ -626,6 +719,29 @@ def rollout_metrics(results: list, seconds: float) -> dict[str, float]:
         if (had := sum(len(r[k]) for r in runs if k in r)) < len(exps):  # a component only some responses have
             out[f"rollout/{k}/count"] = had
     return out
+
+
+def score_metrics(scores: torch.Tensor, rewards: torch.Tensor, groups: torch.Tensor) -> dict[str, float]:
+    """A train step's sequence scores and rewards as veRL names them: critic/score/* the scores [B] (the reward
+    functions', plus overlong shaping: veRL's token_level_scores summed), critic/rewards/* the rewards [B] the
+    advantage function sees (token_level_rewards summed: the KL penalty in, when there is one); and
+    critic/score/zero_std_ratio (TRL's frac_reward_zero_std), the fraction of groups (`groups` [B]: 0..G-1) whose
+    scores are all equal: their advantages are 0 under GRPO-style baselines. NOTE: over groups, not TRL's over
+    samples (the same when groups are the same size); a group of one counts as tied (TRL's std is 0 there too)."""
+    n = int(groups.max()) + 1
+    low = torch.full((n,), math.inf).scatter_reduce(0, groups, scores.float(), "amin")  # [G]
+    high = torch.full((n,), -math.inf).scatter_reduce(0, groups, scores.float(), "amax")  # [G]
+    return {
+        **{f"critic/score/{k}": v for k, v in spread(scores).items()},
+        **{f"critic/rewards/{k}": v for k, v in spread(rewards).items()},
+        "critic/score/zero_std_ratio": torch.isclose(low, high).float().mean().item(),
+    }
+
+
+def spread(x: torch.Tensor) -> dict[str, float]:
+    """mean, max and min of a tensor (as floats)."""
+    x = x.float()
+    return {"mean": x.mean().item(), "max": x.max().item(), "min": x.min().item()}
 
 
 def dropped(results: list, prefix: str) -> dict[str, Any]:

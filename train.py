@@ -84,7 +84,7 @@ from buffer import Experience
 from configs.schema import AlgorithmConfig, OptimizerConfig
 from engines import engine_kind
 from models import config_tokenizer, eos_ids, generation_config, torch_dtype
-from monitor import Monitor, preview, timer
+from monitor import Monitor, preview, score_metrics, timer
 from scoring import TokenScorer, build_model, score, setup_distributed
 from source import Source
 
@@ -372,7 +372,7 @@ def all_sum(x: torch.Tensor, p: Parts) -> torch.Tensor:
     return x
 
 
-def score_batch(p: Parts, batch: dict, plan: list) -> None:
+def score_batch(p: Parts, batch: dict, plan: list, timing: dict[str, float]) -> None:
     """old_logprobs (when needed), ref_logprobs, values: [B,T] each, the same on every rank."""
     a, t = p.cfg.algorithm, p.cfg.trainer
     mine = [micro for mini in plan for micro in mini]
@@ -386,12 +386,14 @@ def score_batch(p: Parts, batch: dict, plan: list) -> None:
     # not moved when a micro-batch's loss is computed: old log-probs are the current ones, detached; no pass.
     # (unless a piece reads them before the update: on_policy_distill's advantages)
     one_update = t.ppo_epochs == 1 and len(plan) == 1 and a.kl_penalty_fn == "none"
-    if p.rl and (not one_update or "old_logprobs" in piece_needs(p.pieces)):
-        batch["old_logprobs"] = all_sum(score(p.actor, batch, mine, p.share, p.device), p)
-    if p.ref is not None:
-        batch["ref_logprobs"] = all_sum(score(p.ref, batch, mine, p.share, p.device), p)
-    if p.critic is not None:
-        batch["values"] = all_sum(score(p.critic, batch, mine, p.share, p.device), p)
+    for key, model, wanted in (  # each pass timed (time/old_logprobs, ...: veRL's timing_s/old_log_prob, ...)
+        ("old_logprobs", p.actor, p.rl and (not one_update or "old_logprobs" in piece_needs(p.pieces))),
+        ("ref_logprobs", p.ref, p.ref is not None),
+        ("values", p.critic, p.critic is not None),
+    ):
+        if wanted:
+            with timer(timing, f"time/{key}"):
+                batch[key] = all_sum(score(model, batch, mine, p.share, p.device), p)
 
 
 def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
@@ -407,6 +409,7 @@ def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
         )  # [B]
         scores = scores + shaping  # [B]
         metrics["critic/overlong_penalty/mean"] = shaping[rl].mean().item()
+    batch["scores"] = scores  # [B] (veRL's token_level_scores, summed: critic/score/*)
     if a.kl_penalty_fn == "none":
         batch["token_level_rewards"] = place_scores(scores, batch["response_mask"])  # [B,T]
         return metrics
@@ -452,13 +455,12 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         rows = rl.nonzero()[:, 0][~adv["keep"]]  # [dropped]
         batch["response_mask"][rows] = False
     valid = sub["response_mask"]
+    valid_adv = adv["advantages"][valid]  # [n] the response tokens' (veRL's max / min are over these only)
     metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
-        "critic/score/mean": sub["rewards"].mean().item(),
-        "critic/score/max": sub["rewards"].max().item(),
-        "critic/score/min": sub["rewards"].min().item(),
+        **score_metrics(batch["scores"][rl], sub["rewards"], sub["group_index"]),
         "critic/advantages/mean": masked_mean(adv["advantages"], valid).item(),
-        "critic/advantages/max": adv["advantages"].max().item(),
-        "critic/advantages/min": adv["advantages"].min().item(),
+        "critic/advantages/max": valid_adv.max().item() if valid_adv.numel() else 0.0,
+        "critic/advantages/min": valid_adv.min().item() if valid_adv.numel() else 0.0,
         "critic/returns/mean": masked_mean(adv["returns"], valid).item(),
     }
     if "values" in sub:
@@ -718,6 +720,8 @@ def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, f
     metrics |= {
         "response_length/mean": lengths.mean().item(),
         "response_length/max": lengths.max().item(),
+        "response_length/min": lengths.min().item(),
+        "response_length/clip_ratio": sum(x.truncate_status == "response_truncated" for x in exps) / len(exps),
         "prompt_length/mean": batch["prompt_lengths"].float().mean().item(),
         "batch/size": len(exps),
         "perf/total_num_tokens": tokens,
@@ -829,9 +833,10 @@ def train(cfg: configs.Config) -> int:
                 batch, plan = make_batch(p, exps, step)
                 # --- score: old and reference log-probs, values
                 with timer(timing, "time/old_ref_logprobs"):
-                    score_batch(p, batch, plan)
+                    score_batch(p, batch, plan, timing)
                 # --- rewards, advantages
-                metrics |= shape_rewards(p, batch) | compute_advantages(p, batch)
+                with timer(timing, "time/adv"):
+                    metrics |= shape_rewards(p, batch) | compute_advantages(p, batch)
                 p.source.keep_advantages(exps, batch.get("advantages"), step)  # replay: for their reuses
                 # --- update
                 with timer(timing, "time/update"):

@@ -13,7 +13,7 @@ FLOORS=(
   "omegaconf==2.3.0" "pyyaml==6.0" "tqdm==4.66.3" "math-verify==0.8.0" "pytest==8.0.0" "pytest-xdist==3.5.0"
   "wandb==0.19.10"
   "tensorboard==2.18.0" "matplotlib==3.9.0" "fastapi==0.115.0" "uvicorn==0.30.0" "openai==1.55.3"
-  "mlflow-skinny==3.3.0" "psycopg==3.1.4" "psycopg-binary==3.1.4" "peft==0.14.0"
+  "mlflow-skinny==3.3.0" "sqlalchemy==2.0.0" "alembic==1.11.0" "psycopg==3.1.4" "psycopg-binary==3.1.4" "peft==0.14.0"
 )
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
@@ -21,7 +21,7 @@ FLOORS=(
 # --no-deps: the project itself, the floors above staying in place
 "$PY" -m pip install -q --disable-pip-version-check --no-deps -e .
 "$PY" -m pip check
-"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy|fastapi|uvicorn|openai|pydantic|mlflow-skinny|protobuf|psycopg|psycopg-binary|peft) "
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy|fastapi|uvicorn|openai|pydantic|mlflow-skinny|sqlalchemy|alembic|protobuf|psycopg|psycopg-binary|peft) "
 exec "$PY" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup \
   tests/test_config.py tests/test_config_keys.py tests/test_workflows.py tests/test_engines.py tests/test_tasksets.py \
   tests/test_train.py tests/test_monitor.py tests/test_launch.py tests/test_openai_api.py tests/test_buffer_db.py \

@@ -115,17 +115,18 @@ def test_stages_bench_sft_then_grpo_with_checkpoint_sync(staged_run):
 
 @pytest.mark.slow
 def test_a_staged_run_with_mlflow_one_store_one_experiment_every_run_finished(staged_run, monkeypatch):
-    """monitor_type mlflow and no tracking URI: one file store for the run (<run dir>/monitor/mlruns, none per
-    stage), one experiment made by the launcher, a FINISHED run per process with its metrics. A stage's config.yaml
-    keeps the real secret (the processes need it) but only its owner may read it; mlflow's copy hides it."""
+    """monitor_type mlflow and no tracking URI: one SQLite store for the run (<run dir>/monitor/mlflow.db, none per
+    stage, read here without MLFLOW_ALLOW_FILE_STORE), one experiment made by the launcher, a FINISHED run per
+    process with its metrics and its stage's config as params. A stage's config.yaml keeps the real secret (the
+    processes need it) but only its owner may read it; mlflow's copies hide it."""
     from mlflow.tracking import MlflowClient
 
     root, out = staged_run
     assert out.returncode == 0, out.stderr[-4000:]
     run = root / "ck" / "p" / "run"
-    assert not list(run.glob("*/monitor/mlruns"))
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # this process reads the store too
-    client = MlflowClient((run / "monitor" / "mlruns").as_uri())
+    assert not list(run.glob("*/monitor/mlflow.db")) and not list(run.glob("**/mlruns"))
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    client = MlflowClient(f"sqlite:///{run}/monitor/mlflow.db")
     assert [e.name for e in client.search_experiments() if e.name != "Default"] == ["p"]
     runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("p").experiment_id])}
     assert set(runs) == {"run_eval_base_explorer_bench", "run_sft_trainer", "run_rft_trainer", "run_rft_explorer"}
@@ -136,6 +137,8 @@ def test_a_staged_run_with_mlflow_one_store_one_experiment_every_run_finished(st
     assert [m.step for m in pg_loss] == [1, 2, 3]  # the stage's steps, as in its trainer.jsonl
     saved = Path(client.download_artifacts(runs["run_rft_trainer"].info.run_id, "config.json", str(root)))
     assert '"HF_TOKEN": "***"' in saved.read_text() and "hf_abc" not in saved.read_text()
+    params = runs["run_rft_trainer"].data.params  # the stage's resolved config, flattened
+    assert params["explorer.env_vars.HF_TOKEN"] == "***" and params["mode"] == "both"
     stage_config = run / "rft" / "config.yaml"
     assert "HF_TOKEN: hf_abc" in stage_config.read_text() and stage_config.stat().st_mode & 0o777 == 0o600
 
@@ -194,9 +197,8 @@ def test_a_stage_an_error_ends_leaves_no_mlflow_run_running(tmp_path, tiny_model
     import launch
     from monitor import Monitor
 
-    uri = (tmp_path / "mlruns").as_uri()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
     def runner(error: BaseException | None):
         def run(stage: configs.Config) -> int:
@@ -226,9 +228,8 @@ def test_a_monitor_that_fails_to_close_leaves_the_stage_result_and_the_other_mon
     import launch
     from monitor import Monitor
 
-    uri = (tmp_path / "mlruns").as_uri()
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
     def run(stage: configs.Config) -> int:
         broken = Monitor(stage, role="broken")
@@ -259,14 +260,13 @@ def test_a_failed_stage_ends_the_mlflow_runs_of_the_processes_the_launcher_stopp
     import configs
     import launch
 
-    uri, flag = (tmp_path / "mlruns").as_uri(), tmp_path / "explorer_up"
+    uri, flag = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "explorer_up"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
-    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     (stage,) = configs.resolve_stages(
         configs.cli(["--config", str(both_config(tmp_path, tiny_model_dir, **{"monitor.monitor_type": "mlflow"}))])[0]
     )
     client = MlflowClient(uri)
-    experiment = client.create_experiment("p")
+    experiment = client.create_experiment("p", artifact_location=(tmp_path / "artifacts").as_uri())
     old = client.create_run(experiment, run_name="run_explorer").info.run_id  # another launcher's: not the stage's
     explorer = (
         "import sys, time; sys.path.insert(0, sys.argv[1]); import configs; from monitor import Monitor; "

@@ -1,4 +1,4 @@
-"""Monitor: the console line, the JSONL history, tensorboard events, an offline wandb run and an mlflow file store,
+"""Monitor: the console line, the JSONL history, tensorboard events, an offline wandb run and an mlflow SQLite store,
 read back; secrets hidden from the copies of the config they get; one mlflow experiment however many processes
 create it at once. (A launcher run of several stages into one mlflow store: tests/test_launch.py.)"""
 
@@ -208,8 +208,8 @@ def test_wandb_decides_the_mode_when_it_has_credentials(tmp_path, no_wandb_login
 
 
 def test_mlflow_logs_every_number_under_a_name_it_accepts(tmp_path, monkeypatch):
-    """A local file store (the default without a tracking URI): experiment = project, run = <name>_<role>, the
-    config as an artifact; `@` (mlflow refuses it) becomes `_`."""
+    """A SQLite store in the job's monitor/ (the default without a tracking URI), its artifacts beside it:
+    experiment = project, run = <name>_<role>, the config as an artifact; `@` (mlflow refuses it) becomes `_`."""
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -218,9 +218,10 @@ def test_mlflow_logs_every_number_under_a_name_it_accepts(tmp_path, monkeypatch)
     mon.log({"actor/pg_loss": 0.5, "eval/arith/accuracy/mean@1": 0.25, "note": "text"}, step=1)
     mon.log({"actor/pg_loss": 0.25}, step=2)
     mon.close()
-    client = MlflowClient((tmp_path / "job/monitor/mlruns").as_uri())
+    client = MlflowClient(f"sqlite:///{tmp_path}/job/monitor/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("nanorft").experiment_id])
     assert run.info.run_name == "t_trainer" and run.info.status == "FINISHED"
+    assert run.info.artifact_uri.startswith((tmp_path / "job/monitor/mlartifacts").as_uri())
     assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "actor/pg_loss")] == [
         (1, 0.5),
         (2, 0.25),
@@ -239,7 +240,7 @@ def test_an_mlflow_run_whose_config_cannot_be_logged_ends_failed(tmp_path, monke
     monkeypatch.setattr(MlflowClient, "log_dict", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError, match="disk full"):
         Monitor(config(tmp_path, "mlflow"), role="trainer")
-    assert mlflow_runs((tmp_path / "job/monitor/mlruns").as_uri()) == {"t_trainer": "FAILED"}
+    assert mlflow_runs(f"sqlite:///{tmp_path}/job/monitor/mlflow.db") == {"t_trainer": "FAILED"}
 
 
 class Terminal(io.StringIO):
@@ -413,8 +414,12 @@ def test_the_config_that_mlflow_and_wandb_get_has_its_secrets_hidden(tmp_path, m
         monkeypatch.delenv(env, raising=False)
     mon = Monitor(with_secrets(tmp_path / "m", "mlflow"), role="trainer")
     mon.close()
-    client = MlflowClient((tmp_path / "m/job/monitor/mlruns").as_uri())
+    client = MlflowClient(f"sqlite:///{tmp_path}/m/job/monitor/mlflow.db")
     (run,) = client.search_runs([client.get_experiment_by_name("nanorft").experiment_id])
+    params = run.data.params
+    assert params["monitor.monitor_args.password"] == "***" and params["explorer.env_vars.DB_PASS"] == "***"
+    assert params["buffer.trainer_input.experience_buffer.path"] == "postgresql://rft:***@db-host:5432/rft"
+    assert not [(k, secret) for k, v in params.items() for secret in HIDDEN if secret in v]
     saved = (Path(client.download_artifacts(run.info.run_id, "config.json", str(tmp_path)))).read_text()
     assert '"password": "***"' in saved and "postgresql://rft:***@db-host:5432/rft" in saved
     assert '"PLAIN": "***"' in saved and '"username": "me"' in saved
@@ -439,12 +444,13 @@ def _create(uri: str, name: str, barrier) -> str:
 
 
 @pytest.mark.slow
-def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatch):
+@pytest.mark.parametrize("store", ["file", "sqlite"])
+def test_processes_creating_the_experiment_at_once_make_one(tmp_path, monkeypatch, store):
     """A file store checks names without a lock: four processes that get-or-create one experiment at the same moment
-    must find one experiment, the same id in each."""
+    must find one experiment, the same id in each (and in the default SQLite store)."""
     from mlflow.tracking import MlflowClient
 
-    uri = (tmp_path / "mlruns").as_uri()
+    uri = (tmp_path / "mlruns").as_uri() if store == "file" else f"sqlite:///{tmp_path}/mlflow.db"
     # NOTE: the store itself first, as the launcher's prepare_mlflow makes it before any process starts: a file
     # store's constructor writes its default experiment (0) when the folder is new, and four at once race there
     # ("Yaml file .../mlruns/0/meta.yaml exists"), which is not the race this test is about
@@ -473,7 +479,7 @@ def test_a_create_that_loses_the_race_takes_the_winners_experiment():
         def get_experiment_by_name(self, name):
             return self.made
 
-        def create_experiment(self, name):
+        def create_experiment(self, name, artifact_location=None):
             self.made = type("Experiment", (), {"experiment_id": "7"})()  # another process, a moment before
             raise MlflowException("RESOURCE_ALREADY_EXISTS: experiment p already exists")
 
@@ -497,7 +503,7 @@ def test_several_sinks_at_once_and_trinitys_single_name(tmp_path, monkeypatch):
     events = EventAccumulator(str(tmp_path / "job/monitor/tensorboard/trainer"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("actor/pg_loss")] == [(1, 0.5)]
-    assert mlflow_runs((tmp_path / "job/monitor/mlruns").as_uri()) == {"t_trainer": "FINISHED"}
+    assert mlflow_runs(f"sqlite:///{tmp_path}/job/monitor/mlflow.db") == {"t_trainer": "FINISHED"}
     yaml_file = tmp_path / "trinity.yaml"
     yaml_file.write_text(
         "model: {model_path: m, max_model_len: 256}\nbuffer: {batch_size: 4, explorer_input: {taskset: {path: x}}}\n"
@@ -586,3 +592,105 @@ def test_readers_skip_a_torn_line_naming_file_and_line_and_a_writer_starts_a_new
     with caplog.at_level(logging.WARNING, logger="nanorft.monitor"):
         assert [h["step"] for h in read_history(path)] == [1, 3, 4]
     assert "line 6: skipped" in caplog.text and b'\n{"st\n{"step": 4, ' in path.read_bytes()
+
+
+def test_mlflows_own_client_finds_runs_by_their_lr_in_the_sqlite_store_without_a_flag(tmp_path, monkeypatch):
+    """The default store is SQLite (<job dir>/monitor/mlflow.db), which mlflow 3's client (and `mlflow ui`) opens
+    with no MLFLOW_ALLOW_FILE_STORE: the resolved config is there as params, flattened, so runs filter by lr; a
+    list is one JSON value and a value over mlflow's 6000 characters is cut."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    for lr, role in ((1e-6, "trainer"), (2e-6, "explorer")):  # two runs of one store (one job's two processes)
+        cfg = config(tmp_path, "mlflow")
+        cfg.algorithm.optimizer.lr = lr
+        cfg.model.model_path = "m" * 7000
+        cfg.monitor.monitor_type = ["mlflow", "tensorboard"]
+        mon = Monitor(cfg, role=role)
+        mon.log({"actor/pg_loss": lr}, step=1)
+        mon.close()
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+    assert (tmp_path / "job/monitor/mlflow.db").is_file() and not (tmp_path / "job/monitor/mlruns").exists()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/job/monitor/mlflow.db")
+    experiment = client.get_experiment_by_name("nanorft").experiment_id
+    (run,) = client.search_runs([experiment], "params.\"algorithm.optimizer.lr\" = '1e-06'")
+    assert run.info.run_name == "t_trainer" and run.data.metrics["actor/pg_loss"] == 1e-6
+    (other,) = client.search_runs([experiment], "params.\"algorithm.optimizer.lr\" = '2e-06'")
+    assert other.info.run_name == "t_explorer"
+    params = run.data.params
+    assert params["monitor.monitor_type"] == '["mlflow", "tensorboard"]' and params["name"] == "t"
+    assert params["model.model_path"] == "m" * 5997 + "..."
+    assert params["trainer.name"] == "trainer" and "trainer" not in params  # leaves only, by their paths
+
+
+def test_tensorboard_gets_the_config_as_text_its_secrets_hidden(tmp_path):
+    """tensorboard's TEXT tab: the resolved config (YAML in a markdown code block), read back with tensorboard's
+    own EventAccumulator; its secrets hidden as in wandb's and mlflow's copies."""
+    cfg = with_secrets(tmp_path, "tensorboard")
+    cfg.algorithm.optimizer.lr = 3e-6
+    mon = Monitor(cfg, role="trainer")
+    mon.close()
+    events = EventAccumulator(str(tmp_path / "job/monitor/tensorboard/trainer"))
+    events.Reload()
+    (event,) = events.Tensors("config/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert event.step == 0 and "\n    algorithm:\n" in text and "\n      optimizer:\n        lr: 3.0e-06\n" in text
+    assert "password: '***'" in text and "DB_PASS: '***'" in text
+    assert not [secret for secret in HIDDEN if secret in text]
+
+
+def test_the_fields_names_are_logged_beside_nanorfts(tmp_path):
+    """veRL's timing_s/* and TRL's frac_reward_zero_std: the same numbers as nanorft's time/* and
+    critic/score/zero_std_ratio, under both names, by side (a trainer's time/step is veRL's step; an explorer's
+    time/rollout its gen); a bench process gets none."""
+    cfg = config(tmp_path, "none")
+    trainer = {"time/step": 4.0, "time/update": 2.5, "time/adv": 0.25, "critic/score/zero_std_ratio": 0.5}
+    explorer = {"time/rollout": 3.0, "time/eval": 1.5, "time/step": 9.0}
+    for role, metrics in (("trainer", trainer), ("explorer", explorer), ("explorer_bench", explorer)):
+        mon = Monitor(cfg, role=role)
+        mon.log(metrics, step=1)
+        mon.close()
+    [t] = read_history(tmp_path / "job/monitor/trainer.jsonl")
+    assert (t["timing_s/step"], t["timing_s/update_actor"], t["timing_s/adv"]) == (4.0, 2.5, 0.25)
+    assert t["frac_reward_zero_std"] == 0.5 and t["time/step"] == 4.0  # nanorft's name stays
+    [e] = read_history(tmp_path / "job/monitor/explorer.jsonl")
+    assert (e["timing_s/gen"], e["timing_s/testing"]) == (3.0, 1.5) and "timing_s/step" not in e
+    [b] = read_history(tmp_path / "job/monitor/explorer_bench.jsonl")
+    assert not [k for k in b if k.startswith("timing_s/")]
+
+
+def test_score_metrics_hand_checked():
+    """critic/score/* (before the KL penalty), critic/rewards/* (what the advantage function sees) and the fraction
+    of groups whose scores are all equal (TRL's frac_reward_zero_std), by hand: groups {1, 0}, {1, 1}, {0.5, 0.5},
+    {0}: three of four tied (a group of one among them)."""
+    from monitor import score_metrics
+
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.5, 0.5, 0.0])
+    rewards = scores - torch.tensor([0.1, 0.2, 0.0, 0.4, 0.0, 0.0, 0.3])  # a KL penalty per sequence
+    groups = torch.tensor([0, 0, 1, 1, 2, 2, 3])
+    m = score_metrics(scores, rewards, groups)
+    assert m["critic/score/mean"] == pytest.approx(4.0 / 7)
+    assert (m["critic/score/max"], m["critic/score/min"]) == (1.0, 0.0)
+    assert m["critic/rewards/mean"] == pytest.approx((4.0 - 1.0) / 7)
+    assert m["critic/rewards/max"] == 1.0 and m["critic/rewards/min"] == pytest.approx(-0.3)
+    assert m["critic/score/zero_std_ratio"] == 0.75
+    assert (
+        score_metrics(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), torch.tensor([0, 0]))[
+            "critic/score/zero_std_ratio"
+        ]
+        == 0.0
+    )
+
+
+def test_without_sqlalchemy_the_default_mlflow_store_is_a_named_config_error(tmp_path, monkeypatch):
+    """mlflow-skinny alone (no SQLAlchemy) cannot open the default SQLite store: the launcher's pre-flight says
+    what to install, before any process starts, instead of mlflow's late traceback."""
+    from configs import ConfigError
+    from monitor import prepare_mlflow
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setitem(sys.modules, "sqlalchemy", None)  # an import of it fails, as where it is not installed
+    with pytest.raises(ConfigError, match=r"SQLite store needs sqlalchemy: pip install -e '\.\[mlflow\]'"):
+        prepare_mlflow([config(tmp_path, "mlflow")], tmp_path / "run")
+    assert not (tmp_path / "run/monitor/mlflow.db").exists()

@@ -119,6 +119,7 @@ def check_preset_run(preset: str, rows: list[dict], job: Path, log: str) -> None
     if preset == "ppo":  # the critic: trained from step 1, the actor from step 2 (critic_warmup 1)
         assert rows[0]["actor/grad_norm"] == 0 and rows[0]["critic/grad_norm"] > 0
         assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/values/mean", "critic/returns/mean"} <= set(rows[1])
+        assert rows[1]["timing_s/values"] == rows[1]["time/values"] > 0  # the critic's pass, by veRL's name too
         critic = AutoModelForTokenClassification.from_pretrained(job / "global_step_2" / "critic" / "huggingface")
         assert critic.config.num_labels == 1
     if preset == "grpo":  # step 1: the policy is the reference, KL 0 -> error -0.2 -> beta x (1 - 0.2 x 4 / 100)

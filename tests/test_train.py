@@ -178,13 +178,15 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
         for x in rows:
             x.advantages = None if name == "grpo" else torch.full((x.response_length,), 0.25)
         batch = batching.step_batch(rows, width=4)
-        batch["token_level_rewards"] = torch.zeros(2, 4)
+        batch["token_level_rewards"], batch["scores"] = torch.zeros(2, 4), torch.zeros(2)  # shape_rewards' outputs
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
-        train.compute_advantages(p, batch)
+        m = train.compute_advantages(p, batch)
         assert batch["advantages"].tolist() == (
             [[0.0] * 4] * 2 if name == "grpo" else [[0.25] * 3 + [0.0], [0.25] * 2 + [0.0] * 2]
         )
+        # veRL's critic/advantages/max|min: over the response tokens, not the padding's zeros
+        assert m["critic/advantages/max"] == m["critic/advantages/min"] == (0.0 if name == "grpo" else 0.25)
 
 
 def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
@@ -708,13 +710,21 @@ def test_kl_penalty_and_overlong_shaping_hand_checked_against_the_db(settings_ru
         shaping = torch.tensor(
             [OVERLONG_FACTOR * min(0.0, (start - x.response_length) / OVERLONG_BUFFER) for x, *_ in rows]
         )
-        score = torch.tensor([x.reward for x, *_ in rows]) + shaping - beta * torch.tensor([k.sum().item() for k in k3])
+        scored = torch.tensor([x.reward for x, *_ in rows]) + shaping  # veRL's score: before the KL penalty
+        score = scored - beta * torch.tensor([k.sum().item() for k in k3])  # veRL's rewards: what GRPO sees
         assert m["critic/kl_coef"] == pytest.approx(beta, rel=1e-9)
         assert m["critic/kl"] == pytest.approx(seq_kl.mean().item(), rel=1e-4, abs=1e-7)
         assert m["critic/overlong_penalty/mean"] == pytest.approx(shaping.mean().item(), abs=1e-6)
         for stat in ("mean", "max", "min"):
-            assert m[f"critic/score/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
+            assert m[f"critic/rewards/{stat}"] == pytest.approx(getattr(score, stat)().item(), abs=1e-5), stat
+            assert m[f"critic/score/{stat}"] == pytest.approx(getattr(scored, stat)().item(), abs=1e-5), stat
         groups = [x.group_id for x, *_ in rows]
+        tied = [len({scored[i].item() for i, h in enumerate(groups) if h == g}) == 1 for g in set(groups)]
+        assert m["critic/score/zero_std_ratio"] == m["frac_reward_zero_std"] == sum(tied) / len(tied)  # TRL's name
+        truncated = [x.truncate_status == "response_truncated" for x, *_ in rows]
+        assert m["response_length/clip_ratio"] == pytest.approx(sum(truncated) / len(rows))
+        for ours, verl in (("old_logprobs", "old_log_prob"), ("ref_logprobs", "ref"), ("adv", "adv")):
+            assert m[f"timing_s/{verl}"] == m[f"time/{ours}"] > 0  # veRL's names, the same timers
         adv = torch.zeros(len(rows))
         for g in set(groups):
             idx = [i for i, h in enumerate(groups) if h == g]
