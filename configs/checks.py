@@ -806,7 +806,8 @@ def check_folder_name(path: str, value: str, parts: int = 1) -> None:
     """A ConfigError unless `value` (the key at `path`) names `parts` folders at most, one inside the other, below
     the folder that holds it: the job's folder is <checkpoint_root_dir>/<project>[/<group>]/<name> and a process's
     files are named after explorer.name / trainer.name, so `..`, an absolute path or a separator would put them
-    elsewhere. Anything else is a name (Trinity-RFT's `qwen2.5-1.5b_grpo`, `<experiment_name>`). A stage runs as
+    elsewhere. Anything else is a name (Trinity-RFT's `qwen2.5-1.5b_grpo`; a template's `<experiment_name>` left unset
+    is the entry points' to refuse: check_placeholders). A stage runs as
     `<name>/<stage_name>` (configs.resolve_stages): the config written for its processes holds two."""
     pieces = value.split("/")
     if len(pieces) <= parts and not any(p in ("", ".", "..") or "\\" in p for p in pieces):
@@ -856,3 +857,33 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED_ALREADY:
         _WARNED_ALREADY.add(message)
         log.warning("%s", message)
+
+
+# A template's placeholder (Trinity-RFT's examples: `project: <project_name>`, `checkpoint_root_dir: <your dir>`)
+_PLACEHOLDER = re.compile(r"<[A-Za-z_][\w .\-]*>")
+_NAME_KEYS = ("project", "group", "name", "stage_name")
+_FREE_FORM = ("_args", "env_vars", "trainer_config")  # free-form mappings: what their keys mean is not ours
+
+
+def check_placeholders(value: Any, path: str = "") -> None:
+    """A ConfigError naming the key and the value where a name (project, group, name, stage_name, a section's name)
+    or a path (a key `path` or ending in _path / _dir) still holds a template's `<placeholder>`: it would become a
+    folder (or a path nothing is at) named so. `value`: the config as plain data (dataclasses.asdict), stages'
+    overrides included."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_placeholders(item, f"{path}[{i}]")
+        return
+    if not isinstance(value, dict):
+        return
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else str(key)
+        if str(key).endswith(_FREE_FORM):
+            continue
+        named = key in _NAME_KEYS or key == "path" or str(key).endswith(("_path", "_dir"))
+        if named and isinstance(item, str) and (m := _PLACEHOLDER.search(item)):
+            raise ConfigError(
+                f"{where} = {item!r}: {m[0]} is a template's placeholder left unset (it would become a folder or "
+                f"path named {m[0]}); set {where} to a real {'path' if key not in _NAME_KEYS else 'name'}"
+            )
+        check_placeholders(item, where)

@@ -31,6 +31,7 @@ from configs.checks import (
     ConfigError,
     _warn_once,
     check_folder_name,
+    check_placeholders,
     check_ranges,
     check_support,
     redacted,
@@ -617,6 +618,7 @@ def entry(argv: list[str], description: str) -> Config:
     )
     try:
         cfg, dry = cli(argv, description)
+        check_placeholders(dataclasses.asdict(cfg))  # before --dry-run too: what it prints would run
         logging.getLogger().setLevel(cfg.log.level)
         if os.environ.get(CONSOLE) == "launcher":  # the launcher draws the console: INFO goes to the log file only
             for handler in logging.getLogger().handlers:
