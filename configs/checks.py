@@ -1,6 +1,6 @@
 """What a derived config may hold: the allowed range of every number, and the keys this build refuses or warns about.
 
-    check_ranges(cfg)     # before and after derive(): every field in RANGES inside its range, or ConfigError
+    check_ranges(cfg)     # before and after derive(): every field in ranges() inside its range, or ConfigError
     check_support(cfg)    # after derive(): REFUSED values -> ConfigError, WARNED values -> a warning at start
 
 Every message names the key's path as the YAML spells it (`buffer.explorer_input.eval_tasksets[0].rollout_args.top_p`)
@@ -14,6 +14,7 @@ tests/test_config_keys.py walks the schema: every field, at every place, is read
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import logging
 import math
@@ -22,28 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from algos import (
-    ADVANTAGE_FNS,
-    ROLLOUT_RS_FNS,
-    asymre,
-    cispo,
-    dpo,
-    gae,
-    grpo,
-    jsd,
-    kl,
-    mix,
-    mix_chord,
-    on_policy_distill,
-    opmd,
-    ppo_loss,
-    rec,
-    reinforceplusplus,
-    sample,
-    sapo,
-    sft_loss,
-    sppo,
-)
+import algos
 from algos.overlong import Config as OverlongRewardConfig
 from configs.schema import (
     AlgorithmConfig,
@@ -165,141 +145,170 @@ TEMPERATURE = _num(lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or >= 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPES = ("auto", *dict.fromkeys(name for alias, torch_name in DTYPE_NAMES.items() for name in (torch_name, alias)))
 
-# (class, field) -> (predicate, allowed range). None (an unset optional) is always allowed.
-RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
-    (OptimizerConfig, "lr"): POSITIVE,
-    (OptimizerConfig, "lr_warmup_steps"): _num(lambda v: v >= -1, ">= -1 (-1 = use lr_warmup_steps_ratio)"),
-    (OptimizerConfig, "lr_warmup_steps_ratio"): FRACTION,
-    (OptimizerConfig, "min_lr_ratio"): FRACTION,
-    (OptimizerConfig, "betas"): (
-        lambda v: len(v) == 2 and all(_num(lambda b: 0 <= b < 1, "")[0](b) for b in v),
-        "two numbers in [0, 1)",
-    ),
-    (OptimizerConfig, "weight_decay"): NON_NEGATIVE,
-    (AlgorithmConfig, "repeat_times"): AT_LEAST_1,
-    (OverlongRewardConfig, "buffer_len"): NON_NEGATIVE,
-    (OverlongRewardConfig, "penalty_factor"): NON_NEGATIVE,
-    (ModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
-    (ModelConfig, "max_prompt_tokens"): AT_LEAST_1,
-    (ModelConfig, "max_response_tokens"): AT_LEAST_1,
-    (ModelConfig, "min_response_tokens"): NON_NEGATIVE,
-    (ModelConfig, "temperature"): TEMPERATURE,
-    (ModelConfig, "top_p"): PROBABILITY,
-    (ModelConfig, "top_k"): TOP_K,
-    (ModelConfig, "logprobs"): NON_NEGATIVE,
-    (ModelConfig, "repetition_penalty"): POSITIVE,
-    (ModelConfig, "max_cpu_loras"): AT_LEAST_1,
-    (LoRAConfig, "lora_rank"): AT_LEAST_1,
-    (LoRAConfig, "lora_alpha"): POSITIVE,
-    (ClusterConfig, "node_num"): AT_LEAST_1,
-    (ClusterConfig, "gpu_per_node"): NON_NEGATIVE,
-    (ClusterConfig, "master_addr"): HOST,
-    (ClusterConfig, "master_port"): _num(lambda v: 1 <= v <= 65535, "1..65535"),
-    (GenerationConfig, "temperature"): TEMPERATURE,
-    (GenerationConfig, "top_p"): PROBABILITY,
-    (GenerationConfig, "top_k"): TOP_K,
-    (GenerationConfig, "logprobs"): NON_NEGATIVE,
-    (GenerationConfig, "max_tokens"): AT_LEAST_1,
-    (TasksetConfig, "repeat_times"): AT_LEAST_1,
-    (ExperienceBufferConfig, "max_read_timeout"): SECONDS,
-    (ExperienceBufferConfig, "reuse_cooldown_time"): _num(
-        lambda v: 0 <= v <= MAX_SECONDS, f">= 0 and <= {MAX_SECONDS:g} (seconds)"
-    ),
-    (ExperienceBufferConfig, "priority_decay"): NON_NEGATIVE,
-    (BufferConfig, "batch_size"): AT_LEAST_1,
-    (BufferConfig, "train_batch_size"): NON_NEGATIVE,
-    (BufferConfig, "total_epochs"): AT_LEAST_1,
-    (BufferConfig, "total_steps"): AT_LEAST_1,
-    (InferenceModelConfig, "engine_num"): AT_LEAST_1,
-    (InferenceModelConfig, "tensor_parallel_size"): AT_LEAST_1,
-    (InferenceModelConfig, "gpu_memory_utilization"): PROBABILITY,
-    (InferenceModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
-    (InferenceModelConfig, "openai_api_port"): _num(lambda v: 0 <= v <= 65535, "0..65535 (0: a free port)"),
-    (InferenceModelConfig, "dtype"): (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
-    (ExternalModelConfig, "timeout"): SECONDS,
-    (ExternalModelConfig, "max_retries"): NON_NEGATIVE,
-    (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
-    (ExplorerConfig, "max_timeout"): SECONDS,
-    (ExplorerConfig, "max_retry_times"): NON_NEGATIVE,
-    (ExplorerConfig, "max_refill_rounds"): NON_NEGATIVE,
-    (ExplorerConfig, "eval_interval"): AT_LEAST_1,
-    (SynchronizerConfig, "sync_interval"): AT_LEAST_1,
-    (SynchronizerConfig, "sync_offset"): NON_NEGATIVE,
-    (SynchronizerConfig, "sync_timeout"): SECONDS,
-    (SynchronizerConfig, "sync_host"): HOST,
-    (CriticConfig, "lr"): POSITIVE,
-    (CriticConfig, "lr_warmup_steps_ratio"): FRACTION,
-    (CriticConfig, "weight_decay"): NON_NEGATIVE,
-    (CriticConfig, "cliprange_value"): POSITIVE,
-    (CriticConfig, "grad_clip"): POSITIVE,
-    (CriticConfig, "micro_batch_size_per_gpu"): AT_LEAST_1,
-    (TrainerConfig, "save_interval"): NON_NEGATIVE,
-    (TrainerConfig, "max_checkpoints_to_keep"): AT_LEAST_1,
-    (TrainerConfig, "total_steps"): AT_LEAST_1,
-    (TrainerConfig, "grad_clip"): POSITIVE,
-    (TrainerConfig, "max_token_len_per_gpu"): AT_LEAST_1,
-    (TrainerConfig, "micro_batch_size_per_gpu"): AT_LEAST_1,
-    (TrainerConfig, "log_prob_micro_batch_size_per_gpu"): AT_LEAST_1,
-    (TrainerConfig, "ppo_epochs"): AT_LEAST_1,
-    (TrainerConfig, "ppo_mini_batch_size"): NON_NEGATIVE,
-    (TrainerConfig, "critic_warmup"): NON_NEGATIVE,
-    (RolloutCorrectionConfig, "rollout_is_threshold"): _num(lambda v: v > 1, "> 1 (importance weights are cut at it)"),
-    (RolloutCorrectionConfig, "rollout_rs"): (
-        lambda v: v == "none" or v in ROLLOUT_RS_FNS,
-        f"one of none, {', '.join(ROLLOUT_RS_FNS)} (algos.ROLLOUT_RS_FNS)",
-    ),
-    (RolloutCorrectionConfig, "rollout_rs_threshold"): POSITIVE,
-    (RolloutCorrectionConfig, "rollout_rs_threshold_lower"): NON_NEGATIVE,
-    # the algos/ pieces' *_args (checked by configs.piece_config)
-    (gae.Config, "gamma"): FRACTION,
-    (gae.Config, "lam"): FRACTION,
-    (reinforceplusplus.Config, "gamma"): FRACTION,
-    (grpo.Config, "epsilon"): POSITIVE,
-    (grpo.Config, "std_threshold"): NON_NEGATIVE,
-    (opmd.AdvantageConfig, "tau"): POSITIVE,
-    (opmd.LossConfig, "tau"): POSITIVE,
-    (rec.AdvantageConfig, "epsilon"): POSITIVE,
-    (rec.LossConfig, "temp"): POSITIVE,
-    (ppo_loss.Config, "clip_range"): POSITIVE,
-    (ppo_loss.Config, "clip_range_low"): NON_NEGATIVE,
-    (ppo_loss.Config, "clip_range_high"): NON_NEGATIVE,
-    (ppo_loss.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-    (mix.Config, "clip_range"): POSITIVE,
-    (mix.Config, "clip_range_low"): NON_NEGATIVE,
-    (mix.Config, "clip_range_high"): NON_NEGATIVE,
-    (mix.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-    (mix.Config, "mu"): FRACTION,
-    (cispo.Config, "clip_range_low"): NON_NEGATIVE,
-    (cispo.Config, "clip_range_high"): NON_NEGATIVE,
-    (sapo.Config, "tau_pos"): POSITIVE,
-    (sapo.Config, "tau_neg"): POSITIVE,
-    (sppo.Config, "epsilon"): POSITIVE,
-    (dpo.Config, "beta"): POSITIVE,
-    (dpo.Config, "label_smoothing"): _num(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
-    (sft_loss.PhiConfig, "cutoff_prob"): PROBABILITY,
-    (kl.Config, "kl_coef"): NON_NEGATIVE,
-    (kl.Config, "target_kl"): POSITIVE,
-    (kl.Config, "horizon"): AT_LEAST_1,
-    (sample.Config, "max_staleness"): NON_NEGATIVE,
-    (sample.Config, "refill_rounds"): NON_NEGATIVE,
-    (sample.Config, "max_num_gen_batches"): _num(
-        lambda v: v >= 1, ">= 1 (veRL's 0, no cap, is not offered: over-sampling could run forever)"
-    ),
-    (sample.Config, "expert_data_ratio"): FRACTION,
-    (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
-    (on_policy_distill.Config, "kl_coef"): NON_NEGATIVE,
-    (jsd.Config, "kl_coef"): NON_NEGATIVE,
-    (jsd.Config, "lambda_coef"): FRACTION,
-    (jsd.Config, "temperature"): POSITIVE,
-    (mix_chord.Config, "mu_warmup_steps"): NON_NEGATIVE,
-    (mix_chord.Config, "mu_decay_steps"): NON_NEGATIVE,
-    (mix_chord.Config, "mu_peak"): FRACTION,
-    (mix_chord.Config, "mu_valley"): FRACTION,
-    (mix_chord.Config, "clip_range"): POSITIVE,
-    (mix_chord.Config, "clip_range_low"): NON_NEGATIVE,
-    (mix_chord.Config, "clip_range_high"): NON_NEGATIVE,
-    (mix_chord.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-}
+
+@functools.cache
+def ranges() -> dict[tuple[type, str], tuple[Callable[[Any], bool], str]]:
+    """(class, field) -> (predicate, allowed range). None (an unset optional) is always allowed. NOTE: built on first
+    use (check_ranges: a config derived, a piece's *_args checked): the algos/ pieces' modules import torch, which
+    loading a config without deriving it (the entry scripts' --help) does not need."""
+    from algos import (
+        asymre,
+        cispo,
+        dpo,
+        gae,
+        grpo,
+        jsd,
+        kl,
+        mix,
+        mix_chord,
+        on_policy_distill,
+        opmd,
+        ppo_loss,
+        rec,
+        reinforceplusplus,
+        sample,
+        sapo,
+        sft_loss,
+        sppo,
+    )
+
+    return {
+        (OptimizerConfig, "lr"): POSITIVE,
+        (OptimizerConfig, "lr_warmup_steps"): _num(lambda v: v >= -1, ">= -1 (-1 = use lr_warmup_steps_ratio)"),
+        (OptimizerConfig, "lr_warmup_steps_ratio"): FRACTION,
+        (OptimizerConfig, "min_lr_ratio"): FRACTION,
+        (OptimizerConfig, "betas"): (
+            lambda v: len(v) == 2 and all(_num(lambda b: 0 <= b < 1, "")[0](b) for b in v),
+            "two numbers in [0, 1)",
+        ),
+        (OptimizerConfig, "weight_decay"): NON_NEGATIVE,
+        (AlgorithmConfig, "repeat_times"): AT_LEAST_1,
+        (OverlongRewardConfig, "buffer_len"): NON_NEGATIVE,
+        (OverlongRewardConfig, "penalty_factor"): NON_NEGATIVE,
+        (ModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
+        (ModelConfig, "max_prompt_tokens"): AT_LEAST_1,
+        (ModelConfig, "max_response_tokens"): AT_LEAST_1,
+        (ModelConfig, "min_response_tokens"): NON_NEGATIVE,
+        (ModelConfig, "temperature"): TEMPERATURE,
+        (ModelConfig, "top_p"): PROBABILITY,
+        (ModelConfig, "top_k"): TOP_K,
+        (ModelConfig, "logprobs"): NON_NEGATIVE,
+        (ModelConfig, "repetition_penalty"): POSITIVE,
+        (ModelConfig, "max_cpu_loras"): AT_LEAST_1,
+        (LoRAConfig, "lora_rank"): AT_LEAST_1,
+        (LoRAConfig, "lora_alpha"): POSITIVE,
+        (ClusterConfig, "node_num"): AT_LEAST_1,
+        (ClusterConfig, "gpu_per_node"): NON_NEGATIVE,
+        (ClusterConfig, "master_addr"): HOST,
+        (ClusterConfig, "master_port"): _num(lambda v: 1 <= v <= 65535, "1..65535"),
+        (GenerationConfig, "temperature"): TEMPERATURE,
+        (GenerationConfig, "top_p"): PROBABILITY,
+        (GenerationConfig, "top_k"): TOP_K,
+        (GenerationConfig, "logprobs"): NON_NEGATIVE,
+        (GenerationConfig, "max_tokens"): AT_LEAST_1,
+        (TasksetConfig, "repeat_times"): AT_LEAST_1,
+        (ExperienceBufferConfig, "max_read_timeout"): SECONDS,
+        (ExperienceBufferConfig, "reuse_cooldown_time"): _num(
+            lambda v: 0 <= v <= MAX_SECONDS, f">= 0 and <= {MAX_SECONDS:g} (seconds)"
+        ),
+        (ExperienceBufferConfig, "priority_decay"): NON_NEGATIVE,
+        (BufferConfig, "batch_size"): AT_LEAST_1,
+        (BufferConfig, "train_batch_size"): NON_NEGATIVE,
+        (BufferConfig, "total_epochs"): AT_LEAST_1,
+        (BufferConfig, "total_steps"): AT_LEAST_1,
+        (InferenceModelConfig, "engine_num"): AT_LEAST_1,
+        (InferenceModelConfig, "tensor_parallel_size"): AT_LEAST_1,
+        (InferenceModelConfig, "gpu_memory_utilization"): PROBABILITY,
+        (InferenceModelConfig, "max_model_len"): _num(lambda v: v >= 2, ">= 2"),
+        (InferenceModelConfig, "openai_api_port"): _num(lambda v: 0 <= v <= 65535, "0..65535 (0: a free port)"),
+        (InferenceModelConfig, "dtype"): (lambda v: v in DTYPES, f"one of {', '.join(DTYPES)}"),
+        (ExternalModelConfig, "timeout"): SECONDS,
+        (ExternalModelConfig, "max_retries"): NON_NEGATIVE,
+        (ExplorerConfig, "runner_per_model"): AT_LEAST_1,
+        (ExplorerConfig, "max_timeout"): SECONDS,
+        (ExplorerConfig, "max_retry_times"): NON_NEGATIVE,
+        (ExplorerConfig, "max_refill_rounds"): NON_NEGATIVE,
+        (ExplorerConfig, "eval_interval"): AT_LEAST_1,
+        (SynchronizerConfig, "sync_interval"): AT_LEAST_1,
+        (SynchronizerConfig, "sync_offset"): NON_NEGATIVE,
+        (SynchronizerConfig, "sync_timeout"): SECONDS,
+        (SynchronizerConfig, "sync_host"): HOST,
+        (CriticConfig, "lr"): POSITIVE,
+        (CriticConfig, "lr_warmup_steps_ratio"): FRACTION,
+        (CriticConfig, "weight_decay"): NON_NEGATIVE,
+        (CriticConfig, "cliprange_value"): POSITIVE,
+        (CriticConfig, "grad_clip"): POSITIVE,
+        (CriticConfig, "micro_batch_size_per_gpu"): AT_LEAST_1,
+        (TrainerConfig, "save_interval"): NON_NEGATIVE,
+        (TrainerConfig, "max_checkpoints_to_keep"): AT_LEAST_1,
+        (TrainerConfig, "total_steps"): AT_LEAST_1,
+        (TrainerConfig, "grad_clip"): POSITIVE,
+        (TrainerConfig, "max_token_len_per_gpu"): AT_LEAST_1,
+        (TrainerConfig, "micro_batch_size_per_gpu"): AT_LEAST_1,
+        (TrainerConfig, "log_prob_micro_batch_size_per_gpu"): AT_LEAST_1,
+        (TrainerConfig, "ppo_epochs"): AT_LEAST_1,
+        (TrainerConfig, "ppo_mini_batch_size"): NON_NEGATIVE,
+        (TrainerConfig, "critic_warmup"): NON_NEGATIVE,
+        (RolloutCorrectionConfig, "rollout_is_threshold"): _num(
+            lambda v: v > 1, "> 1 (importance weights are cut at it)"
+        ),
+        (RolloutCorrectionConfig, "rollout_rs"): (
+            lambda v: v == "none" or v in algos.ROLLOUT_RS_FNS,
+            f"one of none, {', '.join(algos.ROLLOUT_RS_FNS)} (algos.ROLLOUT_RS_FNS)",
+        ),
+        (RolloutCorrectionConfig, "rollout_rs_threshold"): POSITIVE,
+        (RolloutCorrectionConfig, "rollout_rs_threshold_lower"): NON_NEGATIVE,
+        # the algos/ pieces' *_args (checked by configs.piece_config)
+        (gae.Config, "gamma"): FRACTION,
+        (gae.Config, "lam"): FRACTION,
+        (reinforceplusplus.Config, "gamma"): FRACTION,
+        (grpo.Config, "epsilon"): POSITIVE,
+        (grpo.Config, "std_threshold"): NON_NEGATIVE,
+        (opmd.AdvantageConfig, "tau"): POSITIVE,
+        (opmd.LossConfig, "tau"): POSITIVE,
+        (rec.AdvantageConfig, "epsilon"): POSITIVE,
+        (rec.LossConfig, "temp"): POSITIVE,
+        (ppo_loss.Config, "clip_range"): POSITIVE,
+        (ppo_loss.Config, "clip_range_low"): NON_NEGATIVE,
+        (ppo_loss.Config, "clip_range_high"): NON_NEGATIVE,
+        (ppo_loss.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+        (mix.Config, "clip_range"): POSITIVE,
+        (mix.Config, "clip_range_low"): NON_NEGATIVE,
+        (mix.Config, "clip_range_high"): NON_NEGATIVE,
+        (mix.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+        (mix.Config, "mu"): FRACTION,
+        (cispo.Config, "clip_range_low"): NON_NEGATIVE,
+        (cispo.Config, "clip_range_high"): NON_NEGATIVE,
+        (sapo.Config, "tau_pos"): POSITIVE,
+        (sapo.Config, "tau_neg"): POSITIVE,
+        (sppo.Config, "epsilon"): POSITIVE,
+        (dpo.Config, "beta"): POSITIVE,
+        (dpo.Config, "label_smoothing"): _num(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+        (sft_loss.PhiConfig, "cutoff_prob"): PROBABILITY,
+        (kl.Config, "kl_coef"): NON_NEGATIVE,
+        (kl.Config, "target_kl"): POSITIVE,
+        (kl.Config, "horizon"): AT_LEAST_1,
+        (sample.Config, "max_staleness"): NON_NEGATIVE,
+        (sample.Config, "refill_rounds"): NON_NEGATIVE,
+        (sample.Config, "max_num_gen_batches"): _num(
+            lambda v: v >= 1, ">= 1 (veRL's 0, no cap, is not offered: over-sampling could run forever)"
+        ),
+        (sample.Config, "expert_data_ratio"): FRACTION,
+        (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
+        (on_policy_distill.Config, "kl_coef"): NON_NEGATIVE,
+        (jsd.Config, "kl_coef"): NON_NEGATIVE,
+        (jsd.Config, "lambda_coef"): FRACTION,
+        (jsd.Config, "temperature"): POSITIVE,
+        (mix_chord.Config, "mu_warmup_steps"): NON_NEGATIVE,
+        (mix_chord.Config, "mu_decay_steps"): NON_NEGATIVE,
+        (mix_chord.Config, "mu_peak"): FRACTION,
+        (mix_chord.Config, "mu_valley"): FRACTION,
+        (mix_chord.Config, "clip_range"): POSITIVE,
+        (mix_chord.Config, "clip_range_low"): NON_NEGATIVE,
+        (mix_chord.Config, "clip_range_high"): NON_NEGATIVE,
+        (mix_chord.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    }
+
 
 # (where, field, applies(value, cfg, section), why): `where` is a schema class (the rule holds wherever the class
 # appears) or a section's path as `walk` spells it in its pattern (`explorer.auxiliary_models[]`: any auxiliary model,
@@ -477,7 +486,7 @@ REFUSED: list[Rule] = [
     (
         RolloutCorrectionConfig,
         "rollout_rs",
-        lambda v, c, s: v in ROLLOUT_RS_FNS and not rs_band_ok(s),
+        lambda v, c, s: v in algos.ROLLOUT_RS_FNS and not rs_band_ok(s),
         "its band of kept ratios is empty: rollout_rs_threshold_lower must be below rollout_rs_threshold (each unset "
         "one is the mask's default: configs/schema.py RolloutCorrectionConfig)",
     ),
@@ -536,7 +545,9 @@ REFUSED: list[Rule] = [
 
 def needs_teacher(advantage_fn: str) -> bool:
     """Whether the advantage fn reads teacher log-probs (its Config NEEDS them: on_policy_distill, jsd)."""
-    return advantage_fn in ADVANTAGE_FNS and "teacher_logprobs" in getattr(ADVANTAGE_FNS[advantage_fn][1], "NEEDS", ())
+    return advantage_fn in algos.ADVANTAGE_FNS and "teacher_logprobs" in getattr(
+        algos.ADVANTAGE_FNS[advantage_fn][1], "NEEDS", ()
+    )
 
 
 def loopback(host: str) -> bool:
@@ -562,7 +573,7 @@ def sqlite_db(url: str, c: Config) -> bool:
 
 def rs_band_ok(rc: RolloutCorrectionConfig) -> bool:
     """Whether the rejection mask's band [lower, upper] (the set bounds, the mask's defaults else) is not empty."""
-    band = ROLLOUT_RS_FNS[rc.rollout_rs][1]()
+    band = algos.ROLLOUT_RS_FNS[rc.rollout_rs][1]()
     lower = band.lower if rc.rollout_rs_threshold_lower is None else rc.rollout_rs_threshold_lower
     upper = band.upper if rc.rollout_rs_threshold is None else rc.rollout_rs_threshold
     return lower < upper
@@ -769,12 +780,12 @@ def walk(obj: Any, path: str = "", section: str = "") -> Iterator[tuple[str, Any
 
 
 def check_ranges(cfg: Any, prefix: str = "") -> None:
-    """Every number of RANGES inside its range (unset optionals pass), no int of 2**31 or more in magnitude, and no
+    """Every number of ranges() inside its range (unset optionals pass), no int of 2**31 or more in magnitude, and no
     float infinite or NaN, in the config, piece config or workflow args `cfg` (whose fields' paths start with
     `prefix`); or a ConfigError naming the key and the range. A workflow's Args give their ranges in their own
     `RANGES` (field -> range; configs/ imports nothing of workflows/)."""
     for path, obj, name, value, _ in walk(cfg, prefix):
-        rule = RANGES.get((type(obj), name)) or getattr(obj, "RANGES", {}).get(name)
+        rule = ranges().get((type(obj), name)) or getattr(obj, "RANGES", {}).get(name)
         huge = isinstance(value, int) and not isinstance(value, bool) and abs(value) >= INT_LIMIT
         if value is not None and (huge or (rule is not None and not rule[0](value))):
             allowed = rule[1] if rule else "an integer below 2**31 in magnitude"

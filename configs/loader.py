@@ -40,7 +40,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from algos import REGISTRIES
+import algos
 from configs.checks import check_ranges, shown_value
 from configs.schema import Config, bounded_yaml, check_plain
 from errors import ConfigError
@@ -520,9 +520,9 @@ def piece_config(kind: str, name: str, args: dict[str, Any] | None, path: str | 
     Unknown keys fail with their path and the closest valid key; an unknown piece name fails listing the
     known ones (ConfigError)."""
     path = path or f"algorithm.{kind}_args"
-    if kind not in REGISTRIES:
-        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(REGISTRIES)}")
-    registry = REGISTRIES[kind]
+    if kind not in algos.REGISTRIES:
+        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(algos.REGISTRIES)}")
+    registry = algos.REGISTRIES[kind]
     if name not in registry:
         raise ConfigError(f"{path}: unknown {kind} {name!r}; known: {', '.join(registry)}")
     piece = from_dict(registry[name][1], args or {}, path)
