@@ -759,8 +759,8 @@ def help_table(cfg: Config, args: list[str], description: str) -> Config:
             is_instance=lambda x: True,
             str_from_instance=lambda x: [],
         )
-        shown = Annotated[str, spec, tyro.conf.arg(name=name, help=why, help_behavior_hint="")]  # type: ignore[valid-type]
-        fields.append((f"opt_{len(fields)}", shown, dataclasses.field(default="")))
+        row = tyro.conf.arg(name=name, help=why, help_behavior_hint="")
+        fields.append((f"opt_{len(fields)}", Annotated[str, spec, row], dataclasses.field(default="")))
     fields.append(("cfg", Annotated[Config, tyro.conf.arg(name="")], dataclasses.field(default_factory=lambda: cfg)))
     table = dataclasses.make_dataclass("Options", fields)
     out = io.TextIOWrapper(io.BytesIO(), encoding=sys.stdout.encoding or "utf-8")  # tyro draws its box in it
