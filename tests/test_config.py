@@ -802,8 +802,10 @@ def test_names_that_would_put_the_job_outside_its_root_are_refused_by_name(tmp_p
 
 def test_names_trinity_uses_are_kept_and_the_job_stays_under_its_root(tmp_path):
     """Names with dots, dashes, spaces and brackets (Trinity-RFT's examples: qwen2.5-1.5b_grpo, <experiment_name>) are
-    names; a stage's name is <name>/<stage_name> (what the config written for its processes holds), but a stage's
-    name and the name of a run with stages are one folder each."""
+    names to the loader (a template's <placeholder> left unset is the entry points' to refuse:
+    test_a_templates_placeholder_left_in_a_name_or_path_is_refused_by_key_and_value); a stage's name is
+    <name>/<stage_name> (what the config written for its processes holds), but a stage's name and the name of a run
+    with stages are one folder each."""
     job = tmp_path / "ck" / "<project_name>" / "v1.2 (ablation)" / "qwen2.5-1.5b_grpo"
     args = [
         "--checkpoint_root_dir",
