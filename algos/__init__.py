@@ -4,7 +4,9 @@ A preset names the pieces an algorithm is made of, as Trinity-RFT's presets do. 
 the YAML leaves empty from the preset. The trainer only ever looks pieces up (`lookup(kind, name)`) by the names in
 the resolved config.
 
-Piece registries: name -> (function, Config class for its `*_args`), validated by `configs.piece_config`.
+Piece registries (algos/registry.py, this package's attributes on first use: every piece module imports torch,
+which the presets and configs/ do without): name -> (function, Config class for its `*_args`), validated by
+`configs.piece_config`.
 This package imports nothing from the rest of the project: pure tensor functions and their registries.
     ADVANTAGE_FNS     fn(batch, cfg) -> ({"advantages", "returns", ...} [B,T], metrics); EXPLORER_ADVANTAGE_FNS:
                       those computed in the explorer (step_wise_grpo), whose entry here reads them back
