@@ -601,9 +601,14 @@ SCRIPT_OPTIONS = (
         "explore.py: run one task through its workflow and print its turns, tool calls, tokens, reward and the rows "
         "it would write (no DB, no trainer).",
     ),
-    ("task", "N", "explore.py --debug: the task's index in its taskset (default: 0)."),
-    ("taskset", "NAME", "explore.py --debug: the taskset (default: the first training one)."),
-    ("stage", "NAME", "explore.py --debug: the stage whose config is used (default: the first)."),
+    ("task", "N", "explore.py --debug: the task's row in its taskset, 0-based in file order (default: 0)."),
+    (
+        "taskset",
+        "NAME",
+        "explore.py --debug: a training or eval taskset by name (default: the first training one, else the first eval "
+        "one).",
+    ),
+    ("stage", "NAME", "explore.py --debug: the stage, by name (default: the first stage that runs workflows)."),
     (
         "reply",
         "TEXT",
