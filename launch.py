@@ -44,6 +44,12 @@ from pathlib import Path
 from typing import TextIO
 
 import configs
+
+# NOTE: --help answers here, before torch and the project's modules below are imported (~5 s): configs/ loads
+# without them
+if __name__ == "__main__":
+    configs.answer_help(sys.argv[1:], __doc__)
+
 import lease
 import proctree
 import sync

@@ -60,13 +60,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import configs
+
+# NOTE: --help answers here, before torch and the project's modules below are imported (~5 s): configs/ loads
+# without them
+if __name__ == "__main__":
+    configs.answer_help(sys.argv[1:], __doc__)
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import algos
 import checkpoint
-import configs
 import launch
 import lease
 import lora

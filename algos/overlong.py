@@ -13,8 +13,10 @@ only matters for data written by another engine.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # NOTE: the schema holds Config (configs/schema.py): loading it (--help) imports no torch
+    import torch
 
 
 @dataclasses.dataclass
@@ -37,5 +39,5 @@ def penalty(lengths: torch.Tensor, max_len: int, cfg: Config) -> torch.Tensor:
         )
     start = max_len - cfg.buffer_len  # L_max - L_cache
     r = ((start - lengths) / cfg.buffer_len).clamp(max=0.0)  # [B] 0 up to start, then linear down to -1 at max_len
-    r = torch.where(lengths > max_len, torch.full_like(r, -1.0), r)  # [B]
+    r = r.masked_fill(lengths > max_len, -1.0)  # [B]
     return cfg.penalty_factor * r  # [B]

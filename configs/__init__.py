@@ -7,7 +7,7 @@
 """
 
 from configs.loader import ConfigError, cli, find_config_file, from_dict, normalize, piece_config, read_yaml
-from configs.resolve import derive, dry_run, entry, resolve_stages, to_yaml
+from configs.resolve import answer_help, derive, dry_run, entry, resolve_stages, to_yaml
 from configs.schema import Config, ExperienceBufferConfig, FormatConfig, TasksetConfig
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "ExperienceBufferConfig",
     "FormatConfig",
     "TasksetConfig",
+    "answer_help",
     "cli",
     "derive",
     "dry_run",

@@ -1,6 +1,6 @@
 """What a derived config may hold: the allowed range of every number, and the keys this build refuses or warns about.
 
-    check_ranges(cfg)     # before and after derive(): every field in RANGES inside its range, or ConfigError
+    check_ranges(cfg)     # before and after derive(): every field in ranges() inside its range, or ConfigError
     check_support(cfg)    # after derive(): REFUSED values -> ConfigError, WARNED values -> a warning at start
 
 Every message names the key's path as the YAML spells it (`buffer.explorer_input.eval_tasksets[0].rollout_args.top_p`)
@@ -14,6 +14,7 @@ tests/test_config_keys.py walks the schema: every field, at every place, is read
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import logging
 import math
@@ -22,28 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from algos import (
-    ADVANTAGE_FNS,
-    ROLLOUT_RS_FNS,
-    asymre,
-    cispo,
-    dpo,
-    gae,
-    grpo,
-    jsd,
-    kl,
-    mix,
-    mix_chord,
-    on_policy_distill,
-    opmd,
-    ppo_loss,
-    rec,
-    reinforceplusplus,
-    sample,
-    sapo,
-    sft_loss,
-    sppo,
-)
+import algos
 from algos.overlong import Config as OverlongRewardConfig
 from configs.schema import (
     AlgorithmConfig,
@@ -165,7 +145,9 @@ TEMPERATURE = _num(lambda v: v == 0 or v >= MIN_TEMPERATURE, f"0 (greedy) or >= 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 DTYPES = ("auto", *dict.fromkeys(name for alias, torch_name in DTYPE_NAMES.items() for name in (torch_name, alias)))
 
-# (class, field) -> (predicate, allowed range). None (an unset optional) is always allowed.
+
+# (class, field) -> (predicate, allowed range) of the schema's sections; None (an unset optional) is always allowed.
+# ranges() adds the rest.
 RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (OptimizerConfig, "lr"): POSITIVE,
     (OptimizerConfig, "lr_warmup_steps"): _num(lambda v: v >= -1, ">= -1 (-1 = use lr_warmup_steps_ratio)"),
@@ -244,62 +226,80 @@ RANGES: dict[tuple[type, str], tuple[Callable[[Any], bool], str]] = {
     (TrainerConfig, "ppo_mini_batch_size"): NON_NEGATIVE,
     (TrainerConfig, "critic_warmup"): NON_NEGATIVE,
     (RolloutCorrectionConfig, "rollout_is_threshold"): _num(lambda v: v > 1, "> 1 (importance weights are cut at it)"),
-    (RolloutCorrectionConfig, "rollout_rs"): (
-        lambda v: v == "none" or v in ROLLOUT_RS_FNS,
-        f"one of none, {', '.join(ROLLOUT_RS_FNS)} (algos.ROLLOUT_RS_FNS)",
-    ),
     (RolloutCorrectionConfig, "rollout_rs_threshold"): POSITIVE,
     (RolloutCorrectionConfig, "rollout_rs_threshold_lower"): NON_NEGATIVE,
-    # the algos/ pieces' *_args (checked by configs.piece_config)
-    (gae.Config, "gamma"): FRACTION,
-    (gae.Config, "lam"): FRACTION,
-    (reinforceplusplus.Config, "gamma"): FRACTION,
-    (grpo.Config, "epsilon"): POSITIVE,
-    (grpo.Config, "std_threshold"): NON_NEGATIVE,
-    (opmd.AdvantageConfig, "tau"): POSITIVE,
-    (opmd.LossConfig, "tau"): POSITIVE,
-    (rec.AdvantageConfig, "epsilon"): POSITIVE,
-    (rec.LossConfig, "temp"): POSITIVE,
-    (ppo_loss.Config, "clip_range"): POSITIVE,
-    (ppo_loss.Config, "clip_range_low"): NON_NEGATIVE,
-    (ppo_loss.Config, "clip_range_high"): NON_NEGATIVE,
-    (ppo_loss.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-    (mix.Config, "clip_range"): POSITIVE,
-    (mix.Config, "clip_range_low"): NON_NEGATIVE,
-    (mix.Config, "clip_range_high"): NON_NEGATIVE,
-    (mix.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
-    (mix.Config, "mu"): FRACTION,
-    (cispo.Config, "clip_range_low"): NON_NEGATIVE,
-    (cispo.Config, "clip_range_high"): NON_NEGATIVE,
-    (sapo.Config, "tau_pos"): POSITIVE,
-    (sapo.Config, "tau_neg"): POSITIVE,
-    (sppo.Config, "epsilon"): POSITIVE,
-    (dpo.Config, "beta"): POSITIVE,
-    (dpo.Config, "label_smoothing"): _num(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
-    (sft_loss.PhiConfig, "cutoff_prob"): PROBABILITY,
-    (kl.Config, "kl_coef"): NON_NEGATIVE,
-    (kl.Config, "target_kl"): POSITIVE,
-    (kl.Config, "horizon"): AT_LEAST_1,
-    (sample.Config, "max_staleness"): NON_NEGATIVE,
-    (sample.Config, "refill_rounds"): NON_NEGATIVE,
-    (sample.Config, "max_num_gen_batches"): _num(
+}
+# The same for the algos/ pieces' *_args (checked by configs.piece_config), by their Config's name inside algos/: their
+# modules import torch, which loading a config does without (ranges() finds the classes when a config is checked).
+PIECE_RANGES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
+    ("gae.Config", "gamma"): FRACTION,
+    ("gae.Config", "lam"): FRACTION,
+    ("reinforceplusplus.Config", "gamma"): FRACTION,
+    ("grpo.Config", "epsilon"): POSITIVE,
+    ("grpo.Config", "std_threshold"): NON_NEGATIVE,
+    ("opmd.AdvantageConfig", "tau"): POSITIVE,
+    ("opmd.LossConfig", "tau"): POSITIVE,
+    ("rec.AdvantageConfig", "epsilon"): POSITIVE,
+    ("rec.LossConfig", "temp"): POSITIVE,
+    ("ppo_loss.Config", "clip_range"): POSITIVE,
+    ("ppo_loss.Config", "clip_range_low"): NON_NEGATIVE,
+    ("ppo_loss.Config", "clip_range_high"): NON_NEGATIVE,
+    ("ppo_loss.Config", "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    ("mix.Config", "clip_range"): POSITIVE,
+    ("mix.Config", "clip_range_low"): NON_NEGATIVE,
+    ("mix.Config", "clip_range_high"): NON_NEGATIVE,
+    ("mix.Config", "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    ("mix.Config", "mu"): FRACTION,
+    ("cispo.Config", "clip_range_low"): NON_NEGATIVE,
+    ("cispo.Config", "clip_range_high"): NON_NEGATIVE,
+    ("sapo.Config", "tau_pos"): POSITIVE,
+    ("sapo.Config", "tau_neg"): POSITIVE,
+    ("sppo.Config", "epsilon"): POSITIVE,
+    ("dpo.Config", "beta"): POSITIVE,
+    ("dpo.Config", "label_smoothing"): _num(lambda v: 0 <= v < 0.5, "in [0, 0.5)"),
+    ("sft_loss.PhiConfig", "cutoff_prob"): PROBABILITY,
+    ("kl.Config", "kl_coef"): NON_NEGATIVE,
+    ("kl.Config", "target_kl"): POSITIVE,
+    ("kl.Config", "horizon"): AT_LEAST_1,
+    ("sample.Config", "max_staleness"): NON_NEGATIVE,
+    ("sample.Config", "refill_rounds"): NON_NEGATIVE,
+    ("sample.Config", "max_num_gen_batches"): _num(
         lambda v: v >= 1, ">= 1 (veRL's 0, no cap, is not offered: over-sampling could run forever)"
     ),
-    (sample.Config, "expert_data_ratio"): FRACTION,
-    (asymre.Config, "baseline_shift"): _num(lambda v: True, "finite"),
-    (on_policy_distill.Config, "kl_coef"): NON_NEGATIVE,
-    (jsd.Config, "kl_coef"): NON_NEGATIVE,
-    (jsd.Config, "lambda_coef"): FRACTION,
-    (jsd.Config, "temperature"): POSITIVE,
-    (mix_chord.Config, "mu_warmup_steps"): NON_NEGATIVE,
-    (mix_chord.Config, "mu_decay_steps"): NON_NEGATIVE,
-    (mix_chord.Config, "mu_peak"): FRACTION,
-    (mix_chord.Config, "mu_valley"): FRACTION,
-    (mix_chord.Config, "clip_range"): POSITIVE,
-    (mix_chord.Config, "clip_range_low"): NON_NEGATIVE,
-    (mix_chord.Config, "clip_range_high"): NON_NEGATIVE,
-    (mix_chord.Config, "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
+    ("sample.Config", "expert_data_ratio"): FRACTION,
+    ("asymre.Config", "baseline_shift"): _num(lambda v: True, "finite"),
+    ("on_policy_distill.Config", "kl_coef"): NON_NEGATIVE,
+    ("jsd.Config", "kl_coef"): NON_NEGATIVE,
+    ("jsd.Config", "lambda_coef"): FRACTION,
+    ("jsd.Config", "temperature"): POSITIVE,
+    ("mix_chord.Config", "mu_warmup_steps"): NON_NEGATIVE,
+    ("mix_chord.Config", "mu_decay_steps"): NON_NEGATIVE,
+    ("mix_chord.Config", "mu_peak"): FRACTION,
+    ("mix_chord.Config", "mu_valley"): FRACTION,
+    ("mix_chord.Config", "clip_range"): POSITIVE,
+    ("mix_chord.Config", "clip_range_low"): NON_NEGATIVE,
+    ("mix_chord.Config", "clip_range_high"): NON_NEGATIVE,
+    ("mix_chord.Config", "clip_ratio_c"): _num(lambda v: v > 1, "> 1"),
 }
+
+
+@functools.cache
+def ranges() -> dict[tuple[type, str], tuple[Callable[[Any], bool], str]]:
+    """(class, field) -> (predicate, allowed range), what check_ranges reads: RANGES, the rejection mask's names and
+    PIECE_RANGES with their classes, built on first use (algos/: the piece modules load then)."""
+    rollout_rs = (
+        lambda v: v == "none" or v in algos.ROLLOUT_RS_FNS,
+        f"one of none, {', '.join(algos.ROLLOUT_RS_FNS)} (algos.ROLLOUT_RS_FNS)",
+    )
+    pieces = {(_piece_class(name), key): rule for (name, key), rule in PIECE_RANGES.items()}
+    return {**RANGES, (RolloutCorrectionConfig, "rollout_rs"): rollout_rs, **pieces}
+
+
+def _piece_class(name: str) -> type:
+    """`gae.Config` -> algos.gae.Config."""
+    module, cls = name.split(".")
+    return getattr(getattr(algos, module), cls)
+
 
 # (where, field, applies(value, cfg, section), why): `where` is a schema class (the rule holds wherever the class
 # appears) or a section's path as `walk` spells it in its pattern (`explorer.auxiliary_models[]`: any auxiliary model,
@@ -477,7 +477,7 @@ REFUSED: list[Rule] = [
     (
         RolloutCorrectionConfig,
         "rollout_rs",
-        lambda v, c, s: v in ROLLOUT_RS_FNS and not rs_band_ok(s),
+        lambda v, c, s: v in algos.ROLLOUT_RS_FNS and not rs_band_ok(s),
         "its band of kept ratios is empty: rollout_rs_threshold_lower must be below rollout_rs_threshold (each unset "
         "one is the mask's default: configs/schema.py RolloutCorrectionConfig)",
     ),
@@ -536,7 +536,9 @@ REFUSED: list[Rule] = [
 
 def needs_teacher(advantage_fn: str) -> bool:
     """Whether the advantage fn reads teacher log-probs (its Config NEEDS them: on_policy_distill, jsd)."""
-    return advantage_fn in ADVANTAGE_FNS and "teacher_logprobs" in getattr(ADVANTAGE_FNS[advantage_fn][1], "NEEDS", ())
+    return advantage_fn in algos.ADVANTAGE_FNS and "teacher_logprobs" in getattr(
+        algos.ADVANTAGE_FNS[advantage_fn][1], "NEEDS", ()
+    )
 
 
 def loopback(host: str) -> bool:
@@ -562,7 +564,7 @@ def sqlite_db(url: str, c: Config) -> bool:
 
 def rs_band_ok(rc: RolloutCorrectionConfig) -> bool:
     """Whether the rejection mask's band [lower, upper] (the set bounds, the mask's defaults else) is not empty."""
-    band = ROLLOUT_RS_FNS[rc.rollout_rs][1]()
+    band = algos.ROLLOUT_RS_FNS[rc.rollout_rs][1]()
     lower = band.lower if rc.rollout_rs_threshold_lower is None else rc.rollout_rs_threshold_lower
     upper = band.upper if rc.rollout_rs_threshold is None else rc.rollout_rs_threshold
     return lower < upper
@@ -769,12 +771,12 @@ def walk(obj: Any, path: str = "", section: str = "") -> Iterator[tuple[str, Any
 
 
 def check_ranges(cfg: Any, prefix: str = "") -> None:
-    """Every number of RANGES inside its range (unset optionals pass), no int of 2**31 or more in magnitude, and no
+    """Every number of ranges() inside its range (unset optionals pass), no int of 2**31 or more in magnitude, and no
     float infinite or NaN, in the config, piece config or workflow args `cfg` (whose fields' paths start with
     `prefix`); or a ConfigError naming the key and the range. A workflow's Args give their ranges in their own
     `RANGES` (field -> range; configs/ imports nothing of workflows/)."""
     for path, obj, name, value, _ in walk(cfg, prefix):
-        rule = RANGES.get((type(obj), name)) or getattr(obj, "RANGES", {}).get(name)
+        rule = ranges().get((type(obj), name)) or getattr(obj, "RANGES", {}).get(name)
         huge = isinstance(value, int) and not isinstance(value, bool) and abs(value) >= INT_LIMIT
         if value is not None and (huge or (rule is not None and not rule[0](value))):
             allowed = rule[1] if rule else "an integer below 2**31 in magnitude"
@@ -806,7 +808,8 @@ def check_folder_name(path: str, value: str, parts: int = 1) -> None:
     """A ConfigError unless `value` (the key at `path`) names `parts` folders at most, one inside the other, below
     the folder that holds it: the job's folder is <checkpoint_root_dir>/<project>[/<group>]/<name> and a process's
     files are named after explorer.name / trainer.name, so `..`, an absolute path or a separator would put them
-    elsewhere. Anything else is a name (Trinity-RFT's `qwen2.5-1.5b_grpo`, `<experiment_name>`). A stage runs as
+    elsewhere. Anything else is a name (Trinity-RFT's `qwen2.5-1.5b_grpo`; a template's `<experiment_name>` left unset
+    is the entry points' to refuse: check_placeholders). A stage runs as
     `<name>/<stage_name>` (configs.resolve_stages): the config written for its processes holds two."""
     pieces = value.split("/")
     if len(pieces) <= parts and not any(p in ("", ".", "..") or "\\" in p for p in pieces):
@@ -856,3 +859,33 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED_ALREADY:
         _WARNED_ALREADY.add(message)
         log.warning("%s", message)
+
+
+# A template's placeholder (Trinity-RFT's examples: `project: <project_name>`, `checkpoint_root_dir: <your dir>`)
+_PLACEHOLDER = re.compile(r"<[A-Za-z_][\w .\-]*>")
+_NAME_KEYS = ("project", "group", "name", "stage_name")
+_FREE_FORM = ("_args", "env_vars", "trainer_config")  # free-form mappings: what their keys mean is not ours
+
+
+def check_placeholders(value: Any, path: str = "") -> None:
+    """A ConfigError naming the key and the value where a name (project, group, name, stage_name, a section's name)
+    or a path (a key `path` or ending in _path / _dir) still holds a template's `<placeholder>`: it would become a
+    folder (or a path nothing is at) named so. `value`: the config as plain data (dataclasses.asdict), stages'
+    overrides included."""
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_placeholders(item, f"{path}[{i}]")
+        return
+    if not isinstance(value, dict):
+        return
+    for key, item in value.items():
+        where = f"{path}.{key}" if path else str(key)
+        if str(key).endswith(_FREE_FORM):
+            continue
+        named = key in _NAME_KEYS or key == "path" or str(key).endswith(("_path", "_dir"))
+        if named and isinstance(item, str) and (m := _PLACEHOLDER.search(item)):
+            raise ConfigError(
+                f"{where} = {item!r}: {m[0]} is a template's placeholder left unset (it would become a folder or "
+                f"path named {m[0]}); set {where} to a real {'path' if key not in _NAME_KEYS else 'name'}"
+            )
+        check_placeholders(item, where)

@@ -20,24 +20,27 @@ per-taskset defaults, GPU split, ...), in one function, never in __post_init__; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import difflib
 import functools
+import io
 import logging
 import re
 import stat
+import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import tyro
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from algos import REGISTRIES
+import algos
 from configs.checks import check_ranges, shown_value
 from configs.schema import Config, bounded_yaml, check_plain
 from errors import ConfigError
@@ -517,9 +520,9 @@ def piece_config(kind: str, name: str, args: dict[str, Any] | None, path: str | 
     Unknown keys fail with their path and the closest valid key; an unknown piece name fails listing the
     known ones (ConfigError)."""
     path = path or f"algorithm.{kind}_args"
-    if kind not in REGISTRIES:
-        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(REGISTRIES)}")
-    registry = REGISTRIES[kind]
+    if kind not in algos.REGISTRIES:
+        raise ConfigError(f"{path}: unknown piece kind {kind!r}; known: {', '.join(algos.REGISTRIES)}")
+    registry = algos.REGISTRIES[kind]
     if name not in registry:
         raise ConfigError(f"{path}: unknown {kind} {name!r}; known: {', '.join(registry)}")
     piece = from_dict(registry[name][1], args or {}, path)
@@ -580,6 +583,128 @@ def _anchored(spec: Any, base: Path) -> Any:
     return f"{base / m['file']}:{m['attr']}" if m and not Path(m["file"]).is_absolute() else spec
 
 
+# The options the entry scripts read themselves, before tyro (--help shows them in its table): (name, metavar,
+# what it does and which script takes it). NOTE: explore.py's --debug options are its own pre-parser's; keep both lists
+# in step.
+SCRIPT_OPTIONS = (
+    ("config", "FILE", "all scripts: a YAML config (a bare name is looked up in configs/, e.g. --config tiny)."),
+    ("dry-run", "", "all scripts: load, validate and print the resolved config of every stage, then exit."),
+    (
+        "verify-sync",
+        "",
+        "launch.py, run.sh: before the run, move the model's weights once over the process group into the rollout "
+        "engines and check their checksums against the same weights loaded from the folder.",
+    ),
+    (
+        "debug",
+        "",
+        "explore.py: run one task through its workflow and print its turns, tool calls, tokens, reward and the rows "
+        "it would write (no DB, no trainer).",
+    ),
+    ("task", "N", "explore.py --debug: the task's row in its taskset, 0-based in file order (default: 0)."),
+    (
+        "taskset",
+        "NAME",
+        "explore.py --debug: a training or eval taskset by name (default: the first training one, else the first eval "
+        "one).",
+    ),
+    ("stage", "NAME", "explore.py --debug: the stage, by name (default: the first stage that runs workflows)."),
+    (
+        "reply",
+        "TEXT",
+        "explore.py --debug: a canned response played instead of the model's, one per turn (repeat the option for "
+        "several turns): a tool path seen without training.",
+    ),
+    ("full-rows", "", "explore.py --debug: print each row whole (tokens included), not shortened."),
+)
+
+
+def _container(tp: Any) -> tuple[Any, Any] | None:
+    """(list or dict, item type) of a list or mapping field's type (Optional unwrapped), None for any other; an
+    ArgsDict (its own YAML option) is tyro's."""
+    if typing.get_origin(tp) is typing.Annotated:
+        return None
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _container(inner[0]) if len(inner) == 1 else None
+    origin = typing.get_origin(tp)
+    return (origin, typing.get_args(tp)[-1]) if origin in (list, dict) else None
+
+
+def _schema_field(dotted: str) -> Any:
+    """The type of the Config field at `dotted` (`buffer.explorer_input.eval_tasksets`), None where that is no field
+    (`model.lora_configs.0.lora_rank`: tyro's own option for one item)."""
+    tp: Any = Config
+    for k in dotted.split("."):
+        if not dataclasses.is_dataclass(tp) or k not in _field_names(tp):
+            return None
+        tp = type_hints(tp)[k]
+    return tp
+
+
+def _yaml_only_fields(cfg: Any, path: str = "") -> list[tuple[str, str]]:
+    """(path, help) of the fields that hold a list or mapping of sections (stages, tasksets, ...): tyro shows no
+    option for one that is empty, and one per item's key for the others (`--model.lora_configs.0.lora_rank`);
+    yaml_options sets the whole of it."""
+    out = []
+    for f in dataclasses.fields(cfg):
+        value, where = getattr(cfg, f.name), f"{path}{f.name}"
+        kind = _container(type_hints(type(cfg))[f.name])
+        if kind and dataclasses.is_dataclass(kind[1]):
+            what = "list" if kind[0] is list else "mapping (name -> section)"
+            example = "'[]' or '[{key: value, ...}]'" if kind[0] is list else "'{name: {key: value, ...}}'"
+            out.append((where, f"The whole {where} as a YAML {what} of {kind[1].__name__}: {example}."))
+        elif dataclasses.is_dataclass(value):
+            out += _yaml_only_fields(value, where + ".")
+    return out
+
+
+def yaml_options(cfg: Config, args: list[str]) -> tuple[Config, list[str]]:
+    """`--path VALUE` of a list or mapping field in the YAML's syntax (`--stages '[]'`, `--buffer.explorer_input.
+    eval_tasksets '[{name: t, path: data/t}]'`, `--explorer.env_vars '{A: b}'`) applied to a copy of `cfg`, each
+    value checked as from a YAML file (`_coerce`: a ConfigError names the key); the other options are returned for
+    tyro. A list of sections (tyro has no option for one that is empty) always takes YAML; a list or mapping of plain
+    values takes it when the value opens with [ or {, else tyro's own spelling (`--algorithm.optimizer.betas 0.9
+    0.95`)."""
+    out, rest, i = None, [], 0
+    while i < len(args):
+        arg = args[i]
+        key, eq, given = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        tp = _schema_field(key.replace("-", "_")) if key else None
+        kind = _container(tp) if tp is not None else None
+        text = given if eq else args[i + 1] if i + 1 < len(args) else None
+        if kind is None or text is None or not (dataclasses.is_dataclass(kind[1]) or text.lstrip()[:1] in "[{"):
+            rest.append(arg)
+            i += 1
+            continue
+        where = key.replace("-", "_")
+        out = out or copy.deepcopy(cfg)
+        _assign(out, where, _coerce(_option_yaml(where, text), tp, where))
+        i += 1 if eq else 2
+    return out or cfg, rest
+
+
+def _option_yaml(where: str, text: str) -> Any:
+    """One option's value read as YAML: a ConfigError naming the option where it is not YAML of plain values."""
+    try:
+        value = bounded_yaml(text) if text.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"--{where}: not valid YAML ({' '.join(str(e).split())}); e.g. '[]' or '[{{a: 1}}]'"
+        ) from None
+    except ConfigError as e:
+        raise ConfigError(f"--{where}: {e}") from None
+    check_plain(value, f"--{where}: ")
+    return value
+
+
+def _assign(cfg: Any, dotted: str, value: Any) -> None:
+    *parents, last = dotted.split(".")
+    for k in parents:
+        cfg = getattr(cfg, k)
+    setattr(cfg, last, value)
+
+
 def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     """Parse `--config FILE [--dry-run] [--section.key VALUE ...]` into a validated (not derived) Config."""
     pre = argparse.ArgumentParser(add_help=False)
@@ -595,18 +720,23 @@ def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     after = command_line(cfg, rest, description) if rest else cfg
     if after.trainer.trainer_config != cfg.trainer.trainer_config:
         after = cli_trainer_config(cfg, after)
+    if not known.config and not after.model.model_path:
+        raise ConfigError(
+            "no --config given; pass --config FILE.yaml (a bare name is looked up in configs/, e.g. --config tiny), "
+            "or set the whole config on the command line, starting with --model.model_path"
+        )
     return after, known.dry_run
 
 
 def command_line(cfg: Config, args: list[str], description: str = "") -> Config:
-    """The options `args` (`--section.key VALUE`, --help) applied by tyro on top of `cfg`."""
-    text = (
-        f"{description}\n\n--config FILE: a YAML config (a bare name is looked up in configs/). "
-        "--dry-run: load, validate and print the resolved config, then exit. "
-        "--verify-sync (launch.py, run.sh): before the run, move the model's weights once over the process group "
-        "into the rollout engines and check their checksums against the same weights loaded from the folder.\n\n"
-        "Every option below overrides the YAML value (precedence: default < YAML < CLI)."
-    )
+    """The options `args` (`--section.key VALUE`, --help) applied by tyro on top of `cfg`; lists and mappings in the
+    YAML's syntax first (`yaml_options`)."""
+    cfg, args = yaml_options(cfg, args)
+    if not args:
+        return cfg
+    text = f"{description}\n\nEvery option below overrides the YAML value (precedence: default < YAML < CLI)."
+    if "-h" in args or "--help" in args:
+        return help_table(cfg, args, text)
     with CLI_TYPES:
         return tyro.cli(
             Config,
@@ -616,6 +746,41 @@ def command_line(cfg: Config, args: list[str], description: str = "") -> Config:
             use_underscores=True,
             config=(tyro.conf.FlagConversionOff,),
         )
+
+
+def help_table(cfg: Config, args: list[str], description: str) -> Config:
+    """tyro's --help for Config (its defaults: `cfg`), with the scripts' own options (SCRIPT_OPTIONS) and the lists
+    of sections tyro leaves out (yaml_options) as rows of its table. NOTE: tyro writes every option with underscores
+    (use_underscores); the scripts' hyphenated names are put back in its text, the same length (the box stays
+    aligned). Exits, as tyro's --help does."""
+    rows = [(name, meta, why) for name, meta, why in SCRIPT_OPTIONS]
+    rows += [(path, "YAML", why) for path, why in _yaml_only_fields(cfg)]
+    fields: list[Any] = []
+    for name, meta, why in rows:
+        spec = tyro.constructors.PrimitiveConstructorSpec(
+            nargs=1 if meta else 0,
+            metavar=meta,
+            instance_from_str=lambda a: a,
+            is_instance=lambda x: True,
+            str_from_instance=lambda x: [],
+        )
+        row = tyro.conf.arg(name=name, help=why, help_behavior_hint="")
+        fields.append((f"opt_{len(fields)}", Annotated[str, spec, row], dataclasses.field(default="")))
+    fields.append(("cfg", Annotated[Config, tyro.conf.arg(name="")], dataclasses.field(default_factory=lambda: cfg)))
+    table = dataclasses.make_dataclass("Options", fields)
+    out = io.TextIOWrapper(io.BytesIO(), encoding=sys.stdout.encoding or "utf-8")  # tyro draws its box in it
+    try:
+        with CLI_TYPES, contextlib.redirect_stdout(out):
+            tyro.cli(
+                table, args=args, description=description, use_underscores=True, config=(tyro.conf.FlagConversionOff,)
+            )
+    finally:
+        out.flush()
+        text = out.buffer.getvalue().decode(out.encoding)  # type: ignore[attr-defined]
+        for name, _, _ in rows:
+            text = text.replace(f"--{name.replace('-', '_')} ", f"--{name} ")
+        sys.stdout.write(text)
+    return cfg
 
 
 def cli_trainer_config(before: Config, after: Config) -> Config:

@@ -25,12 +25,14 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from algos import EXPLORER_ADVANTAGE_FNS, PRESETS, SAMPLE_STRATEGIES, Preset
+import algos
+from algos import PRESETS, Preset
 from configs.checks import (
     DTYPE_NAMES,
     ConfigError,
     _warn_once,
     check_folder_name,
+    check_placeholders,
     check_ranges,
     check_support,
     redacted,
@@ -211,7 +213,7 @@ def _derive_taskset(c: Config, ts: TasksetConfig, kind: str, where: str, name: s
 def _check_explorer_advantages(a: AlgorithmConfig) -> None:
     """step_wise_grpo's advantages are computed in the explorer (algos.EXPLORER_ADVANTAGE_FNS), where the trainer's
     reward shaping cannot reach them (workflows.args.check_step_wise: the tasksets that must match it)."""
-    if a.advantage_fn in EXPLORER_ADVANTAGE_FNS and (a.kl_penalty_fn != "none" or a.overlong_reward.enable):
+    if a.advantage_fn in algos.EXPLORER_ADVANTAGE_FNS and (a.kl_penalty_fn != "none" or a.overlong_reward.enable):
         raise ConfigError(
             f"algorithm.advantage_fn {a.advantage_fn} is computed in the explorer from the rewards, "
             "where the trainer's reward shaping cannot reach it: algorithm.kl_penalty_fn must be none "
@@ -222,7 +224,7 @@ def _check_explorer_advantages(a: AlgorithmConfig) -> None:
 def gen_batches(a: AlgorithmConfig) -> int:
     """The most batches of tasks one explore step runs: what the sample strategy asks (dynamic_sampling's
     max_num_gen_batches: algos/sample.py), else 1 (no over-sampling)."""
-    fn = SAMPLE_STRATEGIES[a.sample_strategy][0]
+    fn = algos.SAMPLE_STRATEGIES[a.sample_strategy][0]
     return fn(1, piece_config("sample_strategy", a.sample_strategy, a.sample_strategy_args)).get(
         "max_num_gen_batches", 1
     )
@@ -245,7 +247,7 @@ def advantage_origin(a: AlgorithmConfig) -> str:
     (from the rewards, when a batch is trained), or an explorer-side advantage fn with all its args (stored with
     each experience by the explorer, read back by the trainer: step_wise_grpo). The explorers and the trainer
     sharing a DB must agree (buffer.ExperienceDB.check_advantages)."""
-    if a.advantage_fn not in EXPLORER_ADVANTAGE_FNS:
+    if a.advantage_fn not in algos.EXPLORER_ADVANTAGE_FNS:
         return "the trainer"
     args = dataclasses.asdict(piece_config("advantage_fn", a.advantage_fn, a.advantage_fn_args))
     return f"the explorer: {a.advantage_fn} {json.dumps(args, sort_keys=True)}"
@@ -610,6 +612,14 @@ CONSOLE = "NANORFT_CONSOLE"  # "launcher": the launcher draws this process's con
 LAUNCHED = "NANORFT_LAUNCHED"
 
 
+def answer_help(argv: list[str], doc: str | None) -> None:
+    """`-h` / `--help`: tyro's table printed and the process ended (entry), else nothing. Each entry script calls it
+    first, before it imports torch and the rest (~5 s): configs/ loads without them (algos/__init__.py), so --help
+    answers in well under a second. `doc`: the script's docstring, whose first paragraph heads the help."""
+    if "-h" in argv or "--help" in argv:
+        entry(argv, (doc or "").split("\n\n")[0])
+
+
 def entry(argv: list[str], description: str) -> Config:
     """What every script does first: logging, config, and --dry-run (which exits). Exits 2 on a bad config."""
     logging.basicConfig(
@@ -617,6 +627,7 @@ def entry(argv: list[str], description: str) -> Config:
     )
     try:
         cfg, dry = cli(argv, description)
+        check_placeholders(dataclasses.asdict(cfg))  # before --dry-run too: what it prints would run
         logging.getLogger().setLevel(cfg.log.level)
         if os.environ.get(CONSOLE) == "launcher":  # the launcher draws the console: INFO goes to the log file only
             for handler in logging.getLogger().handlers:

@@ -19,7 +19,7 @@ import yaml
 
 from algos import REGISTRIES, ROLLOUT_RS_FNS
 from configs import ConfigError, cli, from_dict, normalize, read_yaml, resolve_stages, to_yaml
-from configs.checks import RANGES, REFUSED, WARNED
+from configs.checks import REFUSED, WARNED, ranges
 from configs.loader import ALIASES, IGNORED, VERL_MAP, command_line
 from configs.schema import Config
 from schema_reads import ARG_FIELD_PATHS, FIELD_PATHS, args_path, read_paths
@@ -211,7 +211,7 @@ def test_the_schema_walk_tells_apart_fields_shared_by_name(tmp_path):
 
 def test_the_tables_name_real_fields_and_known_trinity_keys():
     fields = {(cls, name) for cls, name, _ in schema_fields() + piece_fields() + workflow_fields()}
-    assert not [k for k in RANGES if k not in fields]
+    assert not [k for k in ranges() if k not in fields]
     args = [wf.Args for wf in WORKFLOWS.values() if wf.Args is not None]
     assert not [(cls, k) for cls in args for k in cls.RANGES if (cls, k) not in fields]
     assert not [
