@@ -409,13 +409,26 @@ def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
         metrics["critic/overlong_penalty/mean"] = shaping[rl].mean().item()
     if a.kl_penalty_fn == "none":
         batch["token_level_rewards"] = place_scores(scores, batch["response_mask"])  # [B,T]
+        batch["sequence_rewards"] = sequence_rewards(scores, batch)  # [B]
         return metrics
     kl_cfg = dataclasses.replace(p.pieces["kl_penalty_fn"][1], kl_coef=p.kl_coef["kl_penalty_fn"])
     inputs = {k: batch[k] for k in ("response_mask", "old_logprobs", "ref_logprobs")} | {"rewards": scores}
     batch["token_level_rewards"], kl_metrics = kl_penalty(inputs, kl_cfg, a.kl_penalty_fn)  # [B,T]
+    batch["sequence_rewards"] = sequence_rewards(scores, batch)  # [B]
     if kl_cfg.adaptive:  # the next step's beta, from the KL measured now (veRL's apply_kl_penalty); logged: this one's
         p.kl_coef["kl_penalty_fn"] = kl_adapt(kl_cfg.kl_coef, kl_metrics["kl"], len(scores), kl_cfg)
     return metrics | {f"critic/{k}": v for k, v in kl_metrics.items()}
+
+
+def sequence_rewards(scores: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Each response's whole reward [B]: the sum of its token-level rewards, or its score when its response_mask is
+    empty. NOTE: a response with no action tokens (cut at max_tokens and masked: mask_truncated, DAPO's overlong
+    filtering; a cut prompt) has no token to hold its score, and token_level_rewards.sum(-1) made its reward 0: its
+    group's mean and std counted a 0 instead of its reward (a group of -0.1s with one unmasked response gave that one
+    a non-zero advantage), and the trainer logged reward 0 where the explorer logged -0.1. Its reward still counts in
+    its group; it has no tokens to train."""
+    masked = ~batch["response_mask"].any(-1)  # [B] rows without one action token
+    return batch["token_level_rewards"].sum(-1) + torch.where(masked, scores.to(torch.float32), 0.0)  # [B]
 
 
 DISTILL_KEYS = ("old_logprobs", "teacher_logprobs", "has_teacher_logprobs")  # on_policy_distill, jsd
@@ -435,7 +448,7 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
         **{k: batch[k][rl] for k in DISTILL_KEYS + ("stored_advantages", "has_stored_advantages") if k in batch},
     }  # step_wise_grpo's stored advantages; the distillation advantage fns' log-probs
-    sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
+    sub["rewards"] = batch["sequence_rewards"][rl]  # [B_rl] masked rows' too (sequence_rewards)
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
     adv, adv_metrics = fn(sub, adv_cfg)
@@ -453,9 +466,10 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         batch["response_mask"][rows] = False
     valid = sub["response_mask"]
     metrics = {f"critic/{k}": v for k, v in adv_metrics.items()} | {
-        "critic/score/mean": sub["rewards"].mean().item(),
-        "critic/score/max": sub["rewards"].max().item(),
-        "critic/score/min": sub["rewards"].min().item(),
+        # the experiences' own rewards (masked or not): what the explorer logged as rollout/reward for them
+        "critic/score/mean": batch["rewards"][rl].mean().item(),
+        "critic/score/max": batch["rewards"][rl].max().item(),
+        "critic/score/min": batch["rewards"][rl].min().item(),
         "critic/advantages/mean": masked_mean(adv["advantages"], valid).item(),
         "critic/advantages/max": adv["advantages"].max().item(),
         "critic/advantages/min": adv["advantages"].min().item(),

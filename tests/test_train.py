@@ -178,13 +178,43 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
         for x in rows:
             x.advantages = None if name == "grpo" else torch.full((x.response_length,), 0.25)
         batch = batching.step_batch(rows, width=4)
-        batch["token_level_rewards"] = torch.zeros(2, 4)
+        batch["token_level_rewards"], batch["sequence_rewards"] = torch.zeros(2, 4), torch.zeros(2)
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
         train.compute_advantages(p, batch)
         assert batch["advantages"].tolist() == (
             [[0.0] * 4] * 2 if name == "grpo" else [[0.25] * 3 + [0.0], [0.25] * 2 + [0.0] * 2]
         )
+
+
+def test_a_masked_response_keeps_its_reward_in_its_group_and_in_the_logged_score():
+    """A response cut at max_tokens and masked (mask_truncated: no action tokens) still counts with its own reward in
+    its group's GRPO statistics and in critic/score (the explorer's rollout/reward); only its tokens leave the loss.
+    Hand-computed: rewards [-0.1, -0.1 (masked), 1.0, -0.1 (masked)]: mean 0.175, deviations [-0.275, -0.275, 0.825,
+    -0.275], unbiased std sqrt((3 x 0.275^2 + 0.825^2) / 3) = 0.55, so A = -0.5 and +1.5 on the unmasked rows.
+    (Before, the masked rows counted as reward 0: mean 0.225, and critic/score/mean 0.225.)"""
+    exps = experiences([(4, [3, 3, 3, 3])])
+    for x, reward, masked in zip(exps, [-0.1, -0.1, 1.0, -0.1], [False, True, False, True]):
+        x.reward = reward
+        if masked:
+            x.action_mask, x.truncate_status = torch.zeros(3, dtype=torch.bool), "response_truncated"
+    cfg = configs.Config()
+    cfg.algorithm.kl_penalty_fn = "none"  # grpo's preset (configs.derive)
+    fn, adv_cfg = ADVANTAGE_FNS["grpo"]
+    p = types.SimpleNamespace(rl=True, cfg=cfg, pieces={"advantage_fn": (fn, adv_cfg())})
+    batch = batching.step_batch(exps, width=3)
+    metrics = train.shape_rewards(p, batch) | train.compute_advantages(p, batch)
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([-0.5, 0.0, 1.5, 0.0]), atol=1e-5, rtol=0)
+    assert batch["advantages"][[1, 3]].abs().sum() == 0  # the masked rows train nothing
+    assert metrics["critic/score/mean"] == pytest.approx(0.175) and metrics["critic/score/min"] == pytest.approx(-0.1)
+    assert metrics["critic/reward_mean"] == pytest.approx(0.175)
+    # every response masked, all -0.1: the trainer's score is the explorer's -0.1, not 0; every advantage 0
+    for x in exps:
+        x.reward, x.action_mask = -0.1, torch.zeros(3, dtype=torch.bool)
+    batch = batching.step_batch(exps, width=3)
+    metrics = train.shape_rewards(p, batch) | train.compute_advantages(p, batch)
+    assert metrics["critic/score/mean"] == pytest.approx(-0.1) and metrics["critic/reward_mean"] == pytest.approx(-0.1)
+    assert batch["advantages"].abs().sum() == 0
 
 
 def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
