@@ -631,6 +631,64 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(trained, tin
         assert d.counts()["pending"] == 0
 
 
+def masked_db(path: Path, tokenizer) -> None:
+    """Two groups of four responses to grpo_db's prompt, the first claimed first: g0 rewards [-0.1, -0.1, 1.0, -0.1]
+    with its 2nd and 4th responses cut at max_tokens and masked (no action tokens, as a workflow's mask_truncated
+    writes them), g1 four masked responses of reward -0.1 (nothing in it to train)."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    resp = tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id]
+    groups = {"g0": ([-0.1, -0.1, 1.0, -0.1], [False, True, False, True]), "g1": ([-0.1] * 4, [True] * 4)}
+    with ExperienceDB(f"sqlite:///{path}") as db:
+        for group, (rewards, masked) in groups.items():
+            db.write(
+                [
+                    Experience(
+                        tokens=torch.tensor(prompt + resp),
+                        prompt_length=len(prompt),
+                        reward=reward,
+                        logprobs=torch.zeros(len(resp)),
+                        action_mask=torch.full((len(resp),), not cut),
+                        truncate_status="response_truncated" if cut else None,
+                        group_id=group,
+                        run_id=run_id,
+                        task_id=group,
+                    )
+                    for run_id, (reward, cut) in enumerate(zip(rewards, masked))
+                ]
+            )
+
+
+@pytest.mark.slow
+def test_a_step_with_nothing_to_train_is_a_named_skipped_update_with_the_explorers_reward(tmp_path, tiny_model_dir):
+    """Step 1 trains its two unmasked responses, with the masked ones' rewards in the group (advantages -0.5 and 1.5:
+    test_a_masked_response_keeps_its_reward_in_its_group_and_in_the_logged_score); step 2 has only masked responses:
+    a warning line names the skipped update and why, actor/update_skipped 1 and the running count actor/skipped_steps
+    1, no loss or gradient norm, the explorer's reward -0.1 as critic/score/mean, and the weights stay as they were."""
+    masked_db(tmp_path / "exp.db", load_tokenizer(tiny_model_dir))
+    grpo = {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-2}}
+    config = sft_config(tmp_path, tiny_model_dir, **from_db(tmp_path / "exp.db", grpo, **{"buffer.total_steps": 2}))
+    [out] = run_trains([config])
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "t"
+    one, two = read_history(job / "monitor" / "trainer.jsonl")
+    assert (one["actor/update_skipped"], one["actor/skipped_steps"]) == (0, 0) and one["actor/grad_norm"] > 0
+    assert one["critic/advantages/max"] == pytest.approx(1.5, abs=1e-4)
+    assert one["critic/advantages/min"] == pytest.approx(-0.5, abs=1e-4)
+    assert one["critic/score/mean"] == pytest.approx(0.175) and "actor/pg_loss" in one
+    assert (two["actor/update_skipped"], two["actor/skipped_steps"]) == (1, 1)
+    assert two["critic/score/mean"] == pytest.approx(-0.1) and two["critic/reward_mean"] == pytest.approx(-0.1)
+    assert not {"actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"} & set(two), sorted(two)
+    assert (
+        "train step 2: actor update skipped (actor/skipped_steps 1): none of its 4 experiences has a token to train: "
+        "4 cut at the token limit (model.max_response_tokens 64) and masked" in out.stderr
+    ), out.stderr[-3000:]
+    assert "train step 1: actor update skipped" not in out.stderr
+    a, b = weights(job, 1), weights(job, 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 # --- ppo_epochs with mini-batches, the reward KL penalty and DAPO's overlong shaping: one mode-both run, hand-checked
 
 KL_START, KL_TARGET, KL_HORIZON = 0.5, 0.01, 8  # the penalty's adaptive beta
@@ -1205,10 +1263,12 @@ def test_empty_steps_on_two_ranks_make_no_update_and_publish_their_weights(tmp_p
         db.set_explorer_state("explorer", {"step": 2, "sync_wait": 2, "written": 0, "finished": False})
     out = run_train(config, ranks=2)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "train step 1: no experiences were written for it" in out.stderr
-    assert [(m["batch/size"], m["batch/short"]) for m in read_history(job / "monitor" / "trainer.jsonl")] == [
-        (0, 1.0)
-    ] * 2
+    assert (
+        "train step 1: actor update skipped (actor/skipped_steps 1): no experiences were written for it" in out.stderr
+    )
+    history = read_history(job / "monitor" / "trainer.jsonl")
+    assert [(m["batch/size"], m["batch/short"]) for m in history] == [(0, 1.0)] * 2
+    assert [(m["actor/update_skipped"], m["actor/skipped_steps"]) for m in history] == [(1, 1), (1, 2)]
     start = load_model(tiny_model_dir).state_dict()
     for step in (1, 2):
         published = load_model(str(sync.weights_path(job, step))).state_dict()
