@@ -5,8 +5,9 @@
     mon.close()
 
 Every metric goes to three places:
-- the console (`Console`): on a terminal a tqdm bar per process (step/total, reward or loss, eval accuracy,
-  tokens/s, s/step, ETA), elsewhere one short line per step; and one line per evaluation (`[explorer] eval step 20:
+- the console (`Console`): on a terminal a tqdm bar per process (step/total, `headline`: reward, policy loss,
+  entropy, eval accuracy, tokens/s, s/step; rate and ETA from the end of the first step), elsewhere one short line
+  per step ending in the elapsed time and an ETA (`Pace`); and one line per evaluation (`[explorer] eval step 20:
   arith_test accuracy 0.785`). Under the launcher on a terminal, the launcher draws every process's bar from their
   histories (`HistoryTail`). The short lines and the full `key=value` line go to `<job dir>/log/<role>.log`
   (`role_log_file`), with every log record;
