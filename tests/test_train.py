@@ -1110,6 +1110,7 @@ def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
         device="cpu",
         pieces={"policy_loss_fn": (None, off), "kl_loss_fn": (None, off), "kl_penalty_fn": (None, off)},
         kl_coef={},
+        skipped=0,
     )
     train.update(p, batch, plan, 1)
     assert seen["actor/"][1] == [1] * 6 and seen["critic/"][1] == [4, 2]  # sequences per micro-batch
