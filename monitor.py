@@ -5,8 +5,9 @@
     mon.close()
 
 Every metric goes to three places:
-- the console (`Console`): on a terminal a tqdm bar per process (step/total, reward or loss, eval accuracy,
-  tokens/s, s/step, ETA), elsewhere one short line per step; and one line per evaluation (`[explorer] eval step 20:
+- the console (`Console`): on a terminal a tqdm bar per process (step/total, `headline`: reward, policy loss,
+  entropy, eval accuracy, tokens/s, s/step; rate and ETA from the end of the first step), elsewhere one short line
+  per step ending in the elapsed time and an ETA (`Pace`); and one line per evaluation (`[explorer] eval step 20:
   arith_test accuracy 0.785`). Under the launcher on a terminal, the launcher draws every process's bar from their
   histories (`HistoryTail`). The short lines and the full `key=value` line go to `<job dir>/log/<role>.log`
   (`role_log_file`), with every log record;
@@ -66,6 +67,7 @@ class Monitor:
 
     def __init__(self, cfg: Config, role: str) -> None:
         self.role, self.total = role, cfg.buffer.total_steps or cfg.trainer.total_steps  # shown as step/total
+        self.start = time.monotonic()  # the console's elapsed time counts from here (Pace)
         self.dir = Path(cfg.checkpoint_job_dir, "monitor")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.history = History(self.dir / f"{role}.jsonl")  # appends across restarts
@@ -117,7 +119,7 @@ class Monitor:
             if isinstance(v, str):
                 self.file_log.info("[%s] %s: %s", self.role, k, v)
         if self.console is None and os.environ.get(CONSOLE) != "launcher":  # made here: `total` is known by now
-            self.console = Console({self.role: self.total}, bars=bars_wanted())
+            self.console = Console({self.role: self.total}, bars=bars_wanted(), start=self.start)
         if self.console is not None:
             self.console.step(self.role, step, numbers, self.total)
 
@@ -492,22 +494,28 @@ def mlflow_key(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9_\-. /]", "_", key)
 
 
-# What a person watches, in this order: the first key matching each pattern is shown (the rest are in the history,
-# tensorboard / wandb and the role's log file).
+# What a person watches, in this order: for each name, the first key matching its first pattern that matches any,
+# in sorted order (the rest are in the history, tensorboard / wandb and the role's log file). reward: the explorer's
+# rollout reward, the trainer's mean reward of the step's experiences (critic/score/mean: the same number for the same
+# experiences, masked or not). loss: the policy loss (veRL's actor/pg_loss; mix's usual part; else the loss's own
+# <name>_loss: sft_loss, dpo_loss, opmd_loss, a registered loss's), never the entropy or KL term (NOTE: a bare
+# actor/*_loss pattern took actor/entropy_loss, alphabetically first, for every ppo-family loss). entropy: its own.
 HEADLINE = (
-    ("reward", r"^(rollout/reward/mean|critic/reward_mean)$"),
-    ("loss", r"^actor/\w*_loss$"),
-    ("acc", r"^(eval|bench)/[^/]+/accuracy/mean@\d+$"),
-    ("tok/s", r"^(rollout/tokens_per_s|perf/throughput)$"),
-    ("s/step", r"^time/(step|rollout)$"),
+    ("reward", (r"^rollout/reward/mean$", r"^critic/score/mean$")),
+    ("loss", (r"^actor/pg_loss$", r"^actor/usual/pg_loss$", r"^actor/(?!entropy_loss$|kl_loss$)\w+_loss$")),
+    ("entropy", (r"^actor/entropy$",)),
+    ("acc", (r"^(eval|bench)/[^/]+/accuracy/mean@\d+$",)),
+    ("tok/s", (r"^(rollout/tokens_per_s|perf/throughput)$",)),
+    ("s/step", (r"^time/(step|rollout)$",)),
 )
 
 
 def headline(numbers: dict[str, float]) -> str:
-    """The console's line of a step: a few numbers, e.g. `reward 0.54 loss 0.0174 tok/s 7456 s/step 3.1`."""
+    """The console's line of a step: a few numbers, e.g. `reward 0.54 loss 0.0174 entropy 5.21 tok/s 7456 s/step
+    3.1`."""
     out = []
-    for name, pattern in HEADLINE:
-        key = next((k for k in sorted(numbers) if re.match(pattern, k)), None)
+    for name, patterns in HEADLINE:
+        key = next((k for pattern in patterns for k in sorted(numbers) if re.match(pattern, k)), None)
         if key is not None:
             out.append(f"{name} {numbers[key]:.4g}")
     return " ".join(out) or f"{len(numbers)} metrics"
@@ -557,13 +565,61 @@ def bars_wanted(stream: TextIO | None = None) -> bool:
         return True
 
 
+class Pace:
+    """One role's elapsed time and ETA. NOTE: the ETA counts from the end of the first step seen (step 1, or a resumed
+    run's first; not an explorer's step 0, its evaluation before training): the start-up before it (models, engines,
+    the first sync: ~30 s of the tiny run) is not a step's time, and counted as one it made the first ETAs several
+    times too long. `start`: when the process (or the launcher's stage) started, for the elapsed time."""
+
+    def __init__(self, start: float) -> None:
+        self.start = start
+        self.first: tuple[float, int] | None = None  # (time, step) at the end of the first step seen
+
+    def mark(self, step: int, now: float) -> bool:
+        """Note that `step` ended at `now`; True for the first step that starts the steady state."""
+        if self.first is None and step >= 1:
+            self.first = (now, step)
+            return True
+        return False
+
+    def eta(self, step: int, total: int | None, now: float) -> float | None:
+        """Seconds left: the mean time of the steps since the first times the steps left (None before a second)."""
+        if self.first is None or not total or step <= self.first[1]:
+            return None
+        t0, s0 = self.first
+        return (now - t0) / (step - s0) * max(total - step, 0)
+
+    def text(self, step: int, total: int | None, now: float) -> str:
+        """`elapsed 1:02 eta 3:45` (no eta before the second step seen)."""
+        eta = self.eta(step, total, now)
+        return f"elapsed {clock(now - self.start)}" + ("" if eta is None else f" eta {clock(eta)}")
+
+
+def clock(seconds: float) -> str:
+    """Seconds as M:SS, or H:MM:SS from an hour: 75 -> 1:15, 3725 -> 1:02:05."""
+    m, s = divmod(int(round(max(seconds, 0.0))), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
 class Console:
     """What a person watching the run sees. With `bars`: one tqdm bar per role (step/total, the headline numbers,
     ETA), evaluation lines and every log record printed above the bars. Without: one line per step and per
-    evaluation on stderr. Console only: the log files get their lines from `Monitor`."""
+    evaluation on stderr, the step's line ending in the elapsed time and the ETA (`Pace`). Console only: the log files
+    get their lines from `Monitor`. `start`: when the process started (time.monotonic(); default now), `clock`: the
+    time (tests)."""
 
-    def __init__(self, totals: dict[str, int | None], bars: bool, file: TextIO | None = None) -> None:
-        self.file = file or sys.stderr
+    def __init__(
+        self,
+        totals: dict[str, int | None],
+        bars: bool,
+        file: TextIO | None = None,
+        start: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.file, self.clock = file or sys.stderr, clock
+        start = clock() if start is None else start
+        self.paces = {role: Pace(start) for role in totals}
         self.bars: dict[str, tqdm] = {}
         self.redirect = logging_redirect_tqdm() if bars else None  # log records above the bars, not through them
         if self.redirect is not None:
@@ -576,17 +632,22 @@ class Console:
             }
 
     def step(self, role: str, step: int, numbers: dict[str, float], total: int | None = None) -> None:
-        lines = console_lines(role, step, total, numbers)
+        lines, now = console_lines(role, step, total, numbers), self.clock()
+        pace = self.paces.setdefault(role, Pace(now))
+        first = pace.mark(step, now)
         bar = self.bars.get(role)
         if bar is None:
+            lines[0] += " " + pace.text(step, total, now)
             self.note(*(f"{time.strftime('%H:%M:%S')} {line}" for line in lines))
             return
         if total and bar.total != total:
             bar.total = total
-        if bar.n == 0 and step > 1:  # a resumed run: the rate and ETA count from here
-            bar.n = bar.initial = bar.last_print_n = step - 1
         bar.set_postfix_str(headline(numbers), refresh=False)
-        bar.update(max(step - bar.n, 0))
+        if first:  # NOTE: the rate and ETA count from the end of this step (Pace), not from the bar's start-up
+            bar.n = bar.initial = bar.last_print_n = step
+            bar.start_t = bar.last_print_t = bar._time()  # tqdm's own clock (its attribute; no public reset keeps n)
+        else:
+            bar.update(max(step - bar.n, 0))
         bar.refresh()
         self.note(*lines[1:])
 

@@ -138,6 +138,7 @@ class Source:
 
     def __init__(self, cfg: configs.Config, tokenizer, rank: int, device: torch.device) -> None:
         self.cfg, self.rank, self.device, self.ended, self.short = cfg, rank, device, False, False
+        self.waits = sync.WaitNotes()  # how long the trainer's waits for experiences usually are (their log lines)
         eb, aux = cfg.buffer.trainer_input.experience_buffer, cfg.buffer.trainer_input.auxiliary_buffers
         self.examples: list[list[Experience]] = []  # file data: one row's experiences (a DPO pair: chosen, rejected)
         self.expert: list[list[Experience]] = []  # the auxiliary buffer's examples (mix)
@@ -280,7 +281,9 @@ class Source:
             waiting=self.waiting(step),
             min_version=want.get("min_version", 0),
         )
+        start = time.monotonic()
         got, self.dropped_groups = claim(n), 0
+        self.waits.end(time.monotonic() - start)
         for _ in range(want.get("refill_rounds", 0)):  # dynamic sampling: replace groups whose rewards tie
             tied = tied_groups([x.group_id or str(x.id) for x in got], [x.reward for x in got])
             kept = [x for x in got if (x.group_id or str(x.id)) not in tied]
@@ -308,10 +311,13 @@ class Source:
         )
 
     def waiting(self, step: int) -> Callable[[int, float], bool]:
-        """The claim's `waiting` callback: a log line every 30 s, and "no more will come" once every explorer that
-        wrote to the DB has finished (`ended`), or has reached the sync point that waits for this step's weights
-        (sync.holds, by the state it wrote with its last step): the step is `short`, its batch what is there."""
-        eb, next_note = self.cfg.buffer.trainer_input.experience_buffer, [5.0]
+        """The claim's `waiting` callback: the trainer's status "waiting" in the DB after 5 s and every 30 s, a log
+        line saying what it waits for (INFO only when the wait is longer than usual: sync.WaitNotes, else DEBUG),
+        and "no more will come" once every explorer that wrote to the DB has finished (`ended`), or has reached the
+        sync point that waits for this step's weights (sync.holds, by the state it wrote with its last step): the step
+        is `short`, its batch what is there."""
+        eb, next_status = self.cfg.buffer.trainer_input.experience_buffer, [5.0]
+        self.waits.begin()
 
         def check(have: int, waited: float) -> bool:
             states = self.db.explorer_states()
@@ -330,10 +336,12 @@ class Source:
                     "" if have else " (nothing: no update, its weights published as they are)",
                 )
                 return True
-            if waited >= next_note[0]:
-                next_note[0] = waited + 30
+            if waited >= next_status[0]:
+                next_status[0] = waited + 30
                 self.db.set_trainer_status(step - 1, "waiting")
-                log.info(
+            if (level := self.waits.level(waited)) is not None and log.isEnabledFor(level):  # explorers(): a query
+                log.log(
+                    level,
                     "train step %d: waiting for experiences: %d of %d ready after %.0f s (gives up after "
                     "max_read_timeout %g s); explorers: %s",
                     step,

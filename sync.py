@@ -46,8 +46,10 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -381,12 +383,52 @@ def trainer_state(db: Any) -> str:
     return f"trainer at step {t['step']}, {t['status']}, last seen {time.time() - t['time']:.0f} s ago (pid {t['pid']})"
 
 
-def wait_for_trainer(job: str, db: Any, want: int, step: int, timeout: float) -> tuple[int, str, int]:
+class WaitNotes:
+    """The log lines of one kind of wait that is the normal rhythm of a run (the explorer's for the trainer's
+    weights, the trainer's for experiences: in mode both each side waits for the other every step). A wait is said
+    at INFO once it is longer than usual, then every `every` s while it lasts; before that (and when the log level is
+    DEBUG) at DEBUG, at its start and every `every` s. Longer than usual: over 3x the median of this process's
+    waits of that kind so far (the last 200), and at least `floor` s (the first wait: `floor`).
+    NOTE: at INFO every sync point's wait was a line: 1.7 of every 3.7 console lines of a redirected mode-both run."""
+
+    def __init__(self, floor: float = 5.0, every: float = 30.0) -> None:
+        self.past: deque[float] = deque(maxlen=200)  # the seconds of the waits that ended
+        self.floor, self.every = floor, every
+        self.next_note, self.loud = 0.0, False
+
+    def usual(self) -> float:
+        """Seconds past which a wait is longer than usual."""
+        return max(self.floor, 3 * statistics.median(self.past)) if self.past else self.floor
+
+    def begin(self) -> None:
+        """A new wait starts."""
+        self.next_note, self.loud = 0.0, False
+
+    def level(self, waited: float) -> int | None:
+        """The level of a line `waited` s into this wait (logging.INFO or DEBUG), or None: no line now."""
+        if not self.loud and waited >= self.usual():
+            self.loud, self.next_note = True, waited + self.every
+            return logging.INFO
+        if waited < self.next_note:
+            return None
+        self.next_note = waited + self.every
+        return logging.INFO if self.loud else logging.DEBUG
+
+    def end(self, waited: float) -> None:
+        """This wait ended after `waited` s: it counts in what is usual."""
+        self.past.append(waited)
+
+
+def wait_for_trainer(
+    job: str, db: Any, want: int, step: int, timeout: float, notes: WaitNotes | None = None
+) -> tuple[int, str, int]:
     """Checkpoint sync: block until the trainer has published weights of version >= want (polling
     latest_state_dict_iteration.txt every 10 ms: a read of one small file). (that version, "", 0), or
     (0, why not, exit code): 0 when the trainer has finished (no newer weights will come), 1 when `timeout`
-    (sync_timeout) ran out."""
-    start, next_note = time.monotonic(), 0.0
+    (sync_timeout) ran out. The line saying what it waits for is INFO only when the wait is longer than usual
+    (`notes`: the explorer's waits so far), else DEBUG."""
+    start, notes = time.monotonic(), notes or WaitNotes()
+    notes.begin()
     while (have := latest_version(job)) < want:
         waited = time.monotonic() - start
         trainer = db.trainer_status()
@@ -398,9 +440,9 @@ def wait_for_trainer(job: str, db: Any, want: int, step: int, timeout: float) ->
                 f"no weights of step {want} after {timeout:g} s (synchronizer.sync_timeout); {trainer_state(db)}",
                 1,
             )
-        if waited >= next_note:
-            next_note = waited + 30
-            log.info(
+        if (level := notes.level(waited)) is not None and log.isEnabledFor(level):  # trainer_state(): a query
+            log.log(
+                level,
                 "sync point after step %d: waiting for the trainer's weights of step %d (newest: %d) in %s; %s",
                 step,
                 want,
@@ -409,6 +451,7 @@ def wait_for_trainer(job: str, db: Any, want: int, step: int, timeout: float) ->
                 trainer_state(db),
             )
         time.sleep(0.01)
+    notes.end(time.monotonic() - start)
     return have, "", 0
 
 
@@ -448,6 +491,7 @@ class ExplorerSync:
         self.cfg, self.db, self.engine = cfg, db, engine
         self.receiver: wire.WeightLink | None = None  # the process-group link to the trainer, opened at its first use
         self.joined = False  # whether a vLLM pool's workers joined this link's group
+        self.waits = WaitNotes()  # how long this explorer's waits for weights usually are (their log lines)
 
     def resume(self, step: int) -> int | None:
         """Mode both, an explorer restarted after step `step`: before its first rollout, the weights of the last
@@ -528,7 +572,7 @@ class ExplorerSync:
         version = latest_version(job)
         want = {"fixed": fixed, "explorer_driven": self.engine.model_version + 1}.get(s.sync_style, 0)
         if version < want:
-            version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout)
+            version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout, self.waits)
             if not version:
                 (log.error if code else log.info)(
                     "explorer %s stops after step %d: %s.%s",
@@ -547,7 +591,7 @@ class ExplorerSync:
         """The published weights of version `want` or newer, into the engine (waited for): ("", 0), or (why not, exit
         code: 0 when the trainer finished first)."""
         job, s = self.cfg.checkpoint_job_dir, self.cfg.synchronizer
-        version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout)
+        version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout, self.waits)
         if version and (loaded := load_published(self.engine, job, version)) < want:  # its retry took an older folder
             return f"the newest weights published, of step {loaded}, are older", 1
         return why, code

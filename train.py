@@ -139,6 +139,7 @@ class Parts:
     sender: wire.WeightLink | None  # process-group weight sync (rank 0)
     monitor: Monitor | None  # rank 0
     transfer: Any = None  # the trainer's side of vLLM engines' weight-transfer engine (every rank), at the first send
+    skipped: int = 0  # train steps of this process whose actor made no optimizer step (actor/skipped_steps)
 
     @property
     def rl(self) -> bool:  # offline losses (sft, dpo) need neither old log-probs nor advantages
@@ -418,13 +419,26 @@ def shape_rewards(p: Parts, batch: dict) -> dict[str, float]:
     batch["scores"] = scores  # [B] (veRL's token_level_scores, summed: critic/score/*)
     if a.kl_penalty_fn == "none":
         batch["token_level_rewards"] = place_scores(scores, batch["response_mask"])  # [B,T]
+        batch["sequence_rewards"] = sequence_rewards(scores, batch)  # [B]
         return metrics
     kl_cfg = dataclasses.replace(p.pieces["kl_penalty_fn"][1], kl_coef=p.kl_coef["kl_penalty_fn"])
     inputs = {k: batch[k] for k in ("response_mask", "old_logprobs", "ref_logprobs")} | {"rewards": scores}
     batch["token_level_rewards"], kl_metrics = kl_penalty(inputs, kl_cfg, a.kl_penalty_fn)  # [B,T]
+    batch["sequence_rewards"] = sequence_rewards(scores, batch)  # [B]
     if kl_cfg.adaptive:  # the next step's beta, from the KL measured now (veRL's apply_kl_penalty); logged: this one's
         p.kl_coef["kl_penalty_fn"] = kl_adapt(kl_cfg.kl_coef, kl_metrics["kl"], len(scores), kl_cfg)
     return metrics | {f"critic/{k}": v for k, v in kl_metrics.items()}
+
+
+def sequence_rewards(scores: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Each response's whole reward [B]: the sum of its token-level rewards, or its score when its response_mask is
+    empty. NOTE: a response with no action tokens (cut at max_tokens and masked: mask_truncated, DAPO's overlong
+    filtering; a cut prompt) has no token to hold its score, and token_level_rewards.sum(-1) made its reward 0: its
+    group's mean and std counted a 0 instead of its reward (a group of -0.1s with one unmasked response gave that one
+    a non-zero advantage), and the trainer logged reward 0 where the explorer logged -0.1. Its reward still counts in
+    its group; it has no tokens to train."""
+    masked = ~batch["response_mask"].any(-1)  # [B] rows without one action token
+    return batch["token_level_rewards"].sum(-1) + torch.where(masked, scores.to(torch.float32), 0.0)  # [B]
 
 
 DISTILL_KEYS = ("old_logprobs", "teacher_logprobs", "has_teacher_logprobs")  # on_policy_distill, jsd
@@ -444,7 +458,7 @@ def compute_advantages(p: Parts, batch: dict) -> dict[str, float]:
         "episode_index": batch["episode_index"][rl].unique(return_inverse=True)[1],  # episodes 0..E-1
         **{k: batch[k][rl] for k in DISTILL_KEYS + ("stored_advantages", "has_stored_advantages") if k in batch},
     }  # step_wise_grpo's stored advantages; the distillation advantage fns' log-probs
-    sub["rewards"] = sub["token_level_rewards"].sum(-1)  # [B_rl]
+    sub["rewards"] = batch["sequence_rewards"][rl]  # [B_rl] masked rows' too (sequence_rewards)
     if "values" in batch:
         sub["values"] = batch["values"][rl]  # [B_rl,T]
     adv, adv_metrics = fn(sub, adv_cfg)
@@ -520,7 +534,8 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     a, t = p.cfg.algorithm, p.cfg.trainer
     sums = update_critic(p, batch, plan, step) if p.critic is not None else {}
     norms, skipped = [], 0
-    if p.critic is None or step > t.critic_warmup:  # critic_warmup: the first steps train the critic alone
+    trains = p.critic is None or step > t.critic_warmup  # critic_warmup: the first steps train the critic alone
+    if trains:
         actor_sums, norms, skipped = optimize(
             p,
             model=p.actor,
@@ -539,11 +554,53 @@ def update(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
     keys = sorted(sums)
     metrics = dict(zip(keys, reduce_sum([sums[k] for k in keys], p.device)))
     adapt_kl(p, metrics, len(batch["rewards"]))
-    return metrics | {
-        "actor/lr": lr_at(step, a.optimizer, p.total),
-        "actor/skipped_steps": skipped,
-        "actor/grad_norm": sum(norms) / max(len(norms), 1),
+    metrics |= {"actor/lr": lr_at(step, a.optimizer, p.total), "actor/nonfinite_grad_steps": skipped}
+    if norms:  # NOTE: no optimizer step, no gradient norm (not 0: a 0 reads as a converged model)
+        metrics["actor/grad_norm"] = sum(norms) / len(norms)
+    return metrics | skip_metrics(p, trains and not norms)
+
+
+def skip_metrics(p: Parts, skipped: bool) -> dict[str, float]:
+    """actor/update_skipped (1: this step's actor made no optimizer step: nothing to train, no experiences, or every
+    gradient norm not finite) and actor/skipped_steps (how many steps of this process did so far: a resumed trainer
+    counts from its resume)."""
+    p.skipped += skipped
+    return {"actor/update_skipped": float(skipped), "actor/skipped_steps": p.skipped}
+
+
+def nothing_to_train(p: Parts, exps: list[Experience], metrics: dict[str, float], step: int) -> None:
+    """The line of a step whose actor made no optimizer step (update()'s actor/update_skipped), saying why: no
+    experience had a token to train (each counted by its reason), or every gradient norm was not finite."""
+    if p.rank != 0 or not metrics.get("actor/update_skipped"):
+        return
+    n = metrics["actor/skipped_steps"]
+    if metrics.get("actor/nonfinite_grad_steps"):
+        why = f"every optimizer step's gradient norm was not finite ({metrics['actor/nonfinite_grad_steps']:g})"
+    else:
+        why = f"none of its {len(exps)} experiences has a token to train: " + untrainable(p, exps)
+    log.warning("train step %d: actor update skipped (actor/skipped_steps %d): %s", step, n, why)
+
+
+def untrainable(p: Parts, exps: list[Experience]) -> str:
+    """Why the experiences of a step have no token to train, counted: a cut prompt, a response cut at the token limit
+    and masked (mask_truncated), no action tokens otherwise, or a group the advantage function filtered out."""
+    reasons = {
+        "prompt_truncated": "with a prompt cut to model.max_prompt_tokens",
+        "masked": f"cut at the token limit (model.max_response_tokens {p.cfg.model.max_response_tokens}) and masked "
+        "(the workflow's mask_truncated: DAPO's overlong filtering)",
+        "no_action": "with no action tokens",
+        "filtered": "in groups the advantage function filtered out (advantage_fn_args.std_threshold)",
     }
+    counts = dict.fromkeys(reasons, 0)
+    for x in exps:
+        empty = x.action_mask is not None and not bool(x.action_mask.any())
+        if x.truncate_status == "prompt_truncated":
+            counts["prompt_truncated"] += 1
+        elif empty:
+            counts["masked" if x.truncate_status == "response_truncated" else "no_action"] += 1
+        else:
+            counts["filtered"] += 1
+    return ", ".join(f"{n} {reasons[k]}" for k, n in counts.items() if n) + "; the weights stay as they were"
 
 
 def update_critic(p: Parts, batch: dict, plan: list, step: int) -> dict[str, float]:
@@ -759,10 +816,15 @@ def log_step(p: Parts, exps: list[Experience], batch: dict, metrics: dict[str, f
 
 def log_empty_step(p: Parts, metrics: dict[str, float], step: int) -> None:
     """An empty step (every task of its explorer step dropped): no update, and the step still counts, its weights
-    published as they are (publish), so that the explorer waiting for them goes on. Logged as batch/size 0."""
+    published as they are (publish), so that the explorer waiting for them goes on. Logged as batch/size 0 and a
+    skipped update (skip_metrics)."""
+    metrics |= skip_metrics(p, True)
     if p.rank == 0:
         log.warning(
-            "train step %d: no experiences were written for it; no update, its weights published unchanged", step
+            "train step %d: actor update skipped (actor/skipped_steps %d): no experiences were written for it; its "
+            "weights published unchanged",
+            step,
+            metrics["actor/skipped_steps"],
         )
     if p.monitor is not None:
         p.monitor.log(metrics | {"batch/size": 0}, step=step)
@@ -847,6 +909,7 @@ def train(cfg: configs.Config) -> int:
                 # --- update
                 with timer(timing, "time/update"):
                     metrics |= update(p, batch, plan, step)
+                nothing_to_train(p, exps, metrics, step)
             # --- publish the weights for the explorer, then checkpoint
             with timer(timing, "time/sync"):
                 weights = publish(p, step)

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from algos import POLICY_LOSS_FNS
 from buffer import Experience
 from configs.schema import Config
 from helpers import fill, fork_context, mlflow_runs
@@ -24,6 +25,7 @@ from monitor import (
     Monitor,
     bars_wanted,
     close_log_file,
+    headline,
     log_to_file,
     preview,
     read_history,
@@ -45,7 +47,7 @@ def test_history_console_and_tensorboard(tmp_path, capsys, caplog):
     mon.close()
     # the console (not a terminal here): a short line; the role's log file: every record, and the full metric line
     err = capsys.readouterr().err
-    assert re.search(r"^\d\d:\d\d:\d\d \[explorer\] step 1 reward 0.25 s/step 1.5$", err, re.M), err
+    assert re.search(r"^\d\d:\d\d:\d\d \[explorer\] step 1 reward 0.25 s/step 1.5 elapsed 0:00$", err, re.M), err
     assert "rollout/reward/mean=0.25" not in err
     logged = (tmp_path / "job/log/explorer.log").read_text()
     assert re.search(r"\[explorer\] step 1 perf/max_rss_gb=[0-9.]+ rollout/reward/mean=0.25 time/step=1.5", logged)
@@ -79,11 +81,107 @@ def test_console_shows_step_of_total_and_a_line_per_evaluation(tmp_path, capsys,
     mon.close()
     lines = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines()]
     assert lines == [
-        "[explorer] step 20/20 reward 0.5 acc 0.785 tok/s 7456",
+        "[explorer] step 20/20 reward 0.5 acc 0.785 tok/s 7456 elapsed 0:00",
         "[explorer] eval step 20: arith_test accuracy 0.785, other reward 0.250",
     ]
     logged = (tmp_path / "job/log/explorer.log").read_text()
     assert "x/m49=49" in logged and lines[1] in logged
+
+
+def loss_batch(B: int = 4, T: int = 5) -> dict:
+    """A batch every registered policy loss can read (log-probs, advantages, masks, the pieces some need)."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "old_logprobs": -torch.rand(B, T, generator=g),
+        "ref_logprobs": -torch.rand(B, T, generator=g),
+        "advantages": torch.randn(B, T, generator=g),
+        "response_mask": torch.ones(B, T),
+        "rewards": torch.rand(B, generator=g),
+        "group_index": torch.arange(B) // 2,
+        "episode_index": torch.arange(B),
+        "expert_mask": torch.tensor([0.0, 1.0] * (B // 2))[:, None].expand(B, T).clone(),  # mix: both parts
+        "step": torch.full((B,), 3),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSS_FNS))
+def test_the_headline_loss_is_the_policy_loss_of_every_registered_loss_and_the_entropy_is_named(name):
+    """The trainer's headline `loss` is the policy loss the registered loss reports (veRL's pg_loss; mix's usual
+    part; else its own <name>_loss), never actor/entropy_loss (alphabetically first: it was shown as the loss, 5.547
+    every step of a GRPO run) nor actor/kl_loss; the entropy shows as `entropy`."""
+    fn, cfg_cls = POLICY_LOSS_FNS[name]
+    batch = loss_batch()
+    _, metrics = fn(batch["old_logprobs"] + 0.1, batch, cfg_cls(), "token-mean")
+    own = "pg_loss" if "pg_loss" in metrics else "usual/pg_loss" if "usual/pg_loss" in metrics else None
+    own = own or next(k for k in metrics if k.endswith("_loss"))
+    numbers = {f"actor/{k}": v for k, v in metrics.items()}
+    numbers |= {"actor/entropy_loss": 5.547, "actor/kl_loss": 0.0123, "actor/entropy": 5.5, "critic/score/mean": -0.1}
+    line = headline(numbers)
+    assert line.startswith(f"reward -0.1 loss {metrics[own]:.4g} entropy 5.5"), (name, line)
+    assert "5.547" not in line and "0.0123" not in line
+
+
+def test_the_headline_reward_is_the_same_number_for_the_explorer_and_the_trainer():
+    """The explorer's rollout/reward/mean and the trainer's critic/score/mean (the mean reward of the step's
+    experiences) show as `reward`; critic/reward_mean (the advantage function's, after a KL penalty) does not."""
+    assert headline({"rollout/reward/mean": -0.1, "time/rollout": 2.0}) == "reward -0.1 s/step 2"
+    trainer = {"critic/reward_mean": -0.13, "critic/score/mean": -0.1, "actor/pg_loss": 0.0, "actor/entropy": 5.5}
+    assert headline(trainer) == "reward -0.1 loss 0 entropy 5.5"
+
+
+def test_the_short_line_has_the_elapsed_time_and_an_eta_from_the_steps_after_the_first(capsys, caplog):
+    """Without bars: each step's line ends in `elapsed M:SS` (since the process started) and, from the second step
+    seen, `eta M:SS` from the mean time of the steps after the first (the first took the start-up too: 30 s of
+    start-up then 2 s steps give eta 2 s x the steps left, not 32 s x ...). A resumed run counts from its first step,
+    an explorer's step 0 (its evaluation before training) starts nothing."""
+    caplog.set_level(logging.INFO, logger="nanorft.monitor")
+    now = [100.0]
+    console = Console({"trainer": 10, "explorer": 10}, bars=False, start=100.0, clock=lambda: now[0])
+    for t, role, step in [
+        (101.0, "explorer", 0),
+        (130.0, "trainer", 1),
+        (131.0, "explorer", 1),
+        (132.0, "trainer", 2),
+        (134.0, "trainer", 3),
+        (137.0, "explorer", 2),
+        (3700.0, "trainer", 4),
+    ]:
+        now[0] = t
+        console.step(role, step, {"actor/pg_loss": 0.5} if role == "trainer" else {"rollout/reward/mean": 0.5}, 10)
+    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().err.splitlines()]
+    assert lines == [
+        "[explorer] step 0/10 reward 0.5 elapsed 0:01",
+        "[trainer] step 1/10 loss 0.5 elapsed 0:30",
+        "[explorer] step 1/10 reward 0.5 elapsed 0:31",
+        "[trainer] step 2/10 loss 0.5 elapsed 0:32 eta 0:16",  # 2 s a step since step 1, 8 steps left
+        "[trainer] step 3/10 loss 0.5 elapsed 0:34 eta 0:14",
+        "[explorer] step 2/10 reward 0.5 elapsed 0:37 eta 0:48",  # 6 s a step since its step 1
+        "[trainer] step 4/10 loss 0.5 elapsed 1:00:00 eta 1:59:00",  # (3700 - 130) / 3 = 1190 s x 6 left
+    ]
+    resumed = Console({"trainer": 30}, bars=False, start=0.0, clock=lambda: now[0])
+    for now[0], step in [(40.0, 21), (43.0, 22)]:
+        resumed.step("trainer", step, {}, 30)
+    assert capsys.readouterr().err.splitlines()[1].endswith("[trainer] step 22/30 0 metrics elapsed 0:43 eta 0:24")
+
+
+def test_the_bars_rate_and_eta_leave_out_the_start_up(monkeypatch):
+    """On a terminal: the bar's rate and ETA count from the end of the first step, so 30 s of start-up before step 1
+    and 2 s steps after it show 0.5 step/s and an ETA of 2 s x the steps left (tqdm counted the start-up as step 1's
+    time: 0.06 step/s)."""
+    import tqdm.std
+
+    now = [0.0]
+    monkeypatch.setattr(tqdm.std, "time", lambda: now[0])  # the bar's clock
+    screen = Terminal()
+    console = Console({"trainer": 10}, bars=True, file=screen, start=0.0, clock=lambda: now[0])
+    try:
+        for now[0], step in [(30.0, 1), (32.0, 2), (34.0, 3)]:
+            console.step("trainer", step, {"actor/pg_loss": 0.5}, 10)
+        bar = console.bars["trainer"]
+        shown = bar.format_meter(**bar.format_dict)
+    finally:
+        console.close()
+    assert re.search(r" 3/10 \[00:04<00:14, +2\.00s/step", shown), shown
 
 
 def test_log_to_file_takes_every_record_until_closed(tmp_path):

@@ -2,6 +2,7 @@
 process group (real trainer/explorer processes over gloo: bitwise load, stop, and clear errors, never hangs)."""
 
 import json
+import logging
 import os
 import re
 import socket
@@ -25,6 +26,52 @@ from helpers import Entry, both_config, launch, rollout_logprob_gap, start_entry
 
 # NOTE: models, engines, transformers and monitor are imported where used: this file is also the peer process of the
 # process-group tests, and the peers that need only wire start ~3 s of CPU sooner without them
+
+
+def test_wait_notes_are_info_only_when_a_wait_is_longer_than_usual():
+    """The rhythm's waits (the explorer's for weights, the trainer's for experiences) are DEBUG lines (at the start,
+    every 30 s); INFO once a wait passes 3x the median of the waits so far (at least the floor), then every 30 s."""
+    notes = sync.WaitNotes(floor=5.0, every=30.0)
+    notes.begin()  # the first wait: nothing usual yet, so the floor
+    assert [notes.level(t) for t in (0, 1, 4.9, 5, 6, 34, 35, 36)] == [
+        logging.DEBUG, None, None, logging.INFO, None, None, logging.INFO, None,
+    ]  # fmt: skip
+    notes.end(40.0)  # usual now: 3 x 40 = 120 s
+    notes.begin()
+    assert [notes.level(t) for t in (0, 29, 30, 60, 89, 90, 119, 120, 149, 150)] == [
+        logging.DEBUG, None, logging.DEBUG, logging.DEBUG, None, logging.DEBUG, None, logging.INFO, None, logging.INFO,
+    ]  # fmt: skip
+    for _ in range(4):
+        notes.end(2.0)  # the waits so far: 40, 2, 2, 2, 2: median 2 s, so 3 x 2 = 6 s
+    assert notes.usual() == 6.0
+    notes.end(1.0)
+    notes.end(1.0)  # 40, 2, 2, 2, 2, 1, 1: median 2, still 6 s
+    assert notes.usual() == 6.0
+    for _ in range(10):
+        notes.end(0.1)  # median 0.1 s: 3 x 0.1 is under the floor, which stays
+    assert notes.usual() == 5.0
+
+
+def test_a_usual_wait_for_weights_is_a_debug_line_and_a_long_one_info(tmp_path, caplog):
+    """The explorer's wait at a checkpoint sync point: at INFO every sync point's wait was a line (the rhythm of
+    mode both); now a wait as long as usual is said at DEBUG only, one longer than usual at INFO."""
+    import types
+
+    db = types.SimpleNamespace(trainer_status=lambda: None)  # what the line reads of the DB: no trainer yet
+    notes = sync.WaitNotes(floor=0.2)
+    caplog.set_level(logging.DEBUG, logger="nanorft.sync")
+    timer = threading.Timer(0.05, lambda: (tmp_path / sync.POINTER).write_text("1"))
+    timer.start()
+    assert sync.wait_for_trainer(str(tmp_path), db, 1, step=1, timeout=30, notes=notes) == (1, "", 0)
+    timer.join()
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "waiting for the trainer's weights" in r.message]
+    assert [level for level, _ in said] == [logging.DEBUG], said
+    assert "sync point after step 1: waiting for the trainer's weights of step 1 (newest: 0)" in said[0][1]
+    caplog.clear()
+    version, why, code = sync.wait_for_trainer(str(tmp_path), db, 2, step=2, timeout=0.5, notes=notes)
+    assert (version, code) == (0, 1) and why.startswith("no weights of step 2 after 0.5 s (synchronizer.sync_timeout)")
+    said = [r.levelno for r in caplog.records if "waiting for the trainer's weights of step 2" in r.message]
+    assert said == [logging.DEBUG, logging.INFO], said  # at the start; past the floor (0.2 s > 3 x ~0.05 s)
 
 
 def test_publish_then_load_exact_weights(tiny_model_dir, tmp_path):

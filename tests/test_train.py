@@ -179,6 +179,7 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
             x.advantages = None if name == "grpo" else torch.full((x.response_length,), 0.25)
         batch = batching.step_batch(rows, width=4)
         batch["token_level_rewards"], batch["scores"] = torch.zeros(2, 4), torch.zeros(2)  # shape_rewards' outputs
+        batch["sequence_rewards"] = torch.zeros(2)
         fn, cfg = ADVANTAGE_FNS[name]
         p = types.SimpleNamespace(rl=True, pieces={"advantage_fn": (fn, cfg())})
         m = train.compute_advantages(p, batch)
@@ -187,6 +188,36 @@ def test_stored_advantages_are_laid_out_only_when_an_experience_carries_them():
         )
         # veRL's critic/advantages/max|min: over the response tokens, not the padding's zeros
         assert m["critic/advantages/max"] == m["critic/advantages/min"] == (0.0 if name == "grpo" else 0.25)
+
+
+def test_a_masked_response_keeps_its_reward_in_its_group_and_in_the_logged_score():
+    """A response cut at max_tokens and masked (mask_truncated: no action tokens) still counts with its own reward in
+    its group's GRPO statistics and in critic/score (the explorer's rollout/reward); only its tokens leave the loss.
+    Hand-computed: rewards [-0.1, -0.1 (masked), 1.0, -0.1 (masked)]: mean 0.175, deviations [-0.275, -0.275, 0.825,
+    -0.275], unbiased std sqrt((3 x 0.275^2 + 0.825^2) / 3) = 0.55, so A = -0.5 and +1.5 on the unmasked rows.
+    (Before, the masked rows counted as reward 0: mean 0.225, and critic/score/mean 0.225.)"""
+    exps = experiences([(4, [3, 3, 3, 3])])
+    for x, reward, masked in zip(exps, [-0.1, -0.1, 1.0, -0.1], [False, True, False, True]):
+        x.reward = reward
+        if masked:
+            x.action_mask, x.truncate_status = torch.zeros(3, dtype=torch.bool), "response_truncated"
+    cfg = configs.Config()
+    cfg.algorithm.kl_penalty_fn = "none"  # grpo's preset (configs.derive)
+    fn, adv_cfg = ADVANTAGE_FNS["grpo"]
+    p = types.SimpleNamespace(rl=True, cfg=cfg, pieces={"advantage_fn": (fn, adv_cfg())})
+    batch = batching.step_batch(exps, width=3)
+    metrics = train.shape_rewards(p, batch) | train.compute_advantages(p, batch)
+    torch.testing.assert_close(batch["advantages"][:, 0], torch.tensor([-0.5, 0.0, 1.5, 0.0]), atol=1e-5, rtol=0)
+    assert batch["advantages"][[1, 3]].abs().sum() == 0  # the masked rows train nothing
+    assert metrics["critic/score/mean"] == pytest.approx(0.175) and metrics["critic/score/min"] == pytest.approx(-0.1)
+    assert metrics["critic/reward_mean"] == pytest.approx(0.175)
+    # every response masked, all -0.1: the trainer's score is the explorer's -0.1, not 0; every advantage 0
+    for x in exps:
+        x.reward, x.action_mask = -0.1, torch.zeros(3, dtype=torch.bool)
+    batch = batching.step_batch(exps, width=3)
+    metrics = train.shape_rewards(p, batch) | train.compute_advantages(p, batch)
+    assert metrics["critic/score/mean"] == pytest.approx(-0.1) and metrics["critic/reward_mean"] == pytest.approx(-0.1)
+    assert batch["advantages"].abs().sum() == 0
 
 
 def test_packed_logprobs_match_one_sequence_at_a_time(tiny_model_dir, monkeypatch):
@@ -601,6 +632,64 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(trained, tin
     assert response_logprob(after, tok, "5") > response_logprob(before, tok, "5")
     with ExperienceDB(f"sqlite:///{db}") as d:
         assert d.counts()["pending"] == 0
+
+
+def masked_db(path: Path, tokenizer) -> None:
+    """Two groups of four responses to grpo_db's prompt, the first claimed first: g0 rewards [-0.1, -0.1, 1.0, -0.1]
+    with its 2nd and 4th responses cut at max_tokens and masked (no action tokens, as a workflow's mask_truncated
+    writes them), g1 four masked responses of reward -0.1 (nothing in it to train)."""
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    resp = tokenizer.encode("5", add_special_tokens=False) + [tokenizer.eos_token_id]
+    groups = {"g0": ([-0.1, -0.1, 1.0, -0.1], [False, True, False, True]), "g1": ([-0.1] * 4, [True] * 4)}
+    with ExperienceDB(f"sqlite:///{path}") as db:
+        for group, (rewards, masked) in groups.items():
+            db.write(
+                [
+                    Experience(
+                        tokens=torch.tensor(prompt + resp),
+                        prompt_length=len(prompt),
+                        reward=reward,
+                        logprobs=torch.zeros(len(resp)),
+                        action_mask=torch.full((len(resp),), not cut),
+                        truncate_status="response_truncated" if cut else None,
+                        group_id=group,
+                        run_id=run_id,
+                        task_id=group,
+                    )
+                    for run_id, (reward, cut) in enumerate(zip(rewards, masked))
+                ]
+            )
+
+
+@pytest.mark.slow
+def test_a_step_with_nothing_to_train_is_a_named_skipped_update_with_the_explorers_reward(tmp_path, tiny_model_dir):
+    """Step 1 trains its two unmasked responses, with the masked ones' rewards in the group (advantages -0.5 and 1.5:
+    test_a_masked_response_keeps_its_reward_in_its_group_and_in_the_logged_score); step 2 has only masked responses:
+    a warning line names the skipped update and why, actor/update_skipped 1 and the running count actor/skipped_steps
+    1, no loss or gradient norm, the explorer's reward -0.1 as critic/score/mean, and the weights stay as they were."""
+    masked_db(tmp_path / "exp.db", load_tokenizer(tiny_model_dir))
+    grpo = {"algorithm_type": "grpo", "repeat_times": 4, "optimizer": {"lr": 1e-2}}
+    config = sft_config(tmp_path, tiny_model_dir, **from_db(tmp_path / "exp.db", grpo, **{"buffer.total_steps": 2}))
+    [out] = run_trains([config])
+    assert out.returncode == 0, out.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "t"
+    one, two = read_history(job / "monitor" / "trainer.jsonl")
+    assert (one["actor/update_skipped"], one["actor/skipped_steps"]) == (0, 0) and one["actor/grad_norm"] > 0
+    assert one["critic/advantages/max"] == pytest.approx(1.5, abs=1e-4)
+    assert one["critic/advantages/min"] == pytest.approx(-0.5, abs=1e-4)
+    assert one["critic/score/mean"] == pytest.approx(0.175) and "actor/pg_loss" in one
+    assert (two["actor/update_skipped"], two["actor/skipped_steps"]) == (1, 1)
+    assert two["critic/score/mean"] == pytest.approx(-0.1) and two["critic/reward_mean"] == pytest.approx(-0.1)
+    assert not {"actor/pg_loss", "actor/entropy_loss", "actor/grad_norm"} & set(two), sorted(two)
+    assert (
+        "train step 2: actor update skipped (actor/skipped_steps 1): none of its 4 experiences has a token to train: "
+        "4 cut at the token limit (model.max_response_tokens 64) and masked" in out.stderr
+    ), out.stderr[-3000:]
+    assert "train step 1: actor update skipped" not in out.stderr
+    a, b = weights(job, 1), weights(job, 2)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --- ppo_epochs with mini-batches, the reward KL penalty and DAPO's overlong shaping: one mode-both run, hand-checked
@@ -1032,6 +1121,7 @@ def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
         device="cpu",
         pieces={"policy_loss_fn": (None, off), "kl_loss_fn": (None, off), "kl_penalty_fn": (None, off)},
         kl_coef={},
+        skipped=0,
     )
     train.update(p, batch, plan, 1)
     assert seen["actor/"][1] == [1] * 6 and seen["critic/"][1] == [4, 2]  # sequences per micro-batch
@@ -1185,10 +1275,12 @@ def test_empty_steps_on_two_ranks_make_no_update_and_publish_their_weights(tmp_p
         db.set_explorer_state("explorer", {"step": 2, "sync_wait": 2, "written": 0, "finished": False})
     out = run_train(config, ranks=2)
     assert out.returncode == 0, out.stderr[-4000:]
-    assert "train step 1: no experiences were written for it" in out.stderr
-    assert [(m["batch/size"], m["batch/short"]) for m in read_history(job / "monitor" / "trainer.jsonl")] == [
-        (0, 1.0)
-    ] * 2
+    assert (
+        "train step 1: actor update skipped (actor/skipped_steps 1): no experiences were written for it" in out.stderr
+    )
+    history = read_history(job / "monitor" / "trainer.jsonl")
+    assert [(m["batch/size"], m["batch/short"]) for m in history] == [(0, 1.0)] * 2
+    assert [(m["actor/update_skipped"], m["actor/skipped_steps"]) for m in history] == [(1, 1), (1, 2)]
     start = load_model(tiny_model_dir).state_dict()
     for step in (1, 2):
         published = load_model(str(sync.weights_path(job, step))).state_dict()
