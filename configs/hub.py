@@ -20,6 +20,7 @@ import functools
 import logging
 import os
 import re
+import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -97,9 +98,12 @@ def _probe(endpoint: str) -> str | None:
         urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=PROBE_TIMEOUT_S).close()
     except urllib.error.HTTPError:
         return None
-    except (OSError, ValueError) as e:  # URLError, TimeoutError, ConnectionError; ValueError: a malformed URL
-        reason = getattr(e, "reason", e)
-        return f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s ({reason or type(reason).__name__})"
+    except urllib.error.URLError as e:
+        if isinstance(e.reason, ssl.SSLError):  # something answered; huggingface_hub's own TLS setup may agree with it
+            return None
+        return f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s ({e.reason})"
+    except (OSError, ValueError) as e:  # TimeoutError (connected, then silent), ConnectionError; a malformed URL
+        return f"no answer from {endpoint} within {PROBE_TIMEOUT_S:g} s ({e or type(e).__name__})"
     return None
 
 
