@@ -133,6 +133,18 @@ def test_cached_hub_ids_pass_without_the_hub_and_the_processes_then_run_offline(
     assert constants.HF_HUB_OFFLINE is True
 
 
+def test_a_cached_hub_id_loads_the_tokenizer_its_folder_loads(tmp_path, tiny_model_dir, hub_env):
+    """models.load_tokenizer reads a hub id's tokenizer_config.json in the HF cache, as a folder's: before, a hub id
+    went to AutoTokenizer, which gave the tiny model Qwen2Tokenizer (an NFC normalizer: other ids for "cafe\u0301")."""
+    from models import load_tokenizer
+
+    cache_model(tmp_path, tiny_model_dir, "org/cached")
+    hub_env.setattr(constants, "HF_HUB_OFFLINE", True)
+    hub, folder = load_tokenizer("org/cached"), load_tokenizer(tiny_model_dir)
+    assert type(hub) is type(folder)
+    assert hub.encode("cafe\u0301") == folder.encode("cafe\u0301") != folder.encode("caf\u00e9")
+
+
 @pytest.mark.slow(seconds=20)
 def test_the_launcher_names_hub_ids_it_cannot_have_and_starts_nothing(tmp_path, tiny_model_dir):
     """Trinity's GSM8K case in small: the launcher exits 2 with the named lines, no retry line, no traceback, no run
