@@ -1,10 +1,10 @@
-"""A stand-in for the Hugging Face hub over HF_ENDPOINT, for tests of configs/hub.py's download path: it serves one
-local model folder as model repo `repo`, with the requests huggingface_hub's snapshot_download makes (the repo's
-info with its file list, then HEAD and GET of each file's resolve URL, with the headers it reads). Every request is
-recorded in `requests` (method, path). Also the two endpoints a machine without hub access meets: a closed port and one
-that accepts connections and never answers.
+"""A stand-in for the Hugging Face hub over HF_ENDPOINT, for tests of configs/hub.py's download path: it serves local
+folders as model and dataset repos, with the requests huggingface_hub's snapshot_download and `datasets`'
+load_dataset make (a repo's info with its file list, its file tree, HEAD and GET of each file's resolve URL, with the
+headers they read). Every request is recorded in `requests` (method, path). Also the two endpoints a machine without
+hub access meets: a closed port, and one that accepts connections and never answers.
 
-    with FakeHub(folder, "org/tiny") as hub:   # hub.url: http://127.0.0.1:<port>
+    with FakeHub({"org/tiny": folder, "datasets/org/sft": data}) as hub:   # hub.url: http://127.0.0.1:<port>
         ...  HF_ENDPOINT=hub.url ...
 """
 
@@ -21,8 +21,10 @@ COMMIT = "c" * 40  # the one revision the fake repo has
 
 
 class FakeHub:
-    def __init__(self, folder: str | Path, repo: str) -> None:
-        self.folder, self.repo, self.requests = Path(folder), repo, []
+    """The repos `repos` ({"org/name": model folder, "datasets/org/name": dataset folder}) over HTTP at `url`."""
+
+    def __init__(self, repos: dict[str, str | Path]) -> None:
+        self.repos, self.requests = {k: Path(v) for k, v in repos.items()}, []
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -49,31 +51,24 @@ class FakeHub:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def sizes(self) -> dict[str, int]:
-        """The repo's files: {path in the repo: size in bytes}."""
-        return {
-            str(p.relative_to(self.folder)): p.stat().st_size for p in sorted(self.folder.rglob("*")) if p.is_file()
-        }
-
     def answer(self, path: str) -> tuple[int, dict, bytes]:
-        """(status, headers, body) for a request path."""
-        info = f"/api/models/{self.repo}"
-        if path in (info, f"{info}/revision/main", f"{info}/revision/{COMMIT}"):
-            siblings = [{"rfilename": f, "size": s} for f, s in self.sizes().items()]
-            return (
-                200,
-                {"Content-Type": "application/json"},
-                json.dumps({"id": self.repo, "sha": COMMIT, "siblings": siblings, "private": False}).encode(),
-            )
-        if path in (f"{info}/tree/main", f"{info}/tree/{COMMIT}"):
-            tree = [{"type": "file", "path": f, "size": s, "oid": "0" * 40} for f, s in self.sizes().items()]
-            return 200, {"Content-Type": "application/json"}, json.dumps(tree).encode()
-        for rev in ("main", COMMIT):
-            prefix = f"/{self.repo}/resolve/{rev}/"
-            if path.startswith(prefix) and (self.folder / path[len(prefix) :]).is_file():
-                data = (self.folder / path[len(prefix) :]).read_bytes()
-                etag = hashlib.sha256(data).hexdigest()
-                return 200, {"X-Repo-Commit": COMMIT, "ETag": f'"{etag}"'}, data
+        """(status, headers, body) for a request path: a repo's info (its files), its file tree, one of its files."""
+        for key, folder in self.repos.items():
+            kind, repo = ("dataset", key[len("datasets/") :]) if key.startswith("datasets/") else ("model", key)
+            sizes = {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+            info = f"/api/{kind}s/{repo}"
+            if path in (info, f"{info}/revision/main", f"{info}/revision/{COMMIT}"):
+                siblings = [{"rfilename": f, "size": n} for f, n in sizes.items()]
+                about = {"id": repo, "sha": COMMIT, "siblings": siblings, "private": False}
+                return 200, {"Content-Type": "application/json"}, json.dumps(about).encode()
+            if path in (f"{info}/tree/main", f"{info}/tree/{COMMIT}"):
+                tree = [{"type": "file", "path": f, "size": n, "oid": "0" * 40} for f, n in sizes.items()]
+                return 200, {"Content-Type": "application/json"}, json.dumps(tree).encode()
+            for rev in ("main", COMMIT):
+                name = path.removeprefix(f"/{key}/resolve/{rev}/")
+                if name != path and name in sizes:
+                    data = (folder / name).read_bytes()
+                    return 200, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, data
         return 404, {"X-Error-Code": "EntryNotFound"}, b"{}"
 
     def __enter__(self) -> FakeHub:

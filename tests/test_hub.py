@@ -105,7 +105,7 @@ def test_hub_offline_switches_name_the_switch_without_asking_the_hub(tmp_path, t
         assert time.monotonic() - start < 1.0
         assert lines == expected_lines(tmp_path, "HF_HUB_OFFLINE is set (downloads are off)")
         hub_env.setattr(constants, "HF_HUB_OFFLINE", False)
-        with FakeHub(tmp_path, "org/absent") as hub:  # a hub that answers: the model can be downloaded
+        with FakeHub({}) as hub:  # a hub that answers: the model can be downloaded
             hub_env.setattr(constants, "ENDPOINT", hub.url)
             lines = [line for line, _ in hub_problems([stage])]
         assert lines == expected_lines(tmp_path, "HF_DATASETS_OFFLINE is set (downloads are off)")[1:]
@@ -163,22 +163,43 @@ def test_the_launcher_names_hub_ids_it_cannot_have_and_starts_nothing(tmp_path, 
 
 
 @pytest.mark.slow(seconds=60)
-def test_with_a_hub_the_launcher_downloads_the_model_once_before_the_processes_start(tmp_path, tiny_model_dir):
-    """A reachable hub (the fake one over HF_ENDPOINT, serving the tiny model as org/tiny): the launcher downloads it
-    into the HF cache with huggingface_hub's progress bar before the trainer starts, which then finds it there
-    (the weights are fetched once in the whole run)."""
-    config = sft_config(tmp_path, tiny_model_dir, **{"model.model_path": "org/tiny"})
-    with FakeHub(tiny_model_dir, "org/tiny") as hub:
+def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_processes_start(tmp_path, tiny_model_dir):
+    """A reachable hub (the fake one over HF_ENDPOINT, serving the tiny model as org/tiny and its SFT data as dataset
+    org/sft): the launcher downloads both into the caches with progress bars before the trainer starts, which then
+    finds them there (each file fetched once in the whole run)."""
+    data = tmp_path / "sft_repo"
+    data.mkdir()
+    shutil.copy(Path(tiny_model_dir).parent / "arith" / "sft.jsonl", data / "train.jsonl")
+    config = sft_config(
+        tmp_path,
+        tiny_model_dir,
+        **{"model.model_path": "org/tiny", "buffer.trainer_input.experience_buffer.path": "org/sft"},
+    )
+    with FakeHub({"org/tiny": tiny_model_dir, "datasets/org/sft": data}) as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "TRANSFORMERS_OFFLINE"):
+        for name in (
+            "HF_HUB_OFFLINE",
+            "HF_DATASETS_OFFLINE",
+            "HF_HUB_CACHE",
+            "HF_DATASETS_CACHE",
+            "TRANSFORMERS_OFFLINE",
+        ):
             env.pop(name, None)
         out = run_entry("launch.py", ["--config", str(config)], env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert "Fetching 6 files: 100%" in out.stderr  # huggingface_hub's bar, in the launcher
-    fetched, stage = log.index("downloading model org/tiny"), log.index("stage t: mode train")
-    assert fetched < stage, log[-3000:]
-    weights = [r for r in hub.requests if r[0] == "GET" and r[1].endswith("/model.safetensors")]
-    assert len(weights) == 1, hub.requests
+    rows = len((data / "train.jsonl").read_text().splitlines())
+    assert f"Generating train split: {rows} examples" in out.stderr, out.stderr[-3000:]  # `datasets`' bar
+    model, dataset, stage = (
+        log.index("downloading model org/tiny"),
+        log.index("downloading dataset org/sft"),
+        log.index("stage t: mode train"),
+    )
+    assert model < stage and dataset < stage, log[-3000:]
+    gets = [path for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+    assert sorted(p.rsplit("/", 1)[1] for p in gets) == sorted(
+        [p.name for p in Path(tiny_model_dir).iterdir()] + ["train.jsonl"]
+    ), hub.requests
     snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in Path(tiny_model_dir).iterdir())

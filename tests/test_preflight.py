@@ -221,7 +221,7 @@ def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(t
     (tmp_path / "org").mkdir()  # now a local path: its folder must be there
     assert model_problem("org/cached") == f"{tmp_path / 'org' / 'cached'} does not exist"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    with FakeHub(tmp_path, "other/uncached") as hub:  # a hub that answers
+    with FakeHub({}) as hub:  # a hub that answers
         monkeypatch.setattr(constants, "ENDPOINT", hub.url)
         assert model_problem("other/uncached") is None
     _probe.cache_clear()
