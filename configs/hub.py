@@ -113,9 +113,9 @@ def offline_reason(kind: str) -> str | None:
     from huggingface_hub import constants
 
     if constants.is_offline_mode():
-        return "HF_HUB_OFFLINE is set (downloads are off)"
+        return "HF_HUB_OFFLINE is set"
     if kind == "dataset" and os.environ.get("HF_DATASETS_OFFLINE", "").upper() in _TRUE:
-        return "HF_DATASETS_OFFLINE is set (downloads are off)"
+        return "HF_DATASETS_OFFLINE is set"
     return _probe(constants.ENDPOINT)
 
 
