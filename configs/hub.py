@@ -8,9 +8,9 @@ A path is a hub id where it is no local path and reads `org/name` (models.py and
 Whether the hub can be reached is decided once per process: HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE; for datasets
 also HF_DATASETS_OFFLINE) set, or one HEAD request to the endpoint (HF_ENDPOINT, default https://huggingface.co) that
 gets no answer within PROBE_TIMEOUT_S. NOTE: not huggingface_hub's own requests: they retry with back-off (1+2+4+8+8
-s per file), which on a machine without network was a minute of 88 retry lines in two processes before the first
-traceback (docs/LOG.md, 2026-11-29). Where the hub cannot be reached and everything is cached, the processes run with
-HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1, so that they read the cache without asking the hub first.
+s per file), which on a machine without network was a minute of retry warnings (44, in both processes) and 4
+tracebacks naming no key (docs/LOG.md, 2026-11-29). Where the hub cannot be reached and everything is cached, the
+processes run with HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1, so that they read the cache without asking the hub.
 """
 
 from __future__ import annotations
