@@ -37,6 +37,14 @@ def hub_config(tmp_path: Path, tiny_model_dir: str) -> Path:
     )
 
 
+def hub_env_of(tmp_path: Path, endpoint: str) -> dict[str, str]:
+    """The test's environment for a launcher: HF_HOME in tmp_path/hf, the hub at `endpoint`, no offline switch."""
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE"):
+        env.pop(name, None)
+    return env
+
+
 def expected_lines(tmp_path: Path, why: str) -> list[str]:
     cwd, cache, dcache = Path.cwd(), tmp_path / "hf" / "hub", tmp_path / "hf" / "datasets"
     taskset = (
@@ -145,16 +153,13 @@ def test_a_cached_hub_id_loads_the_tokenizer_its_folder_loads(tmp_path, tiny_mod
     assert hub.encode("cafe\u0301") == folder.encode("cafe\u0301") != folder.encode("caf\u00e9")
 
 
-@pytest.mark.slow(seconds=20)
+@pytest.mark.slow(seconds=15)
 def test_the_launcher_names_hub_ids_it_cannot_have_and_starts_nothing(tmp_path, tiny_model_dir):
     """Trinity's GSM8K case in small: the launcher exits 2 with the named lines, no retry line, no traceback, no run
     directory (before: both processes started and retried the hub for a minute)."""
     config = hub_config(tmp_path, tiny_model_dir)
     url = closed_port()
-    env = {**os.environ, "HF_ENDPOINT": url, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE"):
-        env.pop(name, None)
-    out = run_entry("launch.py", ["--config", str(config)], env, timeout=120)
+    out = run_entry("launch.py", ["--config", str(config)], hub_env_of(tmp_path, url), timeout=120)
     why = f"no answer from {url} within 2.5 s ([Errno 111] Connection refused)"
     lines = expected_lines(tmp_path, why)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -162,7 +167,20 @@ def test_the_launcher_names_hub_ids_it_cannot_have_and_starts_nothing(tmp_path, 
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=25)
+def test_a_cached_hub_model_trains_without_the_hub_and_without_retrying_it(tmp_path, tiny_model_dir):
+    """No hub (a closed port) and the model in the HF cache: the launcher runs its processes offline, so that they
+    read the cache at once (before: huggingface_hub retried the hub for every file, "Retrying in 1s [Retry 1/5]"...,
+    before it fell back on the cache)."""
+    cache_model(tmp_path, tiny_model_dir, "org/cached")
+    config = sft_config(tmp_path, tiny_model_dir, **{"model.model_path": "org/cached"})
+    out = run_entry("launch.py", ["--config", str(config)], hub_env_of(tmp_path, closed_port()), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Retry" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
+    assert (tmp_path / "ck" / "p" / "t").is_dir()
+
+
+@pytest.mark.slow(seconds=30)
 def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_processes_start(tmp_path, tiny_model_dir):
     """A reachable hub (the fake one over HF_ENDPOINT, serving the tiny model as org/tiny and its SFT data as dataset
     org/sft): the launcher downloads both into the caches with progress bars before the trainer starts, which then
@@ -176,16 +194,7 @@ def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_proces
         **{"model.model_path": "org/tiny", "buffer.trainer_input.experience_buffer.path": "org/sft"},
     )
     with FakeHub({"org/tiny": tiny_model_dir, "datasets/org/sft": data}) as hub:
-        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-        for name in (
-            "HF_HUB_OFFLINE",
-            "HF_DATASETS_OFFLINE",
-            "HF_HUB_CACHE",
-            "HF_DATASETS_CACHE",
-            "TRANSFORMERS_OFFLINE",
-        ):
-            env.pop(name, None)
-        out = run_entry("launch.py", ["--config", str(config)], env, timeout=300)
+        out = run_entry("launch.py", ["--config", str(config)], hub_env_of(tmp_path, hub.url), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert "Fetching 6 files: 100%" in out.stderr  # huggingface_hub's bar, in the launcher
