@@ -180,11 +180,11 @@ def test_a_cached_hub_model_trains_without_the_hub_and_without_retrying_it(tmp_p
     assert (tmp_path / "ck" / "p" / "t").is_dir()
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow(seconds=45)
 def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_processes_start(tmp_path, tiny_model_dir):
     """A reachable hub (the fake one over HF_ENDPOINT, serving the tiny model as org/tiny and its SFT data as dataset
     org/sft): the launcher downloads both into the caches with progress bars before the trainer starts, which then
-    finds them there (each file fetched once in the whole run)."""
+    finds them there (each file fetched once in the whole run); a second run, with no hub, runs from those caches."""
     data = tmp_path / "sft_repo"
     data.mkdir()
     shutil.copy(Path(tiny_model_dir).parent / "arith" / "sft.jsonl", data / "train.jsonl")
@@ -212,3 +212,6 @@ def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_proces
     ), hub.requests
     snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in Path(tiny_model_dir).iterdir())
+    # the hub gone: the caches the launcher filled pass the pre-flight and the run reads them, retrying nothing
+    again = run_entry("launch.py", ["--config", str(config), "--name", "t2"], hub_env_of(tmp_path, closed_port()), 300)
+    assert again.returncode == 0 and "Retry" not in again.stdout + again.stderr, again.stderr[-3000:]
