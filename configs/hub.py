@@ -207,8 +207,9 @@ def fetch_hub(stages: list[Any]) -> None:
             elif ref.kind == "dataset" and not dataset_cached(ref.repo, ref.subset):
                 download_dataset(ref)
         except Exception as e:  # RepositoryNotFoundError, GatedRepoError, DatasetNotFoundError, a missing split...
+            why = " ".join(str(e).split())  # huggingface_hub's messages run over several lines
             raise ConfigError(
-                f"{ref.key} = {ref.repo!r}: downloading it from the hub failed: {type(e).__name__}: {e}"
+                f"{ref.key} = {ref.repo!r}: downloading it from the hub failed: {type(e).__name__}: {why}"
             ) from None
 
 

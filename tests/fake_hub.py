@@ -69,7 +69,8 @@ class FakeHub:
                 if name != path and name in sizes:
                     data = (folder / name).read_bytes()
                     return 200, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, data
-        return 404, {"X-Error-Code": "EntryNotFound"}, b"{}"
+        missing = "RepoNotFound" if path.startswith("/api/") else "EntryNotFound"  # as the hub says it
+        return 404, {"X-Error-Code": missing}, b"{}"
 
     def __enter__(self) -> FakeHub:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()

@@ -119,6 +119,21 @@ def test_hub_offline_switches_name_the_switch_without_asking_the_hub(tmp_path, t
         assert lines == expected_lines(tmp_path, "HF_DATASETS_OFFLINE is set")[1:]
 
 
+def test_a_hub_id_the_hub_does_not_have_is_named_by_the_download_before_anything_starts(
+    tmp_path, tiny_model_dir, hub_env
+):
+    """The hub answers but has no such repo (a typo): the launcher's download fails naming the key (exit 2 in
+    configs.entry), instead of each process failing in transformers."""
+    (stage,) = resolve_stages(cli(["--config", str(hub_config(tmp_path, tiny_model_dir))])[0])
+    with FakeHub({}) as hub:
+        hub_env.setattr(constants, "ENDPOINT", hub.url)
+        with pytest.raises(ConfigError) as info:
+            fetch_hub([stage])
+    assert str(info.value).startswith(
+        "model.model_path = 'org/absent': downloading it from the hub failed: RepositoryNotFoundError: "
+    ), str(info.value)
+
+
 def cache_model(tmp_path: Path, tiny_model_dir: str, repo: str) -> None:
     """The tiny model as `repo` in tmp_path/hf/hub, laid out as huggingface_hub's cache."""
     root = tmp_path / "hf" / "hub" / f"models--{repo.replace('/', '--')}"
