@@ -5,11 +5,10 @@
 The config can be right and the machine wrong for it: vLLM missing or of a version the adapter was not tested on,
 more GPUs named than are present, an option that needs CUDA on a machine without it, a model.model_path that is no
 model folder here (missing, without config.json or without weights), a hub id (a model or a taskset) that is neither
-in the local cache nor downloadable (configs/hub.py: offline, or the hub's endpoint gives no answer within
-2.5 s). Each is found here, all at
-once, and refused by name in one ConfigError, before any explorer or trainer starts (not after a minute of start-up,
-in one of two processes). The launcher's children skip it (configs.entry: it ran in the launcher, for the whole
-machine; a child sees only its share of the GPUs).
+in the local cache nor downloadable (configs/hub.py: offline, or the hub's endpoint gives no answer within 2.5 s).
+Each is found here, all at once, and refused by name in one ConfigError, before any explorer or trainer starts (not
+after a minute of start-up, in one of two processes). The launcher's children skip it (configs.entry: it ran in the
+launcher, for the whole machine; a child sees only its share of the GPUs).
 """
 
 from __future__ import annotations
@@ -155,7 +154,7 @@ def model_problem(path: str) -> str | None:
     folder = Path(path).expanduser()
     if not folder.exists():
         if is_hub_id(path):
-            return hub_problem(HubRef("model.model_path", "model", path))
+            return hub_problem(HubRef("the key that names it", "model", path))  # models.loading names the keys
         return f"{folder.absolute()} does not exist"
     if not folder.is_dir():
         return f"{folder} is a file, not a model folder"

@@ -214,7 +214,7 @@ def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(t
     assert model_problem("org/cached") is None
     assert model_problem("org/uncached") == (
         f"'org/uncached' is no local folder (from {tmp_path}) nor a model in the HF cache ({tmp_path / 'hub'}), and "
-        "the hub cannot give it (HF_HUB_OFFLINE is set): set model.model_path to a local model "
+        "the hub cannot give it (HF_HUB_OFFLINE is set): set the key that names it to a local model "
         "folder, or fill the cache once where the hub is reachable (`hf download org/uncached`) and run with "
         "HF_HUB_OFFLINE=1"
     )
