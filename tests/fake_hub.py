@@ -69,7 +69,8 @@ class FakeHub:
                 if name != path and name in sizes:
                     data = (folder / name).read_bytes()
                     return 200, {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}, data
-        missing = "RepoNotFound" if path.startswith("/api/") else "EntryNotFound"  # as the hub says it
+        known = any(f"/{key}/" in path.replace("/api/datasets/", "/datasets/") for key in self.repos)
+        missing = "RepoNotFound" if path.startswith("/api/") and not known else "EntryNotFound"  # as the hub says
         return 404, {"X-Error-Code": missing}, b"{}"
 
     def __enter__(self) -> FakeHub:
