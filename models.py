@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from huggingface_hub import try_to_load_from_cache
 from transformers import (
     AttentionInterface,
     AutoConfig,
@@ -46,6 +47,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging as transformers_logging
 
+from configs.hub import is_hub_id
 from configs.preflight import model_problem
 from configs.schema import ModelConfig
 from errors import ConfigError
@@ -73,12 +75,25 @@ def loading(path: str) -> Iterator[None]:
         ) from None
 
 
+def model_file(path: str, name: str) -> Path | None:
+    """File `name` of model `path`: in its folder, or for a hub id in the HF cache (where the launcher downloaded it:
+    configs/hub.py); None where neither holds it."""
+    local = Path(path) / name
+    if local.is_file() or not is_hub_id(path):
+        return local if local.is_file() else None
+    try:
+        cached = try_to_load_from_cache(path, name)
+    except ValueError:  # a name the hub refuses (HFValidationError: "--", ".."): in no cache
+        return None
+    return Path(cached) if isinstance(cached, str) else None
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
-    """The folder's own tokenizer.json when it asks for the generic class, else AutoTokenizer."""
-    folder = Path(path)
-    config = folder / "tokenizer_config.json"
-    wanted = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-    if (folder / "tokenizer.json").is_file() and wanted in GENERIC_TOKENIZERS:
+    """The model's own tokenizer.json when it asks for the generic class, else AutoTokenizer; alike for a folder and
+    for a hub id (NOTE: AutoTokenizer on a hub id gave the tiny model Qwen2Tokenizer: other ids for "cafe\u0301")."""
+    config = model_file(path, "tokenizer_config.json")
+    wanted = json.loads(config.read_text()).get("tokenizer_class") if config else None
+    if model_file(path, "tokenizer.json") and wanted in GENERIC_TOKENIZERS:
         tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     else:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -5,7 +5,8 @@
     tasks = reader.read(cfg.buffer.batch_size)    # Task objects; reader.state() is the saved position
 
 Local files (.jsonl/.json/.parquet/.csv, one file or a Hugging Face-style folder of splits) are read with
-`datasets`; a path that is not local is tried on the hub. A format key names a column, or a dotted path into
+`datasets`; a path that is not local is tried on the hub (the pre-flight made sure it can be, and the launcher
+downloaded it: configs/hub.py). A format key names a column, or a dotted path into
 struct columns (veRL's parquet: `reward_model.ground_truth`). Every problem (missing file, split or column, a
 malformed row, a null or a non-text prompt or reference) is a DataError naming the file, row and key.
 """

@@ -4,11 +4,11 @@
 
 The config can be right and the machine wrong for it: vLLM missing or of a version the adapter was not tested on,
 more GPUs named than are present, an option that needs CUDA on a machine without it, a model.model_path that is no
-model folder here (missing, without config.json or without weights; a hub id `org/name` passes where it is in the
-local HF cache, or where downloads are allowed: transformers fetches it). Each is found here, all at
-once, and refused by name in one ConfigError, before any explorer or trainer starts (not after a minute of start-up,
-in one of two processes). The launcher's children skip it (configs.entry: it ran in the launcher, for the whole
-machine; a child sees only its share of the GPUs).
+model folder here (missing, without config.json or without weights), a hub id (a model or a taskset) that is neither
+in the local cache nor downloadable (configs/hub.py: offline, or the hub's endpoint gives no answer within 2.5 s).
+Each is found here, all at once, and refused by name in one ConfigError, before any explorer or trainer starts (not
+after a minute of start-up, in one of two processes). The launcher's children skip it (configs.entry: it ran in the
+launcher, for the whole machine; a child sees only its share of the GPUs).
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
+from configs.hub import HubRef, hub_problem, hub_problems, is_hub_id
 from configs.schema import Config
 from errors import ConfigError
 
@@ -145,17 +145,16 @@ def stage_problems(stage: Config, present: int) -> list[str]:
 
 # The weights files transformers' from_pretrained looks for in a folder, single or sharded (the index names the shards)
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 def model_problem(path: str) -> str | None:
     """Why `path` cannot be loaded as a model here (a missing folder, one without config.json or weights, a shard
     its index names missing), or None. An `org/name` that is no local path is a hub id: fine where it is in the local
-    HF cache, or where downloads are on (HF_HUB_OFFLINE unset)."""
+    HF cache, or where the hub can give it (configs.hub.hub_problem)."""
     folder = Path(path).expanduser()
     if not folder.exists():
-        if _HUB_ID.fullmatch(path) and not Path(path.split("/")[0]).exists():
-            return _hub_problem(path)
+        if is_hub_id(path):
+            return hub_problem(HubRef("the key that names it", "model", path))  # models.loading names the keys
         return f"{folder.absolute()} does not exist"
     if not folder.is_dir():
         return f"{folder} is a file, not a model folder"
@@ -188,29 +187,14 @@ def _missing_shards(index: Path) -> str | None:
     return f"shard files named in {index.name} are missing: {', '.join(gone[:3])}" if gone else None
 
 
-def _hub_problem(repo: str) -> str | None:
-    """None when the hub id `repo` is in the local HF cache or downloads are on; else why it cannot be loaded."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    try:
-        cached = isinstance(try_to_load_from_cache(repo, "config.json"), str)
-    except ValueError:  # a name the hub refuses (HFValidationError: "--", "..", a trailing "."): in no cache
-        cached = False
-    if cached or not constants.HF_HUB_OFFLINE:
-        return None
-    return (
-        f"{repo!r} is neither a folder here (from {Path.cwd()}) nor a model in the local HF cache "
-        f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE forbids downloading it"
-    )
-
-
 def model_problems(stages: list[Config]) -> list[tuple[str, str]]:
-    """(line, stage name) for each stage whose model.model_path cannot be loaded. A stage after one that trains
-    starts from that stage's published weights (launch.stages_in_order): its own model_path is not checked."""
+    """(line, stage name) for each stage whose model.model_path, a local folder, cannot be loaded (a hub id:
+    configs.hub.hub_problems). A stage after one that trains starts from that stage's published weights
+    (launch.stages_in_order): its own model_path is not checked."""
     out, trained = [], False
     for stage in stages:
         path = stage.model.model_path
-        if not trained and (why := model_problem(path)):
+        if not trained and not is_hub_id(path) and (why := model_problem(path)):
             hint = (
                 " (`python tiny.py` builds the embedded default's)"
                 if "tiny-qwen2" in path
@@ -236,7 +220,7 @@ def preflight(stages: list[Config]) -> None:
     for stage in stages:
         for line in stage_problems(stage, present):
             first.setdefault(line, stage.name)
-    for line, name in model_problems(stages):
+    for line, name in model_problems(stages) + hub_problems(stages):
         first.setdefault(line, name)
     if first:
         lines = [line if len(stages) == 1 else f"stage {name}: {line}" for line, name in first.items()]

@@ -37,6 +37,7 @@ from configs.checks import (
     check_support,
     redacted,
 )
+from configs.hub import fetch_hub
 from configs.loader import cli, from_dict, normalize, piece_config
 from configs.preflight import preflight
 from configs.schema import (
@@ -641,6 +642,7 @@ def entry(argv: list[str], description: str) -> Config:
         stages = resolve_stages(cfg)  # every refusal here, before any process starts
         if not os.environ.get(LAUNCHED):
             preflight(stages)  # and what this machine lacks for them
+            fetch_hub(stages)  # the hub ids it lacks, downloaded once, here (or: the processes run offline)
         return cfg
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -195,10 +195,12 @@ def test_the_launcher_names_a_missing_model_folder_in_one_line_and_starts_nothin
 
 def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(tmp_path, monkeypatch):
     """`org/name` with no such local folder is a hub id: it passes where the local HF cache has it, or where
-    downloads are on (transformers fetches it); offline and not cached, it is refused. A stage after a training stage
-    starts from that stage's weights: its own model_path is not checked."""
+    the hub answers (the launcher downloads it: tests/test_hub.py); offline and not cached, it is refused. A stage
+    after a training stage starts from that stage's weights: its own model_path is not checked."""
+    from fake_hub import FakeHub
     from huggingface_hub import constants
 
+    from configs.hub import _probe, hub_problems
     from configs.preflight import model_problem, model_problems
 
     monkeypatch.chdir(tmp_path)
@@ -211,23 +213,39 @@ def test_a_hub_id_passes_when_cached_or_downloadable_and_is_named_when_neither(t
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     assert model_problem("org/cached") is None
     assert model_problem("org/uncached") == (
-        f"'org/uncached' is neither a folder here (from {tmp_path}) nor a model in the local HF cache "
-        f"({tmp_path / 'hub'}), and HF_HUB_OFFLINE forbids downloading it"
+        f"'org/uncached' is no local folder (from {tmp_path}) nor a model in the HF cache ({tmp_path / 'hub'}), and "
+        "the hub cannot give it (HF_HUB_OFFLINE is set): set the key that names it to a local model "
+        "folder, or fill the cache once where the hub is reachable (`hf download org/uncached`) and run with "
+        "HF_HUB_OFFLINE=1"
     )
     (tmp_path / "org").mkdir()  # now a local path: its folder must be there
     assert model_problem("org/cached") == f"{tmp_path / 'org' / 'cached'} does not exist"
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    assert model_problem("other/uncached") is None
+    with FakeHub({}) as hub:  # a hub that answers
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        assert model_problem("other/uncached") is None
+    _probe.cache_clear()
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     stage = types.SimpleNamespace
-    stages = [
-        stage(name="r/sft", mode="train", model=stage(model_path="org/gone")),
-        stage(name="r/rft", mode="both", model=stage(model_path="org/gone/too")),
-    ]
+
+    def staged(name: str, mode: str, path: str) -> types.SimpleNamespace:
+        inp = stage(tasksets=[], eval_tasksets=[])
+        tin = stage(experience_buffer=stage(storage_type="queue"), auxiliary_buffers={})
+        model = stage(model_path=path, critic_model_path=path)
+        return stage(
+            name=name,
+            mode=mode,
+            model=model,
+            explorer=stage(auxiliary_models=[]),
+            buffer=stage(explorer_input=inp, trainer_input=tin),
+        )
+
+    stages = [staged("r/sft", "train", "gone/x/y"), staged("r/rft", "both", "gone/too/z")]
     assert [name for _, name in model_problems(stages)] == ["r/sft"]
-    assert [
-        name
-        for _, name in model_problems([stage(name="r/eval", mode="bench", model=stage(model_path="x/y/z")), *stages])
-    ] == ["r/eval", "r/sft"]
+    assert [name for _, name in model_problems([staged("r/eval", "bench", "x/y/z"), *stages])] == ["r/eval", "r/sft"]
+    stages = [staged("r/sft", "train", "away/gone"), staged("r/rft", "both", "away/too")]  # hub ids, offline
+    assert [name for _, name in hub_problems(stages)] == ["r/sft"]
+    assert [name for _, name in hub_problems([staged("r/eval", "bench", "away/z"), *stages])] == ["r/eval", "r/sft"]
 
 
 def test_vllm_without_nanorfts_plugin_is_refused_by_name(monkeypatch):
