@@ -867,25 +867,32 @@ _NAME_KEYS = ("project", "group", "name", "stage_name")
 _FREE_FORM = ("_args", "env_vars", "trainer_config")  # free-form mappings: what their keys mean is not ours
 
 
-def check_placeholders(value: Any, path: str = "") -> None:
-    """A ConfigError naming the key and the value where a name (project, group, name, stage_name, a section's name)
+def check_placeholders(value: Any) -> None:
+    """A ConfigError naming every key and value where a name (project, group, name, stage_name, a section's name)
     or a path (a key `path` or ending in _path / _dir) still holds a template's `<placeholder>`: it would become a
     folder (or a path nothing is at) named so. `value`: the config as plain data (dataclasses.asdict), stages'
     overrides included."""
+    found = placeholders(value)
+    if found:
+        raise ConfigError("; ".join(found) if len(found) == 1 else "\n  " + "\n  ".join(found))
+
+
+def placeholders(value: Any, path: str = "") -> list[str]:
+    """check_placeholders' findings under `path`, one line each."""
     if isinstance(value, list):
-        for i, item in enumerate(value):
-            check_placeholders(item, f"{path}[{i}]")
-        return
+        return [line for i, item in enumerate(value) for line in placeholders(item, f"{path}[{i}]")]
     if not isinstance(value, dict):
-        return
+        return []
+    found = []
     for key, item in value.items():
         where = f"{path}.{key}" if path else str(key)
         if str(key).endswith(_FREE_FORM):
             continue
         named = key in _NAME_KEYS or key == "path" or str(key).endswith(("_path", "_dir"))
         if named and isinstance(item, str) and (m := _PLACEHOLDER.search(item)):
-            raise ConfigError(
+            found.append(
                 f"{where} = {item!r}: {m[0]} is a template's placeholder left unset (it would become a folder or "
                 f"path named {m[0]}); set {where} to a real {'path' if key not in _NAME_KEYS else 'name'}"
             )
-        check_placeholders(item, where)
+        found += placeholders(item, where)
+    return found

@@ -1190,6 +1190,18 @@ def test_a_templates_placeholder_left_in_a_name_or_path_is_refused_by_key_and_va
     assert e.value.code == 0 and "<think> tags" in capsys.readouterr().out
 
 
+def test_every_placeholder_left_is_named_at_once(tmp_path, capsys):
+    """Trinity's gsm8k.yaml leaves both `project: <project_name>` and `name: <experiment_name>`: one run names both,
+    not one per try."""
+    with pytest.raises(SystemExit) as e:
+        configs.entry(
+            ["--config", write(tmp_path, MINIMAL), "--project", "<project_name>", "--name", "<experiment_name>"], "d"
+        )
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "project = '<project_name>': " in err and "name = '<experiment_name>': " in err, err
+
+
 HELP_OPTIONS = ["--config FILE", "--dry-run", "--verify-sync", "--debug", "--task N", "--taskset NAME", "--stage NAME"]
 
 
