@@ -24,6 +24,7 @@ import buffer  # the repo root is on sys.path via tests/conftest.py
 import configs
 import lease
 import source
+import sync
 from buffer import Experience, ExperienceDB, deserialise_many, serialise_many
 from helpers import fork_context, in_ci, raw
 
@@ -363,7 +364,7 @@ def trainer_source(db: ExperienceDB) -> source.Source:
     cfg.buffer.batch_size, cfg.algorithm.repeat_times, cfg.buffer.train_batch_size = 2, 2, 4
     cfg.synchronizer.sync_method = "checkpoint"
     src = object.__new__(source.Source)
-    src.cfg, src.db, src.ended, src.short = cfg, db, False, False
+    src.cfg, src.db, src.ended, src.short, src.waits = cfg, db, False, False, sync.WaitNotes()
     return src
 
 

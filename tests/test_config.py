@@ -453,12 +453,13 @@ def test_mode_both_on_one_gpu_colocates(tmp_path, caplog, monkeypatch):
 
 @pytest.mark.slow
 def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):
-    """One process (for time) loads a config of gpu_per_node 4 (default), then one of 0."""
+    """One process (for time) loads a config of gpu_per_node 4 (default), then one of 0, as a launched process does
+    (NANORFT_LAUNCHED: the pre-flight, which would refuse the made-up model and taskset, is the launcher's)."""
     code = (
         "import os, sys, configs\nfor c in sys.argv[1:]:\n    configs.entry(['--config', c], 'x')\n"
         "    print(repr(os.environ.get('CUDA_VISIBLE_DEVICES')))"
     )
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | {"NANORFT_LAUNCHED": "1"}
     cpu = write(tmp_path, MINIMAL + "cluster: {gpu_per_node: 0}\n")
     out = subprocess.run(
         [sys.executable, "-c", code, write(tmp_path, MINIMAL, "d.yaml"), cpu],
