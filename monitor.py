@@ -400,8 +400,23 @@ def mlflow_client(cfg: Config, folder: Path) -> tuple[Any, str]:
             import alembic  # noqa: F401
         except ImportError as e:
             raise ImportError(f"monitor_type mlflow's SQLite store needs {e.name}: pip install -e '.[mlflow]'") from e
-    with store_lock(uri):  # NOTE: the client's constructor makes a new SQLite store's tables (a file store's folder)
+    with store_lock(uri), logging_kept():  # NOTE: the client's constructor makes a new SQLite store's tables
         return MlflowClient(uri), uri
+
+
+@contextlib.contextmanager
+def logging_kept() -> Iterator[None]:
+    """The root logger's handlers and level put back after the block. NOTE: a new SQLite store's tables are made by
+    mlflow's alembic migrations, whose env.py in older mlflow (3.3, the floor) calls logging.config.fileConfig: that
+    replaced the root logger's handlers (the role's log file, the console) with alembic.ini's stderr handler, and the
+    launcher's log file stayed empty from then on (tests/test_launch.py's staged run, on the floors)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
 
 
 @contextlib.contextmanager

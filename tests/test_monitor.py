@@ -27,6 +27,7 @@ from monitor import (
     close_log_file,
     headline,
     log_to_file,
+    mlflow_client,
     preview,
     read_history,
 )
@@ -720,6 +721,25 @@ def test_mlflows_own_client_finds_runs_by_their_lr_in_the_sqlite_store_without_a
     assert params["monitor.monitor_type"] == '["mlflow", "tensorboard"]' and params["name"] == "t"
     assert params["model.model_path"] == "m" * 5997 + "..."
     assert params["trainer.name"] == "trainer" and "trainer" not in params  # leaves only, by their paths
+
+
+def test_making_a_sqlite_store_keeps_the_processes_log_handlers(tmp_path, monkeypatch):
+    """A new SQLite store's tables come from mlflow's alembic migrations; in mlflow 3.3 (the floor) their env.py
+    calls logging.config.fileConfig, which swapped the root logger's handlers for alembic.ini's: the launcher's log
+    file stayed empty from `prepare_mlflow` on. The process's handlers and level are the same after. (With a newer
+    mlflow, whose migrations leave logging alone, this passes either way: the floors' run is where it can fail.)"""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    root = logging.getLogger()
+    mine = logging.FileHandler(tmp_path / "role.log")
+    root.addHandler(mine)
+    try:
+        before, level = list(root.handlers), root.level
+        mlflow_client(config(tmp_path, "mlflow"), tmp_path / "job" / "monitor")
+        assert root.handlers == before and root.level == level
+    finally:
+        root.removeHandler(mine)
+        mine.close()
+    assert (tmp_path / "job/monitor/mlflow.db").is_file()
 
 
 def test_tensorboard_gets_the_config_as_text_its_secrets_hidden(tmp_path):
