@@ -20,12 +20,10 @@ per-taskset defaults, GPU split, ...), in one function, never in __post_init__; 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
 import difflib
 import functools
-import io
 import logging
 import re
 import stat
@@ -33,7 +31,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import tyro
 import yaml
@@ -736,7 +734,7 @@ def command_line(cfg: Config, args: list[str], description: str = "") -> Config:
         return cfg
     text = f"{description}\n\nEvery option below overrides the YAML value (precedence: default < YAML < CLI)."
     if "-h" in args or "--help" in args:
-        return help_table(cfg, args, text)
+        help_table(cfg, text)
     with CLI_TYPES:
         return tyro.cli(
             Config,
@@ -748,17 +746,40 @@ def command_line(cfg: Config, args: list[str], description: str = "") -> Config:
         )
 
 
-def help_table(cfg: Config, args: list[str], description: str) -> Config:
+def help_table(cfg: Config, description: str) -> NoReturn:
     """tyro's --help for Config (its defaults: `cfg`), with the scripts' own options (SCRIPT_OPTIONS) and the lists
     of sections tyro leaves out (yaml_options) as rows of its table. NOTE: tyro writes every option with underscores
     (use_underscores); the scripts' hyphenated names are put back in its text, the same length (the box stays
-    aligned). Exits, as tyro's --help does."""
+    aligned). Exits 0, as tyro's --help does."""
     rows = [(name, meta, why) for name, meta, why in SCRIPT_OPTIONS]
     rows += [(path, "YAML", why) for path, why in _yaml_only_fields(cfg)]
+    while True:
+        try:
+            table = _help_options(cfg, rows)
+            with CLI_TYPES:  # NOTE: builds the parser first: a clash is raised before anything is written
+                parser = tyro.extras.get_parser(
+                    table, description=description, use_underscores=True, config=(tyro.conf.FlagConversionOff,)
+                )
+            break
+        except Exception as e:  # tyro's own (vendored) argparse.ArgumentError
+            # an older tyro (0.9.3) has an option of its own for an empty mapping of sections: its row is not added
+            clash = re.search(r"conflicting option string: --(\S+)", str(e))
+            if clash is None:
+                raise
+            rows = [row for row in rows if row[0].replace("-", "_") != clash[1]]
+    text = parser.format_help()
+    for name, _, _ in rows:
+        text = text.replace(f"--{name.replace('-', '_')} ", f"--{name} ")
+    sys.stdout.write(text)
+    raise SystemExit(0)
+
+
+def _help_options(cfg: Config, rows: list[tuple[str, str | None, str]]) -> type:
+    """help_table's dataclass: one string field per row (shown, never parsed), then Config's own options."""
     fields: list[Any] = []
     for name, meta, why in rows:
         spec = tyro.constructors.PrimitiveConstructorSpec(
-            nargs=1 if meta else 0,
+            nargs=1 if meta else "*",  # NOTE: "*", not 0, for a flag: tyro 0.9.3 (the floor) refuses nargs 0
             metavar=meta,
             instance_from_str=lambda a: a,
             is_instance=lambda x: True,
@@ -767,20 +788,7 @@ def help_table(cfg: Config, args: list[str], description: str) -> Config:
         row = tyro.conf.arg(name=name, help=why, help_behavior_hint="")
         fields.append((f"opt_{len(fields)}", Annotated[str, spec, row], dataclasses.field(default="")))
     fields.append(("cfg", Annotated[Config, tyro.conf.arg(name="")], dataclasses.field(default_factory=lambda: cfg)))
-    table = dataclasses.make_dataclass("Options", fields)
-    out = io.TextIOWrapper(io.BytesIO(), encoding=sys.stdout.encoding or "utf-8")  # tyro draws its box in it
-    try:
-        with CLI_TYPES, contextlib.redirect_stdout(out):
-            tyro.cli(
-                table, args=args, description=description, use_underscores=True, config=(tyro.conf.FlagConversionOff,)
-            )
-    finally:
-        out.flush()
-        text = out.buffer.getvalue().decode(out.encoding)  # type: ignore[attr-defined]
-        for name, _, _ in rows:
-            text = text.replace(f"--{name.replace('-', '_')} ", f"--{name} ")
-        sys.stdout.write(text)
-    return cfg
+    return dataclasses.make_dataclass("Options", fields)
 
 
 def cli_trainer_config(before: Config, after: Config) -> Config:
