@@ -168,18 +168,22 @@ def hub_problem(ref: HubRef) -> str | None:
     )
 
 
-def hub_problems(stages: list[Any]) -> list[tuple[str, str]]:
-    """(line, stage name) per hub id of any stage that this machine can neither find cached nor download; model
-    paths only up to the first stage that trains (later stages start from its weights: launch.stages_in_order).
-    Each line names its key and what to set."""
-    out, trained, seen = [], False, set()
+def stage_refs(stages: list[Any]) -> list[tuple[HubRef, str]]:
+    """(hub id, the name of the first stage naming it) for every hub id of the stages, once each; model paths only up
+    to the first stage that trains (later stages start from its weights: launch.stages_in_order)."""
+    out: dict[HubRef, str] = {}
+    trained = False
     for stage in stages:
         for ref in hub_refs(stage, models=not trained):
-            if ref not in seen and (why := hub_problem(ref)):
-                out.append((f"{ref.key} = {ref.repo!r}: {why}", stage.name))
-            seen.add(ref)
+            out.setdefault(ref, stage.name)
         trained = trained or stage.mode in ("train", "both")
-    return out
+    return list(out.items())
+
+
+def hub_problems(stages: list[Any]) -> list[tuple[str, str]]:
+    """(line, stage name) per hub id of any stage that this machine can neither find cached nor download (stage_refs);
+    each line names its key and what to set."""
+    return [(f"{ref.key} = {ref.repo!r}: {why}", name) for ref, name in stage_refs(stages) if (why := hub_problem(ref))]
 
 
 def fetch_hub(stages: list[Any]) -> None:
@@ -187,10 +191,7 @@ def fetch_hub(stages: list[Any]) -> None:
     progress bars (the processes then find it in the cache); a failed download (unknown or gated repo, no such split)
     is a ConfigError naming the key. Where it is not (the pre-flight let only cached ids through): the processes run
     offline. Called by the launcher (and a script run on its own) after the pre-flight."""
-    refs, trained = {}, False
-    for stage in stages:
-        refs.update((r.repo if r.kind == "model" else r, r) for r in hub_refs(stage, models=not trained))
-        trained = trained or stage.mode in ("train", "both")
+    refs = {ref.repo if ref.kind == "model" else ref: ref for ref, _ in stage_refs(stages)}  # a model once per repo
     if not refs:
         return
     from huggingface_hub import constants
