@@ -205,8 +205,7 @@ REPLAY_BUFFER = {
 IGNORED = {
     "ray_namespace": "nanorft uses no Ray",
     "ignore_validator_suggestions": "nanorft has no interactive validator",
-    "service": "no Data-Juicer service in nanorft",
-    "data_processor": "no data pipelines in nanorft; preprocess the files instead",
+    "service": "nanorft runs Data-Juicer as a subprocess in its own environment (.venv-dj), not as a service",
     "cluster.ray_address": "nanorft uses no Ray",
     "monitor.enable_ray_timeline": "nanorft uses no Ray",
     "log.group_by_node": "single node: logs go to <job dir>/log",
@@ -220,6 +219,20 @@ IGNORED = {
     "write or skip",
     "trainer.fix_actor_microbatch_loss_scale": "nanorft weights micro-batches exactly in every loss_agg_mode (the "
     "gradient does not depend on the cut into micro-batches)",
+}
+# Trinity-RFT keys with a meaning nanorft does not implement: an error that says why (never silently dropped).
+REFUSED = {
+    "data_processor.task_pipeline.output": "the task pipeline's output is written under <job dir>/task_pipeline/ and "
+    "read as the first training taskset",
+    "data_processor.task_pipeline.priority_weights": "no priority-weighted task ranking in nanorft; score the tasks "
+    "with an operator and choose them with data_selector (offline_easy2hard or difficulty_based)",
+    "data_processor.task_pipeline.top_k": "no priority-weighted task ranking in nanorft; filter with an operator's "
+    "min_score / max_score instead",
+    "data_processor.experience_pipeline.save_input": "the experiences a pipeline drops are counted "
+    "(pipeline/<op>/dropped and the explorer's saved state), not saved to a second buffer",
+    "data_processor.experience_pipeline.input_save_path": "the experiences a pipeline drops are counted, not saved "
+    "to a second buffer",
+    "data_processor.experience_pipeline.inputs": "the experience pipeline reads the explorer's own experiences only",
 }
 # veRL `trainer.trainer_config` paths -> nanorft fields with the same meaning.
 VERL_MAP = {
@@ -375,6 +388,9 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
     for key, why in IGNORED.items():
         if _pop(raw, key) is not _MISSING:
             log.warning("config: %s is ignored: %s", key, why)
+    for key, why in REFUSED.items():
+        if _get(raw, key) is not _MISSING:
+            raise ConfigError(f"{key} is not supported: {why}")
     monitor = raw.get("monitor")
     if isinstance(monitor, dict) and isinstance(monitor.get("monitor_type"), str):  # Trinity's one sink by name
         monitor["monitor_type"] = [monitor["monitor_type"]]

@@ -536,7 +536,7 @@ def resolve_stages(cfg: Config) -> list[Config]:
             )
         check_folder_name(f"stages[{i}].stage_name", st.stage_name)  # the stage runs as <name>/<stage_name>
         seen.add(st.stage_name)
-        sections = ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer")
+        sections = ("algorithm", "buffer", "explorer", "trainer", "model", "synchronizer", "data_processor")
         override: dict[str, Any] = {k: getattr(st, k) for k in sections}
         override.update(name=f"{cfg.name}/{st.stage_name}", **({"mode": st.mode} if st.mode else {}))
         stage_base = base

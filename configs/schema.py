@@ -405,11 +405,19 @@ class GenerationConfig:
 
 @dataclasses.dataclass
 class DataSelectorConfig:
-    selector_type: Literal["sequential", "shuffle", "random"] = "sequential"
-    """Task order: file order, a seeded permutation per epoch (shuffle), or seeded sampling with replacement
-    (random)."""
+    selector_type: Literal["sequential", "shuffle", "random", "offline_easy2hard", "difficulty_based"] = "sequential"
+    """Task order: file order, a seeded permutation per epoch (shuffle), seeded sampling with replacement (random),
+    sorted once by feature_keys, highest first (offline_easy2hard), or online by each task's estimated pass rate,
+    nearest kwargs.target_reward first (difficulty_based: Trinity's BOTS selector; selection.py)."""
     seed: int = 42
-    """Seed of shuffle / random."""
+    """Seed of shuffle / random / difficulty_based's sampling."""
+    feature_keys: list[str] = _field(list)
+    """Columns of the taskset the selector reads: offline_easy2hard sorts by them (the first, ties broken by the
+    next); difficulty_based reads two prior pass-rate columns (a weaker and a stronger reference) to interpolate
+    unseen tasks' pass rates."""
+    kwargs: ArgsDict = _field(dict)
+    """The selector's own arguments, Trinity's names (difficulty_based: m, lamb, rho, target_reward, tau,
+    do_sample, adaptive_rho); unknown names are refused."""
 
 
 @dataclasses.dataclass
@@ -743,6 +751,51 @@ class MonitorConfig:
     """Eval metrics also get max/min/std across tasks."""
 
 
+# --- data_processor
+
+
+@dataclasses.dataclass
+class OperatorConfig:
+    name: str = ""
+    """A built-in operator (pipelines/registry.py), a Data-Juicer operator's name (run by the real py-data-juicer in
+    its own environment), or your own as `module:attr` / `path/to/file.py:attr` (docs/pipelines.md)."""
+    args: ArgsDict = _field(dict)
+    """The operator's arguments, by its own names; unknown ones are refused by name."""
+
+
+@dataclasses.dataclass
+class TaskPipelineConfig:
+    operators: list[OperatorConfig] = _field(list)
+    """Operators run in order over the taskset rows before the explorer reads them (empty: no task pipeline). The
+    result is written once under <job dir>/task_pipeline/, keyed by a hash of the inputs and the operators, and the
+    first training taskset reads it (score columns kept)."""
+    inputs: list[str] = _field(list)
+    """Taskset files (jsonl / json / parquet / csv) or folders, read in order; empty: the first training taskset's
+    own path (and its subset_name / split)."""
+    target_fields: list[str] = _field(list)
+    """The columns the operators read as text (Data-Juicer's text_keys); empty: the first training taskset's
+    format.prompt_key."""
+    num_process: int = 4
+    """Data-Juicer's np, and the concurrent model requests an LLM-scoring operator keeps in flight."""
+    config_path: str = ""
+    """A Data-Juicer recipe (YAML with a `process:` list) run over the rows after `operators`; empty: none."""
+
+
+@dataclasses.dataclass
+class ExperiencePipelineConfig:
+    operators: list[OperatorConfig] = _field(list)
+    """Operators run in order on each explore step's scored experiences before they are written (empty: none):
+    reward_filter, reward_std_filter, invalid_reward_filter, reward_shaping_mapper, data_juicer, or your own."""
+
+
+@dataclasses.dataclass
+class DataProcessorConfig:
+    task_pipeline: TaskPipelineConfig = _field(TaskPipelineConfig)
+    """Operators over the taskset files before exploring (explore and both modes)."""
+    experience_pipeline: ExperiencePipelineConfig = _field(ExperiencePipelineConfig)
+    """Operators over each step's experiences before the DB (in the explorer, inside its exactly-once write)."""
+
+
 @dataclasses.dataclass
 class LogConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -770,6 +823,8 @@ class StageConfig:
     a random-reward control and the run it controls, both from one SFT stage's weights)."""
     synchronizer: ArgsDict = _field(dict)
     """Overrides of the global synchronizer section."""
+    data_processor: ArgsDict = _field(dict)
+    """Overrides of the global data_processor section."""
 
 
 @dataclasses.dataclass
@@ -805,6 +860,8 @@ class Config:
     """Weight sync between trainer and explorer."""
     monitor: MonitorConfig = _field(MonitorConfig)
     """Metrics sinks."""
+    data_processor: DataProcessorConfig = _field(DataProcessorConfig)
+    """Data pipelines: a task pipeline before exploring, an experience pipeline before the DB (docs/pipelines.md)."""
     log: LogConfig = _field(LogConfig)
     """Logging."""
     stages: list[StageConfig] = _field(list)
