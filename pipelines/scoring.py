@@ -7,8 +7,8 @@ llm_difficulty_score_filter and pass_rate_filter).
 (engines.ExternalHandle: base_url from the `api_endpoint` arg or OPENAI_BASE_URL, key from OPENAI_API_KEY).
 
 DifficultyScoreFilter mirrors Data-Juicer 1.6.1's llm_difficulty_score_filter (an LLMAnalysisFilter): its system
-prompt, its input template ("# Data\\n'''\\n{data}\\n'''\\n\\n# Response\\njson\\n" over "**{field_name}**\\n{field_data}"
-per input key), the reply parsed as the first {...} JSON object, the score = mean of the five dimension scores
+prompt, its input template (INPUT_TEMPLATE over FIELD_TEMPLATE per input key, below),
+the reply parsed as the first {...} JSON object, the score = mean of the five dimension scores
 (1-5) / 5, so in [0.2, 1.0]; a reply that does not parse is asked again up to try_num times, then scores 0.0 (as
 Data-Juicer's); kept when min_score <= score <= max_score (closed, as its default). Columns:
 `llm_difficulty_score` (float) and `llm_difficulty_record` (the parsed reply as JSON text, "" when none).
