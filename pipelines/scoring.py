@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from configs.schema import ExternalModelConfig
 from errors import ConfigError
 
 log = logging.getLogger("nanorft.pipelines")
@@ -65,8 +66,6 @@ def resolve_model(name: str, api_endpoint: str | None, context: Any, where: str)
             f"{where}: api_or_hf_model {name!r} is no auxiliary model of this run (explorer.auxiliary_models: "
             f"{known}), no local HF model folder, and no endpoint is given for it (api_endpoint, or OPENAI_BASE_URL)"
         )
-    from configs.schema import ExternalModelConfig
-
     ext = ExternalModelConfig(base_url=base_url, model_name=name, api_key_env="OPENAI_API_KEY")
     return ExternalHandle(ext, where), True
 
