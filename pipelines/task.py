@@ -97,8 +97,8 @@ def is_data_juicer(name: str) -> bool:
 
 def stages(cfg: configs.Config) -> list[tuple[str, Any]]:
     """The pipeline as run: ("op", (label, index, OperatorConfig)) or ("dj", [label, [{name: args}, ...], open]),
-    open: more operator names may join it (not the recipe's run). The labels name the metrics (an op used twice:
-    name#2; a Data-Juicer run: data_juicer, data_juicer#2)."""
+    open: more operator names may join it (not the recipe's run). The labels name the metrics (a user's op: its attr;
+    an op used twice: name#2; a Data-Juicer run: data_juicer, data_juicer#2)."""
     tp, out, seen = cfg.data_processor.task_pipeline, [], {}
 
     def label(name: str) -> str:
@@ -109,7 +109,7 @@ def stages(cfg: configs.Config) -> list[tuple[str, Any]]:
         if not spec.name:
             raise ConfigError(f"{WHERE}.operators[{i}]: no name")
         if not is_data_juicer(spec.name):
-            out.append(("op", (label(spec.name), i, spec)))
+            out.append(("op", (label(spec.name.rpartition(":")[2]), i, spec)))  # module:attr -> attr
         elif out and out[-1][0] == "dj" and out[-1][1][2]:  # extends the run of Data-Juicer names before it
             out[-1][1][1].append({spec.name: dict(spec.args)})
         else:
