@@ -219,6 +219,11 @@ class DifficultyScoreFilter:
         return out
 
     def process(self, rows: list[dict]) -> tuple[list[dict], dict[str, float]]:
+        missing = sorted({k for r in rows for k in self.input_keys if k not in r})
+        if missing:  # as Data-Juicer: asked without them
+            log.warning(
+                "%s: input_keys %s missing from some rows: those rows are shown without them", self.where, missing
+            )
         handle, owned = resolve_model(self.model, self.endpoint, self.context, self.where)
         width = self.context.cfg.data_processor.task_pipeline.num_process if self.context else 4
         try:

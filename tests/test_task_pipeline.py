@@ -95,7 +95,9 @@ def test_difficulty_filter_scores_as_data_juicer_by_hand():
 def test_difficulty_filter_keeps_unparsed_rows_when_min_score_is_zero():
     """As Data-Juicer's: the 0.0 of an unparseable reply is a score like any other (the seed's min_score 0.0)."""
     judge = CannedJudge({"What": "no json here"})
-    kept, stats = difficulty({"judge": judge}, min_score=0.0, try_num=1).process([dict(r) for r in ROWS])
+    kept, stats = difficulty(
+        {"judge": judge}, min_score=0.0, try_num=1, input_keys=["question"], field_names=["Q"]
+    ).process([dict(r) for r in ROWS])
     assert len(kept) == 3 and stats["unparsed"] == 3.0 and len(judge.calls) == 1
 
 
