@@ -228,6 +228,8 @@ class DifficultyScoreFilter:
         width = self.context.cfg.data_processor.task_pipeline.num_process if self.context else 4
         try:
             scored = self.ask(handle, rows, max(1, width))
+        except ValueError as e:  # the engine refuses the request (a prompt longer than its max_model_len, ...)
+            raise ConfigError(f"{self.where}: {self.model!r} cannot take the difficulty prompt: {e}") from e
         finally:
             if owned:
                 release(handle)

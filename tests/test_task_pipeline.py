@@ -351,6 +351,8 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
     """The config guide's data_processor block (experience_pipeline left out: another part's), inputs a local file,
     api_or_hf_model the run's auxiliary tiny model: its replies are no JSON, so every score is Data-Juicer's 0.0,
     kept by min_score 0.0; the explorer then explores the written file's tasks."""
+    from buffer import ExperienceDB
+
     data = jsonl(tmp_path / "tasks.jsonl", ROWS)
     seed = {
         "task_pipeline": {
@@ -363,6 +365,7 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
                         "min_score": 0.0,
                         "input_keys": ["question", "answer"],
                         "field_names": ["Question", "Answer"],
+                        "system_prompt": "Rate the difficulty.",  # the tiny model reads 1,024 characters at most
                         "try_num": 1,
                         "sampling_params": {"max_tokens": 4},
                     },
@@ -374,8 +377,9 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
     }
     over = {
         "data_processor": seed,
-        "buffer.total_steps": 1,
-        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf"}],
+        "buffer.total_steps": None,
+        "buffer.total_epochs": 1,
+        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf", "max_model_len": 512}],
     }
     path = write_config(tmp_path, tiny_model_dir, **over)
     code, errors = explorer_in_process(path, caplog)
@@ -383,6 +387,12 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
     (out,) = (tmp_path / "ck" / "p" / "e" / "task_pipeline").glob("tasks-*.jsonl")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows == [dict(r, llm_difficulty_score=0.0, llm_difficulty_record="") for r in ROWS]
-    db = tmp_path / "ck" / "p" / "e" / "buffer"
-    tasks = {t for (t,) in raw(f"sqlite:///{next(db.glob('*.db'))}", "SELECT DISTINCT task_id FROM experiences")}
-    assert tasks <= {"arith/0", "arith/1", "arith/2"} and tasks
+    # the explorer read the 3 tasks of that file (one step of batch_size 3, one epoch), not the 50 of arith/train
+    db = next((tmp_path / "ck" / "p" / "e" / "buffer").glob("*.db"))
+    tasks = {t for (t,) in raw(f"sqlite:///{db}", "SELECT DISTINCT task_id FROM experiences")}
+    assert tasks == {"arith/0", "arith/1", "arith/2"}
+    assert ExperienceDB(f"sqlite:///{db}").explorer_states()["explorer"]["step"] == 1
+    history = [json.loads(line) for line in (tmp_path / "ck" / "p" / "e" / "monitor" / "explorer.jsonl").open()]
+    first = next(h for h in history if "pipeline/task/llm_difficulty_score_filter/kept" in h)
+    assert first["step"] == 0 and first["pipeline/task/llm_difficulty_score_filter/dropped"] == 0
+    assert first["pipeline/task/llm_difficulty_score_filter/unparsed"] == 3
