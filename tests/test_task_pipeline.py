@@ -259,6 +259,21 @@ def test_pipeline_writes_once_reuses_and_recomputes(tmp_path, tiny_model_dir, ca
     assert third not in (out, other) and len(third.read_text().splitlines()) == 2
 
 
+def test_explorers_starting_at_once_compute_it_once(tmp_path, tiny_model_dir):
+    """Two explorers (threads here: flock locks each open file apart) at once: the operator runs once, both read
+    the same file."""
+    import concurrent.futures
+
+    from pipelines.task import with_task_pipeline
+
+    cfg = pipeline_cfg(tmp_path, tiny_model_dir, [user_op(tmp_path, max_len=14)])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        got = list(pool.map(with_task_pipeline, [cfg, cfg]))
+    assert (tmp_path / "runs").read_text() == "1"
+    assert got[0][0].buffer.explorer_input.tasksets[0].path == got[1][0].buffer.explorer_input.tasksets[0].path
+    assert got[0][1] == got[1][1]
+
+
 def test_pipeline_metric_names(tmp_path, tiny_model_dir):
     from pipelines.task import with_task_pipeline
 
