@@ -411,3 +411,23 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
     first = next(h for h in history if "pipeline/task/llm_difficulty_score_filter/kept" in h)
     assert first["step"] == 0 and first["pipeline/task/llm_difficulty_score_filter/dropped"] == 0
     assert first["pipeline/task/llm_difficulty_score_filter/unparsed"] == 3
+
+
+def test_pass_rate_filter_on_a_real_auxiliary_model(tmp_path, tiny_model_dir):
+    """The tiny model as an auxiliary HF model, started for the pipeline and closed after: each task's column is a
+    mean of 2 rewards of accuracy_reward (0 or 1), so 0, 0.5 or 1; the manifest counts what the filter kept."""
+    from pipelines.task import with_task_pipeline
+
+    op = {"name": "pass_rate_filter", "args": {"api_or_hf_model": Path(tiny_model_dir).name, "repeat_times": 2}}
+    over = {
+        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf", "max_model_len": 512}],
+        "buffer.default_reward_fn_type": "accuracy_reward",
+    }
+    cfg = pipeline_cfg(tmp_path, tiny_model_dir, [op], **over)
+    new, metrics = with_task_pipeline(cfg)
+    rows = [json.loads(line) for line in Path(new.buffer.explorer_input.tasksets[0].path).read_text().splitlines()]
+    assert len(rows) == 4 and {r["pass_rate"] for r in rows} <= {0.0, 0.5, 1.0}
+    assert metrics["pipeline/task/pass_rate_filter/mean_pass_rate"] == pytest.approx(
+        sum(r["pass_rate"] for r in rows) / 4
+    )
+    assert metrics["pipeline/task/pass_rate_filter/kept"] == 4.0
