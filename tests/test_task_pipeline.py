@@ -361,7 +361,7 @@ def test_stage_overrides_data_processor(tmp_path, tiny_model_dir):
 # --- the seed's example, end to end
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=3)
 def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, caplog):
     """The config guide's data_processor block (experience_pipeline left out: another part's), inputs a local file,
     api_or_hf_model the run's auxiliary tiny model: its replies are no JSON, so every score is Data-Juicer's 0.0,
