@@ -431,3 +431,42 @@ def test_pass_rate_filter_on_a_real_auxiliary_model(tmp_path, tiny_model_dir):
         sum(r["pass_rate"] for r in rows) / 4
     )
     assert metrics["pipeline/task/pass_rate_filter/kept"] == 4.0
+
+
+SEED_BLOCK = """
+data_processor:
+  task_pipeline:
+    num_process: 32
+    operators:
+      - name: "llm_difficulty_score_filter"
+        args:
+          api_or_hf_model: "qwen2.5-7b-instruct"
+          min_score: 0.0
+          input_keys: ["question", "answer"]
+          field_names: ["Question", "Answer"]
+    inputs:  # the output will be set to the explorer input automatically
+      - ${oc.env:TRINITY_TASKSET_PATH}
+    target_fields: ["question", "answer"]
+"""
+
+
+def test_seed_block_loads_verbatim(tmp_path, tiny_model_dir, monkeypatch):
+    """The config guide's task_pipeline block as written (its ${oc.env:...} input) loads into the schema."""
+    import yaml
+
+    from configs import cli, resolve_stages
+
+    monkeypatch.setenv("TRINITY_TASKSET_PATH", str(tmp_path / "tasks.jsonl"))
+    base = yaml.safe_load(write_config(tmp_path, tiny_model_dir).read_text())
+    path = tmp_path / "seed.yaml"
+    path.write_text(yaml.safe_dump(base) + SEED_BLOCK)
+    (cfg,) = resolve_stages(cli(["--config", str(path)])[0])
+    tp = cfg.data_processor.task_pipeline
+    assert (tp.num_process, tp.inputs, tp.target_fields) == (
+        32,
+        [str(tmp_path / "tasks.jsonl")],
+        ["question", "answer"],
+    )
+    (op,) = tp.operators
+    assert op.name == "llm_difficulty_score_filter" and op.args["min_score"] == 0.0
+    assert op.args["field_names"] == ["Question", "Answer"]
