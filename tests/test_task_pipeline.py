@@ -470,3 +470,13 @@ def test_seed_block_loads_verbatim(tmp_path, tiny_model_dir, monkeypatch):
     (op,) = tp.operators
     assert op.name == "llm_difficulty_score_filter" and op.args["min_score"] == 0.0
     assert op.args["field_names"] == ["Question", "Answer"]
+
+
+def test_explorer_stops_with_the_named_error_when_no_task_is_left(tmp_path, tiny_model_dir, caplog):
+    data = jsonl(tmp_path / "in.jsonl", ROWS)
+    (tmp_path / "ops.py").write_text(USER_OP)
+    tp = {"inputs": [str(data)], "operators": [user_op(tmp_path, max_len=3)]}
+    code, errors = explorer_in_process(
+        write_config(tmp_path, tiny_model_dir, **{"data_processor.task_pipeline": tp}), caplog
+    )
+    assert code != 0 and "operator 'KeepShort' dropped the last 3 row(s)" in errors and "Traceback" not in errors
