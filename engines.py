@@ -47,6 +47,7 @@ from transformers import DynamicCache
 from buffer import Experience
 from chat_template import chat_ids
 from configs.resolve import explorer_gpu_plan
+from configs.schema import ExternalModelConfig
 from errors import ConfigError
 from models import eos_ids, load_model, load_tokenizer, with_template
 from sampling import Batcher, Completion, PromptTooLong, SamplingParams, check_scoring, collect, scored_temperature
@@ -729,7 +730,7 @@ class ExternalHandle:
     # sampling keys the chat completions API takes as they are; top_k and min_tokens (vLLM's) go in its body
     OPENAI_KEYS = ("temperature", "top_p", "max_tokens", "stop", "seed")
 
-    def __init__(self, ext, where: str) -> None:
+    def __init__(self, ext: ExternalModelConfig, where: str) -> None:
         import openai
 
         key = os.environ.get(ext.api_key_env) if ext.api_key_env else "EMPTY"

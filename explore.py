@@ -81,6 +81,7 @@ from engines import CannedEngine, EngineHandle, auxiliary_handles, close_engines
 from errors import DataError
 from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
+from pipelines.task import with_task_pipeline
 from sampling import PromptTooLong
 from tasksets import Task, TaskReader, load_tasks, prompt_bound, total_steps
 from workflows import RewardError, build_workflow
@@ -291,6 +292,11 @@ def set_up(cfg: configs.Config) -> Explorer:
     """DB and saved position, engine (with the newest published weights), runners, monitor, eval tasks."""
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     monitor = Monitor(cfg, role=name)  # first: it opens the log file that set-up's records go to
+    # --- the task pipeline (data_processor.task_pipeline): the first training taskset reads its output from here on
+    cfg, pipeline_metrics = with_task_pipeline(cfg)
+    b = cfg.buffer  # NOTE: after the task pipeline: its tasksets are the ones read below
+    if pipeline_metrics:
+        monitor.log(pipeline_metrics, step=0)
     check_tasksets(cfg)
     os.environ.update(e.env_vars)
     db = ExperienceDB(b.trainer_input.experience_buffer.path)
