@@ -17,7 +17,7 @@ from buffer import Experience, ExperienceDB
 from configs import cli
 from configs.schema import OperatorConfig
 from errors import ConfigError, DataError
-from helpers import make_task, run_explorer, start_entry, write_config
+from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
 from monitor import read_history
 from pipelines.experience import ExperiencePipeline
 from pipelines.experience_ops import (
@@ -392,3 +392,31 @@ def test_reward_std_filter_end_to_end_leaves_no_tied_group_and_counts_the_droppe
     dropped = sum(h["pipeline/dropped_groups"] for h in history)
     assert len(by_group) + dropped == 9 and len(rows) == sum(h["pipeline/reward_std_filter/kept"] for h in history)
     assert history[-1]["pipeline/reward_std_filter/dropped_total"] == 2 * dropped
+
+
+RAISES_LATER = '''
+class RaisesLater:
+    """Fails on the tasks of step 2 (index 3 on); keeps everything else."""
+
+    def process(self, exps):
+        if any(x.info["index"] >= 3 for x in exps):
+            raise KeyError("quality")
+        return exps, {}
+'''
+
+
+@pytest.mark.slow
+def test_an_operator_that_raises_stops_the_explorer_and_its_step_is_not_written(tiny_model_dir, tmp_path, caplog):
+    """Step 1 is written; step 2's operator raises: exit 2 with the operator named, no traceback from the process's
+    exit path, step 2's experiences not in the DB and the saved position after step 1 (a restart runs it again)."""
+    (tmp_path / "raises.py").write_text(RAISES_LATER)
+    ops = [{"name": "reward_filter", "args": {"threshold": -1.0}}, {"name": f"{tmp_path / 'raises.py'}:RaisesLater"}]
+    config = write_config(tmp_path, tiny_model_dir, **{"data_processor": {"experience_pipeline": {"operators": ops}}})
+    code, err = explorer_in_process(config, caplog)
+    assert code == 2
+    assert "experience pipeline operator RaisesLater (data_processor.experience_pipeline.operators[1]) raised " in err
+    assert "KeyError: 'quality'. The step is not written" in err
+    assert [g for g, _, _ in db_rows(tmp_path)] == [f"explorer/0/arith/{i}" for i in range(3) for _ in (0, 1)]
+    state = ExperienceDB(f"sqlite:///{next((tmp_path / 'ck').rglob('*.db'))}").explorer_states()["explorer"]
+    assert state["step"] == 1 and state["reader"]["index"] == 3
+    assert state["pipeline"] == {"reward_filter": {"kept": 6, "dropped": 0}, "RaisesLater": {"kept": 6, "dropped": 0}}
