@@ -3,7 +3,9 @@ the pipeline's metrics and counts, refusals at start, an operator that raises, a
 the explorer's refill and dynamic sampling (explore.run_batch / rollout), and real explorer runs: SIGKILL and restart
 with a pipeline that drops some experiences, and reward_std_filter end to end."""
 
+import json
 import math
+import os
 import signal
 import sqlite3
 import time
@@ -17,7 +19,7 @@ from buffer import Experience, ExperienceDB
 from configs import cli
 from configs.schema import OperatorConfig
 from errors import ConfigError, DataError
-from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
+from helpers import both_config, explorer_in_process, make_task, run_entry, run_explorer, start_entry, write_config
 from monitor import read_history
 from pipelines.experience import ExperiencePipeline
 from pipelines.experience_ops import (
@@ -421,3 +423,44 @@ def test_an_operator_that_raises_stops_the_explorer_and_its_step_is_not_written(
     state = ExperienceDB(f"sqlite:///{next((tmp_path / 'ck').rglob('*.db'))}").explorer_states()["explorer"]
     assert state["step"] == 1 and state["reader"]["index"] == 3
     assert state["pipeline"] == {"reward_filter": {"kept": 6, "dropped": 0}, "RaisesLater": {"kept": 6, "dropped": 0}}
+
+
+@pytest.mark.slow
+def test_mode_both_with_shaping_from_the_reward_components_and_dynamic_sampling(tiny_model_dir, tmp_path):
+    """launch.py in mode both (GRPO with DAPO's dynamic sampling, 3 steps): reward_shaping_mapper adds 0.5 x the
+    `accuracy` component (in exp.metrics: random_reward's, p 0.5, as the tiny model solves no task) and
+    reward_std_filter drops the tied groups, which dynamic sampling refills. Each row's reward is 1.5 x its accuracy,
+    by hand from its payload; every group varies; the trainer trains its 3 steps on them."""
+    shaping = [{"stats_key": "accuracy", "op_type": "ADD", "weight": 0.5}]
+    ops = [
+        {"name": "reward_shaping_mapper", "args": {"reward_shaping_configs": shaping}},
+        {"name": "reward_std_filter"},
+    ]
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{
+            "buffer.default_reward_fn_type": "random_reward",
+            "algorithm.sample_strategy": "dynamic_sampling",
+            "algorithm.sample_strategy_args": {"max_num_gen_batches": 3},
+            "data_processor": {"experience_pipeline": {"operators": ops}},
+        },
+    )
+    out = run_entry("launch.py", ["--config", str(config)], {**os.environ, "OMP_NUM_THREADS": "1"}, 600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    db = next((tmp_path / "ck").rglob("*.db"))
+    rows = sqlite3.connect(db).execute("SELECT e.group_id, e.reward, p.meta FROM experiences e JOIN payloads p "
+                                       "ON p.id = e.id ORDER BY e.id").fetchall()  # fmt: skip
+    assert rows
+    for _, reward, meta in rows:
+        parts = json.loads(meta)["metrics"]
+        assert parts["accuracy"] in (0.0, 1.0) and reward == 1.5 * parts["accuracy"]
+    by_group: dict[str, list[float]] = {}
+    for g, reward, _ in rows:
+        by_group.setdefault(g, []).append(reward)
+    assert all(len(r) == 2 and r[0] != r[1] for r in by_group.values())
+    history = read_history(next((tmp_path / "ck").rglob("monitor/explorer.jsonl")))
+    steps = [h for h in history if "pipeline/dropped_groups" in h]
+    assert len(steps) == 3 and all(h["pipeline/dropped_groups_refilled"] == h["pipeline/dropped_groups"] for h in steps)
+    trained = [h["step"] for h in read_history(next((tmp_path / "ck").rglob("monitor/trainer.jsonl")))]
+    assert trained[-1] == 3
