@@ -9,7 +9,9 @@ position in the same DB transaction as the step's experiences (explore.write), s
 
 Metrics, per operator (`label`: its name; a user operator's `module:attr` by its attr; a name used twice: name#2):
 pipeline/<label>/kept, pipeline/<label>/dropped (experiences in and out of it), pipeline/<label>/<its own key>, and
-the cumulative pipeline/<label>/kept_total, dropped_total. Over a step's batches, kept / dropped and an operator's
+the cumulative pipeline/<label>/kept_total, dropped_total; and pipeline/input/experiences, reward_mean (the step's
+experiences and their mean reward as they came, before any operator) and pipeline/output/... (as written: what
+rollout/reward/* is computed over). Over a step's batches, kept / dropped and an operator's
 own keys add up, except keys ending in /mean (weighted by the experiences the operator saw), /min and /max.
 
 An operator that raises stops the explorer with a DataError naming it (its traceback in the log): the step is not
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from statistics import fmean
 from typing import Any
 
 import configs
@@ -29,6 +32,10 @@ from pipelines import Context, Operator, build
 from pipelines.registry import EXPERIENCE_OPERATORS
 
 log = logging.getLogger("nanorft.pipelines")
+
+
+def mean(values: list[float]) -> float:
+    return fmean(values) if values else 0.0
 
 
 def labels(names: list[str]) -> list[str]:
@@ -61,11 +68,13 @@ class ExperiencePipeline:
         self.totals = {label: {"kept": 0, "dropped": 0} for label, _ in self.ops}
         self._step: dict[str, float] = {}  # this step's metrics so far (its batches together)
         self._seen: dict[str, int] = {}  # experiences each op saw this step: the weights of its /mean keys
+        self._ends: dict[str, list[float]] = {"input": [], "output": []}  # this step's rewards into / out of it
         log.info("experience pipeline: %s", " -> ".join(label for label, _ in self.ops))
 
     def run(self, exps: list[Experience]) -> tuple[list[Experience], dict[str, float]]:
         """The operators in order over one batch: (the experiences kept, this batch's metrics)."""
         metrics: dict[str, float] = {}
+        self._ends["input"] += [x.reward for x in exps]
         for i, (label, op) in enumerate(self.ops):
             n = len(exps)
             try:
@@ -89,6 +98,7 @@ class ExperiencePipeline:
                 f"after the experience pipeline, {len(bad)} experience(s) have a reward that is not a finite number "
                 f"(task {bad[0].task_id}: {bad[0].reward!r}); end the pipeline with invalid_reward_filter to drop them"
             )
+        self._ends["output"] += [x.reward for x in exps]
         return exps, metrics
 
     def _add(self, label: str, n: int, batch: dict[str, float]) -> None:
@@ -114,6 +124,9 @@ class ExperiencePipeline:
     def step_metrics(self) -> dict[str, float]:
         """The step's metrics (its batches together) and the cumulative totals; the step's are forgotten."""
         out, self._step, self._seen = self._step, {}, {}
+        for end, rewards in self._ends.items():  # NOTE: rollout/reward/* is over what the pipeline kept (written)
+            out |= {f"pipeline/{end}/experiences": len(rewards), f"pipeline/{end}/reward_mean": mean(rewards)}
+        self._ends = {"input": [], "output": []}
         for label, t in self.totals.items():
             out |= {f"pipeline/{label}/kept_total": t["kept"], f"pipeline/{label}/dropped_total": t["dropped"]}
         return out

@@ -170,6 +170,11 @@ def test_the_pipeline_runs_in_order_and_counts_each_operator():
     assert (step["pipeline/reward_filter#2/kept"], step["pipeline/reward_filter#2/dropped"]) == (1, 1)
     assert (step["pipeline/reward_filter#2/kept_total"], step["pipeline/reward_filter#2/dropped_total"]) == (1, 1)
     assert p.state()["reward_std_filter"] == {"kept": 2, "dropped": 4}
+    assert (step["pipeline/input/experiences"], step["pipeline/input/reward_mean"]) == (
+        7,
+        (-1 + 1 + 1 + 0 + 2 + 0.5 + 1.5) / 7,
+    )
+    assert (step["pipeline/output/experiences"], step["pipeline/output/reward_mean"]) == (1, 2.5)
     again = p.step_metrics()  # the step's numbers are forgotten, the totals stay
     assert "pipeline/reward_filter/kept" not in again and again["pipeline/reward_filter/kept_total"] == 6
     fresh = ExperiencePipeline(config(("reward_filter", {}), ("reward_std_filter", {})))
