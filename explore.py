@@ -12,9 +12,10 @@ Launch lines:
 
 What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
-    one group) -> stamp group/run ids and versions -> run more tasks in place of the dropped ones, up to
-    explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the groups whose rewards all tie and
-    run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
+    one group) -> stamp group/run ids and versions -> the experience pipeline's operators over them (filters, reward
+    shaping: pipelines/experience.py; a group it drops whole is a missing group for dynamic sampling) -> run more
+    tasks in place of the dropped ones, up to explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the
+    groups whose rewards all tie and run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
     position (and what the step wrote, the weights it waits for next: how the trainer knows a short step is all
     it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
@@ -439,7 +440,7 @@ def pipeline_metrics(x: Explorer, ran: list) -> dict[str, float]:
             "step %d: the experience pipeline dropped the whole group of %d task(s); %s",
             x.step + 1,
             gone,
-            "dynamic sampling ran more tasks in their place (up to max_num_gen_batches)"
+            "dynamic sampling counts them as missing groups (more tasks run, up to max_num_gen_batches)"
             if refilled
             else "the step is short by them (not refilled; with dynamic sampling they would be)",
         )
