@@ -472,3 +472,18 @@ def test_mode_both_with_shaping_from_the_reward_components_and_dynamic_sampling(
     assert len(steps) == 3 and all(h["pipeline/dropped_groups_refilled"] == h["pipeline/dropped_groups"] for h in steps)
     trained = [h["step"] for h in read_history(next((tmp_path / "ck").rglob("monitor/trainer.jsonl")))]
     assert trained[-1] == 3
+
+
+@pytest.mark.slow
+def test_a_bad_operator_stops_the_explorer_at_start_before_any_rollout(tiny_model_dir, tmp_path, caplog, monkeypatch):
+    """A misspelt argument: exit 2 naming the operator's place and the argument, before the engine starts or any
+    workflow runs."""
+    started = []
+    monkeypatch.setattr(explore, "run_tasks", lambda *a: started.append(a) or [])
+    monkeypatch.setattr(explore.sync, "start_engine", lambda *a: started.append(a) or (None, 0))
+    ops = [{"name": "reward_std_filter", "args": {"treshold": 0.1}}]
+    config = write_config(tmp_path, tiny_model_dir, **{"data_processor": {"experience_pipeline": {"operators": ops}}})
+    code, err = explorer_in_process(config, caplog)
+    assert code == 2 and not started
+    assert "data_processor.experience_pipeline.operators[0]: operator 'reward_std_filter' takes no argument " in err
+    assert "'treshold'; did you mean 'threshold'?" in err
