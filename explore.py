@@ -12,9 +12,10 @@ Launch lines:
 
 What one explore step does, straight down `explore()`:
     read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
-    one group) -> stamp group/run ids and versions -> run more tasks in place of the dropped ones, up to
-    explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the groups whose rewards all tie and
-    run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
+    one group) -> stamp group/run ids and versions -> the experience pipeline's operators over them (filters, reward
+    shaping: pipelines/experience.py; a group it drops whole is a missing group for dynamic sampling) -> run more
+    tasks in place of the dropped ones, up to explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the
+    groups whose rewards all tie and run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
     position (and what the step wrote, the weights it waits for next: how the trainer knows a short step is all
     it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
@@ -81,6 +82,7 @@ from engines import CannedEngine, EngineHandle, auxiliary_handles, close_engines
 from errors import DataError
 from models import config_tokenizer, fingerprint, load_model
 from monitor import Monitor, eval_metrics, rollout_metrics
+from pipelines.experience import ExperiencePipeline
 from pipelines.task import with_task_pipeline
 from sampling import PromptTooLong
 from tasksets import Task, TaskReader, load_tasks, prompt_bound, total_steps
@@ -286,6 +288,7 @@ class Explorer:
     eval_sets: list[tuple[Any, list[Task]]]
     steps: int  # the last step (the tasksets may run out before it with dynamic sampling: reader.exhausted)
     gen_batches: int  # the most batches of tasks a step runs: 1, or dynamic sampling's max_num_gen_batches
+    pipeline: ExperiencePipeline | None = None  # data_processor.experience_pipeline's operators (None: none)
 
 
 def set_up(cfg: configs.Config) -> Explorer:
@@ -310,6 +313,8 @@ def set_up(cfg: configs.Config) -> Explorer:
         reader.load_state(saved["reader"])
         step = saved["step"]
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
+    models: dict[str, Any] = {}  # the experience pipeline's model handles: the auxiliary models', once they start
+    pipeline = experience_pipeline(cfg, models, saved)  # before the engines: a bad operator is refused at once
     engine, version = sync.start_engine(
         cfg,
         base_weights(cfg),
@@ -320,6 +325,8 @@ def set_up(cfg: configs.Config) -> Explorer:
     engine.model_version = version
     if e.partial_rollout:  # the engines' weight updates keep the requests in flight (configs/checks: vllm_async only)
         engine.in_flight_updates = True
+    handles = [with_extras(cfg, rollout_handle(cfg, engine, tokenizer))]
+    models.update(handles[0].auxiliary)  # NOTE: the pipeline's Context.models, filled now that the engines are up
     return Explorer(
         cfg=cfg,
         db=db,
@@ -327,13 +334,24 @@ def set_up(cfg: configs.Config) -> Explorer:
         step=step,
         engine=engine,
         sync=sync.ExplorerSync(cfg, db, engine),
-        handles=[with_extras(cfg, rollout_handle(cfg, engine, tokenizer))],
+        handles=handles,
         pool=ThreadPoolExecutor(max_workers=runners(cfg), thread_name_prefix="runner"),
         monitor=monitor,
         eval_sets=[(ts, load_tasks(ts, True, prompt_bound(cfg.model))) for ts in b.explorer_input.eval_tasksets],
         steps=total_steps(b, len(reader)),
         gen_batches=gen_batches(cfg.algorithm),
+        pipeline=pipeline,
     )
+
+
+def experience_pipeline(cfg: configs.Config, models: dict[str, Any], saved: dict | None) -> ExperiencePipeline | None:
+    """data_processor.experience_pipeline's operators, built (a bad name or argument: a ConfigError now, before any
+    rollout), with the cumulative counts saved with the last written step; None without operators."""
+    if not cfg.data_processor.experience_pipeline.operators:
+        return None
+    pipeline = ExperiencePipeline(cfg, models)
+    pipeline.load_state((saved or {}).get("pipeline"))
+    return pipeline
 
 
 def with_extras(cfg: configs.Config, handle: EngineHandle) -> EngineHandle:
@@ -365,15 +383,34 @@ def with_extras(cfg: configs.Config, handle: EngineHandle) -> EngineHandle:
 
 
 def run_batch(x: Explorer, tasks: list[Task]) -> list:
-    """Run tasks on the runners: [(task, its experiences stamped, or None, error)] in task order."""
+    """Run tasks on the runners: [(task, its experiences stamped, or None, error)] in task order; with an experience
+    pipeline, the experiences it keeps (a task whose whole group it dropped: [], not None: `piped`)."""
     results = run_tasks(x.pool, tasks, x.handles, x.cfg)
     for task, got, err in results:
         if got is None:
             log.error("task %s dropped after %d attempts: %s", task.task_id, x.cfg.explorer.max_retry_times + 1, err)
         else:
             stamp(got, task, x.cfg.explorer.name)
+    if x.pipeline is not None:  # NOTE: before the advantages: step_wise_grpo's must see the shaped rewards
+        results = piped(x.pipeline, results)
+    for _, got, _ in results:
+        if got:
             group_advantages(got, x.cfg.algorithm)  # step_wise_grpo's, over the task's whole group (batching.py)
     return results
+
+
+def piped(pipeline: ExperiencePipeline, results: list) -> list:
+    """The batch's experiences through the experience pipeline, back in their tasks' results by group_id (a task
+    whose whole group it dropped gets []: no group, which dynamic sampling refills and refill does not)."""
+    kept, _ = pipeline.run([exp for _, got, _ in results if got for exp in got])
+    by_group: dict[str, list[Experience]] = {got[0].group_id: [] for _, got, _ in results if got}
+    for exp in kept:
+        if exp.group_id not in by_group:
+            raise DataError(
+                f"the experience pipeline returned an experience of group {exp.group_id!r}, not of the batch"
+            )
+        by_group[exp.group_id].append(exp)
+    return [(task, by_group[got[0].group_id] if got else got, err) for task, got, err in results]
 
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
@@ -393,7 +430,30 @@ def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str,
         "rollout/refilled_tasks": len(ran) - len(tasks),
         "rollout/missing_tasks": max(x.cfg.buffer.batch_size - len(written), 0),
     }
+    if x.pipeline is not None:
+        metrics |= pipeline_metrics(x, ran)
     return [exp for _, got, _ in written for exp in got], metrics
+
+
+def pipeline_metrics(x: Explorer, ran: list) -> dict[str, float]:
+    """The experience pipeline's metrics of the step, and the groups it dropped whole (logged): with dynamic sampling
+    they were missing groups, refilled as the tied ones are (fill_groups); without it the step is short by them
+    (refill runs more tasks only for failed ones; the trainer takes a short step as it is: sync.holds)."""
+    gone = sum(got == [] for _, got, _ in ran)
+    refilled = x.gen_batches > 1
+    if gone:
+        log.warning(
+            "step %d: the experience pipeline dropped the whole group of %d task(s); %s",
+            x.step + 1,
+            gone,
+            "dynamic sampling counts them as missing groups (more tasks run, up to max_num_gen_batches)"
+            if refilled
+            else "the step is short by them (not refilled; with dynamic sampling they would be)",
+        )
+    return x.pipeline.step_metrics() | {
+        "pipeline/dropped_groups": gone,
+        "pipeline/dropped_groups_refilled": gone if refilled else 0,
+    }
 
 
 def refill(x: Explorer, results: list) -> tuple[list, list]:
@@ -477,6 +537,8 @@ def write(x: Explorer, exps: list[Experience], last: bool = False) -> None:
         "written": len(exps),
         "sync_wait": 0 if last else sync.sync_wait(x.step, x.cfg, x.engine.model_version),
     }
+    if x.pipeline is not None:  # its cumulative counts, in the same transaction as the step they count
+        state["pipeline"] = x.pipeline.state()
     x.db.write(exps, explorer=(name, state))
     meta = Path(x.cfg.checkpoint_job_dir, f"{name}_meta.json")
     try:  # for people and tools: the DB holds the position a restart reads

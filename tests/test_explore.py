@@ -543,7 +543,9 @@ def restarted(
         cluster=SimpleNamespace(colocate=colocate),
     )
     db = ExperienceDB(db_url)
-    return SimpleNamespace(cfg=cfg, db=db, step=step, engine=engine, sync=sync.ExplorerSync(cfg, db, engine))
+    return SimpleNamespace(
+        cfg=cfg, db=db, step=step, engine=engine, sync=sync.ExplorerSync(cfg, db, engine), pipeline=None
+    )
 
 
 @pytest.mark.parametrize("colocate", [False, True])
@@ -814,7 +816,9 @@ def test_dynamic_sampling_runs_more_tasks_until_the_step_has_varied_groups(
     monkeypatch.setattr(explore, "run_batch", fake_batch)
     cfg = cli(["--config", str(ROOT / "configs/tiny.yaml")])[0]
     cfg.buffer.batch_size = 3
-    x = type("X", (), {"cfg": cfg, "reader": Reader(size), "step": 6, "gen_batches": cap, "batches": []})()
+    x = type(
+        "X", (), {"cfg": cfg, "reader": Reader(size), "step": 6, "gen_batches": cap, "batches": [], "pipeline": None}
+    )()
     first = explore.run_batch(x, x.reader.read(3))
     with caplog.at_level("WARNING", logger="nanorft.explore"):
         results, ran, got = explore.fill_groups(x, first)
@@ -857,7 +861,7 @@ def test_dropped_tasks_are_refilled_from_the_reader_up_to_max_refill_rounds(
     monkeypatch.setattr(explore, "run_batch", dropping_batch)
     cfg = cli(["--config", str(ROOT / "configs/tiny.yaml")])[0]
     cfg.buffer.batch_size, cfg.explorer.max_refill_rounds = 3, rounds
-    x = type("X", (), {"cfg": cfg, "reader": Reader(8), "step": 0, "gen_batches": 1, "batches": []})()
+    x = type("X", (), {"cfg": cfg, "reader": Reader(8), "step": 0, "gen_batches": 1, "batches": [], "pipeline": None})()
     exps, got = explore.rollout(x, x.reader.read(3))
     assert x.batches == batches and x.reader.index == sum(len(b) for b in batches)
     assert [x.group_id for x in exps] == [f"g{t}" for t in written for _ in "ab"]
