@@ -64,8 +64,9 @@ setup() {  # $1: the extras wanted, comma-separated ("" for the project alone)
 # in its own venv as a separate process (pipelines/data_juicer.py runs pipelines/dj_worker.py there), as Trinity-RFT
 # runs it as a service. No torch in it: the text operators nanorft's recipes use need none.
 DJ_VENV=.venv-dj
-# NOTE: aiohttp: data_juicer 1.6.1 imports it (utils/file_utils.py) but does not declare it
-DJ_SPEC="py-data-juicer==1.6.1 aiohttp"
+# NOTE: aiohttp and ray: data_juicer 1.6.1 imports both (utils/file_utils.py; core/tracer/ray_tracer.py at import
+# time, even for the default executor) but declares neither (its LazyLoader would pip-install ray at run time)
+DJ_SPEC="py-data-juicer==1.6.1 aiohttp ray"
 
 setup_dj() {  # .venv-dj with $DJ_SPEC, once (a stamp names the spec); ~1 min with pip's cache warm
   local stamp

@@ -17,6 +17,48 @@ import json
 import sys
 
 
+def no_installs() -> None:
+    """Data-Juicer's LazyLoader pip-installs (with uv) any module an operator imports and lacks: torch, ray, ...
+    (a text filter's run installed both, 5 GB). Refuse instead: the import fails with its ImportError, which the code
+    that asked for an optional module handles, and an operator that truly needs one fails, naming it."""
+    from data_juicer.utils.lazy_loader import LazyLoader
+
+    def refuse(package_spec, pip_args=None):
+        raise ImportError(
+            f"{package_spec} is not installed in this Data-Juicer venv (nanorft installs nothing at run time)"
+        )
+
+    # NOTE: a patch, for want of a switch: LazyLoader(auto_install=False) is per call site, inside data_juicer
+    LazyLoader._install_package = staticmethod(refuse)
+
+
+class NoTorch:
+    """torch where it is not installed, for data_juicer.utils.model_utils: Data-Juicer 1.6.1 calls
+    torch.cuda.empty_cache() after every operator (free_models), model or not, and .venv-dj has no torch (the text
+    operators need none; a CPU torch is a large download). Anything else asked of it fails, naming torch."""
+
+    class cuda:  # noqa: N801 (torch's name)
+        @staticmethod
+        def empty_cache() -> None:
+            pass
+
+        @staticmethod
+        def is_available() -> bool:
+            return False
+
+    def __getattr__(self, name: str):
+        raise ImportError(f"torch.{name}: this operator needs torch, which the Data-Juicer venv (.venv-dj) lacks")
+
+
+def no_torch() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        import data_juicer.utils.model_utils as model_utils
+
+        model_utils.torch = NoTorch()  # NOTE: its module global, a LazyLoader that would pip-install torch
+
+
 def list_ops() -> dict:
     from data_juicer.ops import OPERATORS
 
@@ -38,6 +80,8 @@ def main(argv: list) -> int:
         return 2
     result_path = argv[-1]
     try:
+        no_installs()
+        no_torch()
         result = list_ops() if argv[0] == "ops" else run(argv[1])
         code = 0
     except BaseException as e:  # NOTE: SystemExit too: jsonargparse exits on a bad config after printing why
