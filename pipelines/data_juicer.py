@@ -84,10 +84,11 @@ def call_worker(args: list[str], workdir: Path, where: str) -> dict[str, Any]:
         raise DataJuicerError(
             f"{where}: {venv()} has no data_juicer ({answer['error']}): set it up with `bash run.sh dj`"
         )
-    raise DataJuicerError(f"{where}: Data-Juicer failed: {answer['error']}")
+    # one line, as the project's errors are (a process stops on it with that line)
+    raise DataJuicerError(f"{where}: Data-Juicer failed: {' '.join(answer['error'].split())}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def known_ops(python: str) -> tuple[str, ...]:
     """Data-Juicer's registered operator names, asked of the worker once per venv (`python`: its interpreter)."""
     with tempfile.TemporaryDirectory(prefix="nanorft-dj-") as tmp:
@@ -102,9 +103,9 @@ def op_name(op: Any, where: str) -> str:
 
 def check_ops(ops: list[dict], where: str) -> None:
     """Each operator is a Data-Juicer one: else a DataJuicerError naming the closest names."""
+    names = [op_name(op, f"{where}[{i}]") for i, op in enumerate(ops)]
     known = known_ops(str(dj_python()))
-    for i, op in enumerate(ops):
-        name = op_name(op, f"{where}[{i}]")
+    for i, name in enumerate(names):
         if name not in known:
             close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
             hint = f" Close names: {', '.join(close)}." if close else ""
