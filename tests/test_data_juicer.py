@@ -41,6 +41,7 @@ def experience(response: str, reward: float = 1.0) -> Experience:
     )
 
 
+@pytest.mark.slow(seconds=13)  # the worker's start and Data-Juicer's set-up
 def test_text_length_filter_keeps_the_rows_computed_by_hand(dj_venv):
     rows = [
         {"question": "ab", "answer": "1"},  # 2 chars: < min_len, dropped
@@ -59,6 +60,7 @@ def test_text_length_filter_keeps_the_rows_computed_by_hand(dj_venv):
     assert metrics == {"rows_in": 5.0, "rows_out": 3.0, "text_len_mean": (3 + 8 + 5) / 3}
 
 
+@pytest.mark.slow(seconds=8)  # the worker's start and Data-Juicer's set-up
 def test_all_rows_dropped_and_no_rows(dj_venv):
     rows = [{"question": "ab"}, {"question": "abc"}]
     assert dj.run_rows(rows, [{"text_length_filter": {"min_len": 10}}], ["question"], 1) == (
@@ -71,6 +73,7 @@ def test_all_rows_dropped_and_no_rows(dj_venv):
     )
 
 
+@pytest.mark.slow(seconds=12)  # the worker's start and Data-Juicer's set-up
 def test_experience_operator_writes_stats_to_info_and_drops_what_the_filter_drops(dj_venv, tmp_path):
     exps = [experience("ab1 !"), experience("!!?"), experience("abcd", reward=0.0), experience("a-b-")]
     # alnum_ratio = letters and digits / characters: 3/5, 0/3, 4/4, 2/4; min_ratio 0.6 drops "!!?" and "a-b-"
@@ -89,6 +92,7 @@ def test_experience_operator_writes_stats_to_info_and_drops_what_the_filter_drop
     assert metrics == {"alnum_ratio_mean": pytest.approx((0.6 + 1.0) / 2)}
 
 
+@pytest.mark.slow(seconds=10)  # the worker's start and Data-Juicer's set-up
 def test_the_shipped_recipe_runs_offline_and_scores_the_response(dj_venv):
     looping = "a" * 100  # every 10-character n-gram is the same one: char_rep_ratio 1.0 > 0.5, dropped
     exps = [experience("The answer is 42."), experience(looping), experience("7 * 6 = 42")]
@@ -101,6 +105,7 @@ def test_the_shipped_recipe_runs_offline_and_scores_the_response(dj_venv):
     assert metrics["text_len_mean"] == 13.5 and math.isclose(metrics["char_rep_ratio_mean"], 0.0)
 
 
+@pytest.mark.slow(seconds=9)  # the worker's start and Data-Juicer's set-up
 def test_config_path_and_operators_run_in_that_order(dj_venv, tmp_path):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("process:\n  - text_length_filter:\n      min_len: 3\n")
@@ -124,6 +129,7 @@ def test_unknown_operator_names_the_close_ones(dj_venv):
         )
 
 
+@pytest.mark.slow(seconds=7)  # the worker's start and Data-Juicer's set-up
 def test_a_bad_argument_carries_data_juicers_own_message(dj_venv):
     with pytest.raises(dj.DataJuicerError, match=r"Data-Juicer failed: .*Unknown parameter 'min_lenn'"):
         dj.run_rows([{"q": "abc"}], [{"text_length_filter": {"min_lenn": 3}}], ["q"], 1)
