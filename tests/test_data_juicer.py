@@ -115,6 +115,7 @@ def test_config_path_and_operators_run_in_that_order(dj_venv, tmp_path):
     assert kept == [{"q": "abc", "text_len": 3}] and metrics["rows_out"] == 1.0
 
 
+@pytest.mark.slow(seconds=5)  # asks the worker for Data-Juicer's operator list (once per process)
 def test_unknown_operator_names_the_close_ones(dj_venv):
     with pytest.raises(
         dj.DataJuicerError,
