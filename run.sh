@@ -68,7 +68,7 @@ DJ_VENV=.venv-dj
 # time, even for the default executor) but declares neither (its LazyLoader would pip-install ray at run time)
 DJ_SPEC="py-data-juicer==1.6.1 aiohttp ray"
 
-setup_dj() {  # .venv-dj with $DJ_SPEC, once (a stamp names the spec); ~1 min with pip's cache warm
+setup_dj() {  # .venv-dj with $DJ_SPEC, once (a stamp names the spec); ~2.5 min on 2 cores with pip's cache warm
   local stamp
   stamp="$DJ_VENV/.setup-$(echo "$DJ_SPEC" | tr ' =' '_-')"
   [ -f "$stamp" ] && return 0
