@@ -143,7 +143,8 @@ def make_recipe(ops: list[dict], config_path: str, np: int, text_keys: list[str]
         raise ConfigError(f"{where}: no Data-Juicer operators (give `operators`, or a config_path with a `process`)")
     recipe.setdefault("project_name", "nanorft")
     recipe.setdefault("np", np)
-    recipe.setdefault("text_keys", text_keys[0] if len(text_keys) == 1 else list(text_keys))
+    if text_keys:  # none: Data-Juicer's default, `text`
+        recipe.setdefault("text_keys", text_keys[0] if len(text_keys) == 1 else list(text_keys))
     recipe.setdefault("skip_op_error", False)  # an operator's error is an error here, not a silently kept row
     io = {"dataset_path": str(tmp / "in.jsonl"), "export_path": str(tmp / "out" / "out.jsonl")}
     io |= {"work_dir": str(tmp / "work"), "keep_stats_in_res_ds": True, "use_cache": False}
@@ -186,8 +187,9 @@ def run_rows(
     rows: list[dict], ops: list[dict], target_fields: list[str], np: int, config_path: str = ""
 ) -> tuple[list[dict], dict[str, float]]:
     """The task pipeline's Data-Juicer step: `ops` ([{op_name: {args}}], after config_path's recipe's) over `rows`
-    with text_keys = target_fields. Returns the rows Data-Juicer keeps, in order, with what its mappers changed and
-    each stat flattened onto the row (row["text_len"]), and {rows_in, rows_out, <stat>_mean}."""
+    with text_keys = target_fields (an operator reads the first unless its `text_key` arg names another). Returns
+    the rows Data-Juicer keeps, in order, with what its mappers changed and each stat flattened onto the row
+    (row["text_len"]), and {rows_in, rows_out, <stat>_mean}."""
     where = "data_processor.task_pipeline (Data-Juicer)"
     back = run(rows, ops, config_path, np, target_fields, where)
     metrics = {"rows_in": float(len(rows)), "rows_out": float(len(back))} | stat_means(back)
