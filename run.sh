@@ -6,6 +6,8 @@
 #                                                    the test suite on every core (-m "not slow": the quick subset)
 #   bash run.sh vllm                                 set up .venv with vLLM (for engine_type: vllm / vllm_async): its
 #                                                    CPU build on a machine without CUDA, the `gpu` extra with CUDA
+#   bash run.sh dj                                   set up .venv-dj: Data-Juicer in a virtualenv of its own (for the
+#                                                    pipelines' Data-Juicer operators; `bash run.sh test` sets it up too)
 # Set-up happens once: later calls reuse .venv until pyproject.toml changes or they need an extra it lacks.
 # NOTE: portable: bash (no feature past macOS's 3.2) and POSIX utilities with POSIX options only (no sha256sum, nproc,
 # readlink -f, sed -i, find -delete, GNU long options); tests/test_repo.py runs the set-up with nothing else on PATH.
@@ -58,6 +60,33 @@ setup() {  # $1: the extras wanted, comma-separated ("" for the project alone)
   echo "[run.sh] set-up done in $((SECONDS - t0)) s"
 }
 
+# Data-Juicer (py-data-juicer) pins dill==0.3.8, multiprocess==0.70.16 and emoji==2.2.0, older than .venv's: it runs
+# in its own venv as a separate process (pipelines/data_juicer.py runs pipelines/dj_worker.py there), as Trinity-RFT
+# runs it as a service. No torch in it: the text operators nanorft's recipes use need none.
+DJ_VENV=.venv-dj
+# NOTE: aiohttp and ray: data_juicer 1.6.1 imports both (utils/file_utils.py; core/tracer/ray_tracer.py at import
+# time, even for the default executor) but declares neither (its LazyLoader would pip-install ray at run time)
+DJ_SPEC="py-data-juicer==1.6.1 aiohttp ray"
+
+setup_dj() {  # .venv-dj with $DJ_SPEC, once (a stamp names the spec); ~2.5 min on 2 cores with pip's cache warm
+  local stamp
+  stamp="$DJ_VENV/.setup-$(echo "$DJ_SPEC" | tr ' =' '_-')"
+  [ -f "$stamp" ] && return 0
+  echo "[run.sh] setting up $DJ_VENV with $DJ_SPEC (a minute or two)"
+  local t0=$SECONDS
+  # NOTE: `|| return 1` on each step: `setup_dj || ...` (run.sh test) turns set -e off inside the function
+  [ -x "$DJ_VENV/bin/python" ] || python3 -m venv "$DJ_VENV" || return 1
+  "$DJ_VENV/bin/python" -m pip install -q --disable-pip-version-check $DJ_SPEC || return 1
+  "$DJ_VENV/bin/python" -c 'import data_juicer.ops' || return 1
+  rm -f "$DJ_VENV"/.setup-*
+  echo "$DJ_SPEC" > "$stamp"
+  echo "[run.sh] $DJ_VENV set up in $((SECONDS - t0)) s"
+}
+
+if [ "${1:-}" = "dj" ]; then
+  setup_dj
+  exit 0
+fi
 if [ "${1:-}" = "vllm" ]; then
   if [ -z "$VLLM_EXTRA" ]; then
     echo "[run.sh] vLLM needs Linux (its CPU build) or a CUDA GPU; on $(uname -s) use engine_type: hf" >&2
@@ -68,6 +97,9 @@ if [ "${1:-}" = "vllm" ]; then
 fi
 if [ "${1:-}" = "test" ]; then
   setup "$TEST_EXTRAS"
+  # the Data-Juicer tests run it for real (tests/test_data_juicer.py: where .venv-dj is missing they skip, saying
+  # why, except under CI=true, where they fail)
+  setup_dj || echo "[run.sh] could not set up $DJ_VENV (above): the Data-Juicer tests will say so" >&2
   shift
   # one pytest-xdist worker per core, each taking the next test when it is free, the tests that share a module-scoped
   # fixture on one worker (tests/conftest.py; -n 0: in this process alone)

@@ -289,17 +289,18 @@ def posix_bin(tmp: Path, fakes: dict[str, str]) -> Path:
 
 
 def stub_checkout(tmp: Path) -> tuple[Path, Path]:
-    """run.sh and pyproject.toml in a folder of their own, with a .venv whose python only records its arguments (one
-    line per call) and a stamp of an older pyproject.toml: (the folder, the record)."""
+    """run.sh and pyproject.toml in a folder of their own, with a .venv (and a .venv-dj, Data-Juicer's) whose python
+    only records its arguments (one line per call) and a stamp of an older pyproject.toml: (the folder, the record)."""
     import shutil
 
     repo, record = tmp / "repo", tmp / "python-calls"
-    (repo / ".venv/bin").mkdir(parents=True)
+    for venv in (".venv", ".venv-dj"):
+        (repo / venv / "bin").mkdir(parents=True)
+        stub = repo / venv / "bin/python"
+        stub.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {record}\n")
+        stub.chmod(0o755)
     for name in ("run.sh", "pyproject.toml"):
         shutil.copy(ROOT / name, repo / name)
-    stub = repo / ".venv/bin/python"
-    stub.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$*\" >> {record}\n")
-    stub.chmod(0o755)
     (repo / ".venv/.setup-0123456789abcdef").write_text("test\n")
     return repo, record
 
@@ -334,6 +335,10 @@ def test_run_sh_sets_up_with_posix_tools_only(tmp_path, machine):
     assert calls[-1] == "-m pytest -q -n auto --dist loadgroup -k x"
     assert (f"{pip} torch==2.13.0" in calls) == (machine != "cuda") and f"{pip} -e .[{extras}]" in calls
     assert ("-m pip uninstall -q -y torchvision torchaudio torchcodec" in calls) == (machine == "linux")
+    # Data-Juicer's own venv (.venv-dj), set up before the tests run it, once (its stamp)
+    assert f"{pip} py-data-juicer==1.6.1 aiohttp ray" in calls and "-c import data_juicer.ops" in calls
+    assert calls.index("-c import data_juicer.ops") < len(calls) - 1
+    assert [p.name for p in (repo / ".venv-dj").glob(".setup-*")] == [".setup-py-data-juicer--1.6.1_aiohttp_ray"]
     (stamp,) = (repo / ".venv").glob(".setup-*")
     assert stamp.name != ".setup-0123456789abcdef" and stamp.read_text() == extras + "\n"
     record.unlink()
