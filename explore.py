@@ -367,7 +367,16 @@ def run_batch(x: Explorer, tasks: list[Task]) -> list:
         else:
             stamp(got, task, x.cfg.explorer.name)
             group_advantages(got, x.cfg.algorithm)  # step_wise_grpo's, over the task's whole group (batching.py)
+    feed_back(x, results)
     return results
+
+
+def feed_back(x: Explorer, results: list) -> None:
+    """Each task's group of raw rewards to the task selectors (TaskReader.feedback: difficulty_based's pass-rate
+    estimate), once per batch of tasks run: the step's first batch, each refill and dynamic-sampling batch. Before
+    any filter, so that a group that all failed still counts; a task that failed (no experiences) gives nothing.
+    NOTE: the reader's state, saved with the step, includes it: a restart resumes the estimate, never re-feeds it."""
+    x.reader.feedback([(task, [e.reward for e in got]) for task, got, _ in results if got])
 
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
@@ -527,6 +536,7 @@ def explore(cfg: configs.Config) -> int:
         if not tasks:
             break
         exps, metrics = rollout(x, tasks)
+        metrics |= x.reader.metrics()  # selection/*: the step's picks and the estimate after its feedback
         # --- partial rollout: the step before's sync point ends before this step is written (sync.holds: nothing is
         # written before the weights the explorer waits for)
         if behind is not None:
