@@ -157,7 +157,13 @@ def features(ts: TasksetConfig, tasks: list[Task], keys: list[str]) -> np.ndarra
             value = row_value(task.raw, key)
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             if not ok:
-                what = "is missing" if value is row_value({}, key) else f"holds {value!r}, not a finite number"
+                what = (
+                    "is missing"
+                    if value is row_value({}, key)
+                    else "is null (a JSON row that lacks a key other rows have reads as null too)"
+                    if value is None
+                    else f"holds {value!r}, not a finite number"
+                )
                 raise DataError(
                     f"taskset {ts.name}: row {task.index}: feature column {key!r} (data_selector.feature_keys of "
                     f"{ts.data_selector.selector_type}) {what}; every row needs a number there"
