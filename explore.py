@@ -234,7 +234,7 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
     """What the runner, not the workflow, owns: ids and provenance."""
     for run_id, x in enumerate(exps):
         x.group_id, x.run_id, x.task_id, x.explorer = (
-            f"{explorer}/{task.epoch}/{task.task_id}",
+            f"{explorer}/{task.epoch}/{task.task_id}" + (f"@{task.read_at}" if task.read_at >= 0 else ""),
             run_id,
             task.task_id,
             explorer,

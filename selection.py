@@ -175,6 +175,9 @@ def features(ts: TasksetConfig, tasks: list[Task], keys: list[str]) -> np.ndarra
 class Ordered:
     """sequential / shuffle / random / offline_easy2hard: a fixed order per epoch, picked by position."""
 
+    # NOTE: random reads a task twice in an epoch too, and its two groups share a group id, as before selection.py
+    repeats = False  # a task read twice in an epoch gets its slot in its group id (Task.read_at)
+
     def __init__(self, ts: TasksetConfig, tasks: list[Task]) -> None:
         sel = ts.data_selector
         self.name, self.kind, self.seed, self.n = ts.name, sel.selector_type, sel.seed, len(tasks)
@@ -222,6 +225,8 @@ class Ordered:
 
 class DifficultyBased:
     """difficulty_based: Beta pass-rate estimates per task, fed back from each batch's rewards (module docstring)."""
+
+    repeats = True  # the same task is picked again while it stays nearest the target: one group id per read
 
     def __init__(self, ts: TasksetConfig, tasks: list[Task]) -> None:
         sel = ts.data_selector

@@ -55,6 +55,9 @@ class Task:
     chat_template: str = ""  # format.chat_template: renders this task's prompt instead of the tokenizer's
     reply_prefix: str | None = None  # format.reply_prefix: text the assistant turn starts with
     prompt_cut: int = 0  # characters its messages had before load_tasks cut them (PromptBound); 0: not cut
+    # the epoch's slot it was read at where its selector may read a task twice in an epoch (difficulty_based): its
+    # group id names it, so that two reads are two groups; -1 elsewhere
+    read_at: int = -1
 
     @property
     def task_id(self) -> str:
@@ -578,7 +581,9 @@ class TaskReader:
             slots = self._slots[1]
             take = slots[self.index : self.index + n - len(out)]
             rows = self._rows(take)
-            out += [dataclasses.replace(self.sets[i][1][row], epoch=self.epoch) for (i, _), row in zip(take, rows)]
+            for j, ((i, _), row) in enumerate(zip(take, rows)):
+                at = self.index + j if self.selectors[i].repeats else -1
+                out.append(dataclasses.replace(self.sets[i][1][row], epoch=self.epoch, read_at=at))
             self.index += len(take)
             if self.index >= len(slots):
                 self.epoch, self.index = self.epoch + 1, 0

@@ -3,13 +3,18 @@ its greedy and sampled picks, offline_easy2hard's order, the refusals, and the s
 
 import json
 import re
+import signal
+import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 
-from configs import derive, from_dict
+from buffer import ExperienceDB
+from configs import cli, derive, from_dict, resolve_stages
 from configs.schema import Config
 from errors import ConfigError, DataError
+from helpers import run_explorer, start_entry, write_config
 from tasksets import TaskReader
 
 # Two prior pass-rate columns (a weaker and a stronger reference) of four tasks
@@ -135,8 +140,9 @@ def test_difficulty_based_epochs_are_len_taskset_picks(tmp_path):
     path = write(tmp_path, [{} for _ in range(3)])
     ts = taskset(path, {"selector_type": "difficulty_based", "kwargs": {"tau": 0}})  # no feature_keys: flat prior
     reader = TaskReader([ts], total_epochs=2)
-    got = [(t.index, t.epoch) for t in reader.read(100)]
-    assert [e for _, e in got] == [0, 0, 0, 1, 1, 1]
+    got = reader.read(100)
+    assert [t.epoch for t in got] == [0, 0, 0, 1, 1, 1]
+    assert [t.read_at for t in got] == [0, 1, 2, 0, 1, 2]  # a task read twice in an epoch: two group ids (stamp)
     assert reader.exhausted
     feed(reader, {2: [0.0]})
     assert estimator(reader).cap_coef is None  # flat prior: unseen tasks stay at 0.5, no capability estimate
@@ -236,3 +242,43 @@ def test_a_position_saved_before_selectors_had_state_still_loads(tmp_path):
     reader.load_state({"epoch": 1, "index": 2, "sizes": [4]})
     assert (reader.epoch, reader.index) == (1, 2)
     assert estimator(reader).picks == 0
+
+
+@pytest.mark.slow
+def test_an_explorer_killed_mid_step_resumes_the_estimate_it_saved(tiny_model_dir, tmp_path):
+    """explore.py with difficulty_based, SIGKILLed in step 3 (rolled out, not written), restarted: every step's tasks
+    and the final saved estimate are those of a reader that reads each step and is fed the rewards the DB holds, step
+    by step (the estimate resumed from step 2's save, never rebuilt, and step 3's lost rollout never fed twice)."""
+    selector = {"selector_type": "difficulty_based", "kwargs": {"tau": 0.5, "do_sample": True, "target_reward": 0.5}}
+    config = write_config(
+        tmp_path, tiny_model_dir, **{"buffer.total_steps": 4, "buffer.explorer_input.taskset.data_selector": selector}
+    )
+    marker = tmp_path / "paused"
+    env = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = run_explorer(config)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resuming explorer explorer after step 2" in out.stderr
+    db = next((tmp_path / "ck").rglob("*.db"))
+    rows = sqlite3.connect(db).execute("SELECT group_id, reward FROM experiences ORDER BY id").fetchall()
+    groups: dict[str, list[float]] = {}
+    for group, reward in rows:
+        groups.setdefault(group, []).append(reward)
+    assert len(groups) == 4 * 3 and all(len(r) == 2 for r in groups.values())
+    (cfg,) = resolve_stages(cli(["--config", str(config)])[0])
+    replay = TaskReader(cfg.buffer.explorer_input.tasksets, total_epochs=10**9)
+    ids = list(groups)
+    for step in range(4):
+        tasks = replay.read(3)
+        assert [f"explorer/{t.epoch}/{t.task_id}@{t.read_at}" for t in tasks] == ids[3 * step : 3 * step + 3]
+        replay.feedback([(t, groups[g]) for t, g in zip(tasks, ids[3 * step : 3 * step + 3])])
+    with ExperienceDB(f"sqlite:///{db}") as d:
+        saved = d.explorer_states()["explorer"]["reader"]
+    assert saved == json.loads(json.dumps(replay.state()))
+    assert saved["selectors"][0]["picks"] == 12
