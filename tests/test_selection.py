@@ -15,6 +15,7 @@ from configs import cli, derive, from_dict, resolve_stages
 from configs.schema import Config
 from errors import ConfigError, DataError
 from helpers import run_explorer, start_entry, write_config
+from monitor import read_history
 from tasksets import TaskReader
 
 # Two prior pass-rate columns (a weaker and a stronger reference) of four tasks
@@ -282,3 +283,6 @@ def test_an_explorer_killed_mid_step_resumes_the_estimate_it_saved(tiny_model_di
         saved = d.explorer_states()["explorer"]["reader"]
     assert saved == json.loads(json.dumps(replay.state()))
     assert saved["selectors"][0]["picks"] == 12
+    last = read_history(next((tmp_path / "ck").rglob("monitor/explorer.jsonl")))[-1]
+    assert last["step"] == 4 and last["selection/arith/seen_tasks"] == len(saved["selectors"][0]["seen"])
+    assert 0 <= last["selection/arith/predicted_pass_rate/mean"] <= 1 and "selection/arith/target_gap/mean" in last
