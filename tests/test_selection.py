@@ -2,12 +2,14 @@
 its greedy and sampled picks, offline_easy2hard's order, the refusals, and the selector state surviving a restart."""
 
 import json
+import math
 import re
 import signal
 import sqlite3
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from buffer import ExperienceDB
@@ -127,6 +129,16 @@ def test_tau_sampling_is_seeded_reproducible_and_never_repeats_a_task_within_a_b
         runs.append(picks)
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def test_tau_samples_each_task_with_its_softmax_probability(tmp_path):
+    est = estimator(bots(tmp_path, tau=0.1, target_reward=0.5))
+    est.alphas, est.betas = np.array([1.0, 3.0, 4.0, 1.0]), np.array([1.0, 2.0, 1.0, 4.0])  # predicted .5 .6 .8 .2
+    # scores -|0.5 - p| = 0, -0.1, -0.3, -0.3; over tau 0.1: 0, -1, -3, -3 -> softmax
+    weights = [math.exp(x) for x in (0, -1, -3, -3)]
+    expected = [w / sum(weights) for w in weights]
+    firsts = [est.choose(1)[0] for _ in range(4000)]  # each call seeded by seed + picks so far: a new draw
+    assert [firsts.count(r) / 4000 for r in range(4)] == pytest.approx(expected, abs=0.025)
 
 
 def test_a_cold_tau_samples_the_greedy_choice(tmp_path):
