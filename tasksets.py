@@ -559,11 +559,6 @@ class TaskReader:
         keyed = [((k + 0.5) / len(tasks), i, k) for i, (_, tasks) in enumerate(self.sets) for k in range(len(tasks))]
         return [(i, k) for _, i, k in sorted(keyed)]
 
-    def order(self, epoch: int) -> list[tuple[int, int]]:
-        """(taskset number, row) of every task of one epoch, in reading order, for selectors whose order is fixed
-        in advance (not difficulty_based, which picks at read time)."""
-        return [(i, self.selectors[i].order(epoch)[k]) for i, k in self.slots(epoch)]  # type: ignore[union-attr]
-
     def _rows(self, take: list[tuple[int, int]]) -> list[int]:
         """The rows of slots `take` (in order), each taskset's picks asked of its selector at once."""
         ks: dict[int, list[int]] = {}
