@@ -237,7 +237,7 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
     """What the runner, not the workflow, owns: ids and provenance."""
     for run_id, x in enumerate(exps):
         x.group_id, x.run_id, x.task_id, x.explorer = (
-            f"{explorer}/{task.epoch}/{task.task_id}",
+            f"{explorer}/{task.epoch}/{task.task_id}" + (f"@{task.read_at}" if task.read_at >= 0 else ""),
             run_id,
             task.task_id,
             explorer,
@@ -391,6 +391,7 @@ def run_batch(x: Explorer, tasks: list[Task]) -> list:
             log.error("task %s dropped after %d attempts: %s", task.task_id, x.cfg.explorer.max_retry_times + 1, err)
         else:
             stamp(got, task, x.cfg.explorer.name)
+    feed_back(x, results)  # NOTE: first: the selectors learn from the raw rewards, before a filter or a reshaping
     if x.pipeline is not None:  # NOTE: before the advantages: step_wise_grpo's must see the shaped rewards
         results = piped(x.pipeline, results)
     for _, got, _ in results:
@@ -411,6 +412,14 @@ def piped(pipeline: ExperiencePipeline, results: list) -> list:
             )
         by_group[exp.group_id].append(exp)
     return [(task, by_group[got[0].group_id] if got else got, err) for task, got, err in results]
+
+
+def feed_back(x: Explorer, results: list) -> None:
+    """Each task's group of raw rewards to the task selectors (TaskReader.feedback: difficulty_based's pass-rate
+    estimate), once per batch of tasks run: the step's first batch, each refill and dynamic-sampling batch. Before
+    any filter, so that a group that all failed still counts; a task that failed (no experiences) gives nothing.
+    NOTE: the reader's state, saved with the step, includes it: a restart resumes the estimate, never re-feeds it."""
+    x.reader.feedback([(task, [e.reward for e in got]) for task, got, _ in results if got])
 
 
 def rollout(x: Explorer, tasks: list[Task]) -> tuple[list[Experience], dict[str, float]]:
@@ -595,6 +604,7 @@ def explore(cfg: configs.Config) -> int:
         if not tasks:
             break
         exps, metrics = rollout(x, tasks)
+        metrics |= x.reader.metrics()  # selection/*: the step's picks and the estimate after its feedback
         # --- partial rollout: the step before's sync point ends before this step is written (sync.holds: nothing is
         # written before the weights the explorer waits for)
         if behind is not None:

@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import stat
 from pathlib import Path
@@ -56,6 +55,9 @@ class Task:
     chat_template: str = ""  # format.chat_template: renders this task's prompt instead of the tokenizer's
     reply_prefix: str | None = None  # format.reply_prefix: text the assistant turn starts with
     prompt_cut: int = 0  # characters its messages had before load_tasks cut them (PromptBound); 0: not cut
+    # the epoch's slot it was read at where its selector may read a task twice in an epoch (difficulty_based): its
+    # group id names it, so that two reads are two groups; -1 elsewhere
+    read_at: int = -1
 
     @property
     def task_id(self) -> str:
@@ -523,51 +525,83 @@ def total_steps(buffer: BufferConfig, tasks_per_epoch: int, per_task: int = 1, p
 
 
 class TaskReader:
-    """Training tasks over epochs: several tasksets interleaved, a seeded order, a position to save.
+    """Training tasks over epochs: several tasksets interleaved, each read by its selector, a position to save.
 
         reader = TaskReader(cfg.buffer.explorer_input.tasksets, total_epochs=cfg.buffer.total_epochs)
-        reader.load_state(saved)        # resume: {"epoch": e, "index": i}
+        reader.load_state(saved)        # resume: {"epoch": e, "index": i, "sizes": [...], "selectors": [...]}
         batch = reader.read(batch_size) # [] once every epoch is done
+        reader.feedback(results)        # each task's group of rewards, after they ran (difficulty_based learns)
 
-    Within an epoch each taskset keeps its own order (sequential, a seeded per-epoch shuffle, or seeded
-    sampling with replacement), and tasksets are interleaved in proportion to their sizes.
+    An epoch is len(taskset) picks of each taskset, interleaved in proportion to their sizes (slots); which row a
+    pick reads is its taskset's selector's choice (selection.py: sequential, a seeded per-epoch shuffle, seeded
+    sampling with replacement, sorted by feature columns, or online by estimated pass rate).
     """
 
     def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1, bound: PromptBound | None = None) -> None:
+        import selection  # NOTE: here: selection imports tasksets' row_value
+
         self.sets = [(ts, load_tasks(ts, bound=bound)) for ts in tasksets]
+        self.selectors = [selection.make(ts, tasks) for ts, tasks in self.sets]
         self.total_epochs = total_epochs
         self.epoch, self.index = 0, 0
-        self._order: tuple[int, list[tuple[int, int]]] | None = None
+        self._slots: tuple[int, list[tuple[int, int]]] | None = None
+        # a task's (taskset number, position in its tasks) by task_id: feedback names tasks, selectors positions
+        self._where = {t.task_id: (i, r) for i, (_, tasks) in enumerate(self.sets) for r, t in enumerate(tasks)}
 
     def __len__(self) -> int:
         """Tasks per epoch."""
         return sum(len(tasks) for _, tasks in self.sets)
 
-    def order(self, epoch: int) -> list[tuple[int, int]]:
-        """(taskset number, row index) of every task of one epoch, in reading order."""
-        keyed = []
-        for i, (ts, tasks) in enumerate(self.sets):
-            n, sel = len(tasks), ts.data_selector
-            rng = random.Random(f"{sel.seed}/{epoch}")  # NOTE: str seeds hash deterministically across runs
-            if sel.selector_type == "sequential":
-                rows = list(range(n))
-            else:  # "shuffle" (each row once) or "random" (with replacement)
-                rows = rng.sample(range(n), n) if sel.selector_type == "shuffle" else rng.choices(range(n), k=n)
-            keyed += [((k + 0.5) / n, i, row) for k, row in enumerate(rows)]
-        return [(i, row) for _, i, row in sorted(keyed)]
+    def slots(self, epoch: int) -> list[tuple[int, int]]:
+        """(taskset number, k: its k-th pick of the epoch) of every task of one epoch, in reading order: each
+        taskset's picks spread evenly over the epoch (the k-th at (k + 0.5) / n), ties by taskset number. The same
+        for every epoch; `epoch` is kept for the selectors' sake."""
+        keyed = [((k + 0.5) / len(tasks), i, k) for i, (_, tasks) in enumerate(self.sets) for k in range(len(tasks))]
+        return [(i, k) for _, i, k in sorted(keyed)]
+
+    def _rows(self, take: list[tuple[int, int]]) -> list[int]:
+        """The rows of slots `take` (in order), each taskset's picks asked of its selector at once."""
+        ks: dict[int, list[int]] = {}
+        for i, k in take:
+            ks.setdefault(i, []).append(k)
+        picked = {i: iter(self.selectors[i].pick(self.epoch, its)) for i, its in ks.items()}
+        return [next(picked[i]) for i, _ in take]
 
     def read(self, n: int) -> list[Task]:
         """The next n tasks (fewer at the very end; none when all epochs are done)."""
         out = []
         while len(out) < n and self.epoch < self.total_epochs:
-            if self._order is None or self._order[0] != self.epoch:
-                self._order = (self.epoch, self.order(self.epoch))
-            order = self._order[1]
-            take = order[self.index : self.index + n - len(out)]
-            out += [dataclasses.replace(self.sets[i][1][row], epoch=self.epoch) for i, row in take]
+            if self._slots is None:
+                self._slots = (self.epoch, self.slots(self.epoch))
+            slots = self._slots[1]
+            take = slots[self.index : self.index + n - len(out)]
+            rows = self._rows(take)
+            for j, ((i, _), row) in enumerate(zip(take, rows)):
+                at = self.index + j if self.selectors[i].repeats else -1
+                out.append(dataclasses.replace(self.sets[i][1][row], epoch=self.epoch, read_at=at))
             self.index += len(take)
-            if self.index >= len(order):
+            if self.index >= len(slots):
                 self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def feedback(self, results: list[tuple[Task, list[float]]]) -> None:
+        """Each task's group of rewards, after it ran (the raw rewards, before any filter): one update per taskset
+        (selection.pass_rate: the mean clipped to [0, 1]; a task read twice in the batch, the mean of its rates)."""
+        import selection
+
+        rates: dict[int, dict[int, list[float]]] = {}
+        for task, rewards in results:
+            if rewards and task.task_id in self._where:
+                i, row = self._where[task.task_id]
+                rates.setdefault(i, {}).setdefault(row, []).append(selection.pass_rate(rewards))
+        for i, by_row in rates.items():
+            self.selectors[i].feedback({row: sum(r) / len(r) for row, r in by_row.items()})
+
+    def metrics(self) -> dict[str, float]:
+        """selection/<taskset>/...: each selector's, since the last call (selection.py)."""
+        out: dict[str, float] = {}
+        for sel in self.selectors:
+            out |= sel.metrics()
         return out
 
     @property
@@ -576,10 +610,20 @@ class TaskReader:
         return self.epoch >= self.total_epochs
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "sizes": [len(t) for _, t in self.sets]}
+        """The position and each selector's state (JSON), saved with the step's experiences."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "sizes": [len(t) for _, t in self.sets],
+            "selectors": [sel.state() for sel in self.selectors],
+        }
 
     def load_state(self, state: dict) -> None:
+        """Resume at a saved position; a state saved before selectors had state (no "selectors") loads too (their
+        orders are functions of seed and epoch)."""
         sizes = [len(t) for _, t in self.sets]
         if state.get("sizes", sizes) != sizes:
             raise DataError(f"saved taskset position is for tasksets of sizes {state['sizes']}, these have {sizes}")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        for sel, saved in zip(self.selectors, state.get("selectors", [])):
+            sel.load_state(saved)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import algos
+import selection
 from algos.overlong import Config as OverlongRewardConfig
 from configs.schema import (
     AlgorithmConfig,
@@ -308,6 +309,13 @@ Rule = tuple[type | str, str, Callable[[Any, Config, Any], bool], str]
 
 # Values this build cannot honour: a ConfigError naming the key and why.
 REFUSED: list[Rule] = [
+    (
+        "buffer.explorer_input.eval_tasksets[].data_selector",
+        "selector_type",
+        lambda v, c, s: v == "difficulty_based",
+        "an eval taskset runs each of its tasks once, in file order, and gives no feedback: an online selector has "
+        "nothing to choose; use it on a training taskset (buffer.explorer_input.tasksets)",
+    ),
     (
         ModelConfig,
         "logprobs",
@@ -701,7 +709,12 @@ WARNED: list[Rule] = [
             applies,
             "has no effect on an eval taskset: every evaluation runs each of its tasks once, in file order",
         )
-        for key, applies in (("selector_type", lambda v, c, s: v != "sequential"), ("seed", lambda v, c, s: v != 42))
+        for key, applies in (
+            ("selector_type", lambda v, c, s: v != "sequential"),
+            ("seed", lambda v, c, s: v != 42),
+            ("feature_keys", lambda v, c, s: bool(v)),
+            ("kwargs", lambda v, c, s: bool(v)),
+        )
     ],
     (
         ExperienceBufferConfig,
@@ -842,6 +855,14 @@ def check_support(cfg: Config) -> None:
         for where, _, applies, why in warned.get(name, ()):
             if _matches(where, obj, section) and value is not None and applies(value, cfg, obj):
                 _warn_once(f"config: {path} = {shown_value(path, value)}: {why}")
+    check_selectors(cfg)
+
+
+def check_selectors(cfg: Config) -> None:
+    """Each training taskset's data_selector: feature_keys and kwargs that fit its selector_type, kwargs by
+    Trinity's names (selection.check: a ConfigError naming the key)."""
+    for i, ts in enumerate(cfg.buffer.explorer_input.tasksets):
+        selection.check(ts.data_selector, f"buffer.explorer_input.tasksets[{i}].data_selector")
 
 
 def _by_field(rules: list[Rule]) -> dict[str, list[Rule]]:

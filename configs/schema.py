@@ -414,10 +414,10 @@ class DataSelectorConfig:
     feature_keys: list[str] = _field(list)
     """Columns of the taskset the selector reads: offline_easy2hard sorts by them (the first, ties broken by the
     next); difficulty_based reads two prior pass-rate columns (a weaker and a stronger reference) to interpolate
-    unseen tasks' pass rates."""
+    unseen tasks' pass rates, or none (a flat prior of 0.5)."""
     kwargs: ArgsDict = _field(dict)
     """The selector's own arguments, Trinity's names (difficulty_based: m, lamb, rho, target_reward, tau,
-    do_sample, adaptive_rho); unknown names are refused."""
+    do_sample, adaptive_rho, cap_coef_update_discount: selection.DifficultyArgs); unknown names are refused."""
 
 
 @dataclasses.dataclass

@@ -242,6 +242,16 @@ SFT_INPUT = {"experience_buffer": FILE}
 HIDDEN = r"'\*\*\*'"  # a secret's value as a message shows it, as a pattern
 # One case per rule of configs/checks.py: (overrides, expected refusal) and (overrides, expected warning).
 REFUSAL_CASES = {
+    ("buffer.explorer_input.eval_tasksets[].data_selector", "selector_type"): (
+        {
+            "buffer": {
+                "explorer_input": {
+                    "eval_tasksets": [{"path": "data/y", "data_selector": {"selector_type": "difficulty_based"}}]
+                }
+            }
+        },
+        "eval_tasksets[0].data_selector.selector_type = 'difficulty_based' is refused: an eval taskset runs each",
+    ),
     ("ModelConfig", "logprobs"): ({"model": {"logprobs": 5}}, "model.logprobs = 5 is refused: top-k log-probs"),
     ("GenerationConfig", "logprobs"): (
         {"buffer": {"explorer_input": {"taskset": {"rollout_args": {"logprobs": 2}}}}},
@@ -505,7 +515,12 @@ WARNING_CASES = {
             {"buffer": {"explorer_input": {"eval_tasksets": [{"path": "data/y", "data_selector": {key: value}}]}}},
             f"eval_tasksets[0].data_selector.{key} = {value!r}: has no effect on an eval taskset",
         )
-        for key, value in (("selector_type", "shuffle"), ("seed", 7))
+        for key, value in (
+            ("selector_type", "shuffle"),
+            ("seed", 7),
+            ("feature_keys", ["pass_rate"]),
+            ("kwargs", {"tau": 0}),
+        )
     },
     ("ExperienceBufferConfig", "priority_decay"): (
         {"buffer": {"trainer_input": {"experience_buffer": {"priority_decay": 1.0}}}},
