@@ -11,13 +11,14 @@ Launch lines:
         # the same with canned replies played as the model's: a tool path seen without training
 
 What one explore step does, straight down `explore()`:
-    read buffer.batch_size tasks -> run each task's workflow on a runner thread (repeat_times responses,
-    one group) -> stamp group/run ids and versions -> the experience pipeline's operators over them (filters, reward
+    read buffer.batch_size tasks (the task selectors: selection.py) -> run each task's workflow on a runner thread
+    (repeat_times responses, one group) -> stamp group/run ids and versions -> the raw rewards back to the task
+    selectors (difficulty_based's estimate) -> the experience pipeline's operators over them (filters, reward
     shaping: pipelines/experience.py; a group it drops whole is a missing group for dynamic sampling) -> run more
     tasks in place of the dropped ones, up to explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the
-    groups whose rewards all tie and run more tasks until batch_size groups vary: fill_groups) -> write the step's experiences AND the explorer's
-    position (and what the step wrote, the weights it waits for next: how the trainer knows a short step is all
-    it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
+    groups whose rewards all tie and run more tasks until batch_size groups vary: fill_groups) -> write the step's
+    experiences AND the explorer's position (and what the step wrote, the weights it waits for next: how the trainer
+    knows a short step is all it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
     weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
     group) -> evaluate every eval_interval steps.
 The weight handshake (waiting, loading, receiving, a restart's resume, turns on a shared GPU) is sync.py's
