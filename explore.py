@@ -18,8 +18,8 @@ What one explore step does, straight down `explore()`:
     tasks in place of the dropped ones, up to explorer.max_refill_rounds rounds (refill; dynamic sampling: drop the
     groups whose rewards all tie and run more tasks until batch_size groups vary: fill_groups) -> write the step's
     experiences AND the explorer's position (and what the step wrote, the weights it waits for next: how the trainer
-    knows a short step is all it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the trainer's
-    weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
+    knows a short step is all it gets) in one DB transaction -> log rollout metrics -> at a sync point wait for the
+    trainer's weights (sync_method checkpoint: poll for its published folder; nccl: receive them over the weight
     group) -> evaluate every eval_interval steps.
 The weight handshake (waiting, loading, receiving, a restart's resume, turns on a shared GPU) is sync.py's
 ExplorerSync, built at set-up and called in three places: `resume`, `after_step` (or `after_step_behind`), `close`.
