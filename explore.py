@@ -297,7 +297,7 @@ def set_up(cfg: configs.Config) -> Explorer:
     name, e, b = cfg.explorer.name, cfg.explorer, cfg.buffer
     monitor = Monitor(cfg, role=name)  # first: it opens the log file that set-up's records go to
     # --- the task pipeline (data_processor.task_pipeline): the first training taskset reads its output from here on
-    cfg, pipeline_metrics = with_task_pipeline(cfg)
+    cfg, pipeline_metrics = with_task_pipeline(cfg, run_tasks)
     b = cfg.buffer  # NOTE: after the task pipeline: its tasksets are the ones read below
     if pipeline_metrics:
         monitor.log(pipeline_metrics, step=0)

@@ -1,6 +1,6 @@
 """selection.py: which rows of a training taskset are read, pick by pick (data_selector.selector_type).
 
-    sel = make(ts, tasks)             # one per training taskset (tasksets.TaskReader builds them)
+    sel = make(ts, n, columns)        # one per training taskset (tasksets.TaskReader builds them)
     rows = sel.pick(epoch, ks)        # the rows of the epoch's picks ks (k-th pick of the taskset in the epoch)
     sel.feedback({row: pass_rate})    # after a batch of tasks ran: difficulty_based learns, the others ignore it
     sel.state(); sel.load_state(s)    # JSON, saved with the reader's position in the step's DB transaction
@@ -46,143 +46,34 @@ and restored (Trinity saves only its position and rebuilds the estimate from not
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from errors import ConfigError, DataError
+from configs.data_selector import check, difficulty_args
+from errors import DataError
 
 if TYPE_CHECKING:
-    from configs.schema import DataSelectorConfig, TasksetConfig
-    from tasksets import Task
+    from configs.schema import TasksetConfig
 
-ORDERED = ("sequential", "shuffle", "random")  # nanorft's own per-epoch orders: no feature_keys, no kwargs
-
-
-@dataclasses.dataclass(frozen=True)
-class DifficultyArgs:
-    """data_selector.kwargs of `difficulty_based`, Trinity's names and defaults (but `m`)."""
-
-    m: int | None = None
-    """Rollouts behind one pass rate (the pseudo-count scale of an observation). None: the taskset's repeat_times."""
-    lamb: float = 0.2
-    """Discount of the past estimate per update, in [0, 1]: alpha <- (1 - lamb) * alpha + lamb + ..."""
-    rho: float = 0.2
-    """Weight of the prior's pseudo counts, in [0, 1] (the rest is the observed pass rate)."""
-    target_reward: float = 1.0
-    """The pass rate to aim at, in [0, 1]: tasks whose predicted pass rate is nearest it are picked first."""
-    tau: float = 1.0
-    """Temperature, >= 0: 0 picks the nearest tasks greedily, > 0 samples softmax(-|target - predicted| / tau)."""
-    do_sample: bool = False
-    """Thompson sampling: predict each pass rate by a draw from its Beta instead of the Beta's mean."""
-    adaptive_rho: bool = False
-    """Halve rho whenever the prior's mean absolute error on a batch's tasks is >= 0.25."""
-    cap_coef_update_discount: float = 0.9
-    """d in cap_coef <- d * cap_coef + (1 - d) * cap_estimate, in [0, 1]."""
-
-
-_RANGES = {
-    "m": (lambda v: v is None or v >= 1, ">= 1"),
-    "lamb": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "rho": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "target_reward": (lambda v: 0 <= v <= 1, "in [0, 1] (a pass rate)"),
-    "tau": (lambda v: v >= 0, ">= 0"),
-    "cap_coef_update_discount": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-}
-
-
-def difficulty_args(kwargs: dict, where: str) -> DifficultyArgs:
-    """`kwargs` as DifficultyArgs, or a ConfigError naming the key at `where` (data_selector.kwargs' path): an unknown
-    name (with the known ones), a value of the wrong type, or out of range."""
-    known = {f.name: f for f in dataclasses.fields(DifficultyArgs)}
-    for key, value in kwargs.items():
-        if key not in known:
-            raise ConfigError(
-                f"{where}.{key}: unknown argument of difficulty_based; known: {', '.join(known)} (Trinity's names)"
-            )
-        want = known[key].type
-        ok = (
-            isinstance(value, bool)
-            if want == "bool"
-            else not isinstance(value, bool) and isinstance(value, int if want == "int | None" else (int, float))
-        )
-        if not ok:
-            raise ConfigError(f"{where}.{key}: {value!r} is not a {want.replace(' | None', '')}")
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{where}.{key}: {value!r} is not a finite number")
-        test, allowed = _RANGES.get(key, (lambda v: True, ""))
-        if not test(value):
-            raise ConfigError(f"{where}.{key}: {value!r} is out of range; allowed: {allowed}")
-    return DifficultyArgs(**kwargs)
-
-
-def check(sel: DataSelectorConfig, where: str) -> None:
-    """A ConfigError naming the key under `where` (a taskset's data_selector path) when feature_keys or kwargs do not
-    fit selector_type: kwargs are read by difficulty_based only (refused by name elsewhere), feature_keys by
-    offline_easy2hard (one or more) and difficulty_based (none: a flat prior, or exactly two)."""
-    kind, keys = sel.selector_type, sel.feature_keys
-    if kind == "difficulty_based":
-        difficulty_args(sel.kwargs, f"{where}.kwargs")
-        if len(keys) not in (0, 2):
-            raise ConfigError(
-                f"{where}.feature_keys: {keys!r}: difficulty_based reads two prior pass-rate columns (a weaker and a "
-                "stronger reference's), interpolated by the run's capability estimate; or none (a flat prior 0.5)"
-            )
-        return
-    if sel.kwargs:
-        raise ConfigError(
-            f"{where}.kwargs: {sorted(sel.kwargs)} refused: selector_type {kind!r} takes no arguments "
-            "(only difficulty_based reads kwargs)"
-        )
-    if kind == "offline_easy2hard" and not keys:
-        raise ConfigError(f"{where}.feature_keys: offline_easy2hard sorts by these columns: name one or more")
-    if kind in ORDERED and keys:
-        raise ConfigError(
-            f"{where}.feature_keys: {keys!r} has no effect with selector_type {kind!r}: only offline_easy2hard and "
-            "difficulty_based read feature columns"
-        )
-
-
-def features(ts: TasksetConfig, tasks: list[Task], keys: list[str]) -> np.ndarray:
-    """[len(tasks), len(keys)] float64: column `keys[j]` (dotted: into structs) of each task's row. A DataError names
-    the taskset, row and key of a missing column or a value that is not a finite number."""
-    from tasksets import row_value  # NOTE: here: tasksets imports this module
-
-    out = np.zeros((len(tasks), len(keys)), dtype=np.float64)
-    for r, task in enumerate(tasks):
-        for j, key in enumerate(keys):
-            value = row_value(task.raw, key)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            if not ok:
-                what = (
-                    "is missing"
-                    if value is row_value({}, key)
-                    else "is null (a JSON row that lacks a key other rows have reads as null too)"
-                    if value is None
-                    else f"holds {value!r}, not a finite number"
-                )
-                raise DataError(
-                    f"taskset {ts.name}: row {task.index}: feature column {key!r} (data_selector.feature_keys of "
-                    f"{ts.data_selector.selector_type}) {what}; every row needs a number there"
-                )
-            out[r, j] = value
-    return out
+# a taskset's feature columns: keys -> [n tasks, len(keys)] float64 (tasksets.feature_columns: a DataError names the
+# row and key of a value that is not a finite number)
+Columns = Callable[[list[str]], np.ndarray]
 
 
 class Ordered:
     """sequential / shuffle / random / offline_easy2hard: a fixed order per epoch, picked by position."""
 
-    def __init__(self, ts: TasksetConfig, tasks: list[Task]) -> None:
+    def __init__(self, ts: TasksetConfig, n: int, columns: Columns) -> None:
         sel = ts.data_selector
-        self.name, self.kind, self.seed, self.n = ts.name, sel.selector_type, sel.seed, len(tasks)
+        self.name, self.kind, self.seed, self.n = ts.name, sel.selector_type, sel.seed, n
         # random samples with replacement: a task read twice in an epoch gets its slot in its group id (Task.read_at),
         # else its two groups would merge (the buffer claims, and the experience pipeline regroups, by group id)
         self.repeats = self.kind == "random"
         self.keys = list(sel.feature_keys) if self.kind == "offline_easy2hard" else []
-        self.features = features(ts, tasks, self.keys) if self.keys else None
+        self.features = columns(self.keys) if self.keys else None
         self.sorted = sorted(range(self.n), key=lambda r: (*self.features[r], r), reverse=True) if self.keys else []
         self._order: tuple[int, list[int]] = (-1, [])
         self._picked: list[int] = []
@@ -228,13 +119,13 @@ class DifficultyBased:
 
     repeats = True  # the same task is picked again while it stays nearest the target: one group id per read
 
-    def __init__(self, ts: TasksetConfig, tasks: list[Task]) -> None:
+    def __init__(self, ts: TasksetConfig, n: int, columns: Columns) -> None:
         sel = ts.data_selector
-        self.name, self.seed, self.n = ts.name, sel.seed, len(tasks)
+        self.name, self.seed, self.n = ts.name, sel.seed, n
         self.args = difficulty_args(sel.kwargs, f"taskset {ts.name}: data_selector.kwargs")
         self.m = self.args.m or ts.repeat_times or 1
         self.keys = list(sel.feature_keys)
-        self.features = features(ts, tasks, self.keys) if self.keys else None  # [n, 2]: f0, f1
+        self.features = columns(self.keys) if self.keys else None  # [n, 2]: f0, f1
         self.alphas, self.betas = np.ones(self.n), np.ones(self.n)
         self.cap_coef: float | None = None
         self.rho = self.args.rho
@@ -340,10 +231,12 @@ class DifficultyBased:
         return out
 
 
-def make(ts: TasksetConfig, tasks: list[Task]) -> Ordered | DifficultyBased:
-    """The selector of a training taskset (its data_selector checked first: check)."""
+def make(ts: TasksetConfig, n: int, columns: Columns) -> Ordered | DifficultyBased:
+    """The selector of a training taskset of n tasks (its data_selector checked first: configs/data_selector.check);
+    `columns` reads the feature columns it needs."""
     check(ts.data_selector, f"taskset {ts.name}: data_selector")
-    return DifficultyBased(ts, tasks) if ts.data_selector.selector_type == "difficulty_based" else Ordered(ts, tasks)
+    kind = DifficultyBased if ts.data_selector.selector_type == "difficulty_based" else Ordered
+    return kind(ts, n, columns)
 
 
 def pass_rate(rewards: list[float]) -> float:

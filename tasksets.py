@@ -14,6 +14,7 @@ malformed row, a null or a non-text prompt or reference) is a DataError naming t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -23,6 +24,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from tqdm import tqdm
 
 from errors import DataError
@@ -515,6 +517,30 @@ def load_tasks(ts: TasksetConfig, is_eval: bool = False, bound: PromptBound | No
     return tasks
 
 
+def feature_columns(ts: TasksetConfig, tasks: list[Task], keys: list[str]) -> np.ndarray:
+    """[len(tasks), len(keys)] float64: column `keys[j]` (dotted: into structs) of each task's row. A DataError names
+    the taskset, row and key of a missing column or a value that is not a finite number."""
+    out = np.zeros((len(tasks), len(keys)), dtype=np.float64)
+    for r, task in enumerate(tasks):
+        for j, key in enumerate(keys):
+            value = row_value(task.raw, key)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok:
+                what = (
+                    "is missing"
+                    if value is row_value({}, key)
+                    else "is null (a JSON row that lacks a key other rows have reads as null too)"
+                    if value is None
+                    else f"holds {value!r}, not a finite number"
+                )
+                raise DataError(
+                    f"taskset {ts.name}: row {task.index}: feature column {key!r} (data_selector.feature_keys of "
+                    f"{ts.data_selector.selector_type}) {what}; every row needs a number there"
+                )
+            out[r, j] = value
+    return out
+
+
 def total_steps(buffer: BufferConfig, tasks_per_epoch: int, per_task: int = 1, per_step: int | None = None) -> int:
     """The run's steps: buffer.total_steps, else enough for every task of buffer.total_epochs epochs, read as one
     stream (TaskReader.read fills a step across an epoch's end). Explore steps take buffer.batch_size tasks; train
@@ -538,10 +564,12 @@ class TaskReader:
     """
 
     def __init__(self, tasksets: list[TasksetConfig], total_epochs: int = 1, bound: PromptBound | None = None) -> None:
-        import selection  # NOTE: here: selection imports tasksets' row_value
+        import selection  # NOTE: here: it imports configs/ (data_selector's checks), which `import tasksets` must not
 
         self.sets = [(ts, load_tasks(ts, bound=bound)) for ts in tasksets]
-        self.selectors = [selection.make(ts, tasks) for ts, tasks in self.sets]
+        self.selectors = [
+            selection.make(ts, len(tasks), functools.partial(feature_columns, ts, tasks)) for ts, tasks in self.sets
+        ]
         self.total_epochs = total_epochs
         self.epoch, self.index = 0, 0
         self._slots: tuple[int, list[tuple[int, int]]] | None = None

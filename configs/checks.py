@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import algos
-import selection
 from algos.overlong import Config as OverlongRewardConfig
+from configs import data_selector
 from configs.schema import (
     AlgorithmConfig,
     BufferConfig,
@@ -860,9 +860,9 @@ def check_support(cfg: Config) -> None:
 
 def check_selectors(cfg: Config) -> None:
     """Each training taskset's data_selector: feature_keys and kwargs that fit its selector_type, kwargs by
-    Trinity's names (selection.check: a ConfigError naming the key)."""
+    Trinity's names (configs/data_selector.check: a ConfigError naming the key)."""
     for i, ts in enumerate(cfg.buffer.explorer_input.tasksets):
-        selection.check(ts.data_selector, f"buffer.explorer_input.tasksets[{i}].data_selector")
+        data_selector.check(ts.data_selector, f"buffer.explorer_input.tasksets[{i}].data_selector")
 
 
 def _by_field(rules: list[Rule]) -> dict[str, list[Rule]]:

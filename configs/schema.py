@@ -417,7 +417,8 @@ class DataSelectorConfig:
     unseen tasks' pass rates, or none (a flat prior of 0.5)."""
     kwargs: ArgsDict = _field(dict)
     """The selector's own arguments, Trinity's names (difficulty_based: m, lamb, rho, target_reward, tau,
-    do_sample, adaptive_rho, cap_coef_update_discount: selection.DifficultyArgs); unknown names are refused."""
+    do_sample, adaptive_rho, cap_coef_update_discount: configs/data_selector.DifficultyArgs); unknown names are
+    refused."""
 
 
 @dataclasses.dataclass

@@ -40,6 +40,9 @@ class Context:
     cfg: Any  # configs.Config: the run's (stage's) resolved config
     models: dict[str, Any] = dataclasses.field(default_factory=dict)  # auxiliary model handles by name (engines.py)
     where: str = ""  # the operator's place in the config, for messages: data_processor.task_pipeline.operators[0]
+    # explore.run_tasks, handed over by the explorer (pipelines/ imports nothing of explore.py, which imports it): how
+    # an operator runs tasks through their own workflows (pass_rate_filter); None outside an explorer
+    run_tasks: Any = None
 
 
 def construct(factory: Any, args: dict[str, Any], context: Context, name: str) -> Operator:

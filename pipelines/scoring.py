@@ -284,8 +284,10 @@ class PassRateFilter:
 
     def process(self, rows: list[dict]) -> tuple[list[dict], dict[str, float]]:
         from engines import EngineHandle
-        from explore import run_tasks
 
+        run_tasks = self.context.run_tasks
+        if run_tasks is None:
+            raise ConfigError(f"{self.where}: pass_rate_filter runs tasks through their workflows: only in an explorer")
         handle, owned = resolve_model(self.model, self.endpoint, self.context, self.where)
         try:
             if not isinstance(handle, EngineHandle):

@@ -228,14 +228,14 @@ def write_atomic(path: Path, text_lines: Any) -> None:
         os.close(fd)
 
 
-def build_ops(cfg: configs.Config, models: dict) -> dict[str, Any]:
+def build_ops(cfg: configs.Config, models: dict, run_tasks: Any = None) -> dict[str, Any]:
     """The pipeline's own operators by label, built before anything runs: an unknown name or argument fails at
     start, cached result or not. `models` (shared, filled only when the pipeline runs) is their Context's."""
     ops = {}
     for kind, what in stages(cfg):
         if kind == "op":
             label, i, spec = what
-            ops[label] = build(spec, TASK_OPERATORS, Context(cfg, models, f"{WHERE}.operators[{i}]"))
+            ops[label] = build(spec, TASK_OPERATORS, Context(cfg, models, f"{WHERE}.operators[{i}]", run_tasks))
     return ops
 
 
@@ -257,11 +257,11 @@ def compute(cfg: configs.Config, srcs: list, ops: dict, models: dict) -> tuple[l
         models.clear()
 
 
-def run_task_pipeline(cfg: configs.Config) -> tuple[TasksetConfig, dict[str, float]]:
+def run_task_pipeline(cfg: configs.Config, run_tasks: Any = None) -> tuple[TasksetConfig, dict[str, float]]:
     """The first training taskset reading the pipeline's output (computed now, or reused), and the pipeline's
     metrics (pipeline/task/...). Call only when active(cfg)."""
     srcs, models = sources(cfg), {}
-    ops = build_ops(cfg, models)
+    ops = build_ops(cfg, models, run_tasks)
     digest, key = pipeline_hash(cfg, srcs)
     folder = Path(cfg.checkpoint_job_dir, "task_pipeline")
     folder.mkdir(parents=True, exist_ok=True)
@@ -284,12 +284,13 @@ def run_task_pipeline(cfg: configs.Config) -> tuple[TasksetConfig, dict[str, flo
     return dataclasses.replace(first, path=str(out), subset_name=None), metrics(report)
 
 
-def with_task_pipeline(cfg: configs.Config) -> tuple[configs.Config, dict[str, float]]:
+def with_task_pipeline(cfg: configs.Config, run_tasks: Any = None) -> tuple[configs.Config, dict[str, float]]:
     """`cfg` with its first training taskset replaced by the task pipeline's output, and the pipeline's metrics;
-    `cfg` itself and {} without a task pipeline. The one place the explorer's tasksets change (explore.set_up)."""
+    `cfg` itself and {} without a task pipeline. The one place the explorer's tasksets change (explore.set_up, which
+    hands over its `run_tasks` for the operators that run workflows: pipelines.Context)."""
     if not active(cfg):
         return cfg, {}
-    first, numbers = run_task_pipeline(cfg)
+    first, numbers = run_task_pipeline(cfg, run_tasks)
     tasksets = [first, *cfg.buffer.explorer_input.tasksets[1:]]
     explorer_input = dataclasses.replace(cfg.buffer.explorer_input, tasksets=tasksets)
     buffer = dataclasses.replace(cfg.buffer, explorer_input=explorer_input)

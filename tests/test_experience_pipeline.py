@@ -247,7 +247,10 @@ KINDS = ["tie", "vary", "tie", None, "vary", "tie", "vary", "vary"]  # each task
 
 class Reader:
     def __init__(self, size: int) -> None:
-        self.index, self.size = 0, size
+        self.index, self.size, self.fed = 0, size, []
+
+    def feedback(self, groups: list) -> None:  # tasksets.TaskReader.feedback: (task, raw rewards) of each group run
+        self.fed += [(task.index, rewards) for task, rewards in groups]
 
     def read(self, n: int) -> list:
         out = [make_task(index=i, taskset="t") for i in range(self.index, min(self.index + n, self.size))]
@@ -285,6 +288,8 @@ def test_dynamic_sampling_refills_the_groups_the_pipeline_dropped(monkeypatch, c
     groups = list(dict.fromkeys(e.task_id for e in exps))
     assert groups == (["t/1", "t/4"] if pipeline else ["t/0", "t/1", "t/4"]) and x.reader.index == 6
     assert m["rollout/dynamic_sampling/num_gen_batches"] == 3 and m["rollout/missing_tasks"] == (1 if pipeline else 0)
+    # the task selectors were fed every group run, the tied ones the pipeline dropped too (raw rewards: before it)
+    assert x.reader.fed == [(0, [1.0, 1.0]), (1, [0.0, 1.0]), (2, [1.0, 1.0]), (4, [0.0, 1.0]), (5, [1.0, 1.0])]
     if pipeline:
         assert m["pipeline/dropped_groups"] == m["pipeline/dropped_groups_refilled"] == 3
         assert (m["pipeline/reward_std_filter/kept"], m["pipeline/reward_std_filter/dropped"]) == (4, 6)
@@ -313,7 +318,9 @@ def test_step_wise_advantages_see_the_shaped_rewards(monkeypatch):
     monkeypatch.setattr(explore, "run_tasks", fake_run_tasks)
     cfg = config(("reward_shaping_mapper", {"reward_shaping_configs": [{"stats_key": "run", "weight": 1.0}]}))
     cfg.algorithm.advantage_fn = "step_wise_grpo"
-    x = type("X", (), {"cfg": cfg, "pool": None, "handles": [], "pipeline": ExperiencePipeline(cfg)})()
+    x = type(
+        "X", (), {"cfg": cfg, "pool": None, "handles": [], "pipeline": ExperiencePipeline(cfg), "reader": Reader(0)}
+    )()
 
     def tied(pool, tasks, handles, cfg):
         return [

@@ -105,7 +105,10 @@ def import_graph() -> dict[str, set[str]]:
     registers workflows/math.py, which subclasses its Workflow); the package is one unit for the modules outside."""
     import ast
 
-    files = [*ROOT.glob("*.py"), *ROOT.glob("algos/*.py"), *ROOT.glob("configs/*.py"), *ROOT.glob("workflows/*.py")]
+    files = [
+        *ROOT.glob("*.py"),
+        *(f for d in ("algos", "configs", "pipelines", "workflows") for f in ROOT.glob(f"{d}/*.py")),
+    ]
     modules = {".".join(f.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): f for f in files}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for m, f in modules.items():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import explore
 from errors import ConfigError, DataError
 from helpers import explorer_in_process, raw, write_config
 
@@ -173,7 +174,8 @@ def test_pass_rate_filter_runs_each_task_through_its_workflow(tmp_path, tiny_mod
     tok = load_tokenizer(tiny_model_dir)
     handle = EngineHandle(AnswerEngine(tok), tok, {"max_tokens": 20})
     spec = OperatorConfig("pass_rate_filter", {"api_or_hf_model": "m", "repeat_times": 4, "max_score": 0.75})
-    op = build(spec, TASK_OPERATORS, Context(cfg, {"m": handle}, "data_processor.task_pipeline.operators[0]"))
+    where = "data_processor.task_pipeline.operators[0]"
+    op = build(spec, TASK_OPERATORS, Context(cfg, {"m": handle}, where, explore.run_tasks))
     rows = [dict(r) for r in ROWS]
     kept, stats = op.process(rows)
     assert [r["pass_rate"] for r in rows] == [1.0, 0.5, 0.0]  # 4/4, 2/4, 0/4 right
@@ -424,7 +426,7 @@ def test_pass_rate_filter_on_a_real_auxiliary_model(tmp_path, tiny_model_dir):
         "buffer.default_reward_fn_type": "accuracy_reward",
     }
     cfg = pipeline_cfg(tmp_path, tiny_model_dir, [op], **over)
-    new, metrics = with_task_pipeline(cfg)
+    new, metrics = with_task_pipeline(cfg, explore.run_tasks)
     rows = [json.loads(line) for line in Path(new.buffer.explorer_input.tasksets[0].path).read_text().splitlines()]
     assert len(rows) == 4 and {r["pass_rate"] for r in rows} <= {0.0, 0.5, 1.0}
     assert metrics["pipeline/task/pass_rate_filter/mean_pass_rate"] == pytest.approx(
