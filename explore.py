@@ -913,6 +913,7 @@ def main(argv: list[str]) -> int:
     pre.add_argument("--stage", default=None)
     pre.add_argument("--reply", action="append", default=None)
     pre.add_argument("--full-rows", action="store_true")
+    pre.add_argument("--task-pipeline", action="store_true")
     flags, rest = pre.parse_known_args(argv)
     given = [f"--{k}" for k in ("task", "taskset", "stage", "reply") if getattr(flags, k) is not None]
     given += ["--full-rows"] if flags.full_rows else []
@@ -927,7 +928,17 @@ def main(argv: list[str]) -> int:
         except (configs.ConfigError, DataError) as e:
             print(f"debug: {e}", file=sys.stderr)
             return 2
+    if flags.task_pipeline:
+        return launch.run_in_process(cfg, {"explore": task_pipeline, "both": task_pipeline}, "task pipeline")
     return launch.run_in_process(cfg, {"bench": bench, "explore": explore, "both": explore}, "explorer")
+
+
+def task_pipeline(cfg: configs.Config) -> int:
+    """--task-pipeline: data_processor.task_pipeline alone, its output written (or found) under the job folder, then
+    exit. launch.py runs it before a stage's explorer and trainer start, so that the trainer's wait for its first
+    batch (max_read_timeout) never includes it; the explorer then finds the output ready (the same content hash)."""
+    with_task_pipeline(cfg, run_tasks)
+    return 0
 
 
 def leave(code: int) -> None:

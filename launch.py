@@ -561,6 +561,10 @@ def run_stage(stage: configs.Config, side: str) -> int:
             "\n  ".join(others),
         )
     procs: dict[str, subprocess.Popen] = {}
+    if (code := task_pipeline_first(stage, config_file)) != 0:
+        log.info("%s", stage_line(stage, [], code, time.monotonic() - start))
+        close_log_file(file_log)
+        return code
     bars = bars_wanted()
     watch = Watch(stage, bars) if bars else None
     try:
@@ -592,6 +596,26 @@ def run_stage(stage: configs.Config, side: str) -> int:
         fail_left_runs(stage, [name for role in procs for name in ran[role]], started)
     log.info("%s", stage_line(stage, list(procs), code, time.monotonic() - start))
     close_log_file(file_log)
+    return code
+
+
+def task_pipeline_first(stage: configs.Config, config_file: Path) -> int:
+    """A stage that explores with a task pipeline (data_processor.task_pipeline) runs it first, alone, as a process
+    (explore.py --task-pipeline: its output cached under the job folder); the explorer started next finds it there.
+    Else the trainer, started at once, would count the pipeline's minutes against its max_read_timeout."""
+    tp = stage.data_processor.task_pipeline
+    if stage.mode not in ("both", "explore") or not (tp.operators or tp.config_path):
+        return 0
+    log.info("stage %s: the task pipeline first (%d operator(s))", stage.name, len(tp.operators))
+    cmd = [sys.executable, str(HERE / "explore.py"), "--config", str(config_file), "--task-pipeline"]
+    proc = subprocess.Popen(cmd, cwd=os.getcwd(), env={**os.environ, LAUNCHED: "1", **lease.launcher_env()})
+    try:
+        code = proc.wait()
+    except KeyboardInterrupt:
+        stop({"task pipeline": proc}, grace=30.0)
+        return 130
+    if code:
+        log.error("stage %s: the task pipeline failed (exit code %d): see its lines above", stage.name, code)
     return code
 
 

@@ -29,9 +29,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -282,6 +284,20 @@ class PassRateFilter:
         ts = dataclasses.replace(ts, path=str(path), subset_name=None, repeat_times=self.repeat_times)
         return load_tasks(dataclasses.replace(ts, rollout_args=rollout))
 
+    def run_all(self, run_tasks: Any, pool: ThreadPoolExecutor, tasks: list, handle: Any) -> list:
+        """run_tasks over every task, in chunks of a twentieth (at least 64 tasks): a progress line after each."""
+        results, start, size = [], time.monotonic(), max(64, math.ceil(len(tasks) / 20))
+        for first in range(0, len(tasks), size):
+            results += run_tasks(pool, tasks[first : first + size], [handle], self.context.cfg)
+            log.info(
+                "pass_rate_filter: %d of %d tasks run (%d times each) in %.0f s",
+                len(results),
+                len(tasks),
+                self.repeat_times,
+                time.monotonic() - start,
+            )
+        return results
+
     def process(self, rows: list[dict]) -> tuple[list[dict], dict[str, float]]:
         from engines import EngineHandle
 
@@ -296,7 +312,7 @@ class PassRateFilter:
                     "(an auxiliary model on an engine, or an HF folder)"
                 )
             with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(16, thread_name_prefix="pass") as pool:
-                results = run_tasks(pool, self.tasks(rows, folder), [handle], self.context.cfg)
+                results = self.run_all(run_tasks, pool, self.tasks(rows, folder), handle)
         finally:
             if owned:
                 release(handle)

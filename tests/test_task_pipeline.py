@@ -482,3 +482,25 @@ def test_explorer_stops_with_the_named_error_when_no_task_is_left(tmp_path, tiny
         write_config(tmp_path, tiny_model_dir, **{"data_processor.task_pipeline": tp}), caplog
     )
     assert code != 0 and "operator 'KeepShort' dropped the last 3 row(s)" in errors and "Traceback" not in errors
+
+
+@pytest.mark.slow  # ~40 s: launch.py, its task-pipeline process, then explorer and trainer (mode both, 2 steps)
+def test_the_launcher_runs_the_task_pipeline_before_the_explorer_and_trainer(tmp_path, tiny_model_dir):
+    """launch.py runs the task pipeline alone first (explore.py --task-pipeline), so the trainer's wait never includes
+    it: the user operator runs once (its counter file), and the explorer then reuses the output by its hash."""
+    from helpers import both_config, launch
+
+    data = jsonl(tmp_path / "in.jsonl", ROWS + [{"question": "What is 10 + 10 + 10?", "answer": "#### 30"}])
+    (tmp_path / "ops.py").write_text(USER_OP)
+    tp = {"inputs": [str(data)], "operators": [user_op(tmp_path, max_len=14)], "target_fields": ["question"]}
+    config = both_config(tmp_path, tiny_model_dir, **{"data_processor.task_pipeline": tp, "buffer.total_steps": 2})
+    done = launch(config, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "run"
+    assert (tmp_path / "runs").read_text() == "1"  # computed once: by the launcher's task-pipeline process
+    launch_log = (job / "log" / "launch.log").read_text()
+    assert "the task pipeline first (1 operator(s))" in launch_log
+    explorer_log = (job / "log" / "explorer.log").read_text()
+    assert "task pipeline: unchanged" in explorer_log and "reusing" in explorer_log
+    (out,) = (job / "task_pipeline").glob("tasks-*.jsonl")
+    assert [json.loads(line)["question"] for line in out.read_text().splitlines()] == [r["question"] for r in ROWS]
