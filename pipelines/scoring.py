@@ -191,6 +191,7 @@ class DifficultyScoreFilter:
         self.input_template, self.field_template = input_template or INPUT_TEMPLATE, field_template or FIELD_TEMPLATE
         self.sampling = {**self.SAMPLING, **(sampling_params or {})}
         self.dims = list(dim_required_keys or DIMENSIONS)
+        self.refused: set[int] = set()  # the rows whose request the model refused (ask)
 
     def build_input(self, row: dict) -> str:
         """Data-Juicer's build_input: each input key the row has, under its field name."""
@@ -208,16 +209,34 @@ class DifficultyScoreFilter:
             for r in rows
         ]
         out: list[tuple[float, dict | None]] = [(0.0, None)] * len(rows)
-        todo = list(range(len(rows)))
+        todo, self.refused = list(range(len(rows))), set()
         for _ in range(self.try_num):
             for start in range(0, len(todo), width):
                 chunk = todo[start : start + width]
-                replies = handle.replies([conversations[i] for i in chunk], **self.sampling)
-                for i, reply in zip(chunk, replies):
+                for i, reply in zip(chunk, self.replies(handle, chunk, conversations)):
                     out[i] = parse_difficulty(reply, self.dims)
-            todo = [i for i in todo if out[i][1] is None]
+            todo = [i for i in todo if out[i][1] is None and i not in self.refused]
             if not todo:
                 break
+        return out
+
+    def replies(self, handle: Any, chunk: list[int], conversations: list[list[dict]]) -> list[str | None]:
+        """The model's replies to the chunk's rows; a request the engine refuses (a prompt longer than its
+        max_model_len, ...) gets None and is not asked again (self.refused): as Data-Juicer's op leaves the row of a
+        failed call at score 0.0, with a warning."""
+        try:
+            return handle.replies([conversations[i] for i in chunk], **self.sampling)
+        except ValueError:
+            pass
+        out: list[str | None] = []
+        for i in chunk:  # one at a time: which of them it refuses
+            try:
+                out += handle.replies([conversations[i]], **self.sampling)
+            except ValueError as e:
+                if not self.refused:
+                    log.warning("%s: %r refused a request (%s): such rows score 0.0", self.where, self.model, e)
+                self.refused.add(i)
+                out.append(None)
         return out
 
     def process(self, rows: list[dict]) -> tuple[list[dict], dict[str, float]]:
@@ -230,8 +249,6 @@ class DifficultyScoreFilter:
         width = self.context.cfg.data_processor.task_pipeline.num_process if self.context else 4
         try:
             scored = self.ask(handle, rows, max(1, width))
-        except ValueError as e:  # the engine refuses the request (a prompt longer than its max_model_len, ...)
-            raise ConfigError(f"{self.where}: {self.model!r} cannot take the difficulty prompt: {e}") from e
         finally:
             if owned:
                 release(handle)
@@ -244,7 +261,7 @@ class DifficultyScoreFilter:
         if unparsed:
             log.warning("%s: %d of %d replies had no difficulty scores: scored 0.0", self.where, unparsed, len(rows))
         mean = sum(s for s, _ in scored) / len(scored) if scored else 0.0
-        return kept, {"mean_score": mean, "unparsed": float(unparsed)}
+        return kept, {"mean_score": mean, "unparsed": float(unparsed), "refused": float(len(self.refused))}
 
 
 # --- pass_rate_filter

@@ -7,7 +7,8 @@
     python scripts/pipeline_experiments.py --sft-weights DIR     # start from these weights (else SFT once, reused)
 
 1. `selection`: data_selector `shuffle` vs `difficulty_based` (Trinity's BOTS selector: each task's pass rate
-   estimated online from the step's rewards, the tasks nearest target_reward 0.5 chosen). Its prior for the tasks not
+   estimated online from the step's rewards, the tasks nearest target_reward 0.5 chosen: greedily at tau 0, and
+   sampled at tau 0.1). Its prior for the tasks not
    yet seen is the SFT model's own pass rate on each task (feature_keys), written as a column by a task pipeline of
    one `pass_rate_filter` (8 samples per task, no bounds: it drops nothing). Both arms run that pipeline, so they read
    the same rows. Per seed (--seeds) both arms share data_selector.seed and the rollout engine's seed.
@@ -61,9 +62,11 @@ def arms(experiment: str, weights: Path, solved: float) -> dict[str, dict]:
             "feature_keys": ["pass_rate", "pass_rate"],
             "kwargs": {"target_reward": 0.5, "tau": 0.0},
         }
+        sampled = {**bots, "kwargs": {"target_reward": 0.5, "tau": 0.1}}  # softmax(-|gap| / 0.1): spread, not greedy
         return {
             "shuffle": {"data_processor": pipeline},
             "difficulty_based": {"data_processor": pipeline, f"{ts}.data_selector": bots},
+            "difficulty_based_tau0.1": {"data_processor": pipeline, f"{ts}.data_selector": sampled},
         }
     if experiment == "task_pipeline":
         return {"all_tasks": {}, "unsolved_only": {"data_processor": pass_rate_pipeline(weights, solved)}}
@@ -167,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(ROOT / "checkpoints" / "pipeline_experiments"), help="output folder")
     ap.add_argument("--sft-weights", default="", help="an HF folder to start from instead of <out>/sft_stage")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (>1: each with OMP_NUM_THREADS=1)")
+    ap.add_argument("--arms", default="", help="only these arms, comma-separated (default: every arm)")
     args = ap.parse_args(argv)
     args.out = str(Path(args.out).resolve())
     base = yaml.safe_load(BASE.read_text())
@@ -180,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         for e in experiments
         for seed in (seeds if e == "selection" else seeds[:1])
         for arm in arms(e, weights, args.solved)
+        if not args.arms or arm in args.arms.split(",")
     ]
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         rows = list(pool.map(lambda j: one_run(args, base, weights, *j), jobs))

@@ -81,7 +81,7 @@ def test_difficulty_filter_scores_as_data_juicer_by_hand():
     assert [r["llm_difficulty_score"] for r in rows] == pytest.approx([0.6, 23 / 25, 0.0])
     assert json.loads(rows[0]["llm_difficulty_record"])["dimension_scores"]["ambiguity"] == 3
     assert rows[2]["llm_difficulty_record"] == ""
-    assert stats == pytest.approx({"mean_score": (0.6 + 0.92 + 0.0) / 3, "unparsed": 1.0})
+    assert stats == pytest.approx({"mean_score": (0.6 + 0.92 + 0.0) / 3, "unparsed": 1.0, "refused": 0.0})
     # requests: 2 at a time (num_process), then the unparsed row again, twice more (try_num 3)
     assert [len(c) for c, _ in judge.calls] == [2, 1, 1, 1]
     system, user = judge.calls[0][0][0]
@@ -365,9 +365,10 @@ def test_stage_overrides_data_processor(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow(seconds=3)
 def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, caplog):
-    """The config guide's data_processor block (experience_pipeline left out: another part's), inputs a local file,
-    api_or_hf_model the run's auxiliary tiny model: its replies are no JSON, so every score is Data-Juicer's 0.0,
-    kept by min_score 0.0; the explorer then explores the written file's tasks."""
+    """The config guide's task_pipeline block as written (the experience half: test_seed_data_processor_block_in_mode_
+    both), inputs a local file, api_or_hf_model the run's auxiliary tiny model: Data-Juicer's prompt (~1,800
+    characters) is longer than the tiny model's max_model_len, so the engine refuses each request and every score is
+    Data-Juicer's 0.0 for a failed call, kept by min_score 0.0; the explorer then explores the written file's tasks."""
     from buffer import ExperienceDB
 
     data = jsonl(tmp_path / "tasks.jsonl", ROWS)
@@ -382,9 +383,6 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
                         "min_score": 0.0,
                         "input_keys": ["question", "answer"],
                         "field_names": ["Question", "Answer"],
-                        "system_prompt": "Rate the difficulty.",  # the tiny model reads 1,024 characters at most
-                        "try_num": 1,
-                        "sampling_params": {"max_tokens": 4},
                     },
                 }
             ],
@@ -413,6 +411,8 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
     first = next(h for h in history if "pipeline/task/llm_difficulty_score_filter/kept" in h)
     assert first["step"] == 0 and first["pipeline/task/llm_difficulty_score_filter/dropped"] == 0
     assert first["pipeline/task/llm_difficulty_score_filter/unparsed"] == 3
+    assert first["pipeline/task/llm_difficulty_score_filter/refused"] == 3
+    assert "refused a request" in (tmp_path / "ck" / "p" / "e" / "log" / "explorer.log").read_text()
 
 
 def test_pass_rate_filter_on_a_real_auxiliary_model(tmp_path, tiny_model_dir):
