@@ -504,3 +504,74 @@ def test_the_launcher_runs_the_task_pipeline_before_the_explorer_and_trainer(tmp
     assert "task pipeline: unchanged" in explorer_log and "reusing" in explorer_log
     (out,) = (job / "task_pipeline").glob("tasks-*.jsonl")
     assert [json.loads(line)["question"] for line in out.read_text().splitlines()] == [r["question"] for r in ROWS]
+
+
+@pytest.mark.slow  # ~90 s: launch.py, the task pipeline's process, explorer (Data-Juicer per step) and trainer
+def test_seed_data_processor_block_in_mode_both(tmp_path, tiny_model_dir):
+    """The config guide's whole data_processor block on the tiny model, through launch.py in mode both: the task
+    pipeline's difficulty filter asks an auxiliary model (the tiny one: each request refused as too long, so every
+    score is 0.0 and min_score 0.0 keeps the task), the experience pipeline runs the shipped Data-Juicer recipe at
+    the path the guide names, then reward_shaping_mapper with the guide's stats_key (llm_quality_score, which the
+    offline recipe does not produce: counted as missing, the reward left as it was) and one it does produce
+    (alnum_ratio, ADD 1.0). Each DB row is checked by hand against its own payload."""
+    import sqlite3
+
+    from helpers import both_config, launch
+
+    data = jsonl(tmp_path / "tasks.jsonl", ROWS)
+    difficulty = {
+        "api_or_hf_model": Path(tiny_model_dir).name,
+        "min_score": 0.0,
+        "input_keys": ["question", "answer"],
+        "field_names": ["Question", "Answer"],
+    }
+    shaping = [
+        {"stats_key": "llm_quality_score", "op_type": "ADD", "weight": 1.0},
+        {"stats_key": "alnum_ratio", "op_type": "ADD", "weight": 1.0},
+    ]
+    block = {
+        "task_pipeline": {
+            "num_process": 32,
+            "operators": [{"name": "llm_difficulty_score_filter", "args": difficulty}],
+            "inputs": [str(data)],
+            "target_fields": ["question", "answer"],
+        },
+        "experience_pipeline": {
+            "operators": [
+                {
+                    "name": "data_juicer",
+                    "args": {"config_path": "examples/grpo_gsm8k_experience_pipeline/dj_scoring_exp.yaml"},
+                },
+                {"name": "reward_shaping_mapper", "args": {"reward_shaping_configs": shaping}},
+            ]
+        },
+    }
+    over = {
+        "data_processor": block,
+        "buffer.total_steps": 2,
+        "buffer.batch_size": 3,
+        "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf", "max_model_len": 512}],
+    }
+    config = both_config(tmp_path, tiny_model_dir, **over)
+    done = launch(config, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = tmp_path / "ck" / "p" / "run"
+    (out,) = (job / "task_pipeline").glob("tasks-*.jsonl")
+    assert [json.loads(line)["llm_difficulty_score"] for line in out.read_text().splitlines()] == [0.0] * 3
+    db = next((job / "buffer").glob("*.db"))
+    rows = sqlite3.connect(db).execute("SELECT e.task_id, e.reward, p.meta FROM experiences e JOIN payloads p "
+                                       "ON p.id = e.id ORDER BY e.id").fetchall()  # fmt: skip
+    assert rows and {task for task, _, _ in rows} <= {"arith/0", "arith/1", "arith/2"}  # the pipeline's 3 tasks
+    for _, reward, meta in rows:
+        meta = json.loads(meta)
+        info, parts, text = meta["info"], meta["metrics"], meta["response_text"]
+        assert info["text_len"] == len(text) and info["char_rep_ratio"] <= 0.5  # the recipe's stats and filter
+        alnum = sum(c.isalnum() for c in text) / len(text)
+        assert info["alnum_ratio"] == pytest.approx(alnum)
+        assert reward == pytest.approx(parts["accuracy"] + parts["format_score"] + alnum)
+    history = [json.loads(line) for line in (job / "monitor" / "explorer.jsonl").open()]
+    steps = [h for h in history if "pipeline/reward_shaping_mapper/kept" in h]
+    assert len(steps) == 2
+    for h in steps:  # every experience the mapper saw lacked llm_quality_score
+        assert h["pipeline/reward_shaping_mapper/missing"] == h["pipeline/reward_shaping_mapper/kept"] > 0
+        assert h["pipeline/data_juicer/kept"] == h["pipeline/reward_shaping_mapper/kept"]
