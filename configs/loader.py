@@ -234,6 +234,7 @@ REFUSED = {
     "to a second buffer",
     "data_processor.experience_pipeline.inputs": "the experience pipeline reads the explorer's own experiences only",
 }
+SAVE_INPUT = "data_processor.experience_pipeline.save_input"  # refused when true; false: a warning, dropped
 # veRL `trainer.trainer_config` paths -> nanorft fields with the same meaning.
 VERL_MAP = {
     "actor_rollout_ref.model.enable_gradient_checkpointing": "trainer.gradient_checkpointing",
@@ -388,6 +389,9 @@ def normalize(raw: dict[str, Any]) -> dict[str, Any]:
     for key, why in IGNORED.items():
         if _pop(raw, key) is not _MISSING:
             log.warning("config: %s is ignored: %s", key, why)
+    if _get(raw, SAVE_INPUT) is False:  # Trinity's save_input off: what nanorft does anyway
+        _pop(raw, SAVE_INPUT)
+        log.warning("config: %s: false is nanorft's only behaviour (%s)", SAVE_INPUT, REFUSED[SAVE_INPUT])
     for key, why in REFUSED.items():
         if _get(raw, key) is not _MISSING:
             raise ConfigError(f"{key} is not supported: {why}")

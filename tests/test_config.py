@@ -574,6 +574,30 @@ def test_trinitys_replay_buffer_block_loads_or_each_key_is_refused_by_name(tmp_p
             cli(["--config", write(tmp_path, MINIMAL + REPLAY.replace(old, new))])
 
 
+@pytest.mark.parametrize(
+    "block, says",
+    [
+        ("  task_pipeline:\n    top_k: 10\n", "task_pipeline.top_k is not supported: no priority-weighted"),
+        ("  task_pipeline:\n    output:\n      path: x\n", "task_pipeline.output is not supported: the task"),
+        ("  experience_pipeline:\n    save_input: true\n", "save_input is not supported: the experiences a"),
+        ("  experience_pipeline:\n    inputs: [a]\n", "experience_pipeline.inputs is not supported"),
+    ],
+)
+def test_trinitys_data_processor_keys_nanorft_lacks_are_refused_by_name(tmp_path, block, says):
+    """Trinity's data_processor keys with a meaning nanorft does not implement: an error that names the key and
+    says why (never the unknown-key error's guess, never dropped)."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        cli(["--config", write(tmp_path, MINIMAL + "data_processor:\n" + block)])
+
+
+def test_save_input_false_is_what_nanorft_does_anyway(tmp_path, caplog):
+    """experience_pipeline.save_input: false (Trinity's switch off) loads, with a warning saying so."""
+    text = MINIMAL + "data_processor:\n  experience_pipeline:\n    save_input: false\n"
+    with caplog.at_level("WARNING"):
+        cli(["--config", write(tmp_path, text)])
+    assert "save_input: false is nanorft's only behaviour" in caplog.text
+
+
 def test_dynamic_sampling_over_sampling_needs_total_steps_in_mode_both(tmp_path):
     """The explorer's over-sampling makes a step's tasks vary: mode both (explorer and trainer taking turns) needs
     buffer.total_steps; max_num_gen_batches 1 (no over-sampling) or total_steps is fine; 0 (veRL's no cap) is out of
