@@ -570,6 +570,21 @@ def start_entry(script: str, argv: list[str], log: Path, env: dict | None = None
     return Entry(script, argv, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, log, log)
 
 
+def kill_explorer_before_write(config: Path, tmp_path: Path, step: int) -> None:
+    """explore.py on `config`, SIGKILLed where step `step` has been rolled out and nothing of it written (its pause
+    point explore.before_write: never a clock delay, so the run cannot end before the kill); its output in
+    <tmp_path>/stderr.txt."""
+    marker, log = tmp_path / "paused", tmp_path / "stderr.txt"
+    env = {"NANORFT_TEST_PAUSE_AT": f"explore.before_write:{step}", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
+    proc = start_entry("explore.py", ["--config", str(config)], log, env)
+    deadline = time.time() + 300
+    while not marker.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), log.read_text()[-3000:] if proc.poll() is not None else "no pause"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
 def run_entry(
     script: str, argv: list[str], env: dict[str, str], timeout: float, flags: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess:

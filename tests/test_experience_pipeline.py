@@ -6,9 +6,7 @@ with a pipeline that drops some experiences, and reward_std_filter end to end.""
 import json
 import math
 import os
-import signal
 import sqlite3
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,15 @@ from buffer import Experience, ExperienceDB
 from configs import cli
 from configs.schema import OperatorConfig
 from errors import ConfigError, DataError
-from helpers import both_config, explorer_in_process, make_task, run_entry, run_explorer, start_entry, write_config
+from helpers import (
+    both_config,
+    explorer_in_process,
+    kill_explorer_before_write,
+    make_task,
+    run_entry,
+    run_explorer,
+    write_config,
+)
 from monitor import read_history
 from pipelines.experience import ExperiencePipeline
 from pipelines.experience_ops import (
@@ -357,15 +363,7 @@ def test_sigkill_before_the_write_then_restart_with_a_pipeline_neither_repeats_n
     (tmp_path / "drop_some.py").write_text(DROP_SOME)
     ops = [{"name": f"{tmp_path / 'drop_some.py'}:DropSome"}]
     config = write_config(tmp_path, tiny_model_dir, **{"data_processor": {"experience_pipeline": {"operators": ops}}})
-    marker = tmp_path / "paused"
-    env = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_explorer_before_write(config, tmp_path, 3)
     out = run_explorer(config)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming explorer explorer after step 2" in out.stderr

@@ -4,7 +4,6 @@ metrics."""
 import dataclasses
 import json
 import os
-import signal
 import sqlite3
 import threading
 import time
@@ -21,7 +20,7 @@ import workflows
 from buffer import Experience, ExperienceDB
 from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
-from helpers import explorer_in_process, make_task, run_explorer, start_entry, write_config
+from helpers import explorer_in_process, kill_explorer_before_write, make_task, run_explorer, start_entry, write_config
 from models import load_tokenizer
 from monitor import read_history
 from sampling import PromptTooLong
@@ -68,15 +67,7 @@ def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir,
         tiny_model_dir,
         **{"buffer.total_steps": 4, "buffer.explorer_input.taskset.data_selector": {"selector_type": "shuffle"}},
     )
-    marker = tmp_path / "paused"
-    env = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:  # step 3 generated, not written
-        time.sleep(0.05)
-    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:] if proc.poll() is not None else "no pause"
-    proc.send_signal(signal.SIGKILL)  # a known place: mid-step 3, its experiences generated but not in the DB
-    proc.wait()
+    kill_explorer_before_write(config, tmp_path, 3)  # a known place: mid-step 3, generated but not in the DB
     killed_at = len(db_rows(tmp_path)) // 6
     assert killed_at == 2
     out = run_explorer(config)

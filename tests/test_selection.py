@@ -4,9 +4,7 @@ its greedy and sampled picks, offline_easy2hard's order, the refusals, and the s
 import json
 import math
 import re
-import signal
 import sqlite3
-import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +14,7 @@ from buffer import ExperienceDB
 from configs import cli, derive, from_dict, resolve_stages
 from configs.schema import Config
 from errors import ConfigError, DataError
-from helpers import run_explorer, start_entry, write_config
+from helpers import kill_explorer_before_write, run_explorer, write_config
 from monitor import read_history
 from tasksets import TaskReader
 
@@ -266,15 +264,7 @@ def test_an_explorer_killed_mid_step_resumes_the_estimate_it_saved(tiny_model_di
     config = write_config(
         tmp_path, tiny_model_dir, **{"buffer.total_steps": 4, "buffer.explorer_input.taskset.data_selector": selector}
     )
-    marker = tmp_path / "paused"
-    env = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:3", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
-    deadline = time.time() + 300
-    while not marker.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    assert marker.exists(), (tmp_path / "stderr.txt").read_text()[-3000:]
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_explorer_before_write(config, tmp_path, 3)
     out = run_explorer(config)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resuming explorer explorer after step 2" in out.stderr
