@@ -63,10 +63,22 @@ def arms(experiment: str, weights: Path, solved: float) -> dict[str, dict]:
             "kwargs": {"target_reward": 0.5, "tau": 0.0},
         }
         sampled = {**bots, "kwargs": {"target_reward": 0.5, "tau": 0.1}}  # softmax(-|gap| / 0.1): spread, not greedy
+        # BOTS as meant: two references, the untrained model's pass rate (weak) and the SFT model's (strong), so that
+        # the capability estimate moves the prior of the tasks not yet seen as the policy improves (with one column
+        # twice it cannot: p~ is the SFT pass rate, whatever the policy has learnt)
+        base = {
+            "api_or_hf_model": str(ROOT / "assets" / "tiny-qwen2"),
+            "repeat_times": 8,
+            "field_name": "pass_rate_base",
+        }
+        two = copy.deepcopy(pipeline)
+        two["task_pipeline"]["operators"].insert(0, {"name": "pass_rate_filter", "args": base})
+        interpolated = {**sampled, "feature_keys": ["pass_rate_base", "pass_rate"]}
         return {
             "shuffle": {"data_processor": pipeline},
             "difficulty_based": {"data_processor": pipeline, f"{ts}.data_selector": bots},
             "difficulty_based_tau0.1": {"data_processor": pipeline, f"{ts}.data_selector": sampled},
+            "difficulty_based_two_refs": {"data_processor": two, f"{ts}.data_selector": interpolated},
         }
     if experiment == "task_pipeline":
         return {"all_tasks": {}, "unsolved_only": {"data_processor": pass_rate_pipeline(weights, solved)}}
