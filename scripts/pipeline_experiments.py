@@ -175,7 +175,7 @@ def table(rows: list[dict], experiment: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", default="selection,task_pipeline,std_filter", help="experiments, comma-separated")
-    ap.add_argument("--seeds", default="1,2,3", help="seeds of `selection` (the others run the first)")
+    ap.add_argument("--seeds", default="1,2,3", help="the seeds every arm runs, comma-separated")
     ap.add_argument("--steps", type=int, default=40, help="train steps of every run")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out eval interval (steps)")
     ap.add_argument("--solved", type=float, default=0.8, help="task_pipeline: a pass rate above this is solved")
@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [
         (e, arm, seed)
         for e in experiments
-        for seed in (seeds if e == "selection" else seeds[:1])
+        for seed in seeds
         for arm in arms(e, weights, args.solved)
         if not args.arms or arm in args.arms.split(",")
     ]
