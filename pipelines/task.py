@@ -134,7 +134,8 @@ def recipe_ops(path: str) -> list[dict]:
 
 
 def pipeline_hash(cfg: configs.Config, srcs: list) -> tuple[str, dict]:
-    """The cache key and what it covers (kept in the manifest)."""
+    """The cache key and what it covers (kept in the manifest): the inputs' bytes, the operators and their args, the
+    text fields, the recipe's and a file.py operator's bytes, and the first training taskset's config."""
     tp = cfg.data_processor.task_pipeline
     ops = [{"name": o.name, "args": o.args} for o in tp.operators]
     user_files = {o.name: file_digest(Path(o.name.rpartition(":")[0])) for o in tp.operators if ".py:" in o.name}
@@ -146,6 +147,9 @@ def pipeline_hash(cfg: configs.Config, srcs: list) -> tuple[str, dict]:
         "target_fields": target_fields(cfg),
         "config_path": [tp.config_path, recipe],
         "user_files": user_files,
+        # what an operator that runs the tasks reads of them (pass_rate_filter: workflow, reward function, their
+        # args, the format), so that a changed reward recomputes
+        "taskset": dataclasses.asdict(cfg.buffer.explorer_input.tasksets[0]),
     }
     text = json.dumps(key, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16], key

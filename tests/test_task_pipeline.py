@@ -259,6 +259,11 @@ def test_pipeline_writes_once_reuses_and_recomputes(tmp_path, tiny_model_dir, ca
     jsonl(tmp_path / "in.jsonl", ROWS[:2])
     third = Path(with_task_pipeline(cfg2)[0].buffer.explorer_input.tasksets[0].path)
     assert third not in (out, other) and len(third.read_text().splitlines()) == 2
+    # the taskset's reward function changed (what pass_rate_filter scores with): recomputed too
+    cfg3 = pipeline_cfg(tmp_path, tiny_model_dir, [user_op(tmp_path, max_len=100)], rows=ROWS[:2])
+    cfg3.buffer.explorer_input.tasksets[0].default_reward_fn_type = "accuracy_reward"
+    fourth = Path(with_task_pipeline(cfg3)[0].buffer.explorer_input.tasksets[0].path)
+    assert fourth not in (out, other, third) and (tmp_path / "runs").read_text() == "4"
 
 
 def test_explorers_starting_at_once_compute_it_once(tmp_path, tiny_model_dir):
