@@ -1,10 +1,10 @@
 """Who may use the served studio: anyone on this machine (loopback), anyone else only with the key.
 
 The key is the server's (`python -m studio --key KEY`, or NANORFT_STUDIO_KEY), handed to the app in the environment.
-A browser sends it once as `?key=KEY` in the address (or a client as `Authorization: Bearer KEY`); the session then
-keeps it. NOTE: every page's data goes through the app's script, which `gate` stops before any page runs: without the
-key a session sees the refusal only. Streamlit's static files (its JavaScript) are served to anyone, as they hold no
-data.
+A browser sends it once as `?key=KEY` in the address; the session then keeps it (a page switch drops the
+address's query). NOTE: every page's data goes through the app's script, which `gate` stops before any page runs:
+without the key a session sees the refusal only. Streamlit's static files (its JavaScript) are served to anyone, as
+they hold no data.
 """
 
 from __future__ import annotations
@@ -20,15 +20,9 @@ def server_key() -> str | None:
     return os.environ.get(KEY_ENV) or None
 
 
-def allowed(key: str | None, given: list[str]) -> bool:
-    """Whether one of the `given` credentials (a ?key= value, an Authorization header) matches `key`; no key: yes."""
-    if key is None:
-        return True
-    for cred in given:
-        cred = cred.removeprefix("Bearer ").strip()
-        if cred and hmac.compare_digest(cred.encode(), key.encode()):
-            return True
-    return False
+def allowed(key: str | None, given: str) -> bool:
+    """Whether `given` (the address's ?key=) is the server's `key` (compared in constant time); no key: yes."""
+    return key is None or hmac.compare_digest(given.encode(), key.encode())
 
 
 def gate() -> None:
@@ -38,9 +32,9 @@ def gate() -> None:
     key = server_key()
     if key is None or st.session_state.get("studio_key_ok"):
         return
-    given = [st.query_params.get("key", ""), st.context.headers.get("Authorization", "")]
-    if allowed(key, given):
+    if allowed(key, st.query_params.get("key", "")):
         st.session_state["studio_key_ok"] = True
+        del st.query_params["key"]  # out of the address bar and the browser's history
         return
     st.error("This studio needs its key: open it as http://HOST:PORT/?key=KEY (the key it was started with).")
     st.stop()

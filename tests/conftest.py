@@ -11,6 +11,7 @@ sys.path.insert(0, str(ROOT))
 
 import pytest
 
+import browser
 import pgserver
 
 
@@ -130,6 +131,19 @@ def postgres():
         pytest.skip(why)
     with pgserver.PostgresServer() as pg:
         yield pg
+
+
+@pytest.fixture(scope="session")
+def headless():
+    """A headless Chromium for the session (tests/browser.py). Where none can start, the browser tests are skipped
+    with the reason, except under CI, which installs Chromium: there they fail."""
+    why = browser.missing()
+    if why:
+        if in_ci():
+            pytest.fail(f"CI must run the studio's browser tests: {why}")
+        pytest.skip(why)
+    with browser.chromium() as b:
+        yield b
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
