@@ -195,7 +195,7 @@ def test_every_dependency_floor_is_the_version_the_floor_check_installs():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]  # the ones the tests install (not bench's TRL pin, not gpu)
-    deps = project["dependencies"] + extras["test"] + extras["mlflow"] + extras["postgres"]
+    deps = project["dependencies"] + extras["test"] + extras["mlflow"] + extras["postgres"] + extras["studio"]
     floors = {m.group(1).lower(): m.group(2) for d in deps if (m := re.match(r"([\w-]+)(?:\[\w+\])?>=([\w.]+)", d))}
     script = (ROOT / "scripts/check_floors.sh").read_text()
     pinned = dict(re.findall(r'"([\w-]+)==([\w.]+)"', script)) | dict(
@@ -330,7 +330,7 @@ def test_run_sh_sets_up_with_posix_tools_only(tmp_path, machine):
     bin_ = posix_bin(tmp_path, fakes)
     repo, record = stub_checkout(tmp_path)
     vllm = {"linux": ",vllm-cpu", "macos": "", "cuda": ""}[machine]
-    extras = "bench," + ("gpu," if machine == "cuda" else "") + "mlflow,postgres,test" + vllm
+    extras = "bench," + ("gpu," if machine == "cuda" else "") + "mlflow,postgres,studio,test" + vllm
     out = run_sh(repo, bin_, "test", "-k", "x")
     assert out.returncode == 0, out.stdout + out.stderr
     calls = record.read_text().splitlines()
