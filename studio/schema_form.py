@@ -284,7 +284,7 @@ def error_field(message: str, raw: dict[str, Any]) -> str:
         if _holds(override, stage[3].split(".")[1:]):
             return f"{stage[1]}.{stage[4]}"
         message = message[stage.end(1) :]
-    named = [p for p in paths if re.search(rf"(?<![\w.\]]){re.escape(p)}(?![\w\[])", message)]
+    named = [p for p in paths if re.search(rf"(?<![\w.\]]){re.escape(p)}(?![\w])", message)]
     return max(named, key=len, default="")
 
 
