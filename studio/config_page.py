@@ -173,7 +173,8 @@ verdict = sf.validate(raw)
 if verdict.error and verdict.field in slots:
     slots[verdict.field].error(verdict.error)
 elif verdict.error:
-    general.error(f"{verdict.field or 'config'}: {verdict.error}" if verdict.field else verdict.error)
+    where = f"\n\n({verdict.field} is a key of expert mode)" if verdict.field else ""
+    general.error(verdict.error + where)
 
 st.subheader("YAML (secrets as ***)")
 if verdict.cfg is not None:

@@ -100,9 +100,16 @@ def every_path(cls: type = Config, prefix: str = "") -> list[str]:
 def test_schema_fields_cover_the_schema_with_docstrings_choices_and_ranges():
     fields = {f.path: f for f in sf.schema_fields()}
     assert sorted(fields) == sorted(every_path())
-    for item in ("buffer.explorer_input.tasksets[].format.prompt_key", "explorer.auxiliary_models[].model_path",
-                 "model.lora_configs[].lora_rank", "stages[].stage_name", "data_processor.task_pipeline.operators[].name",
-                 "buffer.trainer_input.auxiliary_buffers.*.path", "buffer.explorer_input.eval_tasksets[].name"):  # fmt: skip
+    items = (
+        "buffer.explorer_input.tasksets[].format.prompt_key",
+        "buffer.explorer_input.eval_tasksets[].name",
+        "explorer.auxiliary_models[].model_path",
+        "model.lora_configs[].lora_rank",
+        "stages[].stage_name",
+        "data_processor.task_pipeline.operators[].name",
+        "buffer.trainer_input.auxiliary_buffers.*.path",
+    )
+    for item in items:
         assert item in fields, item
     docs = attribute_docstrings()
     for f in fields.values():
@@ -205,9 +212,8 @@ def test_a_key_added_to_the_schema_appears_without_editing_the_page(tmp_path):
     anchor = "    monitor_args: ArgsDict = _field(dict)\n"
     text = schema.read_text()
     assert anchor in text
-    schema.write_text(text.replace(
-        anchor, '    studio_probe: int = 7\n    """A key the test added: its docstring reaches the page."""\n' + anchor, 1
-    ))  # fmt: skip
+    added = '    studio_probe: int = 7\n    """A key the test added: its docstring reaches the page."""\n'
+    schema.write_text(text.replace(anchor, added + anchor, 1))
     script = (
         "import json\nfrom streamlit.testing.v1 import AppTest\n"
         "at = AppTest.from_file('studio/config_page.py', default_timeout=120)\nat.run()\n"
@@ -229,7 +235,8 @@ def test_generated_beginner_config_passes_dry_run(tiny_model_dir, tmp_path):
     at = page()
     data = str(Path(tiny_model_dir).parent / "arith")
     values = {
-        "project": "p", "name": "studio", "checkpoint_root_dir": str(tmp_path / "ck"), "model.model_path": tiny_model_dir,
+        "project": "p", "name": "studio", "checkpoint_root_dir": str(tmp_path / "ck"),
+        "model.model_path": tiny_model_dir,
         "buffer.explorer_input.taskset.name": "arith", "buffer.explorer_input.taskset.path": data,
         "buffer.explorer_input.taskset.split": "train", "buffer.explorer_input.taskset.format.prompt_key": "question",
         "buffer.explorer_input.taskset.format.response_key": "answer",
@@ -238,7 +245,9 @@ def test_generated_beginner_config_passes_dry_run(tiny_model_dir, tmp_path):
     }  # fmt: skip
     for key, value in values.items():
         widget(at, f"cf:{key}").set_value(value)
-    for key, value in {"algorithm.repeat_times": 2, "buffer.total_steps": 2, "buffer.batch_size": 2}.items():
+    numbers = {"algorithm.repeat_times": 2, "buffer.total_steps": 2, "buffer.batch_size": 2,
+               "model.max_prompt_tokens": 160, "model.max_response_tokens": 12}  # fmt: skip
+    for key, value in numbers.items():
         widget(at, f"cf:{key}").set_value(value)
     widget(at, "cf:algorithm.optimizer.lr").set_value(1e-4)
     widget(at, "cfp:save_path").set_value(str(tmp_path / "made.yaml"))
@@ -247,7 +256,7 @@ def test_generated_beginner_config_passes_dry_run(tiny_model_dir, tmp_path):
     widget(at, "cfp:save").click().run()
     saved = yaml.safe_load((tmp_path / "made.yaml").read_text())
     assert saved["algorithm"] == {"algorithm_type": "grpo", "repeat_times": 2, "optimizer": {"lr": 1e-4}}
-    assert saved["model"] == {"model_path": tiny_model_dir}
+    assert saved["model"] == {"model_path": tiny_model_dir, "max_prompt_tokens": 160, "max_response_tokens": 12}
     out = subprocess.run([sys.executable, "launch.py", "--config", str(tmp_path / "made.yaml"), "--dry-run"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
