@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sqlite3
 import stat
 import subprocess
 import sys
@@ -179,6 +180,19 @@ def test_saved_copy_passes_dry_run_with_the_same_resolved_config(name, tmp_path)
     assert outs[0].stdout == outs[1].stdout
 
 
+def test_a_file_spec_keeps_working_when_saved_elsewhere(tmp_path):
+    """`file.py:attr` is relative to the YAML's folder (anchor_files); a copy saved elsewhere holds it absolute. A
+    model or data path is relative to where launch.py runs (the repository): kept as written."""
+    (tmp_path / "a").mkdir()
+    src = tmp_path / "a" / "mine.yaml"
+    src.write_text("model: {model_path: assets/tiny-qwen2}\nbuffer: {default_reward_fn_type: rewards/mine.py:score}\n")
+    cfg = sf.load(src)
+    assert cfg.buffer.default_reward_fn_type == f"{tmp_path / 'a' / 'rewards' / 'mine.py'}:score"
+    saved = sf.save(cfg, tmp_path / "b" / "c" / "copy.yaml")
+    assert sf.load(saved) == cfg
+    assert yaml.safe_load(saved.read_text())["model"] == {"model_path": "assets/tiny-qwen2"}
+
+
 # --- the page
 
 
@@ -299,6 +313,34 @@ def test_refused_values_show_the_loaders_message_beside_their_field():
 
 
 @pytest.mark.slow(15)
+def test_load_from_the_list_keeps_the_address_and_items_are_added_and_removed():
+    at = page()
+    assert at.query_params.get("config") is None
+    at.selectbox(key="cfp:pick").set_value("configs/tiny_ppo.yaml")
+    at.button(key="cfp:load").click().run()
+    assert at.query_params["config"] == "configs/tiny_ppo.yaml"  # a reload opens the same file
+    assert "editing: configs/tiny_ppo.yaml" in at.caption[0].value
+    at.radio(key="cfp:view").set_value("expert").run()
+    evals = sf.load(ROOT / "configs/tiny_ppo.yaml").buffer.explorer_input.eval_tasksets
+    n = len(evals)
+    at.button(key="cfp:add:buffer.explorer_input.eval_tasksets").click().run()
+    item = f"buffer.explorer_input.eval_tasksets[{n}]"
+    assert [e.value for e in after(at, f"cf:{item}.path") if e.type == "error"] == [f"{item}.path is required"]
+    given = {"name": "extra", "path": "assets/arith", "split": "test", "format.prompt_key": "question",
+             "format.response_key": "answer"}  # fmt: skip
+    for key, value in given.items():
+        widget(at, f"cf:{item}.{key}").set_value(value)
+    at.run()
+    assert not at.error, [e.value for e in at.error]
+    assert "- name: extra" in at.code[0].value
+    new = f"cf:{item}.name"
+    assert "Tasksets evaluated" in " ".join(e.value for e in at.markdown)
+    at.button(key=f"cfp:remove:buffer.explorer_input.eval_tasksets[{n}]").click().run()
+    assert not any(getattr(e, "key", None) == new for e in flat(at.main))
+    assert "extra" not in at.code[0].value
+
+
+@pytest.mark.slow(15)
 def test_secrets_are_hidden_in_the_page(tmp_path):
     cfg = sf.load(ROOT / "configs/tiny_ppo.yaml")
     cfg.explorer.env_vars = {"HF_HOME": "/srv/hf-cache-sekrit1"}
@@ -345,6 +387,15 @@ def test_launch_shows_the_console_and_stop_is_ctrl_c(tiny_model_dir, tmp_path):
     while launcher.group_alive(run) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not launcher.group_alive(run)
-    assert "Traceback" not in launcher.tail(run.log)
+    console = launcher.tail(run.log)
+    assert "Traceback" not in console and "interrupted: stopping trainer, explorer" in console, console[-3000:]
+    # stopped cleanly: the summary written, the DB whole, the latest checkpoint complete
+    job = tmp_path / "ck" / "p" / "run"
+    summary = json.loads((job / "summary.json").read_text())
+    latest = int((job / "latest_state_dict_iteration.txt").read_text())
+    assert summary["steps"] == latest >= 1
+    assert (job / f"global_step_{latest}" / "actor" / "huggingface" / "model.safetensors").is_file()
+    with sqlite3.connect(f"file:{job / 'buffer' / 'exp.db'}?mode=ro", uri=True) as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     at.run()
     assert "ended (exit code 130)" in " ".join(e.value for e in at.markdown)
