@@ -148,7 +148,7 @@ if right.button("load", key="cfp:load") and picked:
 if st.session_state.get("cf_load_error"):
     st.error(st.session_state["cf_load_error"])
 st.caption(f"editing: {st.session_state['cf_source'] or 'the defaults'}")
-mode = st.radio("mode", ["beginner", "expert"], key="cfp:view", horizontal=True)
+mode = st.radio("keys shown", ["beginner", "expert"], key="cfp:view", horizontal=True)
 general = st.empty()  # an error that names no field drawn here
 
 raw, slots = st.session_state["cf_raw"], {}
