@@ -345,17 +345,23 @@ def test_secrets_are_hidden_in_the_page(tmp_path):
     cfg = sf.load(ROOT / "configs/tiny_ppo.yaml")
     cfg.explorer.env_vars = {"HF_HOME": "/srv/hf-cache-sekrit1"}
     cfg.monitor.monitor_args = {"api_key": "sekrit2-key", "base_url": "http://wandb.local"}
+    cfg.explorer.rollout_model.openai_api_key = "sekrit3"
     source = sf.save(cfg, tmp_path / "secret.yaml")
     assert stat.S_IMODE(source.stat().st_mode) == 0o600  # holds_secret: only its owner may read it
     at = page(source, expert=True)
     code = at.code[0].value
     assert "'***'" in code and "http://wandb.local" in code
+    assert not at.error, [e.value for e in at.error]
     shown = [e.value for e in at.code] + [e.value for e in at.text_area] + [e.value for e in at.markdown]
     assert not any("sekrit" in str(v) for v in shown), shown
+    key = widget(at, "cf:explorer.rollout_model.openai_api_key")  # a secret string: a password input
+    assert key.value == "sekrit3" and key.proto.type == key.proto.PASSWORD
+    assert widget(at, "cf:explorer.rollout_model.model_path").proto.type == key.proto.DEFAULT
     widget(at, "cfp:save_path").set_value(str(tmp_path / "out.yaml"))
     widget(at, "cfp:save").click().run()
     back = sf.load(tmp_path / "out.yaml")  # the saved file keeps the real values (0600)
     assert back.explorer.env_vars == cfg.explorer.env_vars and back.monitor.monitor_args == cfg.monitor.monitor_args
+    assert back.explorer.rollout_model.openai_api_key == "sekrit3"
     assert stat.S_IMODE((tmp_path / "out.yaml").stat().st_mode) == 0o600
 
 
