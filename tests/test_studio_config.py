@@ -365,6 +365,21 @@ def test_secrets_are_hidden_in_the_page(tmp_path):
     assert stat.S_IMODE((tmp_path / "out.yaml").stat().st_mode) == 0o600
 
 
+@pytest.mark.slow(10)
+def test_a_sigterm_while_the_explorer_leaves_prints_no_traceback():
+    """What a stop showed once in three: launch.py SIGTERMs the explorer that the Ctrl-C is already ending, and its
+    SIGTERM handler (explore.py's __main__) raised SystemExit inside an exit hook: a traceback on the console."""
+    script = (
+        "import atexit, os, signal, sys, time\nimport explore\n"
+        "signal.signal(signal.SIGTERM, lambda signum, _: sys.exit(128 + signum))  # as explore.py's __main__\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5), print('hook done')))\n"
+        "explore.leave(130)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130 and "hook done" in out.stdout, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and "SystemExit" not in out.stderr, out.stderr[-2000:]
+
+
 @pytest.mark.slow(90)
 def test_launch_shows_the_console_and_stop_is_ctrl_c(tiny_model_dir, tmp_path):
     config = both_config(tmp_path, tiny_model_dir, **{"buffer.total_steps": 200})
