@@ -37,7 +37,7 @@ def _load(path: str) -> None:
     try:
         cfg = sf.load(path)
     except ConfigError as e:
-        st.session_state["cf_load_error"] = f"{path}: {e}"
+        st.session_state["cf_load_error"] = str(e) if str(e).startswith(path) else f"{path}: {e}"
         return
     st.session_state["cf_raw"] = dataclasses.asdict(cfg)
     st.session_state["cf_source"] = path
@@ -197,14 +197,17 @@ if stop_col.button("stop (Ctrl-C)", key="cfp:stop", disabled=run is None or not 
 
 
 @st.fragment(run_every=2.0 if run is not None and run.running else None)
-def console(saved: str) -> None:
-    """The launch's console, refreshed every 2 s while it runs."""
+def console(saved: str, was_running: bool) -> None:
+    """The launch's console, refreshed every 2 s while it runs; the whole page once more when it ends (the stop
+    button off, the refreshing over)."""
     now = launcher.current(saved)
     if now is None:
         return
+    if was_running and not now.running:
+        st.rerun()
     state = "running" if now.running else f"ended (exit code {now.code})"
     st.markdown(f"**console** of launch.py --config {now.config}: {state}")
     st.code(launcher.tail(now.log) or "(nothing yet)", language=None)
 
 
-console(out)
+console(out, run is not None and run.running)

@@ -314,8 +314,9 @@ def test_refused_values_show_the_loaders_message_beside_their_field():
 
 @pytest.mark.slow(15)
 def test_load_from_the_list_keeps_the_address_and_items_are_added_and_removed():
-    at = page()
-    assert at.query_params.get("config") is None
+    at = page("no/such/file.yaml")  # the loader's refusal, and the defaults meanwhile
+    assert [e.value for e in at.error][0].startswith("no/such/file.yaml: cannot be read")
+    assert "editing: the defaults" in at.caption[0].value
     at.selectbox(key="cfp:pick").set_value("configs/tiny_ppo.yaml")
     at.button(key="cfp:load").click().run()
     assert at.query_params["config"] == "configs/tiny_ppo.yaml"  # a reload opens the same file
