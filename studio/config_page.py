@@ -35,13 +35,15 @@ def _secret(path: str) -> bool:
 def _load(path: str) -> None:
     """Load a YAML into the form (its widgets start afresh), or show the loader's refusal."""
     try:
-        cfg = sf.load(path)
+        with sf.caught_warnings() as warned:
+            cfg = sf.load(path)
     except ConfigError as e:
         st.session_state["cf_load_error"] = str(e) if str(e).startswith(path) else f"{path}: {e}"
         return
     st.session_state["cf_raw"] = dataclasses.asdict(cfg)
     st.session_state["cf_source"] = path
     st.session_state.pop("cf_load_error", None)
+    st.session_state["cf_load_warnings"] = warned  # normalize's: old names, ignored keys, veRL keys
     _forget("cf:")
     st.query_params["config"] = path
 
@@ -148,6 +150,8 @@ if right.button("load", key="cfp:load") and picked:
 if st.session_state.get("cf_load_error"):
     st.error(st.session_state["cf_load_error"])
 st.caption(f"editing: {st.session_state['cf_source'] or 'the defaults'}")
+for message in st.session_state.get("cf_load_warnings", []):
+    st.warning(message)
 mode = st.radio("keys shown", ["beginner", "expert"], key="cfp:view", horizontal=True)
 general = st.empty()  # an error that names no field drawn here
 
@@ -175,6 +179,8 @@ if verdict.error and verdict.field in slots:
 elif verdict.error:
     where = f"\n\n({verdict.field} is a key of expert mode)" if verdict.field else ""
     general.error(verdict.error + where)
+for message in verdict.warnings:  # what the checks warn about: it runs, maybe not as meant
+    st.warning(message)
 
 st.subheader("YAML (secrets as ***)")
 if verdict.cfg is not None:

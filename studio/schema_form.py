@@ -14,12 +14,16 @@ this; everything here is plain Python, testable without Streamlit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import re
+import threading
 import types
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -236,28 +240,56 @@ def load(path: str | Path) -> Config:
     return from_dict(Config, anchor_files(normalize(read_yaml(p)), p.resolve().parent))
 
 
+class _Caught(logging.Handler):
+    """The config loggers' warnings of this thread (a Streamlit session's script runs in a thread of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.thread, self.messages = threading.get_ident(), []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.thread == self.thread:
+            self.messages.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def caught_warnings() -> Iterator[list[str]]:
+    """The warnings the loader and checks log inside the block (`config: ... is ignored`, `... an explorer refuses
+    to start`), as a list. NOTE: checks warns of a thing once per process (_warn_once); the page validates on every
+    rerun and must show them each time, so the block starts from an empty record and the old one is put back."""
+    handler, logger = _Caught(), logging.getLogger("nanorft.config")
+    seen = set(checks._WARNED_ALREADY)
+    checks._WARNED_ALREADY.clear()
+    logger.addHandler(handler)
+    try:
+        yield handler.messages
+    finally:
+        logger.removeHandler(handler)
+        checks._WARNED_ALREADY.update(seen)
+
+
 @dataclasses.dataclass
 class Verdict:
-    """What validate found: the Config (None where refused), the error (the loader's own words) and its field."""
+    """What validate found: the Config (None where refused), the error (the loader's own words) and its field, and
+    the warnings the checks gave (a config that runs, but maybe not as meant)."""
 
     cfg: Config | None
     error: str = ""
     field: str = ""  # the concrete path the message names, "" for none
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def validate(raw: dict[str, Any]) -> Verdict:
     """The raw values checked as `launch.py` checks a loaded file: from_dict, the placeholders, then every stage
     derived and checked (configs.resolve_stages)."""
-    try:
-        cfg = from_dict(Config, raw)
-    except ConfigError as e:
-        return Verdict(None, str(e), error_field(str(e), raw))
-    try:
-        checks.check_placeholders(dataclasses.asdict(cfg))
-        resolve_stages(cfg)
-    except ConfigError as e:
-        return Verdict(None, str(e), error_field(str(e), raw))
-    return Verdict(cfg)
+    with caught_warnings() as warned:
+        try:
+            cfg = from_dict(Config, raw)
+            checks.check_placeholders(dataclasses.asdict(cfg))
+            resolve_stages(cfg)
+        except ConfigError as e:
+            return Verdict(None, str(e), error_field(str(e), raw), list(dict.fromkeys(warned)))
+    return Verdict(cfg, warnings=list(dict.fromkeys(warned)))
 
 
 def concrete_paths(raw: Any, prefix: str = "") -> list[str]:

@@ -341,6 +341,17 @@ def test_load_from_the_list_keeps_the_address_and_items_are_added_and_removed():
     assert "extra" not in at.code[0].value
 
 
+@pytest.mark.slow(10)
+def test_the_loaders_and_checks_warnings_are_shown_on_every_rerun():
+    at = page(ROOT / "tests/data/reference_configs/ppo_example.yaml")
+    for _ in range(2):  # checks warns once per process; the page on every rerun
+        warned = [e.value for e in at.warning]
+        assert "config: trainer.trainer_config.critic.model.use_remove_padding (veRL) has no meaning in nanorft and " \
+            "is not used" in warned  # fmt: skip
+        assert any(w.endswith("no workflow runs these tasks, and an explorer refuses to start") for w in warned)
+        at.run()
+
+
 @pytest.mark.slow(15)
 def test_secrets_are_hidden_in_the_page(tmp_path):
     cfg = sf.load(ROOT / "configs/tiny_ppo.yaml")
