@@ -947,7 +947,10 @@ def leave(code: int) -> None:
     teardown aborted ("terminate called without an active exception", SIGABRT: torch torn down under a thread still
     in it), which marked a stage FAILED after all its steps were written. Then the exit hooks run here (atexit's:
     the tool and reward workers killed, vLLM's engines stopped) and the process leaves without the teardown, as
-    train.py does."""
+    train.py does. NOTE: from here on SIGTERM is ignored: after a Ctrl-C the launcher also SIGTERMs what the Ctrl-C
+    already stops, and the handler's SystemExit, raised inside an exit hook, printed a traceback (it SIGKILLs what is
+    left after its grace)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if not (n := abandoned()):
         sys.exit(code)
     log.warning("%d workflow thread(s) abandoned at their timeout still run: the explorer exits without them", n)
