@@ -81,6 +81,10 @@ class Filters:
     def sql(self) -> tuple[str, list]:
         """(WHERE clause or "", its parameters)."""
         where, args = [], []
+        if self.step != (None, None):  # NOTE: a first use in the range is a use in it: claims_step's index narrows
+            lo, hi = self.step
+            where.append("e.id IN (SELECT exp_id FROM claims WHERE step >= ? AND step <= ?)")
+            args += [-(2**62) if lo is None else lo, 2**62 if hi is None else hi]
         for name, sql in (
             ("step", STEP_SQL),
             ("reward", "e.reward"),
