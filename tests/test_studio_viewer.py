@@ -88,7 +88,7 @@ def db_url(db: str) -> str:
 def test_the_page_shows_a_real_runs_table_tokens_and_group(run_db, tiny_model_dir):
     """The page on the run's DB: the table of its 8 experiences (the steps that trained them, their rewards); an
     experience's tokens, one span each, its mask, rollout and trainer log-probs and advantages as the DB holds them,
-    its text from the job's model (config.yaml's model_path: the tiny model), one token's colour and hover text
+    its text from the job's model (config.yaml's model_path: the tiny model; PostgreSQL: ?model=), one token's colour and hover text
     checked by hand; its group's two responses side by side with their rewards."""
     db, job = run_db
     url = db_url(db)
@@ -96,11 +96,12 @@ def test_the_page_shows_a_real_runs_table_tokens_and_group(run_db, tiny_model_di
                " GROUP BY e.id, e.reward, e.group_id ORDER BY e.id")  # fmt: skip
     assert len(rows) == 8 and sorted({r[3] for r in rows}) == [1, 2]
     exp_id, reward, group, step = rows[-1]  # step 2's: trained from the weights step 1 published
-    at = page(db, exp=str(exp_id))
+    # a SQLite DB in <job dir>/buffer/: the job's model by default; a PostgreSQL one: the model given in the address
+    at = page(db, exp=str(exp_id), **({"model": tiny_model_dir} if url.startswith("postgresql://") else {}))
     [table] = at.dataframe
     assert list(table.value["id"]) == [r[0] for r in rows] and list(table.value["step"]) == [r[3] for r in rows]
     assert list(table.value["reward"]) == pytest.approx([r[1] for r in rows])
-    assert at.text_input(key="viewer_model").value == tiny_model_dir  # the job's model, from its config.yaml
+    assert at.text_input(key="viewer_model").value == tiny_model_dir
     with ExperienceDB(url) as d:
         [x] = d.get([exp_id])
         [(blob,)] = d.query("SELECT tensors FROM trained WHERE exp_id = ?", (exp_id,))
@@ -168,7 +169,8 @@ def test_the_filters_and_pages_select_what_the_db_holds(run_db):
     at.number_input(key="viewer_step_lo").set_value(1)
     at.number_input(key="viewer_step_hi").set_value(1).run()
     assert list(at.dataframe[0].value["id"]) == step1
-    assert at.query_params["db"] == [db] or at.query_params["db"] == db
+    at.number_input(key="viewer_exp").set_value(step1[-1]).run()  # a reload shows the same: the address keeps both
+    assert at.query_params["db"] == db and at.query_params["exp"] == str(step1[-1])
 
 
 def test_reading_leaves_the_sqlite_file_as_it_was_and_a_write_fails(run_db):
