@@ -88,8 +88,8 @@ def db_url(db: str) -> str:
 def test_the_page_shows_a_real_runs_table_tokens_and_group(run_db, tiny_model_dir):
     """The page on the run's DB: the table of its 8 experiences (the steps that trained them, their rewards); an
     experience's tokens, one span each, its mask, rollout and trainer log-probs and advantages as the DB holds them,
-    its text from the job's model (config.yaml's model_path: the tiny model; PostgreSQL: ?model=), one token's colour and hover text
-    checked by hand; its group's two responses side by side with their rewards."""
+    its text from the job's model (config.yaml's model_path: the tiny model; PostgreSQL: ?model=), one token's colour
+    and hover text checked by hand; its group's two responses side by side with their rewards."""
     db, job = run_db
     url = db_url(db)
     rows = raw(url, "SELECT e.id, e.reward, e.group_id, MIN(c.step) FROM experiences e JOIN claims c ON c.exp_id = e.id"
