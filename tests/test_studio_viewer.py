@@ -18,6 +18,7 @@ import torch
 from buffer import Experience, ExperienceDB
 from helpers import both_config, launch, raw
 from models import load_tokenizer
+from monitor import read_history
 from studio.expdb import ExpDB, Filters, NotAnExperienceDB, Trained, colour, token_rows, tokens_html
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,6 +149,11 @@ def test_the_page_shows_a_real_runs_table_tokens_and_group(run_db, tiny_model_di
     ]
     assert got == pytest.approx(want)
     assert "Group" in " ".join(h.value for h in at.subheader)
+    # what recording costs: time/keep_trained, each step, beside time/step (printed; docs/LOG.md)
+    history = read_history(job / "monitor" / "trainer.jsonl")
+    assert [m["step"] for m in history] == [1, 2] and all(0 < m["time/keep_trained"] < m["time/step"] for m in history)
+    print("\n".join(f"step {m['step']}: time/keep_trained {m['time/keep_trained'] * 1000:.2f} ms of time/step "
+                    f"{m['time/step'] * 1000:.0f} ms" for m in history))  # fmt: skip
 
 
 def test_the_filters_and_pages_select_what_the_db_holds(run_db):
