@@ -706,7 +706,7 @@ def test_a_postgresql_database_of_another_program_is_named_and_left_alone(postgr
         " WHERE table_schema IN ('public', 'run1') ORDER BY 1, 2",
     )
     assert tables == [("public", "users")] + [
-        ("run1", t) for t in ("claims", "experiences", "meta", "payloads", "replays")
+        ("run1", t) for t in ("claims", "experiences", "meta", "payloads", "replays", "trained")
     ]
 
 
