@@ -111,12 +111,26 @@ def table(db: ExpDB, f: Filters) -> list[dict]:
     return rows
 
 
+def on_open(db: ExpDB) -> None:
+    """A DB opened (first, or in place of another): the job's model folder for its token text, when it lies in a job
+    directory (else the one given: ?model=, or the last one); another DB's experience shown no more."""
+    from_address("model", "viewer_model")
+    previous = st.session_state.get("viewer_open")
+    if previous == db.where:
+        return
+    st.session_state["viewer_open"] = db.where
+    found = job_model(db.path)
+    if found and (previous is not None or not st.session_state.get("viewer_model")):
+        st.session_state["viewer_model"] = found
+    st.session_state.setdefault("viewer_model", "")
+    if previous is not None:
+        st.session_state.pop("viewer_exp", None)
+        st.query_params.pop("exp", None)
+
+
 def tokenizer_input(db: ExpDB):
     """The model folder for token text (default: the job's model when the DB lies in <job dir>/buffer/); its
     tokenizer, or None: token ids are shown."""
-    from_address("model", "viewer_model")
-    if "viewer_model" not in st.session_state:
-        st.session_state["viewer_model"] = job_model(db.path) or ""
     model = st.text_input("model folder (for token text)", key="viewer_model", help="empty: token ids are shown")
     in_address("model", model)
     if not model:
@@ -198,6 +212,7 @@ except NotAnExperienceDB as e:
     st.stop()
 with db:
     st.caption(f"{db.where}: schema version {db.version}, opened read-only")
+    on_open(db)
     tokenizer = tokenizer_input(db)
     rows = table(db, filters_form(db))
     from_address("exp", "viewer_exp", int)

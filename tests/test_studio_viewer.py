@@ -246,6 +246,26 @@ def test_a_db_being_written_is_read_as_it_grows(tmp_path):
         writer.close()
 
 
+def test_opening_another_db_shows_its_first_experience_and_its_jobs_model(tmp_path, tiny_model_dir):
+    """From a DB outside any job (token ids: no model folder) to a job's DB (<job dir>/buffer/exp.db beside the job's
+    config.yaml): the model folder becomes the job's, the experience shown the new DB's first, the address follows."""
+    job = tmp_path / "job"
+    (job / "buffer").mkdir(parents=True)
+    (job / "config.yaml").write_text(f"model:\n  model_path: {tiny_model_dir}\n")
+    for url, n in ((f"sqlite:///{tmp_path}/a.db", 3), (f"sqlite:///{job}/buffer/exp.db", 2)):
+        with ExperienceDB(url) as w:
+            w.write([small(i, group_id="g") for i in range(n)])
+    at = page(str(tmp_path / "a.db"), exp="3")
+    assert at.text_input(key="viewer_model").value == "" and at.number_input(key="viewer_exp").value == 3
+    assert Spans(at.html[0].proto.body).spans[3]["text"] == "[3]"  # no tokenizer: the ids
+    at.text_input(key="viewer_db").set_value(str(job / "buffer" / "exp.db")).run()
+    assert not at.exception and at.text_input(key="viewer_model").value == tiny_model_dir
+    assert at.number_input(key="viewer_exp").value == 1 and at.query_params["exp"] == "1"
+    assert at.query_params["model"] == tiny_model_dir and len(at.dataframe[0].value) == 2
+    tok = load_tokenizer(tiny_model_dir)
+    assert Spans(at.html[0].proto.body).spans[3]["text"] == tok.decode([3]).replace("\n", "\u21b5\n")
+
+
 def small(i: int, **fields) -> Experience:
     return Experience(
         tokens=torch.arange(7), prompt_length=3, logprobs=torch.full((4,), -0.5), reward=float(i), **fields
