@@ -69,6 +69,11 @@ class NotAnExperienceDB(DataError):
     expected)."""
 
 
+class DBReadError(DataError):
+    """A read of an opened experience DB failed (a damaged SQLite file, a PostgreSQL server gone): named, no
+    traceback."""
+
+
 @dataclass
 class Filters:
     """Which experiences the table shows; None: no bound. Ranges are inclusive (lo, hi)."""
@@ -186,8 +191,8 @@ class ExpDB:
             listed = "SELECT name FROM sqlite_master WHERE type = 'table'"
         try:
             tables = {r[0] for r in self._rows(listed)}
-        except sqlite3.DatabaseError as e:  # e.g. a damaged file
-            raise NotAnExperienceDB(f"{self.where}: cannot read its tables ({e}); expected an experience DB") from None
+        except DBReadError as e:  # e.g. a damaged file
+            raise NotAnExperienceDB(f"{e}; expected an experience DB") from None
         needed = {"meta", "experiences", "payloads", "claims"}
         if not needed <= tables:
             holds = f"the tables {', '.join(sorted(tables))}" if tables else "no tables"
@@ -201,10 +206,18 @@ class ExpDB:
         return int(row[0][0]), tables
 
     def _rows(self, sql: str, args: Any = ()) -> list:
-        """The rows of one SELECT (written with `?` placeholders)."""
-        if self.postgres:
-            return self.conn.execute(sql.replace("?", "%s"), args).fetchall()
-        return self.conn.execute(sql, args).fetchall()
+        """The rows of one SELECT (written with `?` placeholders); a failed read (a damaged file, a lost server): a
+        DBReadError naming the DB."""
+        try:
+            if self.postgres:
+                return self.conn.execute(sql.replace("?", "%s"), args).fetchall()
+            return self.conn.execute(sql, args).fetchall()
+        except sqlite3.Error as e:
+            raise DBReadError(f"{self.where}: reading it failed ({e})") from None
+        except Exception as e:  # psycopg's errors (psycopg is imported only for a PostgreSQL DB)
+            if not self.postgres or not type(e).__module__.startswith("psycopg"):
+                raise
+            raise DBReadError(f"{self.where}: reading it failed ({' '.join(str(e).split())})") from None
 
     def count(self, filters: Filters | None = None) -> int:
         f = filters or Filters()

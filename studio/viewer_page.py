@@ -16,6 +16,7 @@ from studio.expdb import (
     ORDERS,
     QUANTITIES,
     STATUSES,
+    DBReadError,
     ExpDB,
     Filters,
     NotAnExperienceDB,
@@ -196,21 +197,8 @@ def group_view(db: ExpDB, exp, quantity: str, tokenizer) -> None:
             )
 
 
-# --- the page
-
-st.title("Experiences")
-from_address("db", "viewer_db")
-where = st.text_input("experience DB: a SQLite path or a postgresql:// URL", key="viewer_db")
-in_address("db", where)
-if not where:
-    st.info("Give an experience DB: a run's <job dir>/buffer/exp.db, or the URL of a PostgreSQL one.")
-    st.stop()
-try:
-    db = ExpDB(where)
-except NotAnExperienceDB as e:
-    st.error(str(e))
-    st.stop()
-with db:
+def show(db: ExpDB) -> None:
+    """The page below the DB input: the token-text model, the filters, the table, the experience shown."""
     st.caption(f"{db.where}: schema version {db.version}, opened read-only")
     on_open(db)
     tokenizer = tokenizer_input(db)
@@ -222,3 +210,24 @@ with db:
     in_address("exp", exp_id)
     if exp_id is not None:
         experience_view(db, int(exp_id), tokenizer)
+
+
+# --- the page
+
+st.title("Experiences")
+from_address("db", "viewer_db")
+where = st.text_input("experience DB: a SQLite path or a postgresql:// URL", key="viewer_db")
+in_address("db", where)
+if not where:
+    st.info("Give an experience DB: a run's <job dir>/buffer/exp.db, or the URL of a PostgreSQL one.")
+    st.stop()
+try:
+    db = ExpDB(where)
+except (NotAnExperienceDB, DBReadError) as e:  # not an experience DB, or a damaged one: named
+    st.error(str(e))
+    st.stop()
+with db:
+    try:
+        show(db)
+    except DBReadError as e:  # a damaged file, a server gone: named on the page, not a traceback
+        st.error(str(e))

@@ -228,6 +228,21 @@ def test_anything_but_an_experience_db_is_named_on_the_page_without_a_traceback(
         assert [e.value for e in at.error] and says in at.error[0].value and not at.dataframe
 
 
+def test_a_damaged_db_is_named_on_the_page_without_a_traceback(tmp_path):
+    """A DB whose pages after the first are overwritten: the page names the file and the failed read (NotAnExperienceDB
+    or DBReadError, both DataErrors), no exception escapes."""
+    with ExperienceDB(f"sqlite:///{tmp_path}/exp.db") as w:
+        w.write([small(i, group_id=f"g{i}") for i in range(200)])
+    data = bytearray((tmp_path / "exp.db").read_bytes())
+    data[4096:] = bytes(range(256)) * ((len(data) - 4096) // 256) + bytes((len(data) - 4096) % 256)
+    (tmp_path / "exp.db").write_bytes(bytes(data))
+    at = page(str(tmp_path / "exp.db"))
+    [error] = at.error
+    assert str(tmp_path / "exp.db") in error.value and (
+        "reading it failed" in error.value or "expected an experience DB" in error.value
+    ), error.value
+
+
 def test_a_db_being_written_is_read_as_it_grows(tmp_path):
     """A run writes while the viewer reads (WAL): the viewer sees each commit, and a write transaction left open
     (uncommitted) neither blocks it nor shows."""
