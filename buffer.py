@@ -21,6 +21,9 @@ under a running process: dbconn.py). Schema (version SCHEMA_VERSION, stored in `
     is what lets a trainer resumed at step S give back the experiences that steps > S had taken.
   - replays(exp_id, step, advantages): with reuse (the priority queue with a cooldown), the advantages the trainer
     computed at an experience's first use (train step `step`), safetensors bytes; a reuse trains on them again.
+  - trained(exp_id, step, tensors): what train step `step` trained an experience on, per response token: a
+    safetensors blob of its advantages [R] and, where the trainer computed them, its logprobs [R] (the step's
+    old_logprobs); one row per use (for whoever reads the DB: the studio's experience viewer; the trainer never does).
   - meta(key, value): schema_version plus free key/values: the model fingerprint (`check_identity`),
     each explorer's position and state (`explorer/<name>`), the trainer's state (`trainer`).
 Every experience is written once and is then pending, claimed (used by >= 1 train step) or dropped.
@@ -63,8 +66,9 @@ T = TypeVar("T")
 
 # --- experiences
 
-# 2: experiences.dropped_step; 3: replays; 4: experiences.spans (a version 2 or 3 DB is upgraded in place: `_upgrade`)
-SCHEMA_VERSION = 4
+# 2: experiences.dropped_step; 3: replays; 4: experiences.spans; 5: trained (a version 2, 3 or 4 DB is upgraded in
+# place: `_upgrade`)
+SCHEMA_VERSION = 5
 
 # Stored dtype of each tensor field. Token ids go in as int32 (vocabularies are < 2**31) and come
 # back as torch.long, which is what embedding layers want; masks are bool; the rest float32.
@@ -212,12 +216,19 @@ CREATE TABLE IF NOT EXISTS claims (
 CREATE INDEX IF NOT EXISTS experiences_pending ON experiences (id) WHERE use_count = 0 AND dropped_step IS NULL;
 CREATE INDEX IF NOT EXISTS claims_step ON claims (step);
 CREATE INDEX IF NOT EXISTS claims_exp ON claims (exp_id);
-{replays}
+{replays};
+{trained}
 """
 # Version 3's table (and all that upgrading a version 2 DB adds).
 REPLAYS = """
 CREATE TABLE IF NOT EXISTS replays (exp_id {int} PRIMARY KEY, step INTEGER NOT NULL, advantages {blob} NOT NULL);
 CREATE INDEX IF NOT EXISTS replays_step ON replays (step)
+"""
+# Version 5's table (what upgrading a version 2, 3 or 4 DB adds): one row per (experience, train step that used it)
+TRAINED = """
+CREATE TABLE IF NOT EXISTS trained (
+    exp_id {int} NOT NULL, step INTEGER NOT NULL, tensors {blob} NOT NULL, PRIMARY KEY (exp_id, step));
+CREATE INDEX IF NOT EXISTS trained_step ON trained (step)
 """
 TYPES = {
     "sqlite": {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "int": "INTEGER", "real": "REAL", "blob": "BLOB"},
@@ -351,7 +362,7 @@ class ExperienceDB:
             self._refuse_foreign(cur)
         cur.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT)")
         row = cur.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
-        if row is not None and row[0] in ("2", "3"):
+        if row is not None and row[0] in ("2", "3", "4"):
             self._upgrade(cur, int(row[0]))
             return
         if row is not None and row[0] != str(SCHEMA_VERSION):
@@ -366,7 +377,8 @@ class ExperienceDB:
             # (claims, then experiences) deadlocked on the two tables in the other order.
             return
         types = TYPES["postgresql" if self.postgres else "sqlite"]
-        for statement in SCHEMA.format(**types, replays=REPLAYS.format(**types)).split(";"):
+        tables = SCHEMA.format(**types, replays=REPLAYS.format(**types), trained=TRAINED.format(**types))
+        for statement in tables.split(";"):
             cur.execute(statement)
         cur.execute(
             "INSERT INTO meta (key, value) VALUES ('schema_version', ?) ON CONFLICT (key) DO NOTHING",
@@ -374,19 +386,28 @@ class ExperienceDB:
         )
 
     def _upgrade(self, cur: Any, version: int) -> None:
-        """A version 2 DB to version 4: the replays table (3), the spans column (4); a version 3 DB: the spans column.
-        Nothing else changed (its rows stay as they are: no spans, one version each)."""
-        if version == 2:
-            for statement in REPLAYS.format(**TYPES["postgresql" if self.postgres else "sqlite"]).split(";"):
+        """A version 2, 3 or 4 DB to version 5, adding what each later version added: the replays table (3), the spans
+        column (4), the trained table (5). Nothing else changed (its rows stay as they are: no spans, one version each,
+        nothing recorded of the steps that trained them)."""
+        types = TYPES["postgresql" if self.postgres else "sqlite"]
+        added = []
+        if version < 3:
+            for statement in REPLAYS.format(**types).split(";"):
                 cur.execute(statement)
-        cur.execute(SPANS_COLUMN)
+            added.append("the replays table")
+        if version < 4:
+            cur.execute(SPANS_COLUMN)
+            added.append("the spans column")
+        for statement in TRAINED.format(**types).split(";"):
+            cur.execute(statement)
+        added.append("the trained table")
         cur.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION),))
         log.info(
             "%s: experience DB upgraded from schema version %d to %d (%s)",
             self.path,
             version,
             SCHEMA_VERSION,
-            "the replays table, the spans column" if version == 2 else "the spans column",
+            ", ".join(added),
         )
 
     def _refuse_foreign(self, cur: Any) -> None:
@@ -639,6 +660,25 @@ class ExperienceDB:
             )
         )
 
+    def keep_trained(self, step: int, tensors: dict[int, dict[str, torch.Tensor]]) -> None:
+        """What train step `step` trained each experience (by id) on: {"advantages": [R], "logprobs": [R] (optional)},
+        as the trained table's rows (a step run again after a resume replaces its rows)."""
+        rows = [
+            (
+                i,
+                step,
+                safetensors.numpy.save(
+                    {k: v.detach().to("cpu", torch.float32).contiguous().numpy() for k, v in t.items()}
+                ),
+            )
+            for i, t in tensors.items()
+        ]
+        sql = (
+            "INSERT INTO trained (exp_id, step, tensors) VALUES (?, ?, ?)"
+            " ON CONFLICT (exp_id, step) DO UPDATE SET tensors = excluded.tensors"
+        )
+        self._atomic(lambda cur: cur.executemany(sql, rows))
+
     def release_after(self, step: int) -> int:
         """Undo the claims (and staleness drops, and the replay advantages stored) of train steps > `step`, for a
         trainer resumed from checkpoint `step`: those experiences become claimable again as if never used. Returns
@@ -650,6 +690,7 @@ class ExperienceDB:
             ).fetchall()
             cur.execute("DELETE FROM claims WHERE step > ?", (step,))
             cur.execute("DELETE FROM replays WHERE step > ?", (step,))  # those uses are undone: first uses again
+            cur.execute("DELETE FROM trained WHERE step > ?", (step,))
             cur.execute("UPDATE experiences SET dropped_step = NULL WHERE dropped_step > ?", (step,))
             # last_claimed goes back to the latest remaining claim, or NULL if none is left.
             cur.executemany(

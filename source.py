@@ -245,6 +245,23 @@ class Source:
         if first:
             self.db.keep_advantages(step, first)
 
+    def keep_trained(self, exps: list[Experience], batch: dict, step: int) -> None:
+        """Rank 0, experiences read from the DB: what step `step` trained each one on, per response token, in the DB's
+        trained table (ExperienceDB.keep_trained, for the studio's viewer): its advantages [R] and, where this step
+        computed them (score_batch: not with one update and no piece reading them), its old_logprobs [R]."""
+        advantages, logprobs = batch.get("advantages"), batch.get("old_logprobs")  # [B,T] each, or None
+        if self.examples or self.rank != 0 or advantages is None:
+            return
+        rows = {}
+        for b, x in enumerate(exps):
+            if x.id is None:  # an auxiliary buffer's example (mix): not a row of this DB
+                continue
+            rows[x.id] = {"advantages": advantages[b, : x.response_length]}  # [R]
+            if logprobs is not None:
+                rows[x.id]["logprobs"] = logprobs[b, : x.response_length]  # [R]
+        if rows:
+            self.db.keep_trained(step, rows)
+
     def share(self, got: list[Experience]) -> list[Experience]:
         """Rank 0's batch on every rank, sent over the process group as bytes (buffer.serialise_many: no
         pickle), with `ended` and `short`: only rank 0 talks to the DB, wherever the other ranks run."""

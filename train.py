@@ -906,6 +906,8 @@ def train(cfg: configs.Config) -> int:
                 with timer(timing, "time/adv"):
                     metrics |= shape_rewards(p, batch) | compute_advantages(p, batch)
                 p.source.keep_advantages(exps, batch.get("advantages"), step)  # replay: for their reuses
+                with timer(timing, "time/keep_trained"):
+                    p.source.keep_trained(exps, batch, step)  # the per-token numbers, for the studio's viewer
                 # --- update
                 with timer(timing, "time/update"):
                     metrics |= update(p, batch, plan, step)

@@ -294,16 +294,54 @@ def test_reuse_trains_on_the_advantages_of_the_first_use(db: ExperienceDB) -> No
 
 
 def test_a_version_2_db_is_upgraded_in_place(db_url: str) -> None:
-    """A DB of schema version 2 (no replays table, no spans column) opens as version 4, its rows kept."""
+    """A DB of schema version 2 (no replays table, no spans column, no trained table) opens as version 5, its rows
+    kept."""
     with ExperienceDB(db_url) as db:
         db.write([make(0, group_id="g")])
     raw(db_url, "DROP TABLE replays")
+    raw(db_url, "DROP TABLE trained")
     raw(db_url, "ALTER TABLE experiences DROP COLUMN spans")
     raw(db_url, "UPDATE meta SET value = '2' WHERE key = 'schema_version'")
     with ExperienceDB(db_url) as db:
-        assert db.get_meta("schema_version") == "4" and db.counts()["total"] == 1
+        assert db.get_meta("schema_version") == "5" and db.counts()["total"] == 1
         db.keep_advantages(1, {1: torch.ones(4)})
         assert torch.equal(db.get([1])[0].advantages, torch.ones(4))
+        db.keep_trained(1, {1: {"advantages": torch.ones(4)}})
+        assert raw(db_url, "SELECT exp_id, step FROM trained") == [(1, 1)]
+
+
+def test_a_version_4_db_is_upgraded_in_place(db_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A DB of schema version 4 (no trained table) opens as version 5: the table added, the rows kept; opened again,
+    nothing more is done."""
+    with ExperienceDB(db_url) as db:
+        db.write([make(0, group_id="g", spans=[(1, 2)])])
+    raw(db_url, "DROP TABLE trained")
+    raw(db_url, "UPDATE meta SET value = '4' WHERE key = 'schema_version'")
+    with caplog.at_level(logging.INFO, logger="nanorft.buffer"), ExperienceDB(db_url) as db:
+        assert db.get_meta("schema_version") == "5" and db.get([1])[0].spans == [(1, 2)]
+        db.keep_trained(3, {1: {"advantages": torch.full((4,), 0.5)}})
+    assert "upgraded from schema version 4 to 5 (the trained table)" in caplog.text
+    with ExperienceDB(db_url) as db:
+        assert raw(db_url, "SELECT exp_id, step FROM trained") == [(1, 3)]
+
+
+def test_the_trained_numbers_of_each_use_are_kept_and_released_on_resume(db: ExperienceDB) -> None:
+    """keep_trained stores one row per (experience, step) as safetensors: the advantages [R] and, when given, the
+    trainer's logprobs [R]; a step run again replaces its row; release_after drops the rows of the steps it undoes."""
+    a, b = db.write([make(0), make(1)])
+    db.keep_trained(1, {a: {"advantages": torch.tensor([0.5, 0.5, 0.5, 0.5])}, b: {"advantages": -torch.ones(4)}})
+    db.keep_trained(2, {a: {"advantages": torch.zeros(4), "logprobs": torch.tensor([-0.1, -0.2, -0.3, -0.4])}})
+    db.keep_trained(2, {a: {"advantages": torch.ones(4), "logprobs": torch.tensor([-1.0, -2.0, -3.0, -4.0])}})
+    rows = raw(db.url, "SELECT exp_id, step, tensors FROM trained ORDER BY step, exp_id")
+    assert [(r[0], r[1]) for r in rows] == [(a, 1), (b, 1), (a, 2)]
+    first, again = safetensors.torch.load(bytes(rows[0][2])), safetensors.torch.load(bytes(rows[2][2]))
+    assert set(first) == {"advantages"} and torch.equal(first["advantages"], torch.full((4,), 0.5))
+    assert (
+        torch.equal(again["logprobs"], torch.tensor([-1.0, -2.0, -3.0, -4.0]))
+        and again["logprobs"].dtype == torch.float32
+    )
+    db.release_after(1)
+    assert raw(db.url, "SELECT exp_id, step FROM trained ORDER BY exp_id") == [(a, 1), (b, 1)]
 
 
 # --- resume
@@ -668,7 +706,7 @@ def test_a_postgresql_database_of_another_program_is_named_and_left_alone(postgr
         " WHERE table_schema IN ('public', 'run1') ORDER BY 1, 2",
     )
     assert tables == [("public", "users")] + [
-        ("run1", t) for t in ("claims", "experiences", "meta", "payloads", "replays")
+        ("run1", t) for t in ("claims", "experiences", "meta", "payloads", "replays", "trained")
     ]
 
 

@@ -82,13 +82,14 @@ def test_a_version_2_or_3_db_gains_the_spans_column_in_place(tmp_path, version):
     with ExperienceDB(url) as db:
         db.write([Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=1.0, model_version=2)])
     path = f"{tmp_path}/e.db"
-    with sqlite3.connect(path) as conn:  # as an older buffer.py left it: no spans column
+    with sqlite3.connect(path) as conn:  # as an older buffer.py left it: no spans column (nor trained table)
         conn.execute("ALTER TABLE experiences DROP COLUMN spans")
+        conn.execute("DROP TABLE trained")
         if version == "2":
             conn.execute("DROP TABLE replays")
         conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (version,))
     with ExperienceDB(url) as db:
-        assert db.get_meta("schema_version") == "4"
+        assert db.get_meta("schema_version") == "5"
         assert [(x.model_version, x.spans) for x in db.get([1])] == [(2, [])]
         db.write([Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=1, reward=1.0, spans=[(0, 1), (1, 2)])])
         assert db.get([2])[0].spans == [(0, 1), (1, 2)]

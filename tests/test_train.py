@@ -634,6 +634,41 @@ def test_grpo_step_hand_checked_and_moves_probability_toward_reward(trained, tin
         assert d.counts()["pending"] == 0
 
 
+@pytest.mark.slow
+def test_each_step_records_what_it_trained_each_experience_on(tmp_path, tiny_model_dir):
+    """The DB's trained table (the studio viewer's): one GRPO step on grpo_db's group gives each experience its
+    advantages per response token, +-0.866 (rewards [1, 0, 1, 0]: mean 0.5, unbiased std 0.5774); with one update the
+    step computes no old log-probs and records none; with ppo_epochs 2 it records them, the step's starting weights'
+    (a plain forward pass of the base model, by hand: helpers.behaviour_logprobs)."""
+    tok = load_tokenizer(tiny_model_dir)
+    grpo = {"algorithm_type": "grpo", "repeat_times": 4}
+    runs = {"one": {}, "epochs": {"trainer.ppo_epochs": 2}}
+    for name in runs:
+        (tmp_path / name).mkdir()
+        grpo_db(tmp_path / name / "exp.db", tok)
+    outs = run_trains(
+        [
+            sft_config(tmp_path / n, tiny_model_dir, **from_db(tmp_path / n / "exp.db", grpo, **o))
+            for n, o in runs.items()
+        ]
+    )
+    assert [o.returncode for o in outs] == [0, 0], [o.stderr[-2000:] for o in outs]
+    base, eos = load_model(tiny_model_dir), eos_ids(tok, load_model(tiny_model_dir).generation_config)
+    for name in runs:
+        with ExperienceDB(f"sqlite:///{tmp_path / name / 'exp.db'}") as d:
+            rows = d.query("SELECT exp_id, step, tensors FROM trained ORDER BY exp_id")
+            exps = d.get([r[0] for r in rows])
+        assert [(r[0], r[1]) for r in rows] == [(1, 1), (2, 1), (3, 1), (4, 1)], name
+        for (_, _, blob), x in zip(rows, exps):
+            got = safetensors.torch.load(bytes(blob))
+            sign = 1.0 if x.reward == 1.0 else -1.0
+            assert torch.allclose(got["advantages"], torch.full((x.response_length,), sign * 0.8660), atol=1e-3)
+            if name == "one":
+                assert "logprobs" not in got
+            else:
+                assert torch.allclose(got["logprobs"], behaviour_logprobs(base, x, eos), atol=1e-4), name
+
+
 def masked_db(path: Path, tokenizer) -> None:
     """Two groups of four responses to grpo_db's prompt, the first claimed first: g0 rewards [-0.1, -0.1, 1.0, -0.1]
     with its 2nd and 4th responses cut at max_tokens and masked (no action tokens, as a workflow's mask_truncated
