@@ -5,6 +5,7 @@ running / failed / stopped states; a directory that is no job dir gets a message
 
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -65,13 +66,21 @@ def charts(at: AppTest) -> dict[str, "list[dict]"]:
     """Each drawn chart's curve rows (its first dataset), by the key of its container (run_chart_<curve>)."""
     out = {}
     for block in _blocks(at):
-        key = getattr(block, "key", None) or ""
+        key = block_key(block)
         if key.startswith("run_chart_"):
             for el in _elements(block):
-                if el.type == "vega_lite_chart":
+                if el.type in ("vega_lite_chart", "arrow_vega_lite_chart"):  # its name since Streamlit 1.5x, before
                     data = el.proto.datasets[0].data.data
                     out[key] = dataframe_util.convert_arrow_bytes_to_pandas_df(data).to_dict("records")
     return out
+
+
+def block_key(block) -> str:
+    """A container's key: Block.key in recent Streamlit, else the end of its element id ($$ID-<hash>-<key>)."""
+    if key := getattr(block, "key", None):
+        return key
+    match = re.fullmatch(r"\$\$ID-[0-9a-f]+-(.+)", getattr(block.proto, "id", ""))
+    return match.group(1) if match else ""
 
 
 def _blocks(at: AppTest):
