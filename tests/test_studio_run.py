@@ -11,14 +11,11 @@ import socket
 from pathlib import Path
 
 import pytest
+from streamlit import dataframe_util  # the studio extra: `bash run.sh test` installs it
+from streamlit.testing.v1 import AppTest
 
 from helpers import ROOT, both_config, launch
-
-pytest.importorskip("streamlit", reason="the studio extra: pip install -e '.[studio]'")
-from streamlit import dataframe_util  # noqa: E402
-from streamlit.testing.v1 import AppTest  # noqa: E402
-
-from studio import runs  # noqa: E402
+from studio import runs
 
 PAGE = str(ROOT / "studio" / "run_page.py")
 
