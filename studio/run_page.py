@@ -3,8 +3,9 @@ axis, refreshed while the run goes, and its summary when it ends. studio/runs.py
 lays them out.
 
 Open one as /run?job=PATH (the address follows the job box, so a reload shows the same run). The elements a browser
-test finds carry keys: the inputs run_job, run_found, run_metrics, run_live; the containers run_state, run_curves,
-run_chart_<curve>, run_summary, run_error (Streamlit gives each a class st-key-<key>).
+test finds carry keys: the inputs run_job, run_found, run_metrics, run_live, run_per_stage; the containers run_state,
+run_curves, run_chart_<curve> (<curve>: its name, each character outside [A-Za-z0-9_-] as _), run_summary, run_error
+(Streamlit gives each a class st-key-<key>).
 """
 
 import re
@@ -15,10 +16,13 @@ import pandas as pd
 import streamlit as st
 
 from errors import DataError
+from launch import stage_segments
 from studio import runs
 
 REFRESH_S = 2.0  # how often the curves are read again while the page is open (runs.RunReader reads new lines only)
 CHECKPOINTS = Path("checkpoints")  # where `bash run.sh` writes its runs (checkpoint.root_dir's default)
+PANELS_WIDTH = 760  # the per-stage panels' width in all (pixels)
+STEP_AXIS = alt.Axis(format="d", tickMinStep=1)  # global steps are whole
 STATUS = {"running": st.info, "finished": st.success, "failed": st.error, "stopped": st.warning}
 
 
@@ -83,20 +87,34 @@ def show_state(state: runs.State) -> None:
                 st.code(text, language=None)
 
 
-def chart(rows: list[dict], name: str, spans: list[dict]) -> alt.LayerChart:
-    """One curve name's chart: a line per stage (color), global step on x, dotted rules where a stage begins."""
+def chart(rows: list[dict], name: str, spans: list[dict], per_stage: bool) -> alt.TopLevelMixin:
+    """One curve name's chart: a line per stage (colour) over the global steps; per_stage: a panel per stage, as
+    wide as reward_accuracy.png's segment of it (launch.stage_segments: 60 RFT steps after 600 SFT steps are not
+    squashed, a bench stage's point is narrow), else one axis with dotted rules where a stage begins."""
     data = pd.DataFrame(rows)
     lines = (
-        alt.Chart(data, title=name)
+        alt.Chart(data)
         .mark_line(point=True)
         .encode(
-            x=alt.X("global_step:Q", title="global step"),
+            x=alt.X("global_step:Q", title="global step", scale=alt.Scale(zero=False, nice=False), axis=STEP_AXIS),
             y=alt.Y("value:Q", title=name, scale=alt.Scale(zero=False)),
-            color=alt.Color("line:N", title="stage"),
+            color=alt.Color("line:N", title="curve", legend=alt.Legend(orient="bottom", labelLimit=400)),
             tooltip=["line", "metric", "step", "global_step", "value"],
         )
     )
+    if per_stage:
+        segments = [s for s in stage_segments({"stages": spans}) if s["name"] in set(data["stage"])]
+        unit = PANELS_WIDTH / sum(s["width"] for s in segments)
+        panels = [
+            lines.transform_filter(alt.datum.stage == s["name"]).properties(
+                width=int(unit * s["width"]), height=240, title=s["name"]
+            )
+            for s in segments
+        ]
+        shared = "shared" if name == "accuracy" else "independent"  # accuracies compare; losses differ in scale
+        return alt.hconcat(*panels, title=name).resolve_scale(x="independent", y=shared)
     starts = pd.DataFrame([{"first_step": s["first_step"], "stage": s["name"]} for s in spans if s["first_step"] > 0])
+    lines = lines.properties(title=name)
     if starts.empty:
         return alt.layer(lines)
     rules = alt.Chart(starts).mark_rule(strokeDash=[3, 3], color="gray").encode(x="first_step:Q", tooltip=["stage"])
@@ -106,13 +124,14 @@ def chart(rows: list[dict], name: str, spans: list[dict]) -> alt.LayerChart:
 def show_curves(reader: runs.RunReader, picks: list[str]) -> None:
     """A chart per picked curve, or a line saying that the run has not recorded it yet."""
     spans = reader.spans()
+    per_stage = st.toggle("each stage at its own scale", value=True, key="run_per_stage")
     with st.container(key="run_curves"):
         for name in picks:
             slug = re.sub(r"[^A-Za-z0-9_-]", "_", name)
             with st.container(key=f"run_chart_{slug}"):
                 rows = reader.series(name)
                 if rows:
-                    st.altair_chart(chart(rows, name, spans))
+                    st.altair_chart(chart(rows, name, spans, per_stage))
                 else:
                     st.caption(f"{name}: nothing recorded yet")
 
