@@ -178,5 +178,8 @@ except DataError as e:
     with st.container(key="run_error"):
         st.error(str(e))
     st.stop()
-live = st.toggle("follow the run", value=True, key="run_live", help=f"read the monitor files every {REFRESH_S:g} s")
+ended = reader.summary is not None and runs.launcher_alive(reader.path) is None  # nothing more will be written
+live = st.toggle(
+    "follow the run", value=not ended, key="run_live", help=f"read the monitor files again every {REFRESH_S:g} s"
+)
 st.fragment(live_part, run_every=REFRESH_S if live else None)(reader)

@@ -122,6 +122,7 @@ def test_the_page_shows_each_stages_curves_and_the_summary(run_dir):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert at.success[0].value.startswith(f"finished in {summary['wall_seconds']} s: stage rft, step 3 / 3")
     assert at.multiselect(key="run_metrics").value == ["reward", "accuracy", "loss"]
+    assert at.toggle(key="run_live").value is False  # ended: nothing more to read
     got = charts(at)
     assert set(got) == {"run_chart_reward", "run_chart_accuracy", "run_chart_loss"}
     # reward: the rft stage's rollout reward at global steps 3..5 (after sft's 2), the values its explorer wrote
@@ -175,6 +176,7 @@ def test_lines_appended_while_the_page_is_open_appear_and_a_torn_line_waits(copy
         later[path] = [line for line in lines if json.loads(line)["step"] > 1]
     at = page(copy_of)
     assert at.info[0].value.startswith("running: stage rft, step 1 / 3")
+    assert at.toggle(key="run_live").value is True  # the page reads the files again every REFRESH_S
     assert [g for g, _ in lines_of(charts(at)["run_chart_reward"])["rft"]] == [3]
     explorer = copy_of / "rft" / "monitor" / "explorer.jsonl"
     for path, lines in later.items():
