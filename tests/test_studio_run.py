@@ -72,6 +72,17 @@ def charts(at: AppTest) -> dict[str, "list[dict]"]:
     return out
 
 
+def specs(at: AppTest) -> dict[str, dict]:
+    """Each drawn chart's Vega-Lite spec, by the key of its container."""
+    return {
+        block_key(b): json.loads(el.proto.spec)
+        for b in _blocks(at)
+        if block_key(b).startswith("run_chart_")
+        for el in _elements(b)
+        if el.type in ("vega_lite_chart", "arrow_vega_lite_chart")
+    }
+
+
 def block_key(block) -> str:
     """A container's key: Block.key in recent Streamlit, else the end of its element id ($$ID-<hash>-<key>)."""
     if key := getattr(block, "key", None):
@@ -135,6 +146,9 @@ def test_the_page_shows_each_stages_curves_and_the_summary(run_dir):
     evals = {(e["stage"].rsplit("/", 1)[-1], e["global_step"], e["accuracy"]) for e in summary["eval_history"]}
     assert {(line, g, v) for line, pts in acc.items() for g, v in pts} == evals
     assert [g for g, _ in acc["rft"]] == [2, 4, 5]
+    # a panel per stage, as wide as reward_accuracy.png's segment of it: a bench stage's point 0.35 of a stage's
+    panels = [(p["title"], p["width"]) for p in specs(at)["run_chart_accuracy"]["hconcat"]]
+    assert [t for t, _ in panels] == ["eval_base", "rft"] and abs(panels[0][1] / panels[1][1] - 0.35) < 0.01
     # loss: sft's loss at steps 1, 2 and rft's policy loss at 3..5, each the trainer's own number
     loss = lines_of(got["run_chart_loss"])
     sft = history(run_dir / "sft" / "monitor" / "trainer.jsonl")
@@ -160,6 +174,9 @@ def test_one_stage_job_dir_and_another_metric(run_dir):
     assert at.warning[0].value.startswith("not running, no summary.json")  # a stage's dir holds no summary
     at.multiselect(key="run_metrics").set_value(["actor/lr"]).run()
     sft = history(run_dir / "sft" / "monitor" / "trainer.jsonl")
+    assert lines_of(charts(at)["run_chart_actor_lr"]) == {"sft": [(r["step"], r["actor/lr"]) for r in sft]}
+    at.toggle(key="run_per_stage").set_value(False).run()  # one global step axis: one chart, the same curve
+    assert "hconcat" not in specs(at)["run_chart_actor_lr"]
     assert lines_of(charts(at)["run_chart_actor_lr"]) == {"sft": [(r["step"], r["actor/lr"]) for r in sft]}
 
 
