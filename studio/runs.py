@@ -95,6 +95,7 @@ class Stage:
     path: Path
     records: dict[str, list[dict]] = field(default_factory=dict)
     tails: dict[str, HistoryTail] = field(default_factory=dict)
+    keys: set[str] = field(default_factory=set)  # the metrics its records hold (`numbers`), kept as they come
 
     def poll(self) -> int:
         """Read what the stage's histories gained since the last poll; returns the number of new records. A history
@@ -107,6 +108,7 @@ class Stage:
                 self.records[role] = []
             got = tail.read()
             self.records[role].extend(got)
+            self.keys.update(k for r in got for k in numbers(r))
             new += len(got)
         return new
 
@@ -116,11 +118,14 @@ class Stage:
 
 
 def numbers(record: dict) -> dict[str, float]:
-    """A record's plottable numbers: finite ints and floats (no bools, strings, NaN)."""
+    """A record's plottable numbers: finite ints and floats (no bools, strings, NaN), its step and total aside."""
     return {
         k: float(v)
         for k, v in record.items()
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step"
+        if isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and k not in ("step", "total_steps")
     }
 
 
@@ -137,14 +142,9 @@ class RunReader:
     def poll(self) -> int:
         """Read new stages and new records; returns the number of new records."""
         self.summary = read_summary(self.path)
-        new = 0
-        for job in stage_dirs(self.path, self.summary):
-            if job not in self.stages:
-                self.stages[job] = Stage(job.name if job != self.path else self.path.name, job)
-            new += self.stages[job].poll()
         order = stage_dirs(self.path, self.summary)
-        self.stages = {job: self.stages[job] for job in order}
-        return new
+        self.stages = {job: self.stages.get(job) or Stage(job.name, job) for job in order}
+        return sum(st.poll() for st in self.stages.values())
 
     def spans(self) -> list[dict]:
         """Each stage's global steps as summary.json's "stages" holds them: name, first_step, steps."""
@@ -156,8 +156,7 @@ class RunReader:
 
     def metrics(self) -> list[str]:
         """Every metric some record holds, sorted."""
-        keys = {k for st in self.stages.values() for rs in st.records.values() for r in rs for k in numbers(r)}
-        return sorted(keys)
+        return sorted(set().union(*(st.keys for st in self.stages.values())))
 
     def series(self, metric: str) -> list[dict]:
         """`metric` (a metric's name, or a GROUPS name) over the run: rows {global_step, step, stage, role, metric,
