@@ -5,7 +5,7 @@ import os
 import sys
 from unittest import mock
 
-from helpers import ROOT, chromium_path, constant_judge, in_ci
+from helpers import ROOT, constant_judge, in_ci, need_chromium
 
 sys.path.insert(0, str(ROOT))
 
@@ -134,16 +134,9 @@ def postgres():
 
 @pytest.fixture(scope="session")
 def chromium() -> str:
-    """The headless Chromium the studio's browser tests drive through Playwright (helpers.chromium_path: Debian's
-    package, which .ci/run installs). Where there is none those tests are skipped with the reason, except under CI:
-    there they fail."""
-    path = chromium_path()
-    if path is None:
-        why = "no Chromium here (Debian: apt-get install chromium; or set NANORFT_CHROMIUM to its executable)"
-        if in_ci():
-            pytest.fail(f"CI must run the studio's browser tests: {why}")
-        pytest.skip(why)
-    return path
+    """The headless Chromium the studio's browser tests drive through Playwright (helpers.need_chromium: skipped
+    where there is none, failed under CI, whose .ci/run installs Debian's)."""
+    return need_chromium()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
