@@ -255,7 +255,8 @@ def state(reader: RunReader) -> State:
     step = max((r["step"] for r in recs), default=None)
     total = max((r["total_steps"] for r in recs if isinstance(r.get("total_steps"), int)), default=None)
     name = last.name if last else None
-    at = f"stage {name}, step {step}" + (f" / {total}" if total else "") if last else "no stage yet"
+    at = f"stage {name}, " + (f"step {step}" + (f" / {total}" if total else "") if recs else "no step recorded")
+    at = at if last else "no stage yet"
     if holder := launcher_alive(reader.path):
         return State("running", name, step, total, f"running: {at} (launcher {holder})")
     summary = reader.summary
