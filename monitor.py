@@ -684,11 +684,11 @@ class Console:
 
 class HistoryTail:
     """The records another process appends to its JSONL history (`Monitor`), as they come: only records written
-    after this was made, and only complete lines."""
+    after this was made (from_start: all of them, e.g. the studio's run page), and only complete lines."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, from_start: bool = False) -> None:
         self.path = Path(path)
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.offset = self.path.stat().st_size if self.path.exists() and not from_start else 0
         self.lines = 1  # the number of the first line not read yet, for the warnings (counted from here)
 
     def read(self) -> list[dict]:

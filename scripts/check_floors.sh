@@ -14,6 +14,7 @@ FLOORS=(
   "wandb==0.19.10"
   "tensorboard==2.18.0" "matplotlib==3.9.0" "fastapi==0.115.0" "uvicorn==0.30.0" "openai==1.55.3"
   "mlflow-skinny==3.3.0" "sqlalchemy==2.0.0" "alembic==1.11.0" "psycopg==3.1.4" "psycopg-binary==3.1.4" "peft==0.14.0"
+  "streamlit==1.45.0" "playwright==1.45.0"
 )
 [ -x "$PY" ] || python3 -m venv "$VENV"
 "$PY" -m pip install -q --disable-pip-version-check torch==2.13.0
@@ -21,8 +22,8 @@ FLOORS=(
 # --no-deps: the project itself, the floors above staying in place
 "$PY" -m pip install -q --disable-pip-version-check --no-deps -e .
 "$PY" -m pip check
-"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy|fastapi|uvicorn|openai|pydantic|mlflow-skinny|sqlalchemy|alembic|protobuf|psycopg|psycopg-binary|peft) "
+"$PY" -m pip list 2>/dev/null | grep -iE "^(torch|transformers|datasets|tokenizers|safetensors|tyro|omegaconf|tqdm|math-verify|pytest|wandb|tensorboard|matplotlib|numpy|fastapi|uvicorn|openai|pydantic|mlflow-skinny|sqlalchemy|alembic|protobuf|psycopg|psycopg-binary|peft|streamlit|playwright|altair|pandas|pyarrow) "
 exec "$PY" -m pytest -q -p no:cacheprovider -n auto --dist loadgroup \
   tests/test_config.py tests/test_config_keys.py tests/test_workflows.py tests/test_engines.py tests/test_tasksets.py \
   tests/test_train.py tests/test_monitor.py tests/test_launch.py tests/test_openai_api.py tests/test_buffer_db.py \
-  tests/test_lora.py -x "$@"
+  tests/test_lora.py tests/test_studio_run.py -x "$@"

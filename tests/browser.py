@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -27,16 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from helpers import chromium_path
+
 ROOT = Path(__file__).resolve().parents[1]
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-
-
-def chromium_path() -> str | None:
-    """The headless browser's binary: $NANORFT_CHROMIUM, else the first of BROWSERS on PATH."""
-    given = os.environ.get("NANORFT_CHROMIUM")
-    if given:
-        return given
-    return next((found for name in BROWSERS if (found := shutil.which(name))), None)
 
 
 def missing() -> str:
@@ -46,7 +38,7 @@ def missing() -> str:
     except ImportError:
         return "Playwright is not installed (the `test` extra: bash run.sh test installs it)"
     if chromium_path() is None:
-        return "no Chromium here (Debian's `chromium` package; .ci/run installs it): set NANORFT_CHROMIUM or install it"
+        return "no Chromium here (Debian: apt-get install chromium; or set NANORFT_CHROMIUM to its executable)"
     return ""
 
 

@@ -5,7 +5,7 @@ import os
 import sys
 from unittest import mock
 
-from helpers import ROOT, constant_judge, in_ci
+from helpers import ROOT, constant_judge, in_ci, need_chromium
 
 sys.path.insert(0, str(ROOT))
 
@@ -135,8 +135,10 @@ def postgres():
 
 @pytest.fixture(scope="session")
 def headless():
-    """A headless Chromium for the session (tests/browser.py). Where none can start, the browser tests are skipped
-    with the reason, except under CI, which installs Chromium: there they fail."""
+    """A headless Chromium (Playwright's Browser) for the session: tests/browser.py. Where none can start, the browser
+    tests are skipped with the reason, except under CI, which installs Chromium: there they fail
+    (helpers.need_chromium)."""
+    need_chromium()
     why = browser.missing()
     if why:
         if in_ci():
@@ -144,6 +146,14 @@ def headless():
         pytest.skip(why)
     with browser.chromium() as b:
         yield b
+
+
+@pytest.fixture(autouse=True)
+def main_module_kept(monkeypatch):
+    """NOTE: Streamlit's AppTest runs a page as sys.modules["__main__"] and leaves it there; multiprocessing then
+    hands that module to every process started later (forkserver: it runs the page again in the child, which dies
+    with exit 1 and no output), so a launch after an AppTest failed. Restored after each test."""
+    monkeypatch.setitem(sys.modules, "__main__", sys.modules["__main__"])
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

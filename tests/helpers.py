@@ -43,6 +43,27 @@ def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
+def chromium_path() -> str | None:
+    """The Chromium executable for the browser tests: $NANORFT_CHROMIUM, else Debian's (chromium) or Ubuntu's
+    (chromium-browser) on the PATH; None when there is none."""
+    import shutil
+
+    if given := os.environ.get("NANORFT_CHROMIUM"):
+        return given if os.access(given, os.X_OK) else None
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def need_chromium() -> str:
+    """chromium_path(), or the test skipped with the reason; under CI (.ci/run installs Debian's chromium) failed."""
+    path = chromium_path()
+    if path is None:
+        why = "no Chromium here (Debian: apt-get install chromium; or set NANORFT_CHROMIUM to its executable)"
+        if in_ci():
+            pytest.fail(f"CI must run the studio's browser tests: {why}")
+        pytest.skip(why)
+    return path
+
+
 def use_fake_vllm(monkeypatch):
     """`import vllm` gives the fake (tests/fake_vllm) until the test ends, the real vLLM's modules (if loaded) set
     aside meanwhile. Returns the fake module, its list of engines emptied."""
