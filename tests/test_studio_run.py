@@ -1,8 +1,8 @@
 """The studio's run page (studio/run_page.py over studio/runs.py) with Streamlit's AppTest, on a run directory that a
 short real launcher run wrote (a bench stage, SFT, GRPO in mode both): each stage's curves on the global step axis,
 the summary; lines appended while the page is open appear at its next run, a torn last line is left for later; the
-running / failed / stopped states; a directory that is no job dir gets a message. And helpers.need_chromium (the `headless` fixture's) of the
-studio's browser tests (fails under CI, skips elsewhere)."""
+running / failed / stopped states; a directory that is no job dir gets a message. And helpers.need_chromium (the
+`headless` fixture's) of the studio's browser tests (fails under CI, skips elsewhere)."""
 
 import json
 import os
