@@ -23,7 +23,7 @@ def streamlit_argv(host: str, port: int) -> list[str]:
     return [
         sys.executable, "-m", "streamlit", "run", str(APP),
         "--server.address", host, "--server.port", str(port), "--server.headless", "true",
-        "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none",
+        "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none", "--client.toolbarMode", "minimal",
     ]  # fmt: skip
 
 

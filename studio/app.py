@@ -11,7 +11,7 @@ HERE = Path(__file__).resolve().parent
 st.set_page_config(page_title="nanorft studio", layout="wide")
 gate()
 pages = [
-    st.Page(HERE / "config_page.py", title="Config", url_path="config", default=True),
+    st.Page(HERE / "config_page.py", title="Config", default=True),  # NOTE: the default page is served at / only
     st.Page(HERE / "viewer_page.py", title="Experiences", url_path="experiences"),
     st.Page(HERE / "run_page.py", title="Run", url_path="run"),
 ]
