@@ -58,8 +58,8 @@ class Studio:
         self.proc: subprocess.Popen | None = None
 
     def url(self, page: str = "", **query: str) -> str:
-        """The address of a page ("" = the config page, the default one, served at / only; experiences; run) with its query parameters, the
-        key among them when the server has one."""
+        """The address of a page ("" = the config page: the default one is served at / only; experiences; run)
+        with its query parameters, the key among them when the server has one."""
         query = {**query, **({"key": self.key} if self.key else {})}
         return f"http://127.0.0.1:{self.port}/{page}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
 
