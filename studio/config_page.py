@@ -4,8 +4,9 @@ Load a YAML (configs/, Trinity-RFT's examples, any path; `?config=PATH` opens on
 a first run needs) or expert mode (every key, by section), see the loader's own error beside the field it names (each
 rerun validates as launch.py does), the YAML with its secrets as ***, save it, launch it (studio/launcher.py) and
 stop it as Ctrl-C would. Widget keys: `cf:<path>` per field (`cf:algorithm.optimizer.lr`,
-`cf:buffer.explorer_input.tasksets[0].name`), `cf:mode`, `cf:pick`, `cf:load`, `cf:save_path`, `cf:save`, `cf:launch`,
-`cf:stop`; the error beside a field is an st.error right under its widget.
+`cf:buffer.explorer_input.tasksets[0].name`); the page's own: `cfp:view` (mode), `cfp:pick`, `cfp:load`,
+`cfp:save_path`, `cfp:save`, `cfp:launch`, `cfp:stop`, `cfp:add:<path>`, `cfp:remove:<path>[i]`; the error beside a
+field is an st.error right under its widget.
 """
 
 from __future__ import annotations

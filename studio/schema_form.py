@@ -14,9 +14,11 @@ this; everything here is plain Python, testable without Streamlit.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import os
 import re
@@ -28,7 +30,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from tyro._docstrings import get_field_docstring
 
 from configs import checks
 from configs.loader import anchor_files, from_dict, normalize, read_yaml, type_hints
@@ -167,6 +168,20 @@ def range_text(owner: type, name: str, tp: Any) -> str:
 
 
 @functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's attribute docstrings: the string literal right under each field, as tyro shows it in --help.
+    NOTE: read from the class's source here, not through tyro's private reader, whose signature changed between the
+    tyro floor (0.9.3) and today's."""
+    body = ast.parse(inspect.cleandoc("\n" + inspect.getsource(cls))).body[0].body
+    return {
+        node.target.id: inspect.cleandoc(after.value.value)
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)
+    }  # fmt: skip
+
+
+@functools.cache
 def schema_fields(cls: type = Config, prefix: str = "") -> tuple[Field, ...]:
     """Every field of `cls` (Config: the whole schema), depth first: a section, then its fields; a list / mapping of
     sections, then its item class's fields under `path[]` / `path.*`."""
@@ -177,7 +192,7 @@ def schema_fields(cls: type = Config, prefix: str = "") -> tuple[Field, ...]:
         path, kind = f"{prefix}{f.name}", _kind(tp)
         literal = typing.get_args(tp) if kind == "literal" else ()
         items = _items_class(tp)
-        doc = get_field_docstring(cls, f.name, ()) or ""
+        doc = field_docs(cls).get(f.name, "")
         out.append(
             Field(path, cls, f.name, kind, _type_text(hints[f.name]), _default(f), doc, literal,
                   range_text(cls, f.name, tp), optional, items[1] if items else tp if kind == "section" else None)
