@@ -106,7 +106,6 @@ def table(db: ExpDB, f: Filters) -> list[dict]:
         on_select=pick_row,
         selection_mode="single-row",
         hide_index=True,
-        width="stretch",
         column_config={"step": st.column_config.NumberColumn(format="%d")},
     )
     return rows

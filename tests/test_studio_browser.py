@@ -45,10 +45,17 @@ def test_a_keyed_studio_shows_nothing_without_its_key(headless):
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
-    """A short real run (mode both, 3 steps, 2 updates a step: the trainer's log-probs recorded). 8 responses a task:
-    the untrained tiny model's rewards differ within some group (its advantages are not all 0)."""
+    """A short real run (mode both, 3 steps, 2 updates a step: the trainer's log-probs recorded). Its reward is a coin
+    flip seeded by each response's text (tests/data/dapo_reward.py): the untrained tiny model's rewards would all tie,
+    and every advantage be 0; 4 coins a group tie with probability 1/8."""
     tmp = tmp_path_factory.mktemp("studio_browser")
-    out = launch(both_config(tmp, tiny_model_dir, **{"trainer.ppo_epochs": 2, "algorithm.repeat_times": 8}))
+    over = {
+        "trainer.ppo_epochs": 2,
+        "algorithm.repeat_times": 4,
+        "buffer.default_reward_fn_type": f"{ROOT}/tests/data/dapo_reward.py:tie_or_coin",
+        "buffer.explorer_input.taskset.reward_fn_args": {"tied_below": 0},
+    }
+    out = launch(both_config(tmp, tiny_model_dir, **over))
     assert out.returncode == 0, out.stderr[-4000:]
     return tmp / "ck" / "p" / "run"
 
@@ -120,10 +127,13 @@ def test_the_run_page_draws_the_runs_curves_and_summary(run_dir, studio, headles
     page = headless.new_page(viewport={"width": 1400, "height": 1000})
     open_page(page, studio.url("run", job=str(run_dir)))
     for curve in ("reward", "accuracy", "loss"):
-        chart = page.locator(f".st-key-run_chart_{curve} .stVegaLiteChart svg.marks").first
-        chart.wait_for()
+        chart = page.locator(f".st-key-run_chart_{curve} .stVegaLiteChart").first
+        chart.locator("svg.marks, canvas").first.wait_for()  # Vega draws an SVG, or a canvas (older Streamlit)
+        page.wait_for_timeout(1000)  # NOTE: the marks fade in
         box = chart.bounding_box()
         assert box["width"] > 100 and box["height"] > 50, curve
-        assert chart.locator("g.mark-line path, g.mark-symbol path").count() > 0, curve  # drawn, not just axes
+        pixels = np.asarray(Image.open(io.BytesIO(chart.screenshot())).convert("RGB"), dtype=float)  # [H,W,3]
+        line = (pixels[..., 2] - pixels[..., 0] > 60).sum()  # the curve's blue, not the grey axes and grid
+        assert line > 50, (curve, line)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert f"{summary['accuracy_after_rft']:g}" in page.locator(".st-key-run_summary").inner_text()
