@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from browser import Studio, chromium, open_page  # noqa: E402
 
-VIEWPORT = {"width": 1500, "height": 1100}
+VIEWPORT = {"width": 1500, "height": 2600}  # tall: Streamlit scrolls inside the page, a screenshot shows the viewport
 
 
 def rft_db(run: Path) -> Path:

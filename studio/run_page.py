@@ -167,7 +167,7 @@ def live_part(reader: runs.RunReader) -> None:
 
 # --- the page
 
-st.title("run")
+st.title("Run")
 job = job_input()
 if not job:
     st.info("Give a run directory (e.g. checkpoints/nanorft/tiny) or one stage's job dir, or open /run?job=PATH.")
