@@ -31,17 +31,6 @@ from helpers import chromium_path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def missing() -> str:
-    """Why no browser test can run here ("" if one can)."""
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "Playwright is not installed (the `test` extra: bash run.sh test installs it)"
-    if chromium_path() is None:
-        return "no Chromium here (Debian: apt-get install chromium; or set NANORFT_CHROMIUM to its executable)"
-    return ""
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

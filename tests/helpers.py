@@ -8,6 +8,7 @@ that needs only `in_ci` or `raw` does not pay for them."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import locale
 import multiprocessing.spawn
 import os
@@ -54,10 +55,15 @@ def chromium_path() -> str | None:
 
 
 def need_chromium() -> str:
-    """chromium_path(), or the test skipped with the reason; under CI (.ci/run installs Debian's chromium) failed."""
+    """chromium_path(), Playwright to drive it, or the test skipped with the reason; under CI (.ci/run installs
+    Debian's chromium, `bash run.sh test` Playwright) failed."""
     path = chromium_path()
+    why = ""
     if path is None:
         why = "no Chromium here (Debian: apt-get install chromium; or set NANORFT_CHROMIUM to its executable)"
+    elif importlib.util.find_spec("playwright") is None:
+        why = "Playwright is not installed (the `test` extra: bash run.sh test installs it)"
+    if why:
         if in_ci():
             pytest.fail(f"CI must run the studio's browser tests: {why}")
         pytest.skip(why)

@@ -14,7 +14,25 @@ import safetensors.torch
 from PIL import Image
 
 from browser import Studio, open_page, wait_idle
-from helpers import ROOT, both_config, launch, raw
+from helpers import ROOT, both_config, launch, need_chromium, raw
+
+
+def test_the_browser_tests_chromium_fails_under_ci_and_skips_elsewhere(tmp_path, monkeypatch):
+    """The `headless` fixture (helpers.need_chromium): .ci/run installs the browser, so under CI a missing one fails
+    the browser tests instead of skipping them."""
+    monkeypatch.setenv("NANORFT_CHROMIUM", str(tmp_path / "no-chromium"))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run the studio's browser tests"):
+        need_chromium()
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="no Chromium here"):
+        need_chromium()
+    browser = tmp_path / "chromium"
+    browser.write_text("#!/bin/sh\n")
+    browser.chmod(0o755)
+    monkeypatch.setenv("NANORFT_CHROMIUM", str(browser))
+    assert need_chromium() == str(browser)
+    assert "apt_install chromium" in (ROOT / ".ci/run").read_text()
 
 
 def test_off_loopback_without_a_key_is_refused():

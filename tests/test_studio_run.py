@@ -1,8 +1,7 @@
 """The studio's run page (studio/run_page.py over studio/runs.py) with Streamlit's AppTest, on a run directory that a
 short real launcher run wrote (a bench stage, SFT, GRPO in mode both): each stage's curves on the global step axis,
 the summary; lines appended while the page is open appear at its next run, a torn last line is left for later; the
-running / failed / stopped states; a directory that is no job dir gets a message. And helpers.need_chromium (the
-`headless` fixture's) of the studio's browser tests (fails under CI, skips elsewhere)."""
+running / failed / stopped states; a directory that is no job dir gets a message."""
 
 import json
 import os
@@ -15,7 +14,7 @@ import pytest
 from streamlit import dataframe_util  # the studio extra: `bash run.sh test` installs it
 from streamlit.testing.v1 import AppTest
 
-from helpers import ROOT, both_config, launch, need_chromium, sft_config
+from helpers import ROOT, both_config, launch, sft_config
 from studio import runs
 
 PAGE = str(ROOT / "studio" / "run_page.py")
@@ -252,21 +251,3 @@ def test_the_runs_under_checkpoints_are_listed_and_one_picked_opens(run_dir, tmp
     found.set_value("checkpoints/p/run").run()
     assert at.text_input(key="run_job").value == "checkpoints/p/run" and job_param(at) == "checkpoints/p/run"
     assert set(charts(at)) == {"run_chart_reward", "run_chart_accuracy", "run_chart_loss"}
-
-
-def test_the_browser_tests_chromium_fails_under_ci_and_skips_elsewhere(tmp_path, monkeypatch):
-    """The `chromium` fixture (helpers.need_chromium): .ci/run installs the browser, so under CI a missing one fails
-    the browser tests instead of skipping them."""
-    monkeypatch.setenv("NANORFT_CHROMIUM", str(tmp_path / "no-chromium"))
-    monkeypatch.setenv("CI", "true")
-    with pytest.raises(pytest.fail.Exception, match="CI must run the studio's browser tests"):
-        need_chromium()
-    monkeypatch.setenv("CI", "false")
-    with pytest.raises(pytest.skip.Exception, match="no Chromium here"):
-        need_chromium()
-    browser = tmp_path / "chromium"
-    browser.write_text("#!/bin/sh\n")
-    browser.chmod(0o755)
-    monkeypatch.setenv("NANORFT_CHROMIUM", str(browser))
-    assert need_chromium() == str(browser)
-    assert "apt_install chromium" in (ROOT / ".ci/run").read_text()
