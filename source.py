@@ -118,13 +118,20 @@ def file_examples(eb: ExperienceBufferConfig, tokenizer, max_len: int) -> list[l
     return examples
 
 
+@functools.lru_cache(maxsize=4)
+def epoch_order(tag: str, epoch: int, n: int) -> list[int]:
+    """The seeded order of n examples in one epoch (tag/epoch seeds it). NOTE: cached: every step reads its batch from
+    the same epoch's order, and drawing it (a permutation of the whole file) per example read took a quarter of the
+    embedded default's SFT step (docs/LOG.md)."""
+    return random.Random(f"{tag}/{epoch}").sample(range(n), n)
+
+
 def pick(examples: list[list[Experience]], first: int, count: int, tag: str) -> list[Experience]:
-    """The experiences of examples first .. first + count - 1 of a seeded order of `examples` per epoch (tag/epoch
-    seeds it)."""
+    """The experiences of examples first .. first + count - 1 of a seeded order of `examples` per epoch
+    (epoch_order)."""
     n = len(examples)
     positions = [divmod(pos, n) for pos in range(first, first + count)] if examples else []  # (epoch, index)
-    orders = {e: random.Random(f"{tag}/{e}").sample(range(n), n) for e, _ in positions}
-    return [x for e, i in positions for x in examples[orders[e][i]]]
+    return [x for e, i in positions for x in examples[epoch_order(tag, e, n)[i]]]
 
 
 # --- the source of the trainer's batches
