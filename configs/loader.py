@@ -723,16 +723,20 @@ def _assign(cfg: Any, dotted: str, value: Any) -> None:
     setattr(cfg, last, value)
 
 
+def load_file(path: str | Path) -> Config:
+    """A YAML config file as validated Config (not derived): read, normalised (Trinity / veRL names), its `file.py`
+    specs anchored to its folder, checked against the schema."""
+    path = Path(path)
+    return from_dict(Config, anchor_files(normalize(read_yaml(path)), path.resolve().parent))
+
+
 def cli(argv: list[str], description: str = "") -> tuple[Config, bool]:
     """Parse `--config FILE [--dry-run] [--section.key VALUE ...]` into a validated (not derived) Config."""
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config", default=None)
     pre.add_argument("--dry-run", "--dry_run", action="store_true")
     known, rest = pre.parse_known_args(argv)
-    cfg = Config()
-    if known.config:
-        path = find_config_file(known.config)
-        cfg = from_dict(Config, anchor_files(normalize(read_yaml(path)), path.resolve().parent))
+    cfg = load_file(find_config_file(known.config)) if known.config else Config()
     # NOTE: no option to apply (a launched process's `--config FILE`): tyro would give back `cfg` (tests/
     # test_config_keys.py checks it on the fuzzed configs), after ~0.1 s of building its parser
     after = command_line(cfg, rest, description) if rest else cfg

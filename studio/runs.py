@@ -18,7 +18,6 @@ skipped with monitor.records' warning), so that the page can poll every second o
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from errors import DataError
 from launch import eval_key
-from monitor import HistoryTail
+from monitor import HistoryTail, numbers_of
 
 SUMMARY = "summary.json"
 PLOT = "reward_accuracy.png"
@@ -118,15 +117,8 @@ class Stage:
 
 
 def numbers(record: dict) -> dict[str, float]:
-    """A record's plottable numbers: finite ints and floats (no bools, strings, NaN), its step and total aside."""
-    return {
-        k: float(v)
-        for k, v in record.items()
-        if isinstance(v, (int, float))
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-        and k not in ("step", "total_steps")
-    }
+    """A record's plottable numbers (monitor.numbers_of: the finite ones), its step and total aside."""
+    return {k: v for k, v in numbers_of(record).items() if k not in ("step", "total_steps")}
 
 
 class RunReader:

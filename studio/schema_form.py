@@ -32,7 +32,7 @@ from typing import Any, Literal
 import yaml
 
 from configs import checks
-from configs.loader import anchor_files, from_dict, normalize, read_yaml, type_hints
+from configs.loader import from_dict, load_file, type_hints
 from configs.resolve import escaped, holds_secret, resolve_stages
 from configs.schema import Config, StageConfig
 from errors import ConfigError
@@ -251,8 +251,7 @@ def item_default(item: type) -> dict[str, Any]:
 
 def load(path: str | Path) -> Config:
     """A YAML file as launch.py reads it (configs.loader.cli without a command line): a ConfigError if refused."""
-    p = Path(path)
-    return from_dict(Config, anchor_files(normalize(read_yaml(p)), p.resolve().parent))
+    return load_file(path)
 
 
 class _Caught(logging.Handler):
