@@ -84,7 +84,7 @@ import train  # noqa: E402
 import wire  # noqa: E402
 from buffer import Experience  # noqa: E402
 from engines import HFEngine, SamplingParams  # noqa: E402
-from tiny import SPECIAL_TOKENS, make_tokenizer  # noqa: E402
+from tiny import SPECIAL_TOKENS, Options, make_tokenizer  # noqa: E402
 
 SHAPES = {  # (hidden, layers, heads, KV heads, intermediate, vocab)
     "1.5b": (1536, 28, 12, 2, 8960, 151936),
@@ -148,7 +148,7 @@ def sync_cuda() -> None:
 def make_model_folder(shape: str, folder: Path, device: torch.device) -> dict:
     """Qwen2ForCausalLM of `shape` (seed 0) and tiny's tokenizer, saved to `folder`; returns its sizes."""
     hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
-    tokenizer = make_tokenizer()
+    tokenizer = make_tokenizer(Options(tokenizer="byte"), [])  # byte-level: every id used here is a byte
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     config = transformers.Qwen2Config(
         hidden_size=hidden,

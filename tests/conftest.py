@@ -93,11 +93,13 @@ def environment_kept():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    """The embedded tiny model (and a small arithmetic taskset), built once per test session."""
+    """The embedded tiny model (and a small arithmetic taskset), built once per test session. NOTE: with the byte
+    tokenizer (token id == byte), which tests that count tokens by characters rely on; the embedded default's bpe
+    tokenizer has tests of its own (tests/test_tiny.py)."""
     from tiny import build
 
     out = tmp_path_factory.mktemp("tiny")
-    build(str(out), n_train=50, n_test=10)
+    build(str(out), n_train=50, n_test=10, tokenizer="byte")
     return str(out / "tiny-qwen2")
 
 

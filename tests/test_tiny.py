@@ -192,23 +192,47 @@ def test_model_loads_and_generates(built):
     assert 1 <= gen.shape[1] - ids.shape[1] <= 8 and torch.equal(gen[0, : ids.shape[1]], ids[0])
 
 
-def test_tokenizer_round_trips_and_chat_template(built):
-    out, _ = built
-    tok = load_tokenizer(str(out / "tiny-qwen2"))
+@pytest.mark.parametrize("kind", ["bpe", "byte"])
+def test_tokenizer_round_trips_and_chat_template(built, kind, tmp_path):
+    out = (
+        built[0] if kind == "bpe" else Path(tiny.build(str(tmp_path / "byte"), **SMALL, tokenizer="byte") and tmp_path)
+    )
+    folder = out / "tiny-qwen2" if kind == "bpe" else out / "byte" / "tiny-qwen2"
+    tok = load_tokenizer(str(folder))
     assert type(tok).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
     text = "Tom has 12 apples.\n12 + 7 = 19\n#### 19\n\n  tabs\tand ~`!@$%^&*()[]{}|\\;:'\",<.>/?"
     for s in [text, "".join(chr(c) for c in range(128)), "cafe\u0301 \u00e9 \u4e2d"]:
         ids = tok.encode(s, add_special_tokens=False)
-        assert tok.decode(ids) == s
-        assert len(ids) == len(s.encode())  # one token per byte, no unknowns
+        assert tok.decode(ids) == s  # no unknowns, whatever the text
+        if kind == "byte":
+            assert len(ids) == len(s.encode())  # one token per byte
+    first = 256 if kind == "byte" else len(tok) - 3  # the special tokens come after the byte/merged vocabulary
     for i, special in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]):
-        assert tok.encode(special, add_special_tokens=False) == [256 + i]
+        assert tok.encode(special, add_special_tokens=False) == [first + i]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
     )
     assert tok.apply_chat_template(messages[1:], tokenize=False) == ("<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n")
+
+
+def test_bpe_merges_the_tasksets_words_and_keeps_digits_apart(built):
+    """The default tokenizer's point: a taskset row is less than half its bytes in tokens (the SFT stage's cost), and
+    every digit is its own token (137 is 1, 3, 7), so numbers are read and written digit by digit."""
+    out, _ = built
+    tok = load_tokenizer(str(out / "tiny-qwen2"))
+    assert len(tok) < 512 + 3
+    rows = read_jsonl(out / "arith/sft.jsonl")
+    tokens = sum(len(tok.apply_chat_template(r["messages"], tokenize=True, return_dict=False)) for r in rows)
+    chars = sum(len(tok.apply_chat_template(r["messages"], tokenize=False)) for r in rows)
+    assert tokens < 0.5 * chars
+    for question in [r["messages"][0]["content"] for r in rows[:50]]:
+        for piece in tok.tokenize(question):
+            assert not any(c.isdigit() for c in piece) or len(piece) == 1, (question, piece)
+    assert tok.tokenize(" apples")[0] == "\u0120apples"  # a word of the taskset is one token ("\u0120": the space)
+    with pytest.raises(ValueError, match="tokenizer must be bpe or byte"):
+        tiny.build(str(out.parent / "other"), **SMALL, tokenizer="wordpiece")
 
 
 # --- the CLI, as a user runs it (forked from the tests' fork server: helpers.run_entry)
