@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     ap.add_argument("--ops", action="store_true", help="also print torch.profiler's op table of one run of each")
     args = ap.parse_args(argv)
     engine = HFEngine(args.model, max_model_len=1024)
+    threads = engine.batcher.call(torch.get_num_threads)  # NOTE: process-wide; restored at the end (main() in tests)
     if args.threads:
         engine.batcher.call(lambda: torch.set_num_threads(args.threads))
     texts = bench_prompts(engine.tokenizer, Path(args.taskset), args.prompts)
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict]]:
     if args.ops:
         for name, run in runs.items():
             print(f"\n{name}\n{op_table(engine, run, prompts, args)}")
+    engine.batcher.call(lambda: torch.set_num_threads(threads))
     engine.close()
     return results
 
