@@ -86,6 +86,7 @@ class Sampler:
         self.V = V
         self.temp = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=dev)  # [B]
         self.greedy = torch.tensor([p.temperature == 0 for p in ps], device=dev)  # [B]
+        self.any_greedy = bool(self.greedy.any())  # else no argmax per step
         self.top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in ps], device=dev)  # [B]
         self.top_p = torch.tensor([p.top_p for p in ps], device=dev)  # [B]
         self.filtering = bool((self.top_k < V).any() or (self.top_p < 1).any())
@@ -116,7 +117,7 @@ class Sampler:
         u = self.u[live, t] * cdf[:, -1]  # [b]
         # side="right": the first token whose cdf exceeds u, so a zero-probability token is never picked
         sampled = torch.searchsorted(cdf, u[:, None], side="right")[:, 0].clamp(max=self.V - 1)  # [b]
-        picked = torch.where(self.greedy[live], scaled.argmax(dim=-1), sampled)  # [b]
+        picked = torch.where(self.greedy[live], scaled.argmax(dim=-1), sampled) if self.any_greedy else sampled  # [b]
         return picked, logp.gather(-1, picked[:, None])[:, 0]  # [b], [b]
 
 
@@ -234,6 +235,7 @@ class HFEngine:
         texts: list[str | None] = [None] * B  # set when a stop string cut the text
         live = torch.arange(B, device=dev)  # [b] batch rows still decoding (finished ones until compacted)
         active = torch.ones(B, dtype=torch.bool, device=dev)  # [B] not finished yet
+        stops = any(p.stop for p in ps)  # some row has stop strings
         for t in range(s.longest):
             picked, picked_lp = s.sample(logits, live, t, self.is_eos)  # [b], [b]
             rows_t = live[active[live]]  # [a] rows that take this token
@@ -241,7 +243,7 @@ class HFEngine:
             tokens[rows_t, t], logps[rows_t, t] = picked[keep], picked_lp[keep]
             length[rows_t] = t + 1
             ended = self.is_eos[picked[keep]] | (t + 1 >= s.max_new[rows_t])  # [a]
-            for j, r in enumerate(rows_t.tolist()):
+            for j, r in enumerate(rows_t.tolist() if stops else []):  # NOTE: a Python loop over rows: only with stops
                 if ps[r].stop and (cut := self.stop_cut(tokens[r, : t + 1].tolist(), ps[r])) is not None:
                     texts[r], ended[j] = cut, True
             if ended.any():

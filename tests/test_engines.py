@@ -599,3 +599,25 @@ def test_mode_both_with_an_external_judge_on_loopback(tmp_path, tiny_model_dir, 
     )
     # 4 steps x (3 tasks + 3 read in their place: explorer.max_refill_rounds 1), each task once
     assert len(dropped) == len(set(dropped)) == 4 * (3 + 3), caplog.text[-3000:]
+
+
+# --- scripts/profile_decode.py: where a decode step's time goes (docs/LOG.md, 2026-11-29)
+def test_profile_decode_splits_each_run_into_prefill_forward_and_the_rest(tiny_model_dir, capsys):
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "profile_decode.py"
+    spec = importlib.util.spec_from_file_location("profile_decode", script)
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    taskset = Path(tiny_model_dir).parent / "arith" / "test.jsonl"
+    args = ["--model", tiny_model_dir, "--taskset", str(taskset), "--prompts", "2", "--n", "3", "--max-tokens", "5"]
+    results = profile.main([*args, "--rounds", "1", "--threads", "1"])
+    assert sorted(results) == ["engine", "generate"]
+    for r in results["engine"] + results["generate"]:
+        # 6 rows of at most 5 tokens: at most 4 forward passes after the prefill (the last token needs none)
+        assert 0 < r["tokens"] <= 2 * 3 * 5 and 1 <= r["steps"] <= 4
+        assert (
+            0 < r["prefill_s"] and 0 < r["forward_s"] and r["prefill_s"] + r["forward_s"] <= r["cpu_s"] <= r["wall_s"]
+        )
+    out = capsys.readouterr().out
+    assert "1 torch thread(s)" in out and out.count("| engine |") == 1 and out.count("| generate |") == 1
