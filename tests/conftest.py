@@ -2,10 +2,12 @@
 repository root on CPU (`bash run.sh test`)."""
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
-from helpers import ROOT, constant_judge, in_ci, need_chromium
+from helpers import ROOT, both_config, constant_judge, in_ci, launch, need_chromium
 
 sys.path.insert(0, str(ROOT))
 
@@ -27,16 +29,21 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+# the session-scoped runs that tests of several files read (below): grouped as a module-scoped fixture is
+SHARED_RUNS = {"staged_run"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the marks
 def pytest_collection_modifyitems(config, items):
-    """Tests that share a module-scoped fixture (one run several tests read, an engine) get one xdist_group, so that
-    `--dist loadgroup` (`bash run.sh test`) runs them on one worker and the fixture is paid once, not once per worker
-    (tests linked through a chain of such fixtures share the group)."""
+    """Tests that share a module-scoped fixture (one run several tests read, an engine), or one of SHARED_RUNS, get
+    one xdist_group, so that `--dist loadgroup` (`bash run.sh test`) runs them on one worker and the fixture is paid
+    once, not once per worker (tests linked through a chain of such fixtures share the group)."""
     uses = {}
     for item in items:
         info = getattr(item, "_fixtureinfo", None)
-        names = [n for n, defs in (info.name2fixturedefs.items() if info else []) if defs[-1].scope == "module"]
-        uses[item] = [f"{item.module.__name__}::{n}" for n in names]
+        fixtures = info.name2fixturedefs.items() if info else []
+        names = [n for n, defs in fixtures if defs[-1].scope == "module" or n in SHARED_RUNS]
+        uses[item] = [n if n in SHARED_RUNS else f"{item.module.__name__}::{n}" for n in names]
     group = {}  # fixture -> its group's representative (union-find)
 
     def find(x):
@@ -120,6 +127,39 @@ def judge_dir(tiny_model_dir, tmp_path_factory) -> str:
             built = constant_judge(tiny_model_dir, tmp_path_factory.mktemp("judge") / "judge-model")
             os.rename(built, shared)  # the same file system: whole or not there
     return str(shared)
+
+
+@pytest.fixture(scope="session")
+def staged_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """One launcher run of three stages (a bench, SFT in mode train for 2 steps, GRPO in mode both for 3 steps with
+    checkpoint sync, evaluations at steps 0, 2 and 3) with monitor_type mlflow and no tracking URI, and a secret among
+    the explorer's env_vars: (its root dir, the launcher's output); the run is <root>/ck/p/run. Read by
+    tests/test_launch.py (the stages' hand-over, what mlflow holds) and tests/test_studio_run.py (the run page): one
+    run for both (SHARED_RUNS: their tests go to one worker)."""
+    root = tmp_path_factory.mktemp("staged")
+    data = Path(tiny_model_dir).parent / "arith"
+    sft = {
+        "name": "sft",
+        "storage_type": "file",
+        "path": str(data / "sft.jsonl"),
+        "format": {"prompt_type": "messages"},
+    }
+    config = both_config(
+        root,
+        tiny_model_dir,
+        **{"monitor.monitor_type": "mlflow", "explorer.env_vars": {"HF_TOKEN": "hf_abc"}},
+        stages=[
+            {"stage_name": "eval_base", "mode": "bench"},
+            {
+                "stage_name": "sft",
+                "mode": "train",
+                "algorithm": {"algorithm_type": "sft"},
+                "buffer": {"train_batch_size": 4, "total_steps": 2, "trainer_input": {"experience_buffer": sft}},
+            },
+            {"stage_name": "rft", "trainer": {"save_interval": 1}},
+        ],
+    )  # checkpoints: step 1's weights are kept
+    return root, launch(config, env={k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")})
 
 
 @pytest.fixture(scope="session")

@@ -133,9 +133,13 @@ def test_an_over_long_prompt_fails_once_without_retries(monkeypatch):
 
 
 class LateThenGood:
-    """Attempt 1 hangs past the timeout and fails late; attempt 2 succeeds."""
+    """Attempt 1 hangs past the timeout and fails late, while attempt 2 runs; attempt 2 succeeds after that failure.
+    The order is chosen by events, not by sleeps (under load, a sleep's margin could put the late failure after
+    attempt 2's end, and the test would pass without exercising the bug)."""
 
     calls = 0
+    first: threading.Thread | None = None
+    second_started = threading.Event()
 
     def __init__(self, task, model, auxiliary_models=None):
         pass
@@ -143,9 +147,11 @@ class LateThenGood:
     def run(self):
         LateThenGood.calls += 1
         if LateThenGood.calls == 1:
-            time.sleep(2.5)  # abandoned at 2 s; fails at 2.5 s, during attempt 2
+            LateThenGood.first = threading.current_thread()
+            LateThenGood.second_started.wait(60)  # abandoned at its timeout; fails once attempt 2 has started
             raise RuntimeError("attempt 1, abandoned at its timeout, failing late")
-        time.sleep(1.0)  # from 2 s to 3 s: ends after attempt 1's thread failed
+        LateThenGood.second_started.set()
+        LateThenGood.first.join(60)  # attempt 1's thread has failed and stored its error (in its own box)
         return [Experience(tokens=torch.tensor([1, 2, 3]), prompt_length=2, reward=1.0)]
 
 
@@ -155,8 +161,9 @@ def test_an_abandoned_attempt_does_not_write_into_the_next_one(monkeypatch):
     an attempt that had succeeded)."""
     monkeypatch.setitem(workflows.WORKFLOWS, "late_then_good", LateThenGood)
     task = make_task(workflow="late_then_good")
-    exps, error = explore.run_task(task, None, timeout=2, retries=1)
-    assert LateThenGood.calls == 2 and error == "" and [x.reward for x in exps] == [1.0]
+    exps, error = explore.run_task(task, None, timeout=1, retries=1)
+    assert LateThenGood.calls == 2 and not LateThenGood.first.is_alive()
+    assert error == "" and [x.reward for x in exps] == [1.0]
 
 
 class Responses(workflows.Workflow):

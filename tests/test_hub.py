@@ -182,24 +182,14 @@ def test_the_launcher_names_hub_ids_it_cannot_have_and_starts_nothing(tmp_path, 
     assert not (tmp_path / "ck").exists()
 
 
-@pytest.mark.slow(seconds=25)
-def test_a_cached_hub_model_trains_without_the_hub_and_without_retrying_it(tmp_path, tiny_model_dir):
-    """No hub (a closed port) and the model in the HF cache: the launcher runs its processes offline, so that they
-    read the cache at once (before: huggingface_hub retried the hub for every file, "Retrying in 1s [Retry 1/5]"...,
-    before it fell back on the cache)."""
-    cache_model(tmp_path, tiny_model_dir, "org/cached")
-    config = sft_config(tmp_path, tiny_model_dir, **{"model.model_path": "org/cached"})
-    out = run_entry("launch.py", ["--config", str(config)], hub_env_of(tmp_path, closed_port()), timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Retry" not in out.stdout + out.stderr, (out.stdout + out.stderr)[-3000:]
-    assert (tmp_path / "ck" / "p" / "t").is_dir()
-
-
 @pytest.mark.slow(seconds=45)
 def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_processes_start(tmp_path, tiny_model_dir):
     """A reachable hub (the fake one over HF_ENDPOINT, serving the tiny model as org/tiny and its SFT data as dataset
     org/sft): the launcher downloads both into the caches with progress bars before the trainer starts, which then
-    finds them there (each file fetched once in the whole run); a second run, with no hub, runs from those caches."""
+    finds them there (each file fetched once in the whole run); a second run, with no hub (a closed port), runs from
+    those caches: the launcher runs its processes offline, so that they read the cache at once (before:
+    huggingface_hub retried the hub for every file, "Retrying in 1s [Retry 1/5]"..., before it fell back on the
+    cache). One test for both (a launcher run here starts its processes afresh: HF_* set)."""
     data = tmp_path / "sft_repo"
     data.mkdir()
     shutil.copy(Path(tiny_model_dir).parent / "arith" / "sft.jsonl", data / "train.jsonl")
@@ -230,3 +220,4 @@ def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_proces
     # the hub gone: the caches the launcher filled pass the pre-flight and the run reads them, retrying nothing
     again = run_entry("launch.py", ["--config", str(config), "--name", "t2"], hub_env_of(tmp_path, closed_port()), 300)
     assert again.returncode == 0 and "Retry" not in again.stdout + again.stderr, again.stderr[-3000:]
+    assert (tmp_path / "ck" / "p" / "t2").is_dir()

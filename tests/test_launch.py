@@ -40,42 +40,6 @@ from monitor import read_history
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def staged_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, subprocess.CompletedProcess]:
-    """One launcher run of three stages (a bench, SFT in mode train, GRPO in mode both with checkpoint sync) with
-    monitor_type mlflow and no tracking URI, and a secret among the explorer's env_vars: (its root dir, the launcher's
-    output). Two tests read it: the stages' hand-over, and what mlflow holds."""
-    root = tmp_path_factory.mktemp("staged")
-    data = Path(tiny_model_dir).parent / "arith"
-    config = both_config(
-        root,
-        tiny_model_dir,
-        **{"monitor.monitor_type": "mlflow", "explorer.env_vars": {"HF_TOKEN": "hf_abc"}},
-        stages=[
-            {"stage_name": "eval_base", "mode": "bench"},
-            {
-                "stage_name": "sft",
-                "mode": "train",
-                "algorithm": {"algorithm_type": "sft"},
-                "buffer": {
-                    "train_batch_size": 4,
-                    "total_steps": 2,
-                    "trainer_input": {
-                        "experience_buffer": {
-                            "name": "sft",
-                            "storage_type": "file",
-                            "path": str(data / "sft.jsonl"),
-                            "format": {"prompt_type": "messages"},
-                        }
-                    },
-                },
-            },
-            {"stage_name": "rft", "trainer": {"save_interval": 1}},
-        ],
-    )  # checkpoints: step 1's weights are kept
-    return root, launch(config, env={k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")})
-
-
 @pytest.mark.slow
 def test_stages_bench_sft_then_grpo_with_checkpoint_sync(staged_run):
     root, out = staged_run

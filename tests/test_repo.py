@@ -406,3 +406,41 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
     )
     assert out.returncode == 0 and "12 passed" in out.stdout, out.stdout + out.stderr
     assert len(built.read_text().split()) == 1, built.read_text()
+
+
+def test_tests_of_two_files_sharing_a_session_run_run_on_one_worker(tmp_path):
+    """A run of tests/conftest.py's SHARED_RUNS (a session-scoped fixture that tests of several files read): its tests
+    go to one worker under `--dist loadgroup`, which builds it once (without the grouping, each worker that runs one
+    of them builds it)."""
+    tests = ROOT / "tests"
+    (tmp_path / "conftest.py").write_text(  # the suite's grouping hook, and a shared run of the same name
+        f"import importlib.util, os, sys\nimport pytest\nsys.path.insert(0, {str(tests)!r})\n"
+        f"spec = importlib.util.spec_from_file_location('suite_conftest', {str(tests / 'conftest.py')!r})\n"
+        "suite = importlib.util.module_from_spec(spec)\nspec.loader.exec_module(suite)\n"
+        "pytest_collection_modifyitems = suite.pytest_collection_modifyitems\n"
+        "assert 'staged_run' in suite.SHARED_RUNS\n"
+        "@pytest.fixture(scope='session')\ndef staged_run():\n"
+        "    with open(os.environ['BUILT'], 'a') as f:\n"
+        "        f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+    )
+    for name in ("a", "b"):
+        (tmp_path / f"test_{name}.py").write_text(
+            "import time, pytest\n"
+            "@pytest.mark.parametrize('i', range(4))\n"
+            "def test_shared(staged_run, i):\n"
+            "    time.sleep(0.2)\n"
+            "@pytest.mark.parametrize('i', range(4))\n"
+            "def test_alone(i):\n"
+            "    time.sleep(0.2)\n"
+        )
+    built = tmp_path / "built"
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-rN"],
+        cwd=tmp_path,
+        env={**os.environ, "BUILT": str(built)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and "16 passed" in out.stdout, out.stdout + out.stderr
+    assert len(built.read_text().split()) == 1, built.read_text()

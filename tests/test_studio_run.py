@@ -14,35 +14,17 @@ import pytest
 from streamlit import dataframe_util  # the studio extra: `bash run.sh test` installs it
 from streamlit.testing.v1 import AppTest
 
-from helpers import ROOT, both_config, launch, sft_config
+from helpers import ROOT, launch, sft_config
 from studio import runs
 
 PAGE = str(ROOT / "studio" / "run_page.py")
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory, tiny_model_dir) -> Path:
-    """<root>/p/run as `launch.py` leaves it after three stages: eval_base (bench), sft (2 steps), rft (3 steps,
-    an evaluation at steps 0 and 2 and at the end)."""
-    root = tmp_path_factory.mktemp("studio_run")
-    data = Path(tiny_model_dir).parent / "arith"
-    sft = {
-        "name": "sft",
-        "storage_type": "file",
-        "path": str(data / "sft.jsonl"),
-        "format": {"prompt_type": "messages"},
-    }
-    stages = [
-        {"stage_name": "eval_base", "mode": "bench"},
-        {
-            "stage_name": "sft",
-            "mode": "train",
-            "algorithm": {"algorithm_type": "sft"},
-            "buffer": {"train_batch_size": 4, "total_steps": 2, "trainer_input": {"experience_buffer": sft}},
-        },
-        {"stage_name": "rft"},
-    ]
-    out = launch(both_config(root, tiny_model_dir, stages=stages))
+def run_dir(staged_run) -> Path:
+    """<root>/ck/p/run as `launch.py` leaves it after three stages (conftest's staged_run, which tests/test_launch.py
+    reads too): eval_base (bench), sft (2 steps), rft (3 steps, an evaluation at steps 0 and 2 and at the end)."""
+    root, out = staged_run
     assert out.returncode == 0, out.stderr[-4000:]
     return root / "ck" / "p" / "run"
 

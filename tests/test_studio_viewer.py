@@ -86,6 +86,7 @@ def db_url(db: str) -> str:
     return db if db.startswith("postgresql://") else f"sqlite:///{db}"
 
 
+@pytest.mark.slow(seconds=25)  # run_db: a real launcher run per back-end
 def test_the_page_shows_a_real_runs_table_tokens_and_group(run_db, tiny_model_dir):
     """The page on the run's DB: the table of its 8 experiences (the steps that trained them, their rewards); an
     experience's tokens, one span each, its mask, rollout and trainer log-probs and advantages as the DB holds them,
@@ -156,6 +157,7 @@ def test_the_page_shows_a_real_runs_table_tokens_and_group(run_db, tiny_model_di
                     f"{m['time/step'] * 1000:.0f} ms" for m in history))  # fmt: skip
 
 
+@pytest.mark.slow(seconds=3)  # run_db: a real launcher run per back-end
 def test_the_filters_and_pages_select_what_the_db_holds(run_db):
     """The table's filters and paging, against the DB's own counts: step 1's experiences, a reward range, a status,
     pages of 25 rows; the address keeps the DB and the experience shown."""
@@ -179,6 +181,7 @@ def test_the_filters_and_pages_select_what_the_db_holds(run_db):
     assert at.query_params["db"] == db and at.query_params["exp"] == str(step1[-1])
 
 
+@pytest.mark.slow(seconds=3)  # run_db: a real launcher run per back-end
 def test_reading_leaves_the_sqlite_file_as_it_was_and_a_write_fails(run_db):
     """Read-only: after the page and expdb read the DB, its folder holds the same files byte for byte; a write
     through expdb's connection fails (SQLite: a read-only connection; PostgreSQL: a read-only transaction)."""

@@ -81,7 +81,13 @@ def real_pools(tiny_model_dir):
 
 
 # the real cases share real_pools (requested at run time, unseen by tests/conftest.py's grouping): one worker, one start
-@pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.xdist_group("test_vllm_contract::real_pools"))])
+# NOTE: "real" is slow: its module's two real vLLM engines start (~40-130 s) before its first test
+REAL = pytest.param(
+    "real", marks=[pytest.mark.xdist_group("test_vllm_contract::real_pools"), pytest.mark.slow(seconds=5)]
+)
+
+
+@pytest.fixture(params=["fake", REAL])
 def backend(request, monkeypatch, tiny_model_dir):
     """.pool(kind): the engine pool of this backend; .name: "fake" or "real"; .fresh(): what the "vllm" pool answers
     (`answers`) as it starts, on the base weights (the real one's, recorded at its start; the fake's pools start

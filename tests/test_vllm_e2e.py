@@ -1,7 +1,8 @@
 """mode both end to end on real vLLM (its CPU build; `bash run.sh test` installs it), through the launcher as a user
 runs it, 3 steps, weights synced after every step: `engine_type` vllm_async with checkpoint sync (vLLM's reload from
-a folder) and an auxiliary judge of engine_type vllm; vllm_async with two engines receiving over the process group the
-merged weights of a LoRA adapter being trained; engine_type vllm receiving over the group. (Both kinds reloading from
+a folder), an auxiliary judge of engine_type vllm and the off-policy correction at the default min_tokens;
+vllm_async with two engines receiving over the process group the merged weights of a LoRA adapter being trained;
+engine_type vllm receiving over the group. (Both kinds reloading from
 a folder: tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
 trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
@@ -76,15 +77,25 @@ def needs_vllm():
 
 
 @pytest.mark.slow(seconds=120)
-def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_dir, judge_dir):
+def test_vllm_async_with_checkpoint_sync_a_vllm_judge_and_the_off_policy_correction(
+    tmp_path, tiny_model_dir, judge_dir
+):
     """engine_type vllm_async, published folders read by the vLLM worker; the reward comes from an auxiliary judge
-    that is an engine_type vllm engine (a model trained to answer "Score: 7": every reward 0.7)."""
+    that is an engine_type vllm engine (a model trained to answer "Score: 7": every reward 0.7). One run for two
+    things (a vLLM run is ~100 s on 2 cores): also issue 47, model.min_response_tokens at its default (1: vLLM masks
+    EOS at the first token, its log-probs are of that distribution) with rollout_is token and IcePop's mask, through
+    the config: accepted (it was refused), the trainer masks the same positions, so its logged mismatch is float
+    rounding, every IS weight ~1, nothing masked; the metrics are logged under rollout_corr/ each step."""
+    assert ModelConfig().min_response_tokens == 1
+    correction = {"rollout_is": "token", "rollout_is_threshold": 5.0, "rollout_rs": "icepop"}
     config = vllm_config(
         tmp_path,
         tiny_model_dir,
         "vllm_async",
         "checkpoint",
         **{
+            "model.min_response_tokens": 1,
+            "algorithm.rollout_correction": correction,
             "buffer.default_workflow_type": "llm_judge_workflow",
             "buffer.default_reward_fn_type": None,
             "buffer.explorer_input.taskset.workflow_args": {"judge_max_tokens": 16},
@@ -102,24 +113,6 @@ def test_vllm_async_with_checkpoint_sync_and_a_vllm_judge(tmp_path, tiny_model_d
     with ExperienceDB(f"sqlite:///{run / 'buffer' / 'exp.db'}") as db:
         rewards = [r for (r,) in db.query("SELECT reward FROM experiences")]
     assert rewards == pytest.approx([0.7] * STEPS * PER_STEP)
-
-
-@pytest.mark.slow(seconds=100)
-def test_the_off_policy_correction_and_a_mask_on_vllm_with_the_default_min_tokens(tmp_path, tiny_model_dir):
-    """Issue 47: model.min_response_tokens at its default (1: vLLM masks EOS at the first token, its log-probs are of
-    that distribution) with rollout_is token and IcePop's mask, through the config: accepted (it was refused), the
-    trainer masks the same positions, so its logged mismatch is float rounding, every IS weight ~1, nothing masked;
-    the metrics are logged under rollout_corr/ each step."""
-    assert ModelConfig().min_response_tokens == 1
-    correction = {"rollout_is": "token", "rollout_is_threshold": 5.0, "rollout_rs": "icepop"}
-    config = vllm_config(
-        tmp_path,
-        tiny_model_dir,
-        "vllm_async",
-        "checkpoint",
-        **{"model.min_response_tokens": 1, "algorithm.rollout_correction": correction},
-    )
-    run = check_run(tmp_path, launch(config, timeout=600), run_weights(tmp_path, 2))
     history = read_history(run / "monitor" / "trainer.jsonl")
     assert len(history) == STEPS
     for r in history:
