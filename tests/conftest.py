@@ -73,6 +73,32 @@ def slow_first(items: list) -> None:
     items.sort(key=lambda item: (group(item) not in cost, -cost.get(group(item), 0)))
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its harness counts (tests/entry.py) to the controller, which sums them."""
+    import entry
+
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput["entry_counts"] = dict(entry.COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    import entry
+
+    for key, n in getattr(node, "workeroutput", {}).get("entry_counts", {}).items():
+        entry.COUNTS[key] += n
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: the entry points the tests ran, as processes and in-process (tests/entry.py: all workers')."""
+    import entry
+
+    counts = entry.COUNTS
+    terminalreporter.write_line(
+        f"entry points: {counts['processes']} processes started, {counts['in_process']} runs in-process"
+    )
+
+
 @pytest.fixture(autouse=True)
 def fresh_config_warnings():
     """configs/checks.py says each warning once per process; each test is a fresh start (caplog sees it)."""

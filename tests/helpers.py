@@ -521,6 +521,9 @@ class Entry:
         session: bool = False,
         flags: tuple[str, ...] = (),
     ) -> None:
+        import entry
+
+        entry.COUNTS["processes"] += 1
         self.args, self.out, self.plain, self.proc = [sys.executable, *flags, script, *argv], out, None, None
         if forkable(env):
             args, start = (script, argv, env, str(out), str(err), _server_env), {"session": session, "flags": flags}
@@ -637,6 +640,9 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     (fork_context) instead of started afresh. NOTE: they get the server's environment, not this test's."""
     import torch.multiprocessing as mp
 
+    import entry
+
+    entry.COUNTS["processes"] += nprocs
     fork_context()
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
