@@ -61,9 +61,7 @@ def run_process(
     return out
 
 
-def start(
-    script: str, *argv: str, env: dict | None = None, timeout: float = 600, log: Path | None = None, flags=()
-):
+def start(script: str, *argv: str, env: dict | None = None, timeout: float = 600, log: Path | None = None, flags=()):
     """`python [flags] script *argv` started as a process the test will stop (helpers.Entry: Popen's pid, poll, wait,
     send_signal, kill, returncode), its stdout and stderr in `log` (emptied first; a temporary file where None: the
     handle's `out`). `timeout` is the test's to apply (wait(timeout=...))."""
@@ -86,15 +84,17 @@ def run(
         return run_process(script, *argv, env=env, timeout=timeout, log=log, flags=flags)
     COUNTS["in_process"] += 1
     path = Path(script) if Path(script).is_absolute() else ROOT / script
-    out, err = io.StringIO(), io.StringIO()
-    with _kept() as leaked:
+    out, err, threads = io.StringIO(), io.StringIO(), set(threading.enumerate())
+    with _kept():
         os.environ.clear()
         os.environ.update(environment(env))
         os.chdir(ROOT)
         sys.argv = [str(path), *argv]
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _handlers_to_stderr():
+        _transformers_verbosity()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _fresh_root_logger():
             with _alarm(timeout, [sys.executable, str(path), *argv]):
                 code = _exit_code(path, list(argv))
+            leaked = _threads_left(threads)  # as the interpreter joins them at exit, their output captured
     if log is not None:
         with open(log, "a") as f:
             f.write(out.getvalue() + err.getvalue())
@@ -161,38 +161,43 @@ def _alarm(timeout: float, args: list[str]):
 
 
 @contextlib.contextmanager
-def _handlers_to_stderr():
-    """The root logger's output to this run's sys.stderr (captured), as configs.entry's logging.basicConfig gives a
-    fresh process. NOTE: basicConfig adds its handler once per process (none when the root has one), bound to the
-    sys.stderr of that moment: the root's handlers are set aside for the run, but for pytest's own (caplog keeps
-    seeing the records), and one to this run's stderr, in configs.entry's format, stands in for basicConfig's."""
+def _fresh_root_logger():
+    """The root logger as a fresh process has it: no handler, level WARNING, so that the run's logging.basicConfig
+    (configs.entry's) adds its handler, bound to the sys.stderr of that moment: this run's captured one. NOTE: pytest's
+    handlers are set aside too: caplog does not see a run's records (its stderr has them)."""
     root = logging.getLogger()
-    handlers = root.handlers[:]
-    levels = {h: h.level for h in handlers}
-    ours = logging.StreamHandler(sys.stderr)
-    ours.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
-    root.handlers[:] = [h for h in handlers if type(h).__module__.startswith("_pytest")] + [ours]
+    handlers, level = root.handlers[:], root.level
+    root.handlers.clear()
+    root.setLevel(logging.WARNING)
     try:
         yield
     finally:
         root.handlers[:] = handlers
-        for h, level in levels.items():
-            h.setLevel(level)
+        root.setLevel(level)
+
+
+def _transformers_verbosity() -> None:
+    """transformers' level from TRANSFORMERS_VERBOSITY, which it reads once, at its import (a launcher sets it for
+    its children): as a fresh process that imports it would have it (put back after the run with the loggers)."""
+    if "transformers" in sys.modules and os.environ.get("TRANSFORMERS_VERBOSITY"):
+        from transformers.utils import logging as hf_logging
+
+        level = hf_logging.log_levels.get(os.environ["TRANSFORMERS_VERBOSITY"])
+        if level is not None:
+            hf_logging.set_verbosity(level)
 
 
 @contextlib.contextmanager
 def _kept():
-    """What a run may change of this process, put back after it; yields the list of threads it left running
-    (filled at the end, after a short wait for those ending)."""
+    """What a run may change of this process, put back after it."""
     import torch
 
     saved = _logging_state()
     environ, cwd, argv, threads = dict(os.environ), os.getcwd(), sys.argv[:], torch.get_num_threads()
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
-    before, leaked = set(threading.enumerate()), []
     _fresh_process_state()
     try:
-        yield leaked
+        yield
     finally:
         _destroy_process_group()
         os.environ.clear()
@@ -204,7 +209,6 @@ def _kept():
             with contextlib.suppress(OSError, ValueError, RuntimeError):
                 signal.signal(s, h)
         _put_back_logging(saved)
-        leaked += _threads_left(before)
 
 
 def _fresh_process_state() -> None:

@@ -594,10 +594,10 @@ class Entry:
 
 
 def start_entry(script: str, argv: list[str], log: Path, env: dict | None = None) -> Entry:
-    """`script` (launch.py, train.py, explore.py) with `argv`, its stdout and stderr in the file `log` (emptied first),
-    the test process's environment with one torch thread and `env` on top."""
-    log.write_text("")
-    return Entry(script, argv, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, log, log)
+    """entry.start(script, *argv, env=env, log=log): a process the test will stop."""
+    import entry
+
+    return entry.start(script, *argv, env=env, log=log)
 
 
 def kill_explorer_before_write(config: Path, tmp_path: Path, step: int) -> None:
@@ -638,9 +638,8 @@ def run_entry(
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     """torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=True), the ranks forked from the fork server
     (fork_context) instead of started afresh. NOTE: they get the server's environment, not this test's."""
-    import torch.multiprocessing as mp
-
     import entry
+    import torch.multiprocessing as mp
 
     entry.COUNTS["processes"] += nprocs
     fork_context()
@@ -650,21 +649,30 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
 def launch(
     config: Path, *args: str, script: str = "launch.py", timeout: float = 400, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return run_entry(script, ["--config", str(config), *args], env, timeout)
+    """The launcher on `config` (or `script`: train.py handing over to it), as a process: it starts the explorer's
+    and trainer's processes, and reaps them."""
+    import entry
+
+    return entry.run_process(script, "--config", str(config), *args, env=env, timeout=timeout)
 
 
 def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py as the launcher starts it: a plain process (ranks=0) or under torchrun (its ranks fork too)."""
-    env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}
+    """train.py as the launcher starts it: in this process (ranks=0) or under torchrun (its ranks: processes)."""
+    import entry
+
     if not ranks:
-        return run_entry("train.py", ["--config", str(config)], env, timeout)
+        return entry.run("train.py", "--config", str(config), env={"NANORFT_LAUNCHED": "1"}, timeout=timeout)
     torchrun = ["--standalone", f"--nproc_per_node={ranks}", "train.py", "--config", str(config)]
-    return run_entry("torch.distributed.run", torchrun, env, timeout, flags=("-m",))
+    return entry.run_process(
+        "torch.distributed.run", *torchrun, env={"NANORFT_LAUNCHED": "1"}, timeout=timeout, flags=("-m",)
+    )
 
 
 def run_explorer(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_entry("explore.py", ["--config", str(config), *args], env or dict(os.environ), 600)
+    """explore.py on `config`, in this process."""
+    import entry
+
+    return entry.run("explore.py", "--config", str(config), *args, env=env)
 
 
 STRAIGHT = {"buffer.total_steps": 4, "trainer.save_interval": 2}  # straight_and_resumed's runs
@@ -967,43 +975,28 @@ def trained_to_reply(
     return str(out)
 
 
-def explorer_in_process(config: Path, caplog) -> tuple[int, str]:
-    """explore.py's run of `config` in this process, through the same launch.run_in_process as its main (a process
-    start costs ~5 s of CPU): (exit code, the ERROR records of nanorft.launch: what a refusal says). An exception
-    other than the named errors (a traceback in a process) fails the calling test."""
-    import explore
-    import launch
-    from configs import cli
-
-    caplog.clear()
-    with caplog.at_level("ERROR", logger="nanorft.launch"):
-        code = launch.run_in_process(
-            cli(["--config", str(config)])[0], {"bench": explore.bench, "explore": explore.explore}, "explorer"
-        )
-    return code, caplog.text
-
-
 # --- several trainer runs in one process (or one torchrun launch)
 
 
 def run_trains(
     configs: list[Path], ranks: int = 0, timeout: float = 600, env: dict | None = None
 ) -> list[subprocess.CompletedProcess]:
-    """run_train for each of `configs`, one after another in ONE process (ranks=0) or one torchrun launch of `ranks`
-    ranks: each run sets up (seed, process group, models), trains and closes down as train.py does, without paying
-    another start (~5 s of imports a process). Each run's exit code and stderr (rank 0's), as run_train gives them."""
+    """run_train for each of `configs`, one after another: in this process (ranks=0, entry.run), or in ONE torchrun
+    launch of `ranks` ranks (tests/train_many.py: each run sets up, trains and closes down as train.py does, without
+    paying another start of the ranks). Each run's exit code and stderr (rank 0's), as run_train gives them."""
     import json
 
+    import entry
+
+    env = {"NANORFT_LAUNCHED": "1", **(env or {})}
+    if not ranks:
+        return [entry.run("train.py", "--config", str(c), env=env, timeout=timeout) for c in configs]
     with tempfile.TemporaryDirectory() as tmp:
         script, codes = ROOT / "tests" / "train_many.py", Path(tmp, "codes.json")
         errs = [Path(tmp, f"stderr{i}.txt") for i in range(len(configs))]
         args = [str(codes), *(str(x) for pair in zip(configs, errs) for x in pair)]
-        env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-        if ranks:
-            torchrun = ["--standalone", f"--nproc_per_node={ranks}", str(script), *args]
-            out = run_entry("torch.distributed.run", torchrun, env, timeout, flags=("-m",))
-        else:
-            out = run_entry(str(script), args, env, timeout)
+        torchrun = ["--standalone", f"--nproc_per_node={ranks}", str(script), *args]
+        out = entry.run_process("torch.distributed.run", *torchrun, env=env, timeout=timeout, flags=("-m",))
         assert out.returncode == 0 and codes.is_file(), (
             out.stderr[-3000:],
             [e.read_text()[-2000:] for e in errs if e.is_file()],

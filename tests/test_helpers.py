@@ -153,3 +153,104 @@ def test_the_projects_modules_read_no_environment_as_they_are_imported():
     files = [*ROOT.glob("*.py"), *ROOT.glob("algos/*.py"), *ROOT.glob("configs/*.py"), *ROOT.glob("workflows/*.py")]
     found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in reads(ast.parse(f.read_text()))]
     assert len(files) > 40 and not found, found
+
+
+# --- entry.run: an entry point in the test's own process gives what `python script.py` gives, and leaves no trace
+
+IN_PROCESS = """import json, logging, os, signal, sys, threading, time
+import torch
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__}))
+print("to stderr", file=sys.stderr)
+logging.basicConfig(level=logging.INFO)
+logging.getLogger("nanorft.t").info("a log line")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+how = sys.argv[1]
+os.environ["NANORFT_SET_BY_RUN"] = "1"
+os.chdir(sys.argv[2])
+signal.signal(signal.SIGTERM, lambda *_: None)
+logging.getLogger().setLevel(logging.DEBUG)
+logging.getLogger("transformers").setLevel(logging.DEBUG)
+logging.getLogger("nanorft.new_by_run").addHandler(logging.StreamHandler())
+torch.set_num_threads(3)
+if how in ("group", "leak"):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}/rdv", rank=0, world_size=1)
+if how == "leak":
+    threading.Thread(target=time.sleep, args=(20,), daemon=True, name="left-behind").start()
+if how == "raise":
+    raise ValueError("boom")
+sys.exit({"ok": 0, "group": 0, "leak": 0, "code": 3, "text": "stopped: a message"}[how])
+"""
+
+
+def process_state() -> dict:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    loggers = {
+        n: (lg.level, list(lg.handlers)) for n, lg in logging.root.manager.loggerDict.items() if hasattr(lg, "level")
+    }
+    return {
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "argv": list(sys.argv),
+        "signals": {s: signal.getsignal(s) for s in signal.valid_signals()},
+        "root": (logging.getLogger().level, list(logging.getLogger().handlers)),
+        "loggers": loggers,
+        "threads": torch.get_num_threads(),
+        "group": dist.is_initialized(),
+    }
+
+
+@pytest.mark.slow
+def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the_process_as_it_was(tmp_path):
+    import entry
+
+    script = tmp_path / "s.py"
+    script.write_text(IN_PROCESS)
+    before = process_state()
+    for how in ("ok", "code", "text", "raise", "group"):
+        args = (str(script), how, str(tmp_path))
+        alone = entry.run_process(*args, env={"NANORFT_T": how})
+        here = entry.run(*args, env={"NANORFT_T": how})
+        assert (here.returncode, sorted(here.stdout.splitlines())) == (
+            alone.returncode,
+            sorted(alone.stdout.splitlines()),
+        ), (how, here.stderr)
+        assert alone.returncode == {"ok": 0, "group": 0, "code": 3, "text": 1, "raise": 1}[how]
+        assert f'"var": "{how}"' in here.stdout and '"name": "__main__"' in here.stdout and "thread done" in here.stdout
+        assert f'"cwd": "{ROOT}"' in here.stdout
+        for out in (here, alone):
+            assert "to stderr" in out.stderr and "a log line" in out.stderr, (how, out.stderr)
+            said = {"text": "stopped: a message", "raise": "ValueError: boom"}.get(how, "")
+            assert said in out.stderr and ("Traceback" in out.stderr) == (how == "raise")
+        assert process_state() == before, how
+
+
+@pytest.mark.slow
+def test_an_entry_point_run_in_process_that_leaves_a_thread_running_fails_the_test(tmp_path):
+    import entry
+
+    script = tmp_path / "s.py"
+    script.write_text(IN_PROCESS)
+    before = process_state()
+    with pytest.raises(AssertionError, match="left threads running: .*left-behind"):
+        entry.run(str(script), "leak", str(tmp_path))
+    assert process_state() == before
+
+
+def test_an_entry_point_with_a_main_runs_in_process_through_it_and_counts(tmp_path):
+    """launch.py, train.py, explore.py: main(argv), not their `__main__` block (train.py's leaves with os._exit); a
+    bad config's exit code and message as a process gives them; entry.COUNTS counts each way."""
+    import entry
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: explore\nno_such_key: 1\n")
+    counts = dict(entry.COUNTS)
+    for script in ("train.py", "explore.py", "launch.py"):
+        here = entry.run(script, "--config", str(bad))
+        assert here.returncode == 2 and "no_such_key" in here.stderr, (script, here.stderr)
+    assert entry.COUNTS == {**counts, "in_process": counts["in_process"] + 3}
