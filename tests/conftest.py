@@ -5,6 +5,8 @@ import os
 import sys
 from unittest import mock
 
+import entry  # its COUNTS: the summary's line (helpers counts its starts there)
+
 from helpers import ROOT, constant_judge, in_ci, need_chromium
 
 sys.path.insert(0, str(ROOT))
@@ -75,24 +77,18 @@ def slow_first(items: list) -> None:
 
 def pytest_sessionfinish(session):
     """A pytest-xdist worker hands its harness counts (tests/entry.py) to the controller, which sums them."""
-    import entry
-
     if hasattr(session.config, "workerinput"):
         session.config.workeroutput["entry_counts"] = dict(entry.COUNTS)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    import entry
-
     for key, n in getattr(node, "workeroutput", {}).get("entry_counts", {}).items():
         entry.COUNTS[key] += n
 
 
 def pytest_terminal_summary(terminalreporter):
     """One line: the entry points the tests ran, as processes and in-process (tests/entry.py: all workers')."""
-    import entry
-
     counts = entry.COUNTS
     terminalreporter.write_line(
         f"entry points: {counts['processes']} processes started, {counts['in_process']} runs in-process"

@@ -197,7 +197,8 @@ def _kept():
     handlers = {s: signal.getsignal(s) for s in signal.valid_signals() if signal.getsignal(s) is not None}
     _fresh_process_state()
     try:
-        yield
+        with _no_tqdm_monitor():
+            yield
     finally:
         _destroy_process_group()
         os.environ.clear()
@@ -216,6 +217,20 @@ def _fresh_process_state() -> None:
     from configs import checks
 
     checks._WARNED_ALREADY.clear()
+
+
+@contextlib.contextmanager
+def _no_tqdm_monitor():
+    """NOTE: tqdm starts a monitor thread with its first bar (a model's loading), which lives as long as the process:
+    no monitor during a run (its bars are the same without it), so that no thread of the run outlives it."""
+    import tqdm
+
+    interval = tqdm.tqdm.monitor_interval
+    tqdm.tqdm.monitor_interval = 0
+    try:
+        yield
+    finally:
+        tqdm.tqdm.monitor_interval = interval
 
 
 def _destroy_process_group() -> None:

@@ -323,7 +323,10 @@ def fork_context():
 
 
 def forkable(env: dict[str, str]) -> bool:
-    """Whether a process with `env` may fork from the server: the same values for every variable read at import."""
+    """Whether a process with `env` may fork from the server: the same values for every variable read at import, and
+    the server not switched off (NANORFT_TEST_FORK=0: every process a plain `python`, the server never started)."""
+    if "0" in (os.environ.get("NANORFT_TEST_FORK"), env.get("NANORFT_TEST_FORK")):
+        return False
     fork_context()
     keys = {k for k in {*env, *_server_env} if k.startswith(IMPORT_TIME_ENV) and not k.startswith(RUNTIME_ENV)}
     keys -= set(REAPPLIED)
@@ -499,6 +502,12 @@ def _become_fresh(env: dict[str, str], out: str, err: str, server_env: dict, ses
     multiprocessing.process._parent_process = None  # a main process, as `python script.py` is
 
 
+def _count(kind: str, n: int = 1) -> None:
+    """tests/entry.py's COUNTS, in the test's process (a forked launcher's starts are its own: not counted)."""
+    if "entry" in sys.modules:
+        sys.modules["entry"].COUNTS[kind] += n
+
+
 class Entry:
     """`python [flags] script *argv` started from the fork server (or, where `forkable` says no, as a plain process),
     its stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT), in a session of its
@@ -521,9 +530,7 @@ class Entry:
         session: bool = False,
         flags: tuple[str, ...] = (),
     ) -> None:
-        import entry
-
-        entry.COUNTS["processes"] += 1
+        _count("processes")
         self.args, self.out, self.plain, self.proc = [sys.executable, *flags, script, *argv], out, None, None
         if forkable(env):
             args, start = (script, argv, env, str(out), str(err), _server_env), {"session": session, "flags": flags}
@@ -638,11 +645,12 @@ def run_entry(
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     """torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=True), the ranks forked from the fork server
     (fork_context) instead of started afresh. NOTE: they get the server's environment, not this test's."""
-    import entry
     import torch.multiprocessing as mp
 
-    entry.COUNTS["processes"] += nprocs
-    fork_context()
+    _count("processes", nprocs)
+    if not forkable(dict(os.environ)):
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+        return
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 

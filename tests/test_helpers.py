@@ -184,15 +184,20 @@ sys.exit({"ok": 0, "group": 0, "leak": 0, "code": 3, "text": "stopped: a message
 """
 
 
-def process_state() -> dict:
+def process_state(loggers_of: dict | None = None) -> dict:
+    """What an in-process run must leave as it found it; `loggers_of`: an earlier state, whose loggers alone are
+    compared (a logger the run made stays in logging's registry: it must hold no level and no handler)."""
     import logging
 
     import torch
     import torch.distributed as dist
 
-    loggers = {
-        n: (lg.level, list(lg.handlers)) for n, lg in logging.root.manager.loggerDict.items() if hasattr(lg, "level")
-    }
+    every = {n: lg for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    loggers = {n: (lg.level, list(lg.handlers), lg.propagate) for n, lg in every.items()}
+    if loggers_of is not None:
+        made = {n: loggers[n] for n in loggers if n not in loggers_of["loggers"]}
+        assert all(state == (logging.NOTSET, [], True) for state in made.values()), made
+        loggers = {n: loggers[n] for n in loggers_of["loggers"]}
     return {
         "environ": dict(os.environ),
         "cwd": os.getcwd(),
@@ -227,7 +232,7 @@ def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the
             assert "to stderr" in out.stderr and "a log line" in out.stderr, (how, out.stderr)
             said = {"text": "stopped: a message", "raise": "ValueError: boom"}.get(how, "")
             assert said in out.stderr and ("Traceback" in out.stderr) == (how == "raise")
-        assert process_state() == before, how
+        assert process_state(before) == before, how
 
 
 @pytest.mark.slow
@@ -239,7 +244,7 @@ def test_an_entry_point_run_in_process_that_leaves_a_thread_running_fails_the_te
     before = process_state()
     with pytest.raises(AssertionError, match="left threads running: .*left-behind"):
         entry.run(str(script), "leak", str(tmp_path))
-    assert process_state() == before
+    assert process_state(before) == before
 
 
 def test_an_entry_point_with_a_main_runs_in_process_through_it_and_counts(tmp_path):
