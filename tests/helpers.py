@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import entry
 import pytest
 
 if TYPE_CHECKING:
@@ -503,9 +504,8 @@ def _become_fresh(env: dict[str, str], out: str, err: str, server_env: dict, ses
 
 
 def _count(kind: str, n: int = 1) -> None:
-    """tests/entry.py's COUNTS, in the test's process (a forked launcher's starts are its own: not counted)."""
-    if "entry" in sys.modules:
-        sys.modules["entry"].COUNTS[kind] += n
+    """tests/entry.py's COUNTS (in a forked launcher, its own: not counted)."""
+    entry.COUNTS[kind] += n
 
 
 class Entry:
@@ -600,20 +600,13 @@ class Entry:
         self.send_signal(signal.SIGKILL)
 
 
-def start_entry(script: str, argv: list[str], log: Path, env: dict | None = None) -> Entry:
-    """entry.start(script, *argv, env=env, log=log): a process the test will stop."""
-    import entry
-
-    return entry.start(script, *argv, env=env, log=log)
-
-
 def kill_explorer_before_write(config: Path, tmp_path: Path, step: int) -> None:
     """explore.py on `config`, SIGKILLed where step `step` has been rolled out and nothing of it written (its pause
     point explore.before_write: never a clock delay, so the run cannot end before the kill); its output in
     <tmp_path>/stderr.txt."""
     marker, log = tmp_path / "paused", tmp_path / "stderr.txt"
     env = {"NANORFT_TEST_PAUSE_AT": f"explore.before_write:{step}", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry("explore.py", ["--config", str(config)], log, env)
+    proc = entry.start("explore.py", "--config", str(config), log=log, env=env)
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -659,15 +652,11 @@ def launch(
 ) -> subprocess.CompletedProcess:
     """The launcher on `config` (or `script`: train.py handing over to it), as a process: it starts the explorer's
     and trainer's processes, and reaps them."""
-    import entry
-
     return entry.run_process(script, "--config", str(config), *args, env=env, timeout=timeout)
 
 
 def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
     """train.py as the launcher starts it: in this process (ranks=0) or under torchrun (its ranks: processes)."""
-    import entry
-
     if not ranks:
         return entry.run("train.py", "--config", str(config), env={"NANORFT_LAUNCHED": "1"}, timeout=timeout)
     torchrun = ["--standalone", f"--nproc_per_node={ranks}", "train.py", "--config", str(config)]
@@ -678,8 +667,6 @@ def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.
 
 def run_explorer(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """explore.py on `config`, in this process."""
-    import entry
-
     return entry.run("explore.py", "--config", str(config), *args, env=env)
 
 
@@ -705,7 +692,7 @@ def straight_and_resumed(
         "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
         "NANORFT_TEST_PAUSE_MARKER": str(marker),
     }
-    proc = start_entry("train.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
+    proc = entry.start("train.py", "--config", str(config), log=tmp_path / "stderr.txt", env=env)
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None:
         assert time.monotonic() < deadline
@@ -993,8 +980,6 @@ def run_trains(
     launch of `ranks` ranks (tests/train_many.py: each run sets up, trains and closes down as train.py does, without
     paying another start of the ranks). Each run's exit code and stderr (rank 0's), as run_train gives them."""
     import json
-
-    import entry
 
     env = {"NANORFT_LAUNCHED": "1", **(env or {})}
     if not ranks:

@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
+import entry
 import pytest
 
-from helpers import ROOT, Entry, forkable, run_entry, start_entry
+from helpers import ROOT, Entry, forkable, run_entry
 
 SCRIPT = """import atexit, concurrent.futures, json, multiprocessing, os, sys, threading, time
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__,
@@ -66,14 +67,14 @@ def test_a_forked_entry_point_exits_writes_and_sees_what_a_fresh_process_does(tm
 def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_plain_process(tmp_path):
     script, marker = tmp_path / "s.py", tmp_path / "waiting"
     script.write_text(SCRIPT)
-    proc = start_entry(str(script), ["wait", str(marker)], tmp_path / "log.txt")
+    proc = entry.start(str(script), "wait", str(marker), log=tmp_path / "log.txt")
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.out.read_text()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM and proc.proc is not None  # forked, killed as Popen reports it
-    proc = start_entry(str(script), ["ok"], tmp_path / "log2.txt", {"PYTHONPATH": str(tmp_path)})
+    proc = entry.start(str(script), "ok", log=tmp_path / "log2.txt", env={"PYTHONPATH": str(tmp_path)})
     assert proc.wait(timeout=60) == 0 and proc.plain is not None  # PYTHONPATH is read at start: a plain process
     # start_new_session, as scripts/soak_async.py starts its processes: a session of its own by the time the start
     # returns (a kill right after it reaches the child, as Popen's does)
@@ -212,8 +213,6 @@ def process_state(loggers_of: dict | None = None) -> dict:
 
 @pytest.mark.slow
 def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the_process_as_it_was(tmp_path):
-    import entry
-
     script = tmp_path / "s.py"
     script.write_text(IN_PROCESS)
     before = process_state()
@@ -237,8 +236,6 @@ def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the
 
 @pytest.mark.slow
 def test_an_entry_point_run_in_process_that_leaves_a_thread_running_fails_the_test(tmp_path):
-    import entry
-
     script = tmp_path / "s.py"
     script.write_text(IN_PROCESS)
     before = process_state()
@@ -250,8 +247,6 @@ def test_an_entry_point_run_in_process_that_leaves_a_thread_running_fails_the_te
 def test_an_entry_point_with_a_main_runs_in_process_through_it_and_counts(tmp_path):
     """launch.py, train.py, explore.py: main(argv), not their `__main__` block (train.py's leaves with os._exit); a
     bad config's exit code and message as a process gives them; entry.COUNTS counts each way."""
-    import entry
-
     bad = tmp_path / "bad.yaml"
     bad.write_text("mode: explore\nno_such_key: 1\n")
     counts = dict(entry.COUNTS)
