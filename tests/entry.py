@@ -204,7 +204,7 @@ def _kept():
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
-        sys.argv[:] = argv
+        sys.argv = argv
         torch.set_num_threads(threads)
         for s, h in handlers.items():
             with contextlib.suppress(OSError, ValueError, RuntimeError):
