@@ -1,5 +1,6 @@
-"""Helpers that several test files share: configs of a run, the entry points run as processes, what a DB or a
-checkpoint holds, reference log-probs, vLLM switches. Plain functions; the fixtures are tests/conftest.py's (they may
+"""Helpers that several test files share: configs of a run, the usual runs of the entry points (over tests/entry.py's
+three calls) and the fork server their processes start from, what a DB or a checkpoint holds, reference log-probs,
+vLLM switches. Plain functions; the fixtures are tests/conftest.py's (they may
 call these). No test file imports another test file or conftest: what two of them need lives here.
 
 Heavy modules (torch, transformers, the project's) are imported inside the functions that use them: a test file

@@ -215,7 +215,7 @@ def process_state(loggers_of: dict | None = None) -> dict:
 def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the_process_as_it_was(tmp_path):
     script = tmp_path / "s.py"
     script.write_text(IN_PROCESS)
-    before = process_state()
+    before, counts = process_state(), dict(entry.COUNTS)
     for how in ("ok", "code", "text", "raise", "group"):
         args = (str(script), how, str(tmp_path))
         alone = entry.run_process(*args, env={"NANORFT_T": how})
@@ -232,6 +232,7 @@ def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the
             said = {"text": "stopped: a message", "raise": "ValueError: boom"}.get(how, "")
             assert said in out.stderr and ("Traceback" in out.stderr) == (how == "raise")
         assert process_state(before) == before, how
+    assert entry.COUNTS == {"processes": counts["processes"] + 5, "in_process": counts["in_process"] + 5}
 
 
 @pytest.mark.slow
