@@ -591,6 +591,19 @@ def finish(x: Explorer, code: int) -> int:
 def explore(cfg: configs.Config) -> int:
     """Explore mode (and the explorer half of mode both); returns the exit code."""
     x = set_up(cfg)
+    try:
+        return explore_steps(x, cfg)
+    except BaseException:
+        # NOTE: an error (a bad operator, the DB) leaves through launch.run_in_process, which closes the monitor and
+        # the lease; the workflow pool and the engines' threads close here, so that a run in a test's own process
+        # (tests/entry.py) leaves none running behind it, as a process's exit would
+        x.pool.shutdown(wait=False, cancel_futures=True)
+        close_engines(x.handles)
+        raise
+
+
+def explore_steps(x: Explorer, cfg: configs.Config) -> int:
+    """explore's steps, from the explorer `x` set up: rollout, write, sync, eval, log, until the last."""
     x.monitor.total = x.steps
     # --- a restart in mode both: first the weights the interrupted sync point would have given
     if x.step and cfg.mode == "both" and (stop := x.sync.resume(x.step)) is not None:
