@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +93,7 @@ def run(
         sys.argv = [str(path), *argv]
         _transformers_verbosity()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _fresh_root_logger():
-            with _alarm(timeout, [sys.executable, str(path), *argv]):
+            with _alarm(timeout, [sys.executable, str(path), *argv]), _default_warning_filters():
                 code = _exit_code(path, list(argv))
             leaked = _threads_left(threads)  # as the interpreter joins them at exit, their output captured
     if log is not None:
@@ -158,6 +159,18 @@ def _alarm(timeout: float, args: list[str]):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, before)
+
+
+@contextlib.contextmanager
+def _default_warning_filters():
+    """The warning filters of a fresh `python` (its DeprecationWarnings shown for `__main__` alone), not pytest's,
+    which show every library's (a run's would fill the summary)."""
+    with warnings.catch_warnings():
+        warnings.resetwarnings()
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        yield
 
 
 @contextlib.contextmanager
