@@ -720,9 +720,8 @@ def debug(cfg: configs.Config, flags: argparse.Namespace) -> int:
     check_tasksets(stage)
     tokenizer = config_tokenizer(stage.model)
     rm = stage.explorer.rollout_model
-    engine = make_engine(rm, base_weights(stage), rm.max_model_len, stage.model.repetition_penalty)
-    if flags.reply:
-        engine = CannedEngine(engine, tokenizer, flags.reply)
+    base = make_engine(rm, base_weights(stage), rm.max_model_len, stage.model.repetition_penalty)
+    engine = CannedEngine(base, tokenizer, flags.reply) if flags.reply else base
     handle = with_extras(stage, rollout_handle(stage, engine, tokenizer))
     print(
         f"=== stage {stage.name or '-'}, taskset {ts.name}, task {flags.task} ({task.task_id}): workflow "
@@ -737,7 +736,12 @@ def debug(cfg: configs.Config, flags: argparse.Namespace) -> int:
             "log-probs are the model's (scored, not sampled)",
             flush=True,
         )
-    exps = debug_run(task, handle)
+    try:
+        exps = debug_run(task, handle)
+    finally:  # its engines' threads end with it (a run in a test's own process leaves none: tests/entry.py)
+        close_engines([handle])
+        if engine is not base:  # --reply: the canned engine's model
+            base.close()
     if exps is None:
         return 1
     stamp(exps, task, stage.explorer.name)

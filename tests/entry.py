@@ -226,10 +226,13 @@ def _kept():
 
 
 def _fresh_process_state() -> None:
-    """What a process starts without and a previous run in this one may have left: configs' warnings said once."""
+    """What a process starts without and a previous run in this one may have left: what is said once a process
+    (configs' warnings, the tool parser's choice)."""
     from configs import checks
+    from workflows import tool_parsers
 
     checks._WARNED_ALREADY.clear()
+    tool_parsers._log_once.cache_clear()
 
 
 @contextlib.contextmanager
