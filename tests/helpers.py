@@ -279,6 +279,8 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # trainer, learn_table's launcher runs, soak_async's restarts, torchrun's ranks) forks from the same server too (its
 # `subprocess.Popen`: _ForkingPopen); vLLM's engines and any other command start as a user's do. An environment that
 # differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
+# It stays after the harness's in-process runs (tests/entry.py): with NANORFT_TEST_FORK=0 (no server), test_lease.py's
+# slow tests took 1.6-2.3x as long in 3 of 4 side-by-side pairs on 2 shared cores (docs/LOG.md, 2026-11-29).
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
