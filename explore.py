@@ -591,6 +591,19 @@ def finish(x: Explorer, code: int) -> int:
 def explore(cfg: configs.Config) -> int:
     """Explore mode (and the explorer half of mode both); returns the exit code."""
     x = set_up(cfg)
+    try:
+        return explore_steps(x, cfg)
+    except BaseException:
+        # NOTE: an error (a bad operator, the DB) leaves through launch.run_in_process, which closes the monitor and
+        # the lease; the workflow pool and the engines' threads close here, so that a run in a test's own process
+        # (tests/entry.py) leaves none running behind it, as a process's exit would
+        x.pool.shutdown(wait=False, cancel_futures=True)
+        close_engines(x.handles)
+        raise
+
+
+def explore_steps(x: Explorer, cfg: configs.Config) -> int:
+    """explore's steps, from the explorer `x` set up: rollout, write, sync, eval, log, until the last."""
     x.monitor.total = x.steps
     # --- a restart in mode both: first the weights the interrupted sync point would have given
     if x.step and cfg.mode == "both" and (stop := x.sync.resume(x.step)) is not None:
@@ -707,9 +720,8 @@ def debug(cfg: configs.Config, flags: argparse.Namespace) -> int:
     check_tasksets(stage)
     tokenizer = config_tokenizer(stage.model)
     rm = stage.explorer.rollout_model
-    engine = make_engine(rm, base_weights(stage), rm.max_model_len, stage.model.repetition_penalty)
-    if flags.reply:
-        engine = CannedEngine(engine, tokenizer, flags.reply)
+    base = make_engine(rm, base_weights(stage), rm.max_model_len, stage.model.repetition_penalty)
+    engine = CannedEngine(base, tokenizer, flags.reply) if flags.reply else base
     handle = with_extras(stage, rollout_handle(stage, engine, tokenizer))
     print(
         f"=== stage {stage.name or '-'}, taskset {ts.name}, task {flags.task} ({task.task_id}): workflow "
@@ -724,7 +736,12 @@ def debug(cfg: configs.Config, flags: argparse.Namespace) -> int:
             "log-probs are the model's (scored, not sampled)",
             flush=True,
         )
-    exps = debug_run(task, handle)
+    try:
+        exps = debug_run(task, handle)
+    finally:  # its engines' threads end with it (a run in a test's own process leaves none: tests/entry.py)
+        close_engines([handle])
+        if engine is not base:  # --reply: the canned engine's model
+            base.close()
     if exps is None:
         return 1
     stamp(exps, task, stage.explorer.name)

@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import entry  # its COUNTS: the summary's line (helpers counts its starts there)
+
 from helpers import ROOT, both_config, constant_judge, in_ci, launch, need_chromium
 
 sys.path.insert(0, str(ROOT))
@@ -78,6 +80,26 @@ def slow_first(items: list) -> None:
         if mark:
             cost[group(item)] = cost.get(group(item), 0) + mark.kwargs.get("seconds", 0)
     items.sort(key=lambda item: (group(item) not in cost, -cost.get(group(item), 0)))
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its harness counts (tests/entry.py) to the controller, which sums them."""
+    if hasattr(session.config, "workerinput"):
+        session.config.workeroutput["entry_counts"] = dict(entry.COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for key, n in getattr(node, "workeroutput", {}).get("entry_counts", {}).items():
+        entry.COUNTS[key] += n
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line: the entry points the tests ran, as processes and in-process (tests/entry.py: all workers')."""
+    counts = entry.COUNTS
+    terminalreporter.write_line(
+        f"entry points: {counts['processes']} processes started, {counts['in_process']} runs in-process"
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,6 @@
-"""Helpers that several test files share: configs of a run, the entry points run as processes, what a DB or a
-checkpoint holds, reference log-probs, vLLM switches. Plain functions; the fixtures are tests/conftest.py's (they may
+"""Helpers that several test files share: configs of a run, the usual runs of the entry points (over tests/entry.py's
+three calls) and the fork server their processes start from, what a DB or a checkpoint holds, reference log-probs,
+vLLM switches. Plain functions; the fixtures are tests/conftest.py's (they may
 call these). No test file imports another test file or conftest: what two of them need lives here.
 
 Heavy modules (torch, transformers, the project's) are imported inside the functions that use them: a test file
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import entry
 import pytest
 
 if TYPE_CHECKING:
@@ -277,6 +279,8 @@ def write_config(tmp_path: Path, tiny_model_dir: str, **over) -> Path:
 # trainer, learn_table's launcher runs, soak_async's restarts, torchrun's ranks) forks from the same server too (its
 # `subprocess.Popen`: _ForkingPopen); vLLM's engines and any other command start as a user's do. An environment that
 # differs from the server's in what those libraries read at import (IMPORT_TIME_ENV) gets a plain `python script.py`.
+# It stays after the harness's in-process runs (tests/entry.py): with NANORFT_TEST_FORK=0 (no server), test_lease.py's
+# slow tests took 1.6-2.3x as long in 3 of 4 side-by-side pairs on 2 shared cores (docs/LOG.md, 2026-11-29).
 PRELOADED = [
     "torch",
     "torch.distributed.fsdp",
@@ -323,7 +327,10 @@ def fork_context():
 
 
 def forkable(env: dict[str, str]) -> bool:
-    """Whether a process with `env` may fork from the server: the same values for every variable read at import."""
+    """Whether a process with `env` may fork from the server: the same values for every variable read at import, and
+    the server not switched off (NANORFT_TEST_FORK=0: every process a plain `python`, the server never started)."""
+    if "0" in (os.environ.get("NANORFT_TEST_FORK"), env.get("NANORFT_TEST_FORK")):
+        return False
     fork_context()
     keys = {k for k in {*env, *_server_env} if k.startswith(IMPORT_TIME_ENV) and not k.startswith(RUNTIME_ENV)}
     keys -= set(REAPPLIED)
@@ -499,6 +506,11 @@ def _become_fresh(env: dict[str, str], out: str, err: str, server_env: dict, ses
     multiprocessing.process._parent_process = None  # a main process, as `python script.py` is
 
 
+def _count(kind: str, n: int = 1) -> None:
+    """tests/entry.py's COUNTS (in a forked launcher, its own: not counted)."""
+    entry.COUNTS[kind] += n
+
+
 class Entry:
     """`python [flags] script *argv` started from the fork server (or, where `forkable` says no, as a plain process),
     its stdout and stderr appended to the files `out` and `err` (one file for both: stderr=STDOUT), in a session of its
@@ -521,6 +533,7 @@ class Entry:
         session: bool = False,
         flags: tuple[str, ...] = (),
     ) -> None:
+        _count("processes")
         self.args, self.out, self.plain, self.proc = [sys.executable, *flags, script, *argv], out, None, None
         if forkable(env):
             args, start = (script, argv, env, str(out), str(err), _server_env), {"session": session, "flags": flags}
@@ -590,20 +603,13 @@ class Entry:
         self.send_signal(signal.SIGKILL)
 
 
-def start_entry(script: str, argv: list[str], log: Path, env: dict | None = None) -> Entry:
-    """`script` (launch.py, train.py, explore.py) with `argv`, its stdout and stderr in the file `log` (emptied first),
-    the test process's environment with one torch thread and `env` on top."""
-    log.write_text("")
-    return Entry(script, argv, {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, log, log)
-
-
 def kill_explorer_before_write(config: Path, tmp_path: Path, step: int) -> None:
     """explore.py on `config`, SIGKILLed where step `step` has been rolled out and nothing of it written (its pause
     point explore.before_write: never a clock delay, so the run cannot end before the kill); its output in
     <tmp_path>/stderr.txt."""
     marker, log = tmp_path / "paused", tmp_path / "stderr.txt"
     env = {"NANORFT_TEST_PAUSE_AT": f"explore.before_write:{step}", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry("explore.py", ["--config", str(config)], log, env)
+    proc = entry.start("explore.py", "--config", str(config), log=log, env=env)
     deadline = time.time() + 300
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -637,28 +643,34 @@ def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     (fork_context) instead of started afresh. NOTE: they get the server's environment, not this test's."""
     import torch.multiprocessing as mp
 
-    fork_context()
+    _count("processes", nprocs)
+    if not forkable(dict(os.environ)):
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+        return
     mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def launch(
     config: Path, *args: str, script: str = "launch.py", timeout: float = 400, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return run_entry(script, ["--config", str(config), *args], env, timeout)
+    """The launcher on `config` (or `script`: train.py handing over to it), as a process: it starts the explorer's
+    and trainer's processes, and reaps them."""
+    return entry.run_process(script, "--config", str(config), *args, env=env, timeout=timeout)
 
 
 def run_train(config: Path, ranks: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
-    """train.py as the launcher starts it: a plain process (ranks=0) or under torchrun (its ranks fork too)."""
-    env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1"}
+    """train.py as the launcher starts it: in this process (ranks=0) or under torchrun (its ranks: processes)."""
     if not ranks:
-        return run_entry("train.py", ["--config", str(config)], env, timeout)
+        return entry.run("train.py", "--config", str(config), env={"NANORFT_LAUNCHED": "1"}, timeout=timeout)
     torchrun = ["--standalone", f"--nproc_per_node={ranks}", "train.py", "--config", str(config)]
-    return run_entry("torch.distributed.run", torchrun, env, timeout, flags=("-m",))
+    return entry.run_process(
+        "torch.distributed.run", *torchrun, env={"NANORFT_LAUNCHED": "1"}, timeout=timeout, flags=("-m",)
+    )
 
 
 def run_explorer(config: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_entry("explore.py", ["--config", str(config), *args], env or dict(os.environ), 600)
+    """explore.py on `config`, in this process."""
+    return entry.run("explore.py", "--config", str(config), *args, env=env)
 
 
 STRAIGHT = {"buffer.total_steps": 4, "trainer.save_interval": 2}  # straight_and_resumed's runs
@@ -683,7 +695,7 @@ def straight_and_resumed(
         "NANORFT_TEST_PAUSE_AT": "train.after_save:2",
         "NANORFT_TEST_PAUSE_MARKER": str(marker),
     }
-    proc = start_entry("train.py", ["--config", str(config)], tmp_path / "stderr.txt", env)
+    proc = entry.start("train.py", "--config", str(config), log=tmp_path / "stderr.txt", env=env)
     deadline = time.monotonic() + 240
     while not marker.exists() and proc.poll() is None:
         assert time.monotonic() < deadline
@@ -961,43 +973,26 @@ def trained_to_reply(
     return str(out)
 
 
-def explorer_in_process(config: Path, caplog) -> tuple[int, str]:
-    """explore.py's run of `config` in this process, through the same launch.run_in_process as its main (a process
-    start costs ~5 s of CPU): (exit code, the ERROR records of nanorft.launch: what a refusal says). An exception
-    other than the named errors (a traceback in a process) fails the calling test."""
-    import explore
-    import launch
-    from configs import cli
-
-    caplog.clear()
-    with caplog.at_level("ERROR", logger="nanorft.launch"):
-        code = launch.run_in_process(
-            cli(["--config", str(config)])[0], {"bench": explore.bench, "explore": explore.explore}, "explorer"
-        )
-    return code, caplog.text
-
-
 # --- several trainer runs in one process (or one torchrun launch)
 
 
 def run_trains(
     configs: list[Path], ranks: int = 0, timeout: float = 600, env: dict | None = None
 ) -> list[subprocess.CompletedProcess]:
-    """run_train for each of `configs`, one after another in ONE process (ranks=0) or one torchrun launch of `ranks`
-    ranks: each run sets up (seed, process group, models), trains and closes down as train.py does, without paying
-    another start (~5 s of imports a process). Each run's exit code and stderr (rank 0's), as run_train gives them."""
+    """run_train for each of `configs`, one after another: in this process (ranks=0, entry.run), or in ONE torchrun
+    launch of `ranks` ranks (tests/train_many.py: each run sets up, trains and closes down as train.py does, without
+    paying another start of the ranks). Each run's exit code and stderr (rank 0's), as run_train gives them."""
     import json
 
+    env = {"NANORFT_LAUNCHED": "1", **(env or {})}
+    if not ranks:
+        return [entry.run("train.py", "--config", str(c), env=env, timeout=timeout) for c in configs]
     with tempfile.TemporaryDirectory() as tmp:
         script, codes = ROOT / "tests" / "train_many.py", Path(tmp, "codes.json")
         errs = [Path(tmp, f"stderr{i}.txt") for i in range(len(configs))]
         args = [str(codes), *(str(x) for pair in zip(configs, errs) for x in pair)]
-        env = {**os.environ, "NANORFT_LAUNCHED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-        if ranks:
-            torchrun = ["--standalone", f"--nproc_per_node={ranks}", str(script), *args]
-            out = run_entry("torch.distributed.run", torchrun, env, timeout, flags=("-m",))
-        else:
-            out = run_entry(str(script), args, env, timeout)
+        torchrun = ["--standalone", f"--nproc_per_node={ranks}", str(script), *args]
+        out = entry.run_process("torch.distributed.run", *torchrun, env=env, timeout=timeout, flags=("-m",))
         assert out.returncode == 0 and codes.is_file(), (
             out.stderr[-3000:],
             [e.read_text()[-2000:] for e in errs if e.is_file()],

@@ -6,10 +6,10 @@ and the refusals on both. NOTE: each back-end under several writer and reader pr
 upgrades are tests/test_buffer_db.py's, on both; what these add is the processes' own story, the same on either."""
 
 import json
-import os
 import time
 from pathlib import Path
 
+import entry
 import pytest
 import safetensors.torch
 import torch
@@ -19,12 +19,9 @@ from buffer import SCHEMA_VERSION, ExperienceDB
 from helpers import (
     Entry,
     both_config,
-    explorer_in_process,
     raw,
-    run_entry,
     run_explorer,
     run_train,
-    start_entry,
     write_yaml,
 )
 from monitor import read_history
@@ -81,7 +78,7 @@ LAUNCHED = {"NANORFT_LAUNCHED": "1"}
 
 
 def start(config: Path, script: str, log: Path, env: dict | None = None) -> Entry:
-    return start_entry(script, ["--config", str(config)], log, env)
+    return entry.start(script, "--config", str(config), log=log, env=env)
 
 
 def meta(url: str, key: str) -> str | None:
@@ -224,7 +221,7 @@ def test_kill_and_restart_explorer_and_trainer_keeps_every_invariant(tmp_path, u
     args = ["--cycles", "3", "--schedule", "explorer,trainer,both", "--out", str(tmp_path / "soak"), *db]
     args += ["--steps", "5"]  # the fewest the schedule allows (cycles + 2)
     # its trainer starts are the trainer itself, not a launcher starting it
-    out = run_entry("scripts/soak_async.py", args, {**os.environ, **LAUNCHED}, timeout=900)
+    out = entry.run_process("scripts/soak_async.py", *args, env=LAUNCHED, timeout=900)
     result = json.loads((tmp_path / "soak/soak_result.json").read_text())
     assert out.returncode == 0 and result["ok"], (result.get("error"), out.stdout[-3000:])
     assert [k["victim"] for k in result["kills"]] == ["explorer", "trainer", "both"]
@@ -256,12 +253,8 @@ def test_no_trainer_the_explorer_reports_and_stops(tmp_path, tiny_model_dir):
 
 
 def refusal(script: str, config: Path, url: str, caplog) -> tuple[int, str]:
-    """(exit code, what it wrote) of `script` refusing to start on the DB. NOTE: on PostgreSQL the explorer's refusal
-    runs in this process (helpers.explorer_in_process); the trainer's and every SQLite one through the real entry
-    point, a process."""
-    if script == "explore.py" and url.startswith("postgresql://"):
-        return explorer_in_process(config, caplog)
-    out = run_entry(script, ["--config", str(config)], {**os.environ, "OMP_NUM_THREADS": "1", **LAUNCHED}, 300)
+    """(exit code, what it wrote) of `script` refusing to start on the DB (in this process: entry.run)."""
+    out = entry.run(script, "--config", str(config), env=LAUNCHED, timeout=300)
     return out.returncode, out.stderr
 
 
@@ -294,7 +287,7 @@ def test_an_explorer_whose_advantages_the_trainer_would_not_read_is_refused(tmp_
     Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True)
     with ExperienceDB(url) as d:
         d.check_advantages('the explorer: step_wise_grpo {"epsilon": 1e-06}', "the trainer")
-    out = run_explorer(files["explorer"], env={**os.environ, **LAUNCHED})
+    out = run_explorer(files["explorer"], env=LAUNCHED)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert (
         'the advantages of this DB\'s experiences come from the explorer: step_wise_grpo {"epsilon": 1e-06} '
@@ -352,14 +345,13 @@ def test_dynamic_sampling_and_replay_by_group_with_separate_processes(tmp_path, 
     explorer = write_yaml(tmp_path / "explorer.yaml", base, {"mode": "explore"})
     trainer = write_yaml(tmp_path / "trainer.yaml", base, {"mode": "train", "buffer.total_steps": 5})
     job, marker = tmp_path / "ck/p/run", tmp_path / "paused"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    killed = start_entry("explore.py", ["--config", str(explorer)], tmp_path / "killed.log", pause)
+    killed = entry.start("explore.py", "--config", str(explorer), log=tmp_path / "killed.log", env=pause)
     wait_for(lambda: marker.exists() or killed.poll() is not None, "the explorer's pause before writing step 2")
     killed.kill()
     assert killed.wait() != 0 and marker.exists()
     for script, config in (("explore.py", explorer), ("train.py", trainer)):
-        out = run_entry(script, ["--config", str(config)], {**env, **LAUNCHED}, 300)
+        out = entry.run(script, "--config", str(config), env=LAUNCHED, timeout=300)
         assert out.returncode == 0, out.stderr[-3000:]
     # the explorer: 3 steps of 2 varied groups; the position counts every task run, the dropped ones too
     dapo = {r["step"]: r for r in read_history(job / "monitor/explorer.jsonl")}  # the killed run logged step 1 only

@@ -5,13 +5,13 @@ without running it); scripts/bench_vllm.py on a small workload, likewise. The fi
 in docs/LOG.md (the full runs take ~20 and ~8 minutes)."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
+import entry
 import pytest
 
-from helpers import ROOT, real_vllm, run_entry
+from helpers import ROOT, real_vllm
 
 
 @pytest.mark.slow(seconds=105)
@@ -20,7 +20,7 @@ def test_bench_vs_trl_runs_both_sides_and_reports_every_figure(tmp_path):
     args += ["--json", str(tmp_path / "bench.json"), "--eval-limit", "50", "--no-offset"]
     # one thread a process, as helpers.launch runs the entry points: on busy cores, torch's second thread spins
     # (measured: an eval of 50 problems took 6-12 s of CPU with 2 threads at load ~6, 0.7 s with one)
-    out = run_entry("scripts/bench_vs_trl.py", args, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    out = entry.run_process("scripts/bench_vs_trl.py", *args, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     results = json.loads((tmp_path / "bench.json").read_text())["results"]
     assert sorted(r["framework"] for r in results) == ["TRL", "nanorft"]
@@ -57,7 +57,7 @@ def test_the_sync_offset_contender_differs_in_its_sync_offset_alone(tmp_path):
 def test_bench_vllm_reports_every_figure(tmp_path):
     real_vllm()
     args = ["--models", "1m", "--prompts", "2", "--n", "2", "--tokens", "4", "--repeats", "1", "--no-compiled"]
-    out = run_entry("scripts/bench_vllm.py", [*args, "--json", str(tmp_path / "rows.json")], dict(os.environ), 600)
+    out = entry.run_process("scripts/bench_vllm.py", *args, "--json", str(tmp_path / "rows.json"), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     (row,) = json.loads((tmp_path / "rows.json").read_text())
     assert row["model"] == "1m" and row["params"] == 1019008 and row["vllm_tok_s"] > 0 and row["hf_tok_s"] > 0

@@ -5,17 +5,16 @@ import argparse
 import importlib.util
 import json
 import math
-import os
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
+import entry
 import pytest
 import torch
 
 import sync
 from engines import HFEngine
-from helpers import run_entry
 from models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +66,7 @@ MEASURED = (
 @pytest.mark.slow
 def test_bench_gpu_tiny_shape_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
-    run = run_entry("scripts/bench_gpu.py", [*TINY, "--json", str(out)], {**os.environ, "OMP_NUM_THREADS": "1"}, 180)
+    run = entry.run_process("scripts/bench_gpu.py", *TINY, "--json", str(out), timeout=180)
     assert run.returncode == 0, run.stderr[-3000:]
     record = json.loads(out.read_text())
     results = record["results"]

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import entry
 import pytest
 import yaml
 from omegaconf import OmegaConf
@@ -19,7 +20,6 @@ import configs.loader as loader
 import launch
 from configs import ConfigError, cli, derive, from_dict, normalize, read_yaml, resolve_stages, to_yaml
 from configs.schema import Config
-from helpers import run_entry
 from workflows.args import check_step_wise, check_tasksets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,9 +158,7 @@ def test_text_with_dollar_brace_round_trips_through_the_written_config(tmp_path)
     assert list(stage.explorer.env_vars.values()) == tricky
     stage.monitor.monitor_args = {"tags": tricky}  # --dry-run shows these (every env_vars value as ***)
     assert from_dict(Config, normalize(read_yaml(write(tmp_path, to_yaml(stage), "w.yaml")))) == stage
-    out = run_entry(
-        "launch.py", ["--config", write(tmp_path, to_yaml(stage), "w.yaml"), "--dry-run"], dict(os.environ), 120
-    )
+    out = entry.run("launch.py", "--config", write(tmp_path, to_yaml(stage), "w.yaml"), "--dry-run", timeout=120)
     assert out.returncode == 0, out.stderr
     hidden = dataclasses.replace(stage.explorer, env_vars=dict.fromkeys(stage.explorer.env_vars, "***"))
     assert from_dict(Config, normalize(read_yaml(write(tmp_path, out.stdout, "d.yaml")))) == dataclasses.replace(
@@ -649,7 +647,7 @@ def _flags(cls: type, prefix: str = "") -> list[str]:
 def test_help_lists_every_field_with_its_docstring():
     env = {**os.environ, "COLUMNS": "120"}  # one column: tyro 0.9 cuts long flags short in a multi-column layout
     # NOTE: launch.py's --help is every script's (configs.cli), and it starts in half the time
-    out = run_entry("launch.py", ["--config", "tiny.yaml", "--help"], env, 120)
+    out = entry.run("launch.py", "--config", "tiny.yaml", "--help", env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     out = out.stdout
     flags = _flags(Config)
@@ -663,7 +661,7 @@ def test_help_lists_every_field_with_its_docstring():
 @pytest.mark.parametrize("script", ["train.py", "explore.py"])
 @pytest.mark.slow
 def test_dry_run(script, tmp_path):
-    ok = run_entry(script, ["--config", "tiny.yaml", "--dry-run", "--buffer.batch_size", "3"], dict(os.environ), 120)
+    ok = entry.run(script, "--config", "tiny.yaml", "--dry-run", "--buffer.batch_size", "3", timeout=120)
     assert ok.returncode == 0, ok.stderr
     docs = list(yaml.safe_load_all(ok.stdout))
     assert [d["name"] for d in docs] == ["tiny/eval_base", "tiny/sft_warmup", "tiny/rft"]
@@ -705,7 +703,7 @@ def test_dry_run_hides_secrets_and_the_run_directorys_config_keeps_them(tmp_path
         "batch_size: 4\n  trainer_input: {experience_buffer: {path: 'postgresql://rft:s3@cret@db/rft'}}\n",
     )
     # NOTE: launch.py's --dry-run is every script's (configs.entry), and it starts in half the time
-    out = run_entry("launch.py", ["--config", write(tmp_path, text), "--dry-run"], dict(os.environ), 120)
+    out = entry.run("launch.py", "--config", write(tmp_path, text), "--dry-run", timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("# secrets are shown as ***: every env_vars value, monitor_args' values (but its ")
     secrets = ("hunter2", "hf_abc", "s3@cret", "cret@", "sess-8", *ODD_SECRETS.values())

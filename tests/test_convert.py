@@ -9,13 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import entry
 import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import sync
-from helpers import run_entry, spawn_ranks
+from helpers import spawn_ranks
 from models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def test_a_nanorft_checkpoint_in_bf16_loads_in_plain_transformers(tmp_path, tiny
     model = load_model(tiny_model_dir)
     sync.publish_hf(model, load_tokenizer(tiny_model_dir), tmp_path / "job", step=2)
     args = [str(tmp_path / "job/global_step_2/actor"), "--out", str(tmp_path / "hf"), "--dtype", "bfloat16"]
-    out = run_entry("scripts/convert.py", args, dict(os.environ), timeout=300)
+    out = entry.run("scripts/convert.py", *args, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert got.dtype == torch.bfloat16

@@ -5,10 +5,10 @@ with a pipeline that drops some experiences, and reward_std_filter end to end.""
 
 import json
 import math
-import os
 import sqlite3
 from pathlib import Path
 
+import entry
 import pytest
 import torch
 
@@ -19,10 +19,8 @@ from configs.schema import OperatorConfig
 from errors import ConfigError, DataError
 from helpers import (
     both_config,
-    explorer_in_process,
     kill_explorer_before_write,
     make_task,
-    run_entry,
     run_explorer,
     write_config,
 )
@@ -428,7 +426,8 @@ def test_an_operator_that_raises_stops_the_explorer_and_its_step_is_not_written(
     (tmp_path / "raises.py").write_text(RAISES_LATER)
     ops = [{"name": "reward_filter", "args": {"threshold": -1.0}}, {"name": f"{tmp_path / 'raises.py'}:RaisesLater"}]
     config = write_config(tmp_path, tiny_model_dir, **{"data_processor": {"experience_pipeline": {"operators": ops}}})
-    code, err = explorer_in_process(config, caplog)
+    out = run_explorer(config)
+    code, err = out.returncode, out.stderr
     assert code == 2
     assert "experience pipeline operator RaisesLater (data_processor.experience_pipeline.operators[1]) raised " in err
     assert "KeyError: 'quality'. The step is not written" in err
@@ -459,7 +458,7 @@ def test_mode_both_with_shaping_from_the_reward_components_and_dynamic_sampling(
             "data_processor": {"experience_pipeline": {"operators": ops}},
         },
     )
-    out = run_entry("launch.py", ["--config", str(config)], {**os.environ, "OMP_NUM_THREADS": "1"}, 600)
+    out = entry.run_process("launch.py", "--config", str(config), timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     db = next((tmp_path / "ck").rglob("*.db"))
     rows = sqlite3.connect(db).execute("SELECT e.group_id, e.reward, p.meta FROM experiences e JOIN payloads p "
@@ -488,7 +487,8 @@ def test_a_bad_operator_stops_the_explorer_at_start_before_any_rollout(tiny_mode
     monkeypatch.setattr(explore.sync, "start_engine", lambda *a: started.append(a) or (None, 0))
     ops = [{"name": "reward_std_filter", "args": {"treshold": 0.1}}]
     config = write_config(tmp_path, tiny_model_dir, **{"data_processor": {"experience_pipeline": {"operators": ops}}})
-    code, err = explorer_in_process(config, caplog)
+    out = run_explorer(config)
+    code, err = out.returncode, out.stderr
     assert code == 2 and not started
     assert "data_processor.experience_pipeline.operators[0]: operator 'reward_std_filter' takes no argument " in err
     assert "'treshold'; did you mean 'threshold'?" in err

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import entry
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ import workflows
 from buffer import Experience, ExperienceDB
 from configs import cli, resolve_stages
 from engines import EngineHandle, HFEngine
-from helpers import explorer_in_process, kill_explorer_before_write, make_task, run_explorer, start_entry, write_config
+from helpers import kill_explorer_before_write, make_task, run_explorer, write_config
 from models import load_tokenizer
 from monitor import read_history
 from sampling import PromptTooLong
@@ -79,11 +80,11 @@ def test_sigkill_mid_step_then_restart_neither_repeats_nor_skips(tiny_model_dir,
 
 
 @pytest.mark.slow
-def test_bench_prints_accuracy_and_throughput(tiny_model_dir, tmp_path, caplog, capsys):
+def test_bench_prints_accuracy_and_throughput(tiny_model_dir, tmp_path):
     """In this process (test_launch's stages test runs a bench stage through explore.py)."""
-    code, errors = explorer_in_process(write_config(tmp_path, tiny_model_dir, mode="bench"), caplog)
-    assert code == 0, errors
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("bench step 0"))
+    out = run_explorer(write_config(tmp_path, tiny_model_dir, mode="bench"))
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("bench step 0"))
     shown = json.loads(line.split(": ", 1)[1])
     assert 0.0 <= shown["bench/arith_test/accuracy/mean@2"] <= 1.0 and shown["bench/tokens_per_s"] > 0
 
@@ -312,7 +313,7 @@ def test_stuck_user_code_neither_starves_the_other_tasks_nor_aborts_the_exit(tin
         },
     )
     log = tmp_path / "explorer.log"
-    proc = start_entry("explore.py", ["--config", str(config)], log)
+    proc = entry.start("explore.py", "--config", str(config), log=log)
     deadline = time.monotonic() + 400
     while "finished at step" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -456,8 +457,8 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     }
     config = write_config(tmp_path, tiny_model_dir, **over)
     job = tmp_path / "ck/p/e"
-    trainer = start_entry(
-        "tests/test_sync.py", ["fake_trainer", tiny_model_dir, str(job), "2"], tmp_path / "trainer2.log"
+    trainer = entry.start(
+        "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "2", log=tmp_path / "trainer2.log"
     )
     out = run_explorer(config)  # 3 steps: sync points after steps 1, 2
     assert trainer.wait(timeout=60) == 0, trainer.out.read_text()[-3000:]
@@ -466,8 +467,8 @@ def test_group_sync_versions_and_trainer_stop(tiny_model_dir, tmp_path):
     # a restart for 3 more steps: this trainer (restarted without a checkpoint) sends one version, then stop; the
     # explorer, restarted after step 3, waits for version 3 before its first rollout (sync.ExplorerSync.resume)
     config = write_config(tmp_path, tiny_model_dir, **{**over, "buffer.total_steps": 6})
-    trainer = start_entry(
-        "tests/test_sync.py", ["fake_trainer", tiny_model_dir, str(job), "1"], tmp_path / "trainer1.log"
+    trainer = entry.start(
+        "tests/test_sync.py", "fake_trainer", tiny_model_dir, str(job), "1", log=tmp_path / "trainer1.log"
     )
     out = run_explorer(config)
     assert trainer.wait(timeout=60) == 0
@@ -487,10 +488,10 @@ def test_bad_input_stops_the_explorer_with_a_named_message_and_no_traceback(tiny
     assert f"{data / 'train.jsonl'}: line 5: not valid JSON" in out.stderr
     db = tmp_path / "other.db"
     db.write_bytes(b"some notes\n")
-    code, err = explorer_in_process(  # in this process: the same exit path as explore.py's (the process: above)
-        write_config(tmp_path, tiny_model_dir, **{"buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"}),
-        caplog,
+    out = run_explorer(
+        write_config(tmp_path, tiny_model_dir, **{"buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}"})
     )
+    code, err = out.returncode, out.stderr
     assert code == 2 and f"{db} is not a SQLite database" in err and db.read_bytes() == b"some notes\n"
 
 
@@ -892,8 +893,8 @@ def test_a_huge_question_is_cut_by_characters_before_the_engine_and_stored_cut(t
         "buffer.total_steps": 1,
         "buffer.trainer_input.experience_buffer.path": f"sqlite:///{db}",
     }
-    code, err = explorer_in_process(write_config(tmp_path, tiny_model_dir, **over), caplog)
-    assert code == 0, err
+    out = run_explorer(write_config(tmp_path, tiny_model_dir, **over))
+    assert out.returncode == 0, out.stderr
     with ExperienceDB(f"sqlite:///{db}") as d:
         exps = d.get([r[0] for r in d.query("SELECT id FROM experiences")])
     by_task = {t: [x for x in exps if x.task_id == t] for t in ("arith/0", "arith/1", "arith/2")}

@@ -7,9 +7,10 @@ import subprocess
 import sys
 import time
 
+import entry
 import pytest
 
-from helpers import ROOT, Entry, forkable, run_entry, start_entry
+from helpers import ROOT, Entry, forkable, run_entry
 
 SCRIPT = """import atexit, concurrent.futures, json, multiprocessing, os, sys, threading, time
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__,
@@ -66,14 +67,14 @@ def test_a_forked_entry_point_exits_writes_and_sees_what_a_fresh_process_does(tm
 def test_a_forked_entry_point_takes_signals_and_an_import_time_variable_gets_a_plain_process(tmp_path):
     script, marker = tmp_path / "s.py", tmp_path / "waiting"
     script.write_text(SCRIPT)
-    proc = start_entry(str(script), ["wait", str(marker)], tmp_path / "log.txt")
+    proc = entry.start(str(script), "wait", str(marker), log=tmp_path / "log.txt")
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.out.read_text()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == -signal.SIGTERM and proc.proc is not None  # forked, killed as Popen reports it
-    proc = start_entry(str(script), ["ok"], tmp_path / "log2.txt", {"PYTHONPATH": str(tmp_path)})
+    proc = entry.start(str(script), "ok", log=tmp_path / "log2.txt", env={"PYTHONPATH": str(tmp_path)})
     assert proc.wait(timeout=60) == 0 and proc.plain is not None  # PYTHONPATH is read at start: a plain process
     # start_new_session, as scripts/soak_async.py starts its processes: a session of its own by the time the start
     # returns (a kill right after it reaches the child, as Popen's does)
@@ -153,3 +154,104 @@ def test_the_projects_modules_read_no_environment_as_they_are_imported():
     files = [*ROOT.glob("*.py"), *ROOT.glob("algos/*.py"), *ROOT.glob("configs/*.py"), *ROOT.glob("workflows/*.py")]
     found = [f"{f.relative_to(ROOT)}:{n}" for f in files for n in reads(ast.parse(f.read_text()))]
     assert len(files) > 40 and not found, found
+
+
+# --- entry.run: an entry point in the test's own process gives what `python script.py` gives, and leaves no trace
+
+IN_PROCESS = """import json, logging, os, signal, sys, threading, time
+import torch
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "var": os.environ.get("NANORFT_T"), "name": __name__}))
+print("to stderr", file=sys.stderr)
+logging.basicConfig(level=logging.INFO)
+logging.getLogger("nanorft.t").info("a log line")
+threading.Thread(target=lambda: (time.sleep(0.3), print("thread done"))).start()
+how = sys.argv[1]
+os.environ["NANORFT_SET_BY_RUN"] = "1"
+os.chdir(sys.argv[2])
+signal.signal(signal.SIGTERM, lambda *_: None)
+logging.getLogger().setLevel(logging.DEBUG)
+logging.getLogger("transformers").setLevel(logging.DEBUG)
+logging.getLogger("nanorft.new_by_run").addHandler(logging.StreamHandler())
+torch.set_num_threads(3)
+if how in ("group", "leak"):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}/rdv", rank=0, world_size=1)
+if how == "leak":
+    threading.Thread(target=time.sleep, args=(20,), daemon=True, name="left-behind").start()
+if how == "raise":
+    raise ValueError("boom")
+sys.exit({"ok": 0, "group": 0, "leak": 0, "code": 3, "text": "stopped: a message"}[how])
+"""
+
+
+def process_state(loggers_of: dict | None = None) -> dict:
+    """What an in-process run must leave as it found it; `loggers_of`: an earlier state, whose loggers alone are
+    compared (a logger the run made stays in logging's registry: it must hold no level and no handler)."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    every = {n: lg for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    loggers = {n: (lg.level, list(lg.handlers), lg.propagate) for n, lg in every.items()}
+    if loggers_of is not None:
+        made = {n: loggers[n] for n in loggers if n not in loggers_of["loggers"]}
+        assert all(state == (logging.NOTSET, [], True) for state in made.values()), made
+        loggers = {n: loggers[n] for n in loggers_of["loggers"]}
+    return {
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+        "argv": list(sys.argv),
+        "signals": {s: signal.getsignal(s) for s in signal.valid_signals()},
+        "root": (logging.getLogger().level, list(logging.getLogger().handlers)),
+        "loggers": loggers,
+        "threads": torch.get_num_threads(),
+        "group": dist.is_initialized(),
+    }
+
+
+@pytest.mark.slow
+def test_an_entry_point_run_in_process_gives_what_a_process_gives_and_leaves_the_process_as_it_was(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(IN_PROCESS)
+    before, counts = process_state(), dict(entry.COUNTS)
+    for how in ("ok", "code", "text", "raise", "group"):
+        args = (str(script), how, str(tmp_path))
+        alone = entry.run_process(*args, env={"NANORFT_T": how})
+        here = entry.run(*args, env={"NANORFT_T": how})
+        assert (here.returncode, sorted(here.stdout.splitlines())) == (
+            alone.returncode,
+            sorted(alone.stdout.splitlines()),
+        ), (how, here.stderr)
+        assert alone.returncode == {"ok": 0, "group": 0, "code": 3, "text": 1, "raise": 1}[how]
+        assert f'"var": "{how}"' in here.stdout and '"name": "__main__"' in here.stdout and "thread done" in here.stdout
+        assert f'"cwd": "{ROOT}"' in here.stdout
+        for out in (here, alone):
+            assert "to stderr" in out.stderr and "a log line" in out.stderr, (how, out.stderr)
+            said = {"text": "stopped: a message", "raise": "ValueError: boom"}.get(how, "")
+            assert said in out.stderr and ("Traceback" in out.stderr) == (how == "raise")
+        assert process_state(before) == before, how
+    assert entry.COUNTS == {"processes": counts["processes"] + 5, "in_process": counts["in_process"] + 5}
+
+
+@pytest.mark.slow
+def test_an_entry_point_run_in_process_that_leaves_a_thread_running_fails_the_test(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text(IN_PROCESS)
+    before = process_state()
+    with pytest.raises(AssertionError, match="left threads running: .*left-behind"):
+        entry.run(str(script), "leak", str(tmp_path))
+    assert process_state(before) == before
+
+
+def test_an_entry_point_with_a_main_runs_in_process_through_it_and_counts(tmp_path):
+    """launch.py, train.py, explore.py: main(argv), not their `__main__` block (train.py's leaves with os._exit); a
+    bad config's exit code and message as a process gives them; entry.COUNTS counts each way."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: explore\nno_such_key: 1\n")
+    counts = dict(entry.COUNTS)
+    for script in ("train.py", "explore.py", "launch.py"):
+        here = entry.run(script, "--config", str(bad))
+        assert here.returncode == 2 and "no_such_key" in here.stderr, (script, here.stderr)
+    assert entry.COUNTS == {**counts, "in_process": counts["in_process"] + 3}

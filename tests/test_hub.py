@@ -9,6 +9,7 @@ import shutil
 import time
 from pathlib import Path
 
+import entry
 import pytest
 from fake_hub import COMMIT, FakeHub, SilentPort, closed_port
 from huggingface_hub import constants
@@ -17,7 +18,7 @@ from configs import cli, resolve_stages
 from configs.hub import PROBE_TIMEOUT_S, _probe, fetch_hub, hub_problems
 from configs.preflight import preflight
 from errors import ConfigError
-from helpers import both_config, run_entry, sft_config
+from helpers import both_config, sft_config
 
 FMT = {"prompt_key": "question", "response_key": "answer"}
 EVAL = [{"name": "ev", "path": "org/tasks", "subset_name": "main", "split": "test", "format": FMT}]
@@ -37,12 +38,11 @@ def hub_config(tmp_path: Path, tiny_model_dir: str) -> Path:
     )
 
 
-def hub_env_of(tmp_path: Path, endpoint: str) -> dict[str, str]:
-    """The test's environment for a launcher: HF_HOME in tmp_path/hf, the hub at `endpoint`, no offline switch."""
-    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
-    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE"):
-        env.pop(name, None)
-    return env
+def hub_env_of(tmp_path: Path, endpoint: str) -> dict[str, str | None]:
+    """What a launcher's environment changes (entry.run_process): HF_HOME in tmp_path/hf, the hub at `endpoint`, no
+    offline switch. NOTE: huggingface_hub reads them at import: a process of its own."""
+    unset = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "TRANSFORMERS_OFFLINE")
+    return {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), **dict.fromkeys(unset)}  # None: unset
 
 
 def expected_lines(tmp_path: Path, why: str) -> list[str]:
@@ -174,7 +174,7 @@ def test_the_launcher_names_hub_ids_it_cannot_have_and_starts_nothing(tmp_path, 
     directory (before: both processes started and retried the hub for a minute)."""
     config = hub_config(tmp_path, tiny_model_dir)
     url = closed_port()
-    out = run_entry("launch.py", ["--config", str(config)], hub_env_of(tmp_path, url), timeout=120)
+    out = entry.run_process("launch.py", "--config", str(config), env=hub_env_of(tmp_path, url), timeout=120)
     why = f"no answer from {url} within 2.5 s ([Errno 111] Connection refused)"
     lines = expected_lines(tmp_path, why)
     assert out.returncode == 2, out.stderr[-3000:]
@@ -199,7 +199,7 @@ def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_proces
         **{"model.model_path": "org/tiny", "buffer.trainer_input.experience_buffer.path": "org/sft"},
     )
     with FakeHub({"org/tiny": tiny_model_dir, "datasets/org/sft": data}) as hub:
-        out = run_entry("launch.py", ["--config", str(config)], hub_env_of(tmp_path, hub.url), timeout=300)
+        out = entry.run_process("launch.py", "--config", str(config), env=hub_env_of(tmp_path, hub.url), timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     log = out.stdout + out.stderr
     assert "Fetching 6 files: 100%" in out.stderr  # huggingface_hub's bar, in the launcher
@@ -218,6 +218,8 @@ def test_with_a_hub_the_launcher_downloads_model_and_data_once_before_the_proces
     snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / COMMIT
     assert sorted(p.name for p in snapshot.iterdir()) == sorted(p.name for p in Path(tiny_model_dir).iterdir())
     # the hub gone: the caches the launcher filled pass the pre-flight and the run reads them, retrying nothing
-    again = run_entry("launch.py", ["--config", str(config), "--name", "t2"], hub_env_of(tmp_path, closed_port()), 300)
+    again = entry.run_process(
+        "launch.py", "--config", str(config), "--name", "t2", env=hub_env_of(tmp_path, closed_port()), timeout=300
+    )
     assert again.returncode == 0 and "Retry" not in again.stdout + again.stderr, again.stderr[-3000:]
     assert (tmp_path / "ck" / "p" / "t2").is_dir()

@@ -3,14 +3,14 @@ script itself on the fastest presets as a user runs it, asserting that each gain
 control (slow: two runs per preset through launch.py)."""
 
 import json
-import os
 import sys
 
+import entry
 import pytest
 import yaml
 
 from algos import PRESETS
-from helpers import ROOT, run_entry
+from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import learn_table  # noqa: E402
@@ -87,7 +87,7 @@ def test_grpo_gains_more_than_its_random_reward_control(tmp_path):
     config.write_text(yaml.safe_dump(base))
     args = ["--config", str(config), "--sft-weights", "assets/tiny-qwen2", "--presets", "grpo", "--steps", "4"]
     args += ["--jobs", "2", "--out", str(tmp_path / "out")]
-    out = run_entry("scripts/learn_table.py", args, dict(os.environ), timeout=900)
+    out = entry.run_process("scripts/learn_table.py", *args, timeout=900)
     result = json.loads((tmp_path / "out" / "learn_table.json").read_text())
     assert [e["preset"] for e in result["presets"]] == ["grpo"], out.stdout[-3000:]
     for e in result["presets"]:

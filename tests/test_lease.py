@@ -10,11 +10,12 @@ import sys
 import time
 from pathlib import Path
 
+import entry
 import psutil
 import pytest
 
 from buffer import ExperienceDB
-from helpers import both_config, launch, run_explorer, start_entry
+from helpers import both_config, launch, run_explorer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +49,7 @@ def test_a_job_launched_twice_runs_once(tmp_path, tiny_model_dir):
     config = both_config(tmp_path, tiny_model_dir, continue_from_checkpoint=True)
     marker = tmp_path / "paused"
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    first = start_entry("launch.py", ["--config", str(config)], tmp_path / "first.log", pause)
+    first = entry.start("launch.py", "--config", str(config), log=tmp_path / "first.log", env=pause)
     try:
         wait_for(lambda: marker.exists() or first.poll() is not None, "the first run's explorer before step 2")
         second = launch(config, timeout=120)
@@ -73,7 +74,7 @@ def test_a_second_explorer_of_one_name_is_refused_and_replaces_a_killed_one_at_o
     config = both_config(tmp_path, tiny_model_dir, continue_from_checkpoint=True, **over)
     marker, url = tmp_path / "paused", f"sqlite:///{tmp_path}/ck/p/run/buffer/exp.db"
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:2", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    first = start_entry("explore.py", ["--config", str(config)], tmp_path / "first.log", pause)
+    first = entry.start("explore.py", "--config", str(config), log=tmp_path / "first.log", env=pause)
     try:
         wait_for(lambda: marker.exists() or first.poll() is not None, "the first explorer before step 2")
         second = run_explorer(config)
@@ -135,8 +136,8 @@ def test_a_second_interrupt_ends_the_launcher_at_once_without_a_traceback(tmp_pa
     config = both_config(tmp_path, tiny_model_dir)
     marker = tmp_path / "paused"
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:1", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = start_entry(
-        "launch.py", ["--config", str(config)], tmp_path / "out.log", pause | {"NANORFT_TEST_PAUSE_DEAF": "1"}
+    proc = entry.start(
+        "launch.py", "--config", str(config), log=tmp_path / "out.log", env=pause | {"NANORFT_TEST_PAUSE_DEAF": "1"}
     )
     try:
         wait_for(lambda: marker.exists() or proc.poll() is not None, "the explorer before step 1")

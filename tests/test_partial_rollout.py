@@ -19,7 +19,7 @@ from buffer import Experience, ExperienceDB
 from configs import ConfigError, cli, resolve_stages
 from configs.schema import InferenceModelConfig
 from engines import SamplingParams, experience, make_engine
-from helpers import explorer_in_process, perturbed, raw, use_fake_vllm, write_config
+from helpers import perturbed, raw, run_explorer, use_fake_vllm, write_config
 from models import load_model, load_tokenizer
 from monitor import read_history, rollout_metrics
 from sampling import Completion
@@ -228,12 +228,13 @@ def test_with_partial_rollout_the_next_steps_rollout_runs_while_the_sync_point_w
 
     publisher = threading.Thread(target=trainer, daemon=True)
     publisher.start()
-    code, errors = explorer_in_process(config, caplog)
+    out = run_explorer(config)
+    code, errors = out.returncode, out.stderr
     ended.set()
     publisher.join()
     if not partial:
         assert code == 1 and started == [(1, 0)]
-        assert "no weights of step 1 after 2 s" in caplog.text
+        assert "no weights of step 1 after 2 s" in errors
         return
     assert code == 0, errors
     assert started == [(1, 0), (2, 0), (3, 1), (4, 2)]

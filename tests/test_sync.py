@@ -15,6 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # also when this file runs as a peer process (bottom of the file)
 
+import entry
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,7 +23,7 @@ from safetensors.torch import load_file, save_file
 import configs
 import sync
 import wire
-from helpers import Entry, both_config, launch, rollout_logprob_gap, start_entry, versions_by_step
+from helpers import Entry, both_config, launch, rollout_logprob_gap, versions_by_step
 
 # NOTE: models, engines, transformers and monitor are imported where used: this file is also the peer process of the
 # process-group tests, and the peers that need only wire start ~3 s of CPU sooner without them
@@ -149,7 +150,7 @@ def perturb(model: torch.nn.Module, seed: int = 0) -> None:
 
 def peer(log_dir: Path, role: str, *args: str, env: dict | None = None) -> Entry:
     """This file run as `role`'s process (bottom of the file), its output in <log_dir>/<role>.log."""
-    return start_entry("tests/test_sync.py", [role, *args], Path(log_dir) / f"{role}.log", env)
+    return entry.start("tests/test_sync.py", role, *args, log=Path(log_dir) / f"{role}.log", env=env)
 
 
 def finish(proc: Entry, timeout: float = 60) -> str:

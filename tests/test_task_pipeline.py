@@ -13,7 +13,7 @@ import pytest
 
 import explore
 from errors import ConfigError, DataError
-from helpers import explorer_in_process, raw, write_config
+from helpers import raw, run_explorer, write_config
 
 ROWS = [
     {"question": "What is 2 + 3?", "answer": "#### 5"},
@@ -402,8 +402,8 @@ def test_seed_example_runs_through_an_auxiliary_model(tmp_path, tiny_model_dir, 
         "explorer.auxiliary_models": [{"model_path": tiny_model_dir, "engine_type": "hf", "max_model_len": 512}],
     }
     path = write_config(tmp_path, tiny_model_dir, **over)
-    code, errors = explorer_in_process(path, caplog)
-    assert code == 0, errors
+    out = run_explorer(path)
+    assert out.returncode == 0, out.stderr
     (out,) = (tmp_path / "ck" / "p" / "e" / "task_pipeline").glob("tasks-*.jsonl")
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows == [dict(r, llm_difficulty_score=0.0, llm_difficulty_record="") for r in ROWS]
@@ -483,9 +483,8 @@ def test_explorer_stops_with_the_named_error_when_no_task_is_left(tmp_path, tiny
     data = jsonl(tmp_path / "in.jsonl", ROWS)
     (tmp_path / "ops.py").write_text(USER_OP)
     tp = {"inputs": [str(data)], "operators": [user_op(tmp_path, max_len=3)]}
-    code, errors = explorer_in_process(
-        write_config(tmp_path, tiny_model_dir, **{"data_processor.task_pipeline": tp}), caplog
-    )
+    out = run_explorer(write_config(tmp_path, tiny_model_dir, **{"data_processor.task_pipeline": tp}))
+    code, errors = out.returncode, out.stderr
     assert code != 0 and "operator 'KeepShort' dropped the last 3 row(s)" in errors and "Traceback" not in errors
 
 

@@ -6,16 +6,15 @@ import ast
 import hashlib
 import json
 import operator
-import os
 import re
 from pathlib import Path
 
+import entry
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import tiny
-from helpers import run_entry
 from models import load_model, load_tokenizer
 from workflows.episode import ToolCall, parse_tool_calls
 from workflows.tool_use import calculate
@@ -235,15 +234,15 @@ def test_bpe_merges_the_tasksets_words_and_keeps_digits_apart(built):
         tiny.build(str(out.parent / "other"), **SMALL, tokenizer="wordpiece")
 
 
-# --- the CLI, as a user runs it (forked from the tests' fork server: helpers.run_entry)
+# --- the CLI, as a user runs it (in this process: entry.run)
 @pytest.mark.slow
 def test_cli(tmp_path):
     args = ["--out", str(tmp_path / "a"), "--n-train", "20", "--n-test", "5", "--hidden-size", "16"]
     args += ["--num-layers", "1", "--intermediate-size", "32"]
-    first = run_entry("tiny.py", args, dict(os.environ), timeout=300)
+    first = entry.run("tiny.py", *args, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
     assert first.stdout.startswith("built") and "train 20, test 5, sft 20 rows" in first.stdout
-    second = run_entry("tiny.py", args, dict(os.environ), timeout=300)
+    second = entry.run("tiny.py", *args, timeout=300)
     assert second.returncode == 0 and second.stdout.startswith("up to date"), second.stderr[-3000:]
 
 

@@ -14,12 +14,13 @@ import signal
 import time
 from pathlib import Path
 
+import entry
 import pytest
 
 import lora
 import models
 from configs.schema import ModelConfig
-from helpers import both_config, launch, real_vllm, rollout_logprob_gap, start_entry, versions_by_step
+from helpers import both_config, launch, real_vllm, rollout_logprob_gap, versions_by_step
 from monitor import read_history
 
 pytestmark = pytest.mark.usefixtures("environment_kept")  # vLLM engines built in this process
@@ -216,7 +217,7 @@ def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir)
 
     config = vllm_config(tmp_path, tiny_model_dir, "vllm", "checkpoint", mode="explore")
     db = tmp_path / "ck" / "p" / "run" / "buffer" / "exp.db"
-    proc = start_entry("explore.py", ["--config", str(config)], tmp_path / "explorer.err")
+    proc = entry.start("explore.py", "--config", str(config), log=tmp_path / "explorer.err")
     deadline = time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         if db.exists():
@@ -245,7 +246,7 @@ def test_a_sigkilled_explorer_leaves_no_vllm_process(tmp_path, tiny_model_dir):
 
     config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "checkpoint", mode="explore")
     url = f"sqlite:///{tmp_path / 'ck' / 'p' / 'run' / 'buffer' / 'exp.db'}"
-    launcher = start_entry("launch.py", ["--config", str(config)], tmp_path / "launch.err")
+    launcher = entry.start("launch.py", "--config", str(config), log=tmp_path / "launch.err")
     explorer, deadline = None, time.monotonic() + 300
     while launcher.poll() is None and explorer is None and time.monotonic() < deadline:
         time.sleep(1)

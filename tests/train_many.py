@@ -1,7 +1,7 @@
-"""helpers.run_trains' script: train.py's main for each (config, stderr file) pair, in turn, in this one process (under
-torchrun: on each rank). The exit codes go to a JSON file (rank 0's).
+"""helpers.run_trains' script under torchrun: train.py's main for each (config, stderr file) pair, in turn, on each
+rank of one launch. The exit codes go to a JSON file (rank 0's).
 
-    python tests/train_many.py CODES.json CONFIG1 STDERR1 [CONFIG2 STDERR2 ...]   # from the repository's root
+    torchrun --nproc_per_node=N tests/train_many.py CODES.json CONFIG1 STDERR1 [CONFIG2 STDERR2 ...]  # from the root
 
 NOTE: each run's process group rendezvouses under its own key prefix: a second init on torchrun's store would read the
 first run's keys (stale addresses: the ranks hung in their first all-reduce); and a run that stops in set-up leaves its
