@@ -395,17 +395,7 @@ def test_tests_sharing_a_module_fixture_run_on_one_worker(tmp_path):
         "def test_alone(i):\n"
         "    time.sleep(0.2)\n"
     )
-    built = tmp_path / "built"
-    out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-rN"],
-        cwd=tmp_path,
-        env={**os.environ, "BUILT": str(built)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0 and "12 passed" in out.stdout, out.stdout + out.stderr
-    assert len(built.read_text().split()) == 1, built.read_text()
+    assert builders_on_two_workers(tmp_path, passed=12) == 1
 
 
 def test_tests_of_two_files_sharing_a_session_run_run_on_one_worker(tmp_path):
@@ -433,6 +423,12 @@ def test_tests_of_two_files_sharing_a_session_run_run_on_one_worker(tmp_path):
             "def test_alone(i):\n"
             "    time.sleep(0.2)\n"
         )
+    assert builders_on_two_workers(tmp_path, passed=16) == 1
+
+
+def builders_on_two_workers(tmp_path: Path, passed: int) -> int:
+    """Run the tests in `tmp_path` on two xdist workers (`--dist loadgroup`, as `bash run.sh test` does); check that
+    `passed` tests passed and return how many workers built the shared fixture (each appends its name to $BUILT)."""
     built = tmp_path / "built"
     out = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup", "-rN"],
@@ -442,5 +438,5 @@ def test_tests_of_two_files_sharing_a_session_run_run_on_one_worker(tmp_path):
         text=True,
         timeout=120,
     )
-    assert out.returncode == 0 and "16 passed" in out.stdout, out.stdout + out.stderr
-    assert len(built.read_text().split()) == 1, built.read_text()
+    assert out.returncode == 0 and f"{passed} passed" in out.stdout, out.stdout + out.stderr
+    return len(built.read_text().split())
