@@ -142,7 +142,7 @@ def main() -> None:
         f"{torch.get_num_threads()} threads; {args.prompts} prompts x n={args.n}, at most {args.tokens} new tokens"
     )
     root = tempfile.mkdtemp(prefix="bench_engine_")
-    build(root, n_train=max(50, args.prompts), n_test=10, problems="plain", two_step_frac=0.5)
+    build(root, n_train=max(50, args.prompts), n_test=10, problems="plain", two_step_frac=0.5, tokenizer="byte")
     tiny = os.path.join(root, "tiny-qwen2")
     paths = {"tiny": tiny, "25M": build_25m(tiny, os.path.join(root, "qwen2-25m"))}
     with open(os.path.join(root, "arith", "train.jsonl")) as f:

@@ -616,8 +616,8 @@ def test_profile_decode_splits_each_run_into_prefill_forward_and_the_rest(tiny_m
     for r in results["engine"] + results["generate"]:
         # 6 rows of at most 5 tokens: at most 4 forward passes after the prefill (the last token needs none)
         assert 0 < r["tokens"] <= 2 * 3 * 5 and 1 <= r["steps"] <= 4
-        assert (
-            0 < r["prefill_s"] and 0 < r["forward_s"] and r["prefill_s"] + r["forward_s"] <= r["cpu_s"] <= r["wall_s"]
-        )
+        # NOTE: the parts and the whole are read from the thread's CPU clock at different moments: 1 ms of slack
+        assert 0 < r["prefill_s"] and 0 < r["forward_s"] and r["prefill_s"] + r["forward_s"] <= r["cpu_s"] + 1e-3
+        assert r["cpu_s"] <= r["wall_s"] + 1e-3
     out = capsys.readouterr().out
     assert "1 torch thread(s)" in out and out.count("| engine |") == 1 and out.count("| generate |") == 1
