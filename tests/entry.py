@@ -268,20 +268,23 @@ def _threads_left(before: set, wait: float = 5.0) -> list[str]:
         time.sleep(0.02)
 
 
-def _logging_state() -> dict:
-    """Every logger's level, handlers, propagate and disabled; the root's too; logging.disable's level."""
+def _loggers() -> dict[str, logging.Logger]:
+    """Every logger that exists now, by name ("": the root)."""
     loggers = {"": logging.getLogger()}
     loggers.update({n: lg for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)})
-    state = {n: (lg.level, lg.handlers[:], lg.propagate, lg.disabled) for n, lg in loggers.items()}
+    return loggers
+
+
+def _logging_state() -> dict:
+    """Every logger's level, handlers, propagate and disabled; the root's too; logging.disable's level."""
+    state = {n: (lg.level, lg.handlers[:], lg.propagate, lg.disabled) for n, lg in _loggers().items()}
     return {"loggers": state, "disable": logging.root.manager.disable}
 
 
 def _put_back_logging(saved: dict) -> None:
     """The loggers as _logging_state saw them; one the run made: no level, no handler, propagating."""
     state = saved["loggers"]
-    loggers = {"": logging.getLogger()}
-    loggers.update({n: lg for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger)})
-    for name, lg in loggers.items():
+    for name, lg in _loggers().items():
         level, handlers, propagate, disabled = state.get(name, (logging.NOTSET, [], True, False))
         lg.setLevel(level)
         lg.handlers[:] = handlers

@@ -183,7 +183,7 @@ def test_partial_rollout_is_refused_on_a_gpu_shared_with_the_trainer(tmp_path, t
 
 @pytest.mark.parametrize("partial", [True, False])
 def test_with_partial_rollout_the_next_steps_rollout_runs_while_the_sync_point_waits(
-    tmp_path, tiny_model_dir, monkeypatch, caplog, partial
+    tmp_path, tiny_model_dir, monkeypatch, partial
 ):
     """Checkpoint sync, 4 steps, a "trainer" that publishes the weights of step k only once the explorer's rollout of
     step k + 1 has started (it waits for them at the sync point after step k). With partial_rollout the explorer runs
