@@ -3,8 +3,9 @@ and, for one experience, its tokens coloured by a chosen quantity with the numbe
 responses side by side. Opened on a DB by the address: `?db=PATH_OR_URL` (and `&exp=ID`, `&model=FOLDER`).
 
 The reading is studio/expdb.py's (paged queries, read-only connections, escaped HTML); this script is the widgets.
-A browser test finds: the table (key viewer_table), the tokens (`div.toks` of `span.tok`, data-adv / data-lp /
-data-tlp / data-mask / data-value on each), the group (`div.group-member` with data-exp-id, data-reward).
+A browser test finds: the table (key viewer_table), the experience shown (`div.exp-shown` with data-exp-id), its tokens
+(`div.toks` of `span.tok`, data-adv / data-lp / data-tlp / data-mask / data-value on each), the group
+(`div.group-member` with data-exp-id, data-reward).
 """
 
 import math
@@ -170,7 +171,8 @@ def experience_view(db: ExpDB, exp_id: int, tokenizer) -> None:
             )
     else:
         st.info("no train step recorded this experience (pending, dropped, or a DB from before schema version 5)")
-    st.html(tokens_html(token_rows(exp, use, tokenizer), quantity))
+    shown = tokens_html(token_rows(exp, use, tokenizer), quantity)
+    st.html(f'<div class="exp-shown" data-exp-id="{int(exp.id)}">{shown}</div>')
     st.caption(
         "underlined: trained tokens (the mask); struck through: response tokens not trained; grey: the prompt. "
         "Advantages: red < 0 < green; log-probs: the bluer, the less likely. Hover a token for its numbers."

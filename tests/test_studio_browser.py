@@ -104,10 +104,11 @@ def test_the_viewer_colours_a_known_experiences_tokens_by_their_advantage(run_di
     [(length,)] = raw(f"sqlite:///{db}", sql, (exp_id,))
     page = headless.new_page(viewport={"width": 1400, "height": 1000})
     open_page(page, studio.url("experiences", db=str(db), exp=str(exp_id)))
-    page.locator("div.toks span.tok").first.wait_for()
-    tokens = page.locator("div.toks").first.locator("span.tok")
+    shown = page.locator(f'div.exp-shown[data-exp-id="{exp_id}"] div.toks')  # not a group member's tokens
+    shown.locator("span.tok").first.wait_for()
+    tokens = shown.locator("span.tok")
     assert tokens.count() == length
-    response = page.locator("div.toks").first.locator('span.tok[data-part="response"]')
+    response = shown.locator('span.tok[data-part="response"]')
     assert response.count() == len(advantages)
     for i in range(response.count()):
         token = response.nth(i)
