@@ -95,6 +95,8 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
         )
     elif stage.mode == "both" and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
         explorer[1]["OMP_NUM_THREADS"], trainer[1]["OMP_NUM_THREADS"] = map(str, cpu_split())
+        for role in (explorer, trainer):  # NOTE: an idle OpenMP thread sleeps instead of spinning (cpu_split)
+            role[1]["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     here = {"trainer": trainer} if cl.trainer_node_num == cl.node_num else {}  # else node 0 is the explorer's
     return {
         "train": here,
@@ -165,14 +167,16 @@ def overlaps(stage: configs.Config) -> bool:
 
 
 def cpu_split() -> tuple[int, int]:
-    """CPU threads (explorer, trainer) for a mode-both stage whose processes overlap on a machine without GPUs.
-    NOTE: each process would otherwise start a thread per core, and two OpenMP thread teams on the same cores
-    fight (a team's parallel region waits for its slowest thread): docs/LOG.md has the measurements. On-policy
-    runs take turns, so each keeps every core."""
+    """CPU threads (explorer, trainer) for a mode-both stage whose processes overlap on a machine without GPUs: the
+    explorer a third of the cores (at least one), the trainer every core, both with OMP_WAIT_POLICY=PASSIVE.
+    NOTE: each process would otherwise start a thread per core, and two OpenMP thread teams on the same spinning
+    cores fight (a team's parallel region waits for its slowest thread: 4.4x slower steps on 2 cores). With passive
+    waiting the trainer, the longer of the two, also gets the cores the explorer leaves idle once its rollout is
+    done: 80 s against 85-91 s for bench_vs_trl's sync_offset 1 run, where one thread each was the rule
+    (docs/LOG.md, 2026-11-30). On-policy runs take turns, so each keeps every core."""
     # NOTE: the cores this process may run on (Linux); macOS has no affinity masks: every core
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    explorer = max(1, cores // 3)
-    return explorer, max(1, cores - explorer)
+    return max(1, cores // 3), cores
 
 
 def supervise(procs: dict[str, subprocess.Popen], grace: float = 30.0, tick: Callable[[], None] | None = None) -> int:

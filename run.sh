@@ -109,8 +109,9 @@ if [ "${1:-}" = "test" ]; then
   setup_dj || echo "[run.sh] could not set up $DJ_VENV (above): the Data-Juicer tests will say so" >&2
   shift
   # one pytest-xdist worker per core, each taking the next test when it is free, the tests that share a module-scoped
-  # fixture on one worker (tests/conftest.py; -n 0: in this process alone)
-  exec "$PY" -m pytest -q -n auto --dist loadgroup "$@"
+  # fixture on one worker (tests/conftest.py; -n 0: in this process alone); the 25 slowest tests listed at the end
+  # (docs/tests.md's "Suite timings" reads them)
+  exec "$PY" -m pytest -q -n auto --dist loadgroup --durations=25 "$@"
 fi
 setup ""
 CONFIG="${1:-configs/tiny.yaml}"

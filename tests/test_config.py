@@ -449,6 +449,32 @@ def test_mode_both_on_one_gpu_colocates(tmp_path, caplog, monkeypatch):
     assert (cfg.cluster.colocate, cfg.cluster.trainer_gpu_num) == (False, 1)
 
 
+def test_overlapping_cpu_processes_split_the_threads_and_wait_passively(tmp_path, monkeypatch):
+    """Mode both without GPUs, sync_offset 1 on 6 cores: the explorer 2 threads, the trainer 6, both OpenMP threads
+    that sleep when idle (launch.cpu_split); on-policy, or with the user's own OMP_NUM_THREADS, neither is set; the
+    user's OMP_WAIT_POLICY is kept."""
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    cpu = MINIMAL + "cluster: {gpu_per_node: 0}\n"
+
+    def envs(*args: str) -> list[dict]:
+        (cfg,) = resolve_stages(cli(["--config", write(tmp_path, cpu), *args])[0])
+        cmds = launch.commands(cfg, tmp_path / "resolved.yaml")
+        return [cmds[role][1] for role in ("explorer", "trainer")]
+
+    offset = ("--synchronizer.sync_offset", "1")
+    assert envs(*offset) == [
+        {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+        {"OMP_NUM_THREADS": "6", "OMP_WAIT_POLICY": "PASSIVE"},
+    ]
+    assert envs() == [{}, {}]  # on-policy: they take turns, each keeps every core
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert [e["OMP_WAIT_POLICY"] for e in envs(*offset)] == ["ACTIVE", "ACTIVE"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert envs(*offset) == [{}, {}]
+
+
 @pytest.mark.slow
 def test_gpu_per_node_0_hides_cuda_from_every_process(tmp_path):
     """One process (for time) loads a config of gpu_per_node 4 (default), then one of 0, as a launched process does
