@@ -335,7 +335,7 @@ def test_run_sh_sets_up_with_posix_tools_only(tmp_path, machine):
     assert out.returncode == 0, out.stdout + out.stderr
     calls = record.read_text().splitlines()
     pip = "-m pip install -q --disable-pip-version-check"
-    assert calls[-1] == "-m pytest -q -n auto --dist loadgroup -k x"
+    assert calls[-1] == "-m pytest -q -n auto --dist loadgroup --durations=25 -k x"
     assert (f"{pip} torch==2.13.0" in calls) == (machine != "cuda") and f"{pip} -e .[{extras}]" in calls
     assert ("-m pip uninstall -q -y torchvision torchaudio torchcodec" in calls) == (machine == "linux")
     # Data-Juicer's own venv (.venv-dj), set up before the tests run it, once (its stamp)
@@ -346,7 +346,8 @@ def test_run_sh_sets_up_with_posix_tools_only(tmp_path, machine):
     assert stamp.name != ".setup-0123456789abcdef" and stamp.read_text() == extras + "\n"
     record.unlink()
     assert (
-        run_sh(repo, bin_, "test").returncode == 0 and record.read_text() == "-m pytest -q -n auto --dist loadgroup\n"
+        run_sh(repo, bin_, "test").returncode == 0
+        and record.read_text() == "-m pytest -q -n auto --dist loadgroup --durations=25\n"
     )
     record.unlink()
     assert run_sh(repo, bin_).returncode == 0
