@@ -697,6 +697,10 @@ def run_stages(cfg: configs.Config, resolved: list[configs.Config], start: float
     """Run the stages in order (the first failure stops them), then write the summary and the plot."""
     # NOTE: SIGTERM to the launcher (e.g. `kill`) must stop the children too: turn it into an exception.
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # NOTE: Ctrl-C and the studio's stop (SIGINT) stop the run however the launcher was started: a background job
+    # of a script starts with SIGINT ignored, and a blocked signal mask survives exec; both would leave it running.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     code, stages = 0, []
     for stage in stages_in_order(cfg, resolved):
         stages.append(stage)

@@ -129,16 +129,31 @@ def test_a_sigkilled_launcher_leaves_no_process_and_a_relaunch_finishes_once(tmp
     assert_once(f"sqlite:///{tmp_path}/ck/p/run/buffer/exp.db", 3 * 2 * 2)
 
 
+# `python -c DEAF launch.py ...`: SIGINT ignored and blocked, then exec: what a script's background job (or a thread
+# that blocked it) hands on, through exec, to what it starts
+DEAF = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 @pytest.mark.slow
-def test_a_second_interrupt_ends_the_launcher_at_once_without_a_traceback(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("inherited", ["default", "ignored and blocked"])
+def test_a_second_interrupt_ends_the_launcher_at_once_without_a_traceback(tmp_path, tiny_model_dir, inherited):
     """Ctrl-C twice: the first starts the gentle stop (SIGTERM, 30 s of grace: the explorer, paused, ignores it), the
-    second kills the processes and leaves with one line, exit 130, no traceback."""
+    second kills the processes and leaves with one line, exit 130, no traceback. Also when the launcher was started
+    with SIGINT ignored and blocked (a real process, so that the state is inherited through exec)."""
     config = both_config(tmp_path, tiny_model_dir)
     marker = tmp_path / "paused"
     pause = {"NANORFT_TEST_PAUSE_AT": "explore.before_write:1", "NANORFT_TEST_PAUSE_MARKER": str(marker)}
-    proc = entry.start(
-        "launch.py", "--config", str(config), log=tmp_path / "out.log", env=pause | {"NANORFT_TEST_PAUSE_DEAF": "1"}
-    )
+    env = pause | {"NANORFT_TEST_PAUSE_DEAF": "1"}
+    if inherited == "default":
+        proc = entry.start("launch.py", "--config", str(config), log=tmp_path / "out.log", env=env)
+    else:
+        with open(tmp_path / "out.log", "w") as out:
+            cmd = [sys.executable, "-c", DEAF, "launch.py", "--config", str(config)]
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=entry.environment(env), stdout=out, stderr=out)
     try:
         wait_for(lambda: marker.exists() or proc.poll() is not None, "the explorer before step 1")
         proc.send_signal(signal.SIGINT)
