@@ -110,7 +110,6 @@ if [ "${1:-}" = "test" ]; then
   shift
   # one pytest-xdist worker per core, each taking the next test when it is free, the tests that share a module-scoped
   # fixture on one worker (tests/conftest.py; -n 0: in this process alone); the 25 slowest tests listed at the end
-  # (docs/tests.md's "Suite timings" reads them)
   exec "$PY" -m pytest -q -n auto --dist loadgroup --durations=25 "$@"
 fi
 setup ""
