@@ -1,8 +1,10 @@
 """checkpoint.py: the trainer's checkpoints, for resuming, in Trinity-RFT's layout (beside the weights that sync.py
 publishes for explorers):
 
-    <job dir>/global_step_N/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-                                   trainer_state.json}   (+ critic/{huggingface/, optimizer.safetensors, ...})
+    <job dir>/global_step_N/actor/{huggingface/, optimizer/, rng_state_rank<r>.safetensors, trainer_state.json}
+                                   (+ critic/{huggingface/, optimizer/, ...})
+        optimizer/: the optimizer's states as torch.distributed.checkpoint shards in safetensors files, one file per
+        saving rank (no gather on rank 0); loaded on any number of ranks
         a LoRA actor (lora.py): lora_adapter/ (peft's format) instead of huggingface/, which is there only when the
         step's merged weights were published for the explorer
     <job dir>/global_step_N/manifest.json              size and sha256 of every file, written last
@@ -32,6 +34,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +42,7 @@ from typing import Any
 import safetensors.torch
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
 
 import lora
@@ -63,8 +67,8 @@ def save_checkpoint(
     state: dict | None = None,
     trained_with: dict[str, str] | None = None,
 ) -> None:
-    """global_step_<step>/actor/{huggingface/, optimizer.safetensors, rng_state_rank<r>.safetensors,
-    trainer_state.json} (+ critic/{huggingface/, optimizer.safetensors, trainer_state.json} with a critic); then
+    """global_step_<step>/actor/{huggingface/, optimizer/, rng_state_rank<r>.safetensors, trainer_state.json}
+    (+ critic/{huggingface/, optimizer/, trainer_state.json} with a critic); then
     latest_checkpointed_iteration.txt and trainer_meta.json move to <step>. `model` (and the critic's): the trainer's
     FSDP2 root, a scoring.TokenScorer (`.model`: the HF model). `weights`: the full state when the sync phase just
     published this step's HF folder (else None); `keep`: delete older checkpoints beyond this many (prune_checkpoints:
@@ -146,11 +150,14 @@ _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors (Rust) reports 
 
 
 def disk_fault(e: BaseException) -> tuple[str, str] | None:
-    """(what the disk did, what to do) when `e`, or an exception it was raised from, is a DISK_FAULTS error: an
-    OSError by errno, safetensors' SafetensorError by its text; else None."""
+    """(what the disk did, what to do) when `e`, or an exception it was raised from (or a rank's, for a
+    torch.distributed.checkpoint error), is a DISK_FAULTS error: an OSError by errno, safetensors' SafetensorError by
+    its text; else None."""
     seen: set[int] = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(e, dcp.CheckpointException):  # a torch.distributed.checkpoint save: each rank's own error
+            return next(filter(None, (disk_fault(failed) for failed, _ in e.failures.values())), None)
         code = e.errno if isinstance(e, OSError) else None
         if code is None and (m := _OS_ERROR.search(str(e))):
             code = int(m.group(1))
@@ -168,7 +175,7 @@ def storage(what: str, job: Path, kept: Callable[[], str]) -> Iterator[None]:
     save_hf's, named .<name>.tmp-<pid>) are deleted first: a half-written file holds the space a retry needs."""
     try:
         yield
-    except Exception as e:
+    except (Exception, dcp.CheckpointException) as e:  # NOTE: the latter is a BaseException
         fault = disk_fault(e)
         if fault is None:
             raise
@@ -235,9 +242,9 @@ def _save_role(
     weights: dict[str, torch.Tensor] | None,
     meta: dict,
 ) -> None:
-    """<folder>/{huggingface/, optimizer.safetensors, trainer_state.json} of one model (actor or critic); a LoRA
-    actor's lora_adapter/ instead of huggingface/ (which the sync phase may have written)."""
-    osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    """<folder>/{huggingface/, optimizer/, trainer_state.json} of one model (actor or critic); a LoRA actor's
+    lora_adapter/ instead of huggingface/ (which the sync phase may have written). The optimizer's states are
+    sharded as the parameters are: each rank writes its own shards (save_optimizer), nothing is gathered."""
     published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
     adapter = lora.adapter_state(model) if model.adapter is not None else None  # LoRA: the adapter alone
     weights = weights if published or adapter is not None else full_state(model.model)
@@ -246,13 +253,46 @@ def _save_role(
             lora.save_adapter(model, folder / lora.ADAPTER_DIR, adapter)
         elif not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
             save_hf(model.model, tokenizer, folder / "huggingface", weights)
-        tensors = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
-        write_atomic(folder / "optimizer.safetensors", lambda p: safetensors.torch.save_file(tensors, p))
+    del weights
+    groups = save_optimizer(model, optim, folder / OPTIMIZER_DIR, rank)
+    if rank == 0:
         write_atomic(
             folder / "trainer_state.json",
-            lambda p: Path(p).write_text(json.dumps(meta | {"param_groups": osd["param_groups"]}, indent=1)),
+            lambda p: Path(p).write_text(json.dumps(meta | {"param_groups": groups}, indent=1)),
         )
     dist.barrier()
+
+
+OPTIMIZER_DIR = "optimizer"  # a checkpoint's optimizer states: one safetensors file of shards per saving rank
+
+
+def optimizer_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict, list]:
+    """The optimizer's states as this rank holds them, {"<parameter fqn>/<state name>": tensor} (FSDP2 shards:
+    DTensors; a fresh optimizer's are made first, zero), and its param groups."""
+    osd = get_optimizer_state_dict(model, optim)
+    return {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}, osd["param_groups"]
+
+
+def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path, rank: int) -> list:
+    """`optim`'s states into `folder` with torch.distributed.checkpoint in safetensors files (no pickle), each rank
+    writing the shards it holds; a rank-0 copy of a tensor every rank holds whole (Adam's step) is written once. Any
+    older content of `folder` (a killed save, another world size's files) is replaced whole: the files are written
+    into a temporary folder that takes its name once every rank has written. Returns the param groups (for
+    trainer_state.json). Every rank must call it."""
+    tensors, groups = optimizer_tensors(model, optim)
+    owner = [os.getpid()]  # NOTE: the folder is named after rank 0's process: its storage() deletes it on a fault
+    dist.broadcast_object_list(owner, src=0)
+    tmp = folder.with_name(f".{folder.name}.tmp-{owner[0]}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    files = file_indices(tensors, dist.get_world_size())
+    dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(tmp), files, save_distributed=True))
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+    return groups
 
 
 def checkpoint_steps(job: Path) -> list[int]:
@@ -381,10 +421,46 @@ def load_checkpoint(
     return meta.get("state", {})
 
 
+SHARD_FILE_BYTES = 2**26  # what a rank writes of the optimizer's states per file, at most (one tensor may exceed it)
+
+
+def file_indices(tensors: dict[str, torch.Tensor], world: int) -> dict[str, int]:
+    """key -> the file (1, 2, ...) it is written to: consecutive keys, about SHARD_FILE_BYTES of each rank's share
+    a file. NOTE: torch.distributed.checkpoint's safetensors writer serializes a whole file in memory (twice over),
+    so this bounds what a save adds to a rank's memory; the same on every rank (global shapes)."""
+    out, index, size = {}, 1, 0
+    for key, t in tensors.items():
+        share = t.numel() * t.element_size() // (world if t.dim() else 1)
+        if size and size + share > SHARD_FILE_BYTES:
+            index, size = index + 1, 0
+        out[key], size = index, size + share
+    return out
+
+
+def read_optimizer(folder: Path) -> dict[str, torch.Tensor]:
+    """The optimizer states of a checkpoint's actor or critic folder, whole, {"<parameter fqn>/<state name>":
+    tensor}, read in this process alone (no process group: a person, a script or a test looking at them)."""
+    if (folder / "optimizer.safetensors").is_file():  # older code's
+        return safetensors.torch.load_file(folder / "optimizer.safetensors")
+    saved = dcp.HuggingFaceStorageReader(str(folder / OPTIMIZER_DIR)).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
+    with warnings.catch_warnings():  # NOTE: its "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder / OPTIMIZER_DIR)), no_dist=True)
+    return tensors
+
+
 def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path) -> dict:
-    """Load <folder>/optimizer.safetensors into `optim`; returns <folder>/trainer_state.json."""
-    tensors = safetensors.torch.load_file(folder / "optimizer.safetensors")
+    """Load <folder>/optimizer/ into `optim`, each rank reading the parts of the saved shards it holds now (on as
+    many ranks as saved it or any other number); returns <folder>/trainer_state.json. A checkpoint of older code
+    holds the states whole in <folder>/optimizer.safetensors: read as such."""
     meta = json.loads((folder / "trainer_state.json").read_text())
+    whole = folder / "optimizer.safetensors"
+    if whole.is_file():
+        tensors, full = safetensors.torch.load_file(whole), True
+    else:
+        tensors, full = optimizer_tensors(model, optim)[0], False
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder / OPTIMIZER_DIR)))
     state: dict[str, dict] = {}
     for key, v in tensors.items():
         fqn, name = key.rsplit("/", 1)
@@ -393,6 +469,6 @@ def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder
         model,
         optim,
         {"state": state, "param_groups": meta["param_groups"]},
-        options=StateDictOptions(full_state_dict=True),
+        options=StateDictOptions(full_state_dict=full),
     )
     return meta

@@ -29,6 +29,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import try_to_load_from_cache
@@ -213,25 +214,37 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
     """A causal LM in eval mode, with gqa_sdpa attention. dtype: "float32" | "bfloat16" | "float16" (float32 on
-    CPU: bf16 matmuls are 3-5x slower there; a config's bf16 / fp16 / auto are resolved to these by configs.derive)."""
+    CPU: bf16 matmuls are 3-5x slower there; a config's bf16 / fp16 / auto are resolved to these by configs.derive).
+    device "meta": the model without its weights, from its config alone (no memory, nothing read but config.json)."""
     transformers_logging.disable_progress_bar()  # its "Loading weights" bar, at every weight load, is log noise
+    if device == "meta":
+        return on_meta(AutoModelForCausalLM, AutoConfig.from_pretrained(path), torch_dtype(dtype))
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch_dtype(dtype), attn_implementation=register_attention()
     )
     return model.to(device).eval()
 
 
-def load_critic(path: str) -> PreTrainedModel:
+def load_critic(path: str, device: str = "cpu") -> PreTrainedModel:
     """A value model, as veRL's critic: AutoModelForTokenClassification with one label, i.e. the causal
     LM's body with a scalar head (new and small at first; a critic checkpoint loads with its head).
-    NOTE: classifier dropout is set to 0, else the values in the loss would differ from the old values."""
+    NOTE: classifier dropout is set to 0, else the values in the loss would differ from the old values.
+    device "meta": as load_model's."""
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0
+    if device == "meta":
+        return on_meta(AutoModelForTokenClassification, config, torch.float32)
     with torch.random.fork_rng():  # NOTE: a new head is drawn alike on every rank (FSDP2 keeps each rank's shard)
         torch.manual_seed(0)
         return AutoModelForTokenClassification.from_pretrained(
             path, config=config, dtype=torch.float32, attn_implementation=register_attention()
         ).eval()
+
+
+def on_meta(auto: type, config: Any, dtype: torch.dtype) -> PreTrainedModel:
+    """The model `auto` builds from `config`, its parameters and buffers on the meta device (shapes only)."""
+    with torch.device("meta"):
+        return auto.from_config(config, dtype=dtype, attn_implementation=register_attention()).eval()
 
 
 # config.json keys that decide whether token ids and weights mean the same thing on both sides

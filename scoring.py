@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
@@ -55,9 +56,12 @@ def build_model(
     layer (wrap_units), then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA
     adapter is put into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and
     its A and B. `eos`: the ids the engines stop on (models.eos_ids), masked where the engine masked them
-    (TokenScorer)."""
+    (TokenScorer). On several ranks the weights are read once: rank 0 loads the model, the others build it on the
+    meta device (no memory), and each rank's shards get rank 0's values once sharded (spread)."""
+    first, many = dist.get_rank() == 0, dist.get_world_size() > 1
+    where = "cpu" if first else "meta"
     with loading(path):
-        hf = load_critic(path) if critic else load_model(path, dtype="float32", device="cpu")
+        hf = load_critic(path, device=where) if critic else load_model(path, dtype="float32", device=where)
     lora_adapter = lora.wrap(hf, *adapter) if adapter else None
     if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -67,13 +71,32 @@ def build_model(
     if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
         policy["offload_policy"] = CPUOffloadPolicy()
     model = TokenScorer(hf, critic=critic, adapter=lora_adapter, eos_ids=eos)
+    full = model.state_dict() if first and many else None  # rank 0's whole weights, until spread hands them out
     for layer in wrap_units(hf):
         fully_shard(layer, **policy)
     fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
+    if many:  # NOTE: FSDP2 keeps offloaded shards in host memory
+        spread(model, full, torch.device("cpu") if "offload_policy" in policy else device)
+    del full
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
     return model
+
+
+def spread(model: torch.nn.Module, full: dict[str, torch.Tensor] | None, device: torch.device) -> None:
+    """Rank 0's weights into every rank's shards of the FSDP2-sharded `model`, which the other ranks built on the meta
+    device: their shards get memory, then rank 0's values (`full`, its state dict from before sharding; None on the
+    others) one tensor at a time (torch.distributed.checkpoint's set_model_state_dict, broadcast from rank 0); the
+    buffers no state dict holds (rotary frequencies) are broadcast whole."""
+    if dist.get_rank() > 0:
+        model.to_empty(device=device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full or {}, options=options)
+    saved = set(model.state_dict())  # NOTE: FSDP2's state dict holds each rank's shards: nothing is gathered
+    for name, buffer in model.named_buffers():
+        if name not in saved:
+            dist.broadcast(buffer, 0)
 
 
 def wrap_units(hf: PreTrainedModel) -> list[torch.nn.Module]:

@@ -13,6 +13,7 @@ Shapes (transformers.Qwen2Config; tied embeddings, rope_theta 1e6, 32768 positio
 tiny.make_tokenizer, so every token id used here is a byte, < 256, and ids past the tokenizer decode to ""):
   1.5b  Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads, 2 KV heads, intermediate 8960, vocab 151936
   0.5b  Qwen2.5-0.5B: hidden 896, 24 layers, 14 heads, 2 KV heads, intermediate 4864, vocab 151936
+  50m   hidden 512, 8 layers, 8 heads, 4 KV heads, intermediate 2048, vocab 32000 (~47M: scripts/bench_load.py)
   tiny  hidden 64, 2 layers, 4 heads, 2 KV heads, intermediate 128, vocab 264 (CPU smoke test)
 Built in bf16 on CUDA (fp32 on CPU) and saved as an HF folder; the trainer loads it in fp32, as train.py does.
 
@@ -89,6 +90,7 @@ from tiny import SPECIAL_TOKENS, Options, make_tokenizer  # noqa: E402
 SHAPES = {  # (hidden, layers, heads, KV heads, intermediate, vocab)
     "1.5b": (1536, 28, 12, 2, 8960, 151936),
     "0.5b": (896, 24, 14, 2, 4864, 151936),
+    "50m": (512, 8, 8, 4, 2048, 32000),
     "tiny": (64, 2, 4, 2, 128, 264),
 }
 # bf16 dense TFLOP/s by GPU name, first match wins (the H100 SXM's 989 is the plain "H100" entry)
@@ -145,8 +147,9 @@ def sync_cuda() -> None:
 # --- the model: random weights of the shape, an HF folder
 
 
-def make_model_folder(shape: str, folder: Path, device: torch.device) -> dict:
-    """Qwen2ForCausalLM of `shape` (seed 0) and tiny's tokenizer, saved to `folder`; returns its sizes."""
+def make_model_folder(shape: str, folder: Path, device: torch.device, dtype: torch.dtype | None = None) -> dict:
+    """Qwen2ForCausalLM of `shape` (seed 0) and tiny's tokenizer, saved to `folder` in `dtype` (default: bf16 on
+    CUDA, fp32 on the CPU); returns its sizes."""
     hidden, layers, heads, kv_heads, inter, vocab = SHAPES[shape]
     tokenizer = make_tokenizer(Options(tokenizer="byte"), [])  # byte-level: every id used here is a byte
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
@@ -167,7 +170,7 @@ def make_model_folder(shape: str, folder: Path, device: torch.device) -> dict:
     torch.manual_seed(0)
     with torch.device(device):  # NOTE: on the GPU, so the 1.5B random init takes a moment, not a minute
         model = transformers.Qwen2ForCausalLM(config)
-    model = model.to(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = model.to(dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=ids["<|endoftext|>"],
         pad_token_id=ids["<|endoftext|>"],

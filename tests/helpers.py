@@ -638,6 +638,15 @@ def run_entry(
         )
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a process group's rendezvous, a server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def spawn_ranks(fn, args: tuple, nprocs: int) -> None:
     """torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=True), the ranks forked from the fork server
     (fork_context) instead of started afresh. NOTE: they get the server's environment, not this test's."""

@@ -4,7 +4,6 @@ model named, nothing written."""
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 import sync
-from helpers import spawn_ranks
+from helpers import free_port, spawn_ranks
 from models import load_model, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,12 +57,6 @@ def save_rank_shards(rank: int, world: int, port: int, model_dir: str, actor: st
     fully_shard(model, mesh=mesh)
     torch.save(model.state_dict(), Path(actor, f"model_world_size_{world}_rank_{rank}.pt"))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 SHARDS = {"world2": (2, 1), "world3": (3, 1), "hybrid": (4, 2)}  # case -> (world size, replicas)

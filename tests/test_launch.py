@@ -9,7 +9,6 @@ import os
 import pty
 import re
 import select
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from helpers import (
     Entry,
     both_config,
     fill,
+    free_port,
     launch,
     mlflow_runs,
     rollout_logprob_gap,
@@ -464,12 +464,6 @@ def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_pa
 
 
 # --- several nodes: two "nodes" on this machine, rendezvousing on 127.0.0.1
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, subprocess.CompletedProcess]:

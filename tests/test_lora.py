@@ -19,6 +19,7 @@ from peft.tuners.lora import LoraLayer
 from transformers import AutoModelForCausalLM
 
 import batching
+import checkpoint
 import explore
 import lora
 import models
@@ -333,7 +334,7 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(lora_runs, tiny_mode
     one, two = job / "global_step_1" / "actor", job / "global_step_2" / "actor"
     assert {p.name for p in one.iterdir()} == {
         "lora_adapter",
-        "optimizer.safetensors",
+        "optimizer",
         "trainer_state.json",
         "rng_state_rank0.safetensors",
     }
@@ -343,7 +344,7 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(lora_runs, tiny_mode
     assert {"actor/lora_adapter/adapter_model.safetensors", "actor/lora_adapter/adapter_config.json"} <= set(manifest)
     saved = adapter_of(job, 2)
     assert len(saved) == 2 * 7 * 4 and all(".lora_A." in k or ".lora_B." in k for k in saved)
-    optim = safetensors.torch.load_file(two / "optimizer.safetensors")  # Adam's state of A and B alone
+    optim = checkpoint.read_optimizer(two)  # Adam's state of A and B alone
     assert {k.rsplit("/", 1)[0] for k in optim} == {
         "model." + k.removeprefix("base_model.model.").replace(".weight", ".default.weight") for k in saved
     }
@@ -376,8 +377,8 @@ def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir, lora_ru
     straight = finished(lora_runs, "straight")
     straight, resumed, stderr = straight_and_resumed(tmp_path, tiny_model_dir, straight=straight, **LORA)
     assert "LoRA (" in stderr and "lora_adapter" in stderr  # the restart loaded the checkpoint's adapter
-    for name in ("lora_adapter/adapter_model.safetensors", "optimizer.safetensors", "huggingface/model.safetensors"):
-        a, b = (safetensors.torch.load_file(job / "global_step_4" / "actor" / name) for job in (straight, resumed))
+    for name in ("lora_adapter/adapter_model.safetensors", "optimizer", "huggingface/model.safetensors"):
+        a, b = (saved_tensors(job / "global_step_4" / "actor", name) for job in (straight, resumed))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
     two, four = adapter_of(resumed, 2), adapter_of(resumed, 4)
     assert not all(torch.equal(two[k], four[k]) for k in two)  # steps 3 and 4 did train
@@ -477,3 +478,8 @@ def test_bench_evaluates_adapter_only_checkpoints_merged(lora_runs, tiny_model_d
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"bench step 1 ({adapter}): " in out.stdout and "bench step 2 (" in out.stdout
     assert not list(job.glob(".bench-merged-*"))
+
+
+def saved_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """The tensors of the file `name` of a checkpoint's actor folder; "optimizer": its optimizer states, whole."""
+    return checkpoint.read_optimizer(folder) if name == "optimizer" else safetensors.torch.load_file(folder / name)

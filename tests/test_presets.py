@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForTokenClassification
 
+import checkpoint
 import train
 from algos import PRESETS
 from buffer import Experience, ExperienceDB
@@ -415,7 +416,7 @@ def test_ppo_runs_end_to_end_and_resumes_with_its_critic(tmp_path, tiny_model_di
     state = json.loads((job / "global_step_3" / "critic" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
     # AdamW's step counter continued from the checkpoint (3 updates, not 1): the optimizer state was loaded
-    opt = safetensors.torch.load_file(job / "global_step_3" / "critic" / "optimizer.safetensors")
+    opt = checkpoint.read_optimizer(job / "global_step_3" / "critic")
     assert {v.item() for k, v in opt.items() if k.endswith("/step")} == {3.0}
     assert (job / "global_step_3" / "critic" / "huggingface" / "model.safetensors").read_bytes() != critic2
 

@@ -32,6 +32,7 @@ from helpers import (
     behaviour_logprobs,
     both_config,
     experiences,
+    free_port,
     launch,
     mlflow_runs,
     plain_logprobs,
@@ -499,12 +500,71 @@ def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(
     for ranks in (0, 2):
         job = finished(trained, f"ppo_epochs/{ranks}")
         final[ranks] = weights(job, 1)
-        optimizer = safetensors.torch.load_file(job / "global_step_1" / "actor" / "optimizer.safetensors")
+        optimizer = checkpoint.read_optimizer(job / "global_step_1" / "actor")
         assert {v.item() for k, v in optimizer.items() if k.endswith("/step")} == {4.0}
     start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
     moved = max((final[0][k] - start[k]).abs().max().item() for k in start)
     diff = max((final[2][k] - final[0][k]).abs().max().item() for k in start)
     assert moved > 1e-3 and diff < moved / 100, (diff, moved)
+
+
+def save_or_resume_on_rank(rank: int, world: int, port: int, tiny: str, job: str, out: str) -> None:
+    """Under a gloo group of `world` ranks: with no checkpoint in `job`, one AdamW step of the tiny model on random
+    gradients, saved as checkpoint step 1; else that checkpoint resumed (the model from its HF folder, the optimizer
+    by checkpoint.load_checkpoint), its whole optimizer states and weights written to <out>/<world>.safetensors."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    resume = checkpoint.latest_checkpoint(job)
+    path = str(sync.weights_path(job, 1)) if resume else tiny
+    model = scoring.build_model(path, configs.Config().trainer, torch.device("cpu"), trainable=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if resume:
+        checkpoint.load_checkpoint(model, optim, job, 1, rank)
+        osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        weights = sync.full_state(model.model)
+        if rank == 0:
+            state = {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}
+            whole = state | {f"weights/{k}": v.clone() for k, v in weights.items()}  # NOTE: the tied head, apart
+            safetensors.torch.save_file(whole, f"{out}/{world}.st")
+    else:
+        torch.manual_seed(0)
+        for q in model.parameters():
+            q.grad = torch.randn_like(q)  # a DTensor: each rank's shard of it
+        optim.step()
+        checkpoint.save_checkpoint(model, optim, load_tokenizer(tiny), job, 1, rank, None)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow(seconds=20)
+@pytest.mark.parametrize("saved_on", [1, 2])
+def test_optimizer_states_saved_on_some_ranks_resume_on_any_number_bit_for_bit(tmp_path, tiny_model_dir, saved_on):
+    """The optimizer's states are saved sharded (actor/optimizer/: one file of shards per rank, no gather), and a
+    checkpoint saved on 1 or 2 ranks resumes on 1 and on 2: each resumed trainer holds exactly the states saved
+    (checkpoint.read_optimizer reads them whole) and the saved weights, bit for bit; so does a checkpoint of older
+    code, which held the states whole in optimizer.safetensors."""
+    job, port = tmp_path / "job", free_port()
+    spawn_ranks(save_or_resume_on_rank, (saved_on, port, tiny_model_dir, str(job), str(tmp_path)), saved_on)
+    actor = job / "global_step_1" / "actor"
+    files = sorted(p.name for p in (actor / "optimizer").iterdir())
+    assert files == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, saved_on + 1)]
+    saved = checkpoint.read_optimizer(actor)
+    weights = safetensors.torch.load_file(actor / "huggingface" / "model.safetensors")
+    assert {v.item() for k, v in saved.items() if k.endswith("/step")} == {1.0}
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if k.endswith("/exp_avg"))
+    for world in (1, 2, "older"):  # "older": the states whole in optimizer.safetensors, as older code saved them
+        if world == "older":
+            safetensors.torch.save_file(saved, actor / "optimizer.safetensors")
+            shutil.rmtree(actor / "optimizer")
+            checkpoint.write_manifest(actor.parent)
+        ranks = 2 if world == "older" else world
+        spawn_ranks(save_or_resume_on_rank, (ranks, free_port(), tiny_model_dir, str(job), str(tmp_path)), ranks)
+        got = safetensors.torch.load_file(tmp_path / f"{ranks}.st")
+        assert {k for k in got if not k.startswith("weights/")} == set(saved), world
+        assert all(torch.equal(got[k], v) for k, v in saved.items()), world
+        assert all(torch.equal(got[f"weights/{k}"], v) for k, v in weights.items()), world
 
 
 @pytest.mark.slow
@@ -517,10 +577,11 @@ def test_checkpoint_layout_and_plain_transformers_load(trained, tiny_model_dir):
         actor = job / f"global_step_{step}" / "actor"
         assert {p.name for p in actor.iterdir()} == {
             "huggingface",
-            "optimizer.safetensors",
+            "optimizer",
             "trainer_state.json",
             "rng_state_rank0.safetensors",
         }
+        assert [p.name for p in (actor / "optimizer").iterdir()] == ["shard-00001-model-00001-of-00001.safetensors"]
     assert not list(job.rglob(".*tmp*"))  # no temporary leftovers
     hf = job / "global_step_2" / "actor" / "huggingface"
     model = AutoModelForCausalLM.from_pretrained(hf)
@@ -536,7 +597,7 @@ def test_checkpoint_layout_and_plain_transformers_load(trained, tiny_model_dir):
     )
     gen = model.generate(**ids, max_new_tokens=5, do_sample=False)
     assert gen.shape[1] > ids["input_ids"].shape[1]
-    optim = safetensors.torch.load_file(job / "global_step_2" / "actor" / "optimizer.safetensors")
+    optim = checkpoint.read_optimizer(job / "global_step_2" / "actor")
     assert any(k.endswith("/exp_avg_sq") for k in optim)
 
 
@@ -796,9 +857,7 @@ def test_ppo_epochs_over_mini_batches_step_from_the_old_logprobs_of_the_steps_st
     before = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
     for m in history:
         step = m["step"]
-        optimizer = safetensors.torch.load_file(
-            settings_run / f"global_step_{step}" / "actor" / "optimizer.safetensors"
-        )
+        optimizer = checkpoint.read_optimizer(settings_run / f"global_step_{step}" / "actor")
         counters = {v.item() for k, v in optimizer.items() if k.endswith("/step")}
         assert counters == {4.0 * step}, counters  # 2 epochs x 2 mini-batches a step, none skipped
         assert m["actor/skipped_steps"] == 0 and math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0
@@ -915,18 +974,19 @@ def test_a_damaged_checkpoint_is_named_and_the_newest_whole_one_resumes(trained,
     manifest = json.loads((job / "global_step_3" / "manifest.json").read_text())
     assert {
         "actor/huggingface/model.safetensors",
-        "actor/optimizer.safetensors",
+        "actor/optimizer/shard-00001-model-00001-of-00001.safetensors",
         "actor/trainer_state.json",
         "actor/rng_state_rank0.safetensors",
     } <= set(manifest)
     assert checkpoint.latest_checkpoint(job) == 3
     weights_3 = job / "global_step_3" / "actor" / "huggingface" / "model.safetensors"
     weights_3.write_bytes(weights_3.read_bytes()[:-100])  # truncated
-    (job / "global_step_2" / "actor" / "optimizer.safetensors").unlink()  # missing
+    shard = job / "global_step_2" / "actor" / "optimizer" / "shard-00001-model-00001-of-00001.safetensors"
+    shard.unlink()  # missing
     with caplog.at_level(logging.WARNING, logger="nanorft.sync"):
         assert checkpoint.latest_checkpoint(job) == 1
     assert f"checkpoint step 3 is damaged and skipped (left as it is): {weights_3} has" in caplog.text
-    assert "global_step_2/actor/optimizer.safetensors is missing" in caplog.text
+    assert f"{shard} is missing" in caplog.text
     assert "resuming from checkpoint step 1, the newest undamaged one (not 3)" in caplog.text
     assert weights_3.is_file() and (job / "global_step_2").is_dir()  # nothing deleted
     resumed = run_train(job.parents[2] / "train.yaml")  # its config again
@@ -1113,15 +1173,11 @@ def read_on_rank(rank: int, world: int, port: int, db_url: str, model_dir: str, 
 
 @pytest.mark.slow
 def test_only_rank_0_reads_the_db_and_every_rank_gets_its_batch(tmp_path, tiny_model_dir):
-    import socket
 
     url = f"sqlite:///{tmp_path / 'exp.db'}"
     with ExperienceDB(url) as db:
         db.write(experiences([(3, [2, 4]), (5, [1, 3]), (2, [6, 6]), (4, [1, 1])]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn_ranks(read_on_rank, (2, port, url, tiny_model_dir, str(tmp_path)), 2)
+    spawn_ranks(read_on_rank, (2, free_port(), url, tiny_model_dir, str(tmp_path)), 2)
     zero, one = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert zero == one and [len(batch) for batch in zero] == [4, 4]
     assert sorted(x[0] for batch in zero for x in batch) == list(range(1, 9))  # each experience once
@@ -1165,17 +1221,17 @@ def test_the_critic_cuts_its_micro_batches_by_its_own_size(monkeypatch):
 
 # --- a full or failing disk, a missing model folder: named errors, nothing lost
 
-# train.py as a process whose disk fills up while it writes step 2's optimizer state: part of the file written, then
-# safetensors' own error (its text as a full tmpfs gave it: no errno attribute, the OS error in the message)
-FULL_AT_STEP_2 = """import runpy, sys
-import safetensors, safetensors.torch
-save = safetensors.torch.save_file
-def full(tensors, path, *args, **kwargs):
-    if "global_step_2" in str(path) and "optimizer" in str(path):
-        open(path, "wb").write(b"x" * 4096)
-        raise safetensors.SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    return save(tensors, path, *args, **kwargs)
-safetensors.torch.save_file = full
+# train.py as a process whose disk fills up while it writes step 2's optimizer states: torch.distributed.checkpoint
+# has opened the shard's file when its bytes cannot be written (ENOSPC)
+FULL_AT_STEP_2 = """import errno, os, runpy, sys
+import safetensors.torch
+dump, saves = safetensors.torch.save, []
+def full(tensors, *args, **kwargs):
+    saves.extend(["optimizer"] if any(k.endswith("/exp_avg") for k in tensors) else [])
+    if saves.count("optimizer") == 2:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return dump(tensors, *args, **kwargs)
+safetensors.torch.save = full
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")
 """
@@ -1205,7 +1261,7 @@ def test_a_full_disk_while_saving_a_checkpoint_is_named_and_the_last_one_resumes
         "with continue_from_checkpoint: true."
     ) in out.stderr
     assert (job / checkpoint.CKPT_POINTER).read_text() == "1\n" and checkpoint.latest_checkpoint(job) == 1
-    assert not list(job.rglob(".*tmp*"))  # the partial optimizer file, deleted
+    assert not list(job.rglob(".*tmp*")) and not (job / "global_step_2" / "actor" / "optimizer").exists()
     resumed = run_train(config)
     assert resumed.returncode == 0 and "resumed from checkpoint step 1" in resumed.stderr, resumed.stderr[-3000:]
     assert checkpoint.latest_checkpoint(job) == 2
