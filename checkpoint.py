@@ -1,10 +1,11 @@
 """checkpoint.py: the trainer's checkpoints, for resuming, in Trinity-RFT's layout (beside the weights that sync.py
 publishes for explorers):
 
-    <job dir>/global_step_N/actor/{huggingface/, optimizer/, rng_state_rank<r>.safetensors, trainer_state.json}
-                                   (+ critic/{huggingface/, optimizer/, ...})
-        optimizer/: the optimizer's states as torch.distributed.checkpoint shards in safetensors files, one file per
-        saving rank (no gather on rank 0); loaded on any number of ranks
+    <job dir>/global_step_N/actor/{huggingface/, model/, optimizer/, rng_state_rank<r>.safetensors,
+                                   trainer_state.json}   (+ critic/{huggingface/, model/, optimizer/, ...})
+        model/, optimizer/: the trained weights and the optimizer's states as torch.distributed.checkpoint shards in
+        safetensors files, one file (or more) per saving rank (no gather on rank 0), loaded on any number of ranks;
+        huggingface/ (gathered on rank 0) as trainer.save_hf_checkpoint says (always, or only the published ones)
         a LoRA actor (lora.py): lora_adapter/ (peft's format) instead of huggingface/, which is there only when the
         step's merged weights were published for the explorer
     <job dir>/global_step_N/manifest.json              size and sha256 of every file, written last
@@ -12,9 +13,8 @@ publishes for explorers):
 
     save_checkpoint(model, optim, tokenizer, job_dir, step, rank, weights, keep)   # every rank
     step = latest_checkpoint(job_dir)              # the newest undamaged one (damaged ones are named, skipped)
-    state = load_checkpoint(model, optim, job_dir, step, rank)   # optimizer states and RNG; the weights come
-                                                                 # from the HF folder (LoRA: lora_adapter/) when
-                                                                 # the model is built
+    load_model_shards(model, folder)               # the weights of the step's actor (or critic) folder
+    state = load_checkpoint(model, optim, job_dir, step, rank)   # optimizer states and RNG
     publish_hf(model, tokenizer, job_dir, step)   # sync.publish_hf, a full disk named (the trainer publishes here)
 No pickle: safetensors for tensors, JSON for the rest.
 
@@ -43,7 +43,13 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 import lora
 import sync
@@ -66,16 +72,18 @@ def save_checkpoint(
     critic: tuple[torch.nn.Module, torch.optim.Optimizer] | None = None,
     state: dict | None = None,
     trained_with: dict[str, str] | None = None,
+    hf: bool = True,
 ) -> None:
-    """global_step_<step>/actor/{huggingface/, optimizer/, rng_state_rank<r>.safetensors, trainer_state.json}
-    (+ critic/{huggingface/, optimizer/, trainer_state.json} with a critic); then
+    """global_step_<step>/actor/{huggingface/, model/, optimizer/, rng_state_rank<r>.safetensors, trainer_state.json}
+    (+ critic/{huggingface/, model/, optimizer/, trainer_state.json} with a critic); then
     latest_checkpointed_iteration.txt and trainer_meta.json move to <step>. `model` (and the critic's): the trainer's
     FSDP2 root, a scoring.TokenScorer (`.model`: the HF model). `weights`: the full state when the sync phase just
     published this step's HF folder (else None); `keep`: delete older checkpoints beyond this many (prune_checkpoints:
     never one an explorer may be loading); `state` (small JSON trainer state: the adaptive KL coefficient) and
-    `trained_with` (what a resume must not change: check_resume) go in actor/trainer_state.json. Every rank must call
-    it. A full or failing disk ends it in a StorageError, the previous checkpoint and its pointer as they were.
-    NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored on resume."""
+    `trained_with` (what a resume must not change: check_resume) go in actor/trainer_state.json; `hf` false: no
+    huggingface/ folders beyond what the sync phase published (trainer.save_hf_checkpoint: a resume reads model/).
+    Every rank must call it. A full or failing disk ends it in a StorageError, the previous checkpoint and its
+    pointer as they were. NOTE: the pointer moves last, after a barrier: a checkpoint without it is ignored."""
     job, actor = Path(job_dir), weights_path(job_dir, step).parent
     with storage(f"cannot save checkpoint step {step} in {job}", job, lambda: _checkpoint_kept(job)):
         if critic is not None:
@@ -88,6 +96,7 @@ def save_checkpoint(
                 rank=rank,
                 weights=None,
                 meta={"global_step": step},
+                hf=hf,
             )
         _save_role(
             model,
@@ -97,6 +106,7 @@ def save_checkpoint(
             rank=rank,
             weights=weights,
             meta={"global_step": step, "state": state or {}, "trained_with": trained_with or {}},
+            hf=hf,
         )
         rng = {"cpu": torch.get_rng_state()} | (
             {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
@@ -241,20 +251,24 @@ def _save_role(
     rank: int,
     weights: dict[str, torch.Tensor] | None,
     meta: dict,
+    hf: bool = True,
 ) -> None:
-    """<folder>/{huggingface/, optimizer/, trainer_state.json} of one model (actor or critic); a LoRA actor's
-    lora_adapter/ instead of huggingface/ (which the sync phase may have written). The optimizer's states are
-    sharded as the parameters are: each rank writes its own shards (save_optimizer), nothing is gathered."""
+    """<folder>/{huggingface/, model/, optimizer/, trainer_state.json} of one model (actor or critic); a LoRA actor's
+    lora_adapter/ instead of huggingface/ (which the sync phase may have written). model/ and optimizer/: the trained
+    weights and the optimizer's states, sharded as the parameters are, each rank writing its own (save_shards:
+    nothing gathered); huggingface/ (the weights gathered on rank 0) only where `hf` asks for it."""
     published = weights is not None  # the actor's HF folder of this step was just written by the sync phase
     adapter = lora.adapter_state(model) if model.adapter is not None else None  # LoRA: the adapter alone
-    weights = weights if published or adapter is not None else full_state(model.model)
-    if rank == 0:
-        if adapter is not None:
-            lora.save_adapter(model, folder / lora.ADAPTER_DIR, adapter)
-        elif not published:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
+    if rank == 0 and adapter is not None:
+        lora.save_adapter(model, folder / lora.ADAPTER_DIR, adapter)
+    if hf and adapter is None and not published:
+        weights = full_state(model.model)
+        if rank == 0:  # NOTE: not "if the folder exists": it may be a killed run's, of other weights
             save_hf(model.model, tokenizer, folder / "huggingface", weights)
     del weights
-    groups = save_optimizer(model, optim, folder / OPTIMIZER_DIR, rank)
+    save_shards(model_tensors(model), folder / MODEL_DIR, rank)
+    tensors, groups = optimizer_tensors(model, optim)
+    save_shards(tensors, folder / OPTIMIZER_DIR, rank)
     if rank == 0:
         write_atomic(
             folder / "trainer_state.json",
@@ -263,7 +277,16 @@ def _save_role(
     dist.barrier()
 
 
-OPTIMIZER_DIR = "optimizer"  # a checkpoint's optimizer states: one safetensors file of shards per saving rank
+MODEL_DIR, OPTIMIZER_DIR = "model", "optimizer"  # sharded: one safetensors file (or more) per saving rank
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trained parameters as this rank holds them (FSDP2 shards: DTensors, the parameters themselves), by fqn;
+    a frozen one (a LoRA actor's base weights) is left out: it is model.model_path's; a tied one (the LM head of
+    tied embeddings) once, under its first name (safetensors refuses two names for one tensor)."""
+    trained = {name for name, q in model.named_parameters() if q.requires_grad}  # NOTE: a tied parameter once
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {k: v for k, v in state.items() if k in trained}
 
 
 def optimizer_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> tuple[dict, list]:
@@ -273,13 +296,11 @@ def optimizer_tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> t
     return {f"{fqn}/{k}": v for fqn, s in osd["state"].items() for k, v in s.items()}, osd["param_groups"]
 
 
-def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path, rank: int) -> list:
-    """`optim`'s states into `folder` with torch.distributed.checkpoint in safetensors files (no pickle), each rank
-    writing the shards it holds; a rank-0 copy of a tensor every rank holds whole (Adam's step) is written once. Any
-    older content of `folder` (a killed save, another world size's files) is replaced whole: the files are written
-    into a temporary folder that takes its name once every rank has written. Returns the param groups (for
-    trainer_state.json). Every rank must call it."""
-    tensors, groups = optimizer_tensors(model, optim)
+def save_shards(tensors: dict[str, torch.Tensor], folder: Path, rank: int) -> None:
+    """`tensors` (each rank's shards of them) into `folder` with torch.distributed.checkpoint in safetensors files (no
+    pickle), each rank writing the shards it holds; a tensor every rank holds whole (Adam's step) is written once.
+    Any older content of `folder` (a killed save, another world size's files) is replaced whole: the files are written
+    into a temporary folder that takes its name once every rank has written. Every rank must call it."""
     owner = [os.getpid()]  # NOTE: the folder is named after rank 0's process: its storage() deletes it on a fault
     dist.broadcast_object_list(owner, src=0)
     tmp = folder.with_name(f".{folder.name}.tmp-{owner[0]}")
@@ -292,7 +313,6 @@ def save_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder:
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)
-    return groups
 
 
 def checkpoint_steps(job: Path) -> list[int]:
@@ -437,17 +457,30 @@ def file_indices(tensors: dict[str, torch.Tensor], world: int) -> dict[str, int]
     return out
 
 
-def read_optimizer(folder: Path) -> dict[str, torch.Tensor]:
-    """The optimizer states of a checkpoint's actor or critic folder, whole, {"<parameter fqn>/<state name>":
-    tensor}, read in this process alone (no process group: a person, a script or a test looking at them)."""
-    if (folder / "optimizer.safetensors").is_file():  # older code's
-        return safetensors.torch.load_file(folder / "optimizer.safetensors")
-    saved = dcp.HuggingFaceStorageReader(str(folder / OPTIMIZER_DIR)).read_metadata().state_dict_metadata
+def read_shards(folder: Path) -> dict[str, torch.Tensor]:
+    """What save_shards wrote into `folder`, each tensor whole, read in this process alone (no process group: a person,
+    a script or a test looking at them)."""
+    saved = dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
     with warnings.catch_warnings():  # NOTE: its "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder / OPTIMIZER_DIR)), no_dist=True)
+        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder)), no_dist=True)
     return tensors
+
+
+def read_optimizer(folder: Path) -> dict[str, torch.Tensor]:
+    """The optimizer states of a checkpoint's actor or critic folder, whole: {"<parameter fqn>/<state>": tensor}."""
+    if (folder / "optimizer.safetensors").is_file():  # older code's
+        return safetensors.torch.load_file(folder / "optimizer.safetensors")
+    return read_shards(folder / OPTIMIZER_DIR)
+
+
+def load_model_shards(model: torch.nn.Module, folder: Path) -> None:
+    """The trained weights of a checkpoint's actor or critic folder (model/, as save_shards wrote them on any number
+    of ranks) into `model`, each rank reading the parts of its own shards. Every rank must call it."""
+    tensors = model_tensors(model)
+    dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder / MODEL_DIR)))
+    set_model_state_dict(model, tensors, options=StateDictOptions(strict=False))
 
 
 def _load_optimizer(model: torch.nn.Module, optim: torch.optim.Optimizer, folder: Path) -> dict:

@@ -221,19 +221,19 @@ def weight_stream(scorer: Any, dtype: torch.dtype | None = None) -> tuple[list, 
 
 def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int) -> None:
     """A trainer resumed from checkpoint `step` points latest_state_dict_iteration.txt at that step's HF folder (rank
-    0), for an explorer (re)starting from the pointer. A LoRA checkpoint may lack the folder (the step was checkpointed,
-    not published: process-group sync, or checkpoint sync between sync points): the merged weights are published
-    first (sync.publish_hf: the folder complete before the pointer moves). Every rank calls it (the gather is a
-    collective)."""
+    0), for an explorer (re)starting from the pointer. A checkpoint may lack the folder (a LoRA one, or one saved with
+    trainer.save_hf_checkpoint last / never; the step was checkpointed, not published: process-group sync, or
+    checkpoint sync between sync points): the (merged) weights are published first (sync.publish_hf: the folder
+    complete before the pointer moves). Every rank calls it (the gather is a collective)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if getattr(scorer, "adapter", None) is None or sync.weights_path(job_dir, step).is_dir():
+    if sync.weights_path(job_dir, step).is_dir():
         if rank0:
             sync.set_latest(job_dir, step)
         return
     weights = full_state(scorer)
     if rank0:
         sync.publish_hf(scorer.model, tokenizer, job_dir, step, state_dict=weights)
-        log.info("checkpoint step %d holds the adapter alone: its merged weights published for the explorer", step)
+        log.info("checkpoint step %d has no HF folder: its weights published for the explorer", step)
 
 
 def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:

@@ -238,22 +238,25 @@ def trainer_models(
     cfg: configs.Config, pieces: algos.Pieces, resume: int, device: torch.device, tokenizer: Any
 ) -> tuple[TokenScorer, TokenScorer | None, TokenScorer | None]:
     """The actor, the reference model (when a KL piece or a loss reads ref_logprobs) and the critic (when a piece
-    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one. The
+    reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one (its
+    model/ shards over the model the config names; a checkpoint of older code, its huggingface/ folders). The
     actor and reference mask the ids the engines stop on where the engines masked them (min_tokens:
     scoring.TokenScorer)."""
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
     eos = eos_ids(tokenizer, generation_config(cfg.model.model_path))
     adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
-    actor_path = str(sync.weights_path(job, resume)) if resume and not adapter else cfg.model.model_path
+    saved = sync.weights_path(job, resume).parent  # the checkpoint's actor folder (when resuming)
+    whole = resume and not (saved / checkpoint.MODEL_DIR).is_dir()  # older code's: the weights in huggingface/
+    actor_path = str(saved / "huggingface") if whole and not adapter else cfg.model.model_path
     actor = build_model(actor_path, t, device, trainable=True, adapter=adapter, eos=eos)
     needs = piece_needs(pieces)
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
-    critic_path = (
-        str(sync.weights_path(job, resume).parent.parent / "critic" / "huggingface")
-        if resume
-        else cfg.model.critic_model_path
-    )
+    critic_path = str(saved.parent / "critic" / "huggingface") if whole else cfg.model.critic_model_path
     critic = build_model(critic_path, t, device, trainable=True, critic=True) if "values" in needs else None
+    if resume and not whole:  # NOTE: each rank reads the parts of the saved shards that it holds
+        checkpoint.load_model_shards(actor, saved)
+        if critic is not None:
+            checkpoint.load_model_shards(critic, saved.parent / "critic")
     ref = (
         (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False, eos=eos))
         if use_ref
@@ -773,6 +776,7 @@ def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
         critic=(p.critic, p.critic_optim) if p.critic else None,
         state=p.kl_coef,
         trained_with=checkpoint.trained_with(p.cfg.model.model_path, p.cfg.algorithm.algorithm_type),
+        hf=p.cfg.trainer.save_hf_checkpoint == "always",
     )
     sync.pause_for_test("train.after_save", step)
 

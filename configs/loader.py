@@ -214,9 +214,6 @@ IGNORED = {
     "explorer.rollout_model.use_v1": "vLLM's V1 engine is the only one",
     "synchronizer.wait_for_checkpoint": "unused in Trinity-RFT too",
     "buffer.trainer_input.experience_buffer.capacity": "the SQLite DB has no capacity limit",
-    "trainer.save_hf_checkpoint": "nanorft's checkpoints hold their weights as an HF folder "
-    "(global_step_<N>/actor/huggingface) at every save; there is no separate copy to "
-    "write or skip",
     "trainer.fix_actor_microbatch_loss_scale": "nanorft weights micro-batches exactly in every loss_agg_mode (the "
     "gradient does not depend on the cut into micro-batches)",
 }

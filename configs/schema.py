@@ -693,6 +693,10 @@ class TrainerConfig:
     """Save a checkpoint every this many steps; 0 = only at the end."""
     max_checkpoints_to_keep: int | None = None
     """Delete older checkpoints beyond this many; unset = keep all."""
+    save_hf_checkpoint: Literal["always", "last", "never"] = "always"
+    """A Hugging Face folder of the weights in every checkpoint (always, gathered on rank 0; Trinity-RFT's default is
+    last), or only where the weight sync publishes one (last / never, alike: the last step's is always published);
+    resumes read the checkpoint's sharded model/."""
     total_steps: int | None = None
     """Train steps; buffer.total_steps wins when both are set."""
     enable_preview: bool = True

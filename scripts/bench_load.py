@@ -13,7 +13,8 @@ scoring.build_model(folder, trainable=True) as train.py does for the actor: `sta
 holds after. Then the ranks gather the sharded weights (not counted) and rank 0 compares them, and the rotary
 buffers, with models.load_model(folder): `same_weights` is true when every tensor is equal bit for bit. Last, one
 AdamW step on random gradients and checkpoint.save_checkpoint of it into --work/ck as train.py saves a step that
-published no weights: `save_s` and `save_peak_mib` (the same peak RSS measure) per rank.
+published no weights (with or without the HF folder: --save-hf-checkpoint): `save_s` and `save_peak_mib` (the same
+peak RSS measure) per rank.
 Output: a markdown table, one row per rank, then one JSON line (--json FILE writes it too).
 """
 
@@ -38,6 +39,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--work", type=Path, help="where the model folder is made (default: a temporary folder)")
     ap.add_argument("--root", type=Path, default=HERE.parent, help="the checkout whose scoring.py runs")
     ap.add_argument("--json", type=Path, help="also write the JSON line here")
+    ap.add_argument(
+        "--save-hf-checkpoint",
+        default="always",
+        choices=["always", "never"],
+        help="trainer.save_hf_checkpoint of the save: never = no HF folder gathered (default: %(default)s)",
+    )
     ap.add_argument("--rank-out", type=Path, help=argparse.SUPPRESS)  # internal: a rank's own process
     return ap.parse_args(argv)
 
@@ -77,12 +84,12 @@ def rank(a: argparse.Namespace) -> None:
         got = full | buffers
         out["same_weights"] = set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     del full, buffers
-    out |= save_figures(model, a.work, torch)
+    out |= save_figures(model, a.work, torch, a.save_hf_checkpoint == "always")
     a.rank_out.with_suffix(f".{dist.get_rank()}.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
-def save_figures(model, work: Path, torch) -> dict:
+def save_figures(model, work: Path, torch, hf: bool) -> dict:
     """One AdamW step on random gradients (its states made), then checkpoint.save_checkpoint of step 1 as train.py
     saves one (no weights published this step): the call's wall time and this rank's peak RSS during it above its RSS
     before it."""
@@ -99,7 +106,8 @@ def save_figures(model, work: Path, torch) -> dict:
     Path("/proc/self/clear_refs").write_text("5")
     before, start = status_mib("VmRSS"), time.perf_counter()
     tokenizer = load_tokenizer(str(work / "model"))
-    checkpoint.save_checkpoint(model, optim, tokenizer, work / "ck", 1, dist.get_rank(), None)
+    extra = {} if hf else {"hf": False}  # NOTE: older code's save_checkpoint has no `hf`
+    checkpoint.save_checkpoint(model, optim, tokenizer, work / "ck", 1, dist.get_rank(), None, **extra)
     return {"save_s": round(time.perf_counter() - start, 3), "save_peak_mib": round(status_mib("VmHWM") - before, 1)}
 
 
@@ -118,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = work / "rank"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}"]
     cmd += [__file__, "--work", str(work), "--root", str(a.root), "--rank-out", str(out)]
+    cmd += ["--save-hf-checkpoint", a.save_hf_checkpoint]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
     ranks = [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(a.ranks)]
     weights = sum(f.stat().st_size for f in (work / "model").glob("*.safetensors")) / 2**20

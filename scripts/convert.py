@@ -7,6 +7,9 @@
 Sources (the kind is read from the folder):
 - nanorft: `<actor>/huggingface/`, the checkpoint's full weights (fp32 master weights; a LoRA run's merged ones
   where the step was published): cast to --dtype.
+- nanorft, a checkpoint saved with trainer.save_hf_checkpoint last / never: `<actor>/model/`, the trainer's sharded
+  weights (torch.distributed.checkpoint in safetensors, any number of ranks), read whole; the config and tokenizer
+  are those of the model it was trained on (trainer_state.json records model.model_path; --base overrides it).
 - nanorft LoRA, a step that was not published: `<actor>/lora_adapter/` (peft's format) alone; --base names the
   model it was trained on (model.model_path: a folder or a hub name, loaded by models.load_model), which the adapter
   is merged into (lora.merged_model: peft's own merge); its config and tokenizer go with the output.
@@ -24,6 +27,7 @@ tokenizer, written under a temporary name and renamed.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import re
@@ -37,6 +41,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import checkpoint  # noqa: E402
 import lora  # noqa: E402
 from models import load_model, load_tokenizer  # noqa: E402
 from sync import save_hf  # noqa: E402
@@ -123,6 +128,10 @@ def read_weights(actor: Path, base: str | None) -> tuple[dict[str, torch.Tensor]
             log.warning("%s has merged weights (huggingface/): --base %s is not used", actor, base)
         state = {k: v for f in sorted(hf.glob("*.safetensors")) for k, v in safetensors.torch.load_file(f).items()}
         return state, str(hf)
+    if (actor / checkpoint.MODEL_DIR).is_dir() and not adapter.is_dir():
+        base = base or trained_on(actor)
+        shards = checkpoint.read_shards(actor / checkpoint.MODEL_DIR)
+        return {k.removeprefix("model."): v for k, v in shards.items()}, base  # the trainer's scorer wraps `model`
     if adapter.is_dir():
         if not base:
             raise ValueError(
@@ -130,7 +139,20 @@ def read_weights(actor: Path, base: str | None) -> tuple[dict[str, torch.Tensor]
                 "trained on (model.model_path) with --base MODEL"
             )
         return lora.merged_model(load_model(base), str(adapter)).state_dict(), base  # a folder or a hub name
-    raise ValueError(f"{actor}: no weights found (huggingface/, {lora.ADAPTER_DIR}/ or model_world_size_*_rank_*.pt)")
+    raise ValueError(
+        f"{actor}: no weights found (huggingface/, {checkpoint.MODEL_DIR}/, {lora.ADAPTER_DIR}/ or "
+        "model_world_size_*_rank_*.pt)"
+    )
+
+
+def trained_on(actor: Path) -> str:
+    """The base model a nanorft checkpoint records (trainer_state.json's trained_with: model.model_path), whose config
+    and tokenizer go with its weights; ValueError asking for --base where it records none."""
+    try:
+        meta = json.loads((actor / "trainer_state.json").read_text())
+        return meta["trained_with"]["model.model_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ValueError(f"{actor}/trainer_state.json names no base model: name it with --base MODEL") from None
 
 
 def convert(actor: str | Path, out: str | Path, dtype: str = "float32", base: str | None = None) -> Path:
@@ -172,7 +194,7 @@ def main() -> None:
     p.add_argument("actor", help="a checkpoint's actor folder (global_step_N/actor)")
     p.add_argument("--out", required=True, help="the HF folder to write")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--base", help="a LoRA checkpoint with its adapter alone: the base model (model.model_path)")
+    p.add_argument("--base", help="the base model (model.model_path) of a LoRA adapter alone or of model/ shards")
     a = p.parse_args()
     try:
         print(f"wrote {convert(a.actor, a.out, a.dtype, a.base)}")

@@ -669,7 +669,7 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
     text = yaml.safe_dump(
         merged(
             {
-                "trainer": {"save_hf_checkpoint": "never", "fix_actor_microbatch_loss_scale": True},
+                "trainer": {"fix_actor_microbatch_loss_scale": True},
                 "algorithm": {"optimizer": {"clip_grad": 0.5}},
             }
         )
@@ -677,7 +677,6 @@ def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):
     (tmp_path / "c.yaml").write_text(text)
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         (cfg,) = resolve_stages(cli(["--config", str(tmp_path / "c.yaml")])[0])
-    assert "trainer.save_hf_checkpoint is ignored: nanorft's checkpoints hold their weights" in caplog.text
     assert "trainer.fix_actor_microbatch_loss_scale is ignored" in caplog.text
     assert cfg.trainer.grad_clip == 0.5  # Trinity's optimizer.clip_grad is the trainer's clip
     clash = merged({"trainer": {"grad_clip": 2.0}, "algorithm": {"optimizer": {"clip_grad": 0.5}}})

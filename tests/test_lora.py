@@ -334,6 +334,7 @@ def test_checkpoints_hold_the_adapter_that_plain_peft_loads(lora_runs, tiny_mode
     one, two = job / "global_step_1" / "actor", job / "global_step_2" / "actor"
     assert {p.name for p in one.iterdir()} == {
         "lora_adapter",
+        "model",
         "optimizer",
         "trainer_state.json",
         "rng_state_rank0.safetensors",

@@ -13,6 +13,7 @@ import sys
 import types
 from pathlib import Path
 
+import entry
 import pytest
 import safetensors.torch
 import torch
@@ -577,6 +578,7 @@ def test_checkpoint_layout_and_plain_transformers_load(trained, tiny_model_dir):
         actor = job / f"global_step_{step}" / "actor"
         assert {p.name for p in actor.iterdir()} == {
             "huggingface",
+            "model",
             "optimizer",
             "trainer_state.json",
             "rng_state_rank0.safetensors",
@@ -630,12 +632,29 @@ def test_published_folders_are_in_the_engine_dtype_and_a_checkpoints_stays_fp32(
 
 
 @pytest.mark.slow
-def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir, trained):
+@pytest.mark.parametrize("hf", ["always", "never"])
+def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir, trained, hf):
     """SIGKILL after the step-2 checkpoint, restart: the final weights equal an uninterrupted run's bitwise
-    (model, optimizer, data position and RNG all restored)."""
-    straight, resumed, _ = straight_and_resumed(tmp_path, tiny_model_dir, straight=finished(trained, "straight"))
+    (model, optimizer, data position and RNG all restored). With trainer.save_hf_checkpoint never, step 2's
+    checkpoint has no HF folder: the restart reads its model/ shards (and publishes the folder for explorers), and
+    scripts/convert.py makes an HF folder of those shards alone that equals the straight run's step-2 weights."""
+    over = {"trainer.save_hf_checkpoint": hf}
+    straight, resumed, stderr = straight_and_resumed(tmp_path, tiny_model_dir, finished(trained, "straight"), **over)
     a, b = weights(straight, 4), weights(resumed, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    two = resumed / "global_step_2" / "actor"
+    published = "checkpoint step 2 has no HF folder: its weights published for the explorer" in stderr
+    assert published == (hf == "never") and (two / "huggingface").is_dir(), stderr[-3000:]
+    if hf == "never":
+        manifest = json.loads((two.parent / "manifest.json").read_text())
+        assert not [k for k in manifest if "huggingface" in k] and any(k.startswith("actor/model/") for k in manifest)
+        alone = tmp_path / "shards_alone"
+        shutil.copytree(two / "model", alone / "model")
+        shutil.copy(two / "trainer_state.json", alone)
+        out = entry.run("scripts/convert.py", str(alone), "--out", str(tmp_path / "converted"))
+        assert out.returncode == 0, out.stderr[-3000:]
+        got, want = safetensors.torch.load_file(tmp_path / "converted" / "model.safetensors"), weights(straight, 2)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def grpo_db(path: Path, tokenizer, explorer: str = "") -> None:
