@@ -108,22 +108,27 @@ def save_checkpoint(
             meta={"global_step": step, "state": state or {}, "trained_with": trained_with or {}},
             hf=hf,
         )
-        rng = {"cpu": torch.get_rng_state()} | (
-            {"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {}
-        )
-        write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
-        dist.barrier()
-        if rank == 0:
-            write_manifest(actor.parent)
-            write_atomic(
-                job / "trainer_meta.json",
-                lambda p: Path(p).write_text(
-                    json.dumps({"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})
-                ),
-            )
-            write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
+        _complete(job, step, rank)
     if keep and rank == 0:
         prune_checkpoints(job, keep)
+
+
+def _complete(job: Path, step: int, rank: int) -> None:
+    """The last of checkpoint `step`: each rank's RNG state; once all have written, its manifest, then
+    trainer_meta.json and latest_checkpointed_iteration.txt (rank 0)."""
+    actor = weights_path(job, step).parent
+    rng = {"cpu": torch.get_rng_state()} | ({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})
+    write_atomic(actor / f"rng_state_rank{rank}.safetensors", lambda p: safetensors.torch.save_file(rng, p))
+    dist.barrier()
+    if rank == 0:
+        write_manifest(actor.parent)
+        write_atomic(
+            job / "trainer_meta.json",
+            lambda p: Path(p).write_text(
+                json.dumps({"latest_iteration": step, "time": time.time(), "world_size": dist.get_world_size()})
+            ),
+        )
+        write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
 
 
 def publish_hf(

@@ -511,18 +511,19 @@ def test_ppo_epochs_over_mini_batches_give_the_same_update_on_one_and_two_ranks(
 
 def save_or_resume_on_rank(rank: int, world: int, port: int, tiny: str, job: str, out: str) -> None:
     """Under a gloo group of `world` ranks: with no checkpoint in `job`, one AdamW step of the tiny model on random
-    gradients, saved as checkpoint step 1; else that checkpoint resumed (the model from its HF folder, the optimizer
-    by checkpoint.load_checkpoint), its whole optimizer states and weights written to <out>/<world>.safetensors."""
+    gradients, saved as checkpoint step 1; else that checkpoint resumed as train.py does (the tiny model, then the
+    checkpoint's model/ shards and optimizer states), its whole optimizer states and weights written to
+    <out>/<world>.st."""
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     resume = checkpoint.latest_checkpoint(job)
-    path = str(sync.weights_path(job, 1)) if resume else tiny
-    model = scoring.build_model(path, configs.Config().trainer, torch.device("cpu"), trainable=True)
+    model = scoring.build_model(tiny, configs.Config().trainer, torch.device("cpu"), trainable=True)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if resume:
+        checkpoint.load_model_shards(model, sync.weights_path(job, 1).parent)
         checkpoint.load_checkpoint(model, optim, job, 1, rank)
         osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         weights = sync.full_state(model.model)
@@ -541,16 +542,19 @@ def save_or_resume_on_rank(rank: int, world: int, port: int, tiny: str, job: str
 
 @pytest.mark.slow(seconds=20)
 @pytest.mark.parametrize("saved_on", [1, 2])
-def test_optimizer_states_saved_on_some_ranks_resume_on_any_number_bit_for_bit(tmp_path, tiny_model_dir, saved_on):
-    """The optimizer's states are saved sharded (actor/optimizer/: one file of shards per rank, no gather), and a
-    checkpoint saved on 1 or 2 ranks resumes on 1 and on 2: each resumed trainer holds exactly the states saved
-    (checkpoint.read_optimizer reads them whole) and the saved weights, bit for bit; so does a checkpoint of older
-    code, which held the states whole in optimizer.safetensors."""
+def test_weights_and_optimizer_states_saved_on_some_ranks_resume_on_any_number_bit_for_bit(
+    tmp_path, tiny_model_dir, saved_on
+):
+    """The weights and the optimizer's states are saved sharded (actor/model/, actor/optimizer/: one file of shards
+    per rank, no gather), and a checkpoint saved on 1 or 2 ranks resumes on 1 and on 2: each resumed trainer holds
+    exactly the states saved (checkpoint.read_optimizer reads them whole) and the weights of the HF folder saved
+    beside them, bit for bit; so do the states of older code, whole in optimizer.safetensors."""
     job, port = tmp_path / "job", free_port()
     spawn_ranks(save_or_resume_on_rank, (saved_on, port, tiny_model_dir, str(job), str(tmp_path)), saved_on)
     actor = job / "global_step_1" / "actor"
-    files = sorted(p.name for p in (actor / "optimizer").iterdir())
-    assert files == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, saved_on + 1)]
+    for kind in ("model", "optimizer"):
+        files = sorted(p.name for p in (actor / kind).iterdir())
+        assert files == [f"shard-0000{r}-model-00001-of-00001.safetensors" for r in range(1, saved_on + 1)]
     saved = checkpoint.read_optimizer(actor)
     weights = safetensors.torch.load_file(actor / "huggingface" / "model.safetensors")
     assert {v.item() for k, v in saved.items() if k.endswith("/step")} == {1.0}
