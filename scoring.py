@@ -58,25 +58,28 @@ def build_model(
     its A and B. `eos`: the ids the engines stop on (models.eos_ids), masked where the engine masked them
     (TokenScorer). On several ranks the weights are read once: rank 0 loads the model, the others build it on the
     meta device (no memory), and each rank's shards get rank 0's values once sharded (spread)."""
-    first, many = dist.get_rank() == 0, dist.get_world_size() > 1
-    where = "cpu" if first else "meta"
+    cuda = device.type == "cuda"
+    offload = cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload)
+    # NOTE: with CPU-offloaded shards (GPU only) every rank loads the whole model, as before: spreading into them is
+    # not checked here (no GPU)
+    first, many = dist.get_rank() == 0, dist.get_world_size() > 1 and not offload
+    where = "cpu" if first or not many else "meta"
     with loading(path):
         hf = load_critic(path, device=where) if critic else load_model(path, dtype="float32", device=where)
     lora_adapter = lora.wrap(hf, *adapter) if adapter else None
     if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    cuda = device.type == "cuda"
     # bf16 compute with fp32 master weights and fp32 gradient reduction on GPU; fp32 throughout on CPU.
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
-    if cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload):
+    if offload:
         policy["offload_policy"] = CPUOffloadPolicy()
     model = TokenScorer(hf, critic=critic, adapter=lora_adapter, eos_ids=eos)
     full = model.state_dict() if first and many else None  # rank 0's whole weights, until spread hands them out
     for layer in wrap_units(hf):
         fully_shard(layer, **policy)
     fully_shard(model, **policy)  # NOTE: last, so tied embeddings / lm_head share one root group
-    if many:  # NOTE: FSDP2 keeps offloaded shards in host memory
-        spread(model, full, torch.device("cpu") if "offload_policy" in policy else device)
+    if many:
+        spread(model, full, device)
     del full
     model.train(trainable)
     if not trainable:
