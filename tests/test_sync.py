@@ -215,7 +215,8 @@ def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
         socket.create_connection(("127.0.0.1", info["port"]), timeout=2)
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     (tmp_path / wire.GROUP_FILE).write_text(json.dumps({**info, "pid": int(dead.stdout), "hostname": "node1"}))
-    receiver = wire.open_receiver(tmp_path, timeout=5)
+    # NOTE: the bound is not what is checked here: 5 s ran out once under the suite's load (CI 3fca73a)
+    receiver = wire.open_receiver(tmp_path, timeout=60)
     receiver.store.set("probe", "from the explorer")
     assert link.store.get("probe") == b"from the explorer"
     wire.close_receiver(receiver)
