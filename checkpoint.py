@@ -446,7 +446,7 @@ def load_checkpoint(
     return meta.get("state", {})
 
 
-SHARD_FILE_BYTES = 2**26  # what a rank writes of the optimizer's states per file, at most (one tensor may exceed it)
+SHARD_FILE_BYTES = 2**26  # what a rank writes to one file of model/ or optimizer/, at most (one tensor may exceed it)
 
 
 def file_indices(tensors: dict[str, torch.Tensor], world: int) -> dict[str, int]:
@@ -465,11 +465,12 @@ def file_indices(tensors: dict[str, torch.Tensor], world: int) -> dict[str, int]
 def read_shards(folder: Path) -> dict[str, torch.Tensor]:
     """What save_shards wrote into `folder`, each tensor whole, read in this process alone (no process group: a person,
     a script or a test looking at them)."""
-    saved = dcp.HuggingFaceStorageReader(str(folder)).read_metadata().state_dict_metadata
+    reader = dcp.HuggingFaceStorageReader(str(folder))
+    saved = reader.read_metadata().state_dict_metadata
     tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in saved.items()}
     with warnings.catch_warnings():  # NOTE: its "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=dcp.HuggingFaceStorageReader(str(folder)), no_dist=True)
+        dcp.load(tensors, storage_reader=reader, no_dist=True)
     return tensors
 
 
