@@ -146,11 +146,15 @@ def gqa_sdpa(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """The attention of every model the project loads. With `segments` (the trainer's packed micro-batches,
-    batching.packed_inputs()): segment_attention. Else transformers' "sdpa", except that on CPU grouped K/V heads (GQA)
-    go to torch's SDPA as they are (enable_gqa). NOTE: transformers repeats K/V for every query head whenever a mask is
-    given (left padding in the engine), which on CPU copied the whole KV cache in every layer at every decode step: 40%
-    of the decode time (docs/LOG.md). On CUDA, SDPA with a mask and enable_gqa falls back to its slowest kernel, so
-    there (and for position-bias models) this is transformers' own sdpa."""
+    batching.packed_inputs()): segment_attention; with `ulysses` too (sequence parallelism), over the whole sequence
+    of a share of the heads (ulysses.SeqParallel.attend). Else transformers' "sdpa", except that on CPU grouped K/V
+    heads (GQA) go to torch's SDPA as they are (enable_gqa). NOTE: transformers repeats K/V for every query head
+    whenever a mask is given (left padding in the engine), which on CPU copied the whole KV cache in every layer at
+    every decode step: 40% of the decode time (docs/LOG.md). On CUDA, SDPA with a mask and enable_gqa falls back to
+    its slowest kernel, so there (and for position-bias models) this is transformers' own sdpa."""
+    if kwargs.get("ulysses") is not None:  # sequence parallelism (ulysses.py): this rank's columns, all heads
+        attend = functools.partial(segment_attention, segments=kwargs["segments"], scaling=scaling)
+        return kwargs["ulysses"].attend(query, key, value, attend), None
     if kwargs.get("segments") is not None:
         return segment_attention(query, key, value, kwargs["segments"], scaling), None
     if query.device.type != "cpu" or kwargs.get("position_bias") is not None:
@@ -184,16 +188,32 @@ def segment_attention(
     q = query.transpose(1, 2).reshape(R * W, H, d)  # [RW, H, d]
     k, v = (x.transpose(1, 2).reshape(R * W, x.shape[1], d) for x in (key, value))  # [RW, KV, d] each
     gqa, out = k.shape[1] != H, None
-    for qi, ki, mask, valid in segments["parts"]:
+    for part, (qi, ki, mask, valid) in enumerate(segments["parts"]):
         kk, vv = k[ki].transpose(1, 2), v[ki].transpose(1, 2)  # [S, KV, K, d]
         if gqa and q.device.type != "cpu":  # CUDA: SDPA with a mask and enable_gqa falls back to its math kernel
             kk, vv = (x.repeat_interleave(H // kk.shape[1], dim=1) for x in (kk, vv))  # [S, H, K, d]
         o = torch.nn.functional.scaled_dot_product_attention(  # [S, H, Q, d]
-            q[qi].transpose(1, 2), kk, vv, attn_mask=mask, scale=scaling, enable_gqa=gqa and q.device.type == "cpu"
+            q[qi].transpose(1, 2),
+            kk,
+            vv,
+            attn_mask=additive_mask(segments, part, mask, q.dtype),
+            scale=scaling,
+            enable_gqa=gqa and q.device.type == "cpu",
         )
         out = o.new_zeros(R * W, H, d) if out is None else out  # [RW, H, d] in SDPA's dtype (autocast)
         out = out.index_put((qi[valid],), o.transpose(1, 2)[valid])  # [RW, H, d]
     return out.view(R, W, H, d)
+
+
+def additive_mask(segments: dict, part: int, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The bool mask [S,1,Q,K] of part `part` of `segments` as SDPA's additive mask in `dtype` (0 where a key is seen,
+    -inf elsewhere), made once per micro-batch and kept in `segments`: every layer's attention shares it. NOTE: given
+    the bool mask, SDPA made a float copy of it in every layer and kept each for the backward pass, as much as a third
+    of the activations of a long packed sequence (docs/LOG.md, 2026-11-30)."""
+    made = segments.setdefault("additive", {})
+    if (part, dtype) not in made:
+        made[part, dtype] = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return made[part, dtype]
 
 
 def register_attention() -> str:

@@ -25,6 +25,7 @@ import lora
 from batching import micro_batch
 from configs.schema import LoRAConfig, TrainerConfig
 from models import load_critic, load_model, loading
+from ulysses import SeqParallel
 
 log = logging.getLogger("nanorft.scoring")
 
@@ -51,13 +52,15 @@ def build_model(
     critic: bool = False,
     adapter: tuple[LoRAConfig, str] | None = None,
     eos: list[int] | tuple[int, ...] = (),
+    sp: SeqParallel | None = None,
 ) -> TokenScorer:
     """An HF causal LM (or, `critic`, the value model) in a TokenScorer, sharded with FSDP2: each decoder
     layer (wrap_units), then the scorer (the root: embeddings, final norm and head). `adapter` (lora.start): a LoRA
     adapter is put into the HF model first (lora.wrap), so that each layer's FSDP2 group holds its frozen weights and
     its A and B. `eos`: the ids the engines stop on (models.eos_ids), masked where the engine masked them
     (TokenScorer). On several ranks the weights are read once: rank 0 loads the model, the others build it on the
-    meta device (no memory), and each rank's shards get rank 0's values once sharded (spread)."""
+    meta device (no memory), and each rank's shards get rank 0's values once sharded (spread). `sp`: this rank's
+    sequence-parallel group (ulysses.py), which the scorer runs its micro-batches with."""
     cuda = device.type == "cuda"
     offload = cuda and (t.critic.param_offload if critic else t.param_offload if trainable else t.ref_param_offload)
     # NOTE: with CPU-offloaded shards (GPU only) every rank loads the whole model, as before: spreading into them is
@@ -66,6 +69,8 @@ def build_model(
     where = "cpu" if first or not many else "meta"
     with loading(path):
         hf = load_critic(path, device=where) if critic else load_model(path, dtype="float32", device=where)
+    if sp is not None:
+        sp.check(hf.config)
     lora_adapter = lora.wrap(hf, *adapter) if adapter else None
     if trainable and (t.critic.gradient_checkpointing if critic else t.gradient_checkpointing):
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -73,7 +78,7 @@ def build_model(
     policy = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if cuda else {}
     if offload:
         policy["offload_policy"] = CPUOffloadPolicy()
-    model = TokenScorer(hf, critic=critic, adapter=lora_adapter, eos_ids=eos)
+    model = TokenScorer(hf, critic=critic, adapter=lora_adapter, eos_ids=eos, sp=sp)
     full = model.state_dict() if first and many else None  # rank 0's whole weights, until spread hands them out
     for layer in wrap_units(hf):
         fully_shard(layer, **policy)
@@ -132,7 +137,9 @@ class TokenScorer(torch.nn.Module):
     model whose head does more than a linear map (soft-capping, scaling) is refused rather than scored wrongly.
     `adapter`: the model's LoRA adapter (lora.wrap), or None. `eos_ids` (models.eos_ids): masked (logit -inf) at
     the response positions where the rollout engine masked them (mb["eos_masked"], min_tokens: batching.eos_masked),
-    so that the log-probs are of the distribution the engine sampled from, as vLLM's processed log-probs are."""
+    so that the log-probs are of the distribution the engine sampled from, as vLLM's processed log-probs are. `sp`
+    (sequence parallelism, ulysses.py): the model runs on this rank's columns of the micro-batch, and the values of
+    the scored positions are gathered from the group's ranks, so that each returns the whole [n,T]."""
 
     def __init__(
         self,
@@ -140,9 +147,10 @@ class TokenScorer(torch.nn.Module):
         critic: bool = False,
         adapter: lora.Adapter | None = None,
         eos_ids: list[int] | tuple[int, ...] = (),
+        sp: SeqParallel | None = None,
     ) -> None:
         super().__init__()
-        self.model, self.critic, self.adapter, self.eos_ids = model, critic, adapter, list(eos_ids)
+        self.model, self.critic, self.adapter, self.eos_ids, self.sp = model, critic, adapter, list(eos_ids), sp
         extras = [
             k for k in ("final_logit_softcapping", "logit_scale", "logits_scaling") if getattr(model.config, k, None)
         ]
@@ -163,12 +171,17 @@ class TokenScorer(torch.nn.Module):
             "use_cache": False,
             "segments": mb.get("segments"),
         }
+        index, keep = mb["index"], None  # [N]: the flat positions of the states that score a response token
+        if self.sp is not None:  # this rank's columns; `keep` [N]: the scored positions among them, at `index`
+            inputs, keep, index = self.sp.split(mb)
         if self.critic:
-            values = self.model(**inputs).logits.flatten(0, 1)[mb["index"], 0].float()  # [N]
-            return scatter(values, mb["dest"], n, T), None
-        hidden = self.model.base_model(**inputs).last_hidden_state.flatten(0, 1)[mb["index"]]  # [N,H]
+            values = self.model(**inputs).logits.flatten(0, 1)[index, 0].float()  # [N]
+            return scatter(self.whole(values, keep), mb["dest"], n, T), None
+        hidden = self.model.base_model(**inputs).last_hidden_state.flatten(0, 1)[index]  # [N,H]
         targets, temperature = mb["targets"], mb["temperature"]  # [N], [N]
         masked = mb.get("eos_masked", torch.zeros_like(targets, dtype=torch.bool))  # [N]
+        if keep is not None:
+            targets, temperature, masked = targets[keep], temperature[keep], masked[keep]
         head, step = self.model.get_output_embeddings(), max(1, CHUNK_ELEMENTS // self.model.config.vocab_size)
         chunks = [
             (hidden[i : i + step], targets[i : i + step], temperature[i : i + step], masked[i : i + step])
@@ -180,9 +193,14 @@ class TokenScorer(torch.nn.Module):
             checkpoint(head_logprobs, *c, **how, use_reentrant=False) if len(chunks) > 1 else head_logprobs(*c, **how)
             for c in chunks
         ]
-        logp = scatter(torch.cat([p[0] for p in parts]), mb["dest"], n, T)  # [n,T]
-        ent = scatter(torch.cat([p[1] for p in parts]), mb["dest"], n, T) if entropy else None  # [n,T]
+        logp = scatter(self.whole(torch.cat([p[0] for p in parts]), keep), mb["dest"], n, T)  # [n,T]
+        ent = scatter(self.whole(torch.cat([p[1] for p in parts]), keep), mb["dest"], n, T) if entropy else None
         return logp, ent
+
+    def whole(self, values: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """The values [N] of every scored position: `values` itself, or under sequence parallelism this rank's (where
+        keep [N]) and the group's other ranks' (ulysses.SeqParallel.gather)."""
+        return values if keep is None else self.sp.gather(values, keep)
 
 
 def head_logprobs(

@@ -93,6 +93,7 @@ from models import config_tokenizer, eos_ids, generation_config, torch_dtype
 from monitor import Monitor, preview, score_metrics, timer
 from scoring import TokenScorer, build_model, score, setup_distributed
 from source import Source
+from ulysses import SeqParallel
 
 log = logging.getLogger("nanorft.train")
 
@@ -124,6 +125,7 @@ class Parts:
     rank: int
     world: int
     device: torch.device
+    sp: SeqParallel | None  # this rank's sequence-parallel group (trainer.ulysses_sequence_parallel_size > 1)
     tokenizer: Any
     actor: TokenScorer  # the FSDP2 root around the HF model
     optim: torch.optim.Optimizer
@@ -151,6 +153,18 @@ class Parts:
 
     def saves(self, step: int) -> bool:  # a checkpoint at `step`
         return bool(self.cfg.trainer.save_interval and step % self.cfg.trainer.save_interval == 0) or step == self.total
+
+    @property
+    def sp_size(self) -> int:  # ranks that split each micro-batch's columns (ulysses.py); 1 without
+        return self.sp.size if self.sp is not None else 1
+
+    @property
+    def data_rank(self) -> int:  # this rank's data-parallel group: the ranks of one sequence-parallel group share it
+        return self.rank // self.sp_size
+
+    @property
+    def data_world(self) -> int:  # data-parallel groups, among which the step's micro-batches are dealt
+        return self.world // self.sp_size
 
     @property
     def share(self) -> bool:  # trainer.use_remove_padding: pack, each group's prompt laid out once
@@ -194,6 +208,7 @@ def set_up(cfg: configs.Config) -> Parts | None:
         rank=rank,
         world=world,
         device=device,
+        sp=actor.sp,
         tokenizer=tokenizer,
         actor=actor,
         optim=adamw(actor, a.optimizer.lr, a.optimizer),
@@ -241,24 +256,26 @@ def trainer_models(
     reads values), each FSDP2-sharded; the actor and critic from checkpoint step `resume` when there is one (its
     model/ shards over the model the config names; a checkpoint of older code, its huggingface/ folders). The
     actor and reference mask the ids the engines stop on where the engines masked them (min_tokens:
-    scoring.TokenScorer)."""
+    scoring.TokenScorer). All three split their micro-batches over one sequence-parallel group (ulysses.py), when
+    trainer.ulysses_sequence_parallel_size asks for one."""
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
+    sp = SeqParallel.make(t.ulysses_sequence_parallel_size)
     eos = eos_ids(tokenizer, generation_config(cfg.model.model_path))
     adapter = lora.start(cfg, resume)  # LoRA: model.model_path + the checkpoint's, a saved or a new adapter
     saved = sync.weights_path(job, resume).parent  # the checkpoint's actor folder (when resuming)
     whole = resume and not (saved / checkpoint.MODEL_DIR).is_dir()  # older code's: the weights in huggingface/
     actor_path = str(saved / "huggingface") if whole and not adapter else cfg.model.model_path
-    actor = build_model(actor_path, t, device, trainable=True, adapter=adapter, eos=eos)
+    actor = build_model(actor_path, t, device, trainable=True, adapter=adapter, eos=eos, sp=sp)
     needs = piece_needs(pieces)
     use_ref = a.kl_loss_fn != "none" or a.kl_penalty_fn != "none" or "ref_logprobs" in needs
     critic_path = str(saved.parent / "critic" / "huggingface") if whole else cfg.model.critic_model_path
-    critic = build_model(critic_path, t, device, trainable=True, critic=True) if "values" in needs else None
+    critic = build_model(critic_path, t, device, trainable=True, critic=True, sp=sp) if "values" in needs else None
     if resume and not whole:  # NOTE: each rank reads the parts of the saved shards that it holds
         checkpoint.load_model_shards(actor, saved)
         if critic is not None:
             checkpoint.load_model_shards(critic, saved.parent / "critic")
     ref = (
-        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False, eos=eos))
+        (lora.WithoutAdapter(actor) if adapter else build_model(cfg.model.model_path, t, device, False, eos=eos, sp=sp))
         if use_ref
         else None
     )  # with LoRA, the actor with its adapter switched off: the base model
@@ -277,7 +294,8 @@ def log_set_up(p: Parts) -> None:
     n_mini = n_mini_batches(p.cfg.buffer.train_batch_size, t.ppo_mini_batch_size, p.source.paired)
     log.info(
         "trainer: %d rank(s) on %s, steps %d..%d, %s + %s, reference model: %s, critic: %s, sync %s every "
-        "%d step(s), packing: %s, %d optimizer step(s) per train step (ppo_epochs %d x %d mini-batch(es))",
+        "%d step(s), packing: %s, %d rank(s) per micro-batch (sequence parallelism), %d optimizer step(s) per train "
+        "step (ppo_epochs %d x %d mini-batch(es))",
         p.world,
         p.device.type,
         p.resume + 1,
@@ -289,6 +307,7 @@ def log_set_up(p: Parts) -> None:
         s.sync_method,
         s.sync_interval,
         "shared prompts" if p.share else "off (padded rows)",
+        p.sp_size,
         t.ppo_epochs * n_mini,
         t.ppo_epochs,
         n_mini,
@@ -350,21 +369,30 @@ def make_batch(p: Parts, exps: list[Experience], step: int) -> tuple[dict, list[
     each, over all ranks), each as this rank's micro-batches of units (lists of batch rows laid out together: a group
     sharing its prompt, a DPO pair)."""
     t, paired = p.cfg.trainer, p.source.paired
+    budget = token_budget(p)
     batch = step_batch(exps, p.cfg.model.max_response_tokens, p.temperatures)
     batch["step"] = torch.full((len(exps),), step)  # [B]
     rows = list(range(len(exps)))
-    if len(pack_units(batch, rows, False, t.max_token_len_per_gpu, paired)) < p.world:
-        raise RuntimeError(f"{len(exps)} experiences cannot be shared by {p.world} ranks")
-    units = pack_units(batch, rows, p.share, t.max_token_len_per_gpu, paired)
+    if len(pack_units(batch, rows, False, budget, paired)) < p.data_world:
+        raise RuntimeError(f"{len(exps)} experiences cannot be shared by {p.data_world} data-parallel ranks")
+    units = pack_units(batch, rows, p.share, budget, paired)
     fixed = None if t.use_dynamic_bsz else t.micro_batch_size_per_gpu
     plan = []
     for k, mini in enumerate(mini_batches(units, n_mini_batches(len(exps), t.ppo_mini_batch_size, paired), paired)):
-        if len(mini) < p.world:  # too few units for the ranks: share them out sequence by sequence (pairs whole)
-            mini = pack_units(batch, [i for u in mini for i in u], False, t.max_token_len_per_gpu, paired)
+        if len(mini) < p.data_world:  # too few units for the ranks: share them out sequence by sequence (pairs whole)
+            mini = pack_units(batch, [i for u in mini for i in u], False, budget, paired)
         mini.sort(key=lambda u: -unit_length(batch, u))  # dealt round-robin, largest first: balanced ranks
-        mine = [u for j, u in enumerate(mini) if (j + k) % p.world == p.rank]  # from rank k: not always rank 0 first
-        plan.append(micro_batches(batch, mine, t.max_token_len_per_gpu, fixed))
+        # NOTE: dealt to data-parallel groups (the ranks of a sequence-parallel group run the same micro-batches), from
+        # group k: not always group 0 first
+        mine = [u for j, u in enumerate(mini) if (j + k) % p.data_world == p.data_rank]
+        plan.append(micro_batches(batch, mine, budget, fixed))
     return batch, plan
+
+
+def token_budget(p: Parts) -> int:
+    """Packed tokens of one micro-batch: trainer.max_token_len_per_gpu, times the ranks of a sequence-parallel group
+    (each holds 1/P of its columns), as veRL's ppo_max_token_len_per_gpu."""
+    return p.cfg.trainer.max_token_len_per_gpu * p.sp_size
 
 
 def n_mini_batches(rows: int, mini_batch_size: int, paired: bool = False) -> int:
@@ -374,9 +402,12 @@ def n_mini_batches(rows: int, mini_batch_size: int, paired: bool = False) -> int
 
 
 def all_sum(x: torch.Tensor, p: Parts) -> torch.Tensor:
-    """Sum over ranks of a [B,T] tensor that each rank filled at its own rows (zeros elsewhere)."""
+    """Sum over ranks of a [B,T] tensor that each rank filled at its own rows (zeros elsewhere); the rows of a
+    sequence-parallel group, which each of its ranks holds whole, counted once."""
     if p.world > 1:
         y = x.to(p.device, torch.float64)
+        if p.rank % p.sp_size:
+            y.zero_()
         dist.all_reduce(y)
         x = y.to("cpu", x.dtype)
     return x
@@ -388,7 +419,7 @@ def score_batch(p: Parts, batch: dict, plan: list, timing: dict[str, float]) -> 
     mine = [micro for mini in plan for micro in mini]
     if not t.use_dynamic_bsz:  # forward-only passes take log_prob_micro_batch_size_per_gpu sequences each
         units = [u for micro in mine for u in micro]
-        mine = micro_batches(batch, units, t.max_token_len_per_gpu, t.log_prob_micro_batch_size_per_gpu)
+        mine = micro_batches(batch, units, token_budget(p), t.log_prob_micro_batch_size_per_gpu)
     # NOTE: FSDP's forward is a collective: every rank runs as many passes (a repeat of its own first micro-batch
     # writes the same values again)
     mine += [filler(plan)] * (int(reduce_max(len(mine), p.device)) - len(mine))
@@ -676,6 +707,7 @@ def optimize(
             masks = [batch["response_mask"][[i for u in micro for i in u]] for micro in mini]  # [n,T] each
             count = [float(m.sum()) if mode == "token-mean" else float(m.any(-1).sum()) for m in masks]
             (total_count,) = reduce_sum([sum(count)], p.device)
+            total_count /= p.sp_size  # NOTE: the ranks of a sequence-parallel group count the same micro-batches
             # NOTE: every rank must run the same number of forward/backward passes (FSDP collectives):
             # ranks with fewer micro-batches run a repeat of their first with weight 0.
             n_micro = int(max(reduce_max(len(mini), p.device), 1))
@@ -686,12 +718,13 @@ def optimize(
             for k in range(n_micro):
                 units, share = (mini[k], count[k] / total_count) if k < len(mini) else (filler(plan), 0.0)
                 loss, m = loss_fn(p, micro_batch(batch, units, p.share, p.device, keys))
-                # NOTE: FSDP averages gradients over ranks, hence x world: the sum over ranks and
-                # micro-batches of share x loss is the loss of the whole mini-batch.
-                (loss * share * p.world).backward()
+                # NOTE: FSDP averages gradients over ranks, hence x the data-parallel world: the sum over groups and
+                # micro-batches of share x loss is the loss of the whole mini-batch. (The ranks of a sequence-parallel
+                # group each hold the whole micro-batch's loss, and their gradients sum to P x its gradient: ulysses.py)
+                (loss * share * p.data_world).backward()
                 for key, v in m.items():
                     key = key if key.startswith("rollout_corr/") else prefix + key
-                    sums[key] = sums.get(key, 0.0) + v * share
+                    sums[key] = sums.get(key, 0.0) + v * share / p.sp_size  # summed over all ranks by update()
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
             norm = (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
             if not math.isfinite(norm):  # veRL skips such steps too

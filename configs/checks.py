@@ -444,8 +444,8 @@ REFUSED: list[Rule] = [
     (
         TrainerConfig,
         "ulysses_sequence_parallel_size",
-        lambda v, c, s: v != 1,
-        "nanorft has no sequence parallelism; set 1",
+        lambda v, c, s: v < 1,
+        "it is the number of ranks each packed sequence is split over: 1 (no split) or more",
     ),
     (
         ModelConfig,

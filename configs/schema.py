@@ -708,7 +708,8 @@ class TrainerConfig:
     max_token_len_per_gpu: int | None = None
     """Token budget of one micro-batch (packed tokens); unset = 16384 (veRL's actor default), or 2 x
     max_model_len when that is more (Trinity derives 2 x max_model_len, which cut a step of 128 short
-    sequences into ~40 micro-batches)."""
+    sequences into ~40 micro-batches). With ulysses_sequence_parallel_size N, a micro-batch holds N times this,
+    split over N ranks (veRL's rule)."""
     micro_batch_size_per_gpu: int = 1
     """Sequences per micro-batch when use_dynamic_bsz is off (veRL ppo_micro_batch_size_per_gpu)."""
     log_prob_micro_batch_size_per_gpu: int = 4
@@ -729,7 +730,9 @@ class TrainerConfig:
     ref_param_offload: bool = False
     """Keep the reference model's parameters on CPU (GPU only)."""
     ulysses_sequence_parallel_size: int = 1
-    """Sequence parallelism; nanorft supports 1 only."""
+    """Sequence parallelism (DeepSpeed-Ulysses, veRL's key): each packed micro-batch is split over this many
+    consecutive ranks, each running the model on 1/N of its columns (attention trades columns for heads with an
+    all-to-all: ulysses.py); it must divide the trainer's ranks and the model's attention heads. 1: no split."""
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts (ppo)."""
     critic: CriticConfig = _field(CriticConfig)

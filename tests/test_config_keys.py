@@ -320,8 +320,8 @@ REFUSAL_CASES = {
         "experience_buffer.reuse_cooldown_time = 5.0 is refused: experiences are reused only by the priority queue",
     ),
     ("TrainerConfig", "ulysses_sequence_parallel_size"): (
-        {"trainer": {"ulysses_sequence_parallel_size": 2}},
-        "ulysses_sequence_parallel_size = 2 is refused",
+        {"trainer": {"ulysses_sequence_parallel_size": 0}},
+        "ulysses_sequence_parallel_size = 0 is refused: it is the number of ranks each packed sequence is split over",
     ),
     ("ModelConfig", "trust_remote_code"): (
         {"model": {"trust_remote_code": True}},

@@ -62,6 +62,7 @@ def bare_parts(cfg, device: torch.device, tokenizer, actor) -> train.Parts:
         rank=0,
         world=1,
         device=device,
+        sp=None,
         tokenizer=tokenizer,
         actor=actor,
         optim=None,
@@ -109,7 +110,13 @@ def plans(spec: list, mini_batch_size: int, world: int, paired: bool = False) ->
     out = []
     for rank in range(world):
         p = types.SimpleNamespace(
-            cfg=cfg, temperatures={}, share=True, source=types.SimpleNamespace(paired=paired), rank=rank, world=world
+            cfg=cfg,
+            temperatures={},
+            share=True,
+            source=types.SimpleNamespace(paired=paired),
+            data_rank=rank,
+            data_world=world,
+            sp_size=1,
         )
         out.append([sorted(i for micro in mini for u in micro for i in u) for mini in train.make_batch(p, exps, 1)[1]])
     return out
@@ -148,7 +155,7 @@ def test_update_metrics_average_over_the_updates_that_ran(monkeypatch):
     model = torch.nn.Linear(2, 1)
     cfg = configs.Config()
     cfg.trainer.ppo_epochs = 2
-    p = types.SimpleNamespace(cfg=cfg, world=1, device=torch.device("cpu"), share=True)
+    p = types.SimpleNamespace(cfg=cfg, data_world=1, sp_size=1, device=torch.device("cpu"), share=True)
     sums, norms, skipped = train.optimize(
         p,
         model=model,
@@ -397,7 +404,22 @@ AGG_RUNS = {
     "many": ({"trainer.max_token_len_per_gpu": 200}, 0),
     "many_padded": ({"trainer.max_token_len_per_gpu": 200, "trainer.use_remove_padding": False}, 0),
     "ranks2": ({"trainer.max_token_len_per_gpu": 100000}, 2),
+    # sequence parallelism: each packed micro-batch's columns split over the 2 ranks (ulysses.py); padded rows too,
+    # with activation checkpointing (its recomputed forward runs the all-to-alls again)
+    "ulysses2": ({"trainer.max_token_len_per_gpu": 100000, "trainer.ulysses_sequence_parallel_size": 2}, 2),
+    "ulysses2_padded": (
+        {
+            "trainer.max_token_len_per_gpu": 200,
+            "trainer.use_remove_padding": False,
+            "trainer.ulysses_sequence_parallel_size": 2,
+            "trainer.gradient_checkpointing": True,
+        },
+        2,
+    ),
 }
+LOSS_AND_NORM = ("actor/sft_loss", "actor/grad_norm")  # at each step
+# 4 ranks as 2 data-parallel groups of 2 sequence-parallel ranks (token-mean only)
+ULYSSES_2X2 = {"trainer.max_token_len_per_gpu": 100000, "trainer.ulysses_sequence_parallel_size": 2}
 PPO_EPOCHS = {"buffer.total_steps": 1, "trainer.ppo_epochs": 2, "trainer.ppo_mini_batch_size": 4}
 THREE_STEPS = {"buffer.total_steps": 3, "trainer.save_interval": 1}
 
@@ -426,6 +448,7 @@ def slow_runs(tmp: Path, tiny_model_dir: str) -> dict[str, tuple[dict, int]]:
         {"trainer.max_token_len_per_gpu": 100000, "trainer.gradient_checkpointing": True},
         0,
     )
+    runs["token-mean/ulysses2x2"] = ({**ULYSSES_2X2, "algorithm.loss_agg_mode": "token-mean"}, 4)
     runs |= {"ppo_epochs/0": (PPO_EPOCHS, 0), "ppo_epochs/2": (PPO_EPOCHS, 2), "straight": (STRAIGHT, 0)}
     runs["damaged"] = (THREE_STEPS, 0)
     tok = load_tokenizer(tiny_model_dir)
@@ -456,7 +479,7 @@ def trained(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subproces
     would; ~0.7 s a run instead of a process start's ~5 s, or a torchrun launch's ~15 s)."""
     tmp = tmp_path_factory.mktemp("trained")
     runs, out = slow_runs(tmp, tiny_model_dir), {}
-    for ranks in (0, 2):
+    for ranks in (0, 2, 4):
         names = [n for n, (_, r) in runs.items() if r == ranks]
         configs = [sft_config(tmp / n, tiny_model_dir, **runs[n][0]) for n in names]
         for name, result in zip(names, run_trains(configs, ranks=ranks)):
@@ -475,12 +498,18 @@ def finished(trained: dict, name: str) -> Path:
 @pytest.mark.slow
 def test_micro_batches_and_fsdp_ranks_give_the_same_update(trained, tiny_model_dir, mode):
     """Gradient accumulation is scaled right for every loss_agg_mode: one micro-batch, many small micro-batches
-    (packed, or padded rows without packing), two FSDP2 ranks and activation checkpointing all end at the same
-    weights (up to float rounding, far below the size of the update)."""
-    runs = [f"{mode}/{name}" for name in AGG_RUNS] + (["token-mean/recompute"] if mode == "token-mean" else [])
+    (packed, or padded rows without packing), two FSDP2 ranks, activation checkpointing and sequence parallelism (each
+    micro-batch's columns split over 2 ranks, packed and padded; and 4 ranks as 2 groups of 2) all end at the same
+    weights (up to float rounding, far below the size of the update); those on several ranks with the same losses and
+    gradient norms."""
+    token_mean = ["token-mean/recompute", "token-mean/ulysses2x2"] if mode == "token-mean" else []
+    runs = [f"{mode}/{name}" for name in AGG_RUNS] + token_mean
     final = {name: weights(finished(trained, name), 2) for name in runs}
     two = trained[f"{mode}/ranks2"][0] / "global_step_2" / "actor"
     assert (two / "rng_state_rank1.safetensors").is_file()  # it did run on 2 ranks (run_trains under torchrun)
+    if token_mean:
+        four = trained["token-mean/ulysses2x2"][0] / "global_step_2" / "actor"
+        assert (four / "rng_state_rank3.safetensors").is_file()
     one = final[f"{mode}/one"]
     start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
     moved = max((one[k] - start[k]).abs().max().item() for k in start)
@@ -490,6 +519,14 @@ def test_micro_batches_and_fsdp_ranks_give_the_same_update(trained, tiny_model_d
         assert diff < moved / 100, (other, diff, moved)
     history = read_history(trained[f"{mode}/many"][0] / "monitor" / "trainer.jsonl")
     assert [r["step"] for r in history] == [1, 2] and history[1]["actor/sft_loss"] < history[0]["actor/sft_loss"]
+    # NOTE: AdamW's update hardly changes when every gradient is scaled alike: the gradient norms show the scale
+    seen = {
+        name: [r[k] for r in read_history(trained[name][0] / "monitor" / "trainer.jsonl") for k in LOSS_AND_NORM]
+        for name in runs
+        if "ulysses" in name or name.endswith("/one") or name.endswith("/ranks2")
+    }
+    for name, steps in seen.items():
+        assert steps == pytest.approx(seen[f"{mode}/one"], rel=1e-4, abs=1e-5), (name, seen)
 
 
 @pytest.mark.slow
