@@ -111,45 +111,60 @@ def save_figures(model, work: Path, torch, hf: bool) -> dict:
     return {"save_s": round(time.perf_counter() - start, 3), "save_peak_mib": round(status_mib("VmHWM") - before, 1)}
 
 
+def model_folder(shape: str, work: Path, dtype_name: str) -> Path:
+    """<work>/model: bench_gpu.py's `shape` saved in `dtype_name`, made the first time."""
+    if not (work / "model" / "config.json").is_file():
+        sys.path.insert(0, str(HERE))
+        import torch
+        from bench_gpu import make_model_folder
+
+        make_model_folder(shape, work / "model", torch.device("cpu"), getattr(torch, dtype_name))
+    return work / "model"
+
+
+def run_ranks(script: str, ranks: int, args: list[str]) -> None:
+    """`script` with `args` as `ranks` torchrun ranks on this machine (one thread each unless OMP_NUM_THREADS says)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", script, *args]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+
+
+def report(header: dict[str, str], rows: list[dict], record: dict, json_path: Path | None) -> None:
+    """A markdown table of `rows` (header: row key -> column title), then `record` as one JSON line (also into
+    json_path)."""
+    print("| " + " | ".join(header.values()) + " |\n|" + "---|" * len(header))
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) for k in header) + " |")
+    line = json.dumps(record)
+    print(line)
+    if json_path:
+        json_path.write_text(line + "\n")
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse_args(argv)
     if a.rank_out:
         rank(a)
         return {}
     work = a.work or Path(tempfile.mkdtemp(prefix="bench_load_"))
-    if not (work / "model" / "config.json").is_file():
-        sys.path.insert(0, str(HERE))
-        import torch
-        from bench_gpu import make_model_folder
-
-        make_model_folder(a.shape, work / "model", torch.device("cpu"), torch.bfloat16)
-    out = work / "rank"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}"]
-    cmd += [__file__, "--work", str(work), "--root", str(a.root), "--rank-out", str(out)]
-    cmd += ["--save-hf-checkpoint", a.save_hf_checkpoint]
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    model, out = model_folder(a.shape, work, "bfloat16"), work / "rank"
+    args = ["--work", str(work), "--root", str(a.root), "--rank-out", str(out)]
+    run_ranks(__file__, a.ranks, [*args, "--save-hf-checkpoint", a.save_hf_checkpoint])
     ranks = [json.loads(out.with_suffix(f".{r}.json").read_text()) for r in range(a.ranks)]
-    weights = sum(f.stat().st_size for f in (work / "model").glob("*.safetensors")) / 2**20
+    weights = sum(f.stat().st_size for f in model.glob("*.safetensors")) / 2**20
     record = {"shape": a.shape, "ranks": a.ranks, "root": str(a.root), "weights_mib": round(weights, 1)}
     record["per_rank"] = ranks
     record["same_weights"] = ranks[0]["same_weights"]
     record["peak_mib_sum"] = round(sum(r["peak_mib"] for r in ranks), 1)
     record["save_peak_mib_sum"] = round(sum(r["save_peak_mib"] for r in ranks), 1)
     print(f"{a.shape} ({record['weights_mib']} MiB of weights on disk) on {a.ranks} rank(s), scoring.py of {a.root}")
-    print("| rank | start s | start's peak MiB | held after, MiB | save s | save's peak MiB |")
-    print("|---|---|---|---|---|---|")
-    for r in ranks:
-        cells = [r[k] for k in ("rank", "start_s", "peak_mib", "rss_after_mib", "save_s", "save_peak_mib")]
-        print("| " + " | ".join(map(str, cells)) + " |")
     print(
         f"same weights bit for bit: {record['same_weights']}; peaks summed: start {record['peak_mib_sum']} MiB, ",
         end="",
     )
     print(f"save {record['save_peak_mib_sum']} MiB")
-    line = json.dumps(record)
-    print(line)
-    if a.json:
-        a.json.write_text(line + "\n")
+    columns = ("rank", "start s", "start's peak MiB", "held after, MiB", "save s", "save's peak MiB")
+    keys = ("rank", "start_s", "peak_mib", "rss_after_mib", "save_s", "save_peak_mib")
+    report(dict(zip(keys, columns)), ranks, record, a.json)
     return record
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench_load import model_folder, report, run_ranks, status_mib  # scripts/, this folder
 
 HERE = Path(__file__).resolve().parent
 PROMPT, RESPONSE = 256, 512  # tokens
@@ -40,14 +40,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sp", type=int, help=argparse.SUPPRESS)  # internal: a rank's own process
     ap.add_argument("--rank-out", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
-
-
-def status_mib(key: str) -> float:
-    """A VmRSS / VmHWM line of /proc/self/status, in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(key)
 
 
 def long_group(tokens: int) -> list:
@@ -112,17 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
         rank(a)
         return {}
     work = a.work or Path(tempfile.mkdtemp(prefix="bench_ulysses_"))
-    if not (work / "model" / "config.json").is_file():
-        sys.path.insert(0, str(HERE))
-        import torch
-        from bench_gpu import make_model_folder
-
-        make_model_folder(a.shape, work / "model", torch.device("cpu"))
+    model_folder(a.shape, work, "float32")
     out, rows = work / "rank", []
     for sp in (1, a.ranks):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={a.ranks}", __file__]
-        cmd += ["--work", str(work), "--tokens", str(a.tokens), "--sp", str(sp), "--rank-out", str(out)]
-        subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+        run_ranks(
+            __file__, a.ranks, ["--work", str(work), "--tokens", str(a.tokens), "--sp", str(sp), "--rank-out", str(out)]
+        )
         rows += [json.loads(out.with_suffix(f".{sp}.{r}.json").read_text()) for r in range(a.ranks)]
     unsplit, split = ([r for r in rows if r["sp"] == sp] for sp in (1, a.ranks))
     record = {"shape": a.shape, "ranks": a.ranks, "tokens": rows[0]["width"], "per_rank": rows}
@@ -131,19 +118,11 @@ def main(argv: list[str] | None = None) -> dict:
     record["loss_diff"] = abs(split[0]["loss"] - unsplit[0]["loss"])
     record["grad_norm_rel_diff"] = abs(split[0]["grad_norm"] / unsplit[0]["grad_norm"] - 1)
     print(f"{a.shape}, one packed sequence of {record['tokens']} tokens, {a.ranks} rank(s)")
-    print(
-        "| sequence-parallel ranks | rank | forward + backward s | peak MiB | saved activations MiB | loss | ", end=""
-    )
-    print("grad norm |\n|---|---|---|---|---|---|---|")
-    for r in rows:
-        cells = (r[k] for k in ("sp", "rank", "pass_s", "peak_mib", "saved_mib", "loss", "grad_norm"))
-        print("| " + " | ".join(map(str, cells)) + " |")
     print(f"split / unsplit: peak {record['peak_ratio']}, saved activations {record['saved_ratio']}; ", end="")
     print(f"loss differs by {record['loss_diff']:.2e}, gradient norm by {record['grad_norm_rel_diff']:.2e} (relative)")
-    line = json.dumps(record)
-    print(line)
-    if a.json:
-        a.json.write_text(line + "\n")
+    columns = ("sequence-parallel ranks", "rank", "forward + backward s", "peak MiB", "saved activations MiB", "loss")
+    keys = ("sp", "rank", "pass_s", "peak_mib", "saved_mib", "loss", "grad_norm")
+    report(dict(zip(keys, (*columns, "grad norm"))), rows, record, a.json)
     return record
 
 

@@ -92,3 +92,19 @@ def test_a_head_count_or_world_it_cannot_split_is_refused_by_name(tiny_model_dir
         assert SeqParallel.make(1) is None
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow(seconds=20)
+def test_a_long_sequence_split_over_two_ranks_keeps_about_half_the_activations(tmp_path):
+    """scripts/bench_ulysses.py on the tiny shape, one packed group of 3,840 tokens on 2 gloo ranks: split, each rank
+    keeps well under 3/4 of the activations an unsplit rank keeps for the backward pass (the rest of a half is the
+    attention mask, which each rank holds whole), with the same loss and gradient norm (docs/LOG.md, 2026-11-30)."""
+    import entry
+
+    out = tmp_path / "sp.json"
+    args = ("--shape", "tiny", "--tokens", "4096", "--work", str(tmp_path), "--json", str(out))
+    run = entry.run_process("scripts/bench_ulysses.py", *args, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["tokens"] == 3840 and record["saved_ratio"] < 0.7, record
+    assert record["loss_diff"] < 1e-6 and record["grad_norm_rel_diff"] < 1e-5, record
