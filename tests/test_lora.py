@@ -298,7 +298,8 @@ def lora_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subproc
     """name -> (job directory, exit code and stderr) of the LoRA SFT runs of the slow tests below: those of one rank
     in ONE train.py process, in this order, and the one of two ranks in a torchrun launch (helpers.run_trains):
     "saved" (2 steps, a checkpoint each), "saved_full" (the same run directory, 3 steps, no LoRA: refused), "bench"
-    (as "saved"), "straight" (STRAIGHT: straight_and_resumed's) and "ranks0" / "ranks2" (as "saved")."""
+    (as "saved"), "straight" (STRAIGHT: straight_and_resumed's) and "ranks0" / "ranks2" / "ulysses2" (as "saved", the
+    last with sequence parallelism)."""
     tmp = tmp_path_factory.mktemp("lora")
     saved_ck = str(tmp / "saved" / "ck")
     runs = {
@@ -308,6 +309,7 @@ def lora_runs(tmp_path_factory, tiny_model_dir) -> dict[str, tuple[Path, subproc
         "straight": ({**LORA, **STRAIGHT}, 0),
         "ranks0": (LORA, 0),
         "ranks2": (LORA, 2),
+        "ulysses2": ({**LORA, "trainer.ulysses_sequence_parallel_size": 2}, 2),  # columns split (ulysses.py)
     }
     out = {}
     for ranks in (0, 2):
@@ -387,12 +389,15 @@ def test_a_killed_lora_trainer_resumes_exactly(tmp_path, tiny_model_dir, lora_ru
 
 @pytest.mark.slow
 def test_two_fsdp_ranks_train_the_adapter_as_one_does(lora_runs):
+    """Two FSDP2 ranks, and two ranks that split each micro-batch's columns (ulysses.py), end at one rank's adapter."""
     final = {ranks: adapter_of(finished(lora_runs, f"ranks{ranks}"), 2) for ranks in (0, 2)}
+    final["ulysses2"] = adapter_of(finished(lora_runs, "ulysses2"), 2)
     assert (lora_runs["ranks2"][0] / "global_step_2" / "actor" / "rng_state_rank1.safetensors").is_file()  # 2 ranks
     b = [k for k in final[0] if ".lora_B." in k]
     moved = max(final[0][k].abs().max().item() for k in b)  # B starts at 0
     assert moved > 1e-3
-    assert max((final[2][k] - final[0][k]).abs().max().item() for k in final[0]) < moved / 100
+    for other in (2, "ulysses2"):
+        assert max((final[other][k] - final[0][k]).abs().max().item() for k in final[0]) < moved / 100, other
 
 
 @pytest.mark.slow(seconds=35)
