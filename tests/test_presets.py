@@ -6,6 +6,7 @@ on data files the project makes (assets/arith/sft.jsonl, dpo.jsonl) or the test 
 "Add your own loss" recipe from the README, done on a copy of the repository."""
 
 import dataclasses
+import itertools
 import json
 import math
 import shutil
@@ -31,6 +32,7 @@ from helpers import (
     perturbed,
     plain_logprobs,
     run_train,
+    run_trains,
     sft_teacher,
     write_yaml,
 )
@@ -339,6 +341,7 @@ MY_LOSS = '''"""my_pg: REINFORCE with a baseline-free advantage, -A * logp (a RE
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
@@ -512,7 +515,8 @@ def test_dynamic_sampling_over_samples_in_the_explorer_in_mode_both(tmp_path, ti
 @pytest.mark.slow
 def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
     """One PPO step (values, GAE over the whole batch, critic then actor update) on the same experiences:
-    a plain process and torchrun with two FSDP2 ranks end at the same actor and critic weights."""
+    a plain process, torchrun with two FSDP2 ranks, and two ranks that split each micro-batch's columns (sequence
+    parallelism: old log-probs, values and losses over the split) end at the same actor and critic weights."""
     tok = load_tokenizer(tiny_model_dir)
     g = torch.Generator().manual_seed(0)
     exps = [
@@ -532,9 +536,9 @@ def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
             ]
         )
     ]
-    final = {}
-    for ranks in (0, 2):
-        run = tmp_path / f"ranks{ranks}"
+    configs = {}
+    for name, sp in (("ranks0", 1), ("ranks2", 1), ("ulysses2", 2)):
+        run = tmp_path / name
         db = run / "exp.db"
         db.parent.mkdir(parents=True)
         ExperienceDB(f"sqlite:///{db}").write(exps)
@@ -552,22 +556,25 @@ def test_ppo_update_is_the_same_on_one_and_two_ranks(tmp_path, tiny_model_dir):
                     "experience_buffer": {"name": "exp", "path": f"sqlite:///{db}", "max_read_timeout": 10}
                 },
             },
-            "trainer": {"critic": {"lr": 1e-3}},
+            "trainer": {"critic": {"lr": 1e-3}, "ulysses_sequence_parallel_size": sp},
             "monitor": {"monitor_type": "none"},
         }
-        out = run_train(write_yaml(run / "t.yaml", cfg, {}), ranks=ranks)
-        assert out.returncode == 0, out.stderr[-3000:]
-        step = run / "ck" / "p" / "t" / "global_step_1"
-        final[ranks] = {
+        configs[name] = write_yaml(run / "t.yaml", cfg, {})
+    outs = [run_train(configs["ranks0"]), *run_trains([configs["ranks2"], configs["ulysses2"]], ranks=2)]
+    final = {}
+    for name, out in zip(configs, outs):
+        assert out.returncode == 0, (name, out.stderr[-3000:])
+        step = tmp_path / name / "ck" / "p" / "t" / "global_step_1"
+        final[name] = {
             role: safetensors.torch.load_file(step / role / "huggingface" / "model.safetensors")
             for role in ("actor", "critic")
         }
     start = safetensors.torch.load_file(Path(tiny_model_dir) / "model.safetensors")
-    moved = max((final[0]["actor"][k] - start[k]).abs().max().item() for k in start)
+    moved = max((final["ranks0"]["actor"][k] - start[k]).abs().max().item() for k in start)
     assert moved > 1e-4  # one AdamW step at lr 1e-3
-    for role in ("actor", "critic"):
-        diff = max((final[2][role][k] - final[0][role][k]).abs().max().item() for k in final[0][role])
-        assert diff < moved / 100, (role, diff, moved)
+    for name, role in itertools.product(("ranks2", "ulysses2"), ("actor", "critic")):
+        diff = max((final[name][role][k] - final["ranks0"][role][k]).abs().max().item() for k in final["ranks0"][role])
+        assert diff < moved / 100, (name, role, diff, moved)
 
 
 @pytest.mark.slow
