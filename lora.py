@@ -219,21 +219,44 @@ def weight_stream(scorer: Any, dtype: torch.dtype | None = None) -> tuple[list, 
     return specs, (state[n] for n, _, _ in specs)
 
 
-def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int) -> None:
-    """A trainer resumed from checkpoint `step` points latest_state_dict_iteration.txt at that step's HF folder (rank
-    0), for an explorer (re)starting from the pointer. A checkpoint may lack the folder (a LoRA one, or one saved with
-    trainer.save_hf_checkpoint last / never; the step was checkpointed, not published: process-group sync, or
-    checkpoint sync between sync points): the (merged) weights are published first (sync.publish_hf: the folder
-    complete before the pointer moves). Every rank calls it (the gather is a collective)."""
+def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int, served: bool = False) -> None:
+    """A trainer resumed from checkpoint `step` points latest_state_dict_iteration.txt at that step's published
+    weights (rank 0), for an explorer (re)starting from the pointer: its HF folder, or with engines that serve the
+    adapter (`served`: sync.serves_adapter) its published adapter. A checkpoint may lack them (a LoRA one, or one
+    saved with trainer.save_hf_checkpoint last / never; the step was checkpointed, not published: process-group sync,
+    or checkpoint sync between sync points): they are published first (`publish`: the folder complete before the
+    pointer moves). Every rank calls it (the gather is a collective)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if sync.weights_path(job_dir, step).is_dir():
+    folder = sync.adapter_path(job_dir, step) if served else sync.weights_path(job_dir, step)
+    if folder.is_dir():
         if rank0:
             sync.set_latest(job_dir, step)
         return
-    weights = full_state(scorer)
+    adapter = adapter_state(scorer) if served else None
+    weights = None if served else full_state(scorer)
     if rank0:
-        sync.publish_hf(scorer.model, tokenizer, job_dir, step, state_dict=weights)
-        log.info("checkpoint step %d has no HF folder: its weights published for the explorer", step)
+        publish(scorer, tokenizer, job_dir, step, adapter, weights)
+        log.info("checkpoint step %d has no published weights: published for the explorer", step)
+
+
+def publish(
+    scorer: Any,
+    tokenizer: Any,
+    job_dir: str | Path,
+    step: int,
+    adapter: dict[str, torch.Tensor] | None,
+    weights: dict[str, torch.Tensor] | None,
+) -> None:
+    """Rank 0: the weights of `step` for the explorers: the adapter (`adapter`: adapter_state's, for engines that
+    serve it; sync.adapter_path) and / or the full HF folder (`weights`, merged: full_state's), each complete
+    (renamed into place) before latest_state_dict_iteration.txt moves to `step`; then the published folders no
+    explorer loads any more are deleted (sync.prune_published). A caller wraps it in checkpoint.publishing."""
+    if adapter is not None:
+        save_adapter(scorer, sync.adapter_path(job_dir, step), adapter)
+    if weights is not None:
+        sync.save_hf(scorer.model, tokenizer, sync.weights_path(job_dir, step), weights)
+    sync.set_latest(job_dir, step)
+    sync.prune_published(job_dir, step)
 
 
 def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:
@@ -253,13 +276,50 @@ def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:
 def save_adapter(scorer: Any, folder: Path, state: dict[str, torch.Tensor]) -> None:
     """The adapter as peft saves it (adapter_config.json, adapter_model.safetensors, README.md), loadable by
     peft.PeftModel.from_pretrained on model.model_path; written under a temporary name and renamed into place."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    tmp, old = (folder.with_name(f".{folder.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
     # NOTE: peft names a PeftModel's weights base_model.model.<name in the HF model>; it drops the adapter's name
     scorer.adapter.peft.save_pretrained(str(tmp), state_dict={f"base_model.model.{k}": v for k, v in state.items()})
-    if folder.exists():
-        shutil.rmtree(folder)
+    if folder.exists():  # NOTE: renamed away, not deleted in place (as sync.save_hf): an engine may be reading it
+        os.replace(folder, old)
     os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- the adapter alone to vLLM engines that serve it (sync.serves_adapter): published, or over the process group
+
+
+def peft_name(name: str) -> str:
+    """An adapter weight's name in peft's file (what vLLM reads): base_model.model.<HF name>, the adapter's dropped."""
+    return f"base_model.model.{name}".replace(f".{ADAPTER}.", ".")
+
+
+def send_adapter(link: wire.WeightLink | None, scorer: Any, version: int, dtype: torch.dtype | None = None) -> int:
+    """wire.send_weights of the adapter alone (every rank calls it: the gather is a collective; link None but on
+    rank 0), in `dtype` (the engine's; None: fp32 as trained), under peft's file names, its adapter_config.json in
+    the header: the explorer writes them as peft saves an adapter (sync.ExplorerSync.adapter_folder) and its
+    engines load that in place. Returns the bytes sent (0 on ranks > 0)."""
+    state = adapter_state(scorer)
+    if link is None:
+        return 0
+    state = {peft_name(k): v for k, v in sync.cast(state, dtype).items()}
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
+    return wire.send_weights(link, version, specs, state.values(), {"adapter_config": adapter_config(scorer)})
+
+
+def adapter_config(scorer: Any) -> dict:
+    """The adapter's adapter_config.json as peft writes it (PeftConfig.save_pretrained; sets as lists, the base
+    model's name filled in as PeftModel.save_pretrained does)."""
+    import copy
+    import json
+    import tempfile
+
+    config = copy.deepcopy(scorer.adapter.peft.peft_config[ADAPTER])
+    config.base_model_name_or_path = config.base_model_name_or_path or getattr(scorer.model, "name_or_path", None)
+    config.inference_mode = True
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        return json.loads(Path(tmp, "adapter_config.json").read_text())
 
 
 class WithoutAdapter(torch.nn.Module):
