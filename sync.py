@@ -84,8 +84,9 @@ def serves_adapter(cfg: Any) -> bool:
     """Whether the explorer's engines serve the trainer's LoRA adapter (vLLM's enable_lora: every request names it)
     and so get the adapter alone at each sync, not merged weights: model.lora_configs set and a vLLM rollout engine
     (engine_type vllm / vllm_async, or auto resolving to vLLM: engines.engine_kind, which the trainer asks too). The
-    HF engine has no adapter serving: it keeps getting merged weights."""
-    if not cfg.model.lora_configs:
+    HF engine has no adapter serving: it keeps getting merged weights. A config without a model section (a partial
+    one, as --verify-sync's explorer side) serves none."""
+    if not getattr(getattr(cfg, "model", None), "lora_configs", None):
         return False
     from engines import engine_kind  # NOTE: here: engines imports transformers, which sync's importers may not need
 
@@ -233,8 +234,9 @@ def latest_weights(job_dir: str | Path) -> Path | None:
 def damage(folder: Path) -> str:
     """'' when a published HF folder is whole as far as its headers tell: config.json (a published adapter's:
     adapter_config.json) is JSON, and every safetensors file (the index's shards, or model.safetensors) has a header
-    that parses and the size that header gives; else what is wrong, naming the file. NOTE: the tensors are not hashed (a publish would read every byte again): a
-    flipped bit inside a tensor is not seen; a truncated, overwritten or missing file is."""
+    that parses and the size that header gives; else what is wrong, naming the file. NOTE: the tensors are not
+    hashed (a publish would read every byte again): a flipped bit inside a tensor is not seen; a truncated,
+    overwritten or missing file is."""
     try:
         json.loads((folder / ("adapter_config.json" if folder.name == SERVED_DIR else "config.json")).read_text())
         index = folder / "model.safetensors.index.json"
