@@ -484,3 +484,120 @@ def test_bench_evaluates_adapter_only_checkpoints_merged(lora_runs, tiny_model_d
 def saved_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
     """The tensors of the file `name` of a checkpoint's actor folder; "optimizer": its optimizer states, whole."""
     return checkpoint.read_optimizer(folder) if name == "optimizer" else safetensors.torch.load_file(folder / name)
+
+
+# --- the adapter alone to vLLM engines that serve it (sync.serves_adapter)
+
+
+class AdapterEngine:
+    """The explorer's engine as sync.py uses it when it serves an adapter: receives none over the group itself
+    (join_ranks 0), loads folders (what it was given, and the folder's tensors as they were then)."""
+
+    def __init__(self) -> None:
+        self.model_version, self.loaded = 0, []
+
+    def join_ranks(self) -> int:
+        return 0
+
+    def load_weights(self, source, version: int) -> None:
+        assert isinstance(source, str), "an engine serving an adapter loads folders"
+        tensors = safetensors.torch.load_file(Path(source, sync.ADAPTER_FILE))
+        config = json.loads(Path(source, "adapter_config.json").read_text())
+        self.loaded.append((version, source, tensors, config))
+        self.model_version = version
+
+
+def served_config(tmp_path: Path, tiny_model_dir: str, engine_type: str = "vllm_async") -> Config:
+    cfg = Config()
+    cfg.model.model_path, cfg.checkpoint_job_dir = tiny_model_dir, str(tmp_path / "job")
+    cfg.model.lora_configs = [LoRAConfig(lora_rank=4, lora_alpha=8)]
+    cfg.explorer.rollout_model.engine_type = engine_type
+    return cfg
+
+
+def peft_logits_gap(tiny_model_dir: str, actor: torch.nn.Module, folder: str) -> float:
+    """Largest |log-prob| gap between the trainer's actor and model_path + the adapter at `folder` as plain peft
+    loads it (peft's own merge: what vLLM serves is checked against this in tests/test_vllm_e2e.py)."""
+    return gap(actor, lora.merged_model(plain(tiny_model_dir), folder).eval())
+
+
+def test_only_vllm_engines_serve_the_adapter(tmp_path, tiny_model_dir):
+    """vLLM engines serve the adapter (they get it alone at each sync); the HF engine gets merged weights; no LoRA,
+    nothing served. The published folders each loads follow."""
+    assert sync.serves_adapter(served_config(tmp_path, tiny_model_dir, "vllm"))
+    assert sync.serves_adapter(served_config(tmp_path, tiny_model_dir, "vllm_async"))
+    assert not sync.serves_adapter(served_config(tmp_path, tiny_model_dir, "hf"))
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.model.lora_configs = []
+    assert not sync.serves_adapter(cfg)
+    assert sync.published_dir(served_config(tmp_path, tiny_model_dir)) == "lora_published"
+    assert sync.published_dir(cfg) == "huggingface"
+
+
+def test_the_process_group_sends_the_adapter_alone_to_engines_that_serve_it(tiny_model_dir, tmp_path, one_rank):
+    """sync_method nccl, vLLM engines serving the adapter: only A and B travel (peft's file names, the engine's
+    dtype), with the adapter's config in the header; the explorer writes them as a peft folder (no pickle) that its
+    engines load in place, and that folder is the trainer's adapter: plain peft on model_path gives the actor's
+    log-probs. The bytes are a small fraction of the merged weights'."""
+    import threading
+
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    with torch.no_grad():
+        for name, q in actor.named_parameters():
+            if ".lora_B." in name:
+                q.normal_(0, 0.05)
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.checkpoint_job_dir, engine = str(tmp_path), AdapterEngine()
+    explorer = sync.ExplorerSync(cfg, None, engine)
+    sender, got = wire.open_sender(tmp_path, "cpu", 60), {}
+    receiver = threading.Thread(target=lambda: got.update(taken=explorer.take_weights()))
+    receiver.start()
+    sent = lora.send_adapter(sender, actor, 7)
+    receiver.join(60)
+    wire.close_sender(sender, grace=0.1)
+    merged_bytes = sum(t.numel() * t.element_size() for t in lora.full_state(actor).values())
+    assert got["taken"] == (7, sent) and 0 < sent < merged_bytes / 20
+    ((version, folder, tensors, config),) = engine.loaded
+    assert version == 7 and config["r"] == 4 and config["peft_type"] == "LORA"
+    state = lora.adapter_state(actor)
+    assert tensors.keys() == {lora.peft_name(k) for k in state}
+    assert all(torch.equal(tensors[lora.peft_name(k)], v) for k, v in state.items())
+    assert peft_logits_gap(tiny_model_dir, actor, folder) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
+    explorer.close()
+    assert not Path(folder).exists()  # the explorer's private folder goes with it
+
+
+def test_checkpoint_sync_publishes_the_adapter_alone_and_the_explorer_loads_it(tiny_model_dir, tmp_path, one_rank):
+    """sync_method checkpoint, vLLM engines serving the adapter: a sync point's step publishes the adapter alone
+    (global_step_N/actor/lora_published, peft's format), then moves the pointer; the last step also the merged HF
+    folder (the next stage and users read it). A restarted explorer starts from the newest adapter, one at a sync
+    point loads the adapter of its step; a damaged adapter is skipped as a damaged HF folder is. A resumed trainer
+    publishes its checkpoint's adapter where it is missing before it points there."""
+    from types import SimpleNamespace
+
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    cfg = served_config(tmp_path, tiny_model_dir)
+    job = Path(cfg.checkpoint_job_dir)
+    p = SimpleNamespace(cfg=cfg, actor=actor, tokenizer=None, rank=0, engine_dtype=None)
+    for step in (1, 2):
+        with torch.no_grad():
+            for name, q in actor.named_parameters():
+                if ".lora_B." in name:
+                    q.normal_(0, 0.05)
+        assert train.publish_files(p, step, hf=False, exact=False) is None  # nothing full gathered
+    assert sync.latest_version(job) == 2 and not sync.weights_path(job, 2).exists()
+    folder = sync.adapter_path(job, 2)
+    assert not sync.damage(folder) and peft_logits_gap(tiny_model_dir, actor, str(folder)) < 1e-5
+    assert sync.start_weights(cfg) == (str(folder), 2)
+    engine = AdapterEngine()
+    assert sync.load_published(engine, str(job), 2, sync.published_dir(cfg)) == 2
+    assert engine.loaded[0][:2] == (2, str(folder))
+    (folder / sync.ADAPTER_FILE).write_bytes((folder / sync.ADAPTER_FILE).read_bytes()[:-8])  # cut
+    assert "adapter_model.safetensors has" in sync.damage(folder)
+    assert sync.start_weights(cfg) == (str(sync.adapter_path(job, 1)), 1)
+    weights = train.publish_files(p, 3, hf=True, exact=True)  # the last step: the merged folder too
+    assert weights and sync.weights_path(job, 3).is_dir() and sync.adapter_path(job, 3).is_dir()
+    assert sync.prune_published(job, 3) == [] and not sync.adapter_path(job, 1).exists()  # pruned by step 3's
+    lora.rewind_pointer(actor, None, job, 5, served=True)  # a checkpoint step never published
+    assert sync.latest_version(job) == 5 and not sync.damage(sync.adapter_path(job, 5))
+    assert not sync.weights_path(job, 5).exists()
