@@ -63,7 +63,9 @@ def verify(cfg: Any) -> str:
             model, dtype = load_model(path), torch_dtype(rm.dtype) if torch.cuda.is_available() else None
             send = threading.Thread(target=verify_send, args=(engine_kind(rm)[0], sender, model, dtype, cfg))
             send.start()
-            local = SimpleNamespace(checkpoint_job_dir=job, synchronizer=cfg.synchronizer, model=cfg.model)
+            local = SimpleNamespace(
+                checkpoint_job_dir=job, synchronizer=cfg.synchronizer, model=cfg.model, explorer=cfg.explorer
+            )
             got = sync.ExplorerSync(local, None, engine).take_weights()
             send.join()
             wire.close_sender(sender, grace=0)
@@ -127,7 +129,9 @@ def verify_adapter(cfg: Any) -> str:
             sender = wire.open_sender(job, "cpu", cfg.synchronizer.sync_timeout)
             send = threading.Thread(target=lora.send_adapter, args=(sender, scorer, 1, dtype))
             send.start()
-            local = SimpleNamespace(checkpoint_job_dir=job, synchronizer=cfg.synchronizer, model=cfg.model)
+            local = SimpleNamespace(
+                checkpoint_job_dir=job, synchronizer=cfg.synchronizer, model=cfg.model, explorer=cfg.explorer
+            )
             weights = sync.ExplorerSync(local, None, engine)
             got = weights.take_weights()
             send.join()

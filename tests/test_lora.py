@@ -601,3 +601,46 @@ def test_checkpoint_sync_publishes_the_adapter_alone_and_the_explorer_loads_it(t
     lora.rewind_pointer(actor, None, job, 5, served=True)  # a checkpoint step never published
     assert sync.latest_version(job) == 5 and not sync.damage(sync.adapter_path(job, 5))
     assert not sync.weights_path(job, 5).exists()
+
+
+class PeftEngine(AdapterEngine):
+    """An engine serving an adapter as vLLM does, played by plain peft: log-probs of model_path + the adapter it
+    loaded last (none: the base). `ignores`: it drops the adapters it is given (a broken load)."""
+
+    def __init__(self, base: str, ignores: bool = False) -> None:
+        super().__init__()
+        self.base, self.ignores, self.model = base, ignores, plain(base)
+
+    def load_weights(self, source, version: int) -> None:
+        super().load_weights(source, version)
+        if not self.ignores:
+            self.model = lora.merged_model(plain(self.base), source).eval()
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        return [plain_logprobs(self.model, s, 1).tolist() for s in sequences]
+
+    def weight_versions(self) -> list[str]:
+        return [str(self.model_version)]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("ignores", [False, True])
+def test_verify_sync_of_a_served_adapter_compares_log_probs(tiny_model_dir, tmp_path, monkeypatch, ignores):
+    """--verify-sync with vLLM engines serving the adapter: vLLM's checksums cover no adapter, so the check is the
+    engines' log-probs with the adapter sent over the group against those with its folder, and not the base's. An
+    engine that drops the adapter it is given is named."""
+    import sync_check
+    import vllm_engine
+
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.synchronizer.sync_timeout = 60
+    monkeypatch.setattr(vllm_engine, "lora_args", lambda model, folder: {"enable_lora": True})
+    monkeypatch.setattr(sync_check, "make_engine", lambda *a, **k: PeftEngine(tiny_model_dir, ignores))
+    problem = sync_check.verify(cfg)
+    assert problem == (
+        "the engines' log-probs after the adapter arrived are the base model's: no adapter is applied"
+        if ignores
+        else ""
+    )
