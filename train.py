@@ -766,8 +766,8 @@ def publish_files(p: Parts, step: int, hf: bool, exact: bool) -> dict[str, torch
     engines that serve it (sync.serves_adapter), plus the full HF folder (merged) where `hf` asks (the last step:
     the next stage, bench mode and users read it); else the full HF folder. In the engine's dtype (bf16 on GPU by
     default: half the bytes of the fp32 master weights), except an HF folder that is also a checkpoint's weights
-    (`exact`, fp32: a resume continues from the exact weights). Returns the full state gathered (rank 0; {} elsewhere), or
-    None (the adapter alone). Every rank calls it (gathering is a collective)."""
+    (`exact`, fp32: a resume continues from the exact weights). Returns the full state gathered (rank 0; {}
+    elsewhere), or None (the adapter alone). Every rank calls it (gathering is a collective)."""
     served = sync.serves_adapter(p.cfg)
     adapter = lora.adapter_state(p.actor) if served else None
     weights = lora.full_state(p.actor) if hf or not served else None
