@@ -250,7 +250,8 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
 
 def base_weights(cfg: configs.Config) -> str:
     """model.model_path; with LoRA from a saved adapter (model.lora_configs[0].path), an HF folder of the two merged
-    (<job dir>/lora_start/<explorer name>, written here): the policy the trainer starts from."""
+    (<job dir>/lora_start/<explorer name>, written here): the policy the trainer starts from, for engines that take
+    plain weights (the HF engine, bench and debug modes; vLLM engines serving the adapter: `rollout_engines`)."""
     saved = cfg.model.lora_configs[0].path if cfg.model.lora_configs else ""
     if not saved:
         return cfg.model.model_path

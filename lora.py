@@ -1,5 +1,6 @@
 """lora.py: LoRA through peft (Hu et al., arXiv:2106.09685): the trainer's actor learns a low-rank update of its
-linear layers, W + (alpha / r) B A, instead of W itself; everything outside the trainer sees plain weights.
+linear layers, W + (alpha / r) B A, instead of W itself; vLLM engines serve that adapter on the base model, the HF
+engine and everything else outside the trainer see plain (merged) weights.
 
     spec = start(cfg, resume)             # (LoRAConfig, saved adapter or ""), or None: full fine-tuning
     adapter = wrap(hf, *spec)             # scoring.build_model: peft's layers injected into the HF model, before
@@ -7,30 +8,45 @@ linear layers, W + (alpha / r) B A, instead of W itself; everything outside the 
     weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
     send_model(link, actor, version)      # the same, over the process group (wire.send_weights)
     specs, tensors = weight_stream(actor) # what send_model sends (a vLLM weight-transfer engine's source)
-    state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint
+    state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint or the engines
     save_adapter(actor, folder, state)    # peft's format: adapter_config.json + adapter_model.safetensors
+    publish(actor, tok, job, step, state, weights)  # rank 0: the step's adapter and / or HF folder, then the pointer
+    send_adapter(link, actor, version)    # the adapter alone over the process group (peft's names, its config)
     ref = WithoutAdapter(actor)           # the reference model: the actor with its adapter switched off
-    merged_folder(model, saved, tokenizer, folder)   # the explorer's start when training starts from a saved adapter
-    rewind_pointer(actor, tokenizer, job, step)      # every rank, at a resume: the pointer at the checkpoint's
-                                                     # weights (merged and published first where missing)
+    merged_folder(model, saved, tokenizer, folder)   # the HF engine's start when training starts from a saved adapter
+    rewind_pointer(actor, tokenizer, job, step, served)  # every rank, at a resume: the pointer at the checkpoint's
+                                                         # published weights (published first where missing)
 
 Trinity-RFT's keys (model.lora_configs, one adapter), and where nanorft departs from it:
-- The engines get merged weights (W + s B A under W's own name, in the engine's dtype), by checkpoint or over the
-  process group alike: the explorer cannot tell LoRA is in play. Trinity instead serves the adapter with vLLM's LoRA
-  support (enable_lora) and turns the process-group sync off with LoRA. So `name`, `base_model_name`, `lora_dtype`,
-  `fully_sharded_loras` and `max_cpu_loras` (vLLM's serving options) have no effect and are warned about.
+- vLLM engines (engine_type vllm / vllm_async: sync.serves_adapter) serve the adapter as Trinity's do: they start
+  from the base (model.model_path) with enable_lora (vllm_engine.lora_args: max_lora_rank the adapter's, one
+  adapter, lora_dtype / fully_sharded_loras / max_cpu_loras as configured), every generate and score request names
+  it (LoRARequest lora_configs[0].name, id 1), and each sync moves the adapter alone, loaded in place (vLLM's
+  load_inplace): checkpoint sync publishes it as global_step_N/actor/lora_published (peft's format, the engine's
+  dtype; `publish`, the pointer moved after it as for an HF folder), the process group sends its tensors with its
+  adapter_config.json in the header (`send_adapter`; Trinity turns the process group off with LoRA), which the
+  explorer writes as a peft folder of its own (sync.ExplorerSync.adapter_folder). At 1.5B (bf16, r 8, all-linear)
+  that is 18.5 MB a sync instead of 3.09 GB (scripts/bench_lora_sync.py). The last step's merged HF folder is still
+  published (the next stage, bench mode and users read it). Starting from a saved adapter (lora_configs[0].path),
+  the engines load that adapter.
+- The HF engine (engine_type hf) has no adapter serving: it gets merged weights (W + s B A under W's own name, in
+  the engine's dtype), by checkpoint or over the process group alike, and cannot tell LoRA is in play; starting
+  from a saved adapter it starts from an HF folder of the two merged (`merged_folder`). `name`, `lora_dtype`,
+  `fully_sharded_loras` and `max_cpu_loras` have no effect there and are warned about; `base_model_name` always.
 - The reference model (a KL term, DPO) is the actor with its adapter switched off (peft's disable_adapter), as veRL's
   ref_in_actor: no second copy of the base weights, and exactly model.model_path since the base weights never change.
   Starting from a saved adapter (lora_configs[0].path), the reference is still the base without it (veRL's too).
-- A checkpoint holds the adapter alone (global_step_N/actor/lora_adapter, peft's format) and its optimizer state; a
-  resume rebuilds model.model_path + that adapter. The merged HF folder is there when the step was also published
-  (checkpoint sync, and always the last step), as the explorers, bench mode and the next stage need it; a resume
-  from a step without it publishes it first (`rewind_pointer`: a restarted explorer loads the pointer's folder),
-  bench mode merges an adapter-only step itself, and scripts/convert.py --base turns one into an HF folder.
+- A checkpoint holds the adapter alone (global_step_N/actor/lora_adapter, peft's format, fp32) and its optimizer
+  state; a resume rebuilds model.model_path + that adapter. The published weights (the merged HF folder, or the
+  served adapter) are there when the step was also published (checkpoint sync, and always the last step), as the
+  explorers, bench mode and the next stage need them; a resume from a step without them publishes them first
+  (`rewind_pointer`: a restarted explorer loads the pointer's folder), bench mode merges an adapter-only step
+  itself, and scripts/convert.py --base turns one into an HF folder.
 - A new adapter is peft's (A Kaiming-uniform, B = 0: the first step starts exactly at the base), drawn from a fixed
   seed so that every rank draws the same; no dropout (the first update's old and current log-probs must agree).
-- Only plain LoRA on linear layers is merged here: an adapter with DoRA, LoRA biases, fan-in-fan-out layers, embedding
-  layers, the LM head (tied to the embeddings in small models) or extra trained modules is refused by name.
+- Only plain LoRA on linear layers is trained here (what merge() folds for the HF engine, and what vLLM serves): an
+  adapter with DoRA, LoRA biases, fan-in-fan-out layers, embedding layers, the LM head (tied to the embeddings in
+  small models) or extra trained modules is refused by name.
 """
 
 from __future__ import annotations
@@ -52,7 +68,7 @@ from configs.schema import LoRAConfig
 from errors import ConfigError, DataError
 
 log = logging.getLogger("nanorft.lora")
-ADAPTER = "default"  # peft's name of the one adapter (lora_configs[0].name names nothing here)
+ADAPTER = "default"  # peft's name of the one adapter (lora_configs[0].name names it in vLLM's requests only)
 ADAPTER_DIR = "lora_adapter"  # global_step_N/actor/<this>: a checkpoint's adapter, in peft's format
 WHERE = "model.lora_configs[0]"
 

@@ -8,13 +8,18 @@ Checkpoint method (`synchronizer.sync_method: checkpoint`), Trinity-RFT's layout
     publish_hf(model, tokenizer, job_dir, step)    # trainer: write the folder, then move the pointer
     version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet)
 
+    <job dir>/global_step_N/actor/lora_published/  LoRA served by vLLM engines (serves_adapter): the adapter alone,
+                                                   in peft's format, instead (lora.publish; the last step both)
+
 NOTE: the folder is written under a temporary name and renamed into place, and only then is the pointer file
 replaced (also by rename): a reader that follows the pointer never sees a half-written folder.
 
 The trainer's checkpoints (for resuming), in the same global_step_N folders: checkpoint.py.
 
 Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the tensors to the explorer over a
-group built by hand (gloo on CPU, NCCL on GPU); its wire protocol (links, buckets, headers) is wire.py's.
+group built by hand (gloo on CPU, NCCL on GPU); its wire protocol (links, buckets, headers) is wire.py's. A LoRA
+adapter served by vLLM engines travels alone, to the explorer's process, which writes it as a peft folder of its own
+and has its engines load that in place (ExplorerSync.take_weights).
 
 When weights move, the one rule both sides follow: `weights_needed` (the explorer's sync points) and `publishes`
 (the train steps whose weights the trainer publishes or sends). A step may write fewer experiences than

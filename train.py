@@ -46,7 +46,8 @@ Deviations from veRL / Trinity-RFT:
   DPO pair stays on one rank and in one micro-batch. Except step_wise_grpo's: computed in the explorer over each
   whole group (a group's turns may be split between two train steps) and read back here.
 - seq-mean-token-sum-norm divides by model.max_response_tokens (Dr.GRPO's constant), whatever the batch.
-- LoRA (model.lora_configs): the engines get merged weights, the reference is the base (lora.py).
+- LoRA (model.lora_configs): vLLM engines serve the adapter (the adapter alone at each sync), the HF engine gets
+  merged weights; the reference is the base (lora.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,10 @@ explorer's memory: the engines' weight-transfer engine (`weight_backend`) is vLL
 gloo engine (weight_transfer.py, a vLLM plugin) on CPUs and on a GPU shared with the trainer; with the gloo engine
 every worker also reads a published folder itself through the same lifecycle. The prefix cache is reset after
 every update.
+LoRA (sync.serves_adapter): the engines start from the base model with enable_lora (`lora_args`), every generate and
+score request names the served adapter (LoRARequest, id 1), and new weights are a peft adapter folder loaded in place
+(vLLM's add_lora with load_inplace; `load_adapter`), the version set and the prefix cache reset as for full weights;
+over the process group the explorer's process receives the adapter (join_ranks 0), not the workers.
 Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
 but also after top-k / top-p, EOS masking (min_tokens) and the repetition penalty: the trainer masks EOS at the same
 positions (batching.eos_masked); configs/checks.py refuses the off-policy correction with the others on vLLM.
