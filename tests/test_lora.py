@@ -4,6 +4,7 @@ one rank == two ranks, the reference model without the adapter, and an explorer 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -644,3 +645,34 @@ def test_verify_sync_of_a_served_adapter_compares_log_probs(tiny_model_dir, tmp_
         if ignores
         else ""
     )
+
+
+def test_vllm_engines_start_on_the_base_serving_the_saved_adapter(tiny_model_dir, tmp_path, monkeypatch):
+    """Training from a saved adapter (lora_configs[0].path) with vLLM engines: they start on model_path with
+    enable_lora, max_lora_rank the saved adapter's (4: vLLM's smallest above, 8; not lora_rank's 32), and load that
+    adapter as it is, named lora_configs[0].name: no merged lora_start/ folder is written. Restarted after step 2
+    was published, they load step 2's adapter instead."""
+    from helpers import real_vllm
+
+    real_vllm()  # vllm_engine.lora_args reads the ranks vLLM allows
+    saved = str(tmp_path / "saved")
+    with_random_b(models.load_model(tiny_model_dir), LoRAConfig(lora_rank=4, lora_alpha=8)).peft.save_pretrained(saved)
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.model.lora_configs = [LoRAConfig(path=saved, lora_rank=32, name="mine")]
+    made = []
+
+    def make_engine(rm, path, *args, lora=None, **kwargs):
+        made.append((path, lora))
+        return AdapterEngine()
+
+    monkeypatch.setattr(explore, "make_engine", make_engine)
+    engine, version = explore.rollout_engines(cfg)
+    ((path, served),) = made
+    assert path == tiny_model_dir and served["enable_lora"] and served["name"] == "mine"
+    assert served["max_lora_rank"] == 8 and served["max_loras"] == 1
+    assert version == 0 and [v[:2] for v in engine.loaded] == [(0, saved)]
+    assert not (tmp_path / "job" / "lora_start").exists()
+    shutil.copytree(saved, sync.adapter_path(cfg.checkpoint_job_dir, 2))
+    sync.set_latest(cfg.checkpoint_job_dir, 2)
+    engine, version = explore.rollout_engines(cfg)
+    assert version == 2 and [v[:2] for v in engine.loaded] == [(0, str(sync.adapter_path(cfg.checkpoint_job_dir, 2)))]
