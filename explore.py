@@ -269,7 +269,8 @@ def rollout_engines(cfg: configs.Config) -> tuple[Any, int]:
     """The rollout engines on the newest published weights, or on the starting ones (sync.start_engine): (engines,
     their version). With a LoRA adapter that vLLM serves (sync.serves_adapter): engines on the base, model.model_path,
     with enable_lora (vllm_engine.lora_args), the adapter loaded in place: the newest published one (sync.adapter_path),
-    else the saved one training starts from (lora_configs[0].path), else none (a new adapter: B = 0, the base)."""
+    else the saved one training starts from (lora_configs[0].path), else a new one's (lora.zero_adapter, written in
+    <job dir>/lora_start/<explorer name>: the base exactly, as the trainer's new adapter)."""
     rm = cfg.explorer.rollout_model
 
     def make(path: str, lora: dict | None = None) -> Any:
@@ -284,15 +285,15 @@ def rollout_engines(cfg: configs.Config) -> tuple[Any, int]:
     def served(folder: str) -> Any:
         engine = make(cfg.model.model_path, {"name": c.name or "policy", **vllm_engine.lora_args(cfg.model, folder)})
         try:
-            if folder:
-                engine.load_weights(folder, version=0)
+            engine.load_weights(folder, version=0)
         except BaseException:
             engine.close()
             raise
-        log.info("LoRA: the engines serve the adapter %s on %s", folder or "(new: none yet)", cfg.model.model_path)
+        log.info("LoRA: the engines serve the adapter %s on %s", folder, cfg.model.model_path)
         return engine
 
-    return sync.start_engine(cfg, c.path, served)
+    new = Path(cfg.checkpoint_job_dir, "lora_start", cfg.explorer.name)
+    return sync.start_engine(cfg, c.path or str(lora.zero_adapter(cfg.model.model_path, c, new)), served)
 
 
 def runners(cfg: configs.Config) -> int:

@@ -28,7 +28,8 @@ Trinity-RFT's keys (model.lora_configs, one adapter), and where nanorft departs 
   explorer writes as a peft folder of its own (sync.ExplorerSync.adapter_folder). At 1.5B (bf16, r 8, all-linear)
   that is 18.5 MB a sync instead of 3.09 GB (scripts/bench_lora_sync.py). The last step's merged HF folder is still
   published (the next stage, bench mode and users read it). Starting from a saved adapter (lora_configs[0].path),
-  the engines load that adapter.
+  the engines load that adapter; from a new one, an adapter of zeros (`zero_adapter`: the base exactly, as the
+  trainer's B = 0), so that every request names the adapter from the start.
 - The HF engine (engine_type hf) has no adapter serving: it gets merged weights (W + s B A under W's own name, in
   the engine's dtype), by checkpoint or over the process group alike, and cannot tell LoRA is in play; starting
   from a saved adapter it starts from an HF folder of the two merged (`merged_folder`). `name`, `lora_dtype`,
@@ -56,6 +57,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -321,6 +323,22 @@ def send_adapter(link: wire.WeightLink | None, scorer: Any, version: int, dtype:
     state = {peft_name(k): v for k, v in sync.cast(state, dtype).items()}
     specs = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
     return wire.send_weights(link, version, specs, state.values(), {"adapter_config": adapter_config(scorer)})
+
+
+def zero_adapter(model_path: str, c: LoRAConfig, folder: Path) -> Path:
+    """A new adapter as `c` says with A = B = 0 (the trainer's new one has B = 0 and a random A: B A = 0 alike, the
+    base model exactly), in peft's format at `folder`: what vLLM engines serve before the first sync, so that every
+    request names the adapter from the start. NOTE: a request started without one goes on without it after the
+    adapter is loaded (explorer.partial_rollout keeps requests in flight across a sync). Built on the meta device
+    from model_path's config: no weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    hf.name_or_path = model_path
+    peft = inject(hf, c, "")
+    state = {peft_name(n): torch.zeros(q.shape) for n, q in hf.named_parameters() if is_adapter(n)}
+    return sync.write_adapter(folder, state, adapter_config(SimpleNamespace(model=hf, adapter=Adapter(peft, {}))))
 
 
 def adapter_config(scorer: Any) -> dict:

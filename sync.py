@@ -270,16 +270,19 @@ def damage(folder: Path) -> str:
 def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
     """A LoRA adapter folder in peft's format, as vLLM loads it: adapter_config.json (`config`) and
     adapter_model.safetensors (`tensors` under peft's file names; no pickle), written under a temporary name and
-    renamed into place."""
+    renamed into place (an older folder of that name renamed away first, as save_hf does)."""
     import safetensors.torch
 
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    tmp, old = (folder.with_name(f".{folder.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # NOTE: copies: received tensors are views into one bucket, and safetensors refuses tensors that share memory
     safetensors.torch.save_file({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, tmp / ADAPTER_FILE)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if folder.exists():
+        os.replace(folder, old)
     os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
     return folder
 
 
@@ -548,9 +551,7 @@ class ExplorerSync:
     def __init__(self, cfg: Any, db: Any, engine: Any) -> None:
         self.cfg, self.db, self.engine = cfg, db, engine
         self.kind = published_dir(cfg)  # the published folders it loads: HF, or the LoRA adapter its engines serve
-        self.adapters: Path | None = (
-            None  # serving an adapter over the process group: its private folder (take_weights)
-        )
+        self.adapters: Path | None = None  # an adapter received over the group: its private folder (take_weights)
         self.receiver: wire.WeightLink | None = None  # the process-group link to the trainer, opened at its first use
         self.joined = False  # whether a vLLM pool's workers joined this link's group
         self.waits = WaitNotes()  # how long this explorer's waits for weights usually are (their log lines)
@@ -656,9 +657,8 @@ class ExplorerSync:
         code: 0 when the trainer finished first)."""
         job, s = self.cfg.checkpoint_job_dir, self.cfg.synchronizer
         version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout, self.waits)
-        if (
-            version and (loaded := load_published(self.engine, job, version, self.kind)) < want
-        ):  # its retry took an older folder
+        loaded = load_published(self.engine, job, version, self.kind) if version else 0
+        if version and loaded < want:  # its retry took an older folder
             return f"the newest weights published, of step {loaded}, are older", 1
         return why, code
 

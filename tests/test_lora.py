@@ -676,3 +676,18 @@ def test_vllm_engines_start_on_the_base_serving_the_saved_adapter(tiny_model_dir
     sync.set_latest(cfg.checkpoint_job_dir, 2)
     engine, version = explore.rollout_engines(cfg)
     assert version == 2 and [v[:2] for v in engine.loaded] == [(0, str(sync.adapter_path(cfg.checkpoint_job_dir, 2)))]
+
+
+def test_a_new_adapter_is_served_as_zeros_until_the_first_sync(tiny_model_dir, tmp_path, one_rank):
+    """A new adapter: vLLM engines start serving lora.zero_adapter (built on the meta device, no weight read), so
+    that every request names the adapter from the start: the trainer's new adapter's layers, names, shapes and
+    config, all zeros: plain peft on model_path with it gives exactly the trainer's first log-probs (B = 0)."""
+    c = LoRAConfig(lora_rank=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    folder = lora.zero_adapter(tiny_model_dir, c, tmp_path / "lora_start" / "explorer")
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(c, ""))
+    tensors = safetensors.torch.load_file(folder / sync.ADAPTER_FILE)
+    trained = {lora.peft_name(k): v.shape for k, v in lora.adapter_state(actor).items()}
+    assert {k: v.shape for k, v in tensors.items()} == trained and not any(t.any() for t in tensors.values())
+    assert json.loads((folder / "adapter_config.json").read_text()) == lora.adapter_config(actor)
+    assert gap(actor, lora.merged_model(plain(tiny_model_dir), str(folder)).eval()) < 1e-6
+    assert lora.zero_adapter(tiny_model_dir, c, folder) == folder  # a restart writes it again in place

@@ -155,7 +155,7 @@ def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_m
     check_run(tmp_path, out, merged)
     log = (run / "log" / "explorer.log").read_text()
     assert "rollout engine 2/2: vllm_async on the CPU" in log
-    assert "LoRA: the engines serve the adapter (new: none yet)" in log
+    assert f"LoRA: the engines serve the adapter {run / 'lora_start' / 'explorer'} on" in log  # a new one: zeros
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
     adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(adapter / "adapter_model.safetensors").values())
     synced = [r["sync/bytes"] for r in read_history(run / "monitor" / "explorer.jsonl") if "sync/bytes" in r]
