@@ -392,11 +392,12 @@ def make_engine(
     repetition_penalty: float = 1.0,
     colocate: bool = False,
     first_gpu: int = 0,
+    lora: dict | None = None,
 ) -> Any:
     """The engine that `engine_type` asks for; "auto" = vLLM if importable and a GPU is present. vLLM:
     vllm_engine.make_pool (engine_num engines from the explorer's GPU `first_gpu` on; `repetition_penalty` =
     model.repetition_penalty, which the config refuses for the HF engine; `colocate`: sleep mode, the GPU is
-    shared with the trainer)."""
+    shared with the trainer; `lora`: serving a LoRA adapter on the base `model_path`, make_pool's)."""
     kind, why = engine_kind(cfg_rollout_model)
     have_gpu = torch.cuda.is_available()
     if kind in ("vllm", "vllm_async"):
@@ -416,7 +417,10 @@ def make_engine(
             repetition_penalty=repetition_penalty,
             colocate=colocate,
             first_gpu=first_gpu,
+            lora=lora,
         )
+    if lora is not None:
+        raise ConfigError("the HF engine serves no LoRA adapter (it gets merged weights): sync.serves_adapter")
     device, dtype = ("cuda", cfg_rollout_model.dtype) if have_gpu else ("cpu", "float32")
     log.info("rollout engine: HF on %s %s (%s)", device, dtype, why)
     if cfg_rollout_model.engine_num > 1:

@@ -250,7 +250,8 @@ def stamp(exps: list[Experience], task: Task, explorer: str) -> None:
 
 def base_weights(cfg: configs.Config) -> str:
     """model.model_path; with LoRA from a saved adapter (model.lora_configs[0].path), an HF folder of the two merged
-    (<job dir>/lora_start/<explorer name>, written here): the policy the trainer starts from."""
+    (<job dir>/lora_start/<explorer name>, written here): the policy the trainer starts from, for engines that take
+    plain weights (the HF engine, bench and debug modes; vLLM engines serving the adapter: `rollout_engines`)."""
     saved = cfg.model.lora_configs[0].path if cfg.model.lora_configs else ""
     if not saved:
         return cfg.model.model_path
@@ -262,6 +263,37 @@ def base_weights(cfg: configs.Config) -> str:
         folder,
     )
     return str(lora.merged_folder(load_model(cfg.model.model_path), saved, config_tokenizer(cfg.model), folder))
+
+
+def rollout_engines(cfg: configs.Config) -> tuple[Any, int]:
+    """The rollout engines on the newest published weights, or on the starting ones (sync.start_engine): (engines,
+    their version). With a LoRA adapter that vLLM serves (sync.serves_adapter): engines on the base, model.model_path,
+    with enable_lora (vllm_engine.lora_args), the adapter loaded in place: the newest published one (sync.adapter_path),
+    else the saved one training starts from (lora_configs[0].path), else a new one's (lora.zero_adapter, written in
+    <job dir>/lora_start/<explorer name>: the base exactly, as the trainer's new adapter)."""
+    rm = cfg.explorer.rollout_model
+
+    def make(path: str, lora: dict | None = None) -> Any:
+        return make_engine(rm, path, rm.max_model_len, cfg.model.repetition_penalty, cfg.cluster.colocate, lora=lora)
+
+    if not sync.serves_adapter(cfg):
+        return sync.start_engine(cfg, base_weights(cfg), make)
+    import vllm_engine
+
+    c = cfg.model.lora_configs[0]
+
+    def served(folder: str) -> Any:
+        engine = make(cfg.model.model_path, {"name": c.name or "policy", **vllm_engine.lora_args(cfg.model, folder)})
+        try:
+            engine.load_weights(folder, version=0)
+        except BaseException:
+            engine.close()
+            raise
+        log.info("LoRA: the engines serve the adapter %s on %s", folder, cfg.model.model_path)
+        return engine
+
+    new = Path(cfg.checkpoint_job_dir, "lora_start", cfg.explorer.name)
+    return sync.start_engine(cfg, c.path or str(lora.zero_adapter(cfg.model.model_path, c, new)), served)
 
 
 def runners(cfg: configs.Config) -> int:
@@ -316,13 +348,7 @@ def set_up(cfg: configs.Config) -> Explorer:
         log.info("resuming explorer %s after step %d (epoch %d, task %d)", name, step, reader.epoch, reader.index)
     models: dict[str, Any] = {}  # the experience pipeline's model handles: the auxiliary models', once they start
     pipeline = experience_pipeline(cfg, models, saved)  # before the engines: a bad operator is refused at once
-    engine, version = sync.start_engine(
-        cfg,
-        base_weights(cfg),
-        lambda path: make_engine(
-            e.rollout_model, path, e.rollout_model.max_model_len, cfg.model.repetition_penalty, cfg.cluster.colocate
-        ),
-    )
+    engine, version = rollout_engines(cfg)
     engine.model_version = version
     if e.partial_rollout:  # the engines' weight updates keep the requests in flight (configs/checks: vllm_async only)
         engine.in_flight_updates = True

@@ -1,5 +1,6 @@
 """lora.py: LoRA through peft (Hu et al., arXiv:2106.09685): the trainer's actor learns a low-rank update of its
-linear layers, W + (alpha / r) B A, instead of W itself; everything outside the trainer sees plain weights.
+linear layers, W + (alpha / r) B A, instead of W itself; vLLM engines serve that adapter on the base model, the HF
+engine and everything else outside the trainer see plain (merged) weights.
 
     spec = start(cfg, resume)             # (LoRAConfig, saved adapter or ""), or None: full fine-tuning
     adapter = wrap(hf, *spec)             # scoring.build_model: peft's layers injected into the HF model, before
@@ -7,30 +8,46 @@ linear layers, W + (alpha / r) B A, instead of W itself; everything outside the 
     weights = full_state(actor)           # every rank: the HF weights with the adapter merged in (rank 0)
     send_model(link, actor, version)      # the same, over the process group (wire.send_weights)
     specs, tensors = weight_stream(actor) # what send_model sends (a vLLM weight-transfer engine's source)
-    state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint
+    state = adapter_state(actor)          # every rank: the adapter alone (rank 0), for a checkpoint or the engines
     save_adapter(actor, folder, state)    # peft's format: adapter_config.json + adapter_model.safetensors
+    publish(actor, tok, job, step, state, weights)  # rank 0: the step's adapter and / or HF folder, then the pointer
+    send_adapter(link, actor, version)    # the adapter alone over the process group (peft's names, its config)
     ref = WithoutAdapter(actor)           # the reference model: the actor with its adapter switched off
-    merged_folder(model, saved, tokenizer, folder)   # the explorer's start when training starts from a saved adapter
-    rewind_pointer(actor, tokenizer, job, step)      # every rank, at a resume: the pointer at the checkpoint's
-                                                     # weights (merged and published first where missing)
+    merged_folder(model, saved, tokenizer, folder)   # the HF engine's start when training starts from a saved adapter
+    rewind_pointer(actor, tokenizer, job, step, served)  # every rank, at a resume: the pointer at the checkpoint's
+                                                         # published weights (published first where missing)
 
 Trinity-RFT's keys (model.lora_configs, one adapter), and where nanorft departs from it:
-- The engines get merged weights (W + s B A under W's own name, in the engine's dtype), by checkpoint or over the
-  process group alike: the explorer cannot tell LoRA is in play. Trinity instead serves the adapter with vLLM's LoRA
-  support (enable_lora) and turns the process-group sync off with LoRA. So `name`, `base_model_name`, `lora_dtype`,
-  `fully_sharded_loras` and `max_cpu_loras` (vLLM's serving options) have no effect and are warned about.
+- vLLM engines (engine_type vllm / vllm_async: sync.serves_adapter) serve the adapter as Trinity's do: they start
+  from the base (model.model_path) with enable_lora (vllm_engine.lora_args: max_lora_rank the adapter's, one
+  adapter, lora_dtype / fully_sharded_loras / max_cpu_loras as configured), every generate and score request names
+  it (LoRARequest lora_configs[0].name, id 1), and each sync moves the adapter alone, loaded in place (vLLM's
+  load_inplace): checkpoint sync publishes it as global_step_N/actor/lora_published (peft's format, the engine's
+  dtype; `publish`, the pointer moved after it as for an HF folder), the process group sends its tensors with its
+  adapter_config.json in the header (`send_adapter`; Trinity turns the process group off with LoRA), which the
+  explorer writes as a peft folder of its own (sync.ExplorerSync.adapter_folder). At 1.5B (bf16, r 8, all-linear)
+  that is 18.5 MB a sync instead of 3.09 GB (scripts/bench_lora_sync.py). The last step's merged HF folder is still
+  published (the next stage, bench mode and users read it). Starting from a saved adapter (lora_configs[0].path),
+  the engines load that adapter; from a new one, an adapter of zeros (`zero_adapter`: the base exactly, as the
+  trainer's B = 0), so that every request names the adapter from the start.
+- The HF engine (engine_type hf) has no adapter serving: it gets merged weights (W + s B A under W's own name, in
+  the engine's dtype), by checkpoint or over the process group alike, and cannot tell LoRA is in play; starting
+  from a saved adapter it starts from an HF folder of the two merged (`merged_folder`). `name`, `lora_dtype`,
+  `fully_sharded_loras` and `max_cpu_loras` have no effect there and are warned about; `base_model_name` always.
 - The reference model (a KL term, DPO) is the actor with its adapter switched off (peft's disable_adapter), as veRL's
   ref_in_actor: no second copy of the base weights, and exactly model.model_path since the base weights never change.
   Starting from a saved adapter (lora_configs[0].path), the reference is still the base without it (veRL's too).
-- A checkpoint holds the adapter alone (global_step_N/actor/lora_adapter, peft's format) and its optimizer state; a
-  resume rebuilds model.model_path + that adapter. The merged HF folder is there when the step was also published
-  (checkpoint sync, and always the last step), as the explorers, bench mode and the next stage need it; a resume
-  from a step without it publishes it first (`rewind_pointer`: a restarted explorer loads the pointer's folder),
-  bench mode merges an adapter-only step itself, and scripts/convert.py --base turns one into an HF folder.
+- A checkpoint holds the adapter alone (global_step_N/actor/lora_adapter, peft's format, fp32) and its optimizer
+  state; a resume rebuilds model.model_path + that adapter. The published weights (the merged HF folder, or the
+  served adapter) are there when the step was also published (checkpoint sync, and always the last step), as the
+  explorers, bench mode and the next stage need them; a resume from a step without them publishes them first
+  (`rewind_pointer`: a restarted explorer loads the pointer's folder), bench mode merges an adapter-only step
+  itself, and scripts/convert.py --base turns one into an HF folder.
 - A new adapter is peft's (A Kaiming-uniform, B = 0: the first step starts exactly at the base), drawn from a fixed
   seed so that every rank draws the same; no dropout (the first update's old and current log-probs must agree).
-- Only plain LoRA on linear layers is merged here: an adapter with DoRA, LoRA biases, fan-in-fan-out layers, embedding
-  layers, the LM head (tied to the embeddings in small models) or extra trained modules is refused by name.
+- Only plain LoRA on linear layers is trained here (what merge() folds for the HF engine, and what vLLM serves): an
+  adapter with DoRA, LoRA biases, fan-in-fan-out layers, embedding layers, the LM head (tied to the embeddings in
+  small models) or extra trained modules is refused by name.
 """
 
 from __future__ import annotations
@@ -40,6 +57,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -52,7 +70,7 @@ from configs.schema import LoRAConfig
 from errors import ConfigError, DataError
 
 log = logging.getLogger("nanorft.lora")
-ADAPTER = "default"  # peft's name of the one adapter (lora_configs[0].name names nothing here)
+ADAPTER = "default"  # peft's name of the one adapter (lora_configs[0].name names it in vLLM's requests only)
 ADAPTER_DIR = "lora_adapter"  # global_step_N/actor/<this>: a checkpoint's adapter, in peft's format
 WHERE = "model.lora_configs[0]"
 
@@ -219,21 +237,44 @@ def weight_stream(scorer: Any, dtype: torch.dtype | None = None) -> tuple[list, 
     return specs, (state[n] for n, _, _ in specs)
 
 
-def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int) -> None:
-    """A trainer resumed from checkpoint `step` points latest_state_dict_iteration.txt at that step's HF folder (rank
-    0), for an explorer (re)starting from the pointer. A checkpoint may lack the folder (a LoRA one, or one saved with
-    trainer.save_hf_checkpoint last / never; the step was checkpointed, not published: process-group sync, or
-    checkpoint sync between sync points): the (merged) weights are published first (sync.publish_hf: the folder
-    complete before the pointer moves). Every rank calls it (the gather is a collective)."""
+def rewind_pointer(scorer: Any, tokenizer: Any, job_dir: str | Path, step: int, served: bool = False) -> None:
+    """A trainer resumed from checkpoint `step` points latest_state_dict_iteration.txt at that step's published
+    weights (rank 0), for an explorer (re)starting from the pointer: its HF folder, or with engines that serve the
+    adapter (`served`: sync.serves_adapter) its published adapter. A checkpoint may lack them (a LoRA one, or one
+    saved with trainer.save_hf_checkpoint last / never; the step was checkpointed, not published: process-group sync,
+    or checkpoint sync between sync points): they are published first (`publish`: the folder complete before the
+    pointer moves). Every rank calls it (the gather is a collective)."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if sync.weights_path(job_dir, step).is_dir():
+    folder = sync.adapter_path(job_dir, step) if served else sync.weights_path(job_dir, step)
+    if folder.is_dir():
         if rank0:
             sync.set_latest(job_dir, step)
         return
-    weights = full_state(scorer)
+    adapter = adapter_state(scorer) if served else None
+    weights = None if served else full_state(scorer)
     if rank0:
-        sync.publish_hf(scorer.model, tokenizer, job_dir, step, state_dict=weights)
-        log.info("checkpoint step %d has no HF folder: its weights published for the explorer", step)
+        publish(scorer, tokenizer, job_dir, step, adapter, weights)
+        log.info("checkpoint step %d has no published weights: published for the explorer", step)
+
+
+def publish(
+    scorer: Any,
+    tokenizer: Any,
+    job_dir: str | Path,
+    step: int,
+    adapter: dict[str, torch.Tensor] | None,
+    weights: dict[str, torch.Tensor] | None,
+) -> None:
+    """Rank 0: the weights of `step` for the explorers: the adapter (`adapter`: adapter_state's, for engines that
+    serve it; sync.adapter_path) and / or the full HF folder (`weights`, merged: full_state's), each complete
+    (renamed into place) before latest_state_dict_iteration.txt moves to `step`; then the published folders no
+    explorer loads any more are deleted (sync.prune_published). A caller wraps it in checkpoint.publishing."""
+    if adapter is not None:
+        save_adapter(scorer, sync.adapter_path(job_dir, step), adapter)
+    if weights is not None:
+        sync.save_hf(scorer.model, tokenizer, sync.weights_path(job_dir, step), weights)
+    sync.set_latest(job_dir, step)
+    sync.prune_published(job_dir, step)
 
 
 def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:
@@ -253,13 +294,66 @@ def adapter_state(scorer: Any) -> dict[str, torch.Tensor]:
 def save_adapter(scorer: Any, folder: Path, state: dict[str, torch.Tensor]) -> None:
     """The adapter as peft saves it (adapter_config.json, adapter_model.safetensors, README.md), loadable by
     peft.PeftModel.from_pretrained on model.model_path; written under a temporary name and renamed into place."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    tmp, old = (folder.with_name(f".{folder.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
     shutil.rmtree(tmp, ignore_errors=True)
     # NOTE: peft names a PeftModel's weights base_model.model.<name in the HF model>; it drops the adapter's name
     scorer.adapter.peft.save_pretrained(str(tmp), state_dict={f"base_model.model.{k}": v for k, v in state.items()})
-    if folder.exists():
-        shutil.rmtree(folder)
+    if folder.exists():  # NOTE: renamed away, not deleted in place (as sync.save_hf): an engine may be reading it
+        os.replace(folder, old)
     os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- the adapter alone to vLLM engines that serve it (sync.serves_adapter): published, or over the process group
+
+
+def peft_name(name: str) -> str:
+    """An adapter weight's name in peft's file (what vLLM reads): base_model.model.<HF name>, the adapter's dropped."""
+    return f"base_model.model.{name}".replace(f".{ADAPTER}.", ".")
+
+
+def send_adapter(link: wire.WeightLink | None, scorer: Any, version: int, dtype: torch.dtype | None = None) -> int:
+    """wire.send_weights of the adapter alone (every rank calls it: the gather is a collective; link None but on
+    rank 0), in `dtype` (the engine's; None: fp32 as trained), under peft's file names, its adapter_config.json in
+    the header: the explorer writes them as peft saves an adapter (sync.ExplorerSync.adapter_folder) and its
+    engines load that in place. Returns the bytes sent (0 on ranks > 0)."""
+    state = adapter_state(scorer)
+    if link is None:
+        return 0
+    state = {peft_name(k): v for k, v in sync.cast(state, dtype).items()}
+    specs = [(k, tuple(v.shape), v.dtype) for k, v in state.items()]
+    return wire.send_weights(link, version, specs, state.values(), {"adapter_config": adapter_config(scorer)})
+
+
+def zero_adapter(model_path: str, c: LoRAConfig, folder: Path) -> Path:
+    """A new adapter as `c` says with A = B = 0 (the trainer's new one has B = 0 and a random A: B A = 0 alike, the
+    base model exactly), in peft's format at `folder`: what vLLM engines serve before the first sync, so that every
+    request names the adapter from the start. NOTE: a request started without one goes on without it after the
+    adapter is loaded (explorer.partial_rollout keeps requests in flight across a sync). Built on the meta device
+    from model_path's config: no weight is read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    hf.name_or_path = model_path
+    peft = inject(hf, c, "")
+    state = {peft_name(n): torch.zeros(q.shape) for n, q in hf.named_parameters() if is_adapter(n)}
+    return sync.write_adapter(folder, state, adapter_config(SimpleNamespace(model=hf, adapter=Adapter(peft, {}))))
+
+
+def adapter_config(scorer: Any) -> dict:
+    """The adapter's adapter_config.json as peft writes it (PeftConfig.save_pretrained; sets as lists, the base
+    model's name filled in as PeftModel.save_pretrained does)."""
+    import copy
+    import json
+    import tempfile
+
+    config = copy.deepcopy(scorer.adapter.peft.peft_config[ADAPTER])
+    config.base_model_name_or_path = config.base_model_name_or_path or getattr(scorer.model, "name_or_path", None)
+    config.inference_mode = True
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)
+        return json.loads(Path(tmp, "adapter_config.json").read_text())
 
 
 class WithoutAdapter(torch.nn.Module):

@@ -8,13 +8,18 @@ Checkpoint method (`synchronizer.sync_method: checkpoint`), Trinity-RFT's layout
     publish_hf(model, tokenizer, job_dir, step)    # trainer: write the folder, then move the pointer
     version = latest_version(job_dir)              # explorer: poll the pointer (0 = none yet)
 
+    <job dir>/global_step_N/actor/lora_published/  LoRA served by vLLM engines (serves_adapter): the adapter alone,
+                                                   in peft's format, instead (lora.publish; the last step both)
+
 NOTE: the folder is written under a temporary name and renamed into place, and only then is the pointer file
 replaced (also by rename): a reader that follows the pointer never sees a half-written folder.
 
 The trainer's checkpoints (for resuming), in the same global_step_N folders: checkpoint.py.
 
 Process-group method (`synchronizer.sync_method: nccl`): trainer rank 0 streams the tensors to the explorer over a
-group built by hand (gloo on CPU, NCCL on GPU); its wire protocol (links, buckets, headers) is wire.py's.
+group built by hand (gloo on CPU, NCCL on GPU); its wire protocol (links, buckets, headers) is wire.py's. A LoRA
+adapter served by vLLM engines travels alone, to the explorer's process, which writes it as a peft folder of its own
+and has its engines load that in place (ExplorerSync.take_weights).
 
 When weights move, the one rule both sides follow: `weights_needed` (the explorer's sync points) and `publishes`
 (the train steps whose weights the trainer publishes or sends). A step may write fewer experiences than
@@ -47,6 +52,7 @@ import re
 import shutil
 import signal
 import statistics
+import tempfile
 import threading
 import time
 from collections import deque
@@ -63,9 +69,38 @@ log = logging.getLogger("nanorft.sync")
 POINTER = "latest_state_dict_iteration.txt"
 
 
+HF_DIR, SERVED_DIR = "huggingface", "lora_published"  # what global_step_N/actor/ publishes for the explorers
+ADAPTER_FILE = "adapter_model.safetensors"  # peft's name of an adapter's weights file
+
+
 def weights_path(job_dir: str | Path, step: int) -> Path:
     """The HF folder of the weights after train step `step`."""
-    return Path(job_dir, f"global_step_{step}", "actor", "huggingface")
+    return Path(job_dir, f"global_step_{step}", "actor", HF_DIR)
+
+
+def adapter_path(job_dir: str | Path, step: int) -> Path:
+    """The LoRA adapter published after train step `step` for vLLM engines that serve it (`serves_adapter`): peft's
+    format, in the engine's dtype. NOTE: not the checkpoint's actor/lora_adapter (fp32, written again by every save):
+    a folder an explorer may be loading is never rewritten in place."""
+    return Path(job_dir, f"global_step_{step}", "actor", SERVED_DIR)
+
+
+def serves_adapter(cfg: Any) -> bool:
+    """Whether the explorer's engines serve the trainer's LoRA adapter (vLLM's enable_lora: every request names it)
+    and so get the adapter alone at each sync, not merged weights: model.lora_configs set and a vLLM rollout engine
+    (engine_type vllm / vllm_async, or auto resolving to vLLM: engines.engine_kind, which the trainer asks too). The
+    HF engine has no adapter serving: it keeps getting merged weights. A config without a model section (a partial
+    one, as --verify-sync's explorer side) serves none."""
+    if not getattr(getattr(cfg, "model", None), "lora_configs", None):
+        return False
+    from engines import engine_kind  # NOTE: here: engines imports transformers, which sync's importers may not need
+
+    return engine_kind(cfg.explorer.rollout_model)[0] != "hf"
+
+
+def published_dir(cfg: Any) -> str:
+    """What an explorer of this config loads from global_step_N/actor/: the adapter (`serves_adapter`) or HF."""
+    return SERVED_DIR if serves_adapter(cfg) else HF_DIR
 
 
 def write_atomic(path: str | Path, write: Callable[[str], Any]) -> None:
@@ -128,7 +163,7 @@ def prune_published(job_dir: str | Path, newest: int) -> list[int]:
     `newest` (a killed run's, before its resume rewound the pointer) are left to be replaced. Returns the steps
     deleted."""
     job = Path(job_dir)
-    published = sorted(s for s in step_folders(job, "actor/huggingface") if s < newest)
+    published = sorted(s for s in published_steps(job) if s < newest)
     gone = [s for s in published[:-1] if not (job / f"global_step_{s}" / "actor" / "trainer_state.json").exists()]
     for s in gone:
         shutil.rmtree(job / f"global_step_{s}", ignore_errors=True)
@@ -141,8 +176,13 @@ def in_use(job_dir: str | Path) -> set[int]:
     newest = latest_version(job_dir)
     if not newest:
         return set()
-    before = [s for s in step_folders(job_dir, "actor/huggingface") if s < newest]
+    before = [s for s in published_steps(job_dir) if s < newest]
     return {newest, *([max(before)] if before else [])}
+
+
+def published_steps(job_dir: str | Path) -> set[int]:
+    """The steps with published weights of either kind (an HF folder, a served LoRA adapter)."""
+    return {*step_folders(job_dir, f"actor/{HF_DIR}"), *step_folders(job_dir, f"actor/{SERVED_DIR}")}
 
 
 def step_of(hf_folder: Path) -> int:
@@ -197,12 +237,13 @@ def latest_weights(job_dir: str | Path) -> Path | None:
 
 
 def damage(folder: Path) -> str:
-    """'' when a published HF folder is whole as far as its headers tell: config.json is JSON, and every safetensors
-    file (the index's shards, or model.safetensors) has a header that parses and the size that header gives; else
-    what is wrong, naming the file. NOTE: the tensors are not hashed (a publish would read every byte again): a
-    flipped bit inside a tensor is not seen; a truncated, overwritten or missing file is."""
+    """'' when a published HF folder is whole as far as its headers tell: config.json (a published adapter's:
+    adapter_config.json) is JSON, and every safetensors file (the index's shards, or model.safetensors) has a header
+    that parses and the size that header gives; else what is wrong, naming the file. NOTE: the tensors are not
+    hashed (a publish would read every byte again): a flipped bit inside a tensor is not seen; a truncated,
+    overwritten or missing file is."""
     try:
-        json.loads((folder / "config.json").read_text())
+        json.loads((folder / ("adapter_config.json" if folder.name == SERVED_DIR else "config.json")).read_text())
         index = folder / "model.safetensors.index.json"
         files = (
             sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -226,11 +267,30 @@ def damage(folder: Path) -> str:
     return ""
 
 
-def usable_weights(job_dir: str | Path, newest: int, above: int = 0) -> tuple[Path, int] | None:
+def write_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """A LoRA adapter folder in peft's format, as vLLM loads it: adapter_config.json (`config`) and
+    adapter_model.safetensors (`tensors` under peft's file names; no pickle), written under a temporary name and
+    renamed into place (an older folder of that name renamed away first, as save_hf does)."""
+    import safetensors.torch
+
+    tmp, old = (folder.with_name(f".{folder.name}.{what}-{os.getpid()}") for what in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # NOTE: copies: received tensors are views into one bucket, and safetensors refuses tensors that share memory
+    safetensors.torch.save_file({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, tmp / ADAPTER_FILE)
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    if folder.exists():
+        os.replace(folder, old)
+    os.replace(tmp, folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def usable_weights(job_dir: str | Path, newest: int, above: int = 0, kind: str = HF_DIR) -> tuple[Path, int] | None:
     """The newest published folder of a step in (above, newest] that is not damaged (`damage`): (folder, step), or
     None. A missing or damaged one is named in a warning and skipped (left as it is), as the trainer skips a
-    damaged checkpoint (checkpoint.latest_checkpoint)."""
-    folders = step_folders(job_dir, "actor/huggingface")
+    damaged checkpoint (checkpoint.latest_checkpoint). `kind`: HF_DIR, or SERVED_DIR (`published_dir`)."""
+    folders = step_folders(job_dir, f"actor/{kind}")
     for step in range(newest, above, -1):
         if step not in folders:
             if step == newest:
@@ -238,7 +298,7 @@ def usable_weights(job_dir: str | Path, newest: int, above: int = 0) -> tuple[Pa
                     "%s names step %d, whose weights folder %s is missing",
                     Path(job_dir, POINTER),
                     step,
-                    weights_path(job_dir, step),
+                    weights_path(job_dir, step).with_name(kind),
                 )
             continue
         why = damage(folders[step])
@@ -343,7 +403,7 @@ def start_weights(cfg: Any) -> tuple[str, int] | None:
     newest = latest_version(job)
     if not newest:
         return None
-    found = usable_weights(job, newest)
+    found = usable_weights(job, newest, kind=published_dir(cfg))
     if found is None:
         raise DataError(
             f"{Path(job, POINTER)} names step {newest}, and no published weights folder up to it "
@@ -455,13 +515,14 @@ def wait_for_trainer(
     return have, "", 0
 
 
-def load_published(engine: Any, job: str, version: int) -> int:
+def load_published(engine: Any, job: str, version: int, kind: str = HF_DIR) -> int:
     """Load published weights into the engine: `version`'s, or if its folder is missing or damaged the newest
     undamaged one newer than the engine's (usable_weights), or none (the engine keeps its weights; a warning
     says so; the next sync point tries again); the newest if the folder is being replaced as it is read (a
-    resumed trainer re-publishing a step). Returns the version the engine has."""
+    resumed trainer re-publishing a step). `kind`: the folders it loads (`published_dir`: HF, or the LoRA adapter
+    that vLLM engines serve). Returns the version the engine has."""
     for attempt in range(5):
-        found = usable_weights(job, version, above=engine.model_version)
+        found = usable_weights(job, version, above=engine.model_version, kind=kind)
         if found is not None and (found[1] == version or attempt > 0):
             try:
                 engine.load_weights(str(found[0]), version=found[1])
@@ -489,6 +550,8 @@ class ExplorerSync:
 
     def __init__(self, cfg: Any, db: Any, engine: Any) -> None:
         self.cfg, self.db, self.engine = cfg, db, engine
+        self.kind = published_dir(cfg)  # the published folders it loads: HF, or the LoRA adapter its engines serve
+        self.adapters: Path | None = None  # an adapter received over the group: its private folder (take_weights)
         self.receiver: wire.WeightLink | None = None  # the process-group link to the trainer, opened at its first use
         self.joined = False  # whether a vLLM pool's workers joined this link's group
         self.waits = WaitNotes()  # how long this explorer's waits for weights usually are (their log lines)
@@ -560,6 +623,8 @@ class ExplorerSync:
         """Tell the trainer this explorer takes no more weights (process group); drop the link."""
         if self.receiver is not None:
             wire.close_receiver(self.receiver)
+        if self.adapters is not None:
+            shutil.rmtree(self.adapters, ignore_errors=True)
 
     def load_newer(self, step: int) -> tuple[int | None, dict[str, float]]:
         """Checkpoint sync after step `step`: fixed style, the weights weights_needed names (waiting for them);
@@ -583,7 +648,7 @@ class ExplorerSync:
                 )
                 return code, {}
         if version > self.engine.model_version:
-            load_published(self.engine, job, version)
+            load_published(self.engine, job, version, self.kind)
             return None, {"time/sync": time.monotonic() - t0}
         return None, {}
 
@@ -592,7 +657,8 @@ class ExplorerSync:
         code: 0 when the trainer finished first)."""
         job, s = self.cfg.checkpoint_job_dir, self.cfg.synchronizer
         version, why, code = wait_for_trainer(job, self.db, want, step, s.sync_timeout, self.waits)
-        if version and (loaded := load_published(self.engine, job, version)) < want:  # its retry took an older folder
+        loaded = load_published(self.engine, job, version, self.kind) if version else 0
+        if version and loaded < want:  # its retry took an older folder
             return f"the newest weights published, of step {loaded}, are older", 1
         return why, code
 
@@ -654,10 +720,25 @@ class ExplorerSync:
             size = self.engine.receive(header)
         else:
             state = {name: t for bucket in wire.receive_buckets(link, header) for name, t in bucket}
-            self.engine.load_weights(state, version=header["version"])
+            if "adapter_config" in header:  # the LoRA adapter alone, for vLLM engines that serve it
+                self.engine.load_weights(str(self.adapter_folder(header, state)), version=header["version"])
+            else:
+                self.engine.load_weights(state, version=header["version"])
             size = wire.header_bytes(header)
         wire.ack(link)
         return header["version"], size
+
+    def adapter_folder(self, header: dict, state: dict[str, torch.Tensor]) -> Path:
+        """A LoRA adapter received over the group (lora.send_adapter: peft's file names, its adapter_config.json in
+        the header) written as peft saves it, for the engines to load in place: v<version>/ in this explorer's
+        private folder (made at the first; deleted at close), the folders of older versions deleted (the engines hold
+        the adapter they loaded; a request names the folder, read only where vLLM has no adapter of its id)."""
+        if self.adapters is None:
+            self.adapters = Path(tempfile.mkdtemp(prefix="nanorft-adapter-"))
+        folder = self.adapters / f"v{header['version']}"
+        for old in self.adapters.iterdir():
+            shutil.rmtree(old, ignore_errors=True)
+        return write_adapter(folder, state, header["adapter_config"])
 
     def link(self) -> wire.WeightLink:
         """The process-group link to the trainer, opened at its first use (up to sync_timeout), announcing the ranks

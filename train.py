@@ -46,7 +46,8 @@ Deviations from veRL / Trinity-RFT:
   DPO pair stays on one rank and in one micro-batch. Except step_wise_grpo's: computed in the explorer over each
   whole group (a group's turns may be split between two train steps) and read back here.
 - seq-mean-token-sum-norm divides by model.max_response_tokens (Dr.GRPO's constant), whatever the batch.
-- LoRA (model.lora_configs): the engines get merged weights, the reference is the base (lora.py).
+- LoRA (model.lora_configs): vLLM engines serve the adapter (the adapter alone at each sync), the HF engine gets
+  merged weights; the reference is the base (lora.py).
 """
 
 from __future__ import annotations
@@ -336,7 +337,7 @@ def resume_state(p: Parts) -> None:
         adaptive = {k for k in p.kl_coef if p.pieces[k][1].adaptive}  # the config's coefficient otherwise
         p.kl_coef |= {k: v for k, v in saved.items() if k in adaptive}
         with checkpoint.publishing(job, p.resume):  # LoRA: the merged weights first, where missing
-            lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume)
+            lora.rewind_pointer(p.actor, p.tokenizer, job, p.resume, sync.serves_adapter(p.cfg))
         if p.rank == 0:
             log.info("resumed from checkpoint step %d of %s", p.resume, job)
     if p.rank == 0 and not p.source.examples:
@@ -757,11 +758,16 @@ def reduce_max(value: float, device: torch.device) -> float:
 
 
 def send(p: Parts, step: int) -> None:
-    """The weights of `step` over the process group (every rank: gathering is a collective; LoRA merged): to vLLM
-    engines through the trainer's side of their weight-transfer engine (weight_transfer.trainer_engine, built by
-    vLLM's trainer factory at the first transfer), to the HF engine with wire.py itself (it needs no vLLM)."""
+    """The weights of `step` over the process group (every rank: gathering is a collective): a LoRA adapter alone to
+    vLLM engines that serve it (lora.send_adapter, with wire.py: the explorer writes it as a folder its engines load);
+    else the full weights (LoRA merged) to vLLM engines through the trainer's side of their weight-transfer engine
+    (weight_transfer.trainer_engine, built by vLLM's trainer factory at the first transfer), to the HF engine with
+    wire.py itself (it needs no vLLM)."""
+    if sync.serves_adapter(p.cfg):
+        lora.send_adapter(p.sender, p.actor, step, p.engine_dtype)  # sender is None on ranks > 0
+        return
     if engine_kind(p.cfg.explorer.rollout_model)[0] == "hf":
-        lora.send_model(p.sender, p.actor, step, p.engine_dtype)  # sender is None on ranks > 0
+        lora.send_model(p.sender, p.actor, step, p.engine_dtype)
         return
     import vllm_engine
     import weight_transfer
@@ -778,21 +784,33 @@ def send(p: Parts, step: int) -> None:
 
 def publish(p: Parts, step: int) -> dict[str, torch.Tensor] | None:
     """The weights of `step` for the explorer when one will wait for them (sync.publishes): sent over the process
-    group, or written as the step's HF folder; the last step's always as a folder. Both in the engine's dtype
-    (bf16 on GPU by default: half the bytes of the fp32 master weights), except a folder that is also a
-    checkpoint's weights (fp32: a resume continues from the exact weights). Returns the full state it gathered
-    (rank 0; {} elsewhere), which the checkpoint then reuses, or None."""
-    s, job = p.cfg.synchronizer, p.cfg.checkpoint_job_dir
+    group, or written as the step's published folder (`publish_files`); the last step's always as an HF folder.
+    Returns the full state it gathered (rank 0; {} elsewhere), which the checkpoint then reuses, or None."""
+    s = p.cfg.synchronizer
     wanted = p.rl and sync.publishes(step, p.cfg, p.total)  # no explorer waits for an offline stage's weights
     if s.sync_method == "nccl" and wanted:
         send(p, step)
     if (wanted and s.sync_method == "checkpoint") or step == p.total:
-        weights = lora.full_state(p.actor)
-        if p.rank == 0:
-            folder = weights if p.saves(step) else sync.cast(weights, p.engine_dtype)
-            checkpoint.publish_hf(p.actor.model, p.tokenizer, job, step, state_dict=folder)
-        return weights
+        return publish_files(p, step, hf=step == p.total, exact=p.saves(step))
     return None
+
+
+def publish_files(p: Parts, step: int, hf: bool, exact: bool) -> dict[str, torch.Tensor] | None:
+    """Step `step`'s published folder (lora.publish, the pointer moved after it): the LoRA adapter alone for vLLM
+    engines that serve it (sync.serves_adapter), plus the full HF folder (merged) where `hf` asks (the last step:
+    the next stage, bench mode and users read it); else the full HF folder. In the engine's dtype (bf16 on GPU by
+    default: half the bytes of the fp32 master weights), except an HF folder that is also a checkpoint's weights
+    (`exact`, fp32: a resume continues from the exact weights). Returns the full state gathered (rank 0; {}
+    elsewhere), or None (the adapter alone). Every rank calls it (gathering is a collective)."""
+    served = sync.serves_adapter(p.cfg)
+    adapter = lora.adapter_state(p.actor) if served else None
+    weights = lora.full_state(p.actor) if hf or not served else None
+    if p.rank == 0:
+        folder = weights if weights is None or exact else sync.cast(weights, p.engine_dtype)
+        adapter = None if adapter is None else sync.cast(adapter, p.engine_dtype)
+        with checkpoint.publishing(p.cfg.checkpoint_job_dir, step):
+            lora.publish(p.actor, p.tokenizer, p.cfg.checkpoint_job_dir, step, adapter, folder)
+    return weights
 
 
 def save(p: Parts, step: int, weights: dict[str, torch.Tensor] | None) -> None:
@@ -896,9 +914,7 @@ def no_batch(p: Parts, step: int, done: int) -> int:
 def finish(p: Parts, done: int, saved: int, code: int) -> int:
     """Publish and save the last finished step unless done (data ran out, or stopped waiting); close up."""
     if saved < done:
-        weights = lora.full_state(p.actor)
-        if p.rank == 0:
-            checkpoint.publish_hf(p.actor.model, p.tokenizer, p.cfg.checkpoint_job_dir, done, state_dict=weights)
+        weights = publish_files(p, done, hf=True, exact=True)
         save(p, done, weights)
     if p.rank == 0 and not p.source.examples:
         p.source.db.set_trainer_status(done, "stopped" if code else "finished")

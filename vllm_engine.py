@@ -21,6 +21,10 @@ explorer's memory: the engines' weight-transfer engine (`weight_backend`) is vLL
 gloo engine (weight_transfer.py, a vLLM plugin) on CPUs and on a GPU shared with the trainer; with the gloo engine
 every worker also reads a published folder itself through the same lifecycle. The prefix cache is reset after
 every update.
+LoRA (sync.serves_adapter): the engines start from the base model with enable_lora (`lora_args`), every generate and
+score request names the served adapter (LoRARequest, id 1), and new weights are a peft adapter folder loaded in place
+(vLLM's add_lora with load_inplace; `load_adapter`), the version set and the prefix cache reset as for full weights;
+over the process group the explorer's process receives the adapter (join_ranks 0), not the workers.
 Log-probs: logprobs_mode "processed_logprobs", after temperature scaling as the HF engine's and the trainer's,
 but also after top-k / top-p, EOS masking (min_tokens) and the repetition penalty: the trainer masks EOS at the same
 positions (batching.eos_masked); configs/checks.py refuses the off-policy correction with the others on vLLM.
@@ -33,6 +37,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import itertools
+import json
 import logging
 import math
 import os
@@ -40,11 +45,13 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import wire
+from errors import ConfigError
 from models import eos_ids, generation_config, load_tokenizer
 from sampling import Batcher, Completion, SamplingParams, check_request, check_scoring
 
@@ -79,6 +86,38 @@ def engine_args(model_path: str, max_model_len: int, rm: Any, repetition_penalty
         "logprobs_mode": "processed_logprobs",
         "weight_transfer_config": {"backend": weight_backend(torch.cuda.is_available(), colocate)},
         "enable_sleep_mode": colocate,
+    }
+
+
+def lora_args(model: Any, folder: str) -> dict:
+    """vLLM's LoRA engine arguments for serving model.lora_configs[0]'s adapter (sync.serves_adapter): one adapter
+    (max_loras 1) of at most its rank (max_lora_rank: the smallest vLLM allows at or above it), lora_dtype,
+    fully_sharded_loras and max_cpu_loras as the config says. The rank is the adapter's own where one is saved (the
+    folder the engine starts from, else lora_configs[0].path: its adapter_config.json decides), else lora_rank."""
+    import typing
+
+    from vllm.config.lora import MaxLoRARanks
+
+    c = model.lora_configs[0]
+    rank = c.lora_rank
+    for saved in (folder, c.path):
+        if saved and Path(saved, "adapter_config.json").is_file():
+            peft = json.loads(Path(saved, "adapter_config.json").read_text())
+            rank = max([peft["r"], *(peft.get("rank_pattern") or {}).values()])
+            break
+    allowed = [r for r in typing.get_args(MaxLoRARanks) if r >= rank]
+    if not allowed:
+        raise ConfigError(
+            f"model.lora_configs[0]: rank {rank} is over vLLM's largest, {typing.get_args(MaxLoRARanks)[-1]}"
+        )
+    dtype = "float32" if c.lora_dtype in ("float32", "fp32") else c.lora_dtype
+    return {
+        "enable_lora": True,
+        "max_lora_rank": allowed[0],
+        "max_loras": 1,
+        "lora_dtype": getattr(torch, dtype) if dtype == "float32" else dtype,
+        "fully_sharded_loras": model.fully_sharded_loras,
+        "max_cpu_loras": model.max_cpu_loras,
     }
 
 
@@ -157,6 +196,14 @@ def prompt_logprobs(out: Any, sequence: list[int]) -> list[float]:
     return [step[t].logprob for step, t in zip(out.prompt_logprobs[1:], sequence[1:])]
 
 
+def adapter_request(vllm: Any, name: str, folder: str, inplace: bool = False) -> Any:
+    """vLLM's LoRARequest of the served adapter: always lora_int_id 1 (one adapter; a new one replaces it in place,
+    `inplace`: load_inplace, which only the load itself asks for: a request asking for it reloads at every step)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, 1, folder, load_inplace=inplace)
+
+
 def worker_error(e: Exception) -> str:
     """What went wrong in a vLLM worker. NOTE: vLLM re-raises a worker's exception as a bare Exception "Call to
     collective_rpc method failed: Worker failed with error '<the error>', please check the stack trace above ...";
@@ -205,6 +252,7 @@ class VLLMEngine:
         # the ids vLLM stops on: the tokenizer's EOS and the generation config's (as the HF engine's; Episode reads it)
         self.eos_ids = eos_ids(self.tokenizer, generation_config(llm_args["model"]))
         self.model_version = 0
+        self.lora: Any = None  # the served LoRA adapter's vllm LoRARequest, named by every request (None: the base)
         self.batcher = Batcher(self.run_batch, self.max_model_len)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> concurrent.futures.Future:
@@ -212,14 +260,17 @@ class VLLMEngine:
 
     def run_batch(self, prompt_ids: list[list[int]], params: list[SamplingParams]) -> list[list[Completion]]:
         sps = [vllm_params(self.vllm, ids, p, self.max_model_len, self.penalty) for ids, p in zip(prompt_ids, params)]
-        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=sps, use_tqdm=False)
+        prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+        outs = self.llm.generate(prompts, sampling_params=sps, use_tqdm=False, lora_request=self.lora)
         return [completions(out.outputs, self.model_version) for out in outs]
 
     def score(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Each token's log-prob given those before it (engines.HFEngine.score), on the worker between batches."""
         sp = scoring_params(self.vllm, sequences, temperature, self.max_model_len)
         prompts = [{"prompt_token_ids": seq} for seq in sequences]
-        outs = self.batcher.call(lambda: self.llm.generate(prompts, sampling_params=sp, use_tqdm=False))
+        outs = self.batcher.call(
+            lambda: self.llm.generate(prompts, sampling_params=sp, use_tqdm=False, lora_request=self.lora)
+        )
         return [prompt_logprobs(out, seq) for out, seq in zip(outs, sequences)]
 
     def init_transfer(self, init_info: dict) -> None:
@@ -249,6 +300,18 @@ class VLLMEngine:
 
         self.batcher.call(reload)
         self.model_version = version
+
+    def load_adapter(self, name: str, folder: str, version: int) -> None:
+        """The LoRA adapter at `folder` in place of the one served (lora_id 1, load_inplace), between batches; the
+        requests after it name it. NOTE: `LLM` has no add_lora of its own: its engine's."""
+
+        def load() -> None:
+            self.llm.llm_engine.add_lora(adapter_request(self.vllm, name, folder, inplace=True))
+            self.llm.update_weight_version(str(version))
+            reset_prefix_cache(self.llm.reset_prefix_cache)  # KV blocks of the old adapter
+
+        self.batcher.call(load)
+        self.lora, self.model_version = adapter_request(self.vllm, name, folder), version
 
     def set_version(self, version: int) -> None:
         self.batcher.call(lambda: self.llm.update_weight_version(str(version)))
@@ -300,6 +363,7 @@ class AsyncVLLMEngine:
         self.tokenizer = load_tokenizer(llm_args["model"])
         self.eos_ids = eos_ids(self.tokenizer, generation_config(llm_args["model"]))  # as VLLMEngine's
         self.model_version, self.ids = 0, itertools.count()
+        self.lora: Any = None  # as VLLMEngine's
 
     @contextlib.contextmanager
     def keep_requests(self) -> Iterator[None]:
@@ -329,7 +393,8 @@ class AsyncVLLMEngine:
     async def _generate(self, prompt_ids: list[int], sp: Any) -> list[Completion]:
         samples: dict[int, Any] = {}  # sample index -> its newest (cumulative) output
         version = self.model_version  # the version it starts on: where vLLM reports no spans, the oldest it had
-        async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, sp, request_id=f"r{next(self.ids)}"):
+        request = {"prompt_token_ids": prompt_ids}
+        async for out in self.llm.generate(request, sp, request_id=f"r{next(self.ids)}", lora_request=self.lora):
             samples.update((o.index, o) for o in out.outputs)
         if sorted(samples) != list(range(sp.n)):
             raise RuntimeError(f"vLLM returned samples {sorted(samples)} of a request for n={sp.n}")
@@ -343,7 +408,8 @@ class AsyncVLLMEngine:
 
     async def _score(self, sequence: list[int], sp: Any) -> list[float]:
         last = None
-        async for out in self.llm.generate({"prompt_token_ids": sequence}, sp, request_id=f"s{next(self.ids)}"):
+        request = {"prompt_token_ids": sequence}
+        async for out in self.llm.generate(request, sp, request_id=f"s{next(self.ids)}", lora_request=self.lora):
             last = out
         return prompt_logprobs(last, sequence)
 
@@ -367,6 +433,13 @@ class AsyncVLLMEngine:
         self.call(self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder}))
         self.set_version(version)
         reset_prefix_cache(lambda: self.call(self.llm.reset_prefix_cache()))
+
+    def load_adapter(self, name: str, folder: str, version: int) -> None:
+        """VLLMEngine.load_adapter (AsyncLLM's add_lora)."""
+        self.call(self.llm.add_lora(adapter_request(self.vllm, name, folder, inplace=True)))
+        self.set_version(version)
+        reset_prefix_cache(lambda: self.call(self.llm.reset_prefix_cache()))
+        self.lora = adapter_request(self.vllm, name, folder)
 
     def set_version(self, version: int) -> None:
         self.call(self.llm.update_weight_version(str(version)))
@@ -420,6 +493,7 @@ class EnginePool:
         self, engines: list[VLLMEngine | AsyncVLLMEngine], ranks_per_engine: int, backend: str = WEIGHT_BACKEND
     ) -> None:
         self.engines, self.per_engine, self.backend = engines, ranks_per_engine, backend
+        self.adapter = ""  # the name of the LoRA adapter the engines serve (make_pool's `lora`); "": none served
         self.engine_type, self.tokenizer = engines[0].engine_type, engines[0].tokenizer
         self.eos_ids = engines[0].eos_ids  # the ids a sample ends on (workflows/episode.py ends a turn on any)
         self.in_flight = [0] * len(engines)
@@ -481,8 +555,9 @@ class EnginePool:
 
     def load_weights(self, source: str | dict[str, torch.Tensor], version: int) -> None:
         """New weights from a published HF folder, which every worker reads itself, through vLLM's weight-update
-        lifecycle (weight_transfer.GlooEngine). OSError when the folder cannot be loaded, checked before any worker
-        starts (sync.load_published then retries with the newest folder)."""
+        lifecycle (weight_transfer.GlooEngine); serving a LoRA adapter, a peft adapter folder loaded in place of the
+        one served (load_adapter). OSError when the folder cannot be loaded, checked before any worker starts
+        (sync.load_published then retries with the newest folder)."""
         if not isinstance(source, str):
             raise TypeError("vLLM engines load weights from a folder or over the weight group, not a state dict")
         from weight_transfer import check_folder
@@ -493,14 +568,17 @@ class EnginePool:
             raise OSError(f"vLLM workers could not load {source}: {e}") from e
         self.wake_up()  # vLLM loads weights into awake engines
         with self.keep_requests():
-            if self.backend == WEIGHT_BACKEND:
+            if self.adapter:
+                self.all(lambda e: e.load_adapter(self.adapter, source, version))
+            elif self.backend == WEIGHT_BACKEND:
                 self.all(lambda e: e.update({"folder": source}, version))
             else:  # vLLM's own engines have no folder source: its documented reload from a path
                 self.all(lambda e: e.reload(source, version))
 
     def join_ranks(self) -> int:
-        """How many ranks receive weights over the group: every worker of every engine."""
-        return len(self.engines) * self.per_engine
+        """How many ranks receive weights over the group: every worker of every engine; none when they serve a LoRA
+        adapter (the explorer receives it, writes it as a folder and loads that: sync.ExplorerSync.take_weights)."""
+        return 0 if self.adapter else len(self.engines) * self.per_engine
 
     def join_group(self, init_info: dict) -> None:
         """Every worker joins the trainer's weight group (vLLM's init_weight_transfer_engine with the trainer's init
@@ -664,9 +742,11 @@ def make_pool(
     repetition_penalty: float = 1.0,
     colocate: bool = False,
     first_gpu: int = 0,
+    lora: dict | None = None,
 ) -> EnginePool:
     """engine_num engines of rm.engine_type, each on its tensor_parallel_size GPUs (sleep mode when colocated),
-    from the explorer's GPU `first_gpu` on (auxiliary models come after the rollout model's)."""
+    from the explorer's GPU `first_gpu` on (auxiliary models come after the rollout model's). `lora`: serve a LoRA
+    adapter on `model_path` (the base): {"name": its request name, **lora_args}; the pool loads it (load_weights)."""
     cls = AsyncVLLMEngine if rm.engine_type == "vllm_async" else VLLMEngine
     # NOTE: vLLM forks its workers by default; spawned, each reads the CUDA_VISIBLE_DEVICES its engine was built with
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
@@ -680,6 +760,9 @@ def make_pool(
     import proctree
 
     args, engines = engine_args(model_path, max_model_len, rm, repetition_penalty, colocate), []
+    served = dict(lora or {})
+    name = served.pop("name", "")
+    args |= served
     before = set(proctree.descendants(os.getpid()))  # what runs already: the engines' processes are what comes next
     for i, gpus in enumerate(placements(rm, first_gpu)):
         with visible_gpus(gpus):
@@ -692,6 +775,7 @@ def make_pool(
             "the CPU" if gpus is None else f"GPU(s) {','.join(gpus)}",
         )
     pool = EnginePool(engines, rm.tensor_parallel_size, args["weight_transfer_config"]["backend"])
+    pool.adapter = name
     pool.procs = engine_processes(before)
     atexit.register(pool.close)  # NOTE: whatever ends this process (an error, SIGTERM): before vLLM's finalizers
     return pool

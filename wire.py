@@ -194,16 +194,18 @@ def send_weights(
     version: int,
     specs: list[tuple[str, tuple[int, ...], torch.dtype]],
     tensors: Iterable[torch.Tensor],
+    extra: dict | None = None,
 ) -> int:
     """Send one version of the weights; returns the tensors' bytes sent (header_bytes; the padding of `layout` not
-    counted): its header (`make_header`) through the store, then its buckets (`send_buckets`).
+    counted): its header (`make_header`, with `extra`'s JSON entries: a LoRA adapter's config) through the store,
+    then its buckets (`send_buckets`).
     NOTE: call it on EVERY trainer rank, link=None on all but rank 0: producing the tensors
     (FSDP2 `full_tensor()`) is a collective, so the other ranks iterate too and drop them."""
     if link is None:
         for _ in tensors:
             pass
         return 0
-    header = make_header(version, specs)
+    header = make_header(version, specs) | (extra or {})
     post_header(link, header)
     return send_buckets(link, header, specs, tensors)
 

@@ -594,7 +594,18 @@ def filtered_vllm_rollouts(c: Config) -> bool:
 
 _VLLM_ONLY = "has no effect on the HF engine (it is a vLLM option)"
 MONITOR_ARGS = {"wandb": {"api_key", "base_url"}, "mlflow": {"uri", "username", "password"}}  # what monitor.py reads
-_MERGED = "has no effect: it is vLLM's way of serving an adapter, and nanorft's engines get merged weights (lora.py)"
+_MERGED = (
+    "has no effect: it is vLLM's way of serving a LoRA adapter, and no engine here serves one (no model.lora_configs, "
+    "or engine_type hf: the HF engine gets the adapter merged into its weights; lora.py)"
+)
+
+
+def _no_adapter_served(c: Config) -> bool:
+    """No rollout engine serves a LoRA adapter (sync.serves_adapter, without probing the machine: engine_type auto
+    may resolve to vLLM, so it counts as serving)."""
+    return not c.model.lora_configs or c.explorer.rollout_model.engine_type == "hf"
+
+
 # An auxiliary model's keys that mean nothing to an external endpoint, with their defaults (derive() leaves them so)
 _NOT_EXTERNAL = {
     "model_path": "",
@@ -751,17 +762,22 @@ WARNED: list[Rule] = [
         "only wandb's api_key / base_url and mlflow's uri / username / password are read (for the sinks that "
         "monitor_type lists); other keys have no effect",
     ),
-    (LoRAConfig, "name", lambda v, c, s: v != "", _MERGED),
-    (LoRAConfig, "base_model_name", lambda v, c, s: v != "", _MERGED),
+    (LoRAConfig, "name", lambda v, c, s: v != "" and _no_adapter_served(c), _MERGED),
+    (
+        LoRAConfig,
+        "base_model_name",
+        lambda v, c, s: v != "",
+        "has no effect: vLLM reads it only to list an adapter in its OpenAI server, which nanorft does not run",
+    ),
     (
         LoRAConfig,
         "lora_dtype",
-        lambda v, c, s: v not in ("auto", "float32", "fp32"),
-        "the adapter trains in fp32 (as every trained weight) and reaches the engines merged into the base weights, in "
-        "the engine's dtype (explorer.rollout_model.dtype)",
+        lambda v, c, s: v not in ("auto", "float32", "fp32") and _no_adapter_served(c),
+        "the adapter trains in fp32 (as every trained weight) and reaches the HF engine merged into the base weights, "
+        "in the engine's dtype (explorer.rollout_model.dtype)",
     ),
-    (ModelConfig, "fully_sharded_loras", lambda v, c, s: v, _MERGED),
-    (ModelConfig, "max_cpu_loras", lambda v, c, s: True, _MERGED),
+    (ModelConfig, "fully_sharded_loras", lambda v, c, s: v and _no_adapter_served(c), _MERGED),
+    (ModelConfig, "max_cpu_loras", lambda v, c, s: _no_adapter_served(c), _MERGED),
 ]
 
 

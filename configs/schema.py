@@ -249,21 +249,23 @@ class AlgorithmConfig:
 @dataclasses.dataclass
 class LoRAConfig:
     name: str = ""
-    """Trinity's adapter name (vLLM's lora_name); the engines here get merged weights, so no request names an adapter:
-    warned when set."""
+    """The adapter's name in vLLM's LoRA requests (lora_name; empty: policy), on vLLM engines that serve it; the HF
+    engine gets merged weights: warned when set there."""
     path: str = ""
     """A saved adapter to start from (peft's format: adapter_config.json + adapter_model.safetensors, e.g. a
     checkpoint's actor/lora_adapter); its own adapter_config.json decides rank, alpha and layers. Empty: a new adapter
     (B = 0: training starts exactly at model_path)."""
     base_model_name: str = ""
-    """Trinity's name of the base model for vLLM's LoRA requests; names nothing here: warned when set."""
+    """Trinity's name of the base model for vLLM's LoRA requests (only vLLM's OpenAI server reads it); names nothing
+    here: warned when set."""
     lora_rank: int = 32
     """r: rank of the update B.A added to each adapted weight (>= 1)."""
     lora_alpha: float = 32.0
     """alpha: the update is scaled by alpha / r (> 0)."""
     lora_dtype: str = "auto"
-    """vLLM's dtype of the adapter weights. Here the adapter trains in fp32 (as every trained weight) and the engines
-    get it merged in their own dtype: auto and float32 mean that; anything else is warned about."""
+    """vLLM's dtype of the adapter weights it serves (auto: the engine's dtype; float16, bfloat16, float32). The adapter
+    trains in fp32 (as every trained weight); the HF engine gets it merged in its own dtype: there auto and float32
+    mean that, anything else is warned about."""
     target_modules: str | list[str] = "all-linear"
     """Layers that get an adapter, as peft reads target_modules: all-linear (every linear layer but the LM head), a
     list of module names (`[q_proj, v_proj]`: a name matches itself and any module name ending in `.name`), or one
@@ -310,11 +312,14 @@ class ModelConfig:
     """Passed to chat templates that know it (Qwen3); unset = the template's default."""
     lora_configs: list[LoRAConfig] = _field(list)
     """LoRA (one adapter at most, as in Trinity-RFT): the trainer trains an adapter through peft instead of the whole
-    model, and the engines get the weights with the adapter merged in (lora.py). Empty: full fine-tuning."""
+    model; vLLM engines serve it on the base model (enable_lora) and get the adapter alone at each sync, the HF
+    engine gets the weights with the adapter merged in (lora.py). Empty: full fine-tuning."""
     fully_sharded_loras: bool = False
-    """vLLM's option for serving adapters; the engines here get merged weights: no effect (warned when true)."""
+    """vLLM's option for serving adapters (shard the whole LoRA computation with tensor parallelism), passed to vLLM
+    engines that serve the adapter; no effect on the HF engine or without LoRA (warned when true)."""
     max_cpu_loras: int | None = None
-    """vLLM's option for serving adapters; no effect here (warned when set)."""
+    """vLLM's option for serving adapters (adapters kept in CPU memory, >= 1), passed to vLLM engines that serve the
+    adapter; no effect on the HF engine or without LoRA (warned when set)."""
 
 
 @dataclasses.dataclass

@@ -551,15 +551,15 @@ WARNING_CASES = {
         "monitor.monitor_args = {'uri': 'x'}: only wandb's api_key / base_url",
     ),
     ("LoRAConfig", "name"): (
-        {"model": {"lora_configs": [{"name": "a"}]}},
+        {"model": {"lora_configs": [{"name": "a"}]}, "explorer": {"rollout_model": {"engine_type": "hf"}}},
         "model.lora_configs[0].name = 'a': has no effect: it is vLLM's way of serving",
     ),
     ("LoRAConfig", "base_model_name"): (
         {"model": {"lora_configs": [{"base_model_name": "b"}]}},
-        "model.lora_configs[0].base_model_name = 'b': has no effect",
+        "model.lora_configs[0].base_model_name = 'b': has no effect: vLLM reads it only",
     ),
     ("LoRAConfig", "lora_dtype"): (
-        {"model": {"lora_configs": [{"lora_dtype": "bfloat16"}]}},
+        {"model": {"lora_configs": [{"lora_dtype": "bfloat16"}]}, "explorer": {"rollout_model": {"engine_type": "hf"}}},
         "lora_dtype = 'bfloat16': the adapter trains in fp32",
     ),
     ("ModelConfig", "fully_sharded_loras"): (
@@ -567,6 +567,16 @@ WARNING_CASES = {
         "model.fully_sharded_loras = True: has no effect",
     ),
     ("ModelConfig", "max_cpu_loras"): ({"model": {"max_cpu_loras": 2}}, "model.max_cpu_loras = 2: has no effect"),
+}
+# vLLM's LoRA serving options: passed to vLLM engines that serve the adapter, so not warned there (they are on the HF
+# engine and without LoRA: WARNING_CASES)
+SERVED_LORA = {
+    "model": {
+        "lora_configs": [{"name": "a", "lora_dtype": "bfloat16"}],
+        "fully_sharded_loras": True,
+        "max_cpu_loras": 2,
+    },
+    "explorer": {"rollout_model": {"engine_type": "vllm"}},
 }
 
 
@@ -663,6 +673,13 @@ def test_warned_values_say_what_will_not_happen(rule, caplog):
     with caplog.at_level(logging.WARNING, logger="nanorft.config"):
         resolve_stages(from_dict(Config, normalize(merged(overrides))))
     assert message in caplog.text
+
+
+def test_vllms_lora_options_are_not_warned_where_vllm_serves_the_adapter(caplog):
+    with caplog.at_level(logging.WARNING, logger="nanorft.config"):
+        resolve_stages(from_dict(Config, normalize(merged(SERVED_LORA))))
+    for key in ("name", "lora_dtype", "fully_sharded_loras", "max_cpu_loras"):
+        assert f"{key} = " not in caplog.text
 
 
 def test_ignored_trinity_keys_are_warned_about(tmp_path, caplog):

@@ -4,6 +4,7 @@ one rank == two ranks, the reference model without the adapter, and an explorer 
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -489,3 +490,209 @@ def test_bench_evaluates_adapter_only_checkpoints_merged(lora_runs, tiny_model_d
 def saved_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
     """The tensors of the file `name` of a checkpoint's actor folder; "optimizer": its optimizer states, whole."""
     return checkpoint.read_optimizer(folder) if name == "optimizer" else safetensors.torch.load_file(folder / name)
+
+
+# --- the adapter alone to vLLM engines that serve it (sync.serves_adapter)
+
+
+class AdapterEngine:
+    """The explorer's engine as sync.py uses it when it serves an adapter: receives none over the group itself
+    (join_ranks 0), loads folders (what it was given, and the folder's tensors as they were then)."""
+
+    def __init__(self) -> None:
+        self.model_version, self.loaded = 0, []
+
+    def join_ranks(self) -> int:
+        return 0
+
+    def load_weights(self, source, version: int) -> None:
+        assert isinstance(source, str), "an engine serving an adapter loads folders"
+        tensors = safetensors.torch.load_file(Path(source, sync.ADAPTER_FILE))
+        config = json.loads(Path(source, "adapter_config.json").read_text())
+        self.loaded.append((version, source, tensors, config))
+        self.model_version = version
+
+
+def served_config(tmp_path: Path, tiny_model_dir: str, engine_type: str = "vllm_async") -> Config:
+    cfg = Config()
+    cfg.model.model_path, cfg.checkpoint_job_dir = tiny_model_dir, str(tmp_path / "job")
+    cfg.model.lora_configs = [LoRAConfig(lora_rank=4, lora_alpha=8)]
+    cfg.explorer.rollout_model.engine_type = engine_type
+    return cfg
+
+
+def peft_logits_gap(tiny_model_dir: str, actor: torch.nn.Module, folder: str) -> float:
+    """Largest |log-prob| gap between the trainer's actor and model_path + the adapter at `folder` as plain peft
+    loads it (peft's own merge: what vLLM serves is checked against this in tests/test_vllm_e2e.py)."""
+    return gap(actor, lora.merged_model(plain(tiny_model_dir), folder).eval())
+
+
+def test_only_vllm_engines_serve_the_adapter(tmp_path, tiny_model_dir):
+    """vLLM engines serve the adapter (they get it alone at each sync); the HF engine gets merged weights; no LoRA,
+    nothing served. The published folders each loads follow."""
+    assert sync.serves_adapter(served_config(tmp_path, tiny_model_dir, "vllm"))
+    assert sync.serves_adapter(served_config(tmp_path, tiny_model_dir, "vllm_async"))
+    assert not sync.serves_adapter(served_config(tmp_path, tiny_model_dir, "hf"))
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.model.lora_configs = []
+    assert not sync.serves_adapter(cfg)
+    assert sync.published_dir(served_config(tmp_path, tiny_model_dir)) == "lora_published"
+    assert sync.published_dir(cfg) == "huggingface"
+
+
+def test_the_process_group_sends_the_adapter_alone_to_engines_that_serve_it(tiny_model_dir, tmp_path, one_rank):
+    """sync_method nccl, vLLM engines serving the adapter: only A and B travel (peft's file names, the engine's
+    dtype), with the adapter's config in the header; the explorer writes them as a peft folder (no pickle) that its
+    engines load in place, and that folder is the trainer's adapter: plain peft on model_path gives the actor's
+    log-probs. The bytes are a small fraction of the merged weights'."""
+    import threading
+
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    with torch.no_grad():
+        for name, q in actor.named_parameters():
+            if ".lora_B." in name:
+                q.normal_(0, 0.05)
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.checkpoint_job_dir, engine = str(tmp_path), AdapterEngine()
+    explorer = sync.ExplorerSync(cfg, None, engine)
+    sender, got = wire.open_sender(tmp_path, "cpu", 60), {}
+    receiver = threading.Thread(target=lambda: got.update(taken=explorer.take_weights()))
+    receiver.start()
+    sent = lora.send_adapter(sender, actor, 7)
+    receiver.join(60)
+    wire.close_sender(sender, grace=0.1)
+    merged_bytes = sum(t.numel() * t.element_size() for t in lora.full_state(actor).values())
+    assert got["taken"] == (7, sent) and 0 < sent < merged_bytes / 20
+    ((version, folder, tensors, config),) = engine.loaded
+    assert version == 7 and config["r"] == 4 and config["peft_type"] == "LORA"
+    state = lora.adapter_state(actor)
+    assert tensors.keys() == {lora.peft_name(k) for k in state}
+    assert all(torch.equal(tensors[lora.peft_name(k)], v) for k, v in state.items())
+    assert peft_logits_gap(tiny_model_dir, actor, folder) < 1e-5 and gap(actor, plain(tiny_model_dir)) > 1e-3
+    explorer.close()
+    assert not Path(folder).exists()  # the explorer's private folder goes with it
+
+
+def test_checkpoint_sync_publishes_the_adapter_alone_and_the_explorer_loads_it(tiny_model_dir, tmp_path, one_rank):
+    """sync_method checkpoint, vLLM engines serving the adapter: a sync point's step publishes the adapter alone
+    (global_step_N/actor/lora_published, peft's format), then moves the pointer; the last step also the merged HF
+    folder (the next stage and users read it). A restarted explorer starts from the newest adapter, one at a sync
+    point loads the adapter of its step; a damaged adapter is skipped as a damaged HF folder is. A resumed trainer
+    publishes its checkpoint's adapter where it is missing before it points there."""
+    from types import SimpleNamespace
+
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(LoRAConfig(lora_rank=4), ""))
+    cfg = served_config(tmp_path, tiny_model_dir)
+    job = Path(cfg.checkpoint_job_dir)
+    p = SimpleNamespace(cfg=cfg, actor=actor, tokenizer=None, rank=0, engine_dtype=None)
+    for step in (1, 2):
+        with torch.no_grad():
+            for name, q in actor.named_parameters():
+                if ".lora_B." in name:
+                    q.normal_(0, 0.05)
+        assert train.publish_files(p, step, hf=False, exact=False) is None  # nothing full gathered
+    assert sync.latest_version(job) == 2 and not sync.weights_path(job, 2).exists()
+    folder = sync.adapter_path(job, 2)
+    assert not sync.damage(folder) and peft_logits_gap(tiny_model_dir, actor, str(folder)) < 1e-5
+    assert sync.start_weights(cfg) == (str(folder), 2)
+    engine = AdapterEngine()
+    assert sync.load_published(engine, str(job), 2, sync.published_dir(cfg)) == 2
+    assert engine.loaded[0][:2] == (2, str(folder))
+    (folder / sync.ADAPTER_FILE).write_bytes((folder / sync.ADAPTER_FILE).read_bytes()[:-8])  # cut
+    assert "adapter_model.safetensors has" in sync.damage(folder)
+    assert sync.start_weights(cfg) == (str(sync.adapter_path(job, 1)), 1)
+    weights = train.publish_files(p, 3, hf=True, exact=True)  # the last step: the merged folder too
+    assert weights and sync.weights_path(job, 3).is_dir() and sync.adapter_path(job, 3).is_dir()
+    assert sync.prune_published(job, 3) == [] and not sync.adapter_path(job, 1).exists()  # pruned by step 3's
+    lora.rewind_pointer(actor, None, job, 5, served=True)  # a checkpoint step never published
+    assert sync.latest_version(job) == 5 and not sync.damage(sync.adapter_path(job, 5))
+    assert not sync.weights_path(job, 5).exists()
+
+
+class PeftEngine(AdapterEngine):
+    """An engine serving an adapter as vLLM does, played by plain peft: log-probs of model_path + the adapter it
+    loaded last (none: the base). `ignores`: it drops the adapters it is given (a broken load)."""
+
+    def __init__(self, base: str, ignores: bool = False) -> None:
+        super().__init__()
+        self.base, self.ignores, self.model = base, ignores, plain(base)
+
+    def load_weights(self, source, version: int) -> None:
+        super().load_weights(source, version)
+        if not self.ignores:
+            self.model = lora.merged_model(plain(self.base), source).eval()
+
+    def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        return [plain_logprobs(self.model, s, 1).tolist() for s in sequences]
+
+    def weight_versions(self) -> list[str]:
+        return [str(self.model_version)]
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("ignores", [False, True])
+def test_verify_sync_of_a_served_adapter_compares_log_probs(tiny_model_dir, tmp_path, monkeypatch, ignores):
+    """--verify-sync with vLLM engines serving the adapter: vLLM's checksums cover no adapter, so the check is the
+    engines' log-probs with the adapter sent over the group against those with its folder, and not the base's. An
+    engine that drops the adapter it is given is named."""
+    import sync_check
+    import vllm_engine
+
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.synchronizer.sync_timeout = 60
+    monkeypatch.setattr(vllm_engine, "lora_args", lambda model, folder: {"enable_lora": True})
+    monkeypatch.setattr(sync_check, "make_engine", lambda *a, **k: PeftEngine(tiny_model_dir, ignores))
+    problem = sync_check.verify(cfg)
+    assert problem == (
+        "the engines' log-probs after the adapter arrived are the base model's: no adapter is applied"
+        if ignores
+        else ""
+    )
+
+
+def test_vllm_engines_start_on_the_base_serving_the_saved_adapter(tiny_model_dir, tmp_path, monkeypatch):
+    """Training from a saved adapter (lora_configs[0].path) with vLLM engines: they start on model_path with
+    enable_lora, max_lora_rank the saved adapter's (4: vLLM's smallest above, 8; not lora_rank's 32), and load that
+    adapter as it is, named lora_configs[0].name: no merged lora_start/ folder is written. Restarted after step 2
+    was published, they load step 2's adapter instead."""
+    from helpers import real_vllm
+
+    real_vllm()  # vllm_engine.lora_args reads the ranks vLLM allows
+    saved = str(tmp_path / "saved")
+    with_random_b(models.load_model(tiny_model_dir), LoRAConfig(lora_rank=4, lora_alpha=8)).peft.save_pretrained(saved)
+    cfg = served_config(tmp_path, tiny_model_dir)
+    cfg.model.lora_configs = [LoRAConfig(path=saved, lora_rank=32, name="mine")]
+    made = []
+
+    def make_engine(rm, path, *args, lora=None, **kwargs):
+        made.append((path, lora))
+        return AdapterEngine()
+
+    monkeypatch.setattr(explore, "make_engine", make_engine)
+    engine, version = explore.rollout_engines(cfg)
+    ((path, served),) = made
+    assert path == tiny_model_dir and served["enable_lora"] and served["name"] == "mine"
+    assert served["max_lora_rank"] == 8 and served["max_loras"] == 1
+    assert version == 0 and [v[:2] for v in engine.loaded] == [(0, saved)]
+    assert not (tmp_path / "job" / "lora_start").exists()
+    shutil.copytree(saved, sync.adapter_path(cfg.checkpoint_job_dir, 2))
+    sync.set_latest(cfg.checkpoint_job_dir, 2)
+    engine, version = explore.rollout_engines(cfg)
+    assert version == 2 and [v[:2] for v in engine.loaded] == [(0, str(sync.adapter_path(cfg.checkpoint_job_dir, 2)))]
+
+
+def test_a_new_adapter_is_served_as_zeros_until_the_first_sync(tiny_model_dir, tmp_path, one_rank):
+    """A new adapter: vLLM engines start serving lora.zero_adapter (built on the meta device, no weight read), so
+    that every request names the adapter from the start: the trainer's new adapter's layers, names, shapes and
+    config, all zeros: plain peft on model_path with it gives exactly the trainer's first log-probs (B = 0)."""
+    c = LoRAConfig(lora_rank=4, lora_alpha=8, target_modules=["q_proj", "up_proj"])
+    folder = lora.zero_adapter(tiny_model_dir, c, tmp_path / "lora_start" / "explorer")
+    actor = scoring.build_model(tiny_model_dir, TrainerConfig(), CPU, True, adapter=(c, ""))
+    tensors = safetensors.torch.load_file(folder / sync.ADAPTER_FILE)
+    trained = {lora.peft_name(k): v.shape for k, v in lora.adapter_state(actor).items()}
+    assert {k: v.shape for k, v in tensors.items()} == trained and not any(t.any() for t in tensors.values())
+    assert json.loads((folder / "adapter_config.json").read_text()) == lora.adapter_config(actor)
+    assert gap(actor, lora.merged_model(plain(tiny_model_dir), str(folder)).eval()) < 1e-6
+    assert lora.zero_adapter(tiny_model_dir, c, folder) == folder  # a restart writes it again in place

@@ -1,8 +1,8 @@
 """mode both end to end on real vLLM (its CPU build; `bash run.sh test` installs it), through the launcher as a user
 runs it, 3 steps, weights synced after every step: `engine_type` vllm receiving over the process group, with an
 auxiliary judge of engine_type vllm and the off-policy correction at the default min_tokens; vllm_async with two
-engines receiving over the group the merged weights of a LoRA adapter being trained; vllm_async with partial
-rollout over the group. (Both kinds reloading from a folder, checkpoint sync's path into an engine:
+engines serving a LoRA adapter being trained (enable_lora), receiving the adapter alone over the group; vllm_async
+with partial rollout over the group. (Both kinds reloading from a folder, checkpoint sync's path into an engine:
 tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own DB and logs, that the
 rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
 trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import entry
 import pytest
+from safetensors.torch import load_file
 
 import lora
 import models
@@ -125,9 +126,11 @@ def test_vllm_over_the_process_group_with_a_vllm_judge_and_the_off_policy_correc
 
 @pytest.mark.slow(seconds=100)
 def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_model_dir):
-    """engine_type vllm_async, engine_num 2, a LoRA adapter trained: the merged weights go over the group (gloo here)
-    into both engines' workers at every step, and step 3 was sampled from exactly base + the step-2 adapter, not from
-    the base."""
+    """engine_type vllm_async, engine_num 2, a LoRA adapter trained: both engines serve the base model with vLLM's
+    enable_lora, and at every step the adapter alone goes over the group (gloo here), its bytes those of the
+    checkpoint's adapter (a fraction of the merged weights'), which the explorer writes as a folder and both engines
+    load in place; step 3 was sampled from exactly base + the step-2 adapter (peft's merge of it), not from the
+    base."""
     config = vllm_config(
         tmp_path,
         tiny_model_dir,
@@ -141,19 +144,23 @@ def test_vllm_async_two_engines_with_the_process_group_and_lora(tmp_path, tiny_m
     )
     out = launch(config, timeout=600)
     run = tmp_path / "ck" / "p" / "run"
+    adapter = run / "global_step_2" / "actor" / "lora_adapter"
     merged = (
         lora.merged_folder(
-            models.load_model(tiny_model_dir),
-            str(run / "global_step_2" / "actor" / "lora_adapter"),
-            models.load_tokenizer(tiny_model_dir),
-            tmp_path / "merged2",
+            models.load_model(tiny_model_dir), str(adapter), models.load_tokenizer(tiny_model_dir), tmp_path / "merged2"
         )
         if out.returncode == 0
         else None
     )
     check_run(tmp_path, out, merged)
-    assert "rollout engine 2/2: vllm_async on the CPU" in (run / "log" / "explorer.log").read_text()
+    log = (run / "log" / "explorer.log").read_text()
+    assert "rollout engine 2/2: vllm_async on the CPU" in log
+    assert f"LoRA: the engines serve the adapter {run / 'lora_start' / 'explorer'} on" in log  # a new one: zeros
     assert rollout_logprob_gap(run / "buffer" / "exp.db", 2, Path(tiny_model_dir)) > 1e-3
+    adapter_bytes = sum(t.numel() * t.element_size() for t in load_file(adapter / "adapter_model.safetensors").values())
+    synced = [r["sync/bytes"] for r in read_history(run / "monitor" / "explorer.jsonl") if "sync/bytes" in r]
+    assert synced == [adapter_bytes] * (STEPS - 1)
+    assert adapter_bytes * 20 < sum(f.stat().st_size for f in Path(merged).glob("*.safetensors"))
 
 
 @pytest.mark.slow(seconds=100)

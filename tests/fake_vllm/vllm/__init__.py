@@ -73,6 +73,13 @@ PLUGINS_LOADED = False
 __all__ = ["LLM", "AsyncLLMEngine", "AsyncEngineArgs", "SamplingParams", "RequestOutputKind"]
 
 
+def no_lora(lora_request: Any) -> None:
+    """vLLM's generate takes a LoRA request (nanorft's engines pass None but where they serve an adapter); the fake
+    serves none (real vLLM's CPU build runs the adapter-serving tests)."""
+    if lora_request is not None:
+        raise NotImplementedError("the fake vLLM serves no LoRA adapter")
+
+
 @dataclasses.dataclass
 class Logprob:
     logprob: float
@@ -303,7 +310,10 @@ class LLM:
         if stale := self.workers[0].model_runner.model.discarded:
             raise RuntimeError(f"generate() with {len(stale)} weights discarded by sleep(level=2) and not loaded since")
 
-    def generate(self, prompts: list[dict], sampling_params: Any = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self, prompts: list[dict], sampling_params: Any = None, use_tqdm: bool = True, lora_request: Any = None
+    ) -> list[RequestOutput]:
+        no_lora(lora_request)
         self.check_awake()
         params = (
             sampling_params
@@ -481,7 +491,8 @@ class AsyncLLMEngine:
     def from_engine_args(cls, engine_args: EngineArgs) -> AsyncLLMEngine:
         return cls(engine_args)
 
-    async def generate(self, prompt: dict, sampling_params: SamplingParams, request_id: str):
+    async def generate(self, prompt: dict, sampling_params: SamplingParams, request_id: str, lora_request: Any = None):
+        no_lora(lora_request)
         self.engine.check_awake()
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
