@@ -6,8 +6,9 @@ publishes for explorers):
         model/, optimizer/: the trained weights and the optimizer's states as torch.distributed.checkpoint shards in
         safetensors files, one file (or more) per saving rank (no gather on rank 0), loaded on any number of ranks;
         huggingface/ (gathered on rank 0) as trainer.save_hf_checkpoint says (always, or only the published ones)
-        a LoRA actor (lora.py): lora_adapter/ (peft's format) instead of huggingface/, which is there only when the
-        step's merged weights were published for the explorer
+        a LoRA actor (lora.py): lora_adapter/ (peft's format, fp32) instead of huggingface/, which is there only when
+        the step's merged weights were published for the explorer; lora_published/ (the adapter in the engine's
+        dtype) when it was published for vLLM engines that serve it (sync.adapter_path)
     <job dir>/global_step_N/manifest.json              size and sha256 of every file, written last
     <job dir>/latest_checkpointed_iteration.txt        N, moved after every rank has written
 
@@ -15,7 +16,7 @@ publishes for explorers):
     step = latest_checkpoint(job_dir)              # the newest undamaged one (damaged ones are named, skipped)
     load_model_shards(model, folder)               # the weights of the step's actor (or critic) folder
     state = load_checkpoint(model, optim, job_dir, step, rank)   # optimizer states and RNG
-    publish_hf(model, tokenizer, job_dir, step)   # sync.publish_hf, a full disk named (the trainer publishes here)
+    with publishing(job_dir, step): ...            # the trainer's publishing (lora.publish), a full disk named
 No pickle: safetensors for tensors, JSON for the rest.
 
 A full, read-only or failing disk (ENOSPC, EDQUOT, EROFS, EIO) while saving or publishing ends in a StorageError that
@@ -52,7 +53,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import lora
-import sync
 from errors import ConfigError, DataError
 from sync import POINTER, full_state, in_use, read_pointer, save_hf, step_folders, weights_path, write_atomic
 
@@ -131,18 +131,10 @@ def _complete(job: Path, step: int, rank: int) -> None:
         write_atomic(job / CKPT_POINTER, lambda p: Path(p).write_text(f"{step}\n"))
 
 
-def publish_hf(
-    model: Any, tokenizer: Any, job_dir: str | Path, step: int, state_dict: dict[str, torch.Tensor] | None = None
-) -> Path:
-    """sync.publish_hf (the step's HF folder for the explorers, then their pointer), a full or failing disk ending
-    it in a StorageError: the pointer still names the weights published before, which explorers keep using."""
-    with publishing(job_dir, step):
-        return sync.publish_hf(model, tokenizer, job_dir, step, state_dict)
-
-
 def publishing(job_dir: str | Path, step: int) -> contextlib.AbstractContextManager:
-    """A full or failing disk while publishing step `step`'s weights (publish_hf, lora.rewind_pointer at resume) as
-    a StorageError: `storage`."""
+    """A full or failing disk while publishing step `step`'s weights (train.publish_files, lora.rewind_pointer at
+    resume) as a StorageError (`storage`): the pointer still names the weights published before, which explorers
+    keep using."""
     job = Path(job_dir)
     return storage(f"cannot publish the weights of step {step} in {job}", job, lambda: _published_kept(job))
 
