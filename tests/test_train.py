@@ -684,7 +684,7 @@ def test_killed_trainer_resumes_exactly(tmp_path, tiny_model_dir, trained, hf):
     a, b = weights(straight, 4), weights(resumed, 4)
     assert all(torch.equal(a[k], b[k]) for k in a)
     two = resumed / "global_step_2" / "actor"
-    published = "checkpoint step 2 has no HF folder: its weights published for the explorer" in stderr
+    published = "checkpoint step 2 has no published weights: published for the explorer" in stderr
     assert published == (hf == "never") and (two / "huggingface").is_dir(), stderr[-3000:]
     if hf == "never":
         manifest = json.loads((two.parent / "manifest.json").read_text())
