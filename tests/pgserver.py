@@ -170,7 +170,9 @@ class PostgresServer:
         from psycopg import sql
 
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
-            conn.execute(sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(user), sql.Literal(password)))
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(user), sql.Literal(password))
+            )
             conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database), sql.Identifier(user)))
         return f"postgresql://{user}@{self.listen}:5432/{database}"
 
