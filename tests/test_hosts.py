@@ -220,3 +220,49 @@ def test_a_run_across_two_hosts_counts_exactly_and_trains_as_one_host(tmp_path, 
         torch.testing.assert_close(apart[k], together[k], atol=ATOL, rtol=RTOL, msg=k)
     # and they moved, far beyond the tolerance (Adam: about lr = 1e-3 a step, the cosine schedule's second step 1e-4)
     assert max((apart[k] - start[k]).abs().max().item() for k in start) > 20 * ATOL
+
+
+def host_state() -> list[str]:
+    """The machine's own namespace: its links, addresses and routes (what the hosts must leave as they are)."""
+    return [
+        subprocess.run(["ip", "-o", *a], capture_output=True, text=True).stdout for a in (["link"], ["addr"], ["route"])
+    ]
+
+
+def test_hosts_reach_each_other_only_and_leave_nothing_behind(tmp_path):
+    """Two hosts: a listens, b connects over the link; b reaches nothing else (no route out); a cut link drops
+    packets (a connect times out) until mended; the machine's own links, addresses and routes never change, and
+    after the teardown no namespace or process is left, also when the body raised."""
+    need(netns.missing())
+    before = host_state()
+    code = "import socket,sys; socket.create_connection((sys.argv[1], 5000), timeout=2).close()"
+    hosts = netns.Hosts(["a", "b"])
+    with pytest.raises(RuntimeError, match="the body failed"), hosts:
+        assert host_state() == before
+        server = hosts.popen(
+            "a", [sys.executable, "-c", "import socket,time; s=socket.create_server(('', 5000)); time.sleep(60)"]
+        )
+        wait_for(
+            lambda: subprocess.run(hosts.command("b", [sys.executable, "-c", code, hosts.addr("a")])).returncode == 0,
+            "a's port",
+        )
+        out = subprocess.run(
+            hosts.command("b", [sys.executable, "-c", code, "192.0.2.1"]), capture_output=True, text=True
+        )
+        assert "Network is unreachable" in out.stderr, out.stderr
+        hosts.cut("b")
+        out = subprocess.run(
+            hosts.command("b", [sys.executable, "-c", code, hosts.addr("a")]), capture_output=True, text=True
+        )
+        assert "timed out" in out.stderr, out.stderr
+        hosts.mend("b")
+        wait_for(
+            lambda: subprocess.run(hosts.command("b", [sys.executable, "-c", code, hosts.addr("a")])).returncode == 0,
+            "the mended link",
+            30,
+        )
+        assert netns.pids(hosts.ns("a")) == [server.pid]
+        raise RuntimeError("the body failed")
+    assert server.wait(timeout=10) == -signal.SIGKILL
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert hosts.prefix not in listed and host_state() == before
