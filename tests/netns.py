@@ -25,6 +25,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 PREFIX = "nrft"  # every namespace made here starts with it, then the pid of the process that made it
@@ -165,3 +166,27 @@ class Hosts:
 
     def __exit__(self, *exc: object) -> None:
         self.down()
+
+
+def flap(
+    hosts: Hosts,
+    host: str,
+    down: float = 1.0,
+    every: float = 5.0,
+    total: float = 60.0,
+    stop: threading.Event | None = None,
+    log=None,
+) -> int:
+    """A flapping link: `host` cut for `down` s at the start of every `every` s, for `total` s (or until `stop` is
+    set); returns the number of cuts. The link is up when it returns."""
+    stop = stop or threading.Event()
+    start, cuts = time.monotonic(), 0
+    while time.monotonic() - start < total and not stop.is_set():
+        hosts.cut(host)
+        cuts += 1
+        if log:
+            log(f"{host}: link down ({cuts})")
+        stop.wait(down)
+        hosts.mend(host)
+        stop.wait(max(0.0, start + cuts * every - time.monotonic()))
+    return cuts
