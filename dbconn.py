@@ -262,7 +262,7 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
             f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with pip install -e '.[postgres]'"
         ) from None
     try:
-        conn = psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(busy_timeout)))
+        conn = psycopg.connect(url, autocommit=True, **link_timeouts(url, busy_timeout))
         # NOTE: a statement waiting for a lock (another session's, or a dead one's the server has not noticed yet)
         # fails after the busy timeout, as SQLite's does, instead of hanging the process
         conn.execute(f"SET lock_timeout = {max(1, round(busy_timeout * 1000))}")
@@ -271,6 +271,35 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
         raise DBMismatch(
             f"cannot open the experience DB {shown(url)} (buffer.trainer_input.experience_buffer.path): {_reason(e)}"
         ) from None
+
+
+# what a lost connection's DBUnavailable says to do
+_AGAIN = (
+    " (check that the server runs and that this host reaches it: the link, a firewall, the address in the URL), then "
+    "run the same command again: the run continues from what the DB holds"
+)
+
+
+def link_timeouts(url: str, busy_timeout: float) -> dict[str, int]:
+    """libpq's connection parameters that bound how long a dead network path can hold a call, to about the busy
+    timeout: connect_timeout; TCP keepalives (probes every 5 s after 10 s of silence, the connection given up after
+    the busy timeout's worth of unanswered ones), which end a call waiting for a reply from a host that went away;
+    tcp_user_timeout (ms), which ends one whose sent data stays unacknowledged. The URL's own values win. NOTE:
+    without them a call on a cut link waited for the kernel's TCP retransmissions (~15 minutes: tcp_retries2), past
+    every timeout of the run (tests/test_hosts.py). Unix sockets ignore the TCP ones."""
+    import psycopg.conninfo
+
+    seconds = max(1, round(busy_timeout))
+    wanted = {
+        "connect_timeout": seconds,
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": max(1, seconds // 5),
+        "tcp_user_timeout": seconds * 1000,
+    }
+    given = psycopg.conninfo.conninfo_to_dict(url)
+    return {k: v for k, v in wanted.items() if k not in given}
 
 
 def _reason(e: Exception) -> str:
@@ -389,7 +418,7 @@ class PostgresLink:
                     raise DBUnavailable(
                         f"{self.path}: the connection to the PostgreSQL server was lost "
                         f"{'while a transaction committed' if committing else 'again'} ({_reason(e)})"
-                        "; restart once the server is back"
+                        f"; restart once the server is back{_AGAIN}"
                     ) from None
                 log.warning(
                     "%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path, _reason(e)
@@ -425,7 +454,7 @@ class PostgresLink:
                 if time.monotonic() >= deadline:
                     raise DBUnavailable(
                         f"{self.path}: the connection to the PostgreSQL server was lost and could not "
-                        f"be opened again in {self.busy_timeout:g} s: {e}"
+                        f"be opened again in {self.busy_timeout:g} s: {e}{_AGAIN}"
                     ) from None
                 time.sleep(0.5)
 
