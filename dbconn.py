@@ -273,6 +273,10 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
         ) from None
 
 
+DEAD_LINK_S = 30  # a TCP connection to the server that goes unanswered this long (seconds) is lost (link_timeouts)
+GONE_RETRY_S = 5.0  # how long a reopen waits for a server that this process already failed to reach (seconds)
+_GONE: set[str] = set()  # the URLs this process could not reach again within their busy timeout (PostgresLink._reopen)
+
 # what a lost connection's DBUnavailable says to do
 _AGAIN = (
     " (check that the server runs and that this host reaches it: the link, a firewall, the address in the URL), then "
@@ -281,22 +285,23 @@ _AGAIN = (
 
 
 def link_timeouts(url: str, busy_timeout: float) -> dict[str, int]:
-    """libpq's connection parameters that bound how long a dead network path can hold a call, to about the busy
-    timeout: connect_timeout; TCP keepalives (probes every 5 s after 10 s of silence, the connection given up after
-    the busy timeout's worth of unanswered ones), which end a call waiting for a reply from a host that went away;
-    tcp_user_timeout (ms), which ends one whose sent data stays unacknowledged. The URL's own values win. NOTE:
+    """libpq's connection parameters that bound how long a dead network path can hold a call: connect_timeout (the
+    busy timeout); TCP keepalives (probes every 5 s after 10 s of silence), which end a call waiting for a reply from
+    a host that went away, and tcp_user_timeout, which ends one whose sent data stays unacknowledged, both after
+    DEAD_LINK_S (or the busy timeout, the shorter). A live server's host acknowledges at once, however busy the server:
+    only a dead path or host goes that long unanswered. The URL's own values win. NOTE:
     without them a call on a cut link waited for the kernel's TCP retransmissions (~15 minutes: tcp_retries2), past
     every timeout of the run (tests/test_hosts.py). Unix sockets ignore the TCP ones."""
     import psycopg.conninfo
 
-    seconds = max(1, round(busy_timeout))
+    seconds, dead = max(1, round(busy_timeout)), max(1, min(round(busy_timeout), DEAD_LINK_S))
     wanted = {
         "connect_timeout": seconds,
         "keepalives": 1,
         "keepalives_idle": 10,
         "keepalives_interval": 5,
-        "keepalives_count": max(1, seconds // 5),
-        "tcp_user_timeout": seconds * 1000,
+        "keepalives_count": max(1, (dead - 10) // 5),
+        "tcp_user_timeout": dead * 1000,
     }
     given = psycopg.conninfo.conninfo_to_dict(url)
     return {k: v for k, v in wanted.items() if k not in given}
@@ -443,18 +448,24 @@ class PostgresLink:
         )
 
     def _reopen(self) -> Any:
-        """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds)."""
-        deadline = time.monotonic() + self.busy_timeout
+        """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds);
+        GONE_RETRY_S only once this process has failed to reach the server that long. NOTE: a process stopping on
+        DBUnavailable still writes to the DB on its way out (its lease, its state), each write on a connection of its
+        own: waiting the busy timeout for each held an explorer cut from the server for minutes after its error."""
+        budget = GONE_RETRY_S if self.url in _GONE else self.busy_timeout
+        deadline = time.monotonic() + budget
         while True:
             try:
                 conn = open_postgres(self.url, max(1.0, deadline - time.monotonic()))
                 log.info("%s: connected again", self.path)
+                _GONE.discard(self.url)
                 return conn
             except DBMismatch as e:
                 if time.monotonic() >= deadline:
+                    _GONE.add(self.url)
                     raise DBUnavailable(
                         f"{self.path}: the connection to the PostgreSQL server was lost and could not "
-                        f"be opened again in {self.busy_timeout:g} s: {e}{_AGAIN}"
+                        f"be opened again in {budget:g} s: {e}{_AGAIN}"
                     ) from None
                 time.sleep(0.5)
 

@@ -27,6 +27,7 @@ import pgserver
 from helpers import in_ci, raw, write_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+GROUP_TIMEOUT = "NANORFT_GROUP_TIMEOUT"  # launch.group_timeout
 PORT = 29500  # the rendezvous on host a (each namespace has its own ports: no clash with the machine's)
 STEPS, BATCH, REPEAT = 2, 2, 2
 # the tolerance of the trainer tests that compare two ways of computing the same update (tests/test_train.py)
@@ -141,11 +142,13 @@ def across(hosts: netns.Hosts, files: dict[str, Path], password: str, logs: Path
     return procs
 
 
-def finish(procs: dict[str, subprocess.Popen], logs: Path, timeout: float = 400) -> dict[str, int]:
-    codes = {}
+def finish(procs: dict[str, subprocess.Popen], timeout: float = 400) -> dict[str, int | None]:
+    """Each process's exit code once all have ended, None for one still running `timeout` s from now (left to the
+    hosts' teardown, which kills everything in them)."""
+    deadline, codes = time.monotonic() + timeout, {}
     for name, proc in procs.items():
         try:
-            codes[name] = proc.wait(timeout=timeout)
+            codes[name] = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             codes[name] = None
     return codes
@@ -187,7 +190,7 @@ def test_a_run_across_two_hosts_counts_exactly_and_trains_as_one_host(tmp_path, 
     pg, url, password = db
     files = configs(tmp_path / "two", tiny_model_dir, url, hosts.addr("a"))
     logs = tmp_path / "logs"
-    codes = finish(across(hosts, files, password, logs), logs)
+    codes = finish(across(hosts, files, password, logs))
     assert codes == {"launcher": 0, "explorer": 0, "node1": 0}, tails(logs)
     assert "trainer: 2 rank(s) on cpu" in (tmp_path / "two/ck/nanorft/tiny_async/log/trainer.log").read_text()
     assert f"--rdzv-endpoint={hosts.addr('a')}:{PORT}" in (logs / "a.log").read_text()
@@ -266,3 +269,48 @@ def test_hosts_reach_each_other_only_and_leave_nothing_behind(tmp_path):
     assert server.wait(timeout=10) == -signal.SIGKILL
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert hosts.prefix not in listed and host_state() == before
+
+
+def named_stops(logs: Path) -> str:
+    """The lines of the hosts' logs where a process stopped with a named error (launch.run_in_process's 'stops:')."""
+    return "\n".join(x for p in sorted(logs.glob("*.log")) for x in p.read_text().splitlines() if " stops" in x)
+
+
+@pytest.mark.slow(seconds=150)
+def test_a_link_cut_past_the_timeouts_ends_in_named_errors_and_a_relaunch_resumes_exactly(
+    tmp_path, tiny_model_dir, hosts, db
+):
+    """b's link cut for good after train step 1; the explorer's sync_timeout and the trainer's max_read_timeout 30 s,
+    the group's timeout 40 s (NANORFT_GROUP_TIMEOUT), the DB's busy timeout 60 s (a dead link is noticed after
+    dbconn.DEAD_LINK_S, 30 s): every process stops with a named error within those timeouts (before: they all waited
+    for the link, the explorer's DB calls for the kernel's TCP retransmissions, ~15 min, the trainer's collectives for
+    torch's 30 min). With the link back, the same commands again finish the run with exact counts."""
+    pg, url, password = db
+    patience = {"buffer.trainer_input.experience_buffer.max_read_timeout": 30, "synchronizer.sync_timeout": 30}
+    files = configs(tmp_path / "two", tiny_model_dir, url, hosts.addr("a"), **{"buffer.total_steps": 3, **patience})
+    trainer_log = tmp_path / "two/ck/nanorft/tiny_async/log/trainer.log"
+    os.environ[GROUP_TIMEOUT] = "40"  # NOTE: environment() hands it to every process; restored below
+    try:
+        procs = across(hosts, files, password, tmp_path / "cut")
+        wait_for(lambda: trainer_log.exists() and "[trainer] step 1 " in trainer_log.read_text(), "train step 1")
+        hosts.cut("b")
+        cut = time.monotonic()
+        codes = finish(procs, timeout=150)
+        took = time.monotonic() - cut
+    finally:
+        os.environ.pop(GROUP_TIMEOUT)
+    assert None not in codes.values() and all(codes.values()), (codes, tails(tmp_path / "cut"))
+    assert took < 30 + 60 + 20, took  # a dead link noticed, the busy timeout's wait for the server, the exits
+    stops = named_stops(tmp_path / "cut")
+    assert "the trainer's process group failed on rank 1 of 2" in stops, tails(tmp_path / "cut")
+    assert "then start the trainer again on every node" in stops
+    trainer = trainer_log.read_text()  # rank 0, on a: its explorer is gone, and so is rank 1
+    assert "no full batch for train step 2 after 30 s" in trainer or "process group failed on rank 0" in trainer
+    explorer = (tmp_path / "cut/explorer.log").read_text()
+    assert "run the same command again" in explorer or "Restart to continue" in explorer, explorer[-3000:]
+
+    hosts.mend("b")
+    codes = finish(across(hosts, files, password, tmp_path / "again"))
+    assert codes == {"launcher": 0, "explorer": 0, "node1": 0}, tails(tmp_path / "again")
+    assert "resumed from checkpoint step" in trainer_log.read_text()
+    check_counts(pg.url("rft"), steps=3)
