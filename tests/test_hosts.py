@@ -314,3 +314,62 @@ def test_a_link_cut_past_the_timeouts_ends_in_named_errors_and_a_relaunch_resume
     assert codes == {"launcher": 0, "explorer": 0, "node1": 0}, tails(tmp_path / "again")
     assert "resumed from checkpoint step" in trainer_log.read_text()
     check_counts(pg.url("rft"), steps=3)
+
+
+def after_step(trainer_log: Path, step: int) -> None:
+    wait_for(lambda: trainer_log.exists() and f"[trainer] step {step} " in trainer_log.read_text(), f"step {step}")
+
+
+@pytest.mark.slow(seconds=60)
+def test_a_link_down_for_10_s_mid_run_costs_time_only(tmp_path, tiny_model_dir, hosts, db):
+    """b's link down for 10 s after train step 1 (the explorer exploring step 2 or writing it, rank 1 waiting for the
+    batch): every process goes on once it is back (TCP retransmits; below dbconn.DEAD_LINK_S and the group's
+    timeout), and the run finishes with exact counts."""
+    pg, url, password = db
+    files = configs(tmp_path / "two", tiny_model_dir, url, hosts.addr("a"), **{"buffer.total_steps": 3})
+    procs = across(hosts, files, password, tmp_path / "logs")
+    after_step(tmp_path / "two/ck/nanorft/tiny_async/log/trainer.log", 1)
+    hosts.cut("b")
+    time.sleep(10)
+    hosts.mend("b")
+    assert finish(procs) == {"launcher": 0, "explorer": 0, "node1": 0}, tails(tmp_path / "logs")
+    check_counts(pg.url("rft"), steps=3)
+    assert "lost" not in (tmp_path / "logs/explorer.log").read_text()  # not even a connection opened again
+
+
+@pytest.mark.slow(seconds=90)
+def test_host_b_lost_the_others_stop_named_and_a_relaunch_on_a_finishes_exactly(tmp_path, tiny_model_dir, hosts, db):
+    """Host b lost after train step 1 (its explorer and trainer rank SIGKILLed, its namespace deleted): the launcher on
+    a stops with the trainer's named error (its process group failed, or no batch within max_read_timeout: the
+    explorer is gone); the run then goes on on a alone (one trainer process, an explorer), resuming the two-rank
+    checkpoint, and finishes with exact counts."""
+    pg, url, password = db
+    patience = {"buffer.trainer_input.experience_buffer.max_read_timeout": 30, "synchronizer.sync_timeout": 30}
+    files = configs(tmp_path / "two", tiny_model_dir, url, hosts.addr("a"), **{"buffer.total_steps": 3, **patience})
+    trainer_log = tmp_path / "two/ck/nanorft/tiny_async/log/trainer.log"
+    os.environ[GROUP_TIMEOUT] = "40"
+    try:
+        procs = across(hosts, files, password, tmp_path / "lost")
+        after_step(trainer_log, 1)
+        hosts.lose("b")
+        lost = time.monotonic()
+        codes = finish({"launcher": procs["launcher"]}, timeout=120)
+        took = time.monotonic() - lost
+    finally:
+        os.environ.pop(GROUP_TIMEOUT)
+    assert codes["launcher"] not in (0, None), tails(tmp_path / "lost")
+    assert took < 40 + 20, took
+    stops = named_stops(tmp_path / "lost") + trainer_log.read_text()
+    assert "process group failed on rank 0 of 2" in stops or "no full batch for train step 2 after 30 s" in stops
+
+    over = {"checkpoint_root_dir": str(tmp_path / "two/ck"), "buffer.total_steps": 3}  # the same run dir, on a
+    alone = configs(tmp_path / "alone", tiny_model_dir, url, "", **over)
+    logs, env = tmp_path / "alone/logs", environment(password)
+    logs.mkdir()
+    again = {
+        "launcher": start(hosts, "a", ["launch.py", "--config", str(alone["trainer"])], logs / "a.log", env),
+        "explorer": start(hosts, "a", ["explore.py", "--config", str(alone["explorer"])], logs / "explorer.log", env),
+    }
+    assert finish(again) == {"launcher": 0, "explorer": 0}, tails(logs)
+    assert "resumed from checkpoint step" in trainer_log.read_text()
+    check_counts(pg.url("rft"), steps=3)
