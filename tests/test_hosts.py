@@ -398,3 +398,45 @@ def test_a_flapping_link_costs_step_time_only(tmp_path, tiny_model_dir, hosts, d
     per_step = [float(x) for x in re.findall(r"\[trainer\] step \d+/\d+ .* s/step ([0-9.]+)", trainer_log.read_text())]
     assert len(per_step) == steps and cuts and cuts[0] >= 1, (per_step, cuts)
     print(f"flapping: {cuts[0]} cuts; s/step median {statistics.median(per_step):.2f}, max {max(per_step):.2f}")
+
+
+def test_a_postgresql_connection_notices_a_dead_link_and_the_url_s_own_settings_win():
+    """dbconn.link_timeouts: keepalives and tcp_user_timeout give up on a silent server after DEAD_LINK_S (or the busy
+    timeout, the shorter), connect_timeout is the busy timeout, and what the URL sets stays as it is."""
+    import dbconn
+
+    got = dbconn.link_timeouts("postgresql://rft@198.18.0.1:5432/rft", 60)
+    assert got["connect_timeout"] == 60 and got["tcp_user_timeout"] == dbconn.DEAD_LINK_S * 1000
+    assert (
+        got["keepalives"] == 1 and got["keepalives_idle"] + got["keepalives_interval"] * got["keepalives_count"] == 30
+    )
+    assert dbconn.link_timeouts("postgresql://rft@h/rft", 8)["tcp_user_timeout"] == 8000
+    mine = dbconn.link_timeouts("postgresql://rft@h/rft?keepalives_idle=2&tcp_user_timeout=500", 60)
+    assert "keepalives_idle" not in mine and "tcp_user_timeout" not in mine and mine["keepalives_count"] == 4
+
+
+def test_only_a_failed_collective_is_named_a_lost_node(tmp_path, tiny_model_dir, monkeypatch):
+    """launch.group_failure: gloo's timeout or closed connection in a group of several ranks gets the named message
+    with the group's timeout (NANORFT_GROUP_TIMEOUT, else 30 min or max_read_timeout + 5 min); any other error, or a
+    group of one, none (a traceback as before)."""
+    import torch.distributed as dist
+
+    import launch
+    from configs import cli
+    from helpers import sft_config
+
+    cfg = cli(["--config", str(sft_config(tmp_path, tiny_model_dir))])[0]
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [x]:1")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.delenv(GROUP_TIMEOUT, raising=False)
+    waits = cfg.buffer.trainer_input.experience_buffer.max_read_timeout  # rank 0's wait for experiences
+    assert launch.group_timeout(cfg) == max(1800, waits + 300)
+    monkeypatch.setenv(GROUP_TIMEOUT, "40")
+    why = launch.group_failure(gloo, cfg)
+    assert why.startswith("the trainer's process group failed on rank 1 of 2 ([/pytorch/third_party/gloo/")
+    assert "(the group's timeout: 40 s, NANORFT_GROUP_TIMEOUT)" in why and "start the trainer again" in why
+    assert launch.group_failure(RuntimeError("CUDA out of memory"), cfg) == ""
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)
+    assert launch.group_failure(gloo, cfg) == ""
