@@ -7,6 +7,7 @@ no route out. Nothing is added to the machine's own namespace. Needs root.
     python scripts/hosts.py cut b                  # b's cable out of the switch (packets dropped) ...
     python scripts/hosts.py mend b                 # ... and back in
     python scripts/hosts.py flap b --down 1 --every 5 --for 60   # b's link down 1 s in every 5, for a minute
+    python scripts/hosts.py slow b --rate 8mbit    # what reaches b limited to 8 Mbit/s (tc tbf; "--rate ''" lifts it)
     python scripts/hosts.py lose b                 # every process on b SIGKILLed, b's namespace deleted
     python scripts/hosts.py down                   # every process on the hosts killed, every namespace deleted
 
@@ -48,6 +49,9 @@ def main(argv: list[str]) -> int:
     flap.add_argument("--down", type=float, default=1.0, help="seconds down each time")
     flap.add_argument("--every", type=float, default=5.0, help="one cut every so many seconds")
     flap.add_argument("--for", dest="total", type=float, default=60.0, help="seconds in all")
+    slow = sub.add_parser("slow")
+    slow.add_argument("host")
+    slow.add_argument("--rate", default="8mbit", help="tc's units; '' lifts the limit")
     sub.add_parser("down")
     args = parser.parse_args(argv)
     if why := netns.missing():
@@ -73,6 +77,9 @@ def main(argv: list[str]) -> int:
     if args.what == "run":
         argv = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
         return subprocess.run(hosts.command(args.host, argv or ["bash"])).returncode
+    if args.what == "slow":
+        hosts.throttle(args.host, args.rate)
+        return 0
     if args.what == "flap":
         netns.flap(hosts, args.host, args.down, args.every, args.total, log=print)
         return 0

@@ -148,6 +148,30 @@ class Hosts:
     def mend(self, host: str) -> None:
         ip("-n", self.switch, "link", "set", f"p{host}", "up")
 
+    def throttle(self, host: str, rate: str = "") -> None:
+        """What the switch sends to `host` limited to `rate` (tc's units: "8mbit"), queued up to 400 ms, then
+        dropped: a slow link (tc's tbf; this kernel has no netem for delay or random loss). "" lifts the limit."""
+        port = ["dev", f"p{host}", "root"]
+        if rate:
+            ip(
+                "netns",
+                "exec",
+                self.switch,
+                "tc",
+                "qdisc",
+                "replace",
+                *port,
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "32kbit",
+                "latency",
+                "400ms",
+            )
+        else:
+            ip("netns", "exec", self.switch, "tc", "qdisc", "del", *port, check=False)
+
     def lose(self, host: str) -> None:
         """The host is gone: every process on it SIGKILLed at once, its namespace (and link) deleted."""
         kill_all(self.ns(host))
