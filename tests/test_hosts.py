@@ -243,6 +243,30 @@ def test_a_run_across_two_hosts_with_a_10_s_cut_counts_exactly_and_trains_as_one
     assert max((apart[k] - start[k]).abs().max().item() for k in start) > 20 * ATOL
 
 
+@pytest.mark.slow(seconds=45)
+def test_mode_both_across_two_hosts_sends_the_weights_over_the_process_group(tmp_path, tiny_model_dir, hosts, db):
+    """mode both with sync_method nccl (gloo on the CPU): a's launcher runs the explorer and trainer rank 0, which
+    serves the weights on a's address (synchronizer.sync_host), b runs rank 1 (the line a's launcher prints); every
+    step's weights go over the group, the counts are exact. NOTE: on the CPU the explorer sits beside trainer rank 0
+    (docs/scale-out.md): the weights cross no link here; on GPUs the explorer has node 0 and the trainer the others."""
+    pg, url, password = db
+    over = {"mode": "both", "synchronizer.sync_method": "nccl", "synchronizer.sync_host": hosts.addr("a")}
+    files = configs(tmp_path / "two", tiny_model_dir, url, hosts.addr("a"), **over)
+    logs, env = tmp_path / "logs", environment(password)
+    logs.mkdir()
+    procs = {"launcher": start(hosts, "a", ["launch.py", "--config", str(files["trainer"])], logs / "a.log", env)}
+    wait_for(lambda: node_line(logs / "a.log") or procs["launcher"].poll() is not None, "the launcher's node 1 line")
+    assert node_line(logs / "a.log"), (logs / "a.log").read_text()[-3000:]
+    with open(logs / "b.log", "w") as f:
+        procs["node1"] = hosts.popen("b", ["bash", "-c", node_line(logs / "a.log")], env=env, stdout=f, stderr=f)
+    assert finish(procs) == {"launcher": 0, "node1": 0}, tails(logs)
+    trainer = (tmp_path / "two/ck/nanorft/tiny_async/log/trainer.log").read_text()
+    assert f"weight sync: gloo group served on {hosts.addr('a')}:" in trainer and "2 rank(s) on cpu" in trainer
+    check_counts(pg.url("rft"))
+    versions = raw(pg.url("rft"), "SELECT model_version FROM experiences ORDER BY id")
+    assert versions == [(0,)] * (BATCH * REPEAT) + [(1,)] * (BATCH * REPEAT)  # on-policy: step 1's weights arrived
+
+
 def host_state() -> list[str]:
     """The machine's own namespace: its links, addresses and routes (what the hosts must leave as they are)."""
     return [
