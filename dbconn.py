@@ -10,8 +10,10 @@ administrator's pg_terminate_backend. `PostgresLink.run` opens it again (waiting
 to come back) and runs the work once more where that cannot do it twice: a read, or a transaction the server rolled
 back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown) or lost
 again raises DBUnavailable, a named error (no traceback): the process stops, and a restart continues from what the DB
-holds. A lock waited for past the busy timeout (SQLite's "database is locked", PostgreSQL's `lock_timeout`) or a
-statement the server cancelled (its `statement_timeout`) raise DBBusy (a DBUnavailable), which says what to look for.
+holds. A network path that goes dead (a cut link, a lost host) is noticed after DEAD_LINK_S (TCP keepalives and
+tcp_user_timeout: `link_timeouts`), not after the kernel's ~15 minutes of retransmissions. A lock waited for past
+the busy timeout (SQLite's "database is locked", PostgreSQL's `lock_timeout`) or a statement the server cancelled
+(its `statement_timeout`) raise DBBusy (a DBUnavailable), which says what to look for.
 A full, read-only or failing disk, or a damaged file (SQLite: "database or disk is full", "disk I/O error", "database
 disk image is malformed"; PostgreSQL: its disk-full, I/O and corruption errors) raise DBFault, which says what to do;
 the failed transaction is rolled back. A whole SQLite file that cannot be written (a read-only file system, file or

@@ -482,7 +482,8 @@ def group_timeout(cfg: configs.Config) -> float:
     $NANORFT_GROUP_TIMEOUT seconds, else GROUP_TIMEOUT_S or max_read_timeout + 5 min, the longer. A node that stops
     answering (its host lost, its link cut) fails the others' collectives after this long with a named error
     (`group_failure`) instead of holding them. NOTE: ranks other than 0 wait in a collective while rank 0 waits for
-    experiences (max_read_timeout): a shorter timeout would end a run that is only waiting for its explorers."""
+    experiences (max_read_timeout): a shorter timeout would end a run that is only waiting for its explorers. On GPUs
+    this lengthens NCCL's own default (10 min), which ended such a wait (max_read_timeout 1800 s by default) early."""
     if os.environ.get(GROUP_TIMEOUT_ENV):
         return float(os.environ[GROUP_TIMEOUT_ENV])
     return max(GROUP_TIMEOUT_S, cfg.buffer.trainer_input.experience_buffer.max_read_timeout + 300.0)
