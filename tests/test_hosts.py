@@ -190,7 +190,7 @@ def secrets_shown(root: Path, password: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
 
 
-@pytest.mark.slow(seconds=120)
+@pytest.mark.slow(seconds=70)
 def test_a_run_across_two_hosts_with_a_10_s_cut_counts_exactly_and_trains_as_one_host(
     tmp_path, tiny_model_dir, hosts, db
 ):
@@ -243,7 +243,7 @@ def test_a_run_across_two_hosts_with_a_10_s_cut_counts_exactly_and_trains_as_one
     assert max((apart[k] - start[k]).abs().max().item() for k in start) > 20 * ATOL
 
 
-@pytest.mark.slow(seconds=45)
+@pytest.mark.slow(seconds=35)
 def test_mode_both_across_two_hosts_sends_the_weights_over_the_process_group(tmp_path, tiny_model_dir, hosts, db):
     """mode both with sync_method nccl (gloo on the CPU): a's launcher runs the explorer and trainer rank 0, which
     serves the weights on a's address (synchronizer.sync_host), b runs rank 1 (the line a's launcher prints); every
@@ -318,7 +318,7 @@ def named_stops(logs: Path) -> str:
     return "\n".join(x for p in sorted(logs.glob("*.log")) for x in p.read_text().splitlines() if " stops" in x)
 
 
-@pytest.mark.slow(seconds=150)
+@pytest.mark.slow(seconds=140)
 def test_a_link_cut_past_the_timeouts_ends_in_named_errors_and_a_relaunch_resumes_exactly(
     tmp_path, tiny_model_dir, hosts, db
 ):
@@ -358,7 +358,7 @@ def test_a_link_cut_past_the_timeouts_ends_in_named_errors_and_a_relaunch_resume
     check_counts(pg.url("rft"), steps=3)
 
 
-@pytest.mark.slow(seconds=90)
+@pytest.mark.slow(seconds=30)
 def test_host_b_lost_the_others_stop_named_and_a_relaunch_on_a_finishes_exactly(tmp_path, tiny_model_dir, hosts, db):
     """Host b lost after train step 1 (its explorer and trainer rank SIGKILLed, its namespace deleted): the launcher on
     a stops with the trainer's named error (its process group failed, or no batch within max_read_timeout: the
@@ -396,7 +396,7 @@ def test_host_b_lost_the_others_stop_named_and_a_relaunch_on_a_finishes_exactly(
     check_counts(pg.url("rft"), steps=3)
 
 
-@pytest.mark.slow(seconds=60)
+@pytest.mark.slow(seconds=30)
 def test_a_flapping_link_costs_step_time_only(tmp_path, tiny_model_dir, hosts, db):
     """b's link down 1 s in every 5 (netns.flap) from train step 1 to the end of a 20-step run (at most a minute):
     the run finishes with exact counts; what the cuts cost is in the trainer's log (s/step of every step), printed
