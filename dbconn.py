@@ -10,8 +10,10 @@ administrator's pg_terminate_backend. `PostgresLink.run` opens it again (waiting
 to come back) and runs the work once more where that cannot do it twice: a read, or a transaction the server rolled
 back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown) or lost
 again raises DBUnavailable, a named error (no traceback): the process stops, and a restart continues from what the DB
-holds. A lock waited for past the busy timeout (SQLite's "database is locked", PostgreSQL's `lock_timeout`) or a
-statement the server cancelled (its `statement_timeout`) raise DBBusy (a DBUnavailable), which says what to look for.
+holds. A network path that goes dead (a cut link, a lost host) is noticed after DEAD_LINK_S (TCP keepalives and
+tcp_user_timeout: `link_timeouts`), not after the kernel's ~15 minutes of retransmissions. A lock waited for past
+the busy timeout (SQLite's "database is locked", PostgreSQL's `lock_timeout`) or a statement the server cancelled
+(its `statement_timeout`) raise DBBusy (a DBUnavailable), which says what to look for.
 A full, read-only or failing disk, or a damaged file (SQLite: "database or disk is full", "disk I/O error", "database
 disk image is malformed"; PostgreSQL: its disk-full, I/O and corruption errors) raise DBFault, which says what to do;
 the failed transaction is rolled back. A whole SQLite file that cannot be written (a read-only file system, file or
@@ -262,7 +264,7 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
             f"{shown(url)}: a PostgreSQL experience DB needs psycopg 3; install it with pip install -e '.[postgres]'"
         ) from None
     try:
-        conn = psycopg.connect(url, autocommit=True, connect_timeout=max(1, round(busy_timeout)))
+        conn = psycopg.connect(url, autocommit=True, **link_timeouts(url, busy_timeout))
         # NOTE: a statement waiting for a lock (another session's, or a dead one's the server has not noticed yet)
         # fails after the busy timeout, as SQLite's does, instead of hanging the process
         conn.execute(f"SET lock_timeout = {max(1, round(busy_timeout * 1000))}")
@@ -271,6 +273,40 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
         raise DBMismatch(
             f"cannot open the experience DB {shown(url)} (buffer.trainer_input.experience_buffer.path): {_reason(e)}"
         ) from None
+
+
+DEAD_LINK_S = 30  # a TCP connection to the server that goes unanswered this long (seconds) is lost (link_timeouts)
+GONE_RETRY_S = 5.0  # how long a reopen waits for a server that this process already failed to reach (seconds)
+_GONE: set[str] = set()  # the URLs this process could not reach again within their busy timeout (PostgresLink._reopen)
+
+# what a lost connection's DBUnavailable says to do
+_AGAIN = (
+    " (check that the server runs and that this host reaches it: the link, a firewall, the address in the URL), then "
+    "run the same command again: the run continues from what the DB holds"
+)
+
+
+def link_timeouts(url: str, busy_timeout: float) -> dict[str, int]:
+    """libpq's connection parameters that bound how long a dead network path can hold a call: connect_timeout (the
+    busy timeout); TCP keepalives (probes every 5 s after 10 s of silence), which end a call waiting for a reply from
+    a host that went away, and tcp_user_timeout, which ends one whose sent data stays unacknowledged, both after
+    DEAD_LINK_S (or the busy timeout, the shorter). A live server's host acknowledges at once, however busy the server:
+    only a dead path or host goes that long unanswered. The URL's own values win. NOTE:
+    without them a call on a cut link waited for the kernel's TCP retransmissions (~15 minutes: tcp_retries2), past
+    every timeout of the run (tests/test_hosts.py). Unix sockets ignore the TCP ones."""
+    import psycopg.conninfo
+
+    seconds, dead = max(1, round(busy_timeout)), max(1, min(round(busy_timeout), DEAD_LINK_S))
+    wanted = {
+        "connect_timeout": seconds,
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": max(1, (dead - 10) // 5),
+        "tcp_user_timeout": dead * 1000,
+    }
+    given = psycopg.conninfo.conninfo_to_dict(url)
+    return {k: v for k, v in wanted.items() if k not in given}
 
 
 def _reason(e: Exception) -> str:
@@ -389,7 +425,7 @@ class PostgresLink:
                     raise DBUnavailable(
                         f"{self.path}: the connection to the PostgreSQL server was lost "
                         f"{'while a transaction committed' if committing else 'again'} ({_reason(e)})"
-                        "; restart once the server is back"
+                        f"; restart once the server is back{_AGAIN}"
                     ) from None
                 log.warning(
                     "%s: the connection to the PostgreSQL server was lost (%s); opening it again", self.path, _reason(e)
@@ -414,18 +450,24 @@ class PostgresLink:
         )
 
     def _reopen(self) -> Any:
-        """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds)."""
-        deadline = time.monotonic() + self.busy_timeout
+        """A new connection for a lost one, tried until the busy timeout runs out (a server restart takes seconds);
+        GONE_RETRY_S only once this process has failed to reach the server that long. NOTE: a process stopping on
+        DBUnavailable still writes to the DB on its way out (its lease, its state), each write on a connection of its
+        own: waiting the busy timeout for each held an explorer cut from the server for minutes after its error."""
+        budget = GONE_RETRY_S if self.url in _GONE else self.busy_timeout
+        deadline = time.monotonic() + budget
         while True:
             try:
                 conn = open_postgres(self.url, max(1.0, deadline - time.monotonic()))
                 log.info("%s: connected again", self.path)
+                _GONE.discard(self.url)
                 return conn
             except DBMismatch as e:
                 if time.monotonic() >= deadline:
+                    _GONE.add(self.url)
                     raise DBUnavailable(
                         f"{self.path}: the connection to the PostgreSQL server was lost and could not "
-                        f"be opened again in {self.busy_timeout:g} s: {e}"
+                        f"be opened again in {budget:g} s: {e}{_AGAIN}"
                     ) from None
                 time.sleep(0.5)
 

@@ -74,6 +74,10 @@ from workflows.args import check_tasksets
 
 log = logging.getLogger("nanorft.launch")
 REAP_GRACE_S = 10.0  # what an ended role left running gets this long after SIGTERM before SIGKILL (seconds)
+# the trainer's process group: how long a rank waits for the others in a collective (seconds) unless
+# NANORFT_GROUP_TIMEOUT says; torch's own default for gloo, and never shorter than rank 0's wait for experiences
+GROUP_TIMEOUT_S = 1800.0
+GROUP_TIMEOUT_ENV = "NANORFT_GROUP_TIMEOUT"
 HERE = Path(__file__).resolve().parent
 
 
@@ -473,6 +477,36 @@ def stages_in_order(cfg: configs.Config, resolved: list[configs.Config] | None =
         yield stage
 
 
+def group_timeout(cfg: configs.Config) -> float:
+    """How long a trainer rank waits in a collective for the others (torch.distributed's timeout):
+    $NANORFT_GROUP_TIMEOUT seconds, else GROUP_TIMEOUT_S or max_read_timeout + 5 min, the longer. A node that stops
+    answering (its host lost, its link cut) fails the others' collectives after this long with a named error
+    (`group_failure`) instead of holding them. NOTE: ranks other than 0 wait in a collective while rank 0 waits for
+    experiences (max_read_timeout): a shorter timeout would end a run that is only waiting for its explorers. On GPUs
+    this lengthens NCCL's own default (10 min), which ended such a wait (max_read_timeout 1800 s by default) early."""
+    if os.environ.get(GROUP_TIMEOUT_ENV):
+        return float(os.environ[GROUP_TIMEOUT_ENV])
+    return max(GROUP_TIMEOUT_S, cfg.buffer.trainer_input.experience_buffer.max_read_timeout + 300.0)
+
+
+def group_failure(e: BaseException, cfg: configs.Config) -> str:
+    """The named message for a failed collective of the trainer's process group (a rank on another node, or the link
+    to it, stopped answering: gloo's timeout or a closed connection; torch's DistError), '' for any other error."""
+    import torch.distributed as dist
+
+    gloo = isinstance(e, RuntimeError) and "/gloo/" in str(e)
+    if not (isinstance(e, dist.DistError) or gloo) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ""
+    cl, first = cfg.cluster, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (
+        f"the trainer's process group failed on rank {dist.get_rank()} of {dist.get_world_size()} ({first}): a rank "
+        f"on another node, or the link to it, stopped answering (the group's timeout: {group_timeout(cfg):g} s, "
+        f"{GROUP_TIMEOUT_ENV}). Check that every node runs and reaches {cl.master_addr}:{cl.master_port}, then start "
+        "the trainer again on every node (the launcher on node 0, the line it prints on the others): it resumes from "
+        "its last checkpoint"
+    )
+
+
 def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Config], int]], role: str) -> int:
     """Run `runners[stage.mode](stage)` for each stage in this process, in order (what train.py and
     explore.py do when started directly); stops at the first non-zero exit code."""
@@ -486,6 +520,11 @@ def run_in_process(cfg: configs.Config, runners: dict[str, Callable[[configs.Con
             code = runners[stage.mode](stage)
         except (DataError, DBMismatch, configs.ConfigError) as e:  # bad input: the message says it all, no traceback
             log.error("%s of stage %s stops: %s", role, stage.name, e)
+            return 2
+        except RuntimeError as e:  # a lost node or link under the trainer's process group: named, no traceback
+            if not (why := group_failure(e, stage)):
+                raise
+            log.error("%s of stage %s stops: %s", role, stage.name, why)
             return 2
         except KeyboardInterrupt:  # Ctrl-C (the whole terminal's process group): a line, not a traceback
             log.error("%s of stage %s interrupted", role, stage.name)

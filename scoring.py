@@ -11,6 +11,7 @@ without gradients (old and reference log-probs, values).
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 
@@ -30,15 +31,16 @@ from ulysses import SeqParallel
 log = logging.getLogger("nanorft.scoring")
 
 
-def setup_distributed() -> tuple[int, int, torch.device]:
-    """torchrun's process group (or a one-process group); this rank, world size and device."""
+def setup_distributed(timeout_s: float | None = None) -> tuple[int, int, torch.device]:
+    """torchrun's process group (or a one-process group); this rank, world size and device. `timeout_s`: how long a
+    collective waits for the other ranks (launch.group_timeout; torch's default where None)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:  # under torchrun
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s) if timeout_s else None)
     else:  # a plain process: a group of one, no rendezvous needed
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size(), device

@@ -181,7 +181,7 @@ def engine_dtype(cfg: configs.Config, device: torch.device) -> torch.dtype:
 def set_up(cfg: configs.Config) -> Parts | None:
     """Process group, models and optimizers, loss pieces, data source; resumes from the last checkpoint.
     None (after a message) when the run directory has checkpoints and continue_from_checkpoint is false."""
-    rank, world, device = setup_distributed()
+    rank, world, device = setup_distributed(launch.group_timeout(cfg))
     a, t, job = cfg.algorithm, cfg.trainer, Path(cfg.checkpoint_job_dir)
     monitor = Monitor(cfg, role=t.name) if rank == 0 else None  # first: log/<name>.log gets set-up's records too
     torch.manual_seed(cfg.explorer.rollout_model.seed + rank)

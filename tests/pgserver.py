@@ -7,6 +7,11 @@ deleted when the server stops.
         ...
         pg.halt(); pg.resume()         # a server restart (the data kept): every connection is lost
 
+Over TCP too (tests/test_hosts.py): `PostgresServer(listen="198.18.0.1", wrap=hosts_command)` listens on that address
+(port 5432) as well, run through `wrap(argv, user)` (e.g. inside a network namespace: tests/netns.py), where every TCP
+login needs a password (scram-sha-256); `pg.login("rft", password, "rft")` makes such a role and its database and
+returns the URL, without the password (the processes get it from PGPASSWORD). The admin stays on the socket.
+
 As root (CI containers), the server runs as the `postgres` user (created by Debian's package), else `nobody`:
 postgres refuses to run as root. `fast=True` turns fsync off (tests); benchmarks keep the defaults.
 """
@@ -22,6 +27,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 
 ADMIN = "nanorft"  # the superuser initdb creates; trust authentication on the socket
 
@@ -58,8 +64,9 @@ def _stop_with_parent() -> None:
 
 
 class PostgresServer:
-    def __init__(self, fast: bool = True) -> None:
+    def __init__(self, fast: bool = True, listen: str = "", wrap: Callable | None = None) -> None:
         self.fast, self.proc, self.dir, self.count = fast, None, "", 0
+        self.listen, self.wrap = listen, wrap
         self.user = None
         if os.geteuid() == 0:
             names = {p.pw_name for p in pwd.getpwall()}
@@ -89,21 +96,26 @@ class PostgresServer:
                 "--no-sync",
             ]
         )
+        if self.listen:  # the socket as before; over TCP a password, scram-sha-256 (PostgreSQL 15's default hash)
+            with open(os.path.join(self.dir, "data", "pg_hba.conf"), "w") as f:
+                f.write("local all all trust\nhost all all 0.0.0.0/0 scram-sha-256\n")
         self._launch()
         return self
 
     def _launch(self) -> None:
         """The server process on the data directory; returns once it accepts connections. NOTE: call it from a thread
         that outlives the server: PR_SET_PDEATHSIG fires when the *thread* that started it ends."""
-        settings = ["-c", "listen_addresses=", "-c", f"unix_socket_directories={self.dir}", "-c", "max_connections=200"]
+        settings = ["-c", f"listen_addresses={self.listen}", "-c", f"unix_socket_directories={self.dir}"]
+        settings += ["-c", "max_connections=200"]
         if self.fast:
             settings += ["-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"]
+        cmd = [find("postgres"), "-D", os.path.join(self.dir, "data"), *settings]
         with open(os.path.join(self.dir, "server.log"), "a") as log:
             self.proc = subprocess.Popen(
-                [find("postgres"), "-D", os.path.join(self.dir, "data"), *settings],
+                self.wrap(cmd, self.user) if self.wrap else cmd,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                user=self.user,
+                user=None if self.wrap else self.user,  # NOTE: wrap changes user itself (after entering a namespace)
                 start_new_session=True,
                 preexec_fn=_stop_with_parent,
             )
@@ -150,6 +162,19 @@ class PostgresServer:
         with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return self.url(name)
+
+    def login(self, user: str, password: str, database: str) -> str:
+        """A role `user` that logs in with `password` (stored as a scram-sha-256 hash), owning a new database
+        `database`: the URL to it over TCP, without the password."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("CREATE ROLE {} LOGIN PASSWORD {}").format(sql.Identifier(user), sql.Literal(password))
+            )
+            conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(sql.Identifier(database), sql.Identifier(user)))
+        return f"postgresql://{user}@{self.listen}:5432/{database}"
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
