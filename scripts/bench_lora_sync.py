@@ -99,13 +99,16 @@ def tiny(rank: int, repeats: int, work: Path) -> dict:
 
 def qwen_1_5b(rank: int) -> dict:
     """Bytes each way for the Qwen2.5-1.5B shape in bf16, counted on the meta device."""
+    from bench_gpu import SHAPES  # this folder (scripts/): the shapes every benchmark here uses
+
+    hidden, layers, heads, kv_heads, inter, vocab = SHAPES["1.5b"]
     config = transformers.Qwen2Config(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
         tie_word_embeddings=True,
     )
     with torch.device("meta"):
