@@ -590,6 +590,41 @@ def test_a_trainer_killed_mid_transfer_gives_the_restart_message(backend, tiny_m
     assert pool.model_version != 5
 
 
+class Kept:
+    """The module's engine pool lent to code that closes the pool it made: everything but close() is the pool's."""
+
+    def __init__(self, pool: vllm_engine.EnginePool) -> None:
+        self.pool = pool
+
+    def __getattr__(self, name: str):
+        return getattr(self.pool, name)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_verify_sync_on_the_engines(backend, tiny_model_dir, tmp_path, monkeypatch):
+    """--verify-sync (sync_check.verify) on a vllm_async engine: a stage's config, the model's weights through the
+    trainer's side of the gloo engine and vLLM's lifecycle, then from their folder: vLLM's checksums agree and its
+    weight version is the transfer's. (The module's engine, not one of its own: it holds the base weights again after,
+    the folder's.)"""
+    import configs
+    import sync_check
+    from helpers import both_config
+
+    config = both_config(
+        tmp_path,
+        tiny_model_dir,
+        **{"synchronizer.sync_method": "nccl", "explorer.rollout_model": {"engine_type": "vllm_async"}},
+    )
+    (stage,) = configs.resolve_stages(configs.cli(["--config", str(config)])[0])
+    pool = backend.pool("vllm_async")
+    monkeypatch.setattr(sync_check, "make_engine", lambda *a, **k: Kept(pool))
+    assert sync_check.verify(stage) == ""
+    assert pool.weight_versions() == ["2"]  # the folder's load came after the transfer's version 1
+
+
 # --- the fake's RL API against the installed vLLM's
 
 LIFECYCLE = [

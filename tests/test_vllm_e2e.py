@@ -191,19 +191,6 @@ def test_partial_rollout_over_the_process_group(tmp_path, tiny_model_dir):
     assert len([r for r in history if "rollout_corr/abs_diff" in r]) == STEPS
 
 
-@pytest.mark.slow(seconds=40)
-def test_verify_sync_on_vllm_engines(tmp_path, tiny_model_dir):
-    """--verify-sync (sync_check.verify) on a vllm_async engine: the model's weights through the trainer's side of
-    the gloo engine and vLLM's lifecycle, then from their folder: vLLM's checksums agree and its weight version is
-    the transfer's."""
-    import configs
-    import sync_check
-
-    config = vllm_config(tmp_path, tiny_model_dir, "vllm_async", "nccl")
-    (stage,) = configs.resolve_stages(configs.cli(["--config", str(config)])[0])
-    assert sync_check.verify(stage) == ""
-
-
 @pytest.mark.slow(seconds=60)
 def test_a_sigtermed_explorer_stops_its_vllm_processes(tmp_path, tiny_model_dir):
     """The launcher stops an explorer with SIGTERM when its trainer fails: the explorer's vLLM engine-core processes
