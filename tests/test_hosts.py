@@ -231,7 +231,7 @@ def secrets_shown(root: Path, password: str) -> list[str]:
     return [str(p) for p in root.rglob("*") if p.is_file() and password.encode() in p.read_bytes()]
 
 
-@pytest.mark.slow(seconds=113)
+@pytest.mark.slow(seconds=60)
 def test_a_run_across_two_hosts_with_a_10_s_cut_counts_exactly_and_trains_as_one_host(
     tmp_path, tiny_model_dir, hosts, db
 ):
@@ -284,7 +284,7 @@ def test_a_run_across_two_hosts_with_a_10_s_cut_counts_exactly_and_trains_as_one
     assert max((apart[k] - start[k]).abs().max().item() for k in start) > 20 * ATOL
 
 
-@pytest.mark.slow(seconds=66)
+@pytest.mark.slow(seconds=33)
 def test_mode_both_across_three_hosts_sends_the_weights_over_the_process_group(
     tmp_path, tiny_model_dir, three_hosts, db
 ):
@@ -369,7 +369,7 @@ def named_stops(logs: Path) -> str:
     return "\n".join(x for p in sorted(logs.glob("*.log")) for x in p.read_text().splitlines() if " stops" in x)
 
 
-@pytest.mark.slow(seconds=175)
+@pytest.mark.slow(seconds=105)
 def test_a_link_cut_past_the_timeouts_ends_in_named_errors_and_a_relaunch_resumes_exactly(
     tmp_path, tiny_model_dir, hosts, db
 ):
@@ -407,7 +407,7 @@ def test_a_link_cut_past_the_timeouts_ends_in_named_errors_and_a_relaunch_resume
     check_counts(pg.url("rft"), steps=3)
 
 
-@pytest.mark.slow(seconds=123)
+@pytest.mark.slow(seconds=100)
 def test_host_b_lost_the_others_stop_named_and_a_relaunch_on_a_finishes_exactly(tmp_path, tiny_model_dir, hosts, db):
     """Host b lost after train step 1 (its explorer and trainer rank SIGKILLed, its namespace deleted): the launcher on
     a stops with the trainer's named error (its process group failed, or no batch within max_read_timeout: the
@@ -441,7 +441,7 @@ def test_host_b_lost_the_others_stop_named_and_a_relaunch_on_a_finishes_exactly(
     check_counts(pg.url("rft"), steps=3)
 
 
-@pytest.mark.slow(seconds=139)
+@pytest.mark.slow(seconds=67)
 def test_a_flapping_link_costs_step_time_only_with_two_explorers_on_two_hosts(
     tmp_path, tiny_model_dir, three_hosts, db
 ):
