@@ -53,6 +53,7 @@ from dbconn import (  # noqa: F401
     DBMismatch,
     DBUnavailable,
     PostgresLink,
+    db_timeout,
     is_postgres,
     open_sqlite,
     shown,
@@ -311,7 +312,10 @@ class ExperienceDB:
         print(db.counts())                              # {'total': ..., 'pending': ..., ...}
     """
 
-    def __init__(self, url: str, busy_timeout: float = 60.0) -> None:
+    def __init__(self, url: str, busy_timeout: float | None = None) -> None:
+        """busy_timeout: seconds a call waits for a lock, or for a lost PostgreSQL server (dbconn.py); unset:
+        dbconn.db_timeout(), $NANORFT_DB_TIMEOUT or 60 s."""
+        busy_timeout = db_timeout() if busy_timeout is None else busy_timeout
         self.url, self.postgres, self.busy_timeout = url, is_postgres(url), busy_timeout
         self.path = shown(url) if self.postgres else sqlite_path(url)  # what messages name
         # lease.hold's check, run first in every transaction: a process whose role was taken over writes nothing

@@ -7,13 +7,14 @@ safe); the URL forms; the errors that name what is wrong with a DB.
 
 A PostgreSQL connection can be lost under a running process: a server restart, a failover, a network cut, an
 administrator's pg_terminate_backend. `PostgresLink.run` opens it again (waiting up to the busy timeout for the server
-to come back) and runs the work once more where that cannot do it twice: a read, or a transaction the server rolled
-back because the connection went before COMMIT. A connection lost during COMMIT (committed or not is unknown) or lost
-again raises DBUnavailable, a named error (no traceback): the process stops, and a restart continues from what the DB
-holds. A network path that goes dead (a cut link, a lost host) is noticed after DEAD_LINK_S (TCP keepalives and
-tcp_user_timeout: `link_timeouts`), not after the kernel's ~15 minutes of retransmissions. A lock waited for past
-the busy timeout (SQLite's "database is locked", PostgreSQL's `lock_timeout`) or a statement the server cancelled
-(its `statement_timeout`) raise DBBusy (a DBUnavailable), which says what to look for.
+to come back: 60 s, or $NANORFT_DB_TIMEOUT: `db_timeout`) and runs the work once more where that cannot do it twice:
+a read, or a transaction the server rolled back because the connection went before COMMIT. A connection lost during
+COMMIT (committed or not is unknown) or lost again raises DBUnavailable, a named error (no traceback): the process
+stops, and a restart continues from what the DB holds. A network path that goes dead (a cut link, a lost host) is
+noticed after DEAD_LINK_S or the busy timeout, the shorter (TCP keepalives and tcp_user_timeout: `link_timeouts`), not
+after the kernel's ~15 minutes of retransmissions. A lock waited for past the busy timeout (SQLite's "database is
+locked", PostgreSQL's `lock_timeout`) or a statement the server cancelled (its `statement_timeout`) raise DBBusy (a
+DBUnavailable), which says what to look for.
 A full, read-only or failing disk, or a damaged file (SQLite: "database or disk is full", "disk I/O error", "database
 disk image is malformed"; PostgreSQL: its disk-full, I/O and corruption errors) raise DBFault, which says what to do;
 the failed transaction is rolled back. A whole SQLite file that cannot be written (a read-only file system, file or
@@ -275,6 +276,8 @@ def open_postgres(url: str, busy_timeout: float) -> Any:
         ) from None
 
 
+BUSY_TIMEOUT_S = 60.0  # the experience DB's busy timeout (seconds) unless NANORFT_DB_TIMEOUT says otherwise
+DB_TIMEOUT_ENV = "NANORFT_DB_TIMEOUT"
 DEAD_LINK_S = 30  # a TCP connection to the server that goes unanswered this long (seconds) is lost (link_timeouts)
 GONE_RETRY_S = 5.0  # how long a reopen waits for a server that this process already failed to reach (seconds)
 _GONE: set[str] = set()  # the URLs this process could not reach again within their busy timeout (PostgresLink._reopen)
@@ -284,6 +287,24 @@ _AGAIN = (
     " (check that the server runs and that this host reaches it: the link, a firewall, the address in the URL), then "
     "run the same command again: the run continues from what the DB holds"
 )
+
+
+def db_timeout() -> float:
+    """The experience DB's busy timeout (seconds): $NANORFT_DB_TIMEOUT, else BUSY_TIMEOUT_S. How long a call waits for
+    a lock another connection holds (SQLite's busy timeout, PostgreSQL's lock_timeout) and for a lost PostgreSQL
+    server to take connections again; a dead network path to it is noticed after this or DEAD_LINK_S, the shorter
+    (`link_timeouts`). Set it lower where a process cut from the DB should stop sooner (tests/test_hosts.py: 15 s),
+    higher where the server may take longer to come back (a failover)."""
+    value = os.environ.get(DB_TIMEOUT_ENV, "")
+    if not value:
+        return BUSY_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise DBMismatch(f"{DB_TIMEOUT_ENV}={value!r}: not a number of seconds above 0 (unset: {BUSY_TIMEOUT_S:g})")
+    return seconds
 
 
 def link_timeouts(url: str, busy_timeout: float) -> dict[str, int]:

@@ -12,8 +12,9 @@ Per stage (`configs.resolve_stages`: the global config with the stage's keys mer
     mode both    -> trainer and explorer at once: they take turns through the experience DB and the
                     weights (sync_interval / sync_offset); GPUs are split between them.
 With cluster.node_num > 1 the trainer spans nodes (torchrun with a static rendezvous at cluster.master_addr:
-master_port): this launcher, on node 0, starts what runs there (the explorer; the trainer's first node unless the
-explorer has node 0 whole) and prints, once per stage, the line to run on each other node:
+master_port): this launcher, on node 0, starts what runs there (mode train: the trainer's first node; mode both: the
+explorer alone, the trainer having nodes 1..node_num-1, one rank a node on the CPU) and prints, once per stage, the
+line to run on each other node:
     node 1: cd <this directory> && python -m torch.distributed.run --nnodes=2 --node-rank=1 ... train.py --config ...
 A stage starts from the weights the previous stage published last. If a process fails, the launcher
 stops the others (SIGTERM, then SIGKILL after a grace period), names the failed one and exits non-zero;
@@ -90,6 +91,7 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
     py, cl = sys.executable, stage.cluster
     explorer = ([py, str(HERE / "explore.py"), "--config", str(config_file)], {})
     trainer = (trainer_command(stage, config_file), {})
+    beside = cl.trainer_node_num == cl.node_num  # the trainer's first node is this one; else node 0 is the explorer's
     if cl.colocate:  # one GPU, shared
         explorer[1]["CUDA_VISIBLE_DEVICES"] = trainer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(range(1))
     elif cl.trainer_gpu_num and stage.mode == "both":  # explorer on the first GPUs, trainer on the rest
@@ -97,11 +99,11 @@ def commands(stage: configs.Config, config_file: Path) -> dict[str, tuple[list[s
         trainer[1]["CUDA_VISIBLE_DEVICES"] = visible_gpus(
             range(cl.explorer_gpu_num, cl.explorer_gpu_num + cl.trainer_gpu_num_per_node)
         )
-    elif stage.mode == "both" and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
+    elif stage.mode == "both" and beside and overlaps(stage) and "OMP_NUM_THREADS" not in os.environ:
         explorer[1]["OMP_NUM_THREADS"], trainer[1]["OMP_NUM_THREADS"] = map(str, cpu_split())
         for role in (explorer, trainer):  # NOTE: an idle OpenMP thread sleeps instead of spinning (cpu_split)
             role[1]["OMP_WAIT_POLICY"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
-    here = {"trainer": trainer} if cl.trainer_node_num == cl.node_num else {}  # else node 0 is the explorer's
+    here = {"trainer": trainer} if beside else {}
     return {
         "train": here,
         "explore": {"explorer": explorer},

@@ -27,7 +27,8 @@ Headers go through the store, not the group, so that "stop" never blocks on a de
 dead trainer is noticed at once (the store lives in the trainer's process: its sockets close).
 NOTE: the group itself is created at the first transfer (creating it blocks until both sides are
 there). The store listens on `synchronizer.sync_host`, 127.0.0.1 unless the config names another address (the
-explorer on another host than trainer rank 0: mode both on GPUs over several nodes, where the group is NCCL's).
+explorer on another host than trainer rank 0: mode both over several nodes); a gloo group's ends bind that address
+on the trainer and, on the explorer, its own address on the route to it (`address_towards`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class WeightLink:
     group: Any = None  # ProcessGroupGloo / ProcessGroupNCCL, made at the first transfer
     count: int = 0  # headers sent / received so far (the next header key)
     resumed: int = 0  # the checkpoint step the trainer resumed from (0: none); its first version sent is later
+    address: str = "127.0.0.1"  # gloo: this end's address in the group, where the others reach it ("": any)
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -105,9 +107,13 @@ def _group(link: WeightLink) -> Any:
         else:
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = link.timeout
-            # NOTE: loopback: a gloo group (CPU tensors) joins an explorer on trainer rank 0's host (the CPU layout
-            # keeps both on node 0; a GPU shared with the explorer is one node)
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+            # NOTE: each end announces the address it is bound to, so that one the others reach: the store's host on
+            # the trainer, the address that routes to it on a receiver (loopback when both are on one host; the
+            # explorer on node 0 and trainer rank 0 on node 1 in mode both over nodes: their network's)
+            device = dist.ProcessGroupGloo.create_device
+            opts._devices = [
+                device(hostname=link.address) if link.address else dist.ProcessGroupGloo.create_default_device()
+            ]
             link.group = dist.ProcessGroupGloo(store, link.rank, world, opts)
     return link.group
 
@@ -150,7 +156,14 @@ def open_sender(
     _write_text_atomic(Path(job_dir, GROUP_FILE), json.dumps(info) + "\n")
     log.info("weight sync: %s group served on %s:%d (%s)", backend, host, port, Path(job_dir, GROUP_FILE))
     return WeightLink(
-        store, rank=0, backend=backend, device=device, timeout=_timeout(timeout), job_dir=Path(job_dir), resumed=resumed
+        store,
+        rank=0,
+        backend=backend,
+        device=device,
+        timeout=_timeout(timeout),
+        job_dir=Path(job_dir),
+        resumed=resumed,
+        address="" if host in ("0.0.0.0", "::") else host,
     )
 
 
@@ -301,6 +314,15 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
+def address_towards(host: str, port: int) -> str:
+    """This host's address on its route to `host` (the source address the kernel picks: a UDP socket's connect
+    sends nothing): 127.0.0.1 for a loopback host, else the address of the network that reaches it."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -342,8 +364,11 @@ def open_receiver(
                 store.set_timeout(_timeout(timeout))
                 backend = info["backend"]
                 dev = torch.device(device or "cuda") if backend == "nccl" else torch.device("cpu")
+                address = address_towards(info["host"], info["port"])
                 if receivers is not None:
                     store.set(WORLD_KEY, str(1 + receivers))
+                    served = f"{info['host']}:{info['port']}"
+                    log.info("weight sync: receiving from the %s group served on %s, at %s", backend, served, address)
                 return WeightLink(
                     store,
                     rank=rank,
@@ -352,6 +377,7 @@ def open_receiver(
                     timeout=_timeout(timeout),
                     job_dir=Path(job_dir),
                     resumed=int(info.get("resumed", 0)),
+                    address=address,
                 )
             except RuntimeError as e:  # DistNetworkError etc.: the port is not (or no longer) served
                 why = f"cannot reach the trainer's store at {info['host']}:{info['port']}: {e}".splitlines()[0]

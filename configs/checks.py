@@ -558,8 +558,9 @@ def loopback(host: str) -> bool:
 
 
 def explorer_apart(c: Config) -> bool:
-    """Whether the explorer and trainer rank 0 run on different hosts: mode both on GPUs over several nodes (node 0
-    is the explorer's, the trainer starts at node 1), unless every "node" is this machine (a loopback master_addr)."""
+    """Whether the explorer and trainer rank 0 run on different hosts: mode both over several nodes (node 0 is the
+    explorer's, the trainer starts at node 1; on the CPU as on GPUs), unless every "node" is this machine (a loopback
+    master_addr)."""
     cl = c.cluster
     return c.mode == "both" and cl.trainer_node_num < cl.node_num and not loopback(cl.master_addr)
 

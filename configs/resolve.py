@@ -396,15 +396,16 @@ def explorer_gpu_plan(e: ExplorerConfig) -> tuple[int, list[int]]:
 
 def _derive_nodes(c: Config, engines: str) -> None:
     """The trainer's nodes (the last trainer_node_num of node_num) and its ranks on each. The explorer is one
-    process on node 0. On the CPU, one trainer rank per node on every node (node 0 shared with the explorer, as on
-    one node). On GPUs over several nodes, the trainer takes whole nodes (Trinity-RFT's rule), so in mode both the
-    explorer's engines must fill node 0 and the trainer starts at node 1."""
+    process on node 0. Over several nodes the trainer takes whole nodes (Trinity-RFT's rule): in mode both node 0 is
+    the explorer's (on GPUs its engines must fill it) and the trainer starts at node 1; in mode train it has every
+    node. On the CPU the same layout, one trainer rank per node: in mode both over n nodes the trainer has n - 1 ranks
+    on nodes 1..n-1, so its weights (sync_method nccl: gloo) cross the link to the explorer as on GPUs."""
     cl, n, per = c.cluster, c.cluster.node_num, c.cluster.gpu_per_node
     if c.mode not in ("train", "both"):
         cl.trainer_node_num = cl.trainer_gpu_num_per_node = 0
         return
     if per == 0:
-        cl.trainer_node_num, cl.trainer_gpu_num_per_node = n, 0
+        cl.trainer_node_num, cl.trainer_gpu_num_per_node = (n - 1 if c.mode == "both" and n > 1 else n), 0
         return
     if n > 1 and cl.explorer_gpu_num > per:
         raise ConfigError(

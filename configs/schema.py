@@ -326,14 +326,15 @@ class ModelConfig:
 class ClusterConfig:
     node_num: int = 1
     """Number of nodes. The launcher runs on node 0 (the explorer's, in mode both) and prints the command for each
-    other node; more than one spans the trainer over nodes (torchrun, static rendezvous at master_addr)."""
+    other node; more than one spans the trainer over nodes (torchrun, static rendezvous at master_addr): every node
+    in mode train, nodes 1..node_num-1 in mode both (node 0 is the explorer's, on the CPU as on GPUs)."""
     gpu_per_node: int | None = None
     """GPUs per node: 0 = none (everything on the CPU, even where CUDA is visible); unset = as many as torch sees.
-    On the CPU the launcher starts one trainer rank per node."""
+    On the CPU the launcher starts one trainer rank per trainer node."""
     master_addr: str = "127.0.0.1"
     """With node_num > 1: the address of the trainer's first node, which holds trainer rank 0 and torchrun's
-    rendezvous; every trainer node must reach it. That node is node 0, except in mode both on GPUs, where node 0 is
-    the explorer's and the trainer starts at node 1. 127.0.0.1: every "node" on this machine (a test)."""
+    rendezvous; every trainer node must reach it. That node is node 0 in mode train, node 1 in mode both (node 0 is
+    the explorer's: the trainer starts at node 1). 127.0.0.1: every "node" on this machine (a test)."""
     master_port: int = 29500
     """With node_num > 1: the TCP port of the rendezvous on master_addr (torchrun's --rdzv-endpoint addr:port)."""
     explorer_gpu_num: int | None = None
@@ -662,7 +663,7 @@ class SynchronizerConfig:
     sync_host: str = "127.0.0.1"
     """sync_method nccl: the address trainer rank 0's weight store binds to and announces to the explorer in
     <job dir>/sync_group.json. Loopback (only this machine) unless the explorer runs on another host than trainer
-    rank 0 (cluster.node_num > 1, mode both on GPUs): then an address of that node the explorer reaches (0.0.0.0:
+    rank 0 (cluster.node_num > 1, mode both: node 1's): then an address of that node the explorer reaches (0.0.0.0:
     every interface, announced by host name)."""
 
 

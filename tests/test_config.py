@@ -396,10 +396,21 @@ def test_several_nodes_the_explorer_on_node_0_the_trainer_on_whole_nodes(tmp_pat
     cfg, here, others = layout(gpus, "--mode", "train")
     assert (cfg.cluster.trainer_node_num, cfg.cluster.trainer_gpu_num_per_node) == (3, 8)
     assert "--node-rank=0" in here["trainer"][0] and [o.split(":")[0] for o in others] == ["node 1", "node 2"]
-    # the CPU: one trainer rank on every node; node 0 also runs the explorer
-    cfg, here, others = layout(MINIMAL + "cluster: {node_num: 2, gpu_per_node: 0}\n")
-    assert list(here) == ["trainer", "explorer"] and "--nproc-per-node=1" in here["trainer"][0]
-    assert len(others) == 1 and "--nnodes=2 --node-rank=1 " in others[0]
+    # the CPU, the same layout with one trainer rank a node: in mode both node 0 runs the explorer alone, the trainer
+    # nodes 1 and 2 (its rank 0, the DB's reader and the weights' sender, on node 1: master_addr); mode train, all
+    cpu = MINIMAL + "cluster: {node_num: 3, gpu_per_node: 0, master_addr: node1, master_port: 29400}\n"
+    cfg, here, others = layout(cpu, *apart)
+    assert (cfg.cluster.trainer_node_num, cfg.cluster.trainer_gpu_num_per_node) == (2, 0) and list(here) == ["explorer"]
+    assert here["explorer"][1] == {}  # alone on node 0: no CPU split with the trainer
+    assert [o.split(" && ")[0] for o in others] == [f"node 1: cd {os.getcwd()}", f"node 2: cd {os.getcwd()}"]
+    assert "--nnodes=2 --node-rank=0 --nproc-per-node=1 " in others[0] and "--node-rank=1 " in others[1]
+    with pytest.raises(ConfigError, match="an SQLite DB serves the processes of one host only"):
+        layout(cpu, "--synchronizer.sync_host", "n1")
+    cfg, here, others = layout(cpu, "--mode", "train")
+    assert (
+        cfg.cluster.trainer_node_num == 3 and list(here) == ["trainer"] and "--nproc-per-node=1" in here["trainer"][0]
+    )
+    assert "--nnodes=3 --node-rank=0 " in " ".join(here["trainer"][0]) and len(others) == 2
     with pytest.raises(
         ConfigError,
         match="whole nodes: the rollout engines take explorer.rollout_model.engine_num 2 "

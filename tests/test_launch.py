@@ -467,32 +467,42 @@ def test_auxiliary_models_run_in_the_explorer_and_reach_workflows_by_name(tmp_pa
 # --- several nodes: two "nodes" on this machine, rendezvousing on 127.0.0.1
 
 
-def two_nodes(config: Path, out: Path, timeout: float = 300) -> tuple[int, str, subprocess.CompletedProcess]:
+def on_nodes(
+    config: Path, out: Path, nodes: int = 2, timeout: float = 300
+) -> tuple[int, str, list[subprocess.CompletedProcess]]:
     """`python launch.py --config CONFIG` as node 0 (from the fork server, output to files under `out`), then the line
-    it prints for node 1, run as printed by bash. Returns (the launcher's exit code, its stderr, node 1's process)."""
+    it prints for each other node (1..nodes-1), each run as printed by bash, all at once. Returns (the launcher's exit
+    code, its stderr, each other node's process)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out.mkdir(parents=True, exist_ok=True)
     (out / "node0.out").write_text(""), (out / "node0.err").write_text("")
     node0 = Entry("launch.py", ["--config", str(config)], env, out / "node0.out", out / "node0.err")
-    deadline, line = time.monotonic() + 120, None
-    while line is None and node0.poll() is None and time.monotonic() < deadline:
+    deadline, lines = time.monotonic() + 120, {}
+    while len(lines) < nodes - 1 and node0.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-        line = next(
-            (
-                x.removeprefix("  node 1: ")
-                for x in (out / "node0.err").read_text().splitlines()
-                if x.startswith("  node 1: ")
-            ),
-            None,
-        )
+        lines = {
+            k: x.removeprefix(f"  node {k}: ")
+            for x in (out / "node0.err").read_text().splitlines()
+            for k in range(1, nodes)
+            if x.startswith(f"  node {k}: ")
+        }
+    others: list[subprocess.Popen] = []
     try:
-        assert line is not None, (out / "node0.err").read_text()[-3000:]
-        node1 = subprocess.run(["bash", "-c", line], cwd="/", env=env, capture_output=True, text=True, timeout=timeout)
+        assert sorted(lines) == list(range(1, nodes)), (out / "node0.err").read_text()[-3000:]
+        for k in lines:
+            with open(out / f"node{k}.log", "w") as f:
+                others.append(subprocess.Popen(["bash", "-c", lines[k]], cwd="/", env=env, stdout=f, stderr=f))
+        codes = [p.wait(timeout=timeout) for p in others]
         code = node0.wait(timeout=timeout)
     finally:
-        if node0.poll() is None:
-            node0.kill()
-    return code, (out / "node0.err").read_text(), node1
+        for p in [node0, *others]:
+            if p.poll() is None:
+                p.kill()
+    done = [
+        subprocess.CompletedProcess(p.args, c, (out / f"node{k}.log").read_text(), "")
+        for p, c, k in zip(others, codes, lines)
+    ]
+    return code, (out / "node0.err").read_text(), done
 
 
 @pytest.mark.slow(seconds=60)
@@ -504,8 +514,8 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
     config = sft_config(
         tmp_path / "nodes", tiny_model_dir, **{"cluster": {"node_num": 2, "gpu_per_node": 0, "master_port": port}}
     )
-    code, err, node1 = two_nodes(config, tmp_path / "out")
-    assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
+    code, err, (node1,) = on_nodes(config, tmp_path / "out")
+    assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stdout[-3000:]
     assert (
         err.count("  node 1: ") == 1
         and f"--nnodes=2 --node-rank=1 --nproc-per-node=1 --rdzv-backend=static --rdzv-endpoint=127.0.0.1:{port} "
@@ -522,19 +532,21 @@ def test_two_nodes_train_as_one_node_of_the_same_world_size(tmp_path, tiny_model
 
 
 @pytest.mark.slow(seconds=40)
-def test_two_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
-    """On the CPU, node 0 runs the explorer beside trainer rank 0 (the DB and the weight store stay on one host),
-    node 1 the second trainer rank: on-policy GRPO gets every step's weights over the group."""
+def test_three_nodes_in_mode_both_with_process_group_sync(tmp_path, tiny_model_dir):
+    """On the CPU as on GPUs, node 0 runs the explorer alone (the launcher), the trainer takes nodes 1 and 2, one rank
+    each (the launcher prints their lines; rank 0 on node 1): on-policy GRPO gets every step's weights over the group
+    from trainer rank 0. Loopback: every "node" is this machine (tests/test_hosts.py has them on hosts of their own)."""
     config = both_config(
         tmp_path,
         tiny_model_dir,
         **{
             "synchronizer.sync_method": "nccl",
-            "cluster": {"node_num": 2, "gpu_per_node": 0, "master_port": free_port()},
+            "cluster": {"node_num": 3, "gpu_per_node": 0, "master_port": free_port()},
         },
     )
-    code, err, node1 = two_nodes(config, tmp_path / "out")
-    assert code == 0 and node1.returncode == 0, err[-3000:] + node1.stderr[-3000:]
+    code, err, nodes = on_nodes(config, tmp_path / "out", nodes=3)
+    assert code == 0 and all(n.returncode == 0 for n in nodes), err[-3000:] + "".join(n.stdout[-3000:] for n in nodes)
+    assert "--nnodes=2 --node-rank=0 " in nodes[0].args[2] and "--nnodes=2 --node-rank=1 " in nodes[1].args[2]
     run = tmp_path / "ck" / "p" / "run"
     assert versions_by_step(run / "buffer" / "exp.db") == [0] * 4 + [1] * 4 + [2] * 4
     trainer = (run / "log" / "trainer.log").read_text()

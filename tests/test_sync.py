@@ -217,6 +217,8 @@ def test_the_store_listens_on_sync_host_only_and_names_it(tmp_path):
     (tmp_path / wire.GROUP_FILE).write_text(json.dumps({**info, "pid": int(dead.stdout), "hostname": "node1"}))
     # NOTE: the bound is not what is checked here: 5 s ran out once under the suite's load (CI 3fca73a)
     receiver = wire.open_receiver(tmp_path, timeout=60)
+    # a gloo group's ends: the trainer at sync_host, the explorer at its own address on the route there (loopback's)
+    assert (link.address, receiver.address) == ("127.0.0.2", "127.0.0.1")
     receiver.store.set("probe", "from the explorer")
     assert link.store.get("probe") == b"from the explorer"
     wire.close_receiver(receiver)
