@@ -29,7 +29,7 @@ import torch
 import yaml
 
 import pgserver
-from helpers import in_ci, raw, write_yaml
+from helpers import in_ci, raw, rollout_logprob_gap, write_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP_TIMEOUT = "NANORFT_GROUP_TIMEOUT"  # launch.group_timeout
@@ -316,6 +316,10 @@ def test_mode_both_across_three_hosts_sends_the_weights_over_the_process_group(
     check_counts(pg.url("rft"))
     versions = raw(pg.url("rft"), "SELECT model_version FROM experiences ORDER BY id")
     assert versions == [(0,)] * (BATCH * REPEAT) + [(1,)] * (BATCH * REPEAT)  # on-policy: step 1's weights arrived
+    # and arrived whole: step 2 was sampled from exactly the trainer's step-1 weights (its checkpoint), not the base
+    step1 = job / "global_step_1" / "actor" / "huggingface"
+    assert rollout_logprob_gap(pg.url("rft"), 1, step1) < 1e-4
+    assert rollout_logprob_gap(pg.url("rft"), 1, Path(tiny_model_dir)) > 1e-3
 
 
 def host_state() -> list[str]:

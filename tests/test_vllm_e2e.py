@@ -3,10 +3,10 @@ runs it, 3 steps, weights synced after every step: `engine_type` vllm receiving 
 auxiliary judge of engine_type vllm and the off-policy correction at the default min_tokens; vllm_async with two
 engines serving a LoRA adapter being trained (enable_lora), receiving the adapter alone over the group; vllm_async
 with partial rollout over the group. (Both kinds reloading from a folder, checkpoint sync's path into an engine,
-and --verify-sync on vllm_async: tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own DB and logs, that the
-rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM reported are the
-trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs itself
-(rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
+and --verify-sync on vllm_async: tests/test_vllm_contract.py, on the same real vLLM.) Every run shows, from its own
+DB and logs, that the rollouts of step s came from exactly the trainer's weights after step s - 1: the log-probs vLLM
+reported are the trainer's forward pass of those weights (within 1e-4, fp32), and the mismatch the trainer logs
+itself (rollout_corr/abs_diff) is as small. An explorer the launcher stops (SIGTERM) takes its vLLM processes with it.
 Where vLLM is not installed these skip, except under CI, where they fail."""
 
 import json
