@@ -13,6 +13,7 @@ import importlib.util
 import locale
 import multiprocessing.spawn
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +45,12 @@ FAKE_VLLM = ROOT / "tests" / "fake_vllm"
 def in_ci() -> bool:
     """Whether these tests run under CI (the CI variable set, as CI services set it; CI=false, 0, no or empty: not)."""
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def node_lines(launcher_output: str) -> dict[int, str]:
+    """node k -> the shell line a launcher over several nodes printed for it (`  node k: <line>`: launch.py)."""
+    found = (re.match(r"  node (\d+): (.*)", x) for x in launcher_output.splitlines())
+    return {int(m[1]): m[2] for m in found if m}
 
 
 def chromium_path() -> str | None:

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 import pgserver
-from helpers import in_ci, raw, rollout_logprob_gap, write_yaml
+from helpers import in_ci, node_lines, raw, rollout_logprob_gap, write_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUP_TIMEOUT = "NANORFT_GROUP_TIMEOUT"  # launch.group_timeout
@@ -126,8 +126,7 @@ def configs(tmp: Path, tiny_model_dir: str, url: str, master: str, nodes: int = 
 def environment(password: str, **more: str) -> dict[str, str]:
     """What each process on the hosts gets: the password (libpq reads PGPASSWORD), gloo on the hosts' link, and
     `more` (the timeouts: NANORFT_GROUP_TIMEOUT, NANORFT_DB_TIMEOUT)."""
-    env = {**os.environ, "PGPASSWORD": password, "GLOO_SOCKET_IFNAME": netns.IFACE, "OMP_NUM_THREADS": "1", **more}
-    return env
+    return {**os.environ, "PGPASSWORD": password, "GLOO_SOCKET_IFNAME": netns.IFACE, "OMP_NUM_THREADS": "1", **more}
 
 
 def start(hosts: netns.Hosts, host: str, argv: list[str], log: Path, env: dict) -> subprocess.Popen:
@@ -144,9 +143,7 @@ def wait_for(predicate, what: str, timeout: float = 180) -> None:
 
 def node_line(log: Path, node: int = 1) -> str:
     """The line the launcher prints for `node` (what a person runs on that host), once it has."""
-    mark = f"  node {node}: "
-    lines = [x.removeprefix(mark) for x in log.read_text().splitlines() if x.startswith(mark)]
-    return lines[0] if lines else ""
+    return node_lines(log.read_text()).get(node, "")
 
 
 def launched(

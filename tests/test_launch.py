@@ -28,6 +28,7 @@ from helpers import (
     free_port,
     launch,
     mlflow_runs,
+    node_lines,
     rollout_logprob_gap,
     run_train,
     sft_config,
@@ -480,12 +481,7 @@ def on_nodes(
     deadline, lines = time.monotonic() + 120, {}
     while len(lines) < nodes - 1 and node0.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-        lines = {
-            k: x.removeprefix(f"  node {k}: ")
-            for x in (out / "node0.err").read_text().splitlines()
-            for k in range(1, nodes)
-            if x.startswith(f"  node {k}: ")
-        }
+        lines = node_lines((out / "node0.err").read_text())
     others: list[subprocess.Popen] = []
     try:
         assert sorted(lines) == list(range(1, nodes)), (out / "node0.err").read_text()[-3000:]
